@@ -1,0 +1,87 @@
+#pragma once
+// The backend seam: one small table of operations per device kind (ggml's
+// ggml-backend-impl.h is the model). The model code in core/ calls only these;
+// the CPU table is the FP32 reference, the CUDA table its twin. Every op is
+// checked CUDA-vs-CPU by tests/unit/kernels/backend_parity_test.cpp.
+//
+// Conventions for every op:
+// - views are contiguous unless an op says otherwise; shapes are validated and a
+//   mismatch returns kInvalidArgument naming the argument (never a crash);
+// - `linear` follows the Hugging Face Linear layout: y[M,N] = x[M,K] * w[N,K]^T;
+// - integer index tensors are int32;
+// - ops are asynchronous on the context's stream (CUDA) and synchronous on CPU.
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/status.hpp"
+#include "kernels/tensor_view.hpp"
+
+namespace rolloutd {
+
+struct ExecContext {
+  Device device;
+  void* stream = nullptr;  // cudaStream_t on CUDA; unused on CPU
+};
+
+enum class CopyKind : uint8_t { kHostToDevice, kDeviceToHost, kDeviceToDevice, kHostToHost };
+
+// Parameters of the fused MoE expert op (SwiGLU experts, weighted combine).
+struct MoeExpertsArgs {
+  TensorView out;             // [T, H] f32, overwritten
+  TensorView x;               // [T, H] f32
+  TensorView w_gate_up;       // [E_phys, 2*I, H]: rows [0, I) gate, [I, 2I) up (concatenated)
+  TensorView w_down;          // [E_phys, H, I]
+  TensorView topk_ids;        // [T, K] int32, *logical* expert ids from the router
+  TensorView topk_weights;    // [T, K] f32
+  TensorView logical_to_physical;  // [E_logical] int32: compute slot of each logical expert
+  int64_t num_valid_tokens = -1;   // rows >= this are padding: output zero, never read ids
+};
+
+struct Backend {
+  const char* name;
+  DeviceKind kind;
+
+  // ---- memory ----
+  Status (*alloc)(const ExecContext&, size_t bytes, void** out);
+  Status (*free)(const ExecContext&, void* ptr);
+  Status (*copy)(const ExecContext&, void* dst, const void* src, size_t bytes, CopyKind kind);
+  Status (*synchronize)(const ExecContext&);
+
+  // ---- ops ----
+  // out[T,H] = table[ids[t], :]; ids out of [0, V) -> kOutOfRange (CPU) / zero row (CUDA, checked by caller).
+  Status (*embedding)(const ExecContext&, TensorView out, TensorView table, TensorView ids);
+  // out = x / sqrt(mean(x^2) + eps) * w, per row of the last dimension.
+  Status (*rmsnorm)(const ExecContext&, TensorView out, TensorView x, TensorView w, float eps);
+  // y[M,N] = x[M,K] * w[N,K]^T
+  Status (*linear)(const ExecContext&, TensorView y, TensorView x, TensorView w);
+  // out = a + b (same shape)
+  Status (*add)(const ExecContext&, TensorView out, TensorView a, TensorView b);
+  // Rotary embedding in place on x[T, heads, D] (NeoX / Hugging Face rotate_half pairing:
+  // element i pairs with i + D/2), angle = pos[t] * theta^(-2i/D).
+  Status (*rope)(const ExecContext&, TensorView x, TensorView positions, float theta);
+  // Writes k/v rows [T, KVH, D] into caches [blocks, block_size, KVH, D] at slot_mapping[t]
+  // (= block * block_size + offset); slot < 0 means "do not write" (padding).
+  Status (*kv_store)(const ExecContext&, TensorView k_cache, TensorView v_cache, TensorView k,
+                     TensorView v, TensorView slot_mapping);
+  // Causal attention over a paged cache. q[T, QH, D]; token t belongs to sequence seq_of[t]
+  // and sees cache positions [0, ctx_len[t]); block_tables[S, max_blocks] int32. GQA: query
+  // head h reads kv head h / (QH / KVH). out[T, QH, D].
+  Status (*paged_attention)(const ExecContext&, TensorView out, TensorView q, TensorView k_cache,
+                            TensorView v_cache, TensorView block_tables, TensorView seq_of,
+                            TensorView ctx_len, float scale);
+  // Softmax over experts, top-k (ties: lower id first), optional renormalisation of the k
+  // weights to sum 1 (Qwen3-MoE norm_topk_prob). logits[T,E] -> ids[T,K] int32, weights[T,K].
+  Status (*router_softmax_topk)(const ExecContext&, TensorView ids, TensorView weights,
+                                TensorView logits, bool renormalize);
+  // SwiGLU experts: out[t] = sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t)),
+  // e = logical_to_physical[ids[t,k]].
+  Status (*moe_experts)(const ExecContext&, const MoeExpertsArgs& args);
+};
+
+const Backend& cpu_backend();
+// nullptr when the CUDA backend was not built; non-null does not imply a GPU is visible.
+const Backend* cuda_backend();
+// Number of visible CUDA devices (0 without CUDA build, driver or device).
+int cuda_device_count();
+
+}  // namespace rolloutd

@@ -1,0 +1,166 @@
+#pragma once
+// The v1 wire contract as C++ types. protocol/SPEC.md is normative; this header
+// mirrors it. Codecs (protocol/codec.hpp) turn these into msgpack maps and back,
+// validating every field.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "kernels/status.hpp"
+
+namespace rolloutd::protocol {
+
+inline constexpr uint32_t kProtocolVersion = 1;
+
+// Bounds applied by decoders before anything is allocated. The daemon reports
+// the values it enforces in its hello reply.
+struct Limits {
+  uint64_t max_envelope_bytes = 4u << 20;   // first frame (msgpack envelope)
+  uint64_t max_frame_bytes = 256u << 20;    // each payload frame
+  uint32_t max_frames = 16;                 // payload frames after the envelope
+  uint32_t max_rid_bytes = 256;
+  uint32_t max_string_bytes = 4096;         // any other string field
+  uint32_t max_input_tokens = 131072;
+  uint32_t max_new_tokens = 65536;
+  uint32_t max_stop_token_ids = 256;
+  uint32_t max_versions = 16;
+};
+
+// ---------------------------------------------------------------- envelope --
+// Every message's first frame: msgpack map {v, type, id, body}.
+struct Envelope {
+  uint32_t v = kProtocolVersion;
+  std::string type;
+  uint64_t id = 0;  // chosen by the client; replies and events echo it
+};
+
+// ----------------------------------------------------------------- errors ---
+struct ErrorInfo {
+  std::string code;     // error_code_name(), e.g. "out_of_range"
+  std::string message;
+  std::string field;    // offending field path, "" if none
+};
+ErrorInfo to_error_info(const Status& s);
+
+// ---------------------------------------------------------------- requests --
+struct HelloRequest {
+  std::string client;                 // free-form name, for logs
+  std::vector<uint32_t> versions;     // protocol versions the client speaks
+};
+
+struct StatusRequest {};
+
+struct GenerateRequest {
+  std::string rid;                    // unique among this daemon's in-flight requests
+  std::vector<int32_t> input_ids;     // non-empty, each in [0, vocab)
+  uint32_t max_new_tokens = 16;       // >= 1, <= limit
+  double temperature = 1.0;           // 0 = greedy
+  double top_p = 1.0;                 // (0, 1]
+  int32_t top_k = 0;                  // 0 = disabled
+  double min_p = 0.0;                 // [0, 1]
+  std::optional<uint64_t> seed;       // absent: the daemon picks one
+  std::vector<int32_t> stop_token_ids;
+  bool return_logprob = false;
+  bool return_routed_experts = false;
+  uint32_t routed_experts_start_len = 0;  // first position recorded
+  bool stream = true;
+};
+
+struct AbortRequest {
+  std::optional<std::string> rid;     // exactly one of rid / all
+  bool all = false;
+};
+
+struct ShutdownRequest {
+  bool drain = true;                  // finish in-flight requests (bounded by deadline_s)
+  double deadline_s = 30.0;
+};
+
+using Request =
+    std::variant<HelloRequest, StatusRequest, GenerateRequest, AbortRequest, ShutdownRequest>;
+
+// ----------------------------------------------------------------- replies --
+struct ModelInfo {
+  std::string name;
+  std::string family;
+  uint32_t vocab_size = 0;
+  uint32_t num_layers = 0;
+  uint32_t num_moe_layers = 0;
+  uint32_t num_experts = 0;
+  uint32_t top_k = 0;
+  std::string routed_experts_dtype;   // "uint8" | "uint16" | "int32"
+};
+
+struct HelloReply {
+  uint32_t version = kProtocolVersion;
+  std::string daemon = "rolloutd";
+  std::string build;
+  int32_t gpu = -1;                   // -1 on the CPU backend
+  ModelInfo model;
+  uint64_t weight_version = 0;
+  Limits limits;
+};
+
+struct StatusReply {
+  std::string state;                  // "starting" | "ready" | "not_ready" | "draining"
+  bool ready = false;
+  std::string reason;                 // why not ready, "" when ready
+  uint64_t weight_version = 0;
+  uint32_t num_waiting = 0;
+  uint32_t num_running = 0;
+  uint64_t num_requests_total = 0;
+  uint64_t num_tokens_generated_total = 0;
+  double uptime_s = 0.0;
+  std::string build;
+  ModelInfo model;
+};
+
+struct GenerateReply {                // the request was accepted; events follow
+  std::string rid;
+};
+
+struct AbortReply {
+  uint32_t num_aborted = 0;           // requests that will receive finished{abort}
+};
+
+struct ShutdownReply {
+  bool accepted = true;
+};
+
+// ------------------------------------------------------------------ events --
+// Routed-expert rows ride as one raw payload frame (little-endian), described here.
+struct RoutedExperts {
+  std::string dtype;                  // "uint8" | "uint16" | "int32"
+  uint32_t num_tokens = 0;            // rows in this event
+  uint32_t num_layers = 0;            // MoE layers
+  uint32_t top_k = 0;
+  uint32_t start_pos = 0;             // sequence position of the first row
+  std::string data;                   // num_tokens * num_layers * top_k * sizeof(dtype) bytes
+};
+
+struct TokensEvent {
+  std::string rid;
+  std::vector<int32_t> token_ids;
+  std::vector<double> logprobs;       // empty unless return_logprob
+  std::vector<uint64_t> weight_versions;  // one per token
+  std::optional<RoutedExperts> routed_experts;  // only when return_routed_experts
+};
+
+struct FinishedEvent {
+  std::string rid;
+  std::string reason;                 // "stop" | "length" | "abort"
+  std::string abort_reason;           // for "abort": "client" | "shutdown" | "client_gone" | ...
+  uint32_t prompt_tokens = 0;
+  uint32_t completion_tokens = 0;
+};
+
+struct FailedEvent {
+  std::string rid;
+  ErrorInfo error;
+};
+
+using Event = std::variant<TokensEvent, FinishedEvent, FailedEvent>;
+
+}  // namespace rolloutd::protocol
