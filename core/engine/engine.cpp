@@ -1,0 +1,285 @@
+#include "core/engine/engine.hpp"
+
+#include <algorithm>
+#include <string>
+
+namespace rolloutd::core {
+
+Engine::Engine(std::unique_ptr<MoeDecoder> model, const EngineOptions& options)
+    : model_(std::move(model)),
+      options_(options),
+      kv_(options.step.num_kv_blocks, options.step.kv_block_size),
+      recorder_(model_->config().num_moe_layers(), model_->config().num_experts_per_tok,
+                options.step.max_tokens) {}
+
+Result<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<MoeDecoder> model,
+                                               const EngineOptions& options) {
+  if (!model) return Status(ErrorCode::kInvalidArgument, "no model", "model");
+  const StepLimits& m = model->limits();
+  const StepLimits& o = options.step;
+  if (m.max_tokens != o.max_tokens || m.max_seqs != o.max_seqs ||
+      m.num_kv_blocks != o.num_kv_blocks || m.kv_block_size != o.kv_block_size ||
+      m.max_blocks_per_seq != o.max_blocks_per_seq)
+    return Status(ErrorCode::kInvalidArgument, "engine and model were built with different limits",
+                  "step");
+  if (options.max_running <= 0 || options.max_running > o.max_seqs)
+    return Status(ErrorCode::kInvalidArgument, "max_running must be in [1, max_seqs]", "max_running");
+  if (options.max_waiting <= 0)
+    return Status(ErrorCode::kInvalidArgument, "max_waiting must be positive", "max_waiting");
+  return std::unique_ptr<Engine>(new Engine(std::move(model), options));
+}
+
+Status Engine::submit(RequestSpec spec) {
+  const ModelConfig& c = model_->config();
+  if (spec.rid.empty()) return Status(ErrorCode::kInvalidArgument, "empty request id", "rid");
+  if (by_rid_.count(spec.rid))
+    return Status(ErrorCode::kDuplicateRid, "request id '" + spec.rid + "' is already in flight", "rid");
+  if (spec.input_ids.empty())
+    return Status(ErrorCode::kInvalidArgument, "input_ids is empty", "input_ids");
+  for (size_t i = 0; i < spec.input_ids.size(); ++i) {
+    const int32_t t = spec.input_ids[i];
+    if (t < 0 || t >= c.vocab_size)
+      return Status(ErrorCode::kOutOfRange,
+                    "token id " + std::to_string(t) + " outside the vocabulary [0, " +
+                        std::to_string(c.vocab_size) + ")",
+                    "input_ids[" + std::to_string(i) + "]");
+  }
+  for (size_t i = 0; i < spec.stop_token_ids.size(); ++i) {
+    const int32_t t = spec.stop_token_ids[i];
+    if (t < 0 || t >= c.vocab_size)
+      return Status(ErrorCode::kOutOfRange, "stop token id outside the vocabulary",
+                    "stop_token_ids[" + std::to_string(i) + "]");
+  }
+  if (spec.max_new_tokens == 0)
+    return Status(ErrorCode::kOutOfRange, "max_new_tokens must be >= 1", "max_new_tokens");
+  RD_RETURN_IF_ERROR(validate(spec.sampling));
+  const int64_t prompt = static_cast<int64_t>(spec.input_ids.size());
+  const int64_t total = prompt + static_cast<int64_t>(spec.max_new_tokens);
+  if (total > c.max_position_embeddings)
+    return Status(ErrorCode::kOutOfRange,
+                  "prompt (" + std::to_string(prompt) + ") + max_new_tokens (" +
+                      std::to_string(spec.max_new_tokens) + ") exceeds the context length " +
+                      std::to_string(c.max_position_embeddings),
+                  "max_new_tokens");
+  // The last sampled token is never fed back, so total - 1 positions need KV.
+  const int64_t blocks = kv_.blocks_for(total - 1);
+  if (blocks > options_.step.max_blocks_per_seq || blocks > kv_.num_blocks())
+    return Status(ErrorCode::kOutOfRange,
+                  "request needs " + std::to_string(blocks) + " KV blocks; this daemon holds at most " +
+                      std::to_string(std::min<int64_t>(options_.step.max_blocks_per_seq, kv_.num_blocks())) +
+                      " per request",
+                  "max_new_tokens");
+  if (static_cast<int64_t>(waiting_.size()) >= options_.max_waiting)
+    return Status(ErrorCode::kOverloaded,
+                  "waiting queue is full (" + std::to_string(options_.max_waiting) + " requests)");
+
+  auto seq = std::make_unique<Sequence>();
+  seq->prompt_len = prompt;
+  seq->tokens = spec.input_ids;
+  seq->tokens.reserve(static_cast<size_t>(total));
+  seq->spec = std::move(spec);
+  Sequence* raw = seq.get();
+  by_rid_.emplace(raw->spec.rid, std::move(seq));
+  waiting_.push_back(raw);
+  ++requests_total_;
+  return Status::Ok();
+}
+
+void Engine::admit() {
+  // FIFO without overtaking: a large request at the head waits for blocks rather than
+  // being starved by smaller ones behind it.
+  while (!waiting_.empty() && static_cast<int64_t>(running_.size()) < options_.max_running) {
+    Sequence* s = waiting_.front();
+    const int64_t need = kv_.blocks_for(s->prompt_len + s->spec.max_new_tokens - 1);
+    if (need > kv_.num_free()) break;
+    Status st = kv_.allocate(need, s->blocks);
+    if (!st.ok()) break;
+    waiting_.pop_front();
+    s->running = true;
+    running_.push_back(s);
+  }
+}
+
+void Engine::remove(const std::string& rid) {
+  auto it = by_rid_.find(rid);
+  if (it == by_rid_.end()) return;
+  Sequence* s = it->second.get();
+  if (s->running) {
+    running_.erase(std::remove(running_.begin(), running_.end(), s), running_.end());
+  } else {
+    waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), s), waiting_.end());
+  }
+  (void)kv_.release(s->blocks);
+  by_rid_.erase(it);
+}
+
+void Engine::finish(Sequence& s, std::string reason, std::string abort_reason,
+                    std::vector<EngineEvent>& out) {
+  EngineEvent e;
+  e.kind = EngineEvent::Kind::kFinished;
+  e.rid = s.spec.rid;
+  e.tag = s.spec.tag;
+  e.finish_reason = std::move(reason);
+  e.abort_reason = std::move(abort_reason);
+  e.prompt_tokens = static_cast<uint32_t>(s.prompt_len);
+  e.completion_tokens = s.num_generated;
+  out.push_back(std::move(e));
+  remove(s.spec.rid);
+}
+
+void Engine::fail(Sequence& s, const Status& error, std::vector<EngineEvent>& out) {
+  EngineEvent e;
+  e.kind = EngineEvent::Kind::kFailed;
+  e.rid = s.spec.rid;
+  e.tag = s.spec.tag;
+  e.error = error;
+  e.prompt_tokens = static_cast<uint32_t>(s.prompt_len);
+  e.completion_tokens = s.num_generated;
+  out.push_back(std::move(e));
+  remove(s.spec.rid);
+}
+
+bool Engine::abort(const std::string& rid, const std::string& reason, std::vector<EngineEvent>& out) {
+  auto it = by_rid_.find(rid);
+  if (it == by_rid_.end()) return false;
+  finish(*it->second, "abort", reason, out);
+  return true;
+}
+
+size_t Engine::abort_all(const std::string& reason, std::vector<EngineEvent>& out,
+                         std::optional<uint64_t> tag_filter) {
+  std::vector<Sequence*> victims;
+  for (auto& [rid, s] : by_rid_)
+    if (!tag_filter || s->spec.tag == *tag_filter) victims.push_back(s.get());
+  // Deterministic order (queue order) so clients see aborts in submission order.
+  std::sort(victims.begin(), victims.end(), [](const Sequence* a, const Sequence* b) {
+    return a->spec.rid < b->spec.rid;
+  });
+  for (Sequence* s : victims) finish(*s, "abort", reason, out);
+  return victims.size();
+}
+
+Status Engine::step(std::vector<EngineEvent>& out) {
+  admit();
+  if (running_.empty()) return Status::Ok();
+
+  const ModelConfig& c = model_->config();
+  const int64_t bs = kv_.block_size();
+  const int64_t width = options_.step.max_blocks_per_seq;
+  int64_t budget = options_.step.max_tokens;
+
+  struct Slice {
+    Sequence* seq;
+    int64_t first_row;   // row in the batch
+    int64_t start_pos;   // first position computed
+    int64_t count;
+    bool samples;
+  };
+  std::vector<Slice> slices;
+  StepBatch batch;
+  batch.max_blocks_per_seq = static_cast<int32_t>(width);
+
+  // Decode tokens first (one each, they keep latency low), then prefill chunks with the
+  // remaining budget.
+  auto plan = [&](Sequence* s) {
+    const int64_t remaining = static_cast<int64_t>(s->tokens.size()) - s->num_computed;
+    const int64_t n = std::min(remaining, budget);
+    if (n <= 0) return;
+    const int64_t seq_index = static_cast<int64_t>(slices.size());
+    Slice sl{s, batch.num_tokens(), s->num_computed, n, s->num_computed + n ==
+                                                            static_cast<int64_t>(s->tokens.size())};
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t pos = s->num_computed + i;
+      batch.token_ids.push_back(s->tokens[static_cast<size_t>(pos)]);
+      batch.positions.push_back(static_cast<int32_t>(pos));
+      batch.seq_of.push_back(static_cast<int32_t>(seq_index));
+      batch.slot_mapping.push_back(
+          static_cast<int32_t>(s->blocks[static_cast<size_t>(pos / bs)] * bs + pos % bs));
+      batch.ctx_len.push_back(static_cast<int32_t>(pos + 1));
+    }
+    for (int64_t b = 0; b < width; ++b)
+      batch.block_tables.push_back(b < static_cast<int64_t>(s->blocks.size())
+                                       ? s->blocks[static_cast<size_t>(b)]
+                                       : 0);
+    if (sl.samples) batch.logits_rows.push_back(static_cast<int32_t>(sl.first_row + n - 1));
+    budget -= n;
+    slices.push_back(sl);
+  };
+  for (Sequence* s : running_)
+    if (static_cast<int64_t>(s->tokens.size()) - s->num_computed == 1 && budget > 0) plan(s);
+  for (Sequence* s : running_)
+    if (static_cast<int64_t>(s->tokens.size()) - s->num_computed > 1 && budget > 0) plan(s);
+  if (slices.empty()) return Status::Ok();
+
+  bool want_records = false;
+  for (const Slice& sl : slices) want_records |= sl.seq->spec.return_routed_experts;
+
+  Status st = model_->forward(batch, logits_, want_records ? &recorder_ : nullptr);
+  if (st.ok() && want_records && recorder_.num_layers_captured() != c.num_moe_layers())
+    st = Status(ErrorCode::kInternal, "not every MoE layer recorded its experts", "routed_experts");
+  if (!st.ok()) {
+    for (const Slice& sl : slices) fail(*sl.seq, st, out);
+    return st;
+  }
+
+  const int64_t L = c.num_moe_layers(), K = c.num_experts_per_tok, V = c.vocab_size;
+  size_t logits_row = 0;
+  for (const Slice& sl : slices) {
+    Sequence& s = *sl.seq;
+    s.num_computed += sl.count;
+    EngineEvent ev;
+    ev.kind = EngineEvent::Kind::kTokens;
+    ev.rid = s.spec.rid;
+    ev.tag = s.spec.tag;
+    if (s.spec.return_routed_experts) {
+      const int64_t from = std::max<int64_t>(sl.start_pos, s.spec.routed_experts_start_len);
+      const int64_t to = sl.start_pos + sl.count;
+      if (from < to) {
+        ev.routed_start_pos = from;
+        ev.routed_num_tokens = to - from;
+        const auto& rows = recorder_.rows();
+        const int64_t row0 = sl.first_row + (from - sl.start_pos);
+        ev.routed_rows.assign(rows.begin() + row0 * L * K, rows.begin() + (row0 + ev.routed_num_tokens) * L * K);
+      }
+    }
+    bool done = false;
+    std::string reason;
+    if (sl.samples) {
+      std::span<const float> row(logits_.data() + logits_row * static_cast<size_t>(V), static_cast<size_t>(V));
+      ++logits_row;
+      const SampledToken tok = sampler_.sample(row, s.spec.sampling, s.num_generated);
+      s.tokens.push_back(tok.token);
+      ++s.num_generated;
+      ++generated_tokens_total_;
+      ev.token_ids.push_back(tok.token);
+      if (s.spec.return_logprob) ev.logprobs.push_back(tok.logprob);
+      ev.weight_versions.push_back(weight_version_);
+      if (std::find(s.spec.stop_token_ids.begin(), s.spec.stop_token_ids.end(), tok.token) !=
+          s.spec.stop_token_ids.end()) {
+        done = true;
+        reason = "stop";
+      } else if (s.num_generated >= s.spec.max_new_tokens) {
+        done = true;
+        reason = "length";
+      }
+    }
+    if (sl.start_pos == 0) prompt_tokens_total_ += static_cast<uint64_t>(s.prompt_len);
+    if (!ev.token_ids.empty() || ev.routed_num_tokens > 0) out.push_back(std::move(ev));
+    if (done) finish(s, reason, "", out);
+  }
+  return Status::Ok();
+}
+
+EngineStats Engine::stats() const {
+  EngineStats st;
+  st.num_waiting = waiting_.size();
+  st.num_running = running_.size();
+  st.num_requests_total = requests_total_;
+  st.num_prompt_tokens_total = prompt_tokens_total_;
+  st.num_generated_tokens_total = generated_tokens_total_;
+  st.kv_blocks_free = kv_.num_free();
+  st.kv_blocks_total = kv_.num_blocks();
+  return st;
+}
+
+}  // namespace rolloutd::core

@@ -1,0 +1,131 @@
+#pragma once
+// The generation engine: one scheduler owning the batch (continuous batching
+// with chunked prefill), the model, the KV block pool and the sampler. It is
+// driven by one thread (the daemon's engine actor): submit/abort between steps,
+// step() to advance every running request by one forward pass.
+//
+// Nothing lost: every accepted request leaves the engine through exactly one
+// final event (finished or failed), produced by step(), abort() or abort_all().
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "core/engine/kv_cache.hpp"
+#include "core/model/moe_decoder.hpp"
+#include "core/moe/routed_experts.hpp"
+#include "core/sampling/sampler.hpp"
+
+namespace rolloutd::core {
+
+struct RequestSpec {
+  std::string rid;
+  std::vector<int32_t> input_ids;
+  uint32_t max_new_tokens = 16;
+  SamplingParams sampling;
+  std::vector<int32_t> stop_token_ids;
+  bool return_logprob = false;
+  bool return_routed_experts = false;
+  uint32_t routed_experts_start_len = 0;
+  uint64_t tag = 0;  // opaque to the engine; the daemon uses it to route events
+};
+
+struct EngineEvent {
+  enum class Kind : uint8_t { kTokens, kFinished, kFailed };
+  Kind kind = Kind::kTokens;
+  std::string rid;
+  uint64_t tag = 0;
+  // kTokens
+  std::vector<int32_t> token_ids;
+  std::vector<float> logprobs;              // only when return_logprob
+  std::vector<uint64_t> weight_versions;    // one per token
+  std::vector<int32_t> routed_rows;         // [routed_num_tokens, moe_layers, top_k] logical ids
+  int64_t routed_num_tokens = 0;
+  int64_t routed_start_pos = 0;
+  // kFinished
+  std::string finish_reason;                // "stop" | "length" | "abort"
+  std::string abort_reason;
+  uint32_t prompt_tokens = 0;
+  uint32_t completion_tokens = 0;
+  // kFailed
+  Status error;
+};
+
+struct EngineOptions {
+  int64_t max_running = 64;         // sequences decoding at once
+  int64_t max_waiting = 4096;       // queue bound: submit beyond it -> kOverloaded
+  StepLimits step;                  // tokens per step, KV blocks, block size
+};
+
+struct EngineStats {
+  uint64_t num_waiting = 0;
+  uint64_t num_running = 0;
+  uint64_t num_requests_total = 0;
+  uint64_t num_prompt_tokens_total = 0;
+  uint64_t num_generated_tokens_total = 0;
+  int64_t kv_blocks_free = 0;
+  int64_t kv_blocks_total = 0;
+};
+
+class Engine {
+ public:
+  static Result<std::unique_ptr<Engine>> create(std::unique_ptr<MoeDecoder> model,
+                                                const EngineOptions& options);
+
+  // Validates against the model (vocab, context length, KV capacity) and queues. Errors are
+  // typed and name the field; a rejected request leaves no trace.
+  Status submit(RequestSpec spec);
+  // Ends the request with finished{abort, reason}; returns false if the rid is not in flight.
+  bool abort(const std::string& rid, const std::string& reason, std::vector<EngineEvent>& out);
+  // Aborts every request (optionally only those with `tag_filter`); returns how many.
+  size_t abort_all(const std::string& reason, std::vector<EngineEvent>& out,
+                   std::optional<uint64_t> tag_filter = std::nullopt);
+
+  bool has_work() const { return !waiting_.empty() || !running_.empty(); }
+  // One scheduling step: admit, run one forward pass, sample, emit events.
+  // A forward failure fails the affected requests (failed events) and is returned.
+  Status step(std::vector<EngineEvent>& out);
+
+  EngineStats stats() const;
+  uint64_t weight_version() const { return weight_version_; }
+  void set_weight_version(uint64_t v) { weight_version_ = v; }
+  const ModelConfig& model_config() const { return model_->config(); }
+  MoeDecoder& model() { return *model_; }
+  bool contains(const std::string& rid) const { return by_rid_.count(rid) != 0; }
+
+ private:
+  struct Sequence {
+    RequestSpec spec;
+    std::vector<int32_t> tokens;   // prompt, then generated
+    int64_t prompt_len = 0;
+    int64_t num_computed = 0;      // tokens whose KV is cached
+    uint32_t num_generated = 0;
+    std::vector<int32_t> blocks;
+    bool running = false;
+  };
+
+  Engine(std::unique_ptr<MoeDecoder> model, const EngineOptions& options);
+  void admit();
+  void finish(Sequence& s, std::string reason, std::string abort_reason, std::vector<EngineEvent>& out);
+  void fail(Sequence& s, const Status& error, std::vector<EngineEvent>& out);
+  void remove(const std::string& rid);
+
+  std::unique_ptr<MoeDecoder> model_;
+  EngineOptions options_;
+  KvBlockPool kv_;
+  RoutedExpertRecorder recorder_;
+  Sampler sampler_;
+  std::unordered_map<std::string, std::unique_ptr<Sequence>> by_rid_;
+  std::deque<Sequence*> waiting_;
+  std::vector<Sequence*> running_;
+  uint64_t weight_version_ = 0;
+  uint64_t requests_total_ = 0;
+  uint64_t prompt_tokens_total_ = 0;
+  uint64_t generated_tokens_total_ = 0;
+  std::vector<float> logits_;
+};
+
+}  // namespace rolloutd::core

@@ -1,0 +1,33 @@
+#pragma once
+// Bookkeeping of the paged KV cache: a pool of fixed-size blocks and a free list.
+// The cache tensors themselves belong to the model (one pair per layer, in the
+// kv_cache arena); this class decides which block a sequence's position lives in.
+#include <cstdint>
+#include <vector>
+
+#include "kernels/status.hpp"
+
+namespace rolloutd::core {
+
+class KvBlockPool {
+ public:
+  KvBlockPool(int64_t num_blocks, int64_t block_size);
+
+  int64_t block_size() const { return block_size_; }
+  int64_t num_blocks() const { return num_blocks_; }
+  int64_t num_free() const { return static_cast<int64_t>(free_.size()); }
+  int64_t blocks_for(int64_t tokens) const { return (tokens + block_size_ - 1) / block_size_; }
+
+  // Takes `n` blocks (all or nothing); kResourceExhausted when fewer are free.
+  Status allocate(int64_t n, std::vector<int32_t>& out);
+  // Returns blocks to the pool. Double frees are a bug and return kInternal.
+  Status release(std::vector<int32_t>& blocks);
+
+ private:
+  int64_t num_blocks_;
+  int64_t block_size_;
+  std::vector<int32_t> free_;
+  std::vector<uint8_t> in_use_;
+};
+
+}  // namespace rolloutd::core

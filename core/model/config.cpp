@@ -1,0 +1,42 @@
+#include "core/model/config.hpp"
+
+namespace rolloutd::core {
+
+Status ModelConfig::validate() const {
+  auto positive = [](int64_t v, const char* field) -> Status {
+    if (v <= 0) return Status(ErrorCode::kInvalidArgument, "must be positive", field);
+    return Status::Ok();
+  };
+  RD_RETURN_IF_ERROR(positive(vocab_size, "vocab_size"));
+  RD_RETURN_IF_ERROR(positive(hidden_size, "hidden_size"));
+  RD_RETURN_IF_ERROR(positive(num_hidden_layers, "num_hidden_layers"));
+  RD_RETURN_IF_ERROR(positive(num_attention_heads, "num_attention_heads"));
+  RD_RETURN_IF_ERROR(positive(num_key_value_heads, "num_key_value_heads"));
+  RD_RETURN_IF_ERROR(positive(head_dim, "head_dim"));
+  RD_RETURN_IF_ERROR(positive(num_experts, "num_experts"));
+  RD_RETURN_IF_ERROR(positive(num_experts_per_tok, "num_experts_per_tok"));
+  RD_RETURN_IF_ERROR(positive(moe_intermediate_size, "moe_intermediate_size"));
+  RD_RETURN_IF_ERROR(positive(max_position_embeddings, "max_position_embeddings"));
+  if (num_attention_heads % num_key_value_heads != 0)
+    return Status(ErrorCode::kInvalidArgument,
+                  "num_attention_heads must be a multiple of num_key_value_heads",
+                  "num_key_value_heads");
+  if (head_dim % 2 != 0)
+    return Status(ErrorCode::kInvalidArgument, "rotary embedding needs an even head_dim", "head_dim");
+  if (num_experts_per_tok > num_experts)
+    return Status(ErrorCode::kInvalidArgument, "top_k exceeds the number of experts",
+                  "num_experts_per_tok");
+  if (vocab_size > (int64_t{1} << 31) - 1)
+    return Status(ErrorCode::kInvalidArgument, "vocab does not fit int32 token ids", "vocab_size");
+  if (!(rope_theta > 0.0)) return Status(ErrorCode::kInvalidArgument, "must be positive", "rope_theta");
+  if (!(rms_norm_eps > 0.0)) return Status(ErrorCode::kInvalidArgument, "must be positive", "rms_norm_eps");
+  return Status::Ok();
+}
+
+std::string routed_experts_dtype_for(int64_t num_experts) {
+  if (num_experts <= 256) return "uint8";
+  if (num_experts <= 65536) return "uint16";
+  return "int32";
+}
+
+}  // namespace rolloutd::core

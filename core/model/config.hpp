@@ -1,0 +1,36 @@
+#pragma once
+// Architecture of a MoE decoder as the engine needs it. Field names follow the
+// Hugging Face config.json keys where one exists.
+#include <cstdint>
+#include <string>
+
+#include "kernels/status.hpp"
+
+namespace rolloutd::core {
+
+struct ModelConfig {
+  std::string name = "tiny-moe";
+  std::string family = "qwen3_moe";   // router/activation conventions
+  int64_t vocab_size = 256;
+  int64_t hidden_size = 64;
+  int64_t num_hidden_layers = 4;
+  int64_t num_attention_heads = 4;
+  int64_t num_key_value_heads = 2;
+  int64_t head_dim = 16;
+  int64_t num_experts = 16;
+  int64_t num_experts_per_tok = 4;     // top_k
+  int64_t moe_intermediate_size = 32;
+  double rope_theta = 10000.0;
+  double rms_norm_eps = 1e-6;
+  int64_t max_position_embeddings = 4096;
+  bool norm_topk_prob = true;
+
+  int64_t num_moe_layers() const { return num_hidden_layers; }
+  // Checks internal consistency (positive sizes, heads divisible, top_k <= experts, ...).
+  Status validate() const;
+};
+
+// The smallest dtype that holds every logical expert id (protocol: uint8 | uint16 | int32).
+std::string routed_experts_dtype_for(int64_t num_experts);
+
+}  // namespace rolloutd::core

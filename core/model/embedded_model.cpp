@@ -1,0 +1,62 @@
+#include "core/model/embedded_model.hpp"
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "core/model/random_init.hpp"
+
+namespace rolloutd::core {
+namespace {
+bool ends_with(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+}  // namespace
+
+ModelConfig embedded_model_config() {
+  ModelConfig c;
+  c.name = std::string(kEmbeddedModelName);
+  c.family = "qwen3_moe";
+  c.vocab_size = 256;
+  c.hidden_size = 64;
+  c.num_hidden_layers = 4;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 16;
+  c.num_experts = 16;
+  c.num_experts_per_tok = 4;
+  c.moe_intermediate_size = 32;
+  c.rope_theta = 10000.0;
+  c.rms_norm_eps = 1e-6;
+  c.max_position_embeddings = 4096;
+  c.norm_topk_prob = true;
+  return c;
+}
+
+Status init_random_weights(MoeDecoder& model, uint64_t seed) {
+  std::vector<float> host;
+  const auto& backend = model.backend();
+  const auto& ctx = model.context();
+  for (const Parameter& p : model.parameters().all()) {
+    if (p.storage.dtype != DType::kF32)
+      return Status(ErrorCode::kInternal, "random init expects FP32 parameters", p.name);
+    host.resize(static_cast<size_t>(p.storage.numel()));
+    const int64_t fan_in = p.storage.size(p.storage.rank() - 1);
+    if (ends_with(p.name, "norm.weight")) {
+      fill_uniform(host, seed, p.name, 0.1f, 1.0f);
+    } else if (p.name == "model.embed_tokens.weight") {
+      fill_uniform(host, seed, p.name, 1.0f);
+    } else {
+      float gain = 1.0f;
+      if (ends_with(p.name, "mlp.gate.weight")) gain = 2.0f;
+      if (p.name == "lm_head.weight") gain = 4.0f;
+      fill_uniform(host, seed, p.name, gain / std::sqrt(static_cast<float>(fan_in)));
+    }
+    const CopyKind kind =
+        ctx.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost : CopyKind::kHostToDevice;
+    RD_RETURN_IF_ERROR(backend.copy(ctx, p.storage.data, host.data(), host.size() * sizeof(float), kind));
+  }
+  return backend.synchronize(ctx);
+}
+
+}  // namespace rolloutd::core

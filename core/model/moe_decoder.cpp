@@ -1,0 +1,228 @@
+#include "core/model/moe_decoder.hpp"
+
+#include <cmath>
+#include <string>
+
+namespace rolloutd::core {
+namespace {
+
+// A view of the first `rows` rows of a contiguous buffer (workspaces are sized for the
+// largest step; each step uses a prefix, so addresses stay fixed).
+TensorView rows_of(const TensorView& v, int64_t rows) {
+  Shape s = v.shape;
+  s[0] = rows;
+  return TensorView::contiguous(v.data, v.dtype, s, v.device);
+}
+
+// [T, H*D] seen as [T, H, D] (same memory).
+TensorView as_heads(const TensorView& v, int64_t heads, int64_t dim) {
+  return TensorView::contiguous(v.data, v.dtype, Shape{v.size(0), heads, dim}, v.device);
+}
+
+}  // namespace
+
+MoeDecoder::MoeDecoder(const ModelConfig& c, const StepLimits& l, const Backend& b, ExecContext ctx)
+    : config_(c), limits_(l), backend_(b), ctx_(ctx) {}
+
+Result<std::unique_ptr<MoeDecoder>> MoeDecoder::create(const ModelConfig& config,
+                                                       const StepLimits& limits,
+                                                       const Backend& backend, ExecContext ctx) {
+  RD_RETURN_IF_ERROR(config.validate());
+  if (limits.max_tokens <= 0 || limits.max_seqs <= 0 || limits.max_blocks_per_seq <= 0 ||
+      limits.num_kv_blocks <= 0 || limits.kv_block_size <= 0)
+    return Status(ErrorCode::kInvalidArgument, "step limits must be positive", "limits");
+  std::unique_ptr<MoeDecoder> m(new MoeDecoder(config, limits, backend, ctx));
+  RD_RETURN_IF_ERROR(m->allocate());
+  return m;
+}
+
+Status MoeDecoder::allocate() {
+  const auto& c = config_;
+  weights_arena_ = std::make_unique<StableArena>(backend_, ctx_, MemoryTag::kWeights);
+  kv_arena_ = std::make_unique<StableArena>(backend_, ctx_, MemoryTag::kKvCache);
+  scratch_arena_ = std::make_unique<StableArena>(backend_, ctx_, MemoryTag::kScratch);
+
+  auto param = [&](const std::string& name, Shape shape, TensorView& out) -> Status {
+    RD_ASSIGN_OR_RETURN(out, weights_arena_->allocate(DType::kF32, shape));
+    return params_.add(name, out);
+  };
+  const int64_t H = c.hidden_size, D = c.head_dim, QH = c.num_attention_heads,
+                KVH = c.num_key_value_heads, E = c.num_experts, I = c.moe_intermediate_size;
+
+  RD_RETURN_IF_ERROR(param("model.embed_tokens.weight", Shape{c.vocab_size, H}, embed_tokens_));
+  layers_.resize(static_cast<size_t>(c.num_hidden_layers));
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    Layer& L = layers_[static_cast<size_t>(l)];
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    RD_RETURN_IF_ERROR(param(p + "input_layernorm.weight", Shape{H}, L.input_layernorm));
+    RD_RETURN_IF_ERROR(param(p + "self_attn.q_proj.weight", Shape{QH * D, H}, L.q_proj));
+    RD_RETURN_IF_ERROR(param(p + "self_attn.k_proj.weight", Shape{KVH * D, H}, L.k_proj));
+    RD_RETURN_IF_ERROR(param(p + "self_attn.v_proj.weight", Shape{KVH * D, H}, L.v_proj));
+    RD_RETURN_IF_ERROR(param(p + "self_attn.o_proj.weight", Shape{H, QH * D}, L.o_proj));
+    RD_RETURN_IF_ERROR(param(p + "post_attention_layernorm.weight", Shape{H}, L.post_attention_layernorm));
+    RD_RETURN_IF_ERROR(param(p + "mlp.gate.weight", Shape{E, H}, L.router));
+    // Stacked expert tensors as transformers 5 stores them (gate rows, then up rows).
+    RD_RETURN_IF_ERROR(param(p + "mlp.experts.gate_up_proj", Shape{E, 2 * I, H}, L.experts_gate_up));
+    RD_RETURN_IF_ERROR(param(p + "mlp.experts.down_proj", Shape{E, H, I}, L.experts_down));
+
+    const Shape cache{limits_.num_kv_blocks, limits_.kv_block_size, KVH, D};
+    RD_ASSIGN_OR_RETURN(L.k_cache, kv_arena_->allocate(DType::kF32, cache));
+    RD_ASSIGN_OR_RETURN(L.v_cache, kv_arena_->allocate(DType::kF32, cache));
+
+    L.expert_map = ExpertMap::identity(E);
+    RD_ASSIGN_OR_RETURN(L.logical_to_physical, weights_arena_->allocate(DType::kI32, Shape{E}));
+    RD_RETURN_IF_ERROR(backend_.copy(ctx_, L.logical_to_physical.data, L.expert_map.table().data(),
+                                     static_cast<size_t>(E) * sizeof(int32_t),
+                                     ctx_.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost
+                                                                          : CopyKind::kHostToDevice));
+  }
+  RD_RETURN_IF_ERROR(param("model.norm.weight", Shape{H}, final_norm_));
+  RD_RETURN_IF_ERROR(param("lm_head.weight", Shape{c.vocab_size, H}, lm_head_));
+
+  const int64_t T = limits_.max_tokens, S = limits_.max_seqs, K = c.num_experts_per_tok;
+  auto ws = [&](DType t, Shape s, TensorView& out) -> Status {
+    RD_ASSIGN_OR_RETURN(out, scratch_arena_->allocate(t, s));
+    return Status::Ok();
+  };
+  RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{T}, ws_.token_ids));
+  RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{T}, ws_.positions));
+  RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{T}, ws_.seq_of));
+  RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{T}, ws_.slot_mapping));
+  RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{T}, ws_.ctx_len));
+  RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{S, limits_.max_blocks_per_seq}, ws_.block_tables));
+  RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{S}, ws_.logits_rows));
+  RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, H}, ws_.h));
+  RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, H}, ws_.x));
+  RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, QH * D}, ws_.q));
+  RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, KVH * D}, ws_.k));
+  RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, KVH * D}, ws_.v));
+  RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, QH * D}, ws_.attn));
+  RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, H}, ws_.o));
+  RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, E}, ws_.router_logits));
+  RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{T, K}, ws_.topk_ids));
+  RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, K}, ws_.topk_weights));
+  RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, H}, ws_.moe_out));
+  RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{S, H}, ws_.final_rows));
+  RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{S, H}, ws_.final_normed));
+  RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{S, c.vocab_size}, ws_.logits));
+  return Status::Ok();
+}
+
+Status MoeDecoder::forward(const StepBatch& b, std::vector<float>& logits,
+                           RoutedExpertRecorder* recorder) {
+  const auto& c = config_;
+  const int64_t T = b.num_tokens();
+  const int64_t S = b.num_seqs();
+  const int64_t R = static_cast<int64_t>(b.logits_rows.size());
+  // Host-side validation: the batch is built by the scheduler, but a bad batch must fail
+  // with a status, never index out of bounds in a kernel.
+  if (T <= 0 || T > limits_.max_tokens)
+    return Status(ErrorCode::kInternal, "step token count outside [1, max_tokens]", "token_ids");
+  if (S <= 0 || S > limits_.max_seqs || b.max_blocks_per_seq > limits_.max_blocks_per_seq)
+    return Status(ErrorCode::kInternal, "step sequence count or block table width out of range",
+                  "block_tables");
+  if (static_cast<int64_t>(b.positions.size()) != T || static_cast<int64_t>(b.seq_of.size()) != T ||
+      static_cast<int64_t>(b.slot_mapping.size()) != T || static_cast<int64_t>(b.ctx_len.size()) != T)
+    return Status(ErrorCode::kInternal, "per-token arrays disagree in length", "positions");
+  // The logits buffer holds max_seqs rows (one sampling row per sequence in a step).
+  if (R > limits_.max_seqs)
+    return Status(ErrorCode::kInternal, "more logits rows than the step's sequence capacity",
+                  "logits_rows");
+  for (int64_t t = 0; t < T; ++t) {
+    const int32_t id = b.token_ids[static_cast<size_t>(t)];
+    if (id < 0 || id >= c.vocab_size)
+      return Status(ErrorCode::kOutOfRange, "token id outside the vocabulary", "token_ids");
+    if (b.seq_of[static_cast<size_t>(t)] < 0 || b.seq_of[static_cast<size_t>(t)] >= S)
+      return Status(ErrorCode::kInternal, "seq_of out of range", "seq_of");
+  }
+  for (int32_t r : b.logits_rows)
+    if (r < 0 || r >= T) return Status(ErrorCode::kInternal, "logits row out of range", "logits_rows");
+
+  const CopyKind h2d =
+      ctx_.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost : CopyKind::kHostToDevice;
+  const CopyKind d2h =
+      ctx_.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost : CopyKind::kDeviceToHost;
+  auto upload = [&](const TensorView& dst, const std::vector<int32_t>& src) {
+    return backend_.copy(ctx_, dst.data, src.data(), src.size() * sizeof(int32_t), h2d);
+  };
+  RD_RETURN_IF_ERROR(upload(ws_.token_ids, b.token_ids));
+  RD_RETURN_IF_ERROR(upload(ws_.positions, b.positions));
+  RD_RETURN_IF_ERROR(upload(ws_.seq_of, b.seq_of));
+  RD_RETURN_IF_ERROR(upload(ws_.slot_mapping, b.slot_mapping));
+  RD_RETURN_IF_ERROR(upload(ws_.ctx_len, b.ctx_len));
+  RD_RETURN_IF_ERROR(upload(ws_.block_tables, b.block_tables));
+  RD_RETURN_IF_ERROR(upload(ws_.logits_rows, b.logits_rows));
+
+  const int64_t D = c.head_dim, QH = c.num_attention_heads, KVH = c.num_key_value_heads;
+  const TensorView ids = rows_of(ws_.token_ids, T);
+  const TensorView pos = rows_of(ws_.positions, T);
+  const TensorView seq_of = rows_of(ws_.seq_of, T);
+  const TensorView slots = rows_of(ws_.slot_mapping, T);
+  const TensorView ctx_len = rows_of(ws_.ctx_len, T);
+  const TensorView tables = TensorView::contiguous(ws_.block_tables.data, DType::kI32,
+                                                   Shape{S, b.max_blocks_per_seq}, ws_.block_tables.device);
+  const TensorView h = rows_of(ws_.h, T), x = rows_of(ws_.x, T), q = rows_of(ws_.q, T),
+                   k = rows_of(ws_.k, T), v = rows_of(ws_.v, T), attn = rows_of(ws_.attn, T),
+                   o = rows_of(ws_.o, T), router_logits = rows_of(ws_.router_logits, T),
+                   topk_ids = rows_of(ws_.topk_ids, T), topk_w = rows_of(ws_.topk_weights, T),
+                   moe_out = rows_of(ws_.moe_out, T);
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  const float theta = static_cast<float>(c.rope_theta);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+
+  if (recorder) RD_RETURN_IF_ERROR(recorder->begin_step(T));
+  RD_RETURN_IF_ERROR(backend_.embedding(ctx_, h, embed_tokens_, ids));
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    Layer& L = layers_[static_cast<size_t>(l)];
+    // Attention block.
+    RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx_, x, h, L.input_layernorm, eps));
+    RD_RETURN_IF_ERROR(backend_.linear(ctx_, q, x, L.q_proj));
+    RD_RETURN_IF_ERROR(backend_.linear(ctx_, k, x, L.k_proj));
+    RD_RETURN_IF_ERROR(backend_.linear(ctx_, v, x, L.v_proj));
+    RD_RETURN_IF_ERROR(backend_.rope(ctx_, as_heads(q, QH, D), pos, theta));
+    RD_RETURN_IF_ERROR(backend_.rope(ctx_, as_heads(k, KVH, D), pos, theta));
+    RD_RETURN_IF_ERROR(backend_.kv_store(ctx_, L.k_cache, L.v_cache, as_heads(k, KVH, D),
+                                         as_heads(v, KVH, D), slots));
+    RD_RETURN_IF_ERROR(backend_.paged_attention(ctx_, as_heads(attn, QH, D), as_heads(q, QH, D),
+                                                L.k_cache, L.v_cache, tables, seq_of, ctx_len, scale));
+    RD_RETURN_IF_ERROR(backend_.linear(ctx_, o, attn, L.o_proj));
+    RD_RETURN_IF_ERROR(backend_.add(ctx_, h, h, o));
+    // MoE block.
+    RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx_, x, h, L.post_attention_layernorm, eps));
+    RD_RETURN_IF_ERROR(backend_.linear(ctx_, router_logits, x, L.router));
+    RD_RETURN_IF_ERROR(
+        backend_.router_softmax_topk(ctx_, topk_ids, topk_w, router_logits, c.norm_topk_prob));
+    // The single capture point: logical ids straight from the router, real rows only.
+    if (recorder) RD_RETURN_IF_ERROR(recorder->capture(backend_, ctx_, l, topk_ids));
+    MoeExpertsArgs args;
+    args.out = moe_out;
+    args.x = x;
+    args.w_gate_up = L.experts_gate_up;
+    args.w_down = L.experts_down;
+    args.topk_ids = topk_ids;
+    args.topk_weights = topk_w;
+    args.logical_to_physical = L.logical_to_physical;
+    args.num_valid_tokens = T;
+    RD_RETURN_IF_ERROR(backend_.moe_experts(ctx_, args));
+    RD_RETURN_IF_ERROR(backend_.add(ctx_, h, h, moe_out));
+  }
+  if (R == 0) {
+    logits.clear();
+    return backend_.synchronize(ctx_);
+  }
+  // Only the rows that sample need the final norm and the LM head: gather them first
+  // (embedding is a row gather).
+  const TensorView rows_idx = rows_of(ws_.logits_rows, R);
+  const TensorView final_rows = rows_of(ws_.final_rows, R);
+  const TensorView final_normed = rows_of(ws_.final_normed, R);
+  const TensorView out_logits = rows_of(ws_.logits, R);
+  RD_RETURN_IF_ERROR(backend_.embedding(ctx_, final_rows, h, rows_idx));
+  RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx_, final_normed, final_rows, final_norm_, eps));
+  RD_RETURN_IF_ERROR(backend_.linear(ctx_, out_logits, final_normed, lm_head_));
+  logits.resize(static_cast<size_t>(R * c.vocab_size));
+  RD_RETURN_IF_ERROR(backend_.copy(ctx_, logits.data(), out_logits.data,
+                                   logits.size() * sizeof(float), d2h));
+  return backend_.synchronize(ctx_);
+}
+
+}  // namespace rolloutd::core

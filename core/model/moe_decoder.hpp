@@ -1,0 +1,96 @@
+#pragma once
+// A MoE decoder (the Qwen3-MoE shape without QK-norm): token embedding;
+// per layer RMSNorm -> rotary GQA attention over a paged KV cache -> residual
+// -> RMSNorm -> MoE FFN (softmax top-k router, SwiGLU experts) -> residual;
+// final RMSNorm; LM head. FP32 everywhere for now. All compute goes through the
+// Backend op table, so the same code runs on the CPU reference and on CUDA.
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/model/config.hpp"
+#include "core/model/parameters.hpp"
+#include "core/moe/expert_map.hpp"
+#include "core/moe/routed_experts.hpp"
+#include "core/storage/arena.hpp"
+#include "kernels/backend.hpp"
+
+namespace rolloutd::core {
+
+// One forward step over T tokens drawn from S sequences (prefill chunks and
+// decode tokens mixed). Host-side; the model copies it to the device.
+struct StepBatch {
+  std::vector<int32_t> token_ids;     // [T]
+  std::vector<int32_t> positions;     // [T]
+  std::vector<int32_t> seq_of;        // [T] row of block_tables
+  std::vector<int32_t> slot_mapping;  // [T] KV slot (block * block_size + offset)
+  std::vector<int32_t> ctx_len;       // [T] cache positions visible (= position + 1)
+  std::vector<int32_t> block_tables;  // [S, max_blocks_per_seq]
+  int32_t max_blocks_per_seq = 0;
+  std::vector<int32_t> logits_rows;   // token rows whose next-token logits are wanted
+  int64_t num_tokens() const { return static_cast<int64_t>(token_ids.size()); }
+  int64_t num_seqs() const {
+    return max_blocks_per_seq ? static_cast<int64_t>(block_tables.size()) / max_blocks_per_seq : 0;
+  }
+};
+
+struct StepLimits {
+  int64_t max_tokens = 512;          // tokens per forward step (prefill chunk budget)
+  int64_t max_seqs = 64;             // sequences per step
+  int64_t max_blocks_per_seq = 256;  // block-table width
+  int64_t num_kv_blocks = 1024;
+  int64_t kv_block_size = 16;
+};
+
+class MoeDecoder {
+ public:
+  // Allocates parameters (weights arena), KV cache (kv arena) and step workspace (scratch
+  // arena) once; registers every parameter under its Hugging Face name. Values are
+  // uninitialised until a loader writes them (see embedded_model.hpp).
+  static Result<std::unique_ptr<MoeDecoder>> create(const ModelConfig& config,
+                                                     const StepLimits& limits,
+                                                     const Backend& backend, ExecContext ctx);
+
+  // Runs one step. On return `logits` holds [logits_rows.size(), vocab] FP32 on the host and,
+  // when `recorder` is given, it holds the step's routed-expert rows (logical ids).
+  Status forward(const StepBatch& batch, std::vector<float>& logits, RoutedExpertRecorder* recorder);
+
+  const ModelConfig& config() const { return config_; }
+  const StepLimits& limits() const { return limits_; }
+  const ParameterTable& parameters() const { return params_; }
+  ParameterTable& parameters() { return params_; }
+  const Backend& backend() const { return backend_; }
+  const ExecContext& context() const { return ctx_; }
+  const ExpertMap& expert_map(int64_t layer) const { return layers_[static_cast<size_t>(layer)].expert_map; }
+
+ private:
+  struct Layer {
+    TensorView input_layernorm, q_proj, k_proj, v_proj, o_proj, post_attention_layernorm;
+    TensorView router;            // [E, H]
+    TensorView experts_gate_up;   // [E, 2I, H]
+    TensorView experts_down;      // [E, H, I]
+    TensorView k_cache, v_cache;  // [blocks, block_size, KVH, D]
+    ExpertMap expert_map;
+    TensorView logical_to_physical;  // device copy of expert_map
+  };
+  struct Workspace {
+    TensorView token_ids, positions, seq_of, slot_mapping, ctx_len, block_tables, logits_rows;
+    TensorView h, x, q, k, v, attn, o, router_logits, topk_ids, topk_weights, moe_out;
+    TensorView final_rows, final_normed, logits;
+  };
+
+  MoeDecoder(const ModelConfig& c, const StepLimits& l, const Backend& b, ExecContext ctx);
+  Status allocate();
+
+  ModelConfig config_;
+  StepLimits limits_;
+  const Backend& backend_;
+  ExecContext ctx_;
+  std::unique_ptr<StableArena> weights_arena_, kv_arena_, scratch_arena_;
+  ParameterTable params_;
+  TensorView embed_tokens_, final_norm_, lm_head_;
+  std::vector<Layer> layers_;
+  Workspace ws_;
+};
+
+}  // namespace rolloutd::core

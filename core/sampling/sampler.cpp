@@ -1,0 +1,109 @@
+#include "core/sampling/sampler.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "core/model/random_init.hpp"
+
+namespace rolloutd::core {
+
+Status validate(const SamplingParams& p) {
+  if (!std::isfinite(p.temperature) || p.temperature < 0.0f)
+    return Status(ErrorCode::kOutOfRange, "temperature must be finite and >= 0", "temperature");
+  if (!(p.top_p > 0.0f && p.top_p <= 1.0f))
+    return Status(ErrorCode::kOutOfRange, "top_p must be in (0, 1]", "top_p");
+  if (p.top_k < 0) return Status(ErrorCode::kOutOfRange, "top_k must be >= 0", "top_k");
+  if (!(p.min_p >= 0.0f && p.min_p <= 1.0f))
+    return Status(ErrorCode::kOutOfRange, "min_p must be in [0, 1]", "min_p");
+  return Status::Ok();
+}
+
+double Sampler::uniform_draw(uint64_t seed, uint64_t draw_index) {
+  // Counter-based: hash (seed, index) through two SplitMix64 rounds.
+  SplitMix64 a(seed ^ (draw_index * 0xD1B54A32D192ED03ull));
+  a.next();
+  const uint64_t bits = a.next();
+  return static_cast<double>(bits >> 11) * (1.0 / 9007199254740992.0);  // 53 bits
+}
+
+SampledToken Sampler::sample(std::span<const float> logits, const SamplingParams& p,
+                             uint64_t draw_index) {
+  const size_t V = logits.size();
+  SampledToken out;
+  if (V == 0) return out;
+
+  // log_softmax of the raw logits, for the reported log-prob.
+  float max_logit = -std::numeric_limits<float>::infinity();
+  for (float l : logits) max_logit = std::max(max_logit, l);
+  double sum = 0.0;
+  for (float l : logits) sum += std::exp(static_cast<double>(l - max_logit));
+  const double log_z = static_cast<double>(max_logit) + std::log(sum);
+  auto logprob_of = [&](int32_t t) {
+    return static_cast<float>(static_cast<double>(logits[static_cast<size_t>(t)]) - log_z);
+  };
+
+  if (p.temperature == 0.0f) {
+    int32_t best = 0;
+    for (size_t i = 1; i < V; ++i)
+      if (logits[i] > logits[static_cast<size_t>(best)]) best = static_cast<int32_t>(i);
+    out.token = best;
+    out.logprob = logprob_of(best);
+    return out;
+  }
+
+  // Probabilities at the request's temperature, then the filters, in the order
+  // top-k -> top-p -> min-p (the order SGLang and vLLM apply them).
+  probs_.resize(V);
+  order_.resize(V);
+  const double inv_t = 1.0 / static_cast<double>(p.temperature);
+  double z = 0.0;
+  for (size_t i = 0; i < V; ++i) {
+    const double e = std::exp((static_cast<double>(logits[i]) - max_logit) * inv_t);
+    probs_[i] = static_cast<float>(e);
+    z += e;
+  }
+  for (size_t i = 0; i < V; ++i) probs_[i] = static_cast<float>(probs_[i] / z);
+  std::iota(order_.begin(), order_.end(), 0);
+  // Descending probability, ties by lower id: a total order, so the kept set is deterministic.
+  std::sort(order_.begin(), order_.end(), [&](int32_t a, int32_t b) {
+    const float pa = probs_[static_cast<size_t>(a)], pb = probs_[static_cast<size_t>(b)];
+    return pa != pb ? pa > pb : a < b;
+  });
+  size_t keep = V;
+  if (p.top_k > 0) keep = std::min(keep, static_cast<size_t>(p.top_k));
+  if (p.top_p < 1.0f) {
+    double cum = 0.0;
+    size_t n = 0;
+    while (n < keep) {
+      cum += probs_[static_cast<size_t>(order_[n])];
+      ++n;
+      if (cum >= static_cast<double>(p.top_p)) break;
+    }
+    keep = std::max<size_t>(n, 1);
+  }
+  if (p.min_p > 0.0f) {
+    const float threshold = p.min_p * probs_[static_cast<size_t>(order_[0])];
+    size_t n = 1;
+    while (n < keep && probs_[static_cast<size_t>(order_[n])] >= threshold) ++n;
+    keep = n;
+  }
+  double kept_mass = 0.0;
+  for (size_t i = 0; i < keep; ++i) kept_mass += probs_[static_cast<size_t>(order_[i])];
+  const double u = uniform_draw(p.seed, draw_index) * kept_mass;
+  double cum = 0.0;
+  int32_t chosen = order_[keep - 1];
+  for (size_t i = 0; i < keep; ++i) {
+    cum += probs_[static_cast<size_t>(order_[i])];
+    if (u < cum) {
+      chosen = order_[i];
+      break;
+    }
+  }
+  out.token = chosen;
+  out.logprob = logprob_of(chosen);
+  return out;
+}
+
+}  // namespace rolloutd::core

@@ -1,0 +1,46 @@
+#pragma once
+// Token sampling from one row of logits. Deterministic by construction: the
+// random draw for a request's n-th sampled token depends only on (seed, n), not
+// on which other requests share the batch, so the same seed gives the same
+// tokens however the scheduler groups requests.
+//
+// Log-probabilities are reported under the *unmodified* distribution
+// (log_softmax of the raw logits, temperature 1, no filtering): the quantity an
+// RL trainer compares against its own forward pass.
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "kernels/status.hpp"
+
+namespace rolloutd::core {
+
+struct SamplingParams {
+  float temperature = 1.0f;  // 0 = greedy (argmax, lowest id on ties)
+  float top_p = 1.0f;        // (0, 1]
+  int32_t top_k = 0;         // 0 = disabled
+  float min_p = 0.0f;        // [0, 1]: drop tokens with p < min_p * p_max
+  uint64_t seed = 0;
+};
+
+struct SampledToken {
+  int32_t token = -1;
+  float logprob = 0.0f;      // log_softmax(logits)[token]
+};
+
+Status validate(const SamplingParams& p);
+
+// Reusable scratch so the engine does not allocate per token.
+class Sampler {
+ public:
+  SampledToken sample(std::span<const float> logits, const SamplingParams& params, uint64_t draw_index);
+
+  // The uniform [0, 1) draw used for (seed, draw_index); exposed for tests.
+  static double uniform_draw(uint64_t seed, uint64_t draw_index);
+
+ private:
+  std::vector<float> probs_;
+  std::vector<int32_t> order_;
+};
+
+}  // namespace rolloutd::core

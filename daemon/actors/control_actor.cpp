@@ -1,0 +1,492 @@
+#include "daemon/actors/control_actor.hpp"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "build_info.hpp"
+#include "core/model/config.hpp"
+#include "daemon/obs/log.hpp"
+
+namespace rolloutd::daemon {
+
+using Clock = std::chrono::steady_clock;
+
+namespace {
+// How many requests to take off the socket per loop turn before looking at the mailbox
+// again: keeps engine output flowing under a request flood.
+constexpr int kMaxRequestsPerTurn = 256;
+
+std::string build_string() {
+  return std::string(build::kVersion) + " (" + build::kBuildType + ", " + build::kCompiler +
+         (build::kCudaEnabled ? ", cuda" : ", cpu-only") + ")";
+}
+
+// Routed-expert rows (int32 logical ids) in the record dtype, little-endian.
+void append_packed(std::string& out, const std::vector<int32_t>& rows, const std::string& dtype) {
+  const size_t n = rows.size();
+  if (dtype == "uint8") {
+    const size_t at = out.size();
+    out.resize(at + n);
+    for (size_t i = 0; i < n; ++i) out[at + i] = static_cast<char>(static_cast<uint8_t>(rows[i]));
+  } else if (dtype == "uint16") {
+    const size_t at = out.size();
+    out.resize(at + 2 * n);
+    for (size_t i = 0; i < n; ++i) {
+      const auto v = static_cast<uint16_t>(rows[i]);
+      out[at + 2 * i] = static_cast<char>(v & 0xff);
+      out[at + 2 * i + 1] = static_cast<char>(v >> 8);
+    }
+  } else {
+    const size_t at = out.size();
+    out.resize(at + 4 * n);
+    for (size_t i = 0; i < n; ++i) {
+      const auto v = static_cast<uint32_t>(rows[i]);
+      for (int b = 0; b < 4; ++b) out[at + 4 * i + static_cast<size_t>(b)] = static_cast<char>((v >> (8 * b)) & 0xff);
+    }
+  }
+}
+}  // namespace
+
+ControlActor::ControlActor(zmq::context_t& ctx, const DaemonConfig& config,
+                           std::unique_ptr<MailboxEnd> engine, obs::Metrics& metrics,
+                           SnapshotCell<EngineSnapshot>& snapshot, Heartbeat& heartbeat,
+                           protocol::ModelInfo model, int32_t gpu, std::atomic<bool>& drain_requested)
+    : ctx_(ctx),
+      config_(config),
+      engine_(std::move(engine)),
+      metrics_(metrics),
+      snapshot_(snapshot),
+      heartbeat_(heartbeat),
+      model_(std::move(model)),
+      gpu_(gpu),
+      drain_requested_(drain_requested),
+      router_(ctx, zmq::socket_type::router),
+      seed_rng_(std::random_device{}()),
+      started_(Clock::now()) {}
+
+ControlActor::~ControlActor() = default;
+
+Result<std::string> ControlActor::bind() {
+  try {
+    // Detect, never drop: an unroutable reply raises EHOSTUNREACH instead of vanishing.
+    router_.set(zmq::sockopt::router_mandatory, 1);
+    router_.set(zmq::sockopt::sndhwm, 10000);
+    router_.set(zmq::sockopt::rcvhwm, 10000);
+    router_.set(zmq::sockopt::linger, 0);
+    // Hard cap on one frame; anything larger makes ZeroMQ drop the connection. Soft limits
+    // (typed too_large replies) are below it, in protocol::Limits.
+    router_.set(zmq::sockopt::maxmsgsize,
+                static_cast<int64_t>(std::max(config_.limits.max_frame_bytes,
+                                              config_.limits.max_envelope_bytes) + 1024));
+    const std::string port = config_.control_port == 0 ? "*" : std::to_string(config_.control_port);
+    router_.bind("tcp://" + config_.bind_address + ":" + port);
+    return router_.get(zmq::sockopt::last_endpoint);
+  } catch (const zmq::error_t& e) {
+    return Status(ErrorCode::kUnavailable,
+                  std::string("cannot bind the control socket: ") + e.what(), "control_port");
+  }
+}
+
+void ControlActor::send_engine(EngineCommand cmd) {
+  auto mail = std::make_unique<EngineCommandMail>();
+  mail->cmd = std::move(cmd);
+  Status s = engine_->send(std::move(mail));
+  if (!s.ok()) obs::log_error("control", "engine mailbox send failed", {{"error", s.to_string()}});
+}
+
+uint64_t ControlActor::client_for(const std::string& identity) {
+  auto it = client_ids_.find(identity);
+  if (it != client_ids_.end()) return it->second;
+  const uint64_t id = next_client_++;
+  client_ids_.emplace(identity, id);
+  ClientState c;
+  c.identity = identity;
+  clients_.emplace(id, std::move(c));
+  return id;
+}
+
+void ControlActor::gc_clients() {
+  // A client with nothing in flight and nothing to deliver needs no state: it is
+  // recreated from its identity on its next message. Keeps a hello flood from growing maps.
+  for (auto it = clients_.begin(); it != clients_.end();) {
+    if (it->second.num_routes == 0 && it->second.outbox.empty()) {
+      client_ids_.erase(it->second.identity);
+      it = clients_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void ControlActor::enqueue(uint64_t client, protocol::WireMessage msg, bool is_final) {
+  auto it = clients_.find(client);
+  if (it == clients_.end()) return;
+  ClientState& c = it->second;
+  if (c.gone) return;  // its requests were aborted with reason client_gone; nothing to deliver to
+  if (c.over_limit && !is_final) return;  // only final events still go to a client past its bound
+  c.outbox.push_back(std::move(msg));
+  if (!c.over_limit && static_cast<int64_t>(c.outbox.size()) > config_.outbox_limit) {
+    c.over_limit = true;
+    obs::log_warn("control", "client outbox over its bound; aborting its requests",
+                  {{"client", client}, {"outbox_messages", c.outbox.size()}});
+    send_engine(AbortClientCommand{client, "backpressure"});
+  }
+}
+
+void ControlActor::reply_error(uint64_t client, uint64_t id, const Status& s) {
+  metrics_.on_error(error_code_name(s.code()));
+  enqueue(client, protocol::encode_error(id, protocol::to_error_info(s)), true);
+}
+
+protocol::StatusReply ControlActor::status_reply() const {
+  protocol::StatusReply r;
+  auto snap = snapshot_.load();
+  if (snap) {
+    r.state = snap->state;
+    r.reason = snap->reason;
+    r.weight_version = snap->weight_version;
+    r.num_waiting = static_cast<uint32_t>(snap->num_waiting);
+    r.num_running = static_cast<uint32_t>(snap->num_running);
+    r.num_requests_total = snap->num_requests_total;
+    r.num_tokens_generated_total = snap->num_generated_tokens_total;
+  } else {
+    r.state = "starting";
+    r.reason = "engine not started";
+  }
+  if (draining_ && r.state == "ready") {
+    r.state = "draining";
+    r.reason = "draining";
+  }
+  r.ready = r.state == "ready";
+  r.uptime_s = std::chrono::duration<double>(Clock::now() - started_).count();
+  r.build = build_string();
+  r.model = model_;
+  return r;
+}
+
+void ControlActor::on_request(const std::string& identity, std::vector<zmq::message_t>& parts) {
+  const auto t0 = Clock::now();
+  const uint64_t client = client_for(identity);
+  if (parts.size() < 2) {
+    metrics_.on_request("invalid");
+    reply_error(client, 0, Status(ErrorCode::kBadMessage, "empty message: expected an envelope frame"));
+    return;
+  }
+  std::vector<protocol::Frame> frames;
+  frames.reserve(parts.size() - 2);
+  for (size_t i = 2; i < parts.size(); ++i)
+    frames.emplace_back(static_cast<const uint8_t*>(parts[i].data()), parts[i].size());
+  const protocol::Frame envelope(static_cast<const uint8_t*>(parts[1].data()), parts[1].size());
+  protocol::RequestDecodeResult dec = protocol::decode_request(envelope, frames, config_.limits);
+  if (!dec.status.ok()) {
+    metrics_.on_request("invalid");
+    obs::log_debug("control", "rejected request",
+                   {{"error", dec.status.to_string()}, {"client", client}});
+    reply_error(client, dec.env.id, dec.status);
+    return;
+  }
+  const uint64_t id = dec.env.id;
+  protocol::Request& req = *dec.request;
+  metrics_.on_request(protocol::request_type_name(req));
+
+  if (auto* hello = std::get_if<protocol::HelloRequest>(&req)) {
+    uint32_t best = 0;
+    for (uint32_t v : hello->versions)
+      if (v == protocol::kProtocolVersion) best = v;
+    if (best == 0) {
+      reply_error(client, id, Status(ErrorCode::kUnsupportedVersion,
+                                     "this daemon speaks protocol version " +
+                                         std::to_string(protocol::kProtocolVersion),
+                                     "body.versions"));
+    } else {
+      protocol::HelloReply r;
+      r.version = best;
+      r.build = build_string();
+      r.gpu = gpu_;
+      r.model = model_;
+      auto snap = snapshot_.load();
+      r.weight_version = snap ? snap->weight_version : 0;
+      r.limits = config_.limits;
+      enqueue(client, protocol::encode_reply(id, r), true);
+    }
+  } else if (std::holds_alternative<protocol::StatusRequest>(req)) {
+    enqueue(client, protocol::encode_reply(id, status_reply()), true);
+  } else if (auto* gen = std::get_if<protocol::GenerateRequest>(&req)) {
+    auto snap = snapshot_.load();
+    if (draining_) {
+      reply_error(client, id, Status(ErrorCode::kDraining, "daemon is draining; no new requests"));
+    } else if (!snap || snap->state != "ready") {
+      reply_error(client, id, Status(ErrorCode::kNotReady,
+                                     "daemon is not ready: " + (snap ? snap->reason : std::string("starting"))));
+    } else if (routes_.count(gen->rid)) {
+      reply_error(client, id, Status(ErrorCode::kDuplicateRid,
+                                     "request id '" + gen->rid + "' is already in flight", "body.rid"));
+    } else if (gen->max_new_tokens > config_.limits.max_new_tokens) {
+      reply_error(client, id, Status(ErrorCode::kOutOfRange, "max_new_tokens above this daemon's limit",
+                                     "body.max_new_tokens"));
+    } else {
+      core::RequestSpec spec;
+      spec.rid = gen->rid;
+      spec.input_ids = std::move(gen->input_ids);
+      spec.max_new_tokens = gen->max_new_tokens;
+      spec.sampling.temperature = static_cast<float>(gen->temperature);
+      spec.sampling.top_p = static_cast<float>(gen->top_p);
+      spec.sampling.top_k = gen->top_k;
+      spec.sampling.min_p = static_cast<float>(gen->min_p);
+      spec.sampling.seed = gen->seed ? *gen->seed : seed_rng_();
+      spec.stop_token_ids = std::move(gen->stop_token_ids);
+      spec.return_logprob = gen->return_logprob;
+      spec.return_routed_experts = gen->return_routed_experts;
+      spec.routed_experts_start_len = gen->routed_experts_start_len;
+      spec.tag = client;
+      Route route;
+      route.client = client;
+      route.envelope_id = id;
+      route.stream = gen->stream;
+      route.pending.rid = gen->rid;
+      routes_.emplace(gen->rid, std::move(route));
+      ++clients_[client].num_routes;
+      send_engine(SubmitCommand{std::move(spec)});
+    }
+  } else if (auto* abort = std::get_if<protocol::AbortRequest>(&req)) {
+    AbortCommand cmd;
+    cmd.rid = abort->all ? std::nullopt : abort->rid;
+    cmd.reason = "client";
+    cmd.client = client;
+    cmd.envelope_id = id;
+    send_engine(std::move(cmd));
+  } else if (auto* shut = std::get_if<protocol::ShutdownRequest>(&req)) {
+    enqueue(client, protocol::encode_reply(id, protocol::ShutdownReply{true}), true);
+    begin_drain(shut->drain ? shut->deadline_s : 0.0, "shutdown request");
+  }
+  metrics_.observe_control_seconds(std::chrono::duration<double>(Clock::now() - t0).count());
+}
+
+protocol::TokensEvent ControlActor::to_tokens(const core::EngineEvent& ev) const {
+  protocol::TokensEvent t;
+  t.rid = ev.rid;
+  t.token_ids = ev.token_ids;
+  t.logprobs.assign(ev.logprobs.begin(), ev.logprobs.end());
+  t.weight_versions = ev.weight_versions;
+  if (ev.routed_num_tokens > 0) {
+    protocol::RoutedExperts r;
+    r.dtype = model_.routed_experts_dtype;
+    r.num_tokens = static_cast<uint32_t>(ev.routed_num_tokens);
+    r.num_layers = model_.num_moe_layers;
+    r.top_k = model_.top_k;
+    r.start_pos = static_cast<uint32_t>(ev.routed_start_pos);
+    append_packed(r.data, ev.routed_rows, r.dtype);
+    t.routed_experts = std::move(r);
+  }
+  return t;
+}
+
+void ControlActor::drop_route(const std::string& rid) {
+  auto it = routes_.find(rid);
+  if (it == routes_.end()) return;
+  auto c = clients_.find(it->second.client);
+  if (c != clients_.end() && c->second.num_routes > 0) --c->second.num_routes;
+  routes_.erase(it);
+}
+
+void ControlActor::on_event(core::EngineEvent& ev) {
+  auto it = routes_.find(ev.rid);
+  if (it == routes_.end()) {
+    obs::log_error("control", "event for an unknown request", {{"rid", ev.rid}});
+    metrics_.on_error("internal");
+    return;
+  }
+  Route& route = it->second;
+  auto client_it = clients_.find(route.client);
+  const bool client_gone = client_it == clients_.end() || client_it->second.gone;
+  switch (ev.kind) {
+    case core::EngineEvent::Kind::kTokens: {
+      protocol::TokensEvent t = to_tokens(ev);
+      if (route.stream) {
+        enqueue(route.client, protocol::encode_event(route.envelope_id, protocol::Event{std::move(t)}), false);
+      } else {
+        // stream=false: one tokens event with everything, right before the final event.
+        auto& p = route.pending;
+        p.token_ids.insert(p.token_ids.end(), t.token_ids.begin(), t.token_ids.end());
+        p.logprobs.insert(p.logprobs.end(), t.logprobs.begin(), t.logprobs.end());
+        p.weight_versions.insert(p.weight_versions.end(), t.weight_versions.begin(), t.weight_versions.end());
+        if (t.routed_experts) {
+          if (!p.routed_experts) {
+            p.routed_experts = std::move(t.routed_experts);
+          } else {
+            p.routed_experts->num_tokens += t.routed_experts->num_tokens;
+            p.routed_experts->data += t.routed_experts->data;
+          }
+        }
+      }
+      return;
+    }
+    case core::EngineEvent::Kind::kFinished:
+    case core::EngineEvent::Kind::kFailed: {
+      if (ev.kind == core::EngineEvent::Kind::kFinished && ev.finish_reason == "abort" &&
+          (ev.abort_reason == "client_gone" || ev.abort_reason == "backpressure"))
+        metrics_.on_stream_abort(ev.abort_reason);
+      if (client_gone) {
+        // Counted above (client_gone) and logged when the peer vanished; nobody to tell.
+        drop_route(ev.rid);
+        return;
+      }
+      if (!route.stream && (!route.pending.token_ids.empty() || route.pending.routed_experts)) {
+        enqueue(route.client,
+                protocol::encode_event(route.envelope_id, protocol::Event{std::move(route.pending)}), true);
+      }
+      protocol::Event final_ev;
+      if (ev.kind == core::EngineEvent::Kind::kFinished) {
+        protocol::FinishedEvent f;
+        f.rid = ev.rid;
+        f.reason = ev.finish_reason;
+        f.abort_reason = ev.abort_reason;
+        f.prompt_tokens = ev.prompt_tokens;
+        f.completion_tokens = ev.completion_tokens;
+        final_ev = std::move(f);
+      } else {
+        protocol::FailedEvent f;
+        f.rid = ev.rid;
+        f.error = protocol::to_error_info(ev.error);
+        final_ev = std::move(f);
+      }
+      enqueue(route.client, protocol::encode_event(route.envelope_id, final_ev), true);
+      drop_route(ev.rid);
+      return;
+    }
+  }
+}
+
+void ControlActor::on_engine_output(EngineOutput& out) {
+  if (auto* r = std::get_if<SubmitResult>(&out)) {
+    auto it = routes_.find(r->rid);
+    if (it == routes_.end()) return;
+    if (r->status.ok()) {
+      it->second.accepted = true;
+      enqueue(r->client, protocol::encode_reply(it->second.envelope_id, protocol::GenerateReply{r->rid}), true);
+    } else {
+      // The engine's field names are relative to the generate body.
+      const uint64_t env_id = it->second.envelope_id;
+      drop_route(r->rid);
+      reply_error(r->client, env_id, r->status.with_field_prefix(r->status.field().empty() ? "" : "body"));
+    }
+  } else if (auto* a = std::get_if<AbortResult>(&out)) {
+    if (a->status.ok()) {
+      enqueue(a->client, protocol::encode_reply(a->envelope_id, protocol::AbortReply{a->num_aborted}), true);
+    } else {
+      reply_error(a->client, a->envelope_id, a->status);
+    }
+  } else if (auto* b = std::get_if<EventBatch>(&out)) {
+    for (auto& ev : b->events) on_event(ev);
+  } else if (std::holds_alternative<DrainDone>(out)) {
+    drain_done_ = true;
+    flush_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                         std::chrono::duration<double>(config_.flush_timeout_s));
+  } else if (auto* f = std::get_if<EngineFault>(&out)) {
+    obs::log_error("control", "engine fault; shutting down for a restart", {{"error", f->status.to_string()}});
+    exit_code_ = 3;
+    begin_drain(0.0, "engine fault");
+  }
+}
+
+void ControlActor::flush_client(uint64_t id, ClientState& c) {
+  while (!c.outbox.empty()) {
+    protocol::WireMessage& m = c.outbox.front();
+    try {
+      zmq::message_t ident(c.identity.data(), c.identity.size());
+      if (!router_.send(ident, zmq::send_flags::sndmore | zmq::send_flags::dontwait)) return;  // HWM: later
+      // Once the routing frame is accepted the rest of the message goes through.
+      const bool has_frames = !m.frames.empty();
+      router_.send(zmq::buffer(m.envelope), has_frames ? zmq::send_flags::sndmore : zmq::send_flags::none);
+      for (size_t i = 0; i < m.frames.size(); ++i)
+        router_.send(zmq::buffer(m.frames[i]),
+                     i + 1 < m.frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+      c.outbox.pop_front();
+    } catch (const zmq::error_t& e) {
+      if (e.num() == EHOSTUNREACH) {
+        c.gone = true;
+        const size_t dropped = c.outbox.size();
+        c.outbox.clear();
+        obs::log_warn("control", "client disconnected; aborting its requests",
+                      {{"client", id}, {"undelivered_messages", dropped}, {"requests", c.num_routes}});
+        if (c.num_routes > 0) send_engine(AbortClientCommand{id, "client_gone"});
+      } else {
+        obs::log_error("control", "send failed", {{"client", id}, {"error", e.what()}});
+        metrics_.on_error("unavailable");
+      }
+      return;
+    }
+  }
+}
+
+void ControlActor::flush() {
+  for (auto& [id, c] : clients_)
+    if (!c.gone && !c.outbox.empty()) flush_client(id, c);
+}
+
+void ControlActor::begin_drain(double deadline_s, const std::string& why) {
+  if (draining_) return;
+  draining_ = true;
+  obs::log_info("control", "drain started", {{"why", why}, {"deadline_s", deadline_s}});
+  send_engine(DrainCommand{deadline_s});
+}
+
+int ControlActor::run() {
+  obs::log_info("control", "control loop started");
+  while (true) {
+    heartbeat_.beat();
+    if (drain_requested_.load() && !draining_) begin_drain(config_.drain_timeout_s, "signal");
+
+    bool pending_out = false;
+    for (auto& [id, c] : clients_) pending_out |= !c.gone && !c.outbox.empty();
+    zmq::pollitem_t items[] = {
+        {router_.handle(), 0, static_cast<short>(ZMQ_POLLIN | (pending_out ? ZMQ_POLLOUT : 0)), 0},
+        {engine_->socket().handle(), 0, ZMQ_POLLIN, 0},
+    };
+    try {
+      // POLLOUT on a ROUTER means "some peer can take a message"; cap the wait anyway so a
+      // peer stuck at its HWM does not turn this into a busy loop or a stall.
+      zmq::poll(items, 2, std::chrono::milliseconds(pending_out ? 5 : 50));
+    } catch (const zmq::error_t& e) {
+      if (e.num() != EINTR) obs::log_error("control", "poll failed", {{"error", e.what()}});
+    }
+
+    if (items[0].revents & ZMQ_POLLIN) {
+      for (int n = 0; n < kMaxRequestsPerTurn; ++n) {
+        std::vector<zmq::message_t> parts;
+        std::optional<size_t> got;
+        try {
+          got = zmq::recv_multipart(router_, std::back_inserter(parts), zmq::recv_flags::dontwait);
+        } catch (const zmq::error_t& e) {
+          obs::log_error("control", "receive failed", {{"error", e.what()}});
+          break;
+        }
+        if (!got) break;
+        if (parts.empty()) continue;
+        const std::string identity(static_cast<const char*>(parts[0].data()), parts[0].size());
+        on_request(identity, parts);
+      }
+    }
+    while (auto mail = engine_->try_recv<EngineOutputMail>()) on_engine_output(mail->out);
+    flush();
+    gc_clients();
+
+    if (draining_ && drain_done_ && !stop_sent_) {
+      bool undelivered = false;
+      for (auto& [id, c] : clients_) undelivered |= !c.gone && !c.outbox.empty();
+      if (!undelivered || Clock::now() >= flush_deadline_) {
+        size_t left = 0;
+        for (auto& [id, c] : clients_) left += c.gone ? 0 : c.outbox.size();
+        if (left) obs::log_warn("control", "flush deadline reached with undelivered messages", {{"count", left}});
+        send_engine(StopCommand{});
+        stop_sent_ = true;
+        break;
+      }
+    }
+  }
+  obs::log_info("control", "control loop stopped", {{"exit_code", exit_code_}});
+  return exit_code_;
+}
+
+}  // namespace rolloutd::daemon

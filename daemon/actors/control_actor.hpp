@@ -1,0 +1,102 @@
+#pragma once
+// The control actor: owns the ROUTER socket. It decodes and validates every
+// request, answers what it can from published snapshots, hands generation work
+// to the engine through the mailbox, and delivers replies and events back to the
+// client that asked -- the stream role lives here because a ZeroMQ socket
+// belongs to one thread and events travel on the client's own connection
+// (protocol/SPEC.md argues the choice).
+//
+// Delivery: per-client outbox, non-blocking sends with ZMQ_ROUTER_MANDATORY. A
+// peer that is gone (EHOSTUNREACH) or an outbox past its bound makes the engine
+// abort that client's requests, with the reason in their final events and in
+// rolloutd_stream_aborts_total: a stream is never dropped silently.
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <random>
+#include <string>
+#include <unordered_map>
+
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
+
+#include "daemon/actors/mail.hpp"
+#include "daemon/actors/mailbox.hpp"
+#include "daemon/config.hpp"
+#include "daemon/obs/metrics.hpp"
+#include "daemon/state.hpp"
+#include "protocol/codec.hpp"
+
+namespace rolloutd::daemon {
+
+class ControlActor {
+ public:
+  ControlActor(zmq::context_t& ctx, const DaemonConfig& config, std::unique_ptr<MailboxEnd> engine,
+               obs::Metrics& metrics, SnapshotCell<EngineSnapshot>& snapshot, Heartbeat& heartbeat,
+               protocol::ModelInfo model, int32_t gpu, std::atomic<bool>& drain_requested);
+  ~ControlActor();
+
+  // Binds the ROUTER; returns the bound endpoint ("tcp://127.0.0.1:7600").
+  Result<std::string> bind();
+  // Thread body. Returns the process exit code: 0 after a clean drain, 3 after an engine fault.
+  int run();
+
+ private:
+  struct ClientState {
+    std::string identity;
+    std::deque<protocol::WireMessage> outbox;
+    uint32_t num_routes = 0;
+    bool gone = false;
+    bool over_limit = false;
+  };
+  struct Route {
+    uint64_t client = 0;
+    uint64_t envelope_id = 0;
+    bool stream = true;
+    bool accepted = false;
+    protocol::TokensEvent pending;  // stream=false: everything so far
+  };
+
+  void on_request(const std::string& identity, std::vector<zmq::message_t>& parts);
+  void on_engine_output(EngineOutput& out);
+  void on_event(core::EngineEvent& ev);
+  void enqueue(uint64_t client, protocol::WireMessage msg, bool is_final);
+  void reply_error(uint64_t client, uint64_t id, const Status& s);
+  void flush();
+  void flush_client(uint64_t id, ClientState& c);
+  void begin_drain(double deadline_s, const std::string& why);
+  void send_engine(EngineCommand cmd);
+  void drop_route(const std::string& rid);
+  void gc_clients();
+  uint64_t client_for(const std::string& identity);
+  protocol::StatusReply status_reply() const;
+  protocol::TokensEvent to_tokens(const core::EngineEvent& ev) const;
+
+  zmq::context_t& ctx_;
+  const DaemonConfig& config_;
+  std::unique_ptr<MailboxEnd> engine_;
+  obs::Metrics& metrics_;
+  SnapshotCell<EngineSnapshot>& snapshot_;
+  Heartbeat& heartbeat_;
+  protocol::ModelInfo model_;
+  int32_t gpu_;
+  std::atomic<bool>& drain_requested_;
+  zmq::socket_t router_;
+
+  std::unordered_map<std::string, uint64_t> client_ids_;
+  std::unordered_map<uint64_t, ClientState> clients_;
+  std::unordered_map<std::string, Route> routes_;
+  uint64_t next_client_ = 1;
+  std::mt19937_64 seed_rng_;
+  std::chrono::steady_clock::time_point started_;
+
+  bool draining_ = false;
+  bool drain_done_ = false;
+  bool stop_sent_ = false;
+  int exit_code_ = 0;
+  std::chrono::steady_clock::time_point flush_deadline_;
+};
+
+}  // namespace rolloutd::daemon

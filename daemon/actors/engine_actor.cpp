@@ -1,0 +1,186 @@
+#include "daemon/actors/engine_actor.hpp"
+
+#include "daemon/obs/log.hpp"
+
+namespace rolloutd::daemon {
+
+using Clock = std::chrono::steady_clock;
+
+EngineActor::EngineActor(std::unique_ptr<core::Engine> engine, std::unique_ptr<MailboxEnd> mailbox,
+                         obs::Metrics& metrics, SnapshotCell<EngineSnapshot>& snapshot,
+                         Heartbeat& heartbeat)
+    : engine_(std::move(engine)),
+      mailbox_(std::move(mailbox)),
+      metrics_(metrics),
+      snapshot_(snapshot),
+      heartbeat_(heartbeat) {}
+
+void EngineActor::send(EngineOutput out) {
+  auto mail = std::make_unique<EngineOutputMail>();
+  mail->out = std::move(out);
+  Status s = mailbox_->send(std::move(mail));
+  // The control actor outlives the engine loop; a failed hand-off is a bug.
+  if (!s.ok()) obs::log_error("engine", "mailbox send failed", {{"error", s.to_string()}});
+}
+
+void EngineActor::account(const std::vector<core::EngineEvent>& events) {
+  uint64_t generated = 0;
+  for (const auto& e : events) {
+    switch (e.kind) {
+      case core::EngineEvent::Kind::kTokens: generated += e.token_ids.size(); break;
+      case core::EngineEvent::Kind::kFinished: metrics_.on_finished(e.finish_reason); break;
+      case core::EngineEvent::Kind::kFailed: metrics_.on_finished("failed"); break;
+    }
+  }
+  if (generated) metrics_.add_generated_tokens(generated);
+}
+
+void EngineActor::handle(EngineCommand& cmd) {
+  std::vector<core::EngineEvent> events;
+  if (auto* submit = std::get_if<SubmitCommand>(&cmd)) {
+    SubmitResult r;
+    r.rid = submit->spec.rid;
+    r.client = submit->spec.tag;
+    if (draining_) {
+      r.status = Status(ErrorCode::kDraining, "daemon is draining; no new requests");
+    } else if (faulted_) {
+      r.status = Status(ErrorCode::kNotReady, "engine faulted: " + fault_reason_);
+    } else {
+      r.status = engine_->submit(std::move(submit->spec));
+    }
+    send(std::move(r));
+  } else if (auto* abort = std::get_if<AbortCommand>(&cmd)) {
+    AbortResult r;
+    r.client = abort->client;
+    r.envelope_id = abort->envelope_id;
+    if (abort->rid) {
+      if (engine_->abort(*abort->rid, abort->reason, events)) {
+        r.num_aborted = 1;
+      } else {
+        r.status = Status(ErrorCode::kUnknownRid, "no request '" + *abort->rid + "' in flight",
+                          "body.rid");
+      }
+    } else {
+      r.num_aborted = static_cast<uint32_t>(engine_->abort_all(abort->reason, events));
+    }
+    // Final events first, then the reply: a client that sees abort.ok has its events queued.
+    account(events);
+    if (!events.empty()) send(EventBatch{std::move(events)});
+    send(std::move(r));
+  } else if (auto* gone = std::get_if<AbortClientCommand>(&cmd)) {
+    const size_t n = engine_->abort_all(gone->reason, events, gone->client);
+    if (n) obs::log_warn("engine", "aborted requests of a client",
+                         {{"client", gone->client}, {"reason", gone->reason}, {"count", n}});
+    account(events);
+    if (!events.empty()) send(EventBatch{std::move(events)});
+  } else if (auto* drain = std::get_if<DrainCommand>(&cmd)) {
+    if (!draining_) {
+      draining_ = true;
+      drain_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(drain->deadline_s));
+      const auto st = engine_->stats();
+      obs::log_info("engine", "draining",
+                    {{"deadline_s", drain->deadline_s}, {"running", st.num_running}, {"waiting", st.num_waiting}});
+    }
+  } else if (std::holds_alternative<StopCommand>(cmd)) {
+    // Anything still in flight gets its final event before the loop ends.
+    engine_->abort_all("shutdown", events);
+    account(events);
+    if (!events.empty()) send(EventBatch{std::move(events)});
+    stop_ = true;
+  }
+}
+
+void EngineActor::publish() {
+  const auto st = engine_->stats();
+  auto s = std::make_shared<EngineSnapshot>();
+  if (faulted_) {
+    s->state = "not_ready";
+    s->reason = "engine fault: " + fault_reason_;
+  } else if (draining_) {
+    s->state = "draining";
+    s->reason = "draining";
+  } else {
+    s->state = "ready";
+  }
+  s->weight_version = engine_->weight_version();
+  s->num_waiting = st.num_waiting;
+  s->num_running = st.num_running;
+  s->num_requests_total = st.num_requests_total;
+  s->num_prompt_tokens_total = st.num_prompt_tokens_total;
+  s->num_generated_tokens_total = st.num_generated_tokens_total;
+  s->kv_blocks_free = st.kv_blocks_free;
+  s->kv_blocks_total = st.kv_blocks_total;
+  s->num_steps_total = steps_;
+  metrics_.set_queue_depth(st.num_waiting, st.num_running);
+  metrics_.set_ready(s->state == "ready");
+  metrics_.set_weight_version(s->weight_version);
+  if (st.num_prompt_tokens_total > prompt_tokens_seen_) {
+    metrics_.add_prompt_tokens(st.num_prompt_tokens_total - prompt_tokens_seen_);
+    prompt_tokens_seen_ = st.num_prompt_tokens_total;
+  }
+  snapshot_.publish(std::move(s));
+}
+
+void EngineActor::run() {
+  publish();
+  obs::log_info("engine", "engine loop started");
+  while (!stop_) {
+    heartbeat_.beat();
+    // Busy: only look at the mailbox between steps. Idle: sleep on it (bounded, so the
+    // heartbeat keeps beating and drain deadlines are checked).
+    const auto timeout = engine_->has_work() ? std::chrono::milliseconds(0) : std::chrono::milliseconds(50);
+    zmq::pollitem_t items[] = {{mailbox_->socket().handle(), 0, ZMQ_POLLIN, 0}};
+    try {
+      zmq::poll(items, 1, timeout);
+    } catch (const zmq::error_t& e) {
+      if (e.num() != EINTR) obs::log_error("engine", "poll failed", {{"error", e.what()}});
+    }
+    while (auto mail = mailbox_->try_recv<EngineCommandMail>()) {
+      handle(mail->cmd);
+      if (stop_) break;
+    }
+    if (stop_) break;
+
+    if (draining_ && engine_->has_work() && Clock::now() >= drain_deadline_) {
+      std::vector<core::EngineEvent> events;
+      const size_t n = engine_->abort_all("shutdown", events);
+      obs::log_warn("engine", "drain deadline reached; aborted in-flight requests", {{"count", n}});
+      account(events);
+      if (!events.empty()) send(EventBatch{std::move(events)});
+    }
+    if (engine_->has_work()) {
+      std::vector<core::EngineEvent> events;
+      const auto t0 = Clock::now();
+      Status st = engine_->step(events);
+      const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+      ++steps_;
+      metrics_.observe_step_seconds(dt);
+      account(events);
+      if (!events.empty()) send(EventBatch{std::move(events)});
+      if (!st.ok()) {
+        obs::log_error("engine", "step failed", {{"error", st.to_string()}});
+        metrics_.on_error(error_code_name(st.code()));
+        // A CUDA error poisons the context: the launcher must restart the process.
+        if (st.code() == ErrorCode::kCudaError && !faulted_) {
+          faulted_ = true;
+          fault_reason_ = st.to_string();
+          std::vector<core::EngineEvent> rest;
+          engine_->abort_all("engine_fault", rest);
+          account(rest);
+          if (!rest.empty()) send(EventBatch{std::move(rest)});
+          send(EngineFault{st});
+        }
+      }
+    }
+    if (draining_ && !drain_done_sent_ && !engine_->has_work()) {
+      drain_done_sent_ = true;
+      send(DrainDone{});
+    }
+    publish();
+  }
+  publish();
+  obs::log_info("engine", "engine loop stopped", {{"steps", steps_}});
+}
+
+}  // namespace rolloutd::daemon

@@ -1,0 +1,113 @@
+#include "daemon/config.hpp"
+
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+
+#include "build_info.hpp"
+
+namespace rolloutd::daemon {
+
+ParseOutcome parse_config(int argc, const char* const* argv) {
+  ParseOutcome out;
+  DaemonConfig& c = out.config;
+  CLI::App app{"rolloutd: per-GPU rollout worker daemon for RL on MoE language models"};
+  app.set_version_flag("--version", std::string(build::kVersion));
+  app.option_defaults()->always_capture_default();
+
+  auto add = [&](const std::string& flag, auto& value, const std::string& env, const std::string& help) {
+    return app.add_option(flag, value, help)->envname(env);
+  };
+  add("--bind", c.bind_address, "ROLLOUTD_BIND", "address the control socket binds (loopback by default)");
+  add("--control-port", c.control_port, "ROLLOUTD_CONTROL_PORT", "control socket port (0: ephemeral)")
+      ->check(CLI::Range(0, 65535));
+  add("--http-bind", c.http_bind_address, "ROLLOUTD_HTTP_BIND", "address of the HTTP health/metrics server");
+  add("--http-port", c.http_port, "ROLLOUTD_HTTP_PORT", "HTTP port (0: ephemeral)")
+      ->check(CLI::Range(0, 65535));
+  add("--endpoints-file", c.endpoints_file, "ROLLOUTD_ENDPOINTS_FILE",
+      "write the bound endpoints as JSON to this file once listening");
+  add("--model", c.model, "ROLLOUTD_MODEL", "model to serve (embedded:tiny-moe)");
+  add("--model-seed", c.model_seed, "ROLLOUTD_MODEL_SEED", "seed of the embedded model's weights");
+  add("--device", c.device, "ROLLOUTD_DEVICE", "compute backend")->check(CLI::IsMember({"cpu", "cuda"}));
+  add("--gpu", c.gpu, "ROLLOUTD_GPU", "CUDA device ordinal (with --device cuda)")->check(CLI::Range(-1, 1023));
+  add("--max-running", c.max_running, "ROLLOUTD_MAX_RUNNING", "requests decoding at once")
+      ->check(CLI::Range(1, 4096));
+  add("--max-waiting", c.max_waiting, "ROLLOUTD_MAX_WAITING", "queued requests before 'overloaded'")
+      ->check(CLI::Range(1, 1 << 20));
+  add("--max-step-tokens", c.max_step_tokens, "ROLLOUTD_MAX_STEP_TOKENS",
+      "tokens per forward step (chunked-prefill budget)")->check(CLI::Range(1, 1 << 20));
+  add("--kv-blocks", c.kv_blocks, "ROLLOUTD_KV_BLOCKS", "KV cache blocks")->check(CLI::Range(1, 1 << 24));
+  add("--kv-block-size", c.kv_block_size, "ROLLOUTD_KV_BLOCK_SIZE", "tokens per KV block")
+      ->check(CLI::Range(1, 1024));
+  add("--max-blocks-per-seq", c.max_blocks_per_seq, "ROLLOUTD_MAX_BLOCKS_PER_SEQ",
+      "KV blocks one request may hold")->check(CLI::Range(1, 1 << 20));
+  add("--max-new-tokens-limit", c.limits.max_new_tokens, "ROLLOUTD_MAX_NEW_TOKENS_LIMIT",
+      "largest max_new_tokens accepted")->check(CLI::Range(1u, 1u << 24));
+  add("--max-input-tokens", c.limits.max_input_tokens, "ROLLOUTD_MAX_INPUT_TOKENS",
+      "longest prompt accepted")->check(CLI::Range(1u, 1u << 24));
+  add("--outbox-limit", c.outbox_limit, "ROLLOUTD_OUTBOX_LIMIT",
+      "undelivered messages per client before its requests are aborted")->check(CLI::Range(16, 1 << 24));
+  add("--drain-timeout-s", c.drain_timeout_s, "ROLLOUTD_DRAIN_TIMEOUT_S",
+      "on SIGTERM, let in-flight requests finish for at most this long")->check(CLI::Range(0.0, 3600.0));
+  add("--flush-timeout-s", c.flush_timeout_s, "ROLLOUTD_FLUSH_TIMEOUT_S",
+      "then deliver final events for at most this long")->check(CLI::Range(0.0, 600.0));
+  add("--stale-heartbeat-s", c.stale_heartbeat_s, "ROLLOUTD_STALE_HEARTBEAT_S",
+      "/livez fails when an actor loop has not turned for this long")->check(CLI::Range(0.1, 3600.0));
+  add("--log-level", c.log_level, "ROLLOUTD_LOG_LEVEL", "debug | info | warn | error")
+      ->check(CLI::IsMember({"debug", "info", "warn", "error"}));
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    out.exit_now = true;
+    const int rc = app.exit(e);  // prints help/version (rc 0) or the error (rc != 0)
+    out.exit_code = rc == 0 ? 0 : 64;
+    return out;
+  }
+  return out;
+}
+
+Status validate(const DaemonConfig& c) {
+  if (c.device == "cuda" && c.gpu < 0)
+    return Status(ErrorCode::kInvalidArgument, "--device cuda needs --gpu <ordinal>", "gpu");
+  if (c.device == "cpu" && c.gpu >= 0)
+    return Status(ErrorCode::kInvalidArgument, "--gpu is only meaningful with --device cuda", "gpu");
+  if (c.control_port != 0 && c.control_port == c.http_port && c.bind_address == c.http_bind_address)
+    return Status(ErrorCode::kInvalidArgument, "control and HTTP ports must differ", "http_port");
+  if (c.max_blocks_per_seq > c.kv_blocks)
+    return Status(ErrorCode::kInvalidArgument, "max_blocks_per_seq exceeds kv_blocks",
+                  "max_blocks_per_seq");
+  if (c.model.rfind("embedded:", 0) != 0 || c.model != "embedded:tiny-moe")
+    return Status(ErrorCode::kUnimplemented,
+                  "only the embedded model 'embedded:tiny-moe' is served by this build", "model");
+  return Status::Ok();
+}
+
+nlohmann::json to_json(const DaemonConfig& c) {
+  return {
+      {"bind", c.bind_address},
+      {"control_port", c.control_port},
+      {"http_bind", c.http_bind_address},
+      {"http_port", c.http_port},
+      {"endpoints_file", c.endpoints_file},
+      {"model", c.model},
+      {"model_seed", c.model_seed},
+      {"device", c.device},
+      {"gpu", c.gpu},
+      {"max_running", c.max_running},
+      {"max_waiting", c.max_waiting},
+      {"max_step_tokens", c.max_step_tokens},
+      {"kv_blocks", c.kv_blocks},
+      {"kv_block_size", c.kv_block_size},
+      {"max_blocks_per_seq", c.max_blocks_per_seq},
+      {"max_new_tokens_limit", c.limits.max_new_tokens},
+      {"max_input_tokens", c.limits.max_input_tokens},
+      {"outbox_limit", c.outbox_limit},
+      {"drain_timeout_s", c.drain_timeout_s},
+      {"flush_timeout_s", c.flush_timeout_s},
+      {"stale_heartbeat_s", c.stale_heartbeat_s},
+      {"log_level", c.log_level},
+  };
+}
+
+}  // namespace rolloutd::daemon

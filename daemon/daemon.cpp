@@ -1,0 +1,216 @@
+#include "daemon/daemon.hpp"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <thread>
+
+#if defined(ROLLOUTD_WITH_SYSTEMD)
+#include <systemd/sd-daemon.h>
+#endif
+
+#include "build_info.hpp"
+#include "core/engine/engine.hpp"
+#include "core/model/embedded_model.hpp"
+#include "daemon/actors/control_actor.hpp"
+#include "daemon/actors/engine_actor.hpp"
+#include "daemon/http/http_server.hpp"
+#include "daemon/obs/log.hpp"
+#include "daemon/obs/metrics.hpp"
+#include "daemon/state.hpp"
+
+namespace rolloutd::daemon {
+namespace {
+
+void notify_systemd(const char* state) {
+#if defined(ROLLOUTD_WITH_SYSTEMD)
+  sd_notify(0, state);
+#else
+  (void)state;
+#endif
+}
+
+// Written atomically (temp file + rename) so a launcher polling for it never reads half a file.
+Status write_endpoints_file(const std::string& path, const nlohmann::json& j) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream f(tmp, std::ios::trunc);
+    if (!f) return Status(ErrorCode::kUnavailable, "cannot write " + tmp, "endpoints_file");
+    f << j.dump() << "\n";
+    if (!f.good()) return Status(ErrorCode::kUnavailable, "cannot write " + tmp, "endpoints_file");
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) return Status(ErrorCode::kUnavailable, "cannot rename to " + path + ": " + ec.message(), "endpoints_file");
+  return Status::Ok();
+}
+
+nlohmann::json snapshot_json(const EngineSnapshot* s) {
+  if (!s) return {{"state", "starting"}};
+  return {{"state", s->state},
+          {"reason", s->reason},
+          {"weight_version", s->weight_version},
+          {"queue", {{"waiting", s->num_waiting}, {"running", s->num_running}}},
+          {"kv_blocks", {{"free", s->kv_blocks_free}, {"total", s->kv_blocks_total}}},
+          {"requests_total", s->num_requests_total},
+          {"prompt_tokens_total", s->num_prompt_tokens_total},
+          {"generated_tokens_total", s->num_generated_tokens_total},
+          {"steps_total", s->num_steps_total}};
+}
+
+}  // namespace
+
+int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
+  const auto started = std::chrono::steady_clock::now();
+  obs::log_info("daemon", "configuration", to_json(config));
+  if (Status s = validate(config); !s.ok()) {
+    obs::log_error("daemon", "invalid configuration", {{"error", s.to_string()}});
+    return kExitUsage;
+  }
+
+  // ---- device and model ----
+  const Backend* backend = &cpu_backend();
+  ExecContext ctx;
+  if (config.device == "cuda") {
+    backend = cuda_backend();
+    if (!backend || cuda_device_count() <= config.gpu) {
+      obs::log_error("daemon", "CUDA device not available",
+                     {{"gpu", config.gpu}, {"visible_devices", cuda_device_count()},
+                      {"cuda_built", cuda_backend() != nullptr}});
+      return kExitStartupFailure;
+    }
+    ctx.device = Device::cuda(config.gpu);
+  }
+  core::ModelConfig mc = core::embedded_model_config();
+  core::StepLimits limits;
+  limits.max_tokens = config.max_step_tokens;
+  limits.max_seqs = config.max_running;
+  limits.num_kv_blocks = config.kv_blocks;
+  limits.kv_block_size = config.kv_block_size;
+  limits.max_blocks_per_seq = config.max_blocks_per_seq;
+  auto model = core::MoeDecoder::create(mc, limits, *backend, ctx);
+  if (!model.ok()) {
+    obs::log_error("daemon", "model build failed", {{"error", model.status().to_string()}});
+    return kExitStartupFailure;
+  }
+  if (Status s = core::init_random_weights(**model, config.model_seed); !s.ok()) {
+    obs::log_error("daemon", "model init failed", {{"error", s.to_string()}});
+    return kExitStartupFailure;
+  }
+  core::EngineOptions eo;
+  eo.max_running = config.max_running;
+  eo.max_waiting = config.max_waiting;
+  eo.step = limits;
+  auto engine = core::Engine::create(std::move(*model), eo);
+  if (!engine.ok()) {
+    obs::log_error("daemon", "engine build failed", {{"error", engine.status().to_string()}});
+    return kExitStartupFailure;
+  }
+  protocol::ModelInfo info;
+  info.name = mc.name;
+  info.family = mc.family;
+  info.vocab_size = static_cast<uint32_t>(mc.vocab_size);
+  info.num_layers = static_cast<uint32_t>(mc.num_hidden_layers);
+  info.num_moe_layers = static_cast<uint32_t>(mc.num_moe_layers());
+  info.num_experts = static_cast<uint32_t>(mc.num_experts);
+  info.top_k = static_cast<uint32_t>(mc.num_experts_per_tok);
+  info.routed_experts_dtype = core::routed_experts_dtype_for(mc.num_experts);
+  obs::log_info("daemon", "model ready",
+                {{"model", mc.name}, {"device", ctx.device.to_string()}, {"seed", config.model_seed},
+                 {"parameters", (*engine)->model().parameters().size()}});
+
+  // ---- actors ----
+  obs::Metrics metrics;
+  metrics.set_build_info(build::kVersion, build::kCudaEnabled);
+  SnapshotCell<EngineSnapshot> snapshot;
+  Heartbeat control_hb, engine_hb;
+  zmq::context_t zctx(1);
+
+  auto control_box = MailboxEnd::bind(zctx, "engine");
+  auto engine_box = control_box.ok() ? MailboxEnd::connect(zctx, "engine") : control_box.status();
+  if (!control_box.ok() || !engine_box.ok()) {
+    obs::log_error("daemon", "mailbox setup failed");
+    return kExitStartupFailure;
+  }
+  const int32_t gpu = config.device == "cuda" ? config.gpu : -1;
+  ControlActor control(zctx, config, std::move(*control_box), metrics, snapshot, control_hb, info, gpu,
+                       drain_requested);
+  auto control_ep = control.bind();
+  if (!control_ep.ok()) {
+    obs::log_error("daemon", "bind failed", {{"error", control_ep.status().to_string()}});
+    return kExitStartupFailure;
+  }
+
+  // HTTP: GET only, reads published snapshots and heartbeats, never waits on an actor.
+  const double stale_s = config.stale_heartbeat_s;
+  std::map<std::string, http::HttpHandler> routes;
+  routes["/livez"] = [&]() {
+    const double c = control_hb.age_s(), e = engine_hb.age_s();
+    if (c > stale_s || e > stale_s)
+      return http::HttpResponse{503, "application/json",
+                                nlohmann::json{{"alive", false}, {"control_heartbeat_age_s", c},
+                                               {"engine_heartbeat_age_s", e}}.dump()};
+    return http::HttpResponse{200, "application/json", nlohmann::json{{"alive", true}}.dump()};
+  };
+  routes["/readyz"] = [&]() {
+    auto s = snapshot.load();
+    const bool draining = drain_requested.load();
+    const bool ready = s && s->state == "ready" && !draining;
+    nlohmann::json j{{"ready", ready},
+                     {"state", s ? (draining && s->state == "ready" ? "draining" : s->state) : "starting"},
+                     {"reason", s ? s->reason : "starting"}};
+    return http::HttpResponse{ready ? 200 : 503, "application/json", j.dump()};
+  };
+  routes["/metrics"] = [&]() {
+    metrics.set_uptime_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+    return http::HttpResponse{200, "text/plain; version=0.0.4; charset=utf-8", metrics.serialize()};
+  };
+  routes["/v1/status"] = [&]() {
+    auto s = snapshot.load();
+    nlohmann::json j = snapshot_json(s.get());
+    j["uptime_s"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    j["build"] = {{"version", build::kVersion}, {"type", build::kBuildType}, {"cuda", build::kCudaEnabled}};
+    j["model"] = {{"name", info.name}, {"family", info.family}, {"vocab_size", info.vocab_size},
+                  {"num_layers", info.num_layers}, {"num_experts", info.num_experts}, {"top_k", info.top_k},
+                  {"routed_experts_dtype", info.routed_experts_dtype}};
+    j["device"] = ctx.device.to_string();
+    j["draining"] = drain_requested.load() || (s && s->state == "draining");
+    j["pid"] = ::getpid();
+    return http::HttpResponse{200, "application/json", j.dump()};
+  };
+  http::HttpServerOptions hopts;
+  hopts.bind_address = config.http_bind_address;
+  hopts.port = static_cast<uint16_t>(config.http_port);
+  auto http_server = http::HttpServer::start(hopts, std::move(routes));
+  if (!http_server.ok()) {
+    obs::log_error("daemon", "HTTP bind failed", {{"error", http_server.status().to_string()}});
+    return kExitStartupFailure;
+  }
+  const std::string http_ep =
+      "http://" + config.http_bind_address + ":" + std::to_string((*http_server)->port());
+
+  EngineActor engine_actor(std::move(*engine), std::move(*engine_box), metrics, snapshot, engine_hb);
+  std::thread engine_thread([&] { engine_actor.run(); });
+
+  nlohmann::json endpoints{{"control", *control_ep}, {"http", http_ep}, {"pid", ::getpid()}, {"gpu", gpu}};
+  obs::log_info("daemon", "listening", endpoints);
+  if (!config.endpoints_file.empty()) {
+    if (Status s = write_endpoints_file(config.endpoints_file, endpoints); !s.ok())
+      obs::log_warn("daemon", "could not write the endpoints file", {{"error", s.to_string()}});
+  }
+  notify_systemd("READY=1");
+
+  const int rc = control.run();  // returns after the drain completes
+  notify_systemd("STOPPING=1");
+  engine_thread.join();
+  (*http_server)->stop();
+  obs::log_info("daemon", "stopped", {{"exit_code", rc}});
+  obs::flush_logs();
+  return rc;
+}
+
+}  // namespace rolloutd::daemon

@@ -1,0 +1,67 @@
+#pragma once
+// State the actors publish for readers on other threads (HTTP, status replies):
+// immutable snapshots swapped under a mutex, and heartbeats as atomics. Readers
+// never wait on an actor.
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "protocol/messages.hpp"
+
+namespace rolloutd::daemon {
+
+template <class T>
+class SnapshotCell {
+ public:
+  void publish(std::shared_ptr<const T> v) {
+    std::lock_guard<std::mutex> lock(mu_);
+    v_ = std::move(v);
+  }
+  std::shared_ptr<const T> load() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return v_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::shared_ptr<const T> v_;
+};
+
+class Heartbeat {
+ public:
+  void beat() { ns_.store(now_ns(), std::memory_order_relaxed); }
+  // Seconds since the last beat (infinity-like if never).
+  double age_s() const {
+    const int64_t last = ns_.load(std::memory_order_relaxed);
+    if (last == 0) return 1e9;
+    return static_cast<double>(now_ns() - last) * 1e-9;
+  }
+
+ private:
+  static int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  std::atomic<int64_t> ns_{0};
+};
+
+// What /v1/status, /readyz and the status reply show.
+struct EngineSnapshot {
+  std::string state = "starting";    // starting | ready | not_ready | draining
+  std::string reason;
+  uint64_t weight_version = 0;
+  uint64_t num_waiting = 0;
+  uint64_t num_running = 0;
+  uint64_t num_requests_total = 0;
+  uint64_t num_prompt_tokens_total = 0;
+  uint64_t num_generated_tokens_total = 0;
+  int64_t kv_blocks_free = 0;
+  int64_t kv_blocks_total = 0;
+  uint64_t num_steps_total = 0;
+};
+
+}  // namespace rolloutd::daemon

@@ -1,0 +1,67 @@
+#pragma once
+// Shared helpers for core/ tests.
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "core/engine/engine.hpp"
+#include "core/model/embedded_model.hpp"
+
+namespace rolloutd::test {
+
+inline std::string source_root() {
+  const char* r = std::getenv("ROLLOUTD_SOURCE_ROOT");
+  return r ? r : ".";
+}
+
+inline nlohmann::json load_json(const std::string& rel) {
+  std::ifstream f(source_root() + "/" + rel);
+  if (!f) throw std::runtime_error("cannot open " + rel + " (set ROLLOUTD_SOURCE_ROOT)");
+  return nlohmann::json::parse(f);
+}
+
+inline core::StepLimits small_limits(int64_t max_tokens = 64, int64_t max_seqs = 8, int64_t kv_blocks = 128) {
+  core::StepLimits l;
+  l.max_tokens = max_tokens;
+  l.max_seqs = max_seqs;
+  l.num_kv_blocks = kv_blocks;
+  l.kv_block_size = 4;  // small blocks: every sequence spans several
+  l.max_blocks_per_seq = 64;
+  return l;
+}
+
+inline std::unique_ptr<core::MoeDecoder> embedded_model(const core::StepLimits& limits) {
+  auto m = core::MoeDecoder::create(core::embedded_model_config(), limits, cpu_backend(), ExecContext{});
+  EXPECT_TRUE(m.ok()) << m.status().to_string();
+  EXPECT_TRUE(core::init_random_weights(**m, core::kEmbeddedModelSeed).ok());
+  return std::move(*m);
+}
+
+inline std::unique_ptr<core::Engine> embedded_engine(const core::StepLimits& limits, int64_t max_running = 8,
+                                                     int64_t max_waiting = 64) {
+  core::EngineOptions o;
+  o.max_running = max_running;
+  o.max_waiting = max_waiting;
+  o.step = limits;
+  auto e = core::Engine::create(embedded_model(limits), o);
+  EXPECT_TRUE(e.ok()) << e.status().to_string();
+  return std::move(*e);
+}
+
+// Runs the engine until idle (bounded), collecting every event.
+inline std::vector<core::EngineEvent> run_to_idle(core::Engine& e, int max_steps = 10000) {
+  std::vector<core::EngineEvent> out;
+  for (int i = 0; i < max_steps && e.has_work(); ++i) {
+    Status s = e.step(out);
+    EXPECT_TRUE(s.ok()) << s.to_string();
+  }
+  EXPECT_FALSE(e.has_work()) << "engine did not go idle";
+  return out;
+}
+
+}  // namespace rolloutd::test

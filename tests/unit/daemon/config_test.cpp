@@ -1,0 +1,77 @@
+#include "daemon/config.hpp"
+
+#include <cstdlib>
+
+#include <gtest/gtest.h>
+
+namespace rolloutd::daemon {
+namespace {
+
+ParseOutcome parse(std::vector<const char*> args) {
+  args.insert(args.begin(), "rolloutd");
+  return parse_config(static_cast<int>(args.size()), args.data());
+}
+
+TEST(DaemonConfig, DefaultsAreLoopbackAndValid) {
+  unsetenv("ROLLOUTD_CONTROL_PORT");
+  auto p = parse({});
+  ASSERT_FALSE(p.exit_now);
+  EXPECT_EQ(p.config.bind_address, "127.0.0.1");
+  EXPECT_EQ(p.config.http_bind_address, "127.0.0.1");
+  EXPECT_EQ(p.config.control_port, 7600);
+  EXPECT_TRUE(validate(p.config).ok());
+}
+
+TEST(DaemonConfig, FlagBeatsEnvironmentBeatsDefault) {
+  setenv("ROLLOUTD_CONTROL_PORT", "7111", 1);
+  setenv("ROLLOUTD_MAX_RUNNING", "3", 1);
+  auto p = parse({"--control-port", "7222"});
+  ASSERT_FALSE(p.exit_now);
+  EXPECT_EQ(p.config.control_port, 7222);
+  EXPECT_EQ(p.config.max_running, 3);
+  unsetenv("ROLLOUTD_CONTROL_PORT");
+  unsetenv("ROLLOUTD_MAX_RUNNING");
+  EXPECT_EQ(parse({}).config.max_running, 64);
+}
+
+TEST(DaemonConfig, UsageErrorsExit64HelpExits0) {
+  auto bad = parse({"--control-port", "70000"});
+  EXPECT_TRUE(bad.exit_now);
+  EXPECT_EQ(bad.exit_code, 64);
+  auto unknown = parse({"--no-such-flag"});
+  EXPECT_TRUE(unknown.exit_now);
+  EXPECT_EQ(unknown.exit_code, 64);
+  auto device = parse({"--device", "tpu"});
+  EXPECT_EQ(device.exit_code, 64);
+  auto help = parse({"--help"});
+  EXPECT_TRUE(help.exit_now);
+  EXPECT_EQ(help.exit_code, 0);
+}
+
+TEST(DaemonConfig, SemanticChecks) {
+  DaemonConfig c;
+  c.device = "cuda";
+  EXPECT_EQ(validate(c).field(), "gpu");
+  c = {};
+  c.gpu = 0;
+  EXPECT_EQ(validate(c).field(), "gpu");
+  c = {};
+  c.http_port = c.control_port;
+  EXPECT_EQ(validate(c).field(), "http_port");
+  c = {};
+  c.model = "/models/foo";
+  EXPECT_EQ(validate(c).code(), ErrorCode::kUnimplemented);
+  c = {};
+  c.max_blocks_per_seq = c.kv_blocks + 1;
+  EXPECT_EQ(validate(c).field(), "max_blocks_per_seq");
+}
+
+TEST(DaemonConfig, JsonHasEverySetting) {
+  const auto j = to_json(DaemonConfig{});
+  for (const char* k : {"bind", "control_port", "http_port", "model", "device", "max_running", "kv_blocks",
+                        "outbox_limit", "drain_timeout_s", "log_level"})
+    EXPECT_TRUE(j.contains(k)) << k;
+}
+
+}  // namespace
+}  // namespace rolloutd::daemon
