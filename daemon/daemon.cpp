@@ -185,6 +185,7 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
   http::HttpServerOptions hopts;
   hopts.bind_address = config.http_bind_address;
   hopts.port = static_cast<uint16_t>(config.http_port);
+  hopts.on_error = [](std::string_view what) { obs::log_warn("http", std::string(what)); };
   auto http_server = http::HttpServer::start(hopts, std::move(routes));
   if (!http_server.ok()) {
     obs::log_error("daemon", "HTTP bind failed", {{"error", http_server.status().to_string()}});

@@ -6,9 +6,16 @@
 //
 // Conventions for every op:
 // - views are contiguous unless an op says otherwise; shapes are validated and a
-//   mismatch returns kInvalidArgument naming the argument (never a crash);
+//   mismatch returns kInvalidArgument naming the argument (never a crash); so is a view
+//   whose device differs from the context's (a host pointer handed to a CUDA op);
 // - `linear` follows the Hugging Face Linear layout: y[M,N] = x[M,K] * w[N,K]^T;
 // - integer index tensors are int32;
+// - index *values* (token ids, slots, block ids, expert ids) are checked by the CPU
+//   backend (kOutOfRange naming the tensor, output untouched). The CUDA backend cannot
+//   read them without a synchronisation: out-of-range values are clamped or skipped on
+//   the device as each op says, never read or written out of bounds. Callers validate
+//   ids where they enter (the request, the scheduler);
+// - an output never aliases an input unless the op says it may;
 // - ops are asynchronous on the context's stream (CUDA) and synchronous on CPU.
 #include <cstddef>
 #include <cstdint>
@@ -42,6 +49,8 @@ struct Backend {
   DeviceKind kind;
 
   // ---- memory ----
+  // CPU: 64-byte aligned host memory, copies host to host only. CUDA: cudaMalloc on the
+  // context's device; copies are asynchronous on its stream (synchronize before reading).
   Status (*alloc)(const ExecContext&, size_t bytes, void** out);
   Status (*free)(const ExecContext&, void* ptr);
   Status (*copy)(const ExecContext&, void* dst, const void* src, size_t bytes, CopyKind kind);
@@ -50,31 +59,40 @@ struct Backend {
   // ---- ops ----
   // out[T,H] = table[ids[t], :]; ids out of [0, V) -> kOutOfRange (CPU) / zero row (CUDA, checked by caller).
   Status (*embedding)(const ExecContext&, TensorView out, TensorView table, TensorView ids);
-  // out = x / sqrt(mean(x^2) + eps) * w, per row of the last dimension.
+  // out = x / sqrt(mean(x^2) + eps) * w, per row of the last dimension. out may alias x.
   Status (*rmsnorm)(const ExecContext&, TensorView out, TensorView x, TensorView w, float eps);
-  // y[M,N] = x[M,K] * w[N,K]^T
+  // y[M,N] = x[M,K] * w[N,K]^T. x may be [..., K] (leading dimensions are rows) with y
+  // [..., N] of the same leading dimensions.
   Status (*linear)(const ExecContext&, TensorView y, TensorView x, TensorView w);
-  // out = a + b (same shape)
+  // out = a + b (same shape); out may alias a or b.
   Status (*add)(const ExecContext&, TensorView out, TensorView a, TensorView b);
   // Rotary embedding in place on x[T, heads, D] (NeoX / Hugging Face rotate_half pairing:
   // element i pairs with i + D/2), angle = pos[t] * theta^(-2i/D).
   Status (*rope)(const ExecContext&, TensorView x, TensorView positions, float theta);
   // Writes k/v rows [T, KVH, D] into caches [blocks, block_size, KVH, D] at slot_mapping[t]
-  // (= block * block_size + offset); slot < 0 means "do not write" (padding).
+  // (= block * block_size + offset); slot < 0 means "do not write" (padding). A slot past
+  // the cache: kOutOfRange (CPU) / skipped (CUDA). Slots of one call must be distinct.
   Status (*kv_store)(const ExecContext&, TensorView k_cache, TensorView v_cache, TensorView k,
                      TensorView v, TensorView slot_mapping);
   // Causal attention over a paged cache. q[T, QH, D]; token t belongs to sequence seq_of[t]
   // and sees cache positions [0, ctx_len[t]); block_tables[S, max_blocks] int32. GQA: query
-  // head h reads kv head h / (QH / KVH). out[T, QH, D].
+  // head h reads kv head h / (QH / KVH). out[T, QH, D]. ctx_len 0 (a padding row) gives
+  // zeros. CPU: seq_of, ctx_len and every block id followed are checked (kOutOfRange).
+  // CUDA: a bad sequence gives a zero row, ctx_len is clamped to the table, positions in
+  // a bad block are skipped; head dimensions above 512 are kUnimplemented for now.
   Status (*paged_attention)(const ExecContext&, TensorView out, TensorView q, TensorView k_cache,
                             TensorView v_cache, TensorView block_tables, TensorView seq_of,
                             TensorView ctx_len, float scale);
   // Softmax over experts, top-k (ties: lower id first), optional renormalisation of the k
   // weights to sum 1 (Qwen3-MoE norm_topk_prob). logits[T,E] -> ids[T,K] int32, weights[T,K].
+  // Experts are ranked on the logits (the probability order, immune to exp() rounding, so
+  // every backend records the same ids); NaN ranks last. 1 <= K <= E.
   Status (*router_softmax_topk)(const ExecContext&, TensorView ids, TensorView weights,
                                 TensorView logits, bool renormalize);
   // SwiGLU experts: out[t] = sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t)),
-  // e = logical_to_physical[ids[t,k]].
+  // e = logical_to_physical[ids[t,k]]. CPU: an id outside [0, E_logical) or a map entry
+  // outside [0, E_phys) is kOutOfRange ("topk_ids" / "logical_to_physical"); CUDA: that
+  // (t, k) contributes nothing.
   Status (*moe_experts)(const ExecContext&, const MoeExpertsArgs& args);
 };
 

@@ -1,0 +1,207 @@
+#include "daemon/obs/metrics.hpp"
+
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <prometheus/counter.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+
+#include "kernels/status.hpp"
+
+namespace rolloutd::obs {
+namespace {
+
+constexpr std::string_view kOtherLabel = "other";
+
+// A labelled counter family with a bounded number of series. The hot unlabelled
+// counters bypass this; labelled ones are bumped once per request, where a mutex
+// and a map lookup cost nothing next to the request itself.
+class CappedCounterFamily {
+ public:
+  CappedCounterFamily(prometheus::Family<prometheus::Counter>& family, std::string label, size_t max_values)
+      : family_(family), label_(std::move(label)), max_values_(max_values < 1 ? 1 : max_values) {}
+
+  prometheus::Counter& get(std::string_view value) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = series_.find(value); it != series_.end()) return *it->second;
+    // One slot is kept for "other", so the family never exceeds max_values_ series.
+    const bool fits = !value.empty() && num_named_ + 1 < max_values_;
+    if (!fits) value = kOtherLabel;
+    if (auto it = series_.find(value); it != series_.end()) return *it->second;
+    prometheus::Counter& c = family_.Add({{label_, std::string(value)}});
+    series_.emplace(std::string(value), &c);
+    if (value != kOtherLabel) ++num_named_;
+    return c;
+  }
+
+ private:
+  prometheus::Family<prometheus::Counter>& family_;
+  const std::string label_;
+  const size_t max_values_;
+  std::mutex mu_;
+  std::map<std::string, prometheus::Counter*, std::less<>> series_;
+  size_t num_named_ = 0;
+};
+
+// Engine steps: a decode step of a tiny CPU model is ~100 us, a long prefill or a
+// step stalled behind a weight update reaches seconds.
+prometheus::Histogram::BucketBoundaries step_buckets() {
+  return {1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0};
+}
+
+// Control messages: decode-and-route is tens of microseconds; the tail is a reply
+// that waits for device work.
+prometheus::Histogram::BucketBoundaries control_buckets() {
+  return {1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
+          2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0};
+}
+
+}  // namespace
+
+struct Metrics::Impl {
+  // Families are owned by the registry; the pointers below stay valid for its life.
+  prometheus::Registry registry;
+
+  explicit Impl(size_t max_label_values)
+      : requests(prometheus::BuildCounter()
+                     .Name("rolloutd_requests_total")
+                     .Help("Control requests received, by message type.")
+                     .Register(registry),
+                 "type", max_label_values),
+        errors(prometheus::BuildCounter()
+                   .Name("rolloutd_errors_total")
+                   .Help("Errors answered or reported, by error code.")
+                   .Register(registry),
+               "code", max_label_values),
+        finished(prometheus::BuildCounter()
+                     .Name("rolloutd_requests_finished_total")
+                     .Help("Generate requests that reached their final event, by reason.")
+                     .Register(registry),
+                 "reason", max_label_values),
+        stream_aborts(prometheus::BuildCounter()
+                          .Name("rolloutd_stream_aborts_total")
+                          .Help("Event streams the daemon could not deliver, by reason.")
+                          .Register(registry),
+                      "reason", max_label_values) {
+    prompt_tokens = &prometheus::BuildCounter()
+                         .Name("rolloutd_prompt_tokens_total")
+                         .Help("Prompt tokens accepted for prefill.")
+                         .Register(registry)
+                         .Add({});
+    generated_tokens = &prometheus::BuildCounter()
+                            .Name("rolloutd_tokens_generated_total")
+                            .Help("Tokens sampled and emitted.")
+                            .Register(registry)
+                            .Add({});
+    auto& queue = prometheus::BuildGauge()
+                      .Name("rolloutd_queue_depth")
+                      .Help("Generate requests in the scheduler, by state.")
+                      .Register(registry);
+    queue_waiting = &queue.Add({{"state", "waiting"}});
+    queue_running = &queue.Add({{"state", "running"}});
+    step_seconds = &prometheus::BuildHistogram()
+                        .Name("rolloutd_engine_step_duration_seconds")
+                        .Help("Wall time of one engine step (schedule, forward, sample).")
+                        .Register(registry)
+                        .Add({}, step_buckets());
+    control_seconds = &prometheus::BuildHistogram()
+                           .Name("rolloutd_control_handle_duration_seconds")
+                           .Help("Wall time from receiving a control message to sending its reply.")
+                           .Register(registry)
+                           .Add({}, control_buckets());
+    ready = &prometheus::BuildGauge()
+                 .Name("rolloutd_ready")
+                 .Help("1 when the daemon serves generation (weights loaded, not draining).")
+                 .Register(registry)
+                 .Add({});
+    weight_version = &prometheus::BuildGauge()
+                          .Name("rolloutd_weight_version")
+                          .Help("Weight version of the loaded parameters.")
+                          .Register(registry)
+                          .Add({});
+    uptime = &prometheus::BuildGauge()
+                  .Name("rolloutd_uptime_seconds")
+                  .Help("Seconds since the daemon started.")
+                  .Register(registry)
+                  .Add({});
+    build_info_family = &prometheus::BuildGauge()
+                             .Name("rolloutd_build_info")
+                             .Help("Always 1; the labels describe the build.")
+                             .Register(registry);
+
+    // Series that exist from the start read 0 rather than absent, so rate() and
+    // alerts see the first event. Only the closed sets are declared here; request
+    // types belong to the protocol and appear on first use.
+    for (std::string_view r : {"stop", "length", "abort", "failed"}) finished.get(r);
+    for (std::string_view r : {"client_gone", "backpressure"}) stream_aborts.get(r);
+    for (int c = static_cast<int>(ErrorCode::kOk) + 1; c <= static_cast<int>(ErrorCode::kInternal); ++c) {
+      errors.get(error_code_name(static_cast<ErrorCode>(c)));
+    }
+  }
+
+  CappedCounterFamily requests;
+  CappedCounterFamily errors;
+  CappedCounterFamily finished;
+  CappedCounterFamily stream_aborts;
+  prometheus::Counter* prompt_tokens = nullptr;
+  prometheus::Counter* generated_tokens = nullptr;
+  prometheus::Gauge* queue_waiting = nullptr;
+  prometheus::Gauge* queue_running = nullptr;
+  prometheus::Histogram* step_seconds = nullptr;
+  prometheus::Histogram* control_seconds = nullptr;
+  prometheus::Gauge* ready = nullptr;
+  prometheus::Gauge* weight_version = nullptr;
+  prometheus::Gauge* uptime = nullptr;
+
+  std::mutex build_info_mu;
+  prometheus::Family<prometheus::Gauge>* build_info_family = nullptr;
+  prometheus::Gauge* build_info = nullptr;
+};
+
+Metrics::Metrics() : Metrics(kDefaultMaxLabelValues) {}
+Metrics::Metrics(size_t max_label_values) : impl_(std::make_unique<Impl>(max_label_values)) {}
+Metrics::~Metrics() = default;
+
+std::string Metrics::serialize() const {
+  return prometheus::TextSerializer().Serialize(impl_->registry.Collect());
+}
+
+void Metrics::on_request(std::string_view type) { impl_->requests.get(type).Increment(); }
+void Metrics::on_error(std::string_view code) { impl_->errors.get(code).Increment(); }
+void Metrics::add_prompt_tokens(uint64_t n) { impl_->prompt_tokens->Increment(static_cast<double>(n)); }
+void Metrics::add_generated_tokens(uint64_t n) { impl_->generated_tokens->Increment(static_cast<double>(n)); }
+void Metrics::on_finished(std::string_view reason) { impl_->finished.get(reason).Increment(); }
+void Metrics::on_stream_abort(std::string_view reason) { impl_->stream_aborts.get(reason).Increment(); }
+
+void Metrics::set_queue_depth(uint64_t waiting, uint64_t running) {
+  impl_->queue_waiting->Set(static_cast<double>(waiting));
+  impl_->queue_running->Set(static_cast<double>(running));
+}
+
+void Metrics::observe_step_seconds(double s) { impl_->step_seconds->Observe(s); }
+void Metrics::observe_control_seconds(double s) { impl_->control_seconds->Observe(s); }
+void Metrics::set_ready(bool ready) { impl_->ready->Set(ready ? 1.0 : 0.0); }
+void Metrics::set_weight_version(uint64_t version) {
+  impl_->weight_version->Set(static_cast<double>(version));
+}
+void Metrics::set_uptime_seconds(double s) { impl_->uptime->Set(s); }
+
+void Metrics::set_build_info(std::string_view version, bool cuda) {
+  std::lock_guard<std::mutex> lock(impl_->build_info_mu);
+  // One series at a time: a second call replaces the labels instead of adding a
+  // second "1" that would double every join on build_info.
+  if (impl_->build_info != nullptr) impl_->build_info_family->Remove(impl_->build_info);
+  impl_->build_info =
+      &impl_->build_info_family->Add({{"version", std::string(version)}, {"cuda", cuda ? "true" : "false"}});
+  impl_->build_info->Set(1.0);
+}
+
+prometheus::Registry& Metrics::registry() { return impl_->registry; }
+
+}  // namespace rolloutd::obs

@@ -1,0 +1,97 @@
+// CPU reference of causal attention over the paged KV cache: two passes per (token,
+// head), scores then softmax-weighted sum of values, all in FP32.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/cpu_ops.hpp"
+#include "kernels/cpu/op_checks.hpp"
+
+namespace rolloutd::cpu {
+
+Status paged_attention(const ExecContext& ctx, TensorView out, TensorView q, TensorView k_cache,
+                       TensorView v_cache, TensorView block_tables, TensorView seq_of,
+                       TensorView ctx_len, float scale) {
+  RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCpu));
+  RD_RETURN_IF_ERROR(op_checks::paged_attention(ctx, out, q, k_cache, v_cache, block_tables,
+                                                seq_of, ctx_len, scale));
+  const int64_t num_tokens = q.size(0), q_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
+  const int64_t kv_heads = k_cache.size(2);
+  const int64_t num_seqs = block_tables.size(0), max_blocks = block_tables.size(1);
+  const int32_t* table = block_tables.as<const int32_t>();
+  const int32_t* seq = seq_of.as<const int32_t>();
+  const int32_t* len = ctx_len.as<const int32_t>();
+
+  // Every index this call will follow, before any output is written: a bad block id is
+  // reported instead of reading outside the cache.
+  int64_t longest = 0;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (seq[t] < 0 || seq[t] >= num_seqs)
+      return Status(ErrorCode::kOutOfRange,
+                    "sequence " + std::to_string(seq[t]) + " of token " + std::to_string(t) +
+                        " outside [0, " + std::to_string(num_seqs) + ")",
+                    "seq_of");
+    if (len[t] < 0 || len[t] > max_blocks * block_size)
+      return Status(ErrorCode::kOutOfRange,
+                    "context length " + std::to_string(len[t]) + " of token " +
+                        std::to_string(t) + " outside [0, " +
+                        std::to_string(max_blocks * block_size) + "]",
+                    "ctx_len");
+    const int64_t used_blocks = (len[t] + block_size - 1) / block_size;
+    for (int64_t j = 0; j < used_blocks; ++j) {
+      const int32_t b = table[seq[t] * max_blocks + j];
+      if (b < 0 || b >= num_blocks)
+        return Status(ErrorCode::kOutOfRange,
+                      "block id " + std::to_string(b) + " at [" + std::to_string(seq[t]) +
+                          ", " + std::to_string(j) + "] outside [0, " +
+                          std::to_string(num_blocks) + ")",
+                      "block_tables");
+    }
+    longest = std::max<int64_t>(longest, len[t]);
+  }
+
+  const int64_t group = q_heads / kv_heads;  // GQA: query heads sharing one kv head
+  std::vector<float> score(static_cast<size_t>(longest));
+  std::vector<float> acc(static_cast<size_t>(head_dim));
+  const float* kc = k_cache.as<const float>();
+  const float* vc = v_cache.as<const float>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int32_t* row_table = table + seq[t] * max_blocks;
+    const int64_t n = len[t];
+    for (int64_t h = 0; h < q_heads; ++h) {
+      const float* qr = q.as<const float>() + (t * q_heads + h) * head_dim;
+      float* orow = out.as<float>() + (t * q_heads + h) * head_dim;
+      // A token that sees nothing (a padding row) gets zeros, not a 0/0.
+      if (n == 0) {
+        std::fill(orow, orow + head_dim, 0.0f);
+        continue;
+      }
+      const int64_t kvh = h / group;
+      auto cache_row = [&](const float* cache, int64_t j) {
+        const int64_t slot = static_cast<int64_t>(row_table[j / block_size]) * block_size +
+                             j % block_size;
+        return cache + (slot * kv_heads + kvh) * head_dim;
+      };
+      float max_score = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) {
+        score[static_cast<size_t>(j)] = dot(qr, cache_row(kc, j), head_dim) * scale;
+        max_score = std::max(max_score, score[static_cast<size_t>(j)]);
+      }
+      float sum = 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        const float p = std::exp(score[static_cast<size_t>(j)] - max_score);
+        sum += p;
+        const float* vr = cache_row(vc, j);
+        for (int64_t d = 0; d < head_dim; ++d) acc[static_cast<size_t>(d)] += p * vr[d];
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t d = 0; d < head_dim; ++d) orow[d] = acc[static_cast<size_t>(d)] * inv;
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace rolloutd::cpu

@@ -1,0 +1,208 @@
+// The CPU backend: FP32 reference for every op, and the memory ops of the host.
+// Elementwise ops and `linear` live here; attention and the MoE ops in their own files.
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/cpu_ops.hpp"
+#include "kernels/cpu/op_checks.hpp"
+
+namespace rolloutd {
+namespace cpu {
+namespace {
+
+constexpr size_t kAlignment = 64;  // a cache line, and enough for any SIMD load
+
+Status check_ctx(const ExecContext& ctx) { return op_checks::context(ctx, DeviceKind::kCpu); }
+
+Status alloc(const ExecContext& ctx, size_t bytes, void** out) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  if (out == nullptr) return Status(ErrorCode::kInvalidArgument, "null output pointer", "out");
+  *out = nullptr;
+  if (bytes == 0) return Status::Ok();
+  // aligned_alloc requires a size that is a multiple of the alignment.
+  if (bytes > SIZE_MAX - kAlignment)
+    return Status(ErrorCode::kResourceExhausted, "allocation size overflows", "bytes");
+  const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+  *out = std::aligned_alloc(kAlignment, rounded);
+  if (*out == nullptr)
+    return Status(ErrorCode::kResourceExhausted,
+                  "host allocation of " + std::to_string(bytes) + " bytes failed", "bytes");
+  return Status::Ok();
+}
+
+Status free_mem(const ExecContext& ctx, void* ptr) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  std::free(ptr);
+  return Status::Ok();
+}
+
+Status copy(const ExecContext& ctx, void* dst, const void* src, size_t bytes, CopyKind kind) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  if (kind != CopyKind::kHostToHost)
+    return Status(ErrorCode::kInvalidArgument, "the CPU backend copies host to host only",
+                  "kind");
+  if (bytes == 0) return Status::Ok();
+  if (dst == nullptr || src == nullptr)
+    return Status(ErrorCode::kInvalidArgument, "null pointer in a copy of " +
+                                                   std::to_string(bytes) + " bytes",
+                  dst == nullptr ? "dst" : "src");
+  std::memmove(dst, src, bytes);  // memmove: overlapping ranges stay defined
+  return Status::Ok();
+}
+
+Status synchronize(const ExecContext& ctx) { return check_ctx(ctx); }
+
+}  // namespace
+
+Status embedding(const ExecContext& ctx, TensorView out, TensorView table, TensorView ids) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  RD_RETURN_IF_ERROR(op_checks::embedding(ctx, out, table, ids));
+  const int64_t num_tokens = ids.size(0), vocab = table.size(0), hidden = table.size(1);
+  const int32_t* id = ids.as<const int32_t>();
+  // Every id first: a bad one leaves `out` untouched.
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (id[t] < 0 || id[t] >= vocab)
+      return Status(ErrorCode::kOutOfRange,
+                    "token id " + std::to_string(id[t]) + " at row " + std::to_string(t) +
+                        " outside [0, " + std::to_string(vocab) + ")",
+                    "ids");
+  }
+  const float* tab = table.as<const float>();
+  float* o = out.as<float>();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    std::memcpy(o + t * hidden, tab + id[t] * hidden, static_cast<size_t>(hidden) * sizeof(float));
+  return Status::Ok();
+}
+
+Status rmsnorm(const ExecContext& ctx, TensorView out, TensorView x, TensorView w, float eps) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  RD_RETURN_IF_ERROR(op_checks::rmsnorm(ctx, out, x, w, eps));
+  const int64_t hidden = x.size(x.rank() - 1);
+  const int64_t rows = x.numel() / hidden;
+  const float* wp = w.as<const float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x.as<const float>() + r * hidden;
+    float* orow = out.as<float>() + r * hidden;
+    const float mean_sq = dot(xr, xr, hidden) / static_cast<float>(hidden);
+    const float inv = 1.0f / std::sqrt(mean_sq + eps);
+    // Hugging Face order: normalise, then scale by the weight. `out` may alias `x`.
+    for (int64_t i = 0; i < hidden; ++i) orow[i] = wp[i] * (xr[i] * inv);
+  }
+  return Status::Ok();
+}
+
+Status linear(const ExecContext& ctx, TensorView y, TensorView x, TensorView w) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  RD_RETURN_IF_ERROR(op_checks::linear(ctx, y, x, w));
+  const int64_t n_out = w.size(0), k_in = w.size(1);
+  const int64_t rows = x.numel() / k_in;
+  const float* xp = x.as<const float>();
+  const float* wp = w.as<const float>();
+  float* yp = y.as<float>();
+  // In the [N, K] layout every output is a contiguous x-row . w-row dot product. A tile
+  // of w rows (kWRowsPerTile * K floats, 64 KiB at K = 256) stays in cache while every
+  // x row passes over it, so prefill reads w from memory once instead of once per token.
+  constexpr int64_t kWRowsPerTile = 64;
+  for (int64_t n0 = 0; n0 < n_out; n0 += kWRowsPerTile) {
+    const int64_t n1 = n0 + kWRowsPerTile < n_out ? n0 + kWRowsPerTile : n_out;
+    for (int64_t m = 0; m < rows; ++m) {
+      const float* xr = xp + m * k_in;
+      float* yr = yp + m * n_out;
+      for (int64_t n = n0; n < n1; ++n) yr[n] = dot(xr, wp + n * k_in, k_in);
+    }
+  }
+  return Status::Ok();
+}
+
+Status add(const ExecContext& ctx, TensorView out, TensorView a, TensorView b) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  RD_RETURN_IF_ERROR(op_checks::add(ctx, out, a, b));
+  const int64_t n = a.numel();
+  const float* ap = a.as<const float>();
+  const float* bp = b.as<const float>();
+  float* op = out.as<float>();
+  for (int64_t i = 0; i < n; ++i) op[i] = ap[i] + bp[i];
+  return Status::Ok();
+}
+
+Status rope(const ExecContext& ctx, TensorView x, TensorView positions, float theta) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  RD_RETURN_IF_ERROR(op_checks::rope(ctx, x, positions, theta));
+  const int64_t num_tokens = x.size(0), heads = x.size(1), head_dim = x.size(2);
+  const int64_t half = head_dim / 2;
+  // theta^(-2i/D) in double, rounded once to float: the CUDA twin computes the same
+  // expression, so both start from the same float frequency (Hugging Face keeps
+  // inv_freq and the angle in float32 too).
+  std::vector<float> inv_freq(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i)
+    inv_freq[static_cast<size_t>(i)] = static_cast<float>(
+        1.0 / std::pow(static_cast<double>(theta),
+                       2.0 * static_cast<double>(i) / static_cast<double>(head_dim)));
+  const int32_t* pos = positions.as<const int32_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const float p = static_cast<float>(pos[t]);
+    for (int64_t i = 0; i < half; ++i) {
+      const float angle = p * inv_freq[static_cast<size_t>(i)];
+      const float c = std::cos(angle), s = std::sin(angle);
+      for (int64_t h = 0; h < heads; ++h) {
+        float* row = x.as<float>() + (t * heads + h) * head_dim;
+        const float x1 = row[i], x2 = row[i + half];
+        row[i] = x1 * c - x2 * s;
+        row[i + half] = x2 * c + x1 * s;
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Status kv_store(const ExecContext& ctx, TensorView k_cache, TensorView v_cache, TensorView k,
+                TensorView v, TensorView slot_mapping) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  RD_RETURN_IF_ERROR(op_checks::kv_store(ctx, k_cache, v_cache, k, v, slot_mapping));
+  const int64_t num_tokens = k.size(0);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t row = k_cache.size(2) * k_cache.size(3);
+  const int32_t* slot = slot_mapping.as<const int32_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slot[t] >= num_slots)
+      return Status(ErrorCode::kOutOfRange,
+                    "slot " + std::to_string(slot[t]) + " at row " + std::to_string(t) +
+                        " outside the cache's " + std::to_string(num_slots) + " slots",
+                    "slot_mapping");
+  }
+  const size_t row_bytes = static_cast<size_t>(row) * sizeof(float);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slot[t] < 0) continue;  // padding row
+    std::memcpy(k_cache.as<float>() + slot[t] * row, k.as<const float>() + t * row, row_bytes);
+    std::memcpy(v_cache.as<float>() + slot[t] * row, v.as<const float>() + t * row, row_bytes);
+  }
+  return Status::Ok();
+}
+
+}  // namespace cpu
+
+const Backend& cpu_backend() {
+  static const Backend kCpuBackend{
+      "cpu",
+      DeviceKind::kCpu,
+      cpu::alloc,
+      cpu::free_mem,
+      cpu::copy,
+      cpu::synchronize,
+      cpu::embedding,
+      cpu::rmsnorm,
+      cpu::linear,
+      cpu::add,
+      cpu::rope,
+      cpu::kv_store,
+      cpu::paged_attention,
+      cpu::router_softmax_topk,
+      cpu::moe_experts,
+  };
+  return kCpuBackend;
+}
+
+}  // namespace rolloutd

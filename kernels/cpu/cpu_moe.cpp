@@ -1,0 +1,121 @@
+// CPU reference of the MoE ops: softmax top-k routing and the SwiGLU expert combine.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/cpu_ops.hpp"
+#include "kernels/cpu/op_checks.hpp"
+
+namespace rolloutd::cpu {
+namespace {
+
+// Experts are ranked on their logits: softmax is monotone, so this is the probability
+// order, but it cannot be reordered by exp() rounding differing between backends, which
+// would make CPU and CUDA record different experts. NaN ranks last; equal logits: lower id.
+inline float rank_value(float logit) { return std::isnan(logit) ? -INFINITY : logit; }
+inline bool ranks_before(float va, int32_t a, float vb, int32_t b) {
+  return va > vb || (va == vb && a < b);
+}
+
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+}  // namespace
+
+Status router_softmax_topk(const ExecContext& ctx, TensorView ids, TensorView weights,
+                           TensorView logits, bool renormalize) {
+  RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCpu));
+  RD_RETURN_IF_ERROR(op_checks::router_softmax_topk(ctx, ids, weights, logits));
+  const int64_t num_tokens = logits.size(0), num_experts = logits.size(1);
+  const int64_t top_k = ids.size(1);
+  std::vector<char> taken(static_cast<size_t>(num_experts));
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const float* l = logits.as<const float>() + t * num_experts;
+    int32_t* id = ids.as<int32_t>() + t * top_k;
+    float* w = weights.as<float>() + t * top_k;
+    float max_logit = -INFINITY;
+    for (int64_t e = 0; e < num_experts; ++e)
+      if (l[e] > max_logit) max_logit = l[e];
+    float sum = 0.0f;
+    for (int64_t e = 0; e < num_experts; ++e) sum += std::exp(l[e] - max_logit);
+
+    std::fill(taken.begin(), taken.end(), 0);
+    float picked_sum = 0.0f;
+    for (int64_t k = 0; k < top_k; ++k) {
+      int32_t best = -1;
+      for (int64_t e = 0; e < num_experts; ++e) {
+        if (taken[static_cast<size_t>(e)]) continue;
+        const auto ei = static_cast<int32_t>(e);
+        if (best < 0 || ranks_before(rank_value(l[e]), ei, rank_value(l[best]), best)) best = ei;
+      }
+      taken[static_cast<size_t>(best)] = 1;
+      id[k] = best;
+      w[k] = std::exp(l[best] - max_logit) / sum;
+      picked_sum += w[k];
+    }
+    if (renormalize)
+      for (int64_t k = 0; k < top_k; ++k) w[k] = w[k] / picked_sum;
+  }
+  return Status::Ok();
+}
+
+Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
+  RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCpu));
+  RD_RETURN_IF_ERROR(op_checks::moe_experts(ctx, a));
+  const int64_t num_tokens = a.x.size(0), hidden = a.x.size(1);
+  const int64_t num_valid = op_checks::moe_valid_rows(a);
+  const int64_t top_k = a.topk_ids.size(1);
+  const int64_t inter = a.w_gate_up.size(1) / 2;
+  const int64_t num_phys = a.w_gate_up.size(0);
+  const int64_t num_logical = a.logical_to_physical.size(0);
+  const int32_t* ids = a.topk_ids.as<const int32_t>();
+  const int32_t* map = a.logical_to_physical.as<const int32_t>();
+
+  // Ids of real rows and the whole map before any output is written; padding rows'
+  // ids are garbage by contract and never read.
+  for (int64_t e = 0; e < num_logical; ++e) {
+    if (map[e] < 0 || map[e] >= num_phys)
+      return Status(ErrorCode::kOutOfRange,
+                    "logical expert " + std::to_string(e) + " maps to physical slot " +
+                        std::to_string(map[e]) + " outside [0, " + std::to_string(num_phys) +
+                        ")",
+                    "logical_to_physical");
+  }
+  for (int64_t i = 0; i < num_valid * top_k; ++i) {
+    if (ids[i] < 0 || ids[i] >= num_logical)
+      return Status(ErrorCode::kOutOfRange,
+                    "expert id " + std::to_string(ids[i]) + " at [" +
+                        std::to_string(i / top_k) + ", " + std::to_string(i % top_k) +
+                        "] outside [0, " + std::to_string(num_logical) + ")",
+                    "topk_ids");
+  }
+
+  std::vector<float> gate_up(static_cast<size_t>(2 * inter));
+  std::vector<float> h(static_cast<size_t>(inter));
+  const float* x = a.x.as<const float>();
+  const float* w_gate_up = a.w_gate_up.as<const float>();
+  const float* w_down = a.w_down.as<const float>();
+  const float* topk_w = a.topk_weights.as<const float>();
+  float* out = a.out.as<float>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    float* orow = out + t * hidden;
+    std::fill(orow, orow + hidden, 0.0f);
+    if (t >= num_valid) continue;
+    const float* xr = x + t * hidden;
+    for (int64_t k = 0; k < top_k; ++k) {
+      const int64_t e = map[ids[t * top_k + k]];
+      const float* gu = w_gate_up + e * 2 * inter * hidden;
+      for (int64_t r = 0; r < 2 * inter; ++r)
+        gate_up[static_cast<size_t>(r)] = dot(gu + r * hidden, xr, hidden);
+      for (int64_t i = 0; i < inter; ++i)
+        h[static_cast<size_t>(i)] =
+            silu(gate_up[static_cast<size_t>(i)]) * gate_up[static_cast<size_t>(inter + i)];
+      const float wk = topk_w[t * top_k + k];
+      const float* down = w_down + e * hidden * inter;
+      for (int64_t j = 0; j < hidden; ++j) orow[j] += wk * dot(down + j * inter, h.data(), inter);
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace rolloutd::cpu

@@ -1,0 +1,243 @@
+#include "kernels/cpu/op_checks.hpp"
+
+#include <cmath>
+#include <string>
+#include <string_view>
+
+namespace rolloutd::op_checks {
+namespace {
+
+constexpr int kAnyRank = 0;  // rank >= 1, every leading dimension is a row
+
+Status invalid(std::string_view field, std::string message) {
+  return Status(ErrorCode::kInvalidArgument, std::move(message), std::string(field));
+}
+
+std::string describe(const TensorView& v) {
+  return std::string(dtype_name(v.dtype)) + " " + v.shape.to_string() + " on " +
+         v.device.to_string();
+}
+
+// What every view must satisfy before an op looks at its data. `layout` names the
+// dimensions for the message ("[T, H]").
+Status view(const ExecContext& ctx, const TensorView& v, std::string_view name, DType dtype,
+            int rank, std::string_view layout) {
+  const bool rank_ok = rank == kAnyRank ? v.rank() >= 1 : v.rank() == rank;
+  // A CPU pointer handed to a CUDA kernel (or the reverse) is the "host-only fast path
+  // reached with device tensors" bug; the device tag is the only defence we have here.
+  const bool device_ok =
+      v.device.kind == ctx.device.kind &&
+      (ctx.device.kind == DeviceKind::kCpu || v.device.index == ctx.device.index);
+  if (!rank_ok || v.dtype != dtype || !device_ok) {
+    return invalid(name, std::string(name) + ": expected " + std::string(dtype_name(dtype)) +
+                             " " + std::string(layout) + " on " + ctx.device.to_string() +
+                             ", got " + describe(v));
+  }
+  for (int i = 0; i < v.rank(); ++i) {
+    if (v.size(i) < 0)
+      return invalid(name, std::string(name) + ": negative dimension in " + describe(v));
+  }
+  if (!v.is_contiguous())
+    return invalid(name, std::string(name) + ": must be contiguous, strides " +
+                             v.strides.to_string() + " for shape " + v.shape.to_string());
+  if (v.data == nullptr && v.numel() > 0)
+    return invalid(name, std::string(name) + ": null data for " + describe(v));
+  return Status::Ok();
+}
+
+// Dimension `i` of `v` must equal `expected` (taken from `source`).
+Status dim(const TensorView& v, int i, int64_t expected, std::string_view name,
+           std::string_view what, std::string_view source) {
+  if (v.size(i) == expected) return Status::Ok();
+  return invalid(name, std::string(name) + ": dimension " + std::to_string(i) + " (" +
+                           std::string(what) + ") is " + std::to_string(v.size(i)) +
+                           ", expected " + std::to_string(expected) + " from " +
+                           std::string(source) + "; shape " + v.shape.to_string());
+}
+
+Status positive(const TensorView& v, int i, std::string_view name, std::string_view what) {
+  if (v.size(i) > 0) return Status::Ok();
+  return invalid(name, std::string(name) + ": dimension " + std::to_string(i) + " (" +
+                           std::string(what) + ") must be positive; shape " +
+                           v.shape.to_string());
+}
+
+Status same_shape(const TensorView& v, const TensorView& ref, std::string_view name,
+                  std::string_view ref_name) {
+  if (v.shape == ref.shape) return Status::Ok();
+  return invalid(name, std::string(name) + ": shape " + v.shape.to_string() + " differs from " +
+                           std::string(ref_name) + " " + ref.shape.to_string());
+}
+
+}  // namespace
+
+Status context(const ExecContext& ctx, DeviceKind backend_kind) {
+  if (ctx.device.kind != backend_kind)
+    return invalid("ctx.device", "context device " + ctx.device.to_string() +
+                                     " does not belong to this backend");
+  if (ctx.device.index < 0)
+    return invalid("ctx.device", "negative device index " + std::to_string(ctx.device.index));
+  return Status::Ok();
+}
+
+Status embedding(const ExecContext& ctx, const TensorView& out, const TensorView& table,
+                 const TensorView& ids) {
+  RD_RETURN_IF_ERROR(view(ctx, table, "table", DType::kF32, 2, "[V, H]"));
+  RD_RETURN_IF_ERROR(positive(table, 1, "table", "H"));
+  RD_RETURN_IF_ERROR(view(ctx, ids, "ids", DType::kI32, 1, "[T]"));
+  RD_RETURN_IF_ERROR(view(ctx, out, "out", DType::kF32, 2, "[T, H]"));
+  RD_RETURN_IF_ERROR(dim(out, 0, ids.size(0), "out", "T", "ids"));
+  return dim(out, 1, table.size(1), "out", "H", "table");
+}
+
+Status rmsnorm(const ExecContext& ctx, const TensorView& out, const TensorView& x,
+               const TensorView& w, float eps) {
+  RD_RETURN_IF_ERROR(view(ctx, x, "x", DType::kF32, kAnyRank, "[..., H]"));
+  RD_RETURN_IF_ERROR(positive(x, x.rank() - 1, "x", "H"));
+  RD_RETURN_IF_ERROR(view(ctx, w, "w", DType::kF32, 1, "[H]"));
+  RD_RETURN_IF_ERROR(dim(w, 0, x.size(x.rank() - 1), "w", "H", "x"));
+  RD_RETURN_IF_ERROR(view(ctx, out, "out", DType::kF32, kAnyRank, "[..., H]"));
+  RD_RETURN_IF_ERROR(same_shape(out, x, "out", "x"));
+  if (!std::isfinite(eps) || eps < 0.0f)
+    return invalid("eps", "eps must be finite and >= 0, got " + std::to_string(eps));
+  return Status::Ok();
+}
+
+Status linear(const ExecContext& ctx, const TensorView& y, const TensorView& x,
+              const TensorView& w) {
+  RD_RETURN_IF_ERROR(view(ctx, w, "w", DType::kF32, 2, "[N, K]"));
+  RD_RETURN_IF_ERROR(positive(w, 0, "w", "N"));
+  RD_RETURN_IF_ERROR(positive(w, 1, "w", "K"));
+  RD_RETURN_IF_ERROR(view(ctx, x, "x", DType::kF32, kAnyRank, "[..., K]"));
+  RD_RETURN_IF_ERROR(dim(x, x.rank() - 1, w.size(1), "x", "K", "w"));
+  RD_RETURN_IF_ERROR(view(ctx, y, "y", DType::kF32, x.rank(), "[..., N]"));
+  for (int i = 0; i + 1 < x.rank(); ++i) RD_RETURN_IF_ERROR(dim(y, i, x.size(i), "y", "M", "x"));
+  return dim(y, y.rank() - 1, w.size(0), "y", "N", "w");
+}
+
+Status add(const ExecContext& ctx, const TensorView& out, const TensorView& a,
+           const TensorView& b) {
+  RD_RETURN_IF_ERROR(view(ctx, a, "a", DType::kF32, kAnyRank, "[...]"));
+  RD_RETURN_IF_ERROR(view(ctx, b, "b", DType::kF32, kAnyRank, "[...]"));
+  RD_RETURN_IF_ERROR(same_shape(b, a, "b", "a"));
+  RD_RETURN_IF_ERROR(view(ctx, out, "out", DType::kF32, kAnyRank, "[...]"));
+  return same_shape(out, a, "out", "a");
+}
+
+Status rope(const ExecContext& ctx, const TensorView& x, const TensorView& positions,
+            float theta) {
+  RD_RETURN_IF_ERROR(view(ctx, x, "x", DType::kF32, 3, "[T, heads, D]"));
+  RD_RETURN_IF_ERROR(positive(x, 2, "x", "D"));
+  if (x.size(2) % 2 != 0)
+    return invalid("x", "x: head dimension must be even for rotate_half pairing, got " +
+                            std::to_string(x.size(2)));
+  RD_RETURN_IF_ERROR(view(ctx, positions, "positions", DType::kI32, 1, "[T]"));
+  RD_RETURN_IF_ERROR(dim(positions, 0, x.size(0), "positions", "T", "x"));
+  if (!std::isfinite(theta) || theta <= 0.0f)
+    return invalid("theta", "theta must be finite and > 0, got " + std::to_string(theta));
+  return Status::Ok();
+}
+
+Status kv_store(const ExecContext& ctx, const TensorView& k_cache, const TensorView& v_cache,
+                const TensorView& k, const TensorView& v, const TensorView& slot_mapping) {
+  RD_RETURN_IF_ERROR(
+      view(ctx, k_cache, "k_cache", DType::kF32, 4, "[blocks, block_size, KVH, D]"));
+  RD_RETURN_IF_ERROR(positive(k_cache, 1, "k_cache", "block_size"));
+  RD_RETURN_IF_ERROR(positive(k_cache, 2, "k_cache", "KVH"));
+  RD_RETURN_IF_ERROR(positive(k_cache, 3, "k_cache", "D"));
+  RD_RETURN_IF_ERROR(
+      view(ctx, v_cache, "v_cache", DType::kF32, 4, "[blocks, block_size, KVH, D]"));
+  RD_RETURN_IF_ERROR(same_shape(v_cache, k_cache, "v_cache", "k_cache"));
+  RD_RETURN_IF_ERROR(view(ctx, k, "k", DType::kF32, 3, "[T, KVH, D]"));
+  RD_RETURN_IF_ERROR(dim(k, 1, k_cache.size(2), "k", "KVH", "k_cache"));
+  RD_RETURN_IF_ERROR(dim(k, 2, k_cache.size(3), "k", "D", "k_cache"));
+  RD_RETURN_IF_ERROR(view(ctx, v, "v", DType::kF32, 3, "[T, KVH, D]"));
+  RD_RETURN_IF_ERROR(same_shape(v, k, "v", "k"));
+  RD_RETURN_IF_ERROR(view(ctx, slot_mapping, "slot_mapping", DType::kI32, 1, "[T]"));
+  return dim(slot_mapping, 0, k.size(0), "slot_mapping", "T", "k");
+}
+
+Status paged_attention(const ExecContext& ctx, const TensorView& out, const TensorView& q,
+                       const TensorView& k_cache, const TensorView& v_cache,
+                       const TensorView& block_tables, const TensorView& seq_of,
+                       const TensorView& ctx_len, float scale) {
+  RD_RETURN_IF_ERROR(view(ctx, q, "q", DType::kF32, 3, "[T, QH, D]"));
+  RD_RETURN_IF_ERROR(positive(q, 1, "q", "QH"));
+  RD_RETURN_IF_ERROR(positive(q, 2, "q", "D"));
+  RD_RETURN_IF_ERROR(
+      view(ctx, k_cache, "k_cache", DType::kF32, 4, "[blocks, block_size, KVH, D]"));
+  RD_RETURN_IF_ERROR(positive(k_cache, 1, "k_cache", "block_size"));
+  RD_RETURN_IF_ERROR(positive(k_cache, 2, "k_cache", "KVH"));
+  RD_RETURN_IF_ERROR(dim(k_cache, 3, q.size(2), "k_cache", "D", "q"));
+  RD_RETURN_IF_ERROR(
+      view(ctx, v_cache, "v_cache", DType::kF32, 4, "[blocks, block_size, KVH, D]"));
+  RD_RETURN_IF_ERROR(same_shape(v_cache, k_cache, "v_cache", "k_cache"));
+  if (q.size(1) % k_cache.size(2) != 0)
+    return invalid("q", "q: " + std::to_string(q.size(1)) +
+                            " query heads are not a multiple of " +
+                            std::to_string(k_cache.size(2)) + " kv heads");
+  RD_RETURN_IF_ERROR(view(ctx, out, "out", DType::kF32, 3, "[T, QH, D]"));
+  RD_RETURN_IF_ERROR(same_shape(out, q, "out", "q"));
+  RD_RETURN_IF_ERROR(
+      view(ctx, block_tables, "block_tables", DType::kI32, 2, "[S, max_blocks]"));
+  RD_RETURN_IF_ERROR(view(ctx, seq_of, "seq_of", DType::kI32, 1, "[T]"));
+  RD_RETURN_IF_ERROR(dim(seq_of, 0, q.size(0), "seq_of", "T", "q"));
+  RD_RETURN_IF_ERROR(view(ctx, ctx_len, "ctx_len", DType::kI32, 1, "[T]"));
+  RD_RETURN_IF_ERROR(dim(ctx_len, 0, q.size(0), "ctx_len", "T", "q"));
+  if (!std::isfinite(scale))
+    return invalid("scale", "scale must be finite, got " + std::to_string(scale));
+  return Status::Ok();
+}
+
+Status router_softmax_topk(const ExecContext& ctx, const TensorView& ids,
+                           const TensorView& weights, const TensorView& logits) {
+  RD_RETURN_IF_ERROR(view(ctx, logits, "logits", DType::kF32, 2, "[T, E]"));
+  RD_RETURN_IF_ERROR(positive(logits, 1, "logits", "E"));
+  RD_RETURN_IF_ERROR(view(ctx, ids, "ids", DType::kI32, 2, "[T, K]"));
+  RD_RETURN_IF_ERROR(dim(ids, 0, logits.size(0), "ids", "T", "logits"));
+  RD_RETURN_IF_ERROR(positive(ids, 1, "ids", "K"));
+  if (ids.size(1) > logits.size(1))
+    return invalid("ids", "ids: top-k " + std::to_string(ids.size(1)) + " exceeds " +
+                              std::to_string(logits.size(1)) + " experts");
+  RD_RETURN_IF_ERROR(view(ctx, weights, "weights", DType::kF32, 2, "[T, K]"));
+  return same_shape(weights, ids, "weights", "ids");
+}
+
+Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
+  RD_RETURN_IF_ERROR(view(ctx, a.x, "x", DType::kF32, 2, "[T, H]"));
+  RD_RETURN_IF_ERROR(positive(a.x, 1, "x", "H"));
+  RD_RETURN_IF_ERROR(view(ctx, a.out, "out", DType::kF32, 2, "[T, H]"));
+  RD_RETURN_IF_ERROR(same_shape(a.out, a.x, "out", "x"));
+  RD_RETURN_IF_ERROR(view(ctx, a.w_gate_up, "w_gate_up", DType::kF32, 3, "[E_phys, 2*I, H]"));
+  RD_RETURN_IF_ERROR(positive(a.w_gate_up, 0, "w_gate_up", "E_phys"));
+  RD_RETURN_IF_ERROR(positive(a.w_gate_up, 1, "w_gate_up", "2*I"));
+  if (a.w_gate_up.size(1) % 2 != 0)
+    return invalid("w_gate_up", "w_gate_up: dimension 1 (2*I) is odd: " +
+                                    std::to_string(a.w_gate_up.size(1)));
+  RD_RETURN_IF_ERROR(dim(a.w_gate_up, 2, a.x.size(1), "w_gate_up", "H", "x"));
+  const int64_t inter = a.w_gate_up.size(1) / 2;
+  RD_RETURN_IF_ERROR(view(ctx, a.w_down, "w_down", DType::kF32, 3, "[E_phys, H, I]"));
+  RD_RETURN_IF_ERROR(dim(a.w_down, 0, a.w_gate_up.size(0), "w_down", "E_phys", "w_gate_up"));
+  RD_RETURN_IF_ERROR(dim(a.w_down, 1, a.x.size(1), "w_down", "H", "x"));
+  RD_RETURN_IF_ERROR(dim(a.w_down, 2, inter, "w_down", "I", "w_gate_up"));
+  RD_RETURN_IF_ERROR(view(ctx, a.topk_ids, "topk_ids", DType::kI32, 2, "[T, K]"));
+  RD_RETURN_IF_ERROR(dim(a.topk_ids, 0, a.x.size(0), "topk_ids", "T", "x"));
+  RD_RETURN_IF_ERROR(positive(a.topk_ids, 1, "topk_ids", "K"));
+  RD_RETURN_IF_ERROR(view(ctx, a.topk_weights, "topk_weights", DType::kF32, 2, "[T, K]"));
+  RD_RETURN_IF_ERROR(same_shape(a.topk_weights, a.topk_ids, "topk_weights", "topk_ids"));
+  RD_RETURN_IF_ERROR(view(ctx, a.logical_to_physical, "logical_to_physical", DType::kI32, 1,
+                          "[E_logical]"));
+  RD_RETURN_IF_ERROR(positive(a.logical_to_physical, 0, "logical_to_physical", "E_logical"));
+  if (a.num_valid_tokens < -1 || a.num_valid_tokens > a.x.size(0))
+    return Status(ErrorCode::kOutOfRange,
+                  "num_valid_tokens " + std::to_string(a.num_valid_tokens) +
+                      " outside [-1, " + std::to_string(a.x.size(0)) + "]",
+                  "num_valid_tokens");
+  return Status::Ok();
+}
+
+int64_t moe_valid_rows(const MoeExpertsArgs& a) {
+  return a.num_valid_tokens < 0 ? a.x.size(0) : a.num_valid_tokens;
+}
+
+}  // namespace rolloutd::op_checks

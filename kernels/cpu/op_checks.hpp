@@ -1,0 +1,40 @@
+#pragma once
+// Argument checks for every op of the backend seam: device, dtype, rank, shape and
+// contiguity of each view, before any element is read. The CPU reference defines what a
+// valid call is; the CUDA backend runs these same checks on the host before a launch, so
+// both backends reject a bad call with the same code and field.
+//
+// Value checks (ids inside their range) need the data and therefore stay with each
+// backend: the CPU one reads them, the CUDA one cannot without a synchronisation.
+#include "kernels/backend.hpp"
+
+namespace rolloutd::op_checks {
+
+// The context must name a device of the backend's kind.
+Status context(const ExecContext& ctx, DeviceKind backend_kind);
+
+Status embedding(const ExecContext& ctx, const TensorView& out, const TensorView& table,
+                 const TensorView& ids);
+Status rmsnorm(const ExecContext& ctx, const TensorView& out, const TensorView& x,
+               const TensorView& w, float eps);
+Status linear(const ExecContext& ctx, const TensorView& y, const TensorView& x,
+              const TensorView& w);
+Status add(const ExecContext& ctx, const TensorView& out, const TensorView& a,
+           const TensorView& b);
+Status rope(const ExecContext& ctx, const TensorView& x, const TensorView& positions,
+            float theta);
+Status kv_store(const ExecContext& ctx, const TensorView& k_cache, const TensorView& v_cache,
+                const TensorView& k, const TensorView& v, const TensorView& slot_mapping);
+Status paged_attention(const ExecContext& ctx, const TensorView& out, const TensorView& q,
+                       const TensorView& k_cache, const TensorView& v_cache,
+                       const TensorView& block_tables, const TensorView& seq_of,
+                       const TensorView& ctx_len, float scale);
+Status router_softmax_topk(const ExecContext& ctx, const TensorView& ids,
+                           const TensorView& weights, const TensorView& logits);
+Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& args);
+
+// Rows of `args.x` that are real tokens: num_valid_tokens, or every row when it is -1.
+// Only meaningful after moe_experts() accepted the arguments.
+int64_t moe_valid_rows(const MoeExpertsArgs& args);
+
+}  // namespace rolloutd::op_checks

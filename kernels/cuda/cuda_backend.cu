@@ -1,0 +1,204 @@
+// The CUDA backend: memory ops, `linear` through cuBLAS, error plumbing and the op table.
+#include <cublas_v2.h>
+
+#include <climits>
+#include <mutex>
+#include <string>
+
+#include "kernels/cpu/op_checks.hpp"
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/cuda_ops.hpp"
+
+namespace rolloutd {
+namespace cuda {
+namespace {
+
+constexpr int kMaxDevices = 64;
+
+const char* base_name(const char* path) {
+  const char* name = path;
+  for (const char* p = path; *p != '\0'; ++p)
+    if (*p == '/') name = p + 1;
+  return name;
+}
+
+Status cublas_status(cublasStatus_t st, const char* expr, const char* file, int line) {
+  (void)cudaGetLastError();
+  return Status(ErrorCode::kCudaError,
+                std::string(expr) + " failed: " + cublasGetStatusName(st) + " (" +
+                    cublasGetStatusString(st) + ") at " + base_name(file) + ":" +
+                    std::to_string(line));
+}
+
+#define RD_CUBLAS_CHECK(expr)                                                     \
+  do {                                                                            \
+    const cublasStatus_t rd_blas_st_ = (expr);                                    \
+    if (rd_blas_st_ != CUBLAS_STATUS_SUCCESS)                                     \
+      return cublas_status(rd_blas_st_, #expr, __FILE__, __LINE__);              \
+  } while (0)
+
+Status check_ctx(const ExecContext& ctx) {
+  RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCuda));
+  if (ctx.device.index >= kMaxDevices)
+    return Status(ErrorCode::kInvalidArgument,
+                  "device index " + std::to_string(ctx.device.index) + " above " +
+                      std::to_string(kMaxDevices - 1),
+                  "ctx.device");
+  return Status::Ok();
+}
+
+// One cuBLAS handle per device, created on first use. The mutex is held across
+// cublasSetStream + the GEMM: a handle carries its stream as state, so two threads
+// sharing it without the lock could launch on each other's stream.
+struct BlasSlot {
+  std::mutex mu;
+  cublasHandle_t handle = nullptr;  // never destroyed: process exit may tear the CUDA
+                                    // context down first, and cublasDestroy would then fail
+};
+
+BlasSlot& blas_slot(int device) {
+  static BlasSlot slots[kMaxDevices];
+  return slots[device];
+}
+
+Status alloc(const ExecContext& ctx, size_t bytes, void** out) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  if (out == nullptr) return Status(ErrorCode::kInvalidArgument, "null output pointer", "out");
+  *out = nullptr;
+  if (bytes == 0) return Status::Ok();
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  const cudaError_t err = cudaMalloc(out, bytes);
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    *out = nullptr;
+    return Status(ErrorCode::kResourceExhausted,
+                  "device allocation of " + std::to_string(bytes) + " bytes on " +
+                      ctx.device.to_string() + " failed",
+                  "bytes");
+  }
+  RD_CUDA_CHECK(err);
+  return Status::Ok();
+}
+
+Status free_mem(const ExecContext& ctx, void* ptr) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  if (ptr == nullptr) return Status::Ok();
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  RD_CUDA_CHECK(cudaFree(ptr));
+  return Status::Ok();
+}
+
+// Asynchronous on the context's stream: synchronize() before reading host memory.
+Status copy(const ExecContext& ctx, void* dst, const void* src, size_t bytes, CopyKind kind) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  cudaMemcpyKind k = cudaMemcpyDefault;
+  switch (kind) {
+    case CopyKind::kHostToDevice: k = cudaMemcpyHostToDevice; break;
+    case CopyKind::kDeviceToHost: k = cudaMemcpyDeviceToHost; break;
+    case CopyKind::kDeviceToDevice: k = cudaMemcpyDeviceToDevice; break;
+    case CopyKind::kHostToHost: k = cudaMemcpyHostToHost; break;
+    default: return Status(ErrorCode::kInvalidArgument, "unknown copy kind", "kind");
+  }
+  if (bytes == 0) return Status::Ok();
+  if (dst == nullptr || src == nullptr)
+    return Status(ErrorCode::kInvalidArgument,
+                  "null pointer in a copy of " + std::to_string(bytes) + " bytes",
+                  dst == nullptr ? "dst" : "src");
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  RD_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, k, stream_of(ctx)));
+  return Status::Ok();
+}
+
+Status synchronize(const ExecContext& ctx) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  RD_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status error_status(cudaError_t err, const char* expr, const char* file, int line) {
+  (void)cudaGetLastError();
+  return Status(ErrorCode::kCudaError, std::string(expr) + " failed: " + cudaGetErrorName(err) +
+                                           " (" + cudaGetErrorString(err) + ") at " +
+                                           base_name(file) + ":" + std::to_string(line));
+}
+
+Status DeviceGuard::set(int device) {
+  int current = 0;
+  RD_CUDA_CHECK(cudaGetDevice(&current));
+  if (current == device) return Status::Ok();
+  RD_CUDA_CHECK(cudaSetDevice(device));
+  previous_ = current;
+  changed_ = true;
+  return Status::Ok();
+}
+
+// Row-major y[M,N] = x[M,K] * w[N,K]^T is, read column-major, y^T[N,M] = w[N,K] * x^T[K,M]:
+// w's buffer is a column-major K x N matrix (so op T), x's a column-major K x M one (op N).
+Status linear(const ExecContext& ctx, TensorView y, TensorView x, TensorView w) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  RD_RETURN_IF_ERROR(op_checks::linear(ctx, y, x, w));
+  const int64_t n = w.size(0), k = w.size(1), m = x.numel() / k;
+  if (m == 0) return Status::Ok();
+  if (m > INT_MAX || n > INT_MAX || k > INT_MAX)
+    return Status(ErrorCode::kUnimplemented, "linear dimensions above INT_MAX for cuBLAS", "x");
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  BlasSlot& slot = blas_slot(ctx.device.index);
+  std::lock_guard<std::mutex> lock(slot.mu);
+  if (slot.handle == nullptr) {
+    cublasHandle_t handle = nullptr;
+    RD_CUBLAS_CHECK(cublasCreate(&handle));
+    slot.handle = handle;
+  }
+  RD_CUBLAS_CHECK(cublasSetStream(slot.handle, stream_of(ctx)));
+  const float alpha = 1.0f, beta = 0.0f;
+  // CUBLAS_COMPUTE_32F: true FP32 accumulation, never TF32 (that needs _FAST_TF32).
+  RD_CUBLAS_CHECK(cublasGemmEx(slot.handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n),
+                               static_cast<int>(m), static_cast<int>(k), &alpha, w.data,
+                               CUDA_R_32F, static_cast<int>(k), x.data, CUDA_R_32F,
+                               static_cast<int>(k), &beta, y.data, CUDA_R_32F,
+                               static_cast<int>(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  return Status::Ok();
+}
+
+}  // namespace cuda
+
+const Backend* cuda_backend() {
+  static const Backend kCudaBackend{
+      "cuda",
+      DeviceKind::kCuda,
+      cuda::alloc,
+      cuda::free_mem,
+      cuda::copy,
+      cuda::synchronize,
+      cuda::embedding,
+      cuda::rmsnorm,
+      cuda::linear,
+      cuda::add,
+      cuda::rope,
+      cuda::kv_store,
+      cuda::paged_attention,
+      cuda::router_softmax_topk,
+      cuda::moe_experts,
+  };
+  return &kCudaBackend;
+}
+
+int cuda_device_count() {
+  int count = 0;
+  // No driver or no device (the CI machine) is an answer, not a failure: zero.
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return count;
+}
+
+}  // namespace rolloutd

@@ -1,0 +1,28 @@
+#pragma once
+// The CUDA twins of the CPU reference ops, one host entry point per op of the Backend
+// table (cuda_backend.cu assembles the table). Each validates its views on the host with
+// kernels/cpu/op_checks.hpp, then launches on the context's stream and returns without
+// waiting. Internal to kernels/cuda/.
+#include "kernels/backend.hpp"
+
+namespace rolloutd::cuda {
+
+// elementwise.cu
+Status embedding(const ExecContext&, TensorView out, TensorView table, TensorView ids);
+Status rmsnorm(const ExecContext&, TensorView out, TensorView x, TensorView w, float eps);
+Status add(const ExecContext&, TensorView out, TensorView a, TensorView b);
+Status rope(const ExecContext&, TensorView x, TensorView positions, float theta);
+Status kv_store(const ExecContext&, TensorView k_cache, TensorView v_cache, TensorView k,
+                TensorView v, TensorView slot_mapping);
+// cuda_backend.cu (cuBLAS)
+Status linear(const ExecContext&, TensorView y, TensorView x, TensorView w);
+// attention.cu
+Status paged_attention(const ExecContext&, TensorView out, TensorView q, TensorView k_cache,
+                       TensorView v_cache, TensorView block_tables, TensorView seq_of,
+                       TensorView ctx_len, float scale);
+// moe.cu
+Status router_softmax_topk(const ExecContext&, TensorView ids, TensorView weights,
+                           TensorView logits, bool renormalize);
+Status moe_experts(const ExecContext&, const MoeExpertsArgs& args);
+
+}  // namespace rolloutd::cuda

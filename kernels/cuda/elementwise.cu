@@ -1,0 +1,164 @@
+// CUDA twins of the elementwise ops: embedding, rmsnorm, add, rope, kv_store.
+// Index values live on the device and are not checked on the host (that would need a
+// synchronisation): an embedding id outside [0, V) gives a zero row, a slot outside the
+// cache is skipped. Nothing is ever read or written out of bounds.
+#include "kernels/cpu/op_checks.hpp"
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/cuda_ops.hpp"
+
+namespace rolloutd::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// One block per token row; threads stride over the hidden dimension (coalesced).
+__global__ void embedding_kernel(float* __restrict__ out, const float* __restrict__ table,
+                                 const int32_t* __restrict__ ids, int64_t vocab,
+                                 int64_t hidden) {
+  const int64_t t = blockIdx.x;
+  const int32_t id = ids[t];
+  const bool valid = id >= 0 && id < vocab;
+  float* orow = out + t * hidden;
+  const float* trow = table + (valid ? static_cast<int64_t>(id) : 0) * hidden;
+  for (int64_t c = threadIdx.x; c < hidden; c += blockDim.x) orow[c] = valid ? trow[c] : 0.0f;
+}
+
+// One block per row: sum of squares by a block reduction, then the scaled write. Every
+// thread reads its elements before the reduction's barrier and writes the same elements
+// after it, so `out` may alias `x`.
+__global__ void rmsnorm_kernel(float* out, const float* x, const float* __restrict__ w,
+                               int64_t hidden, float eps) {
+  __shared__ float warp_partial[kThreads / 32];
+  const int64_t row = blockIdx.x;
+  const float* xr = x + row * hidden;
+  float* orow = out + row * hidden;
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = warp_sum(ss);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_partial[warp] = ss;
+  __syncthreads();
+  if (warp == 0) {
+    ss = lane < kThreads / 32 ? warp_partial[lane] : 0.0f;
+    ss = warp_sum(ss);
+    if (lane == 0) warp_partial[0] = ss;
+  }
+  __syncthreads();
+  const float inv = rsqrtf(warp_partial[0] / static_cast<float>(hidden) + eps);
+  for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) orow[i] = w[i] * (xr[i] * inv);
+}
+
+__global__ void add_kernel(float* out, const float* a, const float* b, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = a[i] + b[i];
+}
+
+// One thread per (token, head, pair). The frequency is computed in double and rounded
+// once to float, exactly as the CPU reference does, so both rotate by the same angle.
+__global__ void rope_kernel(float* x, const int32_t* __restrict__ positions, int64_t heads,
+                            int64_t head_dim, float theta, int64_t total_pairs) {
+  const int64_t half = head_dim / 2;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       idx < total_pairs; idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = idx % half;
+    const int64_t th = idx / half;  // t * heads + h
+    const int64_t t = th / heads;
+    const float inv_freq = static_cast<float>(
+        1.0 / pow(static_cast<double>(theta),
+                  2.0 * static_cast<double>(i) / static_cast<double>(head_dim)));
+    const float angle = static_cast<float>(positions[t]) * inv_freq;
+    const float c = cosf(angle), s = sinf(angle);
+    float* row = x + th * head_dim;
+    const float x1 = row[i], x2 = row[i + half];
+    row[i] = x1 * c - x2 * s;
+    row[i + half] = x2 * c + x1 * s;
+  }
+}
+
+__global__ void kv_store_kernel(float* __restrict__ k_cache, float* __restrict__ v_cache,
+                                const float* __restrict__ k, const float* __restrict__ v,
+                                const int32_t* __restrict__ slots, int64_t num_slots,
+                                int64_t row) {
+  const int64_t t = blockIdx.x;
+  const int64_t slot = slots[t];
+  if (slot < 0 || slot >= num_slots) return;  // padding (or a bad slot: skipped)
+  for (int64_t c = threadIdx.x; c < row; c += blockDim.x) {
+    k_cache[slot * row + c] = k[t * row + c];
+    v_cache[slot * row + c] = v[t * row + c];
+  }
+}
+
+}  // namespace
+
+Status embedding(const ExecContext& ctx, TensorView out, TensorView table, TensorView ids) {
+  RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCuda));
+  RD_RETURN_IF_ERROR(op_checks::embedding(ctx, out, table, ids));
+  const int64_t num_tokens = ids.size(0);
+  if (num_tokens == 0) return Status::Ok();
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  embedding_kernel<<<static_cast<unsigned int>(num_tokens), kThreads, 0, stream_of(ctx)>>>(
+      out.as<float>(), table.as<const float>(), ids.as<const int32_t>(), table.size(0),
+      table.size(1));
+  RD_CUDA_CHECK_LAUNCH("embedding_kernel");
+  return Status::Ok();
+}
+
+Status rmsnorm(const ExecContext& ctx, TensorView out, TensorView x, TensorView w, float eps) {
+  RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCuda));
+  RD_RETURN_IF_ERROR(op_checks::rmsnorm(ctx, out, x, w, eps));
+  const int64_t hidden = x.size(x.rank() - 1);
+  const int64_t rows = x.numel() / hidden;
+  if (rows == 0) return Status::Ok();
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  rmsnorm_kernel<<<static_cast<unsigned int>(rows), kThreads, 0, stream_of(ctx)>>>(
+      out.as<float>(), x.as<const float>(), w.as<const float>(), hidden, eps);
+  RD_CUDA_CHECK_LAUNCH("rmsnorm_kernel");
+  return Status::Ok();
+}
+
+Status add(const ExecContext& ctx, TensorView out, TensorView a, TensorView b) {
+  RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCuda));
+  RD_RETURN_IF_ERROR(op_checks::add(ctx, out, a, b));
+  const int64_t n = a.numel();
+  if (n == 0) return Status::Ok();
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  add_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream_of(ctx)>>>(
+      out.as<float>(), a.as<const float>(), b.as<const float>(), n);
+  RD_CUDA_CHECK_LAUNCH("add_kernel");
+  return Status::Ok();
+}
+
+Status rope(const ExecContext& ctx, TensorView x, TensorView positions, float theta) {
+  RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCuda));
+  RD_RETURN_IF_ERROR(op_checks::rope(ctx, x, positions, theta));
+  const int64_t total_pairs = x.numel() / 2;
+  if (total_pairs == 0) return Status::Ok();
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  rope_kernel<<<blocks_for(total_pairs, kThreads), kThreads, 0, stream_of(ctx)>>>(
+      x.as<float>(), positions.as<const int32_t>(), x.size(1), x.size(2), theta, total_pairs);
+  RD_CUDA_CHECK_LAUNCH("rope_kernel");
+  return Status::Ok();
+}
+
+Status kv_store(const ExecContext& ctx, TensorView k_cache, TensorView v_cache, TensorView k,
+                TensorView v, TensorView slot_mapping) {
+  RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCuda));
+  RD_RETURN_IF_ERROR(op_checks::kv_store(ctx, k_cache, v_cache, k, v, slot_mapping));
+  const int64_t num_tokens = k.size(0);
+  if (num_tokens == 0) return Status::Ok();
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  kv_store_kernel<<<static_cast<unsigned int>(num_tokens), kThreads, 0, stream_of(ctx)>>>(
+      k_cache.as<float>(), v_cache.as<float>(), k.as<const float>(), v.as<const float>(),
+      slot_mapping.as<const int32_t>(), k_cache.size(0) * k_cache.size(1),
+      k_cache.size(2) * k_cache.size(3));
+  RD_CUDA_CHECK_LAUNCH("kv_store_kernel");
+  return Status::Ok();
+}
+
+}  // namespace rolloutd::cuda

@@ -1,0 +1,199 @@
+// CUDA twins of the MoE ops: softmax top-k routing (one warp per token) and the SwiGLU
+// expert combine (one block per token, experts visited one after another). Simple and
+// exact; grouped GEMMs over tokens sorted by expert come later and are checked against
+// these and the CPU reference.
+//
+// Expert ids are on the device and not checked on the host: a (token, k) whose logical id
+// is outside [0, E_logical), or whose physical slot is outside [0, E_phys), contributes
+// nothing. Padding rows (t >= num_valid_tokens) are zeroed and their ids never read.
+#include <climits>
+#include <cmath>
+
+#include "kernels/cpu/op_checks.hpp"
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/cuda_ops.hpp"
+
+namespace rolloutd::cuda {
+namespace {
+
+constexpr int kRouterWarpsPerBlock = 4;
+constexpr int kMoeThreads = 256;
+constexpr int kMoeWarps = kMoeThreads / 32;
+
+// The CPU reference's ranking (kernels/cpu/cpu_moe.cpp): by logit, NaN last, equal
+// logits by lower id. Identical inputs and comparisons make both backends pick the same
+// experts bit for bit, whatever their exp() rounding.
+__device__ __forceinline__ float rank_value(float logit) {
+  return isnan(logit) ? -INFINITY : logit;
+}
+__device__ __forceinline__ bool ranks_before(float va, int a, float vb, int b) {
+  return va > vb || (va == vb && a < b);
+}
+
+// Round k picks the best expert ranked after round k-1's pick, so no "taken" set is needed.
+__global__ void router_softmax_topk_kernel(int32_t* __restrict__ ids, float* __restrict__ weights,
+                                           const float* __restrict__ logits, int64_t num_tokens,
+                                           int num_experts, int top_k, bool renormalize) {
+  const int64_t t = blockIdx.x * static_cast<int64_t>(kRouterWarpsPerBlock) + threadIdx.x / 32;
+  if (t >= num_tokens) return;  // whole warp
+  const int lane = threadIdx.x & 31;
+  const float* l = logits + t * num_experts;
+
+  float max_logit = -INFINITY;
+  for (int e = lane; e < num_experts; e += 32) max_logit = fmaxf(max_logit, l[e]);
+  max_logit = warp_max(max_logit);
+  float sum = 0.0f;
+  for (int e = lane; e < num_experts; e += 32) sum += expf(l[e] - max_logit);
+  sum = warp_sum(sum);
+
+  float prev_v = 0.0f;
+  int prev = -1;
+  float picked_sum = 0.0f;
+  for (int k = 0; k < top_k; ++k) {
+    float best_v = -INFINITY;
+    int best = -1;
+    for (int e = lane; e < num_experts; e += 32) {
+      const float v = rank_value(l[e]);
+      if (prev >= 0 && !ranks_before(prev_v, prev, v, e)) continue;
+      if (best < 0 || ranks_before(v, e, best_v, best)) {
+        best_v = v;
+        best = e;
+      }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const float other_v = __shfl_xor_sync(0xffffffffu, best_v, offset);
+      const int other = __shfl_xor_sync(0xffffffffu, best, offset);
+      if (other >= 0 && (best < 0 || ranks_before(other_v, other, best_v, best))) {
+        best_v = other_v;
+        best = other;
+      }
+    }
+    if (best < 0) break;  // unreachable while top_k <= num_experts (host-checked)
+    prev_v = best_v;
+    prev = best;
+    const float p = expf(l[best] - max_logit) / sum;
+    picked_sum += p;
+    if (lane == 0) {
+      ids[t * top_k + k] = best;
+      weights[t * top_k + k] = p;
+    }
+  }
+  if (renormalize && lane == 0)
+    for (int k = 0; k < top_k; ++k) weights[t * top_k + k] = weights[t * top_k + k] / picked_sum;
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
+// One block per token row. Warp w owns gate/up rows i = w, w + kMoeWarps, ... and output
+// columns j = w, w + kMoeWarps, ...; lanes stride along each weight row (coalesced) and a
+// warp reduction finishes each dot product. h = silu(gate) * up of the current expert sits
+// in shared memory between the two phases.
+__global__ void __launch_bounds__(kMoeThreads)
+    moe_experts_kernel(float* __restrict__ out, const float* __restrict__ x,
+                       const float* __restrict__ w_gate_up, const float* __restrict__ w_down,
+                       const int32_t* __restrict__ topk_ids, const float* __restrict__ topk_w,
+                       const int32_t* __restrict__ l2p, int64_t num_valid, int64_t hidden,
+                       int64_t inter, int top_k, int num_logical, int num_phys) {
+  extern __shared__ float h[];
+  const int64_t t = blockIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float* orow = out + t * hidden;
+  // The lane that zeroes out[t, j] is the one that later accumulates into it: no barrier.
+  if (lane == 0)
+    for (int64_t j = warp; j < hidden; j += kMoeWarps) orow[j] = 0.0f;
+  if (t >= num_valid) return;  // padding row: ids are never read
+
+  const float* xr = x + t * hidden;
+  for (int k = 0; k < top_k; ++k) {
+    const int32_t logical = topk_ids[t * top_k + k];
+    if (logical < 0 || logical >= num_logical) continue;  // uniform across the block
+    const int64_t e = l2p[logical];
+    if (e < 0 || e >= num_phys) continue;
+    const float wk = topk_w[t * top_k + k];
+
+    const float* gu = w_gate_up + e * 2 * inter * hidden;
+    for (int64_t i = warp; i < inter; i += kMoeWarps) {
+      const float* gate_row = gu + i * hidden;
+      const float* up_row = gu + (inter + i) * hidden;
+      float g = 0.0f, u = 0.0f;
+      for (int64_t c = lane; c < hidden; c += 32) {
+        g += gate_row[c] * xr[c];
+        u += up_row[c] * xr[c];
+      }
+      g = warp_sum(g);
+      u = warp_sum(u);
+      if (lane == 0) h[i] = silu(g) * u;
+    }
+    __syncthreads();
+
+    const float* down = w_down + e * hidden * inter;
+    for (int64_t j = warp; j < hidden; j += kMoeWarps) {
+      const float* down_row = down + j * inter;
+      float d = 0.0f;
+      for (int64_t c = lane; c < inter; c += 32) d += down_row[c] * h[c];
+      d = warp_sum(d);
+      if (lane == 0) orow[j] += wk * d;
+    }
+    __syncthreads();  // h is rewritten by the next expert
+  }
+}
+
+}  // namespace
+
+Status router_softmax_topk(const ExecContext& ctx, TensorView ids, TensorView weights,
+                           TensorView logits, bool renormalize) {
+  RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCuda));
+  RD_RETURN_IF_ERROR(op_checks::router_softmax_topk(ctx, ids, weights, logits));
+  const int64_t num_tokens = logits.size(0);
+  if (logits.size(1) > INT_MAX)
+    return Status(ErrorCode::kUnimplemented, "more than INT_MAX experts", "logits");
+  if (num_tokens == 0) return Status::Ok();
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  const unsigned int blocks = static_cast<unsigned int>(
+      (num_tokens + kRouterWarpsPerBlock - 1) / kRouterWarpsPerBlock);
+  router_softmax_topk_kernel<<<blocks, kRouterWarpsPerBlock * 32, 0, stream_of(ctx)>>>(
+      ids.as<int32_t>(), weights.as<float>(), logits.as<const float>(), num_tokens,
+      static_cast<int>(logits.size(1)), static_cast<int>(ids.size(1)), renormalize);
+  RD_CUDA_CHECK_LAUNCH("router_softmax_topk_kernel");
+  return Status::Ok();
+}
+
+Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
+  RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCuda));
+  RD_RETURN_IF_ERROR(op_checks::moe_experts(ctx, a));
+  const int64_t num_tokens = a.x.size(0);
+  const int64_t inter = a.w_gate_up.size(1) / 2;
+  if (a.topk_ids.size(1) > INT_MAX || a.logical_to_physical.size(0) > INT_MAX ||
+      a.w_gate_up.size(0) > INT_MAX || num_tokens > INT_MAX)
+    return Status(ErrorCode::kUnimplemented, "MoE dimensions above INT_MAX", "x");
+  if (num_tokens == 0) return Status::Ok();
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  const size_t smem = static_cast<size_t>(inter) * sizeof(float);
+  int smem_limit = 0;
+  RD_CUDA_CHECK(
+      cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                             ctx.device.index));
+  if (smem > static_cast<size_t>(smem_limit))
+    return Status(ErrorCode::kUnimplemented,
+                  "intermediate size " + std::to_string(inter) +
+                      " exceeds the shared memory of the simple CUDA MoE kernel",
+                  "w_gate_up");
+  if (smem > 48 * 1024)  // above the default carve-out a kernel must opt in
+    RD_CUDA_CHECK(cudaFuncSetAttribute(moe_experts_kernel,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem)));
+  moe_experts_kernel<<<static_cast<unsigned int>(num_tokens), kMoeThreads, smem,
+                       stream_of(ctx)>>>(
+      a.out.as<float>(), a.x.as<const float>(), a.w_gate_up.as<const float>(),
+      a.w_down.as<const float>(), a.topk_ids.as<const int32_t>(),
+      a.topk_weights.as<const float>(), a.logical_to_physical.as<const int32_t>(),
+      op_checks::moe_valid_rows(a), a.x.size(1), inter, static_cast<int>(a.topk_ids.size(1)),
+      static_cast<int>(a.logical_to_physical.size(0)), static_cast<int>(a.w_gate_up.size(0)));
+  RD_CUDA_CHECK_LAUNCH("moe_experts_kernel");
+  return Status::Ok();
+}
+
+}  // namespace rolloutd::cuda

@@ -1,0 +1,893 @@
+// Every op of the backend seam on every backend against the CPU reference, in the manner
+// of ggml's test-backend-ops: one parameterised test over {op x shape (x dtype: FP32 for
+// now)}. Each case builds random inputs from a fixed seed, poisons its outputs with NaN
+// (INT32_MIN for integer outputs) before every run, checks that every element was written,
+// and compares with ||out - ref|| / ||ref|| <= the op's tolerance (integer outputs: exact).
+//
+// The CPU half runs everywhere; the CUDA half skips itself without a CUDA build or a GPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <numeric>
+#include <ostream>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "kernels/backend.hpp"
+
+#if defined(ROLLOUTD_WITH_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+namespace rolloutd {
+namespace {
+
+// ---- deterministic inputs -------------------------------------------------------------
+
+// SplitMix64: tiny, fixed across platforms and standard libraries (std:: distributions
+// are not), so a failing case reproduces bit for bit anywhere.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : state_(seed) {}
+  uint64_t next() {
+    uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  // Uniform in [lo, hi), 24 random bits.
+  float uniform(float lo, float hi) {
+    return lo + (hi - lo) * static_cast<float>(next() >> 40) * (1.0f / 16777216.0f);
+  }
+  int32_t below(int64_t n) { return static_cast<int32_t>(next() % static_cast<uint64_t>(n)); }
+  template <class T>
+  void shuffle(std::vector<T>& v) {
+    for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[next() % i]);
+  }
+
+ private:
+  uint64_t state_;
+};
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (const unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
+  return h;
+}
+
+// ---- cases ----------------------------------------------------------------------------
+
+enum class Role { kIn, kOut, kInOut };
+
+struct CaseTensor {
+  std::string name;
+  DType dtype;
+  Shape shape;
+  Role role;
+  std::vector<uint8_t> bytes;  // initial contents (ignored for kOut: poisoned instead)
+};
+
+using OpRun =
+    std::function<Status(const Backend&, const ExecContext&, const std::vector<TensorView>&)>;
+
+struct ParityCase {
+  std::string name;
+  double tolerance = 1e-5;  // relative L2 error allowed on float outputs
+  std::vector<CaseTensor> tensors;
+  OpRun run;  // views are in the order of `tensors`
+
+  size_t add(std::string tname, DType dtype, Shape shape, Role role,
+             std::vector<uint8_t> bytes = {}) {
+    if (role == Role::kOut) bytes.assign(static_cast<size_t>(shape.numel()) * dtype_size(dtype), 0);
+    tensors.push_back({std::move(tname), dtype, shape, role, std::move(bytes)});
+    return tensors.size() - 1;
+  }
+  size_t add_f32(std::string tname, Shape shape, Role role, const std::vector<float>& v) {
+    std::vector<uint8_t> b(v.size() * sizeof(float));
+    std::memcpy(b.data(), v.data(), b.size());
+    return add(std::move(tname), DType::kF32, shape, role, std::move(b));
+  }
+  size_t add_i32(std::string tname, Shape shape, const std::vector<int32_t>& v) {
+    std::vector<uint8_t> b(v.size() * sizeof(int32_t));
+    std::memcpy(b.data(), v.data(), b.size());
+    return add(std::move(tname), DType::kI32, shape, Role::kIn, std::move(b));
+  }
+  size_t add_out(std::string tname, DType dtype, Shape shape) {
+    return add(std::move(tname), dtype, shape, Role::kOut);
+  }
+};
+
+std::vector<float> random_f32(Rng& rng, int64_t n, float lo, float hi) {
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = rng.uniform(lo, hi);
+  return v;
+}
+
+struct CaseMaker {
+  std::string name;  // gtest parameter name: letters, digits, '_'
+  std::function<ParityCase(Rng&)> make;
+};
+void PrintTo(const CaseMaker& m, std::ostream* os) { *os << m.name; }
+
+std::vector<CaseMaker>& registry() {
+  static std::vector<CaseMaker> cases;
+  return cases;
+}
+
+void reg(std::string name, std::function<ParityCase(Rng&)> make) {
+  registry().push_back({std::move(name), std::move(make)});
+}
+
+std::string dims(std::initializer_list<std::pair<const char*, int64_t>> kv) {
+  std::string s;
+  for (const auto& [k, v] : kv) s += std::string("_") + k + std::to_string(v);
+  return s;
+}
+
+// -- embedding: a copy, so exact.
+void embedding_cases() {
+  struct P {
+    int64_t t, v, h;
+  };
+  for (const P p : {P{1, 17, 8}, P{37, 1000, 65}, P{128, 50, 256}}) {
+    const int64_t t = p.t, v = p.v, h = p.h;
+    reg("embedding" + dims({{"T", t}, {"V", v}, {"H", h}}), [=](Rng& rng) {
+      ParityCase c;
+      c.tolerance = 0.0;
+      c.add_f32("table", {v, h}, Role::kIn, random_f32(rng, v * h, -1, 1));
+      std::vector<int32_t> ids(static_cast<size_t>(t));
+      for (auto& id : ids) id = rng.below(v);
+      ids.back() = static_cast<int32_t>(v - 1);  // the last row of the table too
+      c.add_i32("ids", {t}, ids);
+      c.add_out("out", DType::kF32, {t, h});
+      c.run = [](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
+        return b.embedding(x, a[2], a[0], a[1]);
+      };
+      return c;
+    });
+  }
+}
+
+void rmsnorm_cases() {
+  struct P {
+    int64_t rows, h;
+  };
+  for (const P p : {P{1, 64}, P{7, 33}, P{130, 1000}, P{3, 4096}}) {
+    const int64_t rows = p.rows, h = p.h;
+    reg("rmsnorm" + dims({{"R", rows}, {"H", h}}), [=](Rng& rng) {
+      ParityCase c;
+      c.add_f32("x", {rows, h}, Role::kIn, random_f32(rng, rows * h, -2, 2));
+      c.add_f32("w", {h}, Role::kIn, random_f32(rng, h, 0.5f, 1.5f));
+      c.add_out("out", DType::kF32, {rows, h});
+      c.run = [](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
+        return b.rmsnorm(x, a[2], a[0], a[1], 1e-6f);
+      };
+      return c;
+    });
+  }
+  reg("rmsnorm_rank3_T2_S5_H48", [](Rng& rng) {
+    ParityCase c;
+    c.add_f32("x", {2, 5, 48}, Role::kIn, random_f32(rng, 480, -2, 2));
+    c.add_f32("w", {48}, Role::kIn, random_f32(rng, 48, 0.5f, 1.5f));
+    c.add_out("out", DType::kF32, {2, 5, 48});
+    c.run = [](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
+      return b.rmsnorm(x, a[2], a[0], a[1], 1e-5f);
+    };
+    return c;
+  });
+}
+
+void linear_cases() {
+  struct P {
+    int64_t m, k, n;
+  };
+  for (const P p : {P{1, 64, 64}, P{3, 5, 7}, P{1, 256, 1000}, P{33, 257, 129},
+                    P{128, 256, 1000}, P{256, 1024, 512}}) {
+    const int64_t m = p.m, k = p.k, n = p.n;
+    reg("linear" + dims({{"M", m}, {"K", k}, {"N", n}}), [=](Rng& rng) {
+      ParityCase c;
+      const float amp = 1.0f / std::sqrt(static_cast<float>(k));
+      c.add_f32("x", {m, k}, Role::kIn, random_f32(rng, m * k, -1, 1));
+      c.add_f32("w", {n, k}, Role::kIn, random_f32(rng, n * k, -amp, amp));
+      c.add_out("y", DType::kF32, {m, n});
+      c.run = [](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
+        return b.linear(x, a[2], a[0], a[1]);
+      };
+      return c;
+    });
+  }
+  reg("linear_rank3_B2_S3_K40_N24", [](Rng& rng) {
+    ParityCase c;
+    c.add_f32("x", {2, 3, 40}, Role::kIn, random_f32(rng, 240, -1, 1));
+    c.add_f32("w", {24, 40}, Role::kIn, random_f32(rng, 960, -0.2f, 0.2f));
+    c.add_out("y", DType::kF32, {2, 3, 24});
+    c.run = [](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
+      return b.linear(x, a[2], a[0], a[1]);
+    };
+    return c;
+  });
+}
+
+void add_cases() {
+  struct P {
+    int64_t r, h;
+  };
+  for (const P p : {P{1, 1}, P{1, 1000}, P{3, 77}, P{64, 1024}}) {
+    const int64_t r = p.r, h = p.h;
+    reg("add" + dims({{"R", r}, {"H", h}}), [=](Rng& rng) {
+      ParityCase c;
+      c.tolerance = 0.0;  // one rounding, the same everywhere
+      c.add_f32("a", {r, h}, Role::kIn, random_f32(rng, r * h, -1, 1));
+      c.add_f32("b", {r, h}, Role::kIn, random_f32(rng, r * h, -1, 1));
+      c.add_out("out", DType::kF32, {r, h});
+      c.run = [](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
+        return b.add(x, a[2], a[0], a[1]);
+      };
+      return c;
+    });
+  }
+}
+
+void rope_cases() {
+  struct P {
+    int64_t t, heads, d, max_pos;
+    float theta;
+  };
+  for (const P p : {P{1, 1, 2, 8, 10000.0f}, P{5, 3, 64, 64, 10000.0f}, P{17, 4, 128, 4096, 1e6f},
+                    P{9, 2, 6, 100000, 500000.0f}}) {
+    reg("rope" + dims({{"T", p.t}, {"Heads", p.heads}, {"D", p.d}, {"MaxPos", p.max_pos}}),
+        [=](Rng& rng) {
+          ParityCase c;
+          c.add_f32("x", {p.t, p.heads, p.d}, Role::kInOut,
+                    random_f32(rng, p.t * p.heads * p.d, -1, 1));
+          std::vector<int32_t> pos(static_cast<size_t>(p.t));
+          for (auto& q : pos) q = rng.below(p.max_pos);
+          c.add_i32("positions", {p.t}, pos);
+          c.run = [theta = p.theta](const Backend& b, const ExecContext& x,
+                                    const std::vector<TensorView>& a) {
+            return b.rope(x, a[0], a[1], theta);
+          };
+          return c;
+        });
+  }
+}
+
+void kv_store_cases() {
+  struct P {
+    int64_t blocks, block_size, kv_heads, d, t, padding;
+  };
+  for (const P p : {P{4, 16, 2, 64, 1, 0}, P{4, 16, 2, 64, 5, 2}, P{3, 1, 1, 8, 3, 1},
+                    P{16, 16, 8, 128, 37, 4}}) {
+    reg("kv_store" + dims({{"NB", p.blocks}, {"BS", p.block_size}, {"KVH", p.kv_heads},
+                           {"D", p.d}, {"T", p.t}, {"Pad", p.padding}}),
+        [=](Rng& rng) {
+          ParityCase c;
+          c.tolerance = 0.0;  // a copy
+          const int64_t cache = p.blocks * p.block_size * p.kv_heads * p.d;
+          const int64_t rows = p.t * p.kv_heads * p.d;
+          // Caches start random, so a slot written by mistake (or not written) shows.
+          c.add_f32("k_cache", {p.blocks, p.block_size, p.kv_heads, p.d}, Role::kInOut,
+                    random_f32(rng, cache, -1, 1));
+          c.add_f32("v_cache", {p.blocks, p.block_size, p.kv_heads, p.d}, Role::kInOut,
+                    random_f32(rng, cache, -1, 1));
+          c.add_f32("k", {p.t, p.kv_heads, p.d}, Role::kIn, random_f32(rng, rows, -1, 1));
+          c.add_f32("v", {p.t, p.kv_heads, p.d}, Role::kIn, random_f32(rng, rows, -1, 1));
+          // Distinct slots: two writers of one slot would race on the GPU.
+          std::vector<int32_t> slots(static_cast<size_t>(p.blocks * p.block_size));
+          std::iota(slots.begin(), slots.end(), 0);
+          rng.shuffle(slots);
+          slots.resize(static_cast<size_t>(p.t));
+          for (int64_t i = 0; i < p.padding; ++i) slots[static_cast<size_t>(rng.below(p.t))] = -1;
+          c.add_i32("slot_mapping", {p.t}, slots);
+          c.run = [](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
+            return b.kv_store(x, a[0], a[1], a[2], a[3], a[4]);
+          };
+          return c;
+        });
+  }
+}
+
+// Sequences are described by (tokens already in the cache + new tokens, new tokens): the
+// new tokens are the last positions, token i of them seeing ctx = total - new + i + 1.
+// Decode is new = 1; prefill is new = total; chunked prefill anything between.
+struct SeqSpec {
+  int64_t total, fresh;
+};
+
+ParityCase attention_case(Rng& rng, std::vector<SeqSpec> seqs, int64_t q_heads, int64_t kv_heads,
+                          int64_t d, int64_t block_size, int64_t padding_tokens) {
+  ParityCase c;
+  int64_t max_blocks = 1, blocks_needed = 0, num_tokens = padding_tokens;
+  for (const auto& s : seqs) {
+    const int64_t nb = (s.total + block_size - 1) / block_size;
+    max_blocks = std::max(max_blocks, nb + 1);  // one spare entry that must never be followed
+    blocks_needed += nb;
+    num_tokens += s.fresh;
+  }
+  const int64_t num_blocks = blocks_needed + 3;  // a few blocks nobody owns
+  const int64_t cache = num_blocks * block_size * kv_heads * d;
+  c.add_f32("q", {num_tokens, q_heads, d}, Role::kIn,
+            random_f32(rng, num_tokens * q_heads * d, -2, 2));
+  c.add_f32("k_cache", {num_blocks, block_size, kv_heads, d}, Role::kIn,
+            random_f32(rng, cache, -1, 1));
+  c.add_f32("v_cache", {num_blocks, block_size, kv_heads, d}, Role::kIn,
+            random_f32(rng, cache, -1, 1));
+  // Blocks handed out in shuffled order: tables are not contiguous ranges.
+  std::vector<int32_t> free_blocks(static_cast<size_t>(num_blocks));
+  std::iota(free_blocks.begin(), free_blocks.end(), 0);
+  rng.shuffle(free_blocks);
+  const auto num_seqs = static_cast<int64_t>(seqs.size());
+  std::vector<int32_t> table(static_cast<size_t>(num_seqs * max_blocks), -1);
+  size_t next_free = 0;
+  std::vector<int32_t> seq_of, ctx_len;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const SeqSpec spec = seqs[static_cast<size_t>(s)];
+    const int64_t nb = (spec.total + block_size - 1) / block_size;
+    for (int64_t j = 0; j < nb; ++j) table[static_cast<size_t>(s * max_blocks + j)] = free_blocks[next_free++];
+    for (int64_t i = 0; i < spec.fresh; ++i) {
+      seq_of.push_back(static_cast<int32_t>(s));
+      ctx_len.push_back(static_cast<int32_t>(spec.total - spec.fresh + i + 1));
+    }
+  }
+  for (int64_t i = 0; i < padding_tokens; ++i) {  // padding rows: see nothing, output zero
+    seq_of.push_back(0);
+    ctx_len.push_back(0);
+  }
+  c.add_i32("block_tables", {num_seqs, max_blocks}, table);
+  c.add_i32("seq_of", {num_tokens}, seq_of);
+  c.add_i32("ctx_len", {num_tokens}, ctx_len);
+  c.add_out("out", DType::kF32, {num_tokens, q_heads, d});
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  c.run = [scale](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
+    return b.paged_attention(x, a[6], a[0], a[1], a[2], a[3], a[4], a[5], scale);
+  };
+  return c;
+}
+
+void attention_cases() {
+  reg("paged_attention_decode_single_token_ctx1", [](Rng& rng) {
+    return attention_case(rng, {{1, 1}}, 4, 4, 64, 16, 0);
+  });
+  reg("paged_attention_decode_batch_multiblock_gqa", [](Rng& rng) {
+    return attention_case(rng, {{37, 1}, {1, 1}, {100, 1}, {16, 1}}, 8, 2, 128, 16, 0);
+  });
+  reg("paged_attention_prefill_gqa_QH8_KVH2", [](Rng& rng) {
+    return attention_case(rng, {{40, 40}}, 8, 2, 64, 16, 0);
+  });
+  reg("paged_attention_chunked_prefill_and_decode_with_padding", [](Rng& rng) {
+    return attention_case(rng, {{50, 13}, {9, 1}, {23, 23}}, 4, 1, 64, 8, 3);
+  });
+  reg("paged_attention_odd_head_dim_D40_block3", [](Rng& rng) {
+    return attention_case(rng, {{11, 4}, {7, 7}}, 6, 3, 40, 3, 1);
+  });
+  reg("paged_attention_D256_block1", [](Rng& rng) {
+    return attention_case(rng, {{5, 2}}, 2, 1, 256, 1, 0);
+  });
+  reg("paged_attention_long_context_1000", [](Rng& rng) {
+    return attention_case(rng, {{1000, 1}, {777, 2}}, 16, 4, 128, 16, 0);
+  });
+}
+
+void router_cases() {
+  struct P {
+    int64_t t, e, k;
+    bool renormalize;
+    int levels;  // > 0: logits drawn from this many values, so exact ties are common
+  };
+  for (const P p : {P{1, 8, 2, true, 0}, P{33, 64, 8, false, 0}, P{5, 3, 3, true, 0},
+                    P{100, 128, 4, true, 0}, P{64, 16, 4, false, 4}, P{17, 40, 6, true, 3}}) {
+    reg("router_softmax_topk" + dims({{"T", p.t}, {"E", p.e}, {"K", p.k}}) +
+            (p.renormalize ? "_renorm" : "_plain") + (p.levels ? "_ties" : ""),
+        [=](Rng& rng) {
+          ParityCase c;
+          std::vector<float> logits = random_f32(rng, p.t * p.e, -3, 3);
+          if (p.levels)
+            for (float& l : logits) l = static_cast<float>(rng.below(p.levels)) - 1.0f;
+          c.add_f32("logits", {p.t, p.e}, Role::kIn, logits);
+          c.add_out("ids", DType::kI32, {p.t, p.k});
+          c.add_out("weights", DType::kF32, {p.t, p.k});
+          c.run = [renorm = p.renormalize](const Backend& b, const ExecContext& x,
+                                           const std::vector<TensorView>& a) {
+            return b.router_softmax_topk(x, a[1], a[2], a[0], renorm);
+          };
+          return c;
+        });
+  }
+}
+
+void moe_cases() {
+  struct P {
+    int64_t t, valid, h, inter, e_logical, e_phys, k;
+  };
+  for (const P p : {P{1, 1, 64, 32, 4, 4, 2}, P{13, 10, 48, 40, 8, 10, 2},
+                    P{64, 64, 256, 128, 16, 16, 4}, P{7, 7, 33, 17, 5, 7, 3},
+                    P{8, 0, 32, 16, 4, 4, 2}}) {
+    reg("moe_experts" + dims({{"T", p.t}, {"Valid", p.valid}, {"H", p.h}, {"I", p.inter},
+                              {"El", p.e_logical}, {"Ep", p.e_phys}, {"K", p.k}}),
+        [=](Rng& rng) {
+          ParityCase c;
+          const float amp_in = 1.0f / std::sqrt(static_cast<float>(p.h));
+          const float amp_down = 1.0f / std::sqrt(static_cast<float>(p.inter));
+          c.add_f32("x", {p.t, p.h}, Role::kIn, random_f32(rng, p.t * p.h, -1, 1));
+          c.add_f32("w_gate_up", {p.e_phys, 2 * p.inter, p.h}, Role::kIn,
+                    random_f32(rng, p.e_phys * 2 * p.inter * p.h, -amp_in, amp_in));
+          c.add_f32("w_down", {p.e_phys, p.h, p.inter}, Role::kIn,
+                    random_f32(rng, p.e_phys * p.h * p.inter, -amp_down, amp_down));
+          // Real rows route to k distinct logical experts, as a router would; padding rows
+          // carry garbage that must never be read.
+          std::vector<int32_t> ids(static_cast<size_t>(p.t * p.k));
+          for (int64_t t = 0; t < p.t; ++t) {
+            std::vector<int32_t> experts(static_cast<size_t>(p.e_logical));
+            std::iota(experts.begin(), experts.end(), 0);
+            rng.shuffle(experts);
+            for (int64_t k = 0; k < p.k; ++k)
+              ids[static_cast<size_t>(t * p.k + k)] =
+                  t < p.valid ? experts[static_cast<size_t>(k)] : -1000000 - static_cast<int32_t>(k);
+          }
+          c.add_i32("topk_ids", {p.t, p.k}, ids);
+          c.add_f32("topk_weights", {p.t, p.k}, Role::kIn, random_f32(rng, p.t * p.k, 0.05f, 1));
+          // Identity when there are as many slots as experts, else a scattered placement
+          // into more slots than experts (as redundant replicas leave it).
+          std::vector<int32_t> slots(static_cast<size_t>(p.e_phys));
+          std::iota(slots.begin(), slots.end(), 0);
+          if (p.e_phys != p.e_logical) rng.shuffle(slots);
+          slots.resize(static_cast<size_t>(p.e_logical));
+          c.add_i32("logical_to_physical", {p.e_logical}, slots);
+          c.add_out("out", DType::kF32, {p.t, p.h});
+          c.run = [valid = p.valid, t = p.t](const Backend& b, const ExecContext& x,
+                                             const std::vector<TensorView>& a) {
+            MoeExpertsArgs args;
+            args.x = a[0];
+            args.w_gate_up = a[1];
+            args.w_down = a[2];
+            args.topk_ids = a[3];
+            args.topk_weights = a[4];
+            args.logical_to_physical = a[5];
+            args.out = a[6];
+            args.num_valid_tokens = valid == t ? -1 : valid;
+            return b.moe_experts(x, args);
+          };
+          return c;
+        });
+  }
+}
+
+const std::vector<CaseMaker>& all_cases() {
+  static const bool built = [] {
+    embedding_cases();
+    rmsnorm_cases();
+    linear_cases();
+    add_cases();
+    rope_cases();
+    kv_store_cases();
+    attention_cases();
+    router_cases();
+    moe_cases();
+    return true;
+  }();
+  (void)built;
+  return registry();
+}
+
+// ---- running a case on a backend ------------------------------------------------------
+
+using HostResult = std::vector<std::vector<uint8_t>>;  // every tensor's bytes after the op
+
+// Allocates every tensor through the backend's own memory ops, uploads inputs and poisoned
+// outputs, runs the op, downloads everything.
+Status run_case(const Backend& be, const ExecContext& ctx, const ParityCase& c,
+                HostResult* result) {
+  const bool host = be.kind == DeviceKind::kCpu;
+  const CopyKind up = host ? CopyKind::kHostToHost : CopyKind::kHostToDevice;
+  const CopyKind down = host ? CopyKind::kHostToHost : CopyKind::kDeviceToHost;
+  std::vector<void*> buffers(c.tensors.size(), nullptr);
+  struct Release {
+    const Backend& be;
+    const ExecContext& ctx;
+    std::vector<void*>& bufs;
+    ~Release() {
+      for (void* p : bufs) (void)be.free(ctx, p);
+    }
+  } release{be, ctx, buffers};
+
+  std::vector<std::vector<uint8_t>> staged(c.tensors.size());
+  std::vector<TensorView> views;
+  for (size_t i = 0; i < c.tensors.size(); ++i) {
+    const CaseTensor& t = c.tensors[i];
+    const size_t nbytes = static_cast<size_t>(t.shape.numel()) * dtype_size(t.dtype);
+    staged[i] = t.bytes;
+    if (t.role == Role::kOut) {
+      if (t.dtype == DType::kF32) {
+        const float nan = std::numeric_limits<float>::quiet_NaN();
+        for (size_t j = 0; j < nbytes; j += 4) std::memcpy(&staged[i][j], &nan, 4);
+      } else {
+        const int32_t poison = std::numeric_limits<int32_t>::min();
+        for (size_t j = 0; j < nbytes; j += 4) std::memcpy(&staged[i][j], &poison, 4);
+      }
+    }
+    RD_RETURN_IF_ERROR(be.alloc(ctx, nbytes, &buffers[i]));
+    RD_RETURN_IF_ERROR(be.copy(ctx, buffers[i], staged[i].data(), nbytes, up));
+    views.push_back(TensorView::contiguous(buffers[i], t.dtype, t.shape, ctx.device));
+  }
+  RD_RETURN_IF_ERROR(c.run(be, ctx, views));
+  RD_RETURN_IF_ERROR(be.synchronize(ctx));
+  result->assign(c.tensors.size(), {});
+  for (size_t i = 0; i < c.tensors.size(); ++i) {
+    (*result)[i].resize(staged[i].size());
+    RD_RETURN_IF_ERROR(be.copy(ctx, (*result)[i].data(), buffers[i], staged[i].size(), down));
+  }
+  return be.synchronize(ctx);
+}
+
+template <class T>
+std::vector<T> as_vec(const std::vector<uint8_t>& b) {
+  std::vector<T> v(b.size() / sizeof(T));
+  std::memcpy(v.data(), b.data(), v.size() * sizeof(T));
+  return v;
+}
+
+bool is_output(const CaseTensor& t) { return t.role != Role::kIn; }
+
+// Every element of a kOut tensor was overwritten (no poison left) and is finite.
+void expect_all_written(const ParityCase& c, const HostResult& r, const char* backend) {
+  for (size_t i = 0; i < c.tensors.size(); ++i) {
+    const CaseTensor& t = c.tensors[i];
+    if (!is_output(t)) continue;
+    if (t.dtype == DType::kF32) {
+      const auto v = as_vec<float>(r[i]);
+      const auto bad = std::find_if(v.begin(), v.end(), [](float x) { return !std::isfinite(x); });
+      EXPECT_EQ(bad, v.end()) << backend << ": " << t.name << "[" << (bad - v.begin())
+                              << "] is not finite (unwritten?)";
+    } else {
+      const auto v = as_vec<int32_t>(r[i]);
+      const auto bad = std::find(v.begin(), v.end(), std::numeric_limits<int32_t>::min());
+      EXPECT_EQ(bad, v.end()) << backend << ": " << t.name << "[" << (bad - v.begin())
+                              << "] was not written";
+    }
+  }
+}
+
+void expect_close(const ParityCase& c, const HostResult& out, const HostResult& ref) {
+  for (size_t i = 0; i < c.tensors.size(); ++i) {
+    const CaseTensor& t = c.tensors[i];
+    if (!is_output(t)) continue;
+    if (t.dtype != DType::kF32) {
+      const auto a = as_vec<int32_t>(out[i]), b = as_vec<int32_t>(ref[i]);
+      for (size_t j = 0; j < a.size(); ++j)
+        ASSERT_EQ(a[j], b[j]) << t.name << "[" << j << "] differs";
+      continue;
+    }
+    const auto a = as_vec<float>(out[i]), b = as_vec<float>(ref[i]);
+    double diff2 = 0, ref2 = 0, worst = 0;
+    size_t worst_at = 0;
+    for (size_t j = 0; j < a.size(); ++j) {
+      const double d = static_cast<double>(a[j]) - static_cast<double>(b[j]);
+      diff2 += d * d;
+      ref2 += static_cast<double>(b[j]) * b[j];
+      if (!(std::fabs(d) <= worst)) {  // NaN-safe: a NaN becomes the worst element
+        worst = std::fabs(d);
+        worst_at = j;
+      }
+    }
+    const double rel = ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
+    // The margin to the tolerance is what tells a kernel change apart from noise.
+    std::printf("[ parity   ] %s %s: relative L2 error %.3g (tolerance %.3g)\n",
+                c.name.c_str(), t.name.c_str(), rel, c.tolerance);
+    EXPECT_LE(rel, c.tolerance) << t.name << ": relative L2 error " << rel << " (tolerance "
+                                << c.tolerance << "); worst element " << worst_at << ": "
+                                << a[worst_at] << " vs reference " << b[worst_at];
+  }
+}
+
+// ---- the parameterised test -----------------------------------------------------------
+
+class BackendParity : public ::testing::TestWithParam<CaseMaker> {
+ protected:
+  ParityCase make_case() const {
+    Rng rng(fnv1a(GetParam().name));  // each case its own fixed seed
+    ParityCase c = GetParam().make(rng);
+    c.name = GetParam().name;
+    return c;
+  }
+};
+
+TEST_P(BackendParity, CpuReferenceWritesEveryOutputDeterministically) {
+  const ParityCase c = make_case();
+  const ExecContext ctx{Device::cpu(), nullptr};
+  HostResult first, second;
+  const Status st = run_case(cpu_backend(), ctx, c, &first);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  expect_all_written(c, first, "cpu");
+  ASSERT_TRUE(run_case(cpu_backend(), ctx, c, &second).ok());
+  EXPECT_TRUE(first == second) << "the CPU reference is not deterministic";
+}
+
+TEST_P(BackendParity, CudaMatchesCpuReference) {
+  const Backend* cuda = cuda_backend();
+  if (cuda == nullptr || cuda_device_count() == 0)
+    GTEST_SKIP() << "no CUDA backend or no visible GPU";
+  const ParityCase c = make_case();
+  HostResult ref, out;
+  const Status ref_st = run_case(cpu_backend(), ExecContext{Device::cpu(), nullptr}, c, &ref);
+  ASSERT_TRUE(ref_st.ok()) << ref_st.to_string();
+
+  ExecContext ctx{Device::cuda(0), nullptr};
+#if defined(ROLLOUTD_WITH_CUDA)
+  // A non-default stream: the ops must launch on the context's stream, not stream 0.
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  ctx.stream = stream;
+#endif
+  const Status st = run_case(*cuda, ctx, c, &out);
+#if defined(ROLLOUTD_WITH_CUDA)
+  (void)cudaStreamDestroy(stream);
+#endif
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  expect_all_written(c, out, "cuda");
+  expect_close(c, out, ref);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllOps, BackendParity, ::testing::ValuesIn(all_cases()),
+                         [](const ::testing::TestParamInfo<CaseMaker>& info) {
+                           return info.param.name;
+                         });
+
+// ---- argument checks agree --------------------------------------------------------------
+
+// Host-side validation is shared, so a CUDA build rejects exactly what the CPU reference
+// rejects, with the same code and field. This runs without a GPU: every call below fails
+// before anything touches the device.
+struct BadCall {
+  const char* what;
+  std::function<Status(const Backend&, const ExecContext&, void* data)> call;
+};
+
+std::vector<BadCall> bad_calls() {
+  auto f = [](void* p, const ExecContext& x, Shape s) {
+    return TensorView::contiguous(p, DType::kF32, s, x.device);
+  };
+  auto i = [](void* p, const ExecContext& x, Shape s) {
+    return TensorView::contiguous(p, DType::kI32, s, x.device);
+  };
+  return {
+      {"linear K mismatch",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         return b.linear(x, f(p, x, {2, 3}), f(p, x, {2, 4}), f(p, x, {3, 5}));
+       }},
+      {"linear int32 weight",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         return b.linear(x, f(p, x, {2, 3}), f(p, x, {2, 4}), i(p, x, {3, 4}));
+       }},
+      {"embedding rank-2 ids",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         return b.embedding(x, f(p, x, {2, 4}), f(p, x, {8, 4}), i(p, x, {2, 1}));
+       }},
+      {"rmsnorm weight length",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         return b.rmsnorm(x, f(p, x, {2, 4}), f(p, x, {2, 4}), f(p, x, {5}), 1e-6f);
+       }},
+      {"add shapes",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         return b.add(x, f(p, x, {2, 4}), f(p, x, {2, 4}), f(p, x, {4, 2}));
+       }},
+      {"rope odd head dim",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         return b.rope(x, f(p, x, {2, 1, 5}), i(p, x, {2}), 10000.0f);
+       }},
+      {"kv_store head mismatch",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         return b.kv_store(x, f(p, x, {2, 4, 2, 8}), f(p, x, {2, 4, 2, 8}), f(p, x, {3, 1, 8}),
+                           f(p, x, {3, 1, 8}), i(p, x, {3}));
+       }},
+      {"attention gqa ratio",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         return b.paged_attention(x, f(p, x, {1, 3, 8}), f(p, x, {1, 3, 8}),
+                                  f(p, x, {2, 4, 2, 8}), f(p, x, {2, 4, 2, 8}), i(p, x, {1, 2}),
+                                  i(p, x, {1}), i(p, x, {1}), 1.0f);
+       }},
+      {"router top-k above experts",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         return b.router_softmax_topk(x, i(p, x, {2, 9}), f(p, x, {2, 9}), f(p, x, {2, 8}), true);
+       }},
+      {"moe w_down shape",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         MoeExpertsArgs a;
+         a.out = f(p, x, {2, 8});
+         a.x = f(p, x, {2, 8});
+         a.w_gate_up = f(p, x, {4, 6, 8});
+         a.w_down = f(p, x, {4, 8, 4});
+         a.topk_ids = i(p, x, {2, 2});
+         a.topk_weights = f(p, x, {2, 2});
+         a.logical_to_physical = i(p, x, {4});
+         return b.moe_experts(x, a);
+       }},
+      {"moe num_valid_tokens",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         MoeExpertsArgs a;
+         a.out = f(p, x, {2, 8});
+         a.x = f(p, x, {2, 8});
+         a.w_gate_up = f(p, x, {4, 6, 8});
+         a.w_down = f(p, x, {4, 8, 3});
+         a.topk_ids = i(p, x, {2, 2});
+         a.topk_weights = f(p, x, {2, 2});
+         a.logical_to_physical = i(p, x, {4});
+         a.num_valid_tokens = 3;
+         return b.moe_experts(x, a);
+       }},
+      {"view on the other device",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         TensorView w = f(p, x, {3, 4});
+         w.device = x.device.kind == DeviceKind::kCpu ? Device::cuda(0) : Device::cpu();
+         return b.linear(x, f(p, x, {2, 3}), f(p, x, {2, 4}), w);
+       }},
+  };
+}
+
+TEST(BackendParityChecks, CudaRejectsExactlyWhatCpuRejects) {
+  const Backend* cuda = cuda_backend();
+  if (cuda == nullptr) GTEST_SKIP() << "CUDA backend not built";
+  std::vector<float> host(4096, 0.0f);
+  // Never dereferenced when the checks work; with a GPU present it is real device memory
+  // anyway, so a check that wrongly passes cannot fault the context for later tests.
+  const ExecContext cuda_ctx{Device::cuda(0), nullptr};
+  void* device_buf = reinterpret_cast<void*>(uintptr_t{4096});
+  const bool have_gpu = cuda_device_count() > 0;
+  if (have_gpu) {
+    ASSERT_TRUE(cuda->alloc(cuda_ctx, host.size() * sizeof(float), &device_buf).ok());
+  }
+  for (const BadCall& bc : bad_calls()) {
+    const Status ref = bc.call(cpu_backend(), ExecContext{Device::cpu(), nullptr}, host.data());
+    const Status got = bc.call(*cuda, cuda_ctx, device_buf);
+    EXPECT_FALSE(ref.ok()) << bc.what;
+    EXPECT_EQ(got.code(), ref.code()) << bc.what << ": " << got.to_string() << " vs "
+                                      << ref.to_string();
+    EXPECT_EQ(got.field(), ref.field()) << bc.what;
+  }
+  if (have_gpu) {
+    EXPECT_TRUE(cuda->free(cuda_ctx, device_buf).ok());
+  }
+}
+
+// ---- device-side index policy ----------------------------------------------------------
+
+// Device buffers through the backend's memory ops, freed at scope exit.
+class DeviceArena {
+ public:
+  DeviceArena(const Backend& be, ExecContext ctx) : be_(be), ctx_(ctx) {}
+  DeviceArena(const DeviceArena&) = delete;
+  DeviceArena& operator=(const DeviceArena&) = delete;
+  ~DeviceArena() {
+    for (void* p : buffers_) (void)be_.free(ctx_, p);
+  }
+  template <class T>
+  TensorView upload(const std::vector<T>& v, Shape shape) {
+    static_assert(sizeof(T) == 4);
+    const DType dtype = std::is_same_v<T, float> ? DType::kF32 : DType::kI32;
+    void* p = nullptr;
+    EXPECT_TRUE(be_.alloc(ctx_, v.size() * sizeof(T), &p).ok());
+    buffers_.push_back(p);
+    EXPECT_TRUE(be_.copy(ctx_, p, v.data(), v.size() * sizeof(T), CopyKind::kHostToDevice).ok());
+    EXPECT_TRUE(be_.synchronize(ctx_).ok());
+    return TensorView::contiguous(p, dtype, shape, ctx_.device);
+  }
+  std::vector<float> download(const TensorView& v) {
+    std::vector<float> out(static_cast<size_t>(v.numel()));
+    EXPECT_TRUE(be_.copy(ctx_, out.data(), v.data, v.nbytes(), CopyKind::kDeviceToHost).ok());
+    EXPECT_TRUE(be_.synchronize(ctx_).ok());
+    return out;
+  }
+
+ private:
+  const Backend& be_;
+  ExecContext ctx_;
+  std::vector<void*> buffers_;
+};
+
+TensorView host_f32(std::vector<float>& v, Shape s) {
+  return TensorView::contiguous(v.data(), DType::kF32, s);
+}
+TensorView host_i32(std::vector<int32_t>& v, Shape s) {
+  return TensorView::contiguous(v.data(), DType::kI32, s);
+}
+
+void expect_near_all(const std::vector<float>& a, const std::vector<float>& b, double tol) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t j = 0; j < a.size(); ++j) EXPECT_NEAR(a[j], b[j], tol) << "element " << j;
+}
+
+// What backend.hpp promises for index values the host never sees: clamped or skipped,
+// never read out of bounds (run under compute-sanitizer memcheck on the GPU host).
+TEST(CudaBackend, OutOfRangeDeviceIndicesAreClampedOrSkipped) {
+  const Backend* cuda = cuda_backend();
+  if (cuda == nullptr || cuda_device_count() == 0)
+    GTEST_SKIP() << "no CUDA backend or no visible GPU";
+  const ExecContext ctx{Device::cuda(0), nullptr};
+  const ExecContext cpu_ctx{Device::cpu(), nullptr};
+  DeviceArena d(*cuda, ctx);
+  Rng rng(7);
+
+  // embedding: ids -1, V and far beyond give zero rows.
+  const std::vector<float> table{0, 1, 2, 10, 11, 12, 20, 21, 22, 30, 31, 32};
+  const TensorView emb = d.upload(std::vector<float>(12, NAN), {4, 3});
+  ASSERT_TRUE(cuda->embedding(ctx, emb, d.upload(table, {4, 3}),
+                              d.upload(std::vector<int32_t>{1, -1, 4, 1000000}, {4}))
+                  .ok());
+  EXPECT_EQ(d.download(emb), (std::vector<float>{10, 11, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0}));
+
+  // kv_store: slot 4 of a 4-slot cache is skipped, slot 1 written.
+  const TensorView kc = d.upload(std::vector<float>(8, 0.0f), {2, 2, 1, 2});
+  const TensorView vc = d.upload(std::vector<float>(8, 0.0f), {2, 2, 1, 2});
+  ASSERT_TRUE(cuda->kv_store(ctx, kc, vc, d.upload(std::vector<float>{1, 2, 3, 4}, {2, 1, 2}),
+                             d.upload(std::vector<float>{5, 6, 7, 8}, {2, 1, 2}),
+                             d.upload(std::vector<int32_t>{4, 1}, {2}))
+                  .ok());
+  EXPECT_EQ(d.download(kc), (std::vector<float>{0, 0, 3, 4, 0, 0, 0, 0}));
+  EXPECT_EQ(d.download(vc), (std::vector<float>{0, 0, 7, 8, 0, 0, 0, 0}));
+
+  // paged_attention: block 9999 is skipped, sequence 7 (of 1) gives zeros, ctx_len 1000 is
+  // clamped to the table's 4 positions. Expected: attention over block 0 alone.
+  std::vector<float> k = random_f32(rng, 8, -1, 1), v = random_f32(rng, 8, -1, 1);
+  std::vector<float> q = random_f32(rng, 6, -1, 1);
+  const TensorView att = d.upload(std::vector<float>(6, NAN), {3, 1, 2});
+  ASSERT_TRUE(cuda->paged_attention(ctx, att, d.upload(q, {3, 1, 2}), d.upload(k, {2, 2, 1, 2}),
+                                    d.upload(v, {2, 2, 1, 2}),
+                                    d.upload(std::vector<int32_t>{0, 9999}, {1, 2}),
+                                    d.upload(std::vector<int32_t>{0, 7, 0}, {3}),
+                                    d.upload(std::vector<int32_t>{4, 3, 1000}, {3}), 0.5f)
+                  .ok());
+  std::vector<float> ref(6, NAN);
+  std::vector<int32_t> table_ok{0, 1}, seq_ok{0, 0, 0}, len_ok{2, 2, 2};
+  ASSERT_TRUE(cpu_backend()
+                  .paged_attention(cpu_ctx, host_f32(ref, {3, 1, 2}), host_f32(q, {3, 1, 2}),
+                                   host_f32(k, {2, 2, 1, 2}), host_f32(v, {2, 2, 1, 2}),
+                                   host_i32(table_ok, {1, 2}), host_i32(seq_ok, {3}),
+                                   host_i32(len_ok, {3}), 0.5f)
+                  .ok());
+  ref[2] = ref[3] = 0.0f;
+  expect_near_all(d.download(att), ref, 1e-6);
+
+  // moe_experts: an id outside [0, E_logical) and an id whose map entry is outside
+  // [0, E_phys) contribute nothing; the remaining expert is weighed as usual.
+  std::vector<float> x = random_f32(rng, 4, -1, 1);                 // [T=1, H=4]
+  std::vector<float> gate_up = random_f32(rng, 2 * 4 * 4, -1, 1);   // [E=2, 2I=4, H=4]
+  std::vector<float> down = random_f32(rng, 2 * 4 * 2, -1, 1);      // [E=2, H=4, I=2]
+  MoeExpertsArgs a;
+  a.out = d.upload(std::vector<float>(4, NAN), {1, 4});
+  a.x = d.upload(x, {1, 4});
+  a.w_gate_up = d.upload(gate_up, {2, 4, 4});
+  a.w_down = d.upload(down, {2, 4, 2});
+  a.topk_ids = d.upload(std::vector<int32_t>{-3, 2, 1}, {1, 3});
+  a.topk_weights = d.upload(std::vector<float>{1, 1, 0.5f}, {1, 3});
+  a.logical_to_physical = d.upload(std::vector<int32_t>{0, 1, 99}, {3});
+  ASSERT_TRUE(cuda->moe_experts(ctx, a).ok());
+  std::vector<float> moe_ref(4, NAN), w_ref{0.5f};
+  std::vector<int32_t> ids_ref{1}, map_ref{0, 1, 0};
+  MoeExpertsArgs r;
+  r.out = host_f32(moe_ref, {1, 4});
+  r.x = host_f32(x, {1, 4});
+  r.w_gate_up = host_f32(gate_up, {2, 4, 4});
+  r.w_down = host_f32(down, {2, 4, 2});
+  r.topk_ids = host_i32(ids_ref, {1, 1});
+  r.topk_weights = host_f32(w_ref, {1, 1});
+  r.logical_to_physical = host_i32(map_ref, {3});
+  ASSERT_TRUE(cpu_backend().moe_experts(cpu_ctx, r).ok());
+  expect_near_all(d.download(a.out), moe_ref, 1e-5);
+}
+
+TEST(BackendParityChecks, DeviceCountIsZeroWithoutCuda) {
+  if (cuda_backend() == nullptr) {
+    EXPECT_EQ(cuda_device_count(), 0);
+  }
+  EXPECT_GE(cuda_device_count(), 0);  // never an error, whatever the machine
+}
+
+}  // namespace
+}  // namespace rolloutd

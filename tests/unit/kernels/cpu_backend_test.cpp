@@ -1,0 +1,542 @@
+// The CPU reference against small cases computed by hand, and every argument check with
+// its typed code and field. The CUDA twin is held to this reference by
+// backend_parity_test.cpp.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "kernels/backend.hpp"
+
+namespace rolloutd {
+namespace {
+
+const Backend& cpu() { return cpu_backend(); }
+const ExecContext kCtx{Device::cpu(), nullptr};
+
+TensorView f32(std::vector<float>& v, Shape s) {
+  return TensorView::contiguous(v.data(), DType::kF32, s);
+}
+TensorView i32(std::vector<int32_t>& v, Shape s) {
+  return TensorView::contiguous(v.data(), DType::kI32, s);
+}
+
+float silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+#define EXPECT_STATUS(expr, code_, field_)        \
+  do {                                            \
+    const ::rolloutd::Status st_ = (expr);        \
+    EXPECT_EQ(st_.code(), code_) << st_.to_string(); \
+    EXPECT_EQ(st_.field(), field_) << st_.to_string(); \
+  } while (0)
+
+// ---- hand-computed results -------------------------------------------------------------
+
+TEST(CpuBackend, LinearTwoByThree) {
+  std::vector<float> x{1, 2, 3, 4, 5, 6};             // [2, 3]
+  std::vector<float> w{1, 0, -1, 0.5f, 2, 0};          // [2, 3], Hugging Face [N, K]
+  std::vector<float> y(4, NAN);
+  ASSERT_TRUE(cpu().linear(kCtx, f32(y, {2, 2}), f32(x, {2, 3}), f32(w, {2, 3})).ok());
+  EXPECT_EQ(y, (std::vector<float>{-2, 4.5f, -2, 12}));
+}
+
+TEST(CpuBackend, LinearFlattensLeadingDimensions) {
+  std::vector<float> x{1, 2, 3, 4, 5, 6};
+  std::vector<float> w{1, 1};  // [1, 2]
+  std::vector<float> y(3, NAN);
+  ASSERT_TRUE(cpu().linear(kCtx, f32(y, {3, 1}), f32(x, {3, 2}), f32(w, {1, 2})).ok());
+  EXPECT_EQ(y, (std::vector<float>{3, 7, 11}));
+  std::vector<float> y3(3, NAN);
+  ASSERT_TRUE(cpu().linear(kCtx, f32(y3, {1, 3, 1}), f32(x, {1, 3, 2}), f32(w, {1, 2})).ok());
+  EXPECT_EQ(y3, (std::vector<float>{3, 7, 11}));
+}
+
+TEST(CpuBackend, LinearLongRowsUseEveryElement) {
+  // K = 19 crosses the eight-wide partial sums and their tail.
+  std::vector<float> x(19), w(19);
+  float expect = 0;
+  for (int i = 0; i < 19; ++i) {
+    x[i] = static_cast<float>(i + 1);
+    w[i] = (i % 2) ? -1.0f : 2.0f;
+    expect += x[i] * w[i];
+  }
+  std::vector<float> y(1, NAN);
+  ASSERT_TRUE(cpu().linear(kCtx, f32(y, {1, 1}), f32(x, {1, 19}), f32(w, {1, 19})).ok());
+  EXPECT_FLOAT_EQ(y[0], expect);
+}
+
+TEST(CpuBackend, RmsNormOfKnownVector) {
+  std::vector<float> x{1, 2, 3, 4};
+  std::vector<float> w{1, 1, 2, 0.5f};
+  std::vector<float> out(4, NAN);
+  ASSERT_TRUE(cpu().rmsnorm(kCtx, f32(out, {1, 4}), f32(x, {1, 4}), f32(w, {4}), 0.0f).ok());
+  const float inv = 1.0f / std::sqrt(7.5f);  // mean of squares = 30 / 4
+  EXPECT_FLOAT_EQ(out[0], 1 * inv);
+  EXPECT_FLOAT_EQ(out[1], 2 * inv);
+  EXPECT_FLOAT_EQ(out[2], 6 * inv);
+  EXPECT_FLOAT_EQ(out[3], 2 * inv);
+  // eps enters under the root; in place is allowed.
+  ASSERT_TRUE(cpu().rmsnorm(kCtx, f32(x, {4}), f32(x, {4}), f32(w, {4}), 2.5f).ok());
+  EXPECT_FLOAT_EQ(x[2], 3 * 2 / std::sqrt(10.0f));
+}
+
+TEST(CpuBackend, RopeAtPositionOneMatchesCosSinByHand) {
+  // D = 4, theta = 10000: inv_freq = {1, 10000^-0.5 = 0.01}; element i pairs with i + 2.
+  std::vector<float> x{1, 2, 3, 4, 1, 2, 3, 4};  // [T=2, heads=1, D=4]
+  std::vector<int32_t> pos{1, 0};
+  ASSERT_TRUE(cpu().rope(kCtx, f32(x, {2, 1, 4}), i32(pos, {2}), 10000.0f).ok());
+  const double c1 = std::cos(1.0), s1 = std::sin(1.0);
+  const double c2 = std::cos(0.01), s2 = std::sin(0.01);
+  EXPECT_NEAR(x[0], 1 * c1 - 3 * s1, 1e-6);
+  EXPECT_NEAR(x[2], 3 * c1 + 1 * s1, 1e-6);
+  EXPECT_NEAR(x[1], 2 * c2 - 4 * s2, 1e-6);
+  EXPECT_NEAR(x[3], 4 * c2 + 2 * s2, 1e-6);
+  // Position 0 is the identity.
+  EXPECT_EQ(std::vector<float>(x.begin() + 4, x.end()), (std::vector<float>{1, 2, 3, 4}));
+}
+
+TEST(CpuBackend, RopeRotatesEveryHeadOfAToken) {
+  std::vector<float> x{1, 0, 1, 0};  // [T=1, heads=2, D=2]
+  std::vector<int32_t> pos{2};
+  ASSERT_TRUE(cpu().rope(kCtx, f32(x, {1, 2, 2}), i32(pos, {1}), 10000.0f).ok());
+  for (int h = 0; h < 2; ++h) {
+    EXPECT_NEAR(x[2 * h], std::cos(2.0), 1e-6);
+    EXPECT_NEAR(x[2 * h + 1], std::sin(2.0), 1e-6);
+  }
+}
+
+TEST(CpuBackend, EmbeddingCopiesRows) {
+  std::vector<float> table{0, 1, 10, 11, 20, 21};  // [3, 2]
+  std::vector<int32_t> ids{2, 0, 2};
+  std::vector<float> out(6, NAN);
+  ASSERT_TRUE(cpu().embedding(kCtx, f32(out, {3, 2}), f32(table, {3, 2}), i32(ids, {3})).ok());
+  EXPECT_EQ(out, (std::vector<float>{20, 21, 0, 1, 20, 21}));
+}
+
+TEST(CpuBackend, AddElementwise) {
+  std::vector<float> a{1, 2, 3}, b{10, 20, 30}, out(3, NAN);
+  ASSERT_TRUE(cpu().add(kCtx, f32(out, {3}), f32(a, {3}), f32(b, {3})).ok());
+  EXPECT_EQ(out, (std::vector<float>{11, 22, 33}));
+  ASSERT_TRUE(cpu().add(kCtx, f32(a, {1, 3}), f32(a, {1, 3}), f32(b, {1, 3})).ok());  // in place
+  EXPECT_EQ(a, (std::vector<float>{11, 22, 33}));
+}
+
+TEST(CpuBackend, SoftmaxTopKBreaksTiesByLowerId) {
+  std::vector<float> logits{1, 3, 3, 0};
+  std::vector<int32_t> ids(3, -7);
+  std::vector<float> w(3, NAN);
+  ASSERT_TRUE(
+      cpu().router_softmax_topk(kCtx, i32(ids, {1, 3}), f32(w, {1, 3}), f32(logits, {1, 4}), false)
+          .ok());
+  EXPECT_EQ(ids, (std::vector<int32_t>{1, 2, 0}));
+  const double z = std::exp(1.0) + 2 * std::exp(3.0) + 1.0;
+  EXPECT_NEAR(w[0], std::exp(3.0) / z, 1e-6);
+  EXPECT_NEAR(w[1], std::exp(3.0) / z, 1e-6);
+  EXPECT_NEAR(w[2], std::exp(1.0) / z, 1e-6);
+
+  std::vector<int32_t> ids2(2, -7);
+  std::vector<float> w2(2, NAN);
+  ASSERT_TRUE(cpu().router_softmax_topk(kCtx, i32(ids2, {1, 2}), f32(w2, {1, 2}),
+                                        f32(logits, {1, 4}), true)
+                  .ok());
+  EXPECT_EQ(ids2, (std::vector<int32_t>{1, 2}));
+  EXPECT_FLOAT_EQ(w2[0], 0.5f);
+  EXPECT_FLOAT_EQ(w2[1], 0.5f);
+}
+
+TEST(CpuBackend, SoftmaxTopKRenormalisesByTheSumOfTheK) {
+  std::vector<float> logits{0, std::log(2.0f), std::log(6.0f), -1, 5, -3};
+  // Row 0: probabilities proportional to {1, 2, 6}; top-2 = {2, 1}, renormalised 6/8, 2/8.
+  // Row 1 is routed on its own: top-2 = {1, 0}, renormalised e^5 / (e^5 + e^-1).
+  std::vector<int32_t> ids(4, -7);
+  std::vector<float> w(4, NAN);
+  ASSERT_TRUE(cpu().router_softmax_topk(kCtx, i32(ids, {2, 2}), f32(w, {2, 2}),
+                                        f32(logits, {2, 3}), true)
+                  .ok());
+  EXPECT_EQ(ids, (std::vector<int32_t>{2, 1, 1, 0}));
+  EXPECT_NEAR(w[0], 0.75, 1e-6);
+  EXPECT_NEAR(w[1], 0.25, 1e-6);
+  EXPECT_NEAR(w[2], 1 / (1 + std::exp(-6.0)), 1e-6);
+  EXPECT_NEAR(w[2] + w[3], 1.0, 1e-6);
+}
+
+// A cache of 2 blocks x 2 slots, one kv head of D = 2; helper fills slot s with k = kv[s].
+struct TinyCache {
+  std::vector<float> k = std::vector<float>(8, 0.0f), v = std::vector<float>(8, 0.0f);
+  TensorView kv(std::vector<float>& c, int64_t kv_heads, int64_t d) {
+    return f32(c, {2, 2, kv_heads, d});
+  }
+};
+
+TEST(CpuBackend, AttentionOverOneKeyReturnsItsValue) {
+  TinyCache c;
+  c.k = {5, -3, 0, 0, 0, 0, 0, 0};
+  c.v = {0.25f, 7, 0, 0, 0, 0, 0, 0};
+  std::vector<float> q{1, 2}, out(2, NAN);
+  std::vector<int32_t> table{0, 1}, seq{0}, len{1};
+  ASSERT_TRUE(cpu().paged_attention(kCtx, f32(out, {1, 1, 2}), f32(q, {1, 1, 2}), c.kv(c.k, 1, 2),
+                                    c.kv(c.v, 1, 2), i32(table, {1, 2}), i32(seq, {1}),
+                                    i32(len, {1}), 0.7f)
+                  .ok());
+  EXPECT_FLOAT_EQ(out[0], 0.25f);
+  EXPECT_FLOAT_EQ(out[1], 7.0f);
+}
+
+TEST(CpuBackend, AttentionWeighsKeysBySoftmaxAcrossBlocks) {
+  // Three positions over two blocks; table maps position 0-1 -> block 1, 2 -> block 0.
+  TinyCache c;
+  const float l3 = std::log(3.0f);
+  // block 1 slot 0: score 0; block 1 slot 1: score ln 3; block 0 slot 0: score 0.
+  c.k = {0, 0, 9, 9, 0, 0, l3, 0};
+  c.v = {4, 0, 9, 9, 1, 0, 0, 1};
+  std::vector<float> q{1, 0, 1, 0}, out(4, NAN);
+  std::vector<int32_t> table{1, 0}, seq{0, 0}, len{2, 3};  // causal: token 0 sees 2, token 1 sees 3
+  ASSERT_TRUE(cpu().paged_attention(kCtx, f32(out, {2, 1, 2}), f32(q, {2, 1, 2}), c.kv(c.k, 1, 2),
+                                    c.kv(c.v, 1, 2), i32(table, {1, 2}), i32(seq, {2}),
+                                    i32(len, {2}), 1.0f)
+                  .ok());
+  // token 0: weights 1/4, 3/4 over v = (1,0), (0,1)
+  EXPECT_NEAR(out[0], 0.25, 1e-6);
+  EXPECT_NEAR(out[1], 0.75, 1e-6);
+  // token 1: weights 1/5, 3/5, 1/5 over (1,0), (0,1), (4,0)
+  EXPECT_NEAR(out[2], 0.2 + 0.8, 1e-6);
+  EXPECT_NEAR(out[3], 0.6, 1e-6);
+}
+
+TEST(CpuBackend, AttentionGqaMapsQueryHeadToKvHeadByDivision) {
+  // QH = 4, KVH = 2: heads 0,1 read kv head 0; heads 2,3 read kv head 1. One key each.
+  std::vector<float> k(2 * 2 * 2 * 1, 0.0f), v(2 * 2 * 2 * 1, 0.0f);
+  v[0] = 10;  // block 0, slot 0, kv head 0
+  v[1] = 20;  // block 0, slot 0, kv head 1
+  std::vector<float> q{1, 1, 1, 1}, out(4, NAN);
+  std::vector<int32_t> table{0}, seq{0}, len{1};
+  ASSERT_TRUE(cpu().paged_attention(kCtx, f32(out, {1, 4, 1}), f32(q, {1, 4, 1}),
+                                    f32(k, {2, 2, 2, 1}), f32(v, {2, 2, 2, 1}),
+                                    i32(table, {1, 1}), i32(seq, {1}), i32(len, {1}), 1.0f)
+                  .ok());
+  EXPECT_EQ(out, (std::vector<float>{10, 10, 20, 20}));
+}
+
+TEST(CpuBackend, AttentionWithEmptyContextWritesZeros) {
+  TinyCache c;
+  std::vector<float> q{1, 2}, out(2, NAN);
+  std::vector<int32_t> table{0, 1}, seq{0}, len{0};
+  ASSERT_TRUE(cpu().paged_attention(kCtx, f32(out, {1, 1, 2}), f32(q, {1, 1, 2}), c.kv(c.k, 1, 2),
+                                    c.kv(c.v, 1, 2), i32(table, {1, 2}), i32(seq, {1}),
+                                    i32(len, {1}), 1.0f)
+                  .ok());
+  EXPECT_EQ(out, (std::vector<float>{0, 0}));
+}
+
+TEST(CpuBackend, KvStoreWritesSlotsAndSkipsNegative) {
+  std::vector<float> kc(8, 0.0f), vc(8, 0.0f);  // [2 blocks, 2 slots, 1 head, D = 2]
+  std::vector<float> k{1, 2, 3, 4, 5, 6}, v{-1, -2, -3, -4, -5, -6};
+  std::vector<int32_t> slots{3, -1, 0};
+  ASSERT_TRUE(cpu().kv_store(kCtx, f32(kc, {2, 2, 1, 2}), f32(vc, {2, 2, 1, 2}),
+                             f32(k, {3, 1, 2}), f32(v, {3, 1, 2}), i32(slots, {3}))
+                  .ok());
+  EXPECT_EQ(kc, (std::vector<float>{5, 6, 0, 0, 0, 0, 1, 2}));
+  EXPECT_EQ(vc, (std::vector<float>{-5, -6, 0, 0, 0, 0, -1, -2}));
+}
+
+// One token, H = 2, I = 1. Physical expert 1 is the interesting one.
+struct TinyMoe {
+  std::vector<float> x{2, 3};
+  // [E_phys = 2, 2 * I = 2, H = 2]: expert 0 all zero; expert 1 gate row {1, 0}, up row {0, 1}
+  std::vector<float> w_gate_up{0, 0, 0, 0, 1, 0, 0, 1};
+  // [E_phys = 2, H = 2, I = 1]: expert 1 down = {1, -2}
+  std::vector<float> w_down{0, 0, 1, -2};
+  std::vector<int32_t> ids{0};
+  std::vector<float> w{1.0f};
+  std::vector<int32_t> map{1, 0};  // logical 0 -> physical 1
+  std::vector<float> out = std::vector<float>(2, NAN);
+  MoeExpertsArgs args(int64_t t = 1) {
+    MoeExpertsArgs a;
+    a.out = f32(out, {t, 2});
+    a.x = f32(x, {t, 2});
+    a.w_gate_up = f32(w_gate_up, {2, 2, 2});
+    a.w_down = f32(w_down, {2, 2, 1});
+    a.topk_ids = i32(ids, {t, 1});
+    a.topk_weights = f32(w, {t, 1});
+    a.logical_to_physical = i32(map, {2});
+    return a;
+  }
+};
+
+TEST(CpuBackend, MoeOneExpertWeightOneMatchesManualSwiGlu) {
+  TinyMoe m;
+  ASSERT_TRUE(cpu().moe_experts(kCtx, m.args()).ok());
+  const float h = silu(2.0f) * 3.0f;  // gate = x . {1, 0}, up = x . {0, 1}
+  EXPECT_FLOAT_EQ(m.out[0], h);
+  EXPECT_FLOAT_EQ(m.out[1], -2 * h);
+}
+
+TEST(CpuBackend, MoeWeighsAndSumsTheKExperts) {
+  TinyMoe m;
+  m.ids = {0, 1};        // logical 0 -> physical 1; logical 1 -> physical 0 (all zero)
+  m.w = {0.25f, 0.75f};
+  MoeExpertsArgs a = m.args();
+  a.topk_ids = i32(m.ids, {1, 2});
+  a.topk_weights = f32(m.w, {1, 2});
+  ASSERT_TRUE(cpu().moe_experts(kCtx, a).ok());
+  const float h = silu(2.0f) * 3.0f;
+  EXPECT_FLOAT_EQ(m.out[0], 0.25f * h);
+  EXPECT_FLOAT_EQ(m.out[1], 0.25f * -2 * h);
+}
+
+TEST(CpuBackend, MoePaddingRowsAreZeroAndTheirIdsNeverRead) {
+  TinyMoe m;
+  m.x = {2, 3, 100, 100};
+  m.ids = {0, 987654};  // row 1 is padding: a garbage id must not be an error
+  m.w = {1, 1};
+  m.out.assign(4, NAN);
+  MoeExpertsArgs a = m.args(2);
+  a.num_valid_tokens = 1;
+  ASSERT_TRUE(cpu().moe_experts(kCtx, a).ok());
+  const float h = silu(2.0f) * 3.0f;
+  EXPECT_FLOAT_EQ(m.out[0], h);
+  EXPECT_EQ(m.out[2], 0.0f);
+  EXPECT_EQ(m.out[3], 0.0f);
+}
+
+// ---- memory ops -----------------------------------------------------------------------
+
+TEST(CpuBackend, AllocIsAlignedAndCopyRoundTrips) {
+  void* p = nullptr;
+  ASSERT_TRUE(cpu().alloc(kCtx, 3, &p).ok());
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 64, 0u);
+  const char src[3] = {'a', 'b', 'c'};
+  ASSERT_TRUE(cpu().copy(kCtx, p, src, 3, CopyKind::kHostToHost).ok());
+  EXPECT_EQ(static_cast<char*>(p)[2], 'c');
+  EXPECT_TRUE(cpu().synchronize(kCtx).ok());
+  EXPECT_TRUE(cpu().free(kCtx, p).ok());
+
+  void* zero = reinterpret_cast<void*>(1);
+  ASSERT_TRUE(cpu().alloc(kCtx, 0, &zero).ok());
+  EXPECT_EQ(zero, nullptr);
+  EXPECT_TRUE(cpu().free(kCtx, nullptr).ok());
+}
+
+TEST(CpuBackend, MemoryOpsRejectBadArguments) {
+  char a[4], b[4];
+  EXPECT_STATUS(cpu().copy(kCtx, a, b, 4, CopyKind::kHostToDevice), ErrorCode::kInvalidArgument,
+                "kind");
+  EXPECT_STATUS(cpu().copy(kCtx, nullptr, b, 4, CopyKind::kHostToHost),
+                ErrorCode::kInvalidArgument, "dst");
+  EXPECT_STATUS(cpu().alloc(kCtx, 4, nullptr), ErrorCode::kInvalidArgument, "out");
+  const ExecContext gpu_ctx{Device::cuda(0), nullptr};
+  void* p = nullptr;
+  EXPECT_STATUS(cpu().alloc(gpu_ctx, 4, &p), ErrorCode::kInvalidArgument, "ctx.device");
+}
+
+// ---- argument checks ------------------------------------------------------------------
+
+class CpuBackendChecks : public ::testing::Test {
+ protected:
+  std::vector<float> f = std::vector<float>(4096, 1.0f);
+  std::vector<float> g = std::vector<float>(4096, 1.0f);
+  std::vector<float> o = std::vector<float>(4096, NAN);
+  std::vector<int32_t> n = std::vector<int32_t>(64, 0);
+  std::vector<int32_t> m = std::vector<int32_t>(64, 0);
+  std::vector<int32_t> z = std::vector<int32_t>(64, 0);
+};
+
+TEST_F(CpuBackendChecks, LinearRejectsRankDtypeShapeLayoutAndDevice) {
+  EXPECT_STATUS(cpu().linear(kCtx, f32(o, {2, 2}), f32(f, {2, 3}), f32(g, {6})),
+                ErrorCode::kInvalidArgument, "w");
+  EXPECT_STATUS(cpu().linear(kCtx, f32(o, {2, 2}), i32(n, {2, 3}), f32(g, {2, 3})),
+                ErrorCode::kInvalidArgument, "x");
+  EXPECT_STATUS(cpu().linear(kCtx, f32(o, {2, 2}), f32(f, {2, 4}), f32(g, {2, 3})),
+                ErrorCode::kInvalidArgument, "x");
+  EXPECT_STATUS(cpu().linear(kCtx, f32(o, {2, 5}), f32(f, {2, 3}), f32(g, {2, 3})),
+                ErrorCode::kInvalidArgument, "y");
+  EXPECT_STATUS(cpu().linear(kCtx, f32(o, {3, 2}), f32(f, {2, 3}), f32(g, {2, 3})),
+                ErrorCode::kInvalidArgument, "y");
+  EXPECT_STATUS(cpu().linear(kCtx, f32(o, {2, 2}), f32(f, {2, 3}), f32(g, {0, 3})),
+                ErrorCode::kInvalidArgument, "w");
+
+  TensorView strided = f32(f, {2, 3});
+  strided.strides = Shape{4, 1};
+  EXPECT_STATUS(cpu().linear(kCtx, f32(o, {2, 2}), strided, f32(g, {2, 3})),
+                ErrorCode::kInvalidArgument, "x");
+  TensorView on_gpu = f32(g, {2, 3});
+  on_gpu.device = Device::cuda(0);
+  EXPECT_STATUS(cpu().linear(kCtx, f32(o, {2, 2}), f32(f, {2, 3}), on_gpu),
+                ErrorCode::kInvalidArgument, "w");
+  TensorView null_x = f32(f, {2, 3});
+  null_x.data = nullptr;
+  EXPECT_STATUS(cpu().linear(kCtx, f32(o, {2, 2}), null_x, f32(g, {2, 3})),
+                ErrorCode::kInvalidArgument, "x");
+  TensorView negative = f32(f, {2, 3});
+  negative.shape[0] = -2;
+  EXPECT_STATUS(cpu().linear(kCtx, f32(o, {2, 2}), negative, f32(g, {2, 3})),
+                ErrorCode::kInvalidArgument, "x");
+  EXPECT_STATUS(cpu().linear(ExecContext{Device::cuda(0), nullptr}, f32(o, {2, 2}),
+                             f32(f, {2, 3}), f32(g, {2, 3})),
+                ErrorCode::kInvalidArgument, "ctx.device");
+  // Nothing was written by any rejected call.
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(std::isnan(o[i]));
+}
+
+TEST_F(CpuBackendChecks, EmbeddingRejectsIdsOutsideTheVocabularyWithoutWriting) {
+  n[0] = 1;
+  n[1] = 3;  // V = 3
+  EXPECT_STATUS(cpu().embedding(kCtx, f32(o, {2, 4}), f32(f, {3, 4}), i32(n, {2})),
+                ErrorCode::kOutOfRange, "ids");
+  n[1] = -1;
+  EXPECT_STATUS(cpu().embedding(kCtx, f32(o, {2, 4}), f32(f, {3, 4}), i32(n, {2})),
+                ErrorCode::kOutOfRange, "ids");
+  for (int i = 0; i < 8; ++i) EXPECT_TRUE(std::isnan(o[i]));
+  EXPECT_STATUS(cpu().embedding(kCtx, f32(o, {2, 4}), f32(f, {3, 4}), f32(g, {2})),
+                ErrorCode::kInvalidArgument, "ids");
+  EXPECT_STATUS(cpu().embedding(kCtx, f32(o, {2, 5}), f32(f, {3, 4}), i32(z, {2})),
+                ErrorCode::kInvalidArgument, "out");
+  EXPECT_STATUS(cpu().embedding(kCtx, f32(o, {3, 4}), f32(f, {3, 4}), i32(z, {2})),
+                ErrorCode::kInvalidArgument, "out");
+}
+
+TEST_F(CpuBackendChecks, RmsNormAddAndRopeChecks) {
+  EXPECT_STATUS(cpu().rmsnorm(kCtx, f32(o, {2, 4}), f32(f, {2, 4}), f32(g, {3}), 1e-6f),
+                ErrorCode::kInvalidArgument, "w");
+  EXPECT_STATUS(cpu().rmsnorm(kCtx, f32(o, {4, 2}), f32(f, {2, 4}), f32(g, {4}), 1e-6f),
+                ErrorCode::kInvalidArgument, "out");
+  EXPECT_STATUS(cpu().rmsnorm(kCtx, f32(o, {2, 4}), f32(f, {2, 4}), f32(g, {4}), -1.0f),
+                ErrorCode::kInvalidArgument, "eps");
+  EXPECT_STATUS(cpu().rmsnorm(kCtx, f32(o, {2, 4}), f32(f, {2, 4}), f32(g, {4}), NAN),
+                ErrorCode::kInvalidArgument, "eps");
+  EXPECT_STATUS(cpu().add(kCtx, f32(o, {2, 4}), f32(f, {2, 4}), f32(g, {4, 2})),
+                ErrorCode::kInvalidArgument, "b");
+  EXPECT_STATUS(cpu().add(kCtx, f32(o, {8}), f32(f, {2, 4}), f32(g, {2, 4})),
+                ErrorCode::kInvalidArgument, "out");
+  EXPECT_STATUS(cpu().rope(kCtx, f32(f, {2, 1, 3}), i32(n, {2}), 10000.0f),
+                ErrorCode::kInvalidArgument, "x");
+  EXPECT_STATUS(cpu().rope(kCtx, f32(f, {2, 4}), i32(n, {2}), 10000.0f),
+                ErrorCode::kInvalidArgument, "x");
+  EXPECT_STATUS(cpu().rope(kCtx, f32(f, {2, 1, 4}), i32(n, {3}), 10000.0f),
+                ErrorCode::kInvalidArgument, "positions");
+  EXPECT_STATUS(cpu().rope(kCtx, f32(f, {2, 1, 4}), i32(n, {2}), 0.0f),
+                ErrorCode::kInvalidArgument, "theta");
+}
+
+TEST_F(CpuBackendChecks, KvStoreRejectsSlotsBeyondTheCache) {
+  n[0] = 0;
+  n[1] = 8;  // 2 blocks x 4 slots
+  const TensorView kc = f32(o, {2, 4, 1, 2});
+  EXPECT_STATUS(cpu().kv_store(kCtx, kc, kc, f32(f, {2, 1, 2}), f32(g, {2, 1, 2}), i32(n, {2})),
+                ErrorCode::kOutOfRange, "slot_mapping");
+  for (int i = 0; i < 16; ++i) EXPECT_TRUE(std::isnan(o[i]));  // slot 0 was not written either
+  EXPECT_STATUS(cpu().kv_store(kCtx, kc, f32(o, {2, 4, 1, 1}), f32(f, {2, 1, 2}),
+                               f32(g, {2, 1, 2}), i32(z, {2})),
+                ErrorCode::kInvalidArgument, "v_cache");
+  EXPECT_STATUS(cpu().kv_store(kCtx, kc, kc, f32(f, {2, 2, 2}), f32(g, {2, 2, 2}), i32(z, {2})),
+                ErrorCode::kInvalidArgument, "k");
+  EXPECT_STATUS(cpu().kv_store(kCtx, kc, kc, f32(f, {2, 1, 2}), f32(g, {3, 1, 2}), i32(z, {2})),
+                ErrorCode::kInvalidArgument, "v");
+  EXPECT_STATUS(cpu().kv_store(kCtx, kc, kc, f32(f, {2, 1, 2}), f32(g, {2, 1, 2}), i32(z, {1})),
+                ErrorCode::kInvalidArgument, "slot_mapping");
+}
+
+TEST_F(CpuBackendChecks, AttentionRejectsBadIndicesAndShapes) {
+  // 2 blocks of 2 slots, KVH = 1, D = 2; one sequence with 2 table entries.
+  const TensorView cache = f32(f, {2, 2, 1, 2});
+  const TensorView q = f32(g, {1, 2, 2});
+  const TensorView out = f32(o, {1, 2, 2});
+  auto run = [&](std::vector<int32_t> table, int32_t seq, int32_t len) {
+    std::vector<int32_t> t = table, s{seq}, l{len};
+    return cpu().paged_attention(kCtx, out, q, cache, cache, i32(t, {1, 2}), i32(s, {1}),
+                                 i32(l, {1}), 1.0f);
+  };
+  EXPECT_TRUE(run({1, 0}, 0, 4).ok());
+  EXPECT_STATUS(run({1, 2}, 0, 3), ErrorCode::kOutOfRange, "block_tables");
+  EXPECT_STATUS(run({-1, 0}, 0, 1), ErrorCode::kOutOfRange, "block_tables");
+  EXPECT_TRUE(run({1, 99}, 0, 2).ok());  // the unused table entry is not followed
+  EXPECT_STATUS(run({1, 0}, 1, 2), ErrorCode::kOutOfRange, "seq_of");
+  EXPECT_STATUS(run({1, 0}, 0, 5), ErrorCode::kOutOfRange, "ctx_len");
+  EXPECT_STATUS(run({1, 0}, 0, -1), ErrorCode::kOutOfRange, "ctx_len");
+
+  std::vector<int32_t> t{0, 1}, s{0}, l{1};
+  EXPECT_STATUS(cpu().paged_attention(kCtx, f32(o, {1, 3, 2}), f32(g, {1, 3, 2}),
+                                      f32(f, {2, 2, 2, 2}), f32(f, {2, 2, 2, 2}), i32(t, {1, 2}),
+                                      i32(s, {1}), i32(l, {1}), 1.0f),
+                ErrorCode::kInvalidArgument, "q");  // 3 query heads over 2 kv heads
+  EXPECT_STATUS(cpu().paged_attention(kCtx, out, f32(g, {1, 2, 4}), cache, cache, i32(t, {1, 2}),
+                                      i32(s, {1}), i32(l, {1}), 1.0f),
+                ErrorCode::kInvalidArgument, "k_cache");
+  EXPECT_STATUS(cpu().paged_attention(kCtx, out, q, cache, f32(f, {2, 1, 1, 2}), i32(t, {1, 2}),
+                                      i32(s, {1}), i32(l, {1}), 1.0f),
+                ErrorCode::kInvalidArgument, "v_cache");
+  EXPECT_STATUS(cpu().paged_attention(kCtx, out, q, cache, cache, i32(t, {2}), i32(s, {1}),
+                                      i32(l, {1}), 1.0f),
+                ErrorCode::kInvalidArgument, "block_tables");
+  EXPECT_STATUS(cpu().paged_attention(kCtx, out, q, cache, cache, i32(t, {1, 2}), i32(s, {1}),
+                                      i32(l, {2}), 1.0f),
+                ErrorCode::kInvalidArgument, "ctx_len");
+}
+
+TEST_F(CpuBackendChecks, RouterRejectsTopKAboveExpertsAndMismatchedOutputs) {
+  EXPECT_STATUS(cpu().router_softmax_topk(kCtx, i32(n, {2, 5}), f32(o, {2, 5}), f32(f, {2, 4}),
+                                          false),
+                ErrorCode::kInvalidArgument, "ids");
+  EXPECT_STATUS(cpu().router_softmax_topk(kCtx, i32(n, {3, 2}), f32(o, {3, 2}), f32(f, {2, 4}),
+                                          false),
+                ErrorCode::kInvalidArgument, "ids");
+  EXPECT_STATUS(cpu().router_softmax_topk(kCtx, i32(n, {2, 2}), f32(o, {2, 3}), f32(f, {2, 4}),
+                                          false),
+                ErrorCode::kInvalidArgument, "weights");
+  EXPECT_STATUS(cpu().router_softmax_topk(kCtx, f32(o, {2, 2}), f32(o, {2, 2}), f32(f, {2, 4}),
+                                          false),
+                ErrorCode::kInvalidArgument, "ids");
+}
+
+TEST_F(CpuBackendChecks, MoeRejectsBadIdsMapsAndShapes) {
+  TinyMoe m;
+  m.ids = {2};  // E_logical = 2
+  EXPECT_STATUS(cpu().moe_experts(kCtx, m.args()), ErrorCode::kOutOfRange, "topk_ids");
+  m.ids = {-1};
+  EXPECT_STATUS(cpu().moe_experts(kCtx, m.args()), ErrorCode::kOutOfRange, "topk_ids");
+  EXPECT_TRUE(std::isnan(m.out[0]));
+  m.ids = {0};
+  m.map = {1, 2};  // E_phys = 2
+  EXPECT_STATUS(cpu().moe_experts(kCtx, m.args()), ErrorCode::kOutOfRange,
+                "logical_to_physical");
+  m.map = {1, 0};
+
+  MoeExpertsArgs a = m.args();
+  a.num_valid_tokens = 2;
+  EXPECT_STATUS(cpu().moe_experts(kCtx, a), ErrorCode::kOutOfRange, "num_valid_tokens");
+  a.num_valid_tokens = -2;
+  EXPECT_STATUS(cpu().moe_experts(kCtx, a), ErrorCode::kOutOfRange, "num_valid_tokens");
+
+  a = m.args();
+  a.w_down = f32(m.w_down, {2, 1, 2});
+  EXPECT_STATUS(cpu().moe_experts(kCtx, a), ErrorCode::kInvalidArgument, "w_down");
+  a = m.args();
+  a.w_gate_up = f32(m.w_gate_up, {1, 4, 2});
+  EXPECT_STATUS(cpu().moe_experts(kCtx, a), ErrorCode::kInvalidArgument, "w_down");
+  a = m.args();
+  a.w_gate_up = f32(m.w_gate_up, {2, 1, 2});  // 2*I must be even
+  EXPECT_STATUS(cpu().moe_experts(kCtx, a), ErrorCode::kInvalidArgument, "w_gate_up");
+  a = m.args();
+  a.topk_weights = f32(m.w, {1});
+  EXPECT_STATUS(cpu().moe_experts(kCtx, a), ErrorCode::kInvalidArgument, "topk_weights");
+  a = m.args();
+  a.logical_to_physical = f32(m.x, {2});
+  EXPECT_STATUS(cpu().moe_experts(kCtx, a), ErrorCode::kInvalidArgument, "logical_to_physical");
+  a = m.args();
+  a.out = f32(m.out, {2, 1});
+  EXPECT_STATUS(cpu().moe_experts(kCtx, a), ErrorCode::kInvalidArgument, "out");
+}
+
+TEST(CpuBackend, EmptyBatchesAreNoOps) {
+  std::vector<float> f(8, 1.0f), o(8, NAN);
+  std::vector<int32_t> ids(1, 0);
+  EXPECT_TRUE(cpu().linear(kCtx, f32(o, {0, 2}), f32(f, {0, 4}), f32(f, {2, 4})).ok());
+  EXPECT_TRUE(cpu().embedding(kCtx, f32(o, {0, 4}), f32(f, {2, 4}), i32(ids, {0})).ok());
+  EXPECT_TRUE(cpu().rmsnorm(kCtx, f32(o, {0, 4}), f32(f, {0, 4}), f32(f, {4}), 1e-6f).ok());
+}
+
+}  // namespace
+}  // namespace rolloutd
