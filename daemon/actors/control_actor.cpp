@@ -74,6 +74,11 @@ Result<std::string> ControlActor::bind() {
     router_.set(zmq::sockopt::sndhwm, 10000);
     router_.set(zmq::sockopt::rcvhwm, 10000);
     router_.set(zmq::sockopt::linger, 0);
+    // A peer that vanished without closing (host down, cable pulled) is detected within
+    // ~10 s, its pipe is dropped, and the next send to it fails with EHOSTUNREACH.
+    router_.set(zmq::sockopt::heartbeat_ivl, 2000);
+    router_.set(zmq::sockopt::heartbeat_timeout, 10000);
+    router_.set(zmq::sockopt::heartbeat_ttl, 10000);
     // Hard cap on one frame; anything larger makes ZeroMQ drop the connection. Soft limits
     // (typed too_large replies) are below it, in protocol::Limits.
     router_.set(zmq::sockopt::maxmsgsize,
@@ -110,7 +115,7 @@ void ControlActor::gc_clients() {
   // A client with nothing in flight and nothing to deliver needs no state: it is
   // recreated from its identity on its next message. Keeps a hello flood from growing maps.
   for (auto it = clients_.begin(); it != clients_.end();) {
-    if (it->second.num_routes == 0 && it->second.outbox.empty()) {
+    if (it->second.num_routes == 0 && it->second.num_pending_replies == 0 && it->second.outbox.empty()) {
       client_ids_.erase(it->second.identity);
       it = clients_.erase(it);
     } else {
@@ -121,7 +126,13 @@ void ControlActor::gc_clients() {
 
 void ControlActor::enqueue(uint64_t client, protocol::WireMessage msg, bool is_final) {
   auto it = clients_.find(client);
-  if (it == clients_.end()) return;
+  if (it == clients_.end()) {
+    // Every path that can produce a message for a client keeps its state alive (routes,
+    // pending replies), so this is a bug: report it rather than lose the message quietly.
+    obs::log_error("control", "message for a client without state", {{"client", client}});
+    metrics_.on_error("internal");
+    return;
+  }
   ClientState& c = it->second;
   if (c.gone) return;  // its requests were aborted with reason client_gone; nothing to deliver to
   if (c.over_limit && !is_final) return;  // only final events still go to a client past its bound
@@ -255,9 +266,11 @@ void ControlActor::on_request(const std::string& identity, std::vector<zmq::mess
     cmd.reason = "client";
     cmd.client = client;
     cmd.envelope_id = id;
+    ++clients_[client].num_pending_replies;
     send_engine(std::move(cmd));
   } else if (auto* shut = std::get_if<protocol::ShutdownRequest>(&req)) {
-    enqueue(client, protocol::encode_reply(id, protocol::ShutdownReply{true}), true);
+    // accepted=false tells the caller a shutdown (or SIGTERM drain) was already under way.
+    enqueue(client, protocol::encode_reply(id, protocol::ShutdownReply{!draining_}), true);
     begin_drain(shut->drain ? shut->deadline_s : 0.0, "shutdown request");
   }
   metrics_.observe_control_seconds(std::chrono::duration<double>(Clock::now() - t0).count());
@@ -332,7 +345,8 @@ void ControlActor::on_event(core::EngineEvent& ev) {
         drop_route(ev.rid);
         return;
       }
-      if (!route.stream && (!route.pending.token_ids.empty() || route.pending.routed_experts)) {
+      // stream=false: exactly one tokens event precedes the final one, even when empty.
+      if (!route.stream) {
         enqueue(route.client,
                 protocol::encode_event(route.envelope_id, protocol::Event{std::move(route.pending)}), true);
       }
@@ -372,6 +386,8 @@ void ControlActor::on_engine_output(EngineOutput& out) {
       reply_error(r->client, env_id, r->status.with_field_prefix(r->status.field().empty() ? "" : "body"));
     }
   } else if (auto* a = std::get_if<AbortResult>(&out)) {
+    if (auto c = clients_.find(a->client); c != clients_.end() && c->second.num_pending_replies > 0)
+      --c->second.num_pending_replies;
     if (a->status.ok()) {
       enqueue(a->client, protocol::encode_reply(a->envelope_id, protocol::AbortReply{a->num_aborted}), true);
     } else {

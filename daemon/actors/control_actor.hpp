@@ -48,6 +48,7 @@ class ControlActor {
     std::string identity;
     std::deque<protocol::WireMessage> outbox;
     uint32_t num_routes = 0;
+    uint32_t num_pending_replies = 0;  // commands sent to the engine whose reply goes here
     bool gone = false;
     bool over_limit = false;
   };

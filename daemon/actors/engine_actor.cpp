@@ -54,12 +54,9 @@ void EngineActor::handle(EngineCommand& cmd) {
     r.client = abort->client;
     r.envelope_id = abort->envelope_id;
     if (abort->rid) {
-      if (engine_->abort(*abort->rid, abort->reason, events)) {
-        r.num_aborted = 1;
-      } else {
-        r.status = Status(ErrorCode::kUnknownRid, "no request '" + *abort->rid + "' in flight",
-                          "body.rid");
-      }
+      // Idempotent (SPEC 4.4): an abort racing with the request's own end is normal for a
+      // coordinator, so an rid not in flight answers num_aborted 0, not an error.
+      r.num_aborted = engine_->abort(*abort->rid, abort->reason, events) ? 1 : 0;
     } else {
       r.num_aborted = static_cast<uint32_t>(engine_->abort_all(abort->reason, events));
     }

@@ -1,0 +1,1180 @@
+#include "protocol/codec.hpp"
+
+#include <msgpack.hpp>
+
+#include <algorithm>
+#include <cassert>
+#include <charconv>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <utility>
+
+namespace rolloutd::protocol {
+namespace {
+
+// ---------------------------------------------------------------- names ----
+
+constexpr std::string_view kHello = "hello";
+constexpr std::string_view kStatus = "status";
+constexpr std::string_view kGenerate = "generate";
+constexpr std::string_view kAbort = "abort";
+constexpr std::string_view kShutdown = "shutdown";
+constexpr std::string_view kHelloOk = "hello.ok";
+constexpr std::string_view kStatusOk = "status.ok";
+constexpr std::string_view kGenerateOk = "generate.ok";
+constexpr std::string_view kAbortOk = "abort.ok";
+constexpr std::string_view kShutdownOk = "shutdown.ok";
+constexpr std::string_view kError = "error";
+constexpr std::string_view kTokens = "tokens";
+constexpr std::string_view kFinished = "finished";
+constexpr std::string_view kFailed = "failed";
+
+// Parse-time bounds that Limits does not name (SPEC §9). v1 maps have at most 13
+// keys and nest 3 containers deep; the slack is for fields added later in v1.
+constexpr size_t kMaxMapEntries = 128;
+constexpr size_t kMaxDepth = 16;
+
+constexpr int32_t kMaxTokenId = std::numeric_limits<int32_t>::max();
+
+// ------------------------------------------------------------- decoding ----
+
+// A field path, rendered only when an error names it: decoding a valid message
+// builds no path strings. Nodes live on the stack of the decoding functions.
+struct Path {
+  static constexpr size_t kNoIndex = static_cast<size_t>(-1);
+  const Path* parent = nullptr;
+  std::string_view key;
+  size_t index = kNoIndex;
+
+  Path child(std::string_view k) const { return Path{this, k, kNoIndex}; }
+  Path at(size_t i) const { return Path{this, {}, i}; }
+  std::string str() const {
+    std::string s = parent ? parent->str() : std::string();
+    if (index != kNoIndex) return s + "[" + std::to_string(index) + "]";
+    if (!s.empty()) s += '.';
+    return s += key;
+  }
+};
+
+Status error_at(ErrorCode code, const Path& p, std::string message) {
+  return Status(code, std::move(message), p.str());
+}
+
+const char* msgpack_type_name(const msgpack::object& o) {
+  switch (o.type) {
+    case msgpack::type::NIL: return "nil";
+    case msgpack::type::BOOLEAN: return "bool";
+    case msgpack::type::POSITIVE_INTEGER:
+    case msgpack::type::NEGATIVE_INTEGER: return "int";
+    case msgpack::type::FLOAT32:
+    case msgpack::type::FLOAT64: return "float";
+    case msgpack::type::STR: return "str";
+    case msgpack::type::BIN: return "bin";
+    case msgpack::type::ARRAY: return "array";
+    case msgpack::type::MAP: return "map";
+    case msgpack::type::EXT: return "ext";
+  }
+  return "unknown";
+}
+
+Status wrong_type(const Path& p, const msgpack::object& o, std::string_view expected) {
+  return error_at(ErrorCode::kWrongType, p,
+                  "expected " + std::string(expected) + ", got " + msgpack_type_name(o));
+}
+
+// Either integer family is accepted when the value fits (a sender may write 5
+// as int8). Floats are never narrowed to integers: 16.0 for a count is a sender
+// bug worth reporting, not rounding.
+template <class T>
+Status read_int(const msgpack::object& o, const Path& p, T lo, T hi, T& out) {
+  static_assert(std::is_integral_v<T> && !std::is_same_v<T, bool>);
+  std::string got;
+  if (o.type == msgpack::type::POSITIVE_INTEGER) {
+    if (std::cmp_greater_equal(o.via.u64, lo) && std::cmp_less_equal(o.via.u64, hi)) {
+      out = static_cast<T>(o.via.u64);
+      return Status::Ok();
+    }
+    got = std::to_string(o.via.u64);
+  } else if (o.type == msgpack::type::NEGATIVE_INTEGER) {
+    if (std::cmp_greater_equal(o.via.i64, lo) && std::cmp_less_equal(o.via.i64, hi)) {
+      out = static_cast<T>(o.via.i64);
+      return Status::Ok();
+    }
+    got = std::to_string(o.via.i64);
+  } else {
+    return wrong_type(p, o, "int");
+  }
+  return error_at(
+      ErrorCode::kOutOfRange, p,
+      "must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got " + got);
+}
+
+// Shortest form that reads back as the same double ("0.1", "100", "nan").
+std::string format_double(double v) {
+  char buf[32];
+  const auto [end, ec] = std::to_chars(buf, buf + sizeof(buf), v);
+  return std::string(buf, ec == std::errc() ? end : buf);
+}
+
+// A closed or half-open interval of finite bounds. The comparisons are written
+// so that NaN fails them; infinities fail them because the bounds are finite.
+struct Interval {
+  double lo = -std::numeric_limits<double>::max();
+  double hi = std::numeric_limits<double>::max();
+  bool lo_open = false;
+
+  bool contains(double v) const { return (lo_open ? v > lo : v >= lo) && v <= hi; }
+  std::string str() const {
+    return (lo_open ? "(" : "[") + format_double(lo) + ", " + format_double(hi) + "]";
+  }
+};
+
+Status read_number(const msgpack::object& o, const Path& p, double& out) {
+  switch (o.type) {
+    case msgpack::type::FLOAT32:
+    case msgpack::type::FLOAT64: out = o.via.f64; return Status::Ok();
+    case msgpack::type::POSITIVE_INTEGER: out = static_cast<double>(o.via.u64); return Status::Ok();
+    case msgpack::type::NEGATIVE_INTEGER: out = static_cast<double>(o.via.i64); return Status::Ok();
+    default: return wrong_type(p, o, "float");
+  }
+}
+
+Status read_float(const msgpack::object& o, const Path& p, const Interval& range, double& out) {
+  RD_RETURN_IF_ERROR(read_number(o, p, out));
+  if (!range.contains(out)) {
+    return error_at(ErrorCode::kOutOfRange, p,
+                    "must be finite and in " + range.str() + ", got " + format_double(out));
+  }
+  return Status::Ok();
+}
+
+Status read_bool(const msgpack::object& o, const Path& p, bool& out) {
+  if (o.type != msgpack::type::BOOLEAN) return wrong_type(p, o, "bool");
+  out = o.via.boolean;
+  return Status::Ok();
+}
+
+// RFC 3629 UTF-8: no overlong forms, no surrogates, nothing above U+10FFFF.
+// Checked because strings end up in JSON logs and Python clients, both of which
+// reject invalid UTF-8 far from where it entered.
+bool is_valid_utf8(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    // n continuation bytes follow a lead byte 110xxxxx, 1110xxxx or 11110xxx.
+    const size_t n = c >= 0xF0 ? 3 : c >= 0xE0 ? 2 : c >= 0xC0 ? 1 : 0;
+    if (n == 0 || c >= 0xF8 || i + n >= s.size()) return false;
+    uint32_t cp = c & (0x3F >> n);
+    for (size_t k = 1; k <= n; ++k) {
+      const auto cc = static_cast<unsigned char>(s[i + k]);
+      if ((cc & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (cc & 0x3F);
+    }
+    static constexpr uint32_t kMinForLength[4] = {0, 0x80, 0x800, 0x10000};
+    if (cp < kMinForLength[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    i += n + 1;
+  }
+  return true;
+}
+
+Status read_str(const msgpack::object& o, const Path& p, size_t max_bytes, std::string& out) {
+  if (o.type != msgpack::type::STR) return wrong_type(p, o, "str");
+  const std::string_view s(o.via.str.ptr, o.via.str.size);
+  if (s.size() > max_bytes) {
+    return error_at(ErrorCode::kTooLarge, p,
+                    std::to_string(s.size()) + " bytes, limit " + std::to_string(max_bytes));
+  }
+  if (!is_valid_utf8(s)) return error_at(ErrorCode::kInvalidArgument, p, "not valid UTF-8");
+  out.assign(s);
+  return Status::Ok();
+}
+
+template <class T, class ReadElement>
+Status read_array(const msgpack::object& o, const Path& p, size_t max_count, std::vector<T>& out,
+                  ReadElement&& read_element) {
+  if (o.type != msgpack::type::ARRAY) return wrong_type(p, o, "array");
+  const msgpack::object_array& a = o.via.array;
+  if (a.size > max_count) {
+    return error_at(ErrorCode::kTooLarge, p,
+                    std::to_string(a.size) + " entries, limit " + std::to_string(max_count));
+  }
+  out.clear();
+  out.reserve(a.size);
+  for (uint32_t i = 0; i < a.size; ++i) {
+    T v{};
+    RD_RETURN_IF_ERROR(read_element(a.ptr[i], p.at(i), v));
+    out.push_back(v);
+  }
+  return Status::Ok();
+}
+
+Status require_non_empty(const Path& p, size_t size) {
+  if (size == 0) return error_at(ErrorCode::kInvalidArgument, p, "must not be empty");
+  return Status::Ok();
+}
+
+enum class Need { kRequired, kOptional };
+
+// Typed access to the fields of one msgpack map. Optional fields that are absent
+// leave the output untouched, so the struct's defaults (messages.hpp, SPEC §4)
+// are the protocol's defaults. Keys not asked for are ignored: that is what lets
+// v1 grow new fields.
+class MapReader {
+ public:
+  MapReader(const msgpack::object_kv* entries, uint32_t size, const Path& path)
+      : entries_(entries), size_(size), path_(path) {}
+
+  // Fails on non-string or duplicate keys: with duplicates, a decoder that keeps
+  // the first and one that keeps the last (Python's dict) would read different
+  // messages from the same bytes.
+  Status check_keys() const {
+    std::vector<std::string_view> keys;
+    keys.reserve(size_);
+    for (uint32_t i = 0; i < size_; ++i) {
+      const msgpack::object& k = entries_[i].key;
+      if (k.type != msgpack::type::STR) {
+        return error_at(ErrorCode::kBadMessage, path_,
+                        std::string("map key must be str, got ") + msgpack_type_name(k));
+      }
+      keys.emplace_back(k.via.str.ptr, k.via.str.size);
+    }
+    std::sort(keys.begin(), keys.end());
+    if (auto dup = std::adjacent_find(keys.begin(), keys.end()); dup != keys.end()) {
+      return error_at(ErrorCode::kBadMessage, path_.child(*dup), "duplicate key");
+    }
+    return Status::Ok();
+  }
+
+  const Path& path() const { return path_; }
+  Path path(std::string_view key) const { return path_.child(key); }
+
+  // The first entry with this key; non-string keys never match (check_keys
+  // reports them, possibly after the envelope id was looked up).
+  const msgpack::object* find(std::string_view key) const {
+    for (uint32_t i = 0; i < size_; ++i) {
+      const msgpack::object& k = entries_[i].key;
+      if (k.type == msgpack::type::STR && std::string_view(k.via.str.ptr, k.via.str.size) == key) {
+        return &entries_[i].val;
+      }
+    }
+    return nullptr;
+  }
+
+  // Calls read(value, path) if the key is present; kMissingField if it is required.
+  template <class Read>
+  Status field(std::string_view key, Need need, Read&& read) const {
+    const msgpack::object* o = find(key);
+    if (o == nullptr) {
+      if (need == Need::kOptional) return Status::Ok();
+      return error_at(ErrorCode::kMissingField, path(key), "required");
+    }
+    return read(*o, path(key));
+  }
+
+  Status str(std::string_view key, Need need, size_t max_bytes, std::string& out) const {
+    return field(key, need, [&](const msgpack::object& o, const Path& p) {
+      return read_str(o, p, max_bytes, out);
+    });
+  }
+  template <class T>
+  Status integer(std::string_view key, Need need, T lo, T hi, T& out) const {
+    return field(key, need, [&](const msgpack::object& o, const Path& p) {
+      return read_int(o, p, lo, hi, out);
+    });
+  }
+  template <class T>
+  Status integer(std::string_view key, Need need, T& out) const {
+    return integer(key, need, std::numeric_limits<T>::min(), std::numeric_limits<T>::max(), out);
+  }
+  Status number(std::string_view key, Need need, const Interval& range, double& out) const {
+    return field(key, need, [&](const msgpack::object& o, const Path& p) {
+      return read_float(o, p, range, out);
+    });
+  }
+  Status boolean(std::string_view key, Need need, bool& out) const {
+    return field(key, need,
+                 [&](const msgpack::object& o, const Path& p) { return read_bool(o, p, out); });
+  }
+  template <class T>
+  Status int_array(std::string_view key, Need need, size_t max_count, T lo, T hi,
+                   std::vector<T>& out) const {
+    return field(key, need, [&](const msgpack::object& o, const Path& p) {
+      return read_array(o, p, max_count, out, [&](const msgpack::object& e, const Path& ep, T& v) {
+        return read_int(e, ep, lo, hi, v);
+      });
+    });
+  }
+  // The fields SPEC marks "nil ok": nil and absent both mean absent.
+  template <class T>
+  Status nullable_integer(std::string_view key, std::optional<T>& out) const {
+    return field(key, Need::kOptional, [&](const msgpack::object& o, const Path& p) {
+      if (o.type == msgpack::type::NIL) return Status::Ok();
+      T v{};
+      RD_RETURN_IF_ERROR(
+          read_int(o, p, std::numeric_limits<T>::min(), std::numeric_limits<T>::max(), v));
+      out = v;
+      return Status::Ok();
+    });
+  }
+  Status nullable_str(std::string_view key, size_t max_bytes,
+                      std::optional<std::string>& out) const {
+    return field(key, Need::kOptional, [&](const msgpack::object& o, const Path& p) {
+      if (o.type == msgpack::type::NIL) return Status::Ok();
+      std::string v;
+      RD_RETURN_IF_ERROR(read_str(o, p, max_bytes, v));
+      out = std::move(v);
+      return Status::Ok();
+    });
+  }
+
+ private:
+  const msgpack::object_kv* entries_;
+  uint32_t size_;
+  Path path_;
+};
+
+// Opens `o` (at `p`) as a map. The returned reader points into `o` and `p`.
+Status open_map(const msgpack::object& o, const Path& p, std::optional<MapReader>& out) {
+  if (o.type != msgpack::type::MAP) return wrong_type(p, o, "map");
+  out.emplace(o.via.map.ptr, o.via.map.size, p);
+  return out->check_keys();
+}
+
+// A required nested map, e.g. body.model.
+template <class T, class Decode>
+Status nested(const MapReader& parent, std::string_view key, T& out, Decode&& decode) {
+  return parent.field(key, Need::kRequired, [&](const msgpack::object& o, const Path& p) {
+    std::optional<MapReader> m;
+    RD_RETURN_IF_ERROR(open_map(o, p, m));
+    return decode(*m, out);
+  });
+}
+
+// Strings and binaries point into the caller's frame instead of being copied:
+// the frame outlives the decode, and nothing is allocated for a string before
+// its field has been checked.
+bool reference_in_place(msgpack::type::object_type, std::size_t, void*) { return true; }
+
+// Finds the envelope's top-level "id" in bytes that failed to parse (truncated,
+// over a bound, malformed further on), so the error reply still correlates when
+// the id precedes the problem, as it does in canonical key order. It builds
+// nothing, and it stops at the id or at kMaxDepth, so it allocates no more than
+// the bounded parse would have.
+class IdFinder : public msgpack::null_visitor {
+ public:
+  std::optional<uint64_t> id;
+
+  // Returning false stops the parse: at a root that is not a map, or too deep.
+  bool start_array(uint32_t) {
+    ++depth_;
+    return depth_ > 1 && depth_ <= kMaxDepth;
+  }
+  bool end_array() {
+    --depth_;
+    return true;
+  }
+  bool start_map(uint32_t) { return ++depth_ <= kMaxDepth; }
+  bool end_map() {
+    --depth_;
+    return true;
+  }
+  bool start_map_key() {
+    in_root_key_ = depth_ == 1;
+    return true;
+  }
+  bool end_map_key() {
+    in_root_key_ = false;
+    return true;
+  }
+  bool visit_str(const char* v, uint32_t size) {
+    if (in_root_key_) at_id_value_ = std::string_view(v, size) == "id";
+    return true;
+  }
+  bool end_map_value() {
+    if (depth_ == 1) at_id_value_ = false;
+    return true;
+  }
+  bool visit_positive_integer(uint64_t v) {
+    if (!at_id_value_ || depth_ != 1) return true;
+    id = v;
+    return false;  // found: stop parsing
+  }
+  void parse_error(size_t, size_t) {}
+  void insufficient_bytes(size_t, size_t) {}
+
+ private:
+  size_t depth_ = 0;
+  bool in_root_key_ = false;
+  bool at_id_value_ = false;
+};
+
+uint64_t salvage_id(Frame envelope, uint64_t max_bytes) {
+  IdFinder finder;
+  size_t offset = 0;
+  const size_t n = std::min<uint64_t>(envelope.size(), max_bytes);
+  msgpack::parse(reinterpret_cast<const char*>(envelope.data()), n, offset, finder);
+  return finder.id.value_or(0);
+}
+
+// A parsed envelope; the readers point into `handle`.
+struct OpenedEnvelope {
+  msgpack::object_handle handle;  // owns the objects `body` points into
+  std::optional<MapReader> envelope;
+  std::optional<MapReader> body;  // an empty map when the body is absent
+};
+
+Status check_frame_limits(Frame envelope, std::span<const Frame> frames, const Limits& limits) {
+  if (envelope.size() > limits.max_envelope_bytes) {
+    return Status(ErrorCode::kTooLarge, "envelope of " + std::to_string(envelope.size()) +
+                                            " bytes, limit " +
+                                            std::to_string(limits.max_envelope_bytes));
+  }
+  if (frames.size() > limits.max_frames) {
+    return Status(ErrorCode::kTooLarge, std::to_string(frames.size()) + " payload frames, limit " +
+                                            std::to_string(limits.max_frames));
+  }
+  for (size_t i = 0; i < frames.size(); ++i) {
+    if (frames[i].size() > limits.max_frame_bytes) {
+      return Status(ErrorCode::kTooLarge,
+                    std::to_string(frames[i].size()) + " bytes, limit " +
+                        std::to_string(limits.max_frame_bytes),
+                    "frames[" + std::to_string(i) + "]");
+    }
+  }
+  return Status::Ok();
+}
+
+// msgpack-c reports every parse failure by exception; each becomes a typed
+// status here so that nothing escapes into the daemon's event loop.
+Status parse_envelope(Frame envelope, const Limits& limits, size_t max_array,
+                      msgpack::object_handle& out) {
+  const size_t max_str = std::max<size_t>(limits.max_string_bytes, limits.max_rid_bytes);
+  const msgpack::unpack_limit unpack_limit(max_array, kMaxMapEntries, max_str,
+                                           limits.max_string_bytes, limits.max_string_bytes,
+                                           kMaxDepth);
+  size_t offset = 0;
+  try {
+    out = msgpack::unpack(reinterpret_cast<const char*>(envelope.data()), envelope.size(), offset,
+                          reference_in_place, nullptr, unpack_limit);
+  } catch (const msgpack::insufficient_bytes&) {
+    return Status(ErrorCode::kBadMessage, "truncated msgpack");
+  } catch (const msgpack::array_size_overflow&) {
+    return Status(ErrorCode::kTooLarge,
+                  "array longer than " + std::to_string(max_array) + " entries");
+  } catch (const msgpack::map_size_overflow&) {
+    return Status(ErrorCode::kTooLarge,
+                  "map with more than " + std::to_string(kMaxMapEntries) + " entries");
+  } catch (const msgpack::str_size_overflow&) {
+    return Status(ErrorCode::kTooLarge, "string longer than " + std::to_string(max_str) + " bytes");
+  } catch (const msgpack::bin_size_overflow&) {
+    return Status(ErrorCode::kTooLarge,
+                  "bin longer than " + std::to_string(limits.max_string_bytes) + " bytes");
+  } catch (const msgpack::ext_size_overflow&) {
+    return Status(ErrorCode::kTooLarge,
+                  "ext longer than " + std::to_string(limits.max_string_bytes) + " bytes");
+  } catch (const msgpack::depth_size_overflow&) {
+    return Status(ErrorCode::kTooLarge,
+                  "nested deeper than " + std::to_string(kMaxDepth) + " containers");
+  } catch (const msgpack::unpack_error& e) {
+    return Status(ErrorCode::kBadMessage, std::string("not msgpack: ") + e.what());
+  } catch (const std::bad_alloc&) {
+    return Status(ErrorCode::kResourceExhausted, "out of memory while parsing the envelope");
+  }
+  if (offset != envelope.size()) {
+    return Status(ErrorCode::kBadMessage,
+                  std::to_string(envelope.size() - offset) + " trailing bytes after the envelope");
+  }
+  return Status::Ok();
+}
+
+// Everything that precedes the body: frame limits, msgpack parse, envelope keys.
+// Fills `env` field by field so that a later failure still reports the id.
+Status open_envelope(Frame envelope, std::span<const Frame> frames, const Limits& limits,
+                     size_t max_array, Envelope& env, OpenedEnvelope& out) {
+  static const Path kNoField{};
+  Status parsed = check_frame_limits(envelope, frames, limits);
+  if (parsed.ok()) parsed = parse_envelope(envelope, limits, max_array, out.handle);
+  if (!parsed.ok()) {
+    env.id = salvage_id(envelope, limits.max_envelope_bytes);
+    return parsed;
+  }
+  const msgpack::object& root = out.handle.get();
+  if (root.type != msgpack::type::MAP) {
+    return Status(ErrorCode::kBadMessage,
+                  std::string("envelope must be a map, got ") + msgpack_type_name(root));
+  }
+  out.envelope.emplace(root.via.map.ptr, root.via.map.size, kNoField);
+  const MapReader& e = *out.envelope;
+  // The id first, whatever else is wrong, so the error reply can be correlated.
+  if (const msgpack::object* id = e.find("id");
+      id != nullptr && id->type == msgpack::type::POSITIVE_INTEGER) {
+    env.id = id->via.u64;
+  }
+  RD_RETURN_IF_ERROR(e.check_keys());
+  RD_RETURN_IF_ERROR(e.field("v", Need::kRequired, [&](const msgpack::object& o, const Path& p) {
+    // Any integer but 1 is a version we do not speak (a negative one included),
+    // not a range error: the client should renegotiate, not fix a field.
+    const bool is_int =
+        o.type == msgpack::type::POSITIVE_INTEGER || o.type == msgpack::type::NEGATIVE_INTEGER;
+    if (!is_int) return wrong_type(p, o, "int");
+    if (o.type == msgpack::type::NEGATIVE_INTEGER || o.via.u64 != kProtocolVersion) {
+      return error_at(ErrorCode::kUnsupportedVersion, p,
+                      "this daemon speaks protocol version " + std::to_string(kProtocolVersion));
+    }
+    env.v = kProtocolVersion;
+    return Status::Ok();
+  }));
+  RD_RETURN_IF_ERROR(e.integer("id", Need::kRequired, env.id));
+  RD_RETURN_IF_ERROR(e.str("type", Need::kRequired, limits.max_string_bytes, env.type));
+
+  static const Path kBody{nullptr, "body"};
+  if (const msgpack::object* body = e.find("body"); body != nullptr) {
+    return open_map(*body, kBody, out.body);
+  }
+  out.body.emplace(nullptr, 0, kBody);
+  return Status::Ok();
+}
+
+// ---- requests ----
+
+Status decode_body(const MapReader& b, const Limits& l, HelloRequest& r) {
+  RD_RETURN_IF_ERROR(b.str("client", Need::kOptional, l.max_string_bytes, r.client));
+  RD_RETURN_IF_ERROR(b.int_array<uint32_t>("versions", Need::kRequired, l.max_versions, 0,
+                                           std::numeric_limits<uint32_t>::max(), r.versions));
+  return require_non_empty(b.path("versions"), r.versions.size());
+}
+
+Status decode_body(const MapReader&, const Limits&, StatusRequest&) { return Status::Ok(); }
+
+Status decode_body(const MapReader& b, const Limits& l, GenerateRequest& r) {
+  RD_RETURN_IF_ERROR(b.str("rid", Need::kRequired, l.max_rid_bytes, r.rid));
+  RD_RETURN_IF_ERROR(require_non_empty(b.path("rid"), r.rid.size()));
+  RD_RETURN_IF_ERROR(b.int_array<int32_t>("input_ids", Need::kRequired, l.max_input_tokens, 0,
+                                          kMaxTokenId, r.input_ids));
+  RD_RETURN_IF_ERROR(require_non_empty(b.path("input_ids"), r.input_ids.size()));
+  RD_RETURN_IF_ERROR(b.integer<uint32_t>("max_new_tokens", Need::kOptional, 1, l.max_new_tokens,
+                                         r.max_new_tokens));
+  RD_RETURN_IF_ERROR(b.number("temperature", Need::kOptional, {0.0, 100.0}, r.temperature));
+  RD_RETURN_IF_ERROR(b.number("top_p", Need::kOptional, {0.0, 1.0, /*lo_open=*/true}, r.top_p));
+  RD_RETURN_IF_ERROR(b.integer<int32_t>("top_k", Need::kOptional, 0, kMaxTokenId, r.top_k));
+  RD_RETURN_IF_ERROR(b.number("min_p", Need::kOptional, {0.0, 1.0}, r.min_p));
+  RD_RETURN_IF_ERROR(b.nullable_integer("seed", r.seed));
+  RD_RETURN_IF_ERROR(b.int_array<int32_t>("stop_token_ids", Need::kOptional, l.max_stop_token_ids,
+                                          0, kMaxTokenId, r.stop_token_ids));
+  RD_RETURN_IF_ERROR(b.boolean("return_logprob", Need::kOptional, r.return_logprob));
+  RD_RETURN_IF_ERROR(b.boolean("return_routed_experts", Need::kOptional, r.return_routed_experts));
+  RD_RETURN_IF_ERROR(
+      b.integer("routed_experts_start_len", Need::kOptional, r.routed_experts_start_len));
+  return b.boolean("stream", Need::kOptional, r.stream);
+}
+
+Status decode_body(const MapReader& b, const Limits& l, AbortRequest& r) {
+  RD_RETURN_IF_ERROR(b.nullable_str("rid", l.max_rid_bytes, r.rid));
+  RD_RETURN_IF_ERROR(b.boolean("all", Need::kOptional, r.all));
+  if (r.rid.has_value() == r.all) {
+    return error_at(ErrorCode::kInvalidArgument, b.path(),
+                    r.all ? "give either rid or all=true, not both" : "give rid or all=true");
+  }
+  return r.rid ? require_non_empty(b.path("rid"), r.rid->size()) : Status::Ok();
+}
+
+Status decode_body(const MapReader& b, const Limits&, ShutdownRequest& r) {
+  RD_RETURN_IF_ERROR(b.boolean("drain", Need::kOptional, r.drain));
+  return b.number("deadline_s", Need::kOptional, {0.0, 3600.0}, r.deadline_s);
+}
+
+template <class T>
+Result<Request> decode_request_as(const MapReader& body, const Limits& limits) {
+  T r;
+  RD_RETURN_IF_ERROR(decode_body(body, limits, r));
+  return Request(std::move(r));
+}
+
+using RequestDecoder = Result<Request> (*)(const MapReader&, const Limits&);
+constexpr std::pair<std::string_view, RequestDecoder> kRequestDecoders[] = {
+    {kHello, &decode_request_as<HelloRequest>},       {kStatus, &decode_request_as<StatusRequest>},
+    {kGenerate, &decode_request_as<GenerateRequest>}, {kAbort, &decode_request_as<AbortRequest>},
+    {kShutdown, &decode_request_as<ShutdownRequest>},
+};
+
+// ---- replies and events ----
+
+struct IncomingContext {
+  const Limits& limits;
+  std::span<const Frame> frames;
+};
+
+Status decode_model(const MapReader& m, const Limits& l, ModelInfo& r) {
+  RD_RETURN_IF_ERROR(m.str("name", Need::kRequired, l.max_string_bytes, r.name));
+  RD_RETURN_IF_ERROR(m.str("family", Need::kRequired, l.max_string_bytes, r.family));
+  RD_RETURN_IF_ERROR(m.integer("vocab_size", Need::kRequired, r.vocab_size));
+  RD_RETURN_IF_ERROR(m.integer("num_layers", Need::kRequired, r.num_layers));
+  RD_RETURN_IF_ERROR(m.integer("num_moe_layers", Need::kRequired, r.num_moe_layers));
+  RD_RETURN_IF_ERROR(m.integer("num_experts", Need::kRequired, r.num_experts));
+  RD_RETURN_IF_ERROR(m.integer("top_k", Need::kRequired, r.top_k));
+  return m.str("routed_experts_dtype", Need::kRequired, l.max_string_bytes, r.routed_experts_dtype);
+}
+
+Status decode_limits(const MapReader& m, Limits& r) {
+  RD_RETURN_IF_ERROR(m.integer("max_envelope_bytes", Need::kRequired, r.max_envelope_bytes));
+  RD_RETURN_IF_ERROR(m.integer("max_frame_bytes", Need::kRequired, r.max_frame_bytes));
+  RD_RETURN_IF_ERROR(m.integer("max_frames", Need::kRequired, r.max_frames));
+  RD_RETURN_IF_ERROR(m.integer("max_rid_bytes", Need::kRequired, r.max_rid_bytes));
+  RD_RETURN_IF_ERROR(m.integer("max_string_bytes", Need::kRequired, r.max_string_bytes));
+  RD_RETURN_IF_ERROR(m.integer("max_input_tokens", Need::kRequired, r.max_input_tokens));
+  RD_RETURN_IF_ERROR(m.integer("max_new_tokens", Need::kRequired, r.max_new_tokens));
+  RD_RETURN_IF_ERROR(m.integer("max_stop_token_ids", Need::kRequired, r.max_stop_token_ids));
+  return m.integer("max_versions", Need::kRequired, r.max_versions);
+}
+
+Status decode_error_info(const MapReader& m, const Limits& l, ErrorInfo& r) {
+  // Codes are an open set (SPEC §4.3): a newer daemon's code is passed through.
+  RD_RETURN_IF_ERROR(m.str("code", Need::kRequired, l.max_string_bytes, r.code));
+  RD_RETURN_IF_ERROR(m.str("message", Need::kRequired, l.max_string_bytes, r.message));
+  return m.str("field", Need::kRequired, l.max_string_bytes, r.field);
+}
+
+Status decode_body(const MapReader& b, const IncomingContext& c, HelloReply& r) {
+  const Limits& l = c.limits;
+  RD_RETURN_IF_ERROR(b.integer("version", Need::kRequired, r.version));
+  RD_RETURN_IF_ERROR(b.str("daemon", Need::kRequired, l.max_string_bytes, r.daemon));
+  RD_RETURN_IF_ERROR(b.str("build", Need::kRequired, l.max_string_bytes, r.build));
+  RD_RETURN_IF_ERROR(b.integer("gpu", Need::kRequired, r.gpu));
+  RD_RETURN_IF_ERROR(nested(b, "model", r.model, [&](const MapReader& m, ModelInfo& out) {
+    return decode_model(m, l, out);
+  }));
+  RD_RETURN_IF_ERROR(b.integer("weight_version", Need::kRequired, r.weight_version));
+  return nested(b, "limits", r.limits, decode_limits);
+}
+
+Status decode_body(const MapReader& b, const IncomingContext& c, StatusReply& r) {
+  const Limits& l = c.limits;
+  RD_RETURN_IF_ERROR(b.str("state", Need::kRequired, l.max_string_bytes, r.state));
+  RD_RETURN_IF_ERROR(b.boolean("ready", Need::kRequired, r.ready));
+  RD_RETURN_IF_ERROR(b.str("reason", Need::kRequired, l.max_string_bytes, r.reason));
+  RD_RETURN_IF_ERROR(b.integer("weight_version", Need::kRequired, r.weight_version));
+  RD_RETURN_IF_ERROR(b.integer("num_waiting", Need::kRequired, r.num_waiting));
+  RD_RETURN_IF_ERROR(b.integer("num_running", Need::kRequired, r.num_running));
+  RD_RETURN_IF_ERROR(b.integer("num_requests_total", Need::kRequired, r.num_requests_total));
+  RD_RETURN_IF_ERROR(
+      b.integer("num_tokens_generated_total", Need::kRequired, r.num_tokens_generated_total));
+  RD_RETURN_IF_ERROR(b.number("uptime_s", Need::kRequired, {}, r.uptime_s));
+  RD_RETURN_IF_ERROR(b.str("build", Need::kRequired, l.max_string_bytes, r.build));
+  return nested(b, "model", r.model,
+                [&](const MapReader& m, ModelInfo& out) { return decode_model(m, l, out); });
+}
+
+Status decode_body(const MapReader& b, const IncomingContext& c, GenerateReply& r) {
+  return b.str("rid", Need::kRequired, c.limits.max_rid_bytes, r.rid);
+}
+
+Status decode_body(const MapReader& b, const IncomingContext&, AbortReply& r) {
+  return b.integer("num_aborted", Need::kRequired, r.num_aborted);
+}
+
+Status decode_body(const MapReader& b, const IncomingContext&, ShutdownReply& r) {
+  return b.boolean("accepted", Need::kRequired, r.accepted);
+}
+
+Status decode_body(const MapReader& b, const IncomingContext& c, ErrorInfo& r) {
+  return decode_error_info(b, c.limits, r);
+}
+
+Status decode_routed_experts(const MapReader& m, const IncomingContext& c, RoutedExperts& r) {
+  RD_RETURN_IF_ERROR(m.str("dtype", Need::kRequired, c.limits.max_string_bytes, r.dtype));
+  const size_t element_bytes = routed_experts_dtype_size(r.dtype);
+  if (element_bytes == 0) {
+    return error_at(ErrorCode::kInvalidArgument, m.path("dtype"),
+                    "unknown dtype '" + r.dtype + "'; expected uint8, uint16 or int32");
+  }
+  RD_RETURN_IF_ERROR(m.integer("num_tokens", Need::kRequired, r.num_tokens));
+  RD_RETURN_IF_ERROR(m.integer("num_layers", Need::kRequired, r.num_layers));
+  RD_RETURN_IF_ERROR(m.integer("top_k", Need::kRequired, r.top_k));
+  RD_RETURN_IF_ERROR(m.integer("start_pos", Need::kRequired, r.start_pos));
+  std::optional<uint32_t> frame;
+  RD_RETURN_IF_ERROR(m.nullable_integer("frame", frame));
+
+  // Three uint32 factors and a size can exceed 64 bits; a wrapped product could
+  // match a small frame and let a reader index past it.
+  uint64_t expected = 0;
+  if (__builtin_mul_overflow(uint64_t{r.num_tokens} * r.num_layers, r.top_k, &expected) ||
+      __builtin_mul_overflow(expected, element_bytes, &expected)) {
+    return error_at(ErrorCode::kOutOfRange, m.path(), "num_tokens*num_layers*top_k overflows");
+  }
+  if (!frame) {
+    if (expected != 0) {
+      return error_at(ErrorCode::kMissingField, m.path("frame"),
+                      std::to_string(expected) + " bytes of rows need a payload frame");
+    }
+    r.data.clear();
+    return Status::Ok();
+  }
+  if (*frame >= c.frames.size()) {
+    return error_at(
+        ErrorCode::kOutOfRange, m.path("frame"),
+        "payload frame " + std::to_string(*frame) + " of " + std::to_string(c.frames.size()));
+  }
+  const Frame bytes = c.frames[*frame];
+  if (bytes.size() != expected) {
+    return error_at(ErrorCode::kInvalidArgument, m.path("frame"),
+                    "frame holds " + std::to_string(bytes.size()) + " bytes, shape needs " +
+                        std::to_string(expected));
+  }
+  r.data.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  return Status::Ok();
+}
+
+Status decode_body(const MapReader& b, const IncomingContext& c, TokensEvent& r) {
+  const Limits& l = c.limits;
+  RD_RETURN_IF_ERROR(b.str("rid", Need::kRequired, l.max_rid_bytes, r.rid));
+  RD_RETURN_IF_ERROR(b.int_array<int32_t>("token_ids", Need::kRequired, l.max_new_tokens, 0,
+                                          kMaxTokenId, r.token_ids));
+  RD_RETURN_IF_ERROR(
+      b.field("logprobs", Need::kRequired, [&](const msgpack::object& o, const Path& p) {
+        // Any float: a client should see what the sampler produced, even -inf.
+        return read_array(o, p, l.max_new_tokens, r.logprobs, read_number);
+      }));
+  if (!r.logprobs.empty() && r.logprobs.size() != r.token_ids.size()) {
+    return error_at(ErrorCode::kInvalidArgument, b.path("logprobs"),
+                    std::to_string(r.logprobs.size()) + " logprobs for " +
+                        std::to_string(r.token_ids.size()) + " tokens");
+  }
+  RD_RETURN_IF_ERROR(b.int_array<uint64_t>("weight_versions", Need::kRequired, l.max_new_tokens, 0,
+                                           std::numeric_limits<uint64_t>::max(),
+                                           r.weight_versions));
+  if (r.weight_versions.size() != r.token_ids.size()) {
+    return error_at(ErrorCode::kInvalidArgument, b.path("weight_versions"),
+                    std::to_string(r.weight_versions.size()) + " weight versions for " +
+                        std::to_string(r.token_ids.size()) + " tokens");
+  }
+  return b.field("routed_experts", Need::kRequired, [&](const msgpack::object& o, const Path& p) {
+    if (o.type == msgpack::type::NIL) return Status::Ok();
+    std::optional<MapReader> m;
+    RD_RETURN_IF_ERROR(open_map(o, p, m));
+    return decode_routed_experts(*m, c, r.routed_experts.emplace());
+  });
+}
+
+Status decode_body(const MapReader& b, const IncomingContext& c, FinishedEvent& r) {
+  const Limits& l = c.limits;
+  RD_RETURN_IF_ERROR(b.str("rid", Need::kRequired, l.max_rid_bytes, r.rid));
+  RD_RETURN_IF_ERROR(b.str("reason", Need::kRequired, l.max_string_bytes, r.reason));
+  if (r.reason != "stop" && r.reason != "length" && r.reason != "abort") {
+    return error_at(ErrorCode::kInvalidArgument, b.path("reason"),
+                    "unknown reason '" + r.reason + "'; expected stop, length or abort");
+  }
+  RD_RETURN_IF_ERROR(b.str("abort_reason", Need::kRequired, l.max_string_bytes, r.abort_reason));
+  RD_RETURN_IF_ERROR(b.integer("prompt_tokens", Need::kRequired, r.prompt_tokens));
+  return b.integer("completion_tokens", Need::kRequired, r.completion_tokens);
+}
+
+Status decode_body(const MapReader& b, const IncomingContext& c, FailedEvent& r) {
+  RD_RETURN_IF_ERROR(b.str("rid", Need::kRequired, c.limits.max_rid_bytes, r.rid));
+  return nested(b, "error", r.error, [&](const MapReader& m, ErrorInfo& out) {
+    return decode_error_info(m, c.limits, out);
+  });
+}
+
+template <class T>
+Result<Incoming> decode_incoming_as(const MapReader& body, const IncomingContext& c) {
+  T r;
+  RD_RETURN_IF_ERROR(decode_body(body, c, r));
+  return Incoming(std::move(r));
+}
+
+using IncomingDecoder = Result<Incoming> (*)(const MapReader&, const IncomingContext&);
+constexpr std::pair<std::string_view, IncomingDecoder> kIncomingDecoders[] = {
+    {kHelloOk, &decode_incoming_as<HelloReply>},
+    {kStatusOk, &decode_incoming_as<StatusReply>},
+    {kGenerateOk, &decode_incoming_as<GenerateReply>},
+    {kAbortOk, &decode_incoming_as<AbortReply>},
+    {kShutdownOk, &decode_incoming_as<ShutdownReply>},
+    {kError, &decode_incoming_as<ErrorInfo>},
+    {kTokens, &decode_incoming_as<TokensEvent>},
+    {kFinished, &decode_incoming_as<FinishedEvent>},
+    {kFailed, &decode_incoming_as<FailedEvent>},
+};
+
+template <class Decoder, size_t N>
+Decoder find_decoder(const std::pair<std::string_view, Decoder> (&table)[N],
+                     std::string_view type) {
+  for (const auto& [name, decoder] : table)
+    if (name == type) return decoder;
+  return nullptr;
+}
+
+Status unknown_type(std::string_view type) {
+  return Status(ErrorCode::kUnknownType, "unknown message type '" + std::string(type) + "'",
+                "type");
+}
+
+// ------------------------------------------------------------- encoding ----
+
+// msgpack-c's packer plus a float64 writer of our own: msgpack-c 4.x packs a
+// double with an integral value (1.0, 0.0, even -0.0) as an int, while SPEC
+// (and Python's msgpack) write float64, so goldens like temperature=0.0 would
+// not round-trip and -0.0 would lose its sign.
+class Packer {
+ public:
+  explicit Packer(msgpack::sbuffer& buffer) : buffer_(buffer), pk_(buffer) {}
+  msgpack::packer<msgpack::sbuffer>& msgpack() { return pk_; }
+  void float64(double d) {
+    uint64_t bits;
+    std::memcpy(&bits, &d, sizeof(bits));
+    char out[9];
+    out[0] = static_cast<char>(0xcb);
+    for (int i = 0; i < 8; ++i) out[1 + i] = static_cast<char>(bits >> (56 - 8 * i));
+    buffer_.write(out, sizeof(out));
+  }
+
+ private:
+  msgpack::sbuffer& buffer_;
+  msgpack::packer<msgpack::sbuffer> pk_;
+};
+
+template <class T>
+struct IsVector : std::false_type {};
+template <class T>
+struct IsVector<std::vector<T>> : std::true_type {};
+template <class T>
+struct IsOptional : std::false_type {};
+template <class T>
+struct IsOptional<std::optional<T>> : std::true_type {};
+
+// One writer for every value type, chosen at compile time, so a string literal
+// can never turn into a bool and an int32 never into a negative-family int.
+template <class T>
+void write(Packer& packer, const T& v) {
+  auto& pk = packer.msgpack();
+  if constexpr (std::is_same_v<T, bool>) {
+    v ? pk.pack_true() : pk.pack_false();
+  } else if constexpr (std::is_integral_v<T> && std::is_unsigned_v<T>) {
+    pk.pack_uint64(v);
+  } else if constexpr (std::is_integral_v<T>) {
+    // Python's msgpack writes every non-negative int in the positive family;
+    // matching it keeps C++ and Python encodings byte-identical.
+    if (v >= 0)
+      pk.pack_uint64(static_cast<uint64_t>(v));
+    else
+      pk.pack_int64(v);
+  } else if constexpr (std::is_same_v<T, double>) {
+    packer.float64(v);
+  } else if constexpr (std::is_convertible_v<const T&, std::string_view>) {
+    const std::string_view s(v);
+    pk.pack_str(static_cast<uint32_t>(s.size()));
+    pk.pack_str_body(s.data(), static_cast<uint32_t>(s.size()));
+  } else if constexpr (IsVector<T>::value) {
+    pk.pack_array(static_cast<uint32_t>(v.size()));
+    for (const auto& e : v) write(packer, e);
+  } else if constexpr (IsOptional<T>::value) {
+    if (v)
+      write(packer, *v);
+    else
+      pk.pack_nil();
+  } else {
+    static_assert(!sizeof(T), "no msgpack writer for this type");
+  }
+}
+
+// Writes one map of a fixed number of fields. The count goes into the map header
+// before the fields, so a mismatch would corrupt everything after it: the
+// destructor checks that exactly that many fields were written.
+class MapWriter {
+ public:
+  MapWriter(Packer& pk, uint32_t num_fields) : pk_(pk), remaining_(num_fields) {
+    pk_.msgpack().pack_map(num_fields);
+  }
+  ~MapWriter() { assert(remaining_ == 0 && "map header count differs from fields written"); }
+  MapWriter(const MapWriter&) = delete;
+  MapWriter& operator=(const MapWriter&) = delete;
+
+  template <class T>
+  MapWriter& put(std::string_view key, const T& value) {
+    write_key(key);
+    write(pk_, value);
+    return *this;
+  }
+  // For a nested value written by the caller right after this call.
+  Packer& key(std::string_view key) {
+    write_key(key);
+    return pk_;
+  }
+
+ private:
+  void write_key(std::string_view key) {
+    assert(remaining_ > 0 && "more fields than the map header announced");
+    --remaining_;
+    write(pk_, key);
+  }
+  Packer& pk_;
+  uint32_t remaining_;
+};
+
+// Envelope {v, type, id, body}; `body(packer, frames)` writes the body map and
+// appends any payload frames.
+template <class WriteBody>
+WireMessage encode_message(std::string_view type, uint64_t id, WriteBody&& body) {
+  WireMessage msg;
+  msgpack::sbuffer buffer;
+  Packer pk(buffer);
+  {
+    MapWriter envelope(pk, 4);
+    envelope.put("v", kProtocolVersion).put("type", type).put("id", id);
+    body(envelope.key("body"), msg.frames);
+  }
+  msg.envelope.assign(buffer.data(), buffer.size());
+  return msg;
+}
+
+// Field order below is SPEC §4's order; golden files pin it.
+
+void write_body(Packer& pk, const HelloRequest& r) {
+  MapWriter(pk, 2).put("client", r.client).put("versions", r.versions);
+}
+void write_body(Packer& pk, const StatusRequest&) { MapWriter(pk, 0); }
+void write_body(Packer& pk, const GenerateRequest& r) {
+  MapWriter(pk, 13)
+      .put("rid", r.rid)
+      .put("input_ids", r.input_ids)
+      .put("max_new_tokens", r.max_new_tokens)
+      .put("temperature", r.temperature)
+      .put("top_p", r.top_p)
+      .put("top_k", r.top_k)
+      .put("min_p", r.min_p)
+      .put("seed", r.seed)
+      .put("stop_token_ids", r.stop_token_ids)
+      .put("return_logprob", r.return_logprob)
+      .put("return_routed_experts", r.return_routed_experts)
+      .put("routed_experts_start_len", r.routed_experts_start_len)
+      .put("stream", r.stream);
+}
+void write_body(Packer& pk, const AbortRequest& r) {
+  // rid is omitted rather than nil when absent (SPEC §4.1).
+  MapWriter w(pk, r.rid ? 2 : 1);
+  if (r.rid) w.put("rid", *r.rid);
+  w.put("all", r.all);
+}
+void write_body(Packer& pk, const ShutdownRequest& r) {
+  MapWriter(pk, 2).put("drain", r.drain).put("deadline_s", r.deadline_s);
+}
+
+void write_model(Packer& pk, const ModelInfo& m) {
+  MapWriter(pk, 8)
+      .put("name", m.name)
+      .put("family", m.family)
+      .put("vocab_size", m.vocab_size)
+      .put("num_layers", m.num_layers)
+      .put("num_moe_layers", m.num_moe_layers)
+      .put("num_experts", m.num_experts)
+      .put("top_k", m.top_k)
+      .put("routed_experts_dtype", m.routed_experts_dtype);
+}
+
+void write_limits(Packer& pk, const Limits& l) {
+  MapWriter(pk, 9)
+      .put("max_envelope_bytes", l.max_envelope_bytes)
+      .put("max_frame_bytes", l.max_frame_bytes)
+      .put("max_frames", l.max_frames)
+      .put("max_rid_bytes", l.max_rid_bytes)
+      .put("max_string_bytes", l.max_string_bytes)
+      .put("max_input_tokens", l.max_input_tokens)
+      .put("max_new_tokens", l.max_new_tokens)
+      .put("max_stop_token_ids", l.max_stop_token_ids)
+      .put("max_versions", l.max_versions);
+}
+
+void write_error_info(Packer& pk, const ErrorInfo& e) {
+  MapWriter(pk, 3).put("code", e.code).put("message", e.message).put("field", e.field);
+}
+
+void write_routed_experts(Packer& pk, const RoutedExperts& r, std::vector<std::string>& frames) {
+  assert(r.data.size() ==
+             uint64_t{r.num_tokens} * r.num_layers * r.top_k * routed_experts_dtype_size(r.dtype) &&
+         "routed-expert bytes do not match their shape");
+  std::optional<uint32_t> frame;
+  if (!r.data.empty()) {
+    frame = static_cast<uint32_t>(frames.size());
+    frames.push_back(r.data);
+  }
+  MapWriter(pk, 6)
+      .put("dtype", r.dtype)
+      .put("num_tokens", r.num_tokens)
+      .put("num_layers", r.num_layers)
+      .put("top_k", r.top_k)
+      .put("start_pos", r.start_pos)
+      .put("frame", frame);
+}
+
+std::string_view event_type(const TokensEvent&) { return kTokens; }
+std::string_view event_type(const FinishedEvent&) { return kFinished; }
+std::string_view event_type(const FailedEvent&) { return kFailed; }
+
+void write_event(Packer& pk, const TokensEvent& e, std::vector<std::string>& frames) {
+  MapWriter w(pk, 5);
+  w.put("rid", e.rid)
+      .put("token_ids", e.token_ids)
+      .put("logprobs", e.logprobs)
+      .put("weight_versions", e.weight_versions);
+  Packer& re = w.key("routed_experts");
+  if (e.routed_experts)
+    write_routed_experts(re, *e.routed_experts, frames);
+  else
+    re.msgpack().pack_nil();
+}
+void write_event(Packer& pk, const FinishedEvent& e, std::vector<std::string>&) {
+  MapWriter(pk, 5)
+      .put("rid", e.rid)
+      .put("reason", e.reason)
+      .put("abort_reason", e.abort_reason)
+      .put("prompt_tokens", e.prompt_tokens)
+      .put("completion_tokens", e.completion_tokens);
+}
+void write_event(Packer& pk, const FailedEvent& e, std::vector<std::string>&) {
+  MapWriter w(pk, 2);
+  w.put("rid", e.rid);
+  write_error_info(w.key("error"), e.error);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- public ----
+
+ErrorInfo to_error_info(const Status& s) {
+  return ErrorInfo{std::string(error_code_name(s.code())), s.message(), s.field()};
+}
+
+std::string_view request_type_name(const Request& r) {
+  return std::visit(
+      [](const auto& req) -> std::string_view {
+        using T = std::decay_t<decltype(req)>;
+        if constexpr (std::is_same_v<T, HelloRequest>)
+          return kHello;
+        else if constexpr (std::is_same_v<T, StatusRequest>)
+          return kStatus;
+        else if constexpr (std::is_same_v<T, GenerateRequest>)
+          return kGenerate;
+        else if constexpr (std::is_same_v<T, AbortRequest>)
+          return kAbort;
+        else
+          return kShutdown;
+      },
+      r);
+}
+
+size_t routed_experts_dtype_size(std::string_view dtype) {
+  if (dtype == "uint8") return 1;
+  if (dtype == "uint16") return 2;
+  if (dtype == "int32") return 4;
+  return 0;
+}
+
+RequestDecodeResult decode_request(Frame envelope, std::span<const Frame> frames,
+                                   const Limits& limits) {
+  RequestDecodeResult out;
+  const size_t max_array =
+      std::max({limits.max_input_tokens, limits.max_stop_token_ids, limits.max_versions});
+  OpenedEnvelope opened;
+  out.status = open_envelope(envelope, frames, limits, max_array, out.env, opened);
+  if (!out.status.ok()) return out;
+  const RequestDecoder decode = find_decoder(kRequestDecoders, out.env.type);
+  if (decode == nullptr) {
+    out.status = unknown_type(out.env.type);
+    return out;
+  }
+  Result<Request> request = decode(*opened.body, limits);
+  if (!request.ok()) {
+    out.status = request.status();
+    return out;
+  }
+  out.request = std::move(request).value();
+  return out;
+}
+
+Result<DecodedIncoming> decode_incoming(Frame envelope, std::span<const Frame> frames,
+                                        const Limits& limits) {
+  DecodedIncoming out;
+  OpenedEnvelope opened;
+  RD_RETURN_IF_ERROR(
+      open_envelope(envelope, frames, limits, limits.max_new_tokens, out.env, opened));
+  const IncomingDecoder decode = find_decoder(kIncomingDecoders, out.env.type);
+  if (decode == nullptr) return unknown_type(out.env.type);
+  RD_ASSIGN_OR_RETURN(out.msg, decode(*opened.body, IncomingContext{limits, frames}));
+  return out;
+}
+
+WireMessage encode_request(uint64_t id, const Request& r) {
+  return std::visit(
+      [&](const auto& req) {
+        return encode_message(request_type_name(r), id,
+                              [&](Packer& pk, std::vector<std::string>&) { write_body(pk, req); });
+      },
+      r);
+}
+
+WireMessage encode_reply(uint64_t id, const HelloReply& r) {
+  return encode_message(kHelloOk, id, [&](Packer& pk, std::vector<std::string>&) {
+    MapWriter w(pk, 7);
+    w.put("version", r.version).put("daemon", r.daemon).put("build", r.build).put("gpu", r.gpu);
+    write_model(w.key("model"), r.model);
+    w.put("weight_version", r.weight_version);
+    write_limits(w.key("limits"), r.limits);
+  });
+}
+
+WireMessage encode_reply(uint64_t id, const StatusReply& r) {
+  return encode_message(kStatusOk, id, [&](Packer& pk, std::vector<std::string>&) {
+    MapWriter w(pk, 11);
+    w.put("state", r.state)
+        .put("ready", r.ready)
+        .put("reason", r.reason)
+        .put("weight_version", r.weight_version)
+        .put("num_waiting", r.num_waiting)
+        .put("num_running", r.num_running)
+        .put("num_requests_total", r.num_requests_total)
+        .put("num_tokens_generated_total", r.num_tokens_generated_total)
+        .put("uptime_s", r.uptime_s)
+        .put("build", r.build);
+    write_model(w.key("model"), r.model);
+  });
+}
+
+WireMessage encode_reply(uint64_t id, const GenerateReply& r) {
+  return encode_message(kGenerateOk, id, [&](Packer& pk, std::vector<std::string>&) {
+    MapWriter(pk, 1).put("rid", r.rid);
+  });
+}
+
+WireMessage encode_reply(uint64_t id, const AbortReply& r) {
+  return encode_message(kAbortOk, id, [&](Packer& pk, std::vector<std::string>&) {
+    MapWriter(pk, 1).put("num_aborted", r.num_aborted);
+  });
+}
+
+WireMessage encode_reply(uint64_t id, const ShutdownReply& r) {
+  return encode_message(kShutdownOk, id, [&](Packer& pk, std::vector<std::string>&) {
+    MapWriter(pk, 1).put("accepted", r.accepted);
+  });
+}
+
+WireMessage encode_error(uint64_t id, const ErrorInfo& e) {
+  return encode_message(kError, id,
+                        [&](Packer& pk, std::vector<std::string>&) { write_error_info(pk, e); });
+}
+
+WireMessage encode_event(uint64_t id, const Event& e) {
+  return std::visit(
+      [&](const auto& ev) {
+        return encode_message(
+            event_type(ev), id,
+            [&](Packer& pk, std::vector<std::string>& frames) { write_event(pk, ev, frames); });
+      },
+      e);
+}
+
+}  // namespace rolloutd::protocol

@@ -1,0 +1,28 @@
+"""GPU integration tests skip themselves without a CUDA build or a visible GPU. The daemon
+fixtures come from tests/integration/conftest.py (pytest loads parent conftest files)."""
+import os
+import shutil
+import subprocess
+
+import pytest
+
+
+def _gpu_visible():
+    if os.environ.get("ROLLOUTD_CUDA_ENABLED", "").upper() not in ("ON", "1", "TRUE"):
+        return False, "built without CUDA"
+    if not shutil.which("nvidia-smi"):
+        return False, "no nvidia-smi"
+    r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=30)
+    if r.returncode != 0 or b"GPU" not in r.stdout:
+        return False, "no GPU visible"
+    return True, ""
+
+
+_ok, _why = _gpu_visible()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _ok:
+        return
+    for item in items:
+        item.add_marker(pytest.mark.skip(reason=_why))

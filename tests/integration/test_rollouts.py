@@ -1,0 +1,175 @@
+"""Rollouts end to end: real daemons, the Python client, loopback sockets."""
+import threading
+
+import numpy as np
+import pytest
+
+import rolloutd
+
+
+def test_hello_status_and_health(daemon):
+    with daemon.client() as c:
+        h = c.hello()
+        assert h.version == 1 and h.daemon == "rolloutd"
+        assert h.model.num_experts == 16 and h.model.top_k == 4 and h.model.routed_experts_dtype == "uint8"
+        s = c.status()
+        assert s.ready and s.state == "ready"
+    assert daemon.get("/livez")[0] == 200
+    assert daemon.get("/readyz")[0] == 200
+    code, body = daemon.get("/v1/status")
+    assert code == 200 and '"weight_version"' in body
+    code, body = daemon.get("/metrics")
+    assert code == 200 and "rolloutd_requests_total" in body
+    assert daemon.get("/livez", method="POST")[0] == 405
+    assert daemon.get("/nope")[0] == 404
+
+
+def test_generate_returns_tokens_logprobs_versions_and_records(daemon):
+    with daemon.client() as c:
+        prompt = [1, 2, 3, 4, 5]
+        r = c.generate(prompt, max_new_tokens=12, temperature=0.7, seed=3, return_logprob=True,
+                       return_routed_experts=True)
+        assert r.ok and r.finish_reason == "length"
+        assert len(r.token_ids) == 12 and all(0 <= t < 256 for t in r.token_ids)
+        assert len(r.logprobs) == 12 and all(lp <= 0.0 for lp in r.logprobs)
+        assert r.weight_versions == [0] * 12
+        assert r.prompt_tokens == 5 and r.completion_tokens == 12
+        re = r.routed_experts
+        # One row per forwarded token: prompt + generated - 1.
+        assert re.dtype == "uint8" and tuple(re.shape) == (5 + 12 - 1, 4, 4) and re.start_pos == 0
+        arr = re.to_numpy()
+        assert arr.dtype == np.uint8 and arr.max() < 16
+        # Top-k ids of one token in one layer are distinct experts.
+        assert all(len(set(arr[t, l])) == 4 for t in range(arr.shape[0]) for l in range(4))
+
+
+def test_greedy_matches_the_numpy_reference(daemon):
+    import json, os
+    golden = json.load(open(os.path.join(os.environ["ROLLOUTD_SOURCE_ROOT"],
+                                         "tests/reference/tiny_moe_golden.json")))
+    with daemon.client() as c:
+        for case in golden["cases"]:
+            r = c.generate(case["prompt"], max_new_tokens=len(case["greedy_tokens"]), temperature=0.0,
+                           return_routed_experts=True)
+            assert r.token_ids == case["greedy_tokens"]
+            assert r.routed_experts.to_numpy().tolist() == case["routed_experts"]
+
+
+def test_routed_experts_start_len_and_stream_false(daemon):
+    with daemon.client() as c:
+        a = c.generate([9] * 10, max_new_tokens=6, temperature=0.0, return_routed_experts=True,
+                       routed_experts_start_len=4, return_logprob=True)
+        b = c.generate([9] * 10, max_new_tokens=6, temperature=0.0, return_routed_experts=True,
+                       routed_experts_start_len=4, return_logprob=True, stream=False)
+        assert a.routed_experts.start_pos == 4 and a.routed_experts.shape[0] == 10 + 6 - 1 - 4
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+        assert a.routed_experts.data == b.routed_experts.data
+        full = c.generate([9] * 10, max_new_tokens=6, temperature=0.0, return_routed_experts=True)
+        assert full.routed_experts.to_numpy()[4:].tobytes() == a.routed_experts.data
+
+
+def test_streaming_yields_tokens_then_one_final_event(daemon):
+    with daemon.client() as c:
+        events = list(c.generate_stream([5, 6], max_new_tokens=5, temperature=0.0))
+        assert isinstance(events[-1], rolloutd.FinishedEvent)
+        assert all(isinstance(e, rolloutd.TokensEvent) for e in events[:-1])
+        assert sum(len(e.token_ids) for e in events[:-1]) == 5
+
+
+def test_determinism_by_seed_across_daemons_and_batches(daemon_factory):
+    d1, d2 = daemon_factory(), daemon_factory()
+    kw = dict(max_new_tokens=20, temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, seed=777, return_logprob=True)
+    with d1.client() as c1, d2.client() as c2:
+        a = c1.generate([3, 1, 4, 1, 5], **kw)
+        # The same request inside a busy batch on the other daemon.
+        busy = [c2.submit([i, i + 1, i + 2], max_new_tokens=40, temperature=1.0, seed=i) for i in range(8)]
+        b = c2.generate([3, 1, 4, 1, 5], **kw)
+        c = c1.generate([3, 1, 4, 1, 5], **{**kw, "seed": 778})
+        for rid in busy:
+            c2.abort(rid)
+    assert a.token_ids == b.token_ids
+    assert np.allclose(a.logprobs, b.logprobs, atol=1e-4)
+    assert a.token_ids != c.token_ids
+
+
+def test_stop_token(daemon):
+    with daemon.client() as c:
+        r = c.generate([17, 42, 99], max_new_tokens=16, temperature=0.0, stop_token_ids=[244])
+        assert r.finish_reason == "stop" and r.token_ids == [127, 157, 244]
+
+
+def test_two_clients_concurrently(daemon):
+    results, errors = {}, []
+
+    def worker(name):
+        try:
+            with daemon.client() as c:
+                rids = [c.submit([i % 200 + 1, 7], max_new_tokens=10 + i, temperature=0.5, seed=i,
+                                 rid=f"{name}-{i}") for i in range(6)]
+                finals = {}
+                while len(finals) < len(rids):
+                    ev = c.next_event(30.0)
+                    assert ev is not None, "no event within 30 s"
+                    assert ev.rid.startswith(name), "an event reached the wrong client"
+                    if not isinstance(ev, rolloutd.TokensEvent):
+                        assert ev.rid not in finals, "two final events for one request"
+                        finals[ev.rid] = ev
+                results[name] = finals
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in ("alice", "bob")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for name in ("alice", "bob"):
+        assert len(results[name]) == 6
+        for i in range(6):
+            f = results[name][f"{name}-{i}"]
+            assert f.reason == "length" and f.completion_tokens == 10 + i
+
+
+def test_abort_one_and_all(daemon):
+    with daemon.client() as c:
+        rids = [c.submit([1, 2, 3], max_new_tokens=2000, temperature=1.0, seed=i) for i in range(4)]
+        assert c.abort(rids[0]).num_aborted == 1
+        assert c.abort("no-such-request").num_aborted == 0  # idempotent
+        assert c.abort(rids[0]).num_aborted == 0
+        assert c.abort_all().num_aborted == 3
+        finals = {}
+        for ev in c.events(timeout_s=5.0):
+            if not isinstance(ev, rolloutd.TokensEvent):
+                assert ev.rid not in finals
+                finals[ev.rid] = ev
+            if len(finals) == 4:
+                break
+        assert set(finals) == set(rids)
+        assert all(f.reason == "abort" and f.abort_reason == "client" for f in finals.values())
+        # Still serving.
+        assert c.generate([1], max_new_tokens=2).ok
+
+
+def test_duplicate_rid_is_rejected_while_in_flight(daemon):
+    with daemon.client() as c:
+        c.submit([1], max_new_tokens=3000, rid="same")
+        with pytest.raises(rolloutd.RolloutdError) as e:
+            c.submit([2], max_new_tokens=5, rid="same")
+        assert e.value.code == "duplicate_rid"
+        c.abort("same")
+
+
+def test_client_that_vanishes_mid_stream_is_aborted_and_counted(daemon):
+    c = daemon.client()
+    c.submit([4, 4, 4], max_new_tokens=3000, temperature=1.0, seed=1)
+    c.close()  # gone while its request streams
+    with daemon.client() as other:
+        import time
+        deadline = time.monotonic() + 20
+        while daemon.metric("rolloutd_stream_aborts_total", reason="client_gone") < 1:
+            assert time.monotonic() < deadline, "the vanished client's request was not aborted"
+            time.sleep(0.05)
+        s = other.status()
+        assert s.num_running == 0 and s.num_waiting == 0
+        assert other.generate([1, 2], max_new_tokens=3).ok

@@ -1,0 +1,1057 @@
+// Every validation rule of protocol/codec.cpp (SPEC §3, §4, §9): each bad input
+// gets its typed code and field path; round trips keep every field; the encoder
+// writes SPEC's canonical bytes.
+#include <gtest/gtest.h>
+
+#include <msgpack.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include "protocol/codec.hpp"
+
+namespace rolloutd::protocol {
+namespace {
+
+// ---------------------------------------------------------------------------
+// A tiny msgpack document builder, so tests can write inputs no encoder of ours
+// would produce (wrong types, duplicate keys, raw headers).
+
+struct Raw {
+  std::string bytes;  // written verbatim
+};
+struct Bin {
+  std::string bytes;
+};
+
+struct Value {
+  using Array = std::vector<Value>;
+  using Map = std::vector<std::pair<std::string, Value>>;
+  std::variant<std::nullptr_t, bool, int64_t, uint64_t, double, std::string, Bin, Raw, Array, Map>
+      v;
+
+  Value(std::nullptr_t) : v(nullptr) {}  // NOLINT
+  template <class T>
+  requires std::is_integral_v<T> Value(T x) {  // NOLINT
+    if constexpr (std::is_same_v<T, bool>)
+      v = x;
+    else if constexpr (std::is_signed_v<T>)
+      v = static_cast<int64_t>(x);
+    else
+      v = static_cast<uint64_t>(x);
+  }
+  Value(double x) : v(x) {}                    // NOLINT
+  Value(const char* s) : v(std::string(s)) {}  // NOLINT
+  Value(std::string s) : v(std::move(s)) {}    // NOLINT
+  Value(Bin b) : v(std::move(b)) {}            // NOLINT
+  Value(Raw r) : v(std::move(r)) {}            // NOLINT
+  Value(Array a) : v(std::move(a)) {}          // NOLINT
+  Value(Map m) : v(std::move(m)) {}            // NOLINT
+};
+using Array = Value::Array;
+using Map = Value::Map;
+
+void pack(msgpack::sbuffer& buf, const Value& value) {
+  msgpack::packer<msgpack::sbuffer> pk(buf);
+  std::visit(
+      [&](const auto& x) {
+        using T = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same_v<T, std::nullptr_t>)
+          pk.pack_nil();
+        else if constexpr (std::is_same_v<T, Raw>)
+          buf.write(x.bytes.data(), x.bytes.size());
+        else if constexpr (std::is_same_v<T, double>) {
+          // Not pk.pack(double): msgpack-c writes integral doubles as ints, and
+          // these tests need 16.0 to arrive as a float.
+          uint64_t bits;
+          std::memcpy(&bits, &x, sizeof(bits));
+          char out[9] = {static_cast<char>(0xcb)};
+          for (int i = 0; i < 8; ++i) out[1 + i] = static_cast<char>(bits >> (56 - 8 * i));
+          buf.write(out, sizeof(out));
+        } else if constexpr (std::is_same_v<T, Bin>) {
+          pk.pack_bin(static_cast<uint32_t>(x.bytes.size()));
+          pk.pack_bin_body(x.bytes.data(), static_cast<uint32_t>(x.bytes.size()));
+        } else if constexpr (std::is_same_v<T, Array>) {
+          pk.pack_array(static_cast<uint32_t>(x.size()));
+          for (const auto& e : x) pack(buf, e);
+        } else if constexpr (std::is_same_v<T, Map>) {
+          pk.pack_map(static_cast<uint32_t>(x.size()));
+          for (const auto& [k, e] : x) {
+            pk.pack(k);
+            pack(buf, e);
+          }
+        } else {
+          pk.pack(x);
+        }
+      },
+      value.v);
+}
+
+std::string bytes(const Value& v) {
+  msgpack::sbuffer buf;
+  pack(buf, v);
+  return std::string(buf.data(), buf.size());
+}
+
+Map envelope(std::string type, uint64_t id, Value body) {
+  return Map{{"v", 1}, {"type", std::move(type)}, {"id", id}, {"body", std::move(body)}};
+}
+
+// Replaces (or appends) `key`; std::nullopt erases it.
+Map with(Map m, const std::string& key, std::optional<Value> value) {
+  auto it = std::find_if(m.begin(), m.end(), [&](const auto& kv) { return kv.first == key; });
+  if (!value) {
+    if (it != m.end()) m.erase(it);
+  } else if (it != m.end()) {
+    it->second = std::move(*value);
+  } else {
+    m.emplace_back(key, std::move(*value));
+  }
+  return m;
+}
+
+Map generate_body() {
+  return Map{{"rid", "r-1"},
+             {"input_ids", Array{1, 2, 3, 4}},
+             {"max_new_tokens", 8},
+             {"temperature", 0.5},
+             {"top_p", 0.9},
+             {"top_k", 5},
+             {"min_p", 0.1},
+             {"seed", 42},
+             {"stop_token_ids", Array{2}},
+             {"return_logprob", true},
+             {"return_routed_experts", true},
+             {"routed_experts_start_len", 1},
+             {"stream", false}};
+}
+
+Frame as_frame(const std::string& s) {
+  return Frame(reinterpret_cast<const uint8_t*>(s.data()), s.size());
+}
+
+std::vector<Frame> as_frames(const std::vector<std::string>& v) {
+  std::vector<Frame> out;
+  for (const auto& s : v) out.push_back(as_frame(s));
+  return out;
+}
+
+RequestDecodeResult decode(const std::string& env, const Limits& limits = {},
+                           const std::vector<std::string>& frames = {}) {
+  const auto views = as_frames(frames);
+  return decode_request(as_frame(env), views, limits);
+}
+
+Result<DecodedIncoming> decode_in(const WireMessage& m, const Limits& limits = {}) {
+  const auto views = as_frames(m.frames);
+  return decode_incoming(as_frame(m.envelope), views, limits);
+}
+
+std::string repeat(char c, size_t n) { return std::string(n, c); }
+
+Array count_up(size_t n) {
+  Array a;
+  for (size_t i = 0; i < n; ++i) a.emplace_back(static_cast<int64_t>(i % 100));
+  return a;
+}
+
+// ---------------------------------------------------------------------------
+// Refused requests: table of (input, code, field path).
+
+struct BadCase {
+  std::string name;
+  std::string envelope;  // encoded
+  ErrorCode code;
+  std::string field;
+  uint64_t id = 0;  // expected env.id (0: could not be read)
+  Limits limits{};
+};
+
+BadCase bad_body(std::string name, std::string type, Map body, ErrorCode code, std::string field,
+                 Limits limits = {}) {
+  return BadCase{std::move(name),
+                 bytes(envelope(std::move(type), 77, std::move(body))),
+                 code,
+                 std::move(field),
+                 77,
+                 limits};
+}
+BadCase bad_gen(std::string name, std::string key, std::optional<Value> value, ErrorCode code,
+                std::string field) {
+  return bad_body(std::move(name), "generate", with(generate_body(), key, std::move(value)), code,
+                  std::move(field));
+}
+BadCase bad_env(std::string name, Value env, ErrorCode code, std::string field, uint64_t id = 0) {
+  return BadCase{std::move(name), bytes(env), code, std::move(field), id};
+}
+
+// {v:1, type:"status", id:77, 1:2}: the fourth key is an int.
+std::string envelope_with_int_key() {
+  return "\x84" + bytes("v") + bytes(1) + bytes("type") + bytes("status") + bytes("id") +
+         bytes(77) + "\x01\x02";
+}
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr uint64_t k2p31 = uint64_t{1} << 31;
+constexpr uint64_t k2p32 = uint64_t{1} << 32;
+
+using E = ErrorCode;
+
+std::vector<BadCase> bad_cases() {
+  const Map status_env = envelope("status", 77, Map{});
+  Limits small;  // makes per-field size checks reachable below the parse-time bound
+  small.max_input_tokens = 4;
+  small.max_versions = 8;
+  small.max_stop_token_ids = 2;
+  Limits two_versions;
+  two_versions.max_versions = 2;
+
+  return {
+      // ---- envelope ----
+      bad_env("EnvelopeNotMap", Array{1, "status", 77, Map{}}, E::kBadMessage, ""),
+      bad_env("EnvelopeIsScalar", 1, E::kBadMessage, ""),
+      bad_env("VersionMissing", with(status_env, "v", std::nullopt), E::kMissingField, "v", 77),
+      bad_env("VersionString", with(status_env, "v", "1"), E::kWrongType, "v", 77),
+      bad_env("VersionFloat", with(status_env, "v", 1.0), E::kWrongType, "v", 77),
+      bad_env("VersionTwo", with(status_env, "v", 2), E::kUnsupportedVersion, "v", 77),
+      bad_env("VersionZero", with(status_env, "v", 0), E::kUnsupportedVersion, "v", 77),
+      bad_env("VersionNegative", with(status_env, "v", -1), E::kUnsupportedVersion, "v", 77),
+      bad_env("IdMissing", with(status_env, "id", std::nullopt), E::kMissingField, "id"),
+      bad_env("IdNegative", with(status_env, "id", -1), E::kOutOfRange, "id"),
+      bad_env("IdFloat", with(status_env, "id", 7.0), E::kWrongType, "id"),
+      bad_env("TypeMissing", with(status_env, "type", std::nullopt), E::kMissingField, "type", 77),
+      bad_env("TypeInt", with(status_env, "type", 3), E::kWrongType, "type", 77),
+      bad_env("TypeUnknown", with(status_env, "type", "frobnicate"), E::kUnknownType, "type", 77),
+      bad_env("TypeEmpty", with(status_env, "type", ""), E::kUnknownType, "type", 77),
+      bad_env("TypeIsAReply", with(status_env, "type", "status.ok"), E::kUnknownType, "type", 77),
+      bad_env("BodyArray", with(status_env, "body", Array{}), E::kWrongType, "body", 77),
+      bad_env("BodyNil", with(status_env, "body", nullptr), E::kWrongType, "body", 77),
+      bad_env("DuplicateEnvelopeKey", Map{{"v", 1}, {"type", "status"}, {"id", 77}, {"id", 78}},
+              E::kBadMessage, "id", 77),
+      BadCase{"NonStringEnvelopeKey", envelope_with_int_key(), E::kBadMessage, "", 77},
+      bad_env("NonStringBodyKey", envelope("status", 77, Raw{"\x81\x01\x02"}), E::kBadMessage,
+              "body", 77),
+      bad_body(
+          "DuplicateBodyKey", "generate",
+          [] {
+            Map m = generate_body();
+            m.emplace_back("rid", "again");
+            return m;
+          }(),
+          E::kBadMessage, "body.rid"),
+
+      // ---- generate ----
+      bad_gen("RidMissing", "rid", std::nullopt, E::kMissingField, "body.rid"),
+      bad_gen("RidInt", "rid", 5, E::kWrongType, "body.rid"),
+      bad_gen("RidBin", "rid", Bin{"r-1"}, E::kWrongType, "body.rid"),
+      bad_gen("RidNil", "rid", nullptr, E::kWrongType, "body.rid"),
+      bad_gen("RidEmpty", "rid", "", E::kInvalidArgument, "body.rid"),
+      bad_gen("RidTooLong", "rid", repeat('r', 257), E::kTooLarge, "body.rid"),
+      bad_gen("RidInvalidUtf8", "rid", "\xff\xfe", E::kInvalidArgument, "body.rid"),
+      bad_gen("RidOverlongUtf8", "rid", "\xc0\xaf", E::kInvalidArgument, "body.rid"),
+      bad_gen("RidSurrogateUtf8", "rid", "\xed\xa0\x80", E::kInvalidArgument, "body.rid"),
+      bad_gen("RidTruncatedUtf8", "rid", "ab\xe2\x82", E::kInvalidArgument, "body.rid"),
+      bad_gen("InputIdsMissing", "input_ids", std::nullopt, E::kMissingField, "body.input_ids"),
+      bad_gen("InputIdsString", "input_ids", "1 2 3", E::kWrongType, "body.input_ids"),
+      bad_gen("InputIdsEmpty", "input_ids", Array{}, E::kInvalidArgument, "body.input_ids"),
+      bad_gen("InputIdNegative", "input_ids", Array{1, 2, 3, -1}, E::kOutOfRange,
+              "body.input_ids[3]"),
+      bad_gen("InputIdTooBig", "input_ids", Array{k2p31}, E::kOutOfRange, "body.input_ids[0]"),
+      bad_gen("InputIdFloat", "input_ids", Array{1, 2.0}, E::kWrongType, "body.input_ids[1]"),
+      bad_gen("InputIdNil", "input_ids", Array{1, nullptr}, E::kWrongType, "body.input_ids[1]"),
+      bad_gen("MaxNewTokensZero", "max_new_tokens", 0, E::kOutOfRange, "body.max_new_tokens"),
+      bad_gen("MaxNewTokensOverLimit", "max_new_tokens", 65537, E::kOutOfRange,
+              "body.max_new_tokens"),
+      bad_gen("MaxNewTokensNegative", "max_new_tokens", -3, E::kOutOfRange, "body.max_new_tokens"),
+      bad_gen("MaxNewTokensFloat", "max_new_tokens", 16.0, E::kWrongType, "body.max_new_tokens"),
+      bad_gen("MaxNewTokensString", "max_new_tokens", "16", E::kWrongType, "body.max_new_tokens"),
+      bad_gen("MaxNewTokensNil", "max_new_tokens", nullptr, E::kWrongType, "body.max_new_tokens"),
+      bad_gen("TemperatureString", "temperature", "hot", E::kWrongType, "body.temperature"),
+      bad_gen("TemperatureBool", "temperature", true, E::kWrongType, "body.temperature"),
+      bad_gen("TemperatureNegative", "temperature", -0.5, E::kOutOfRange, "body.temperature"),
+      bad_gen("TemperatureHuge", "temperature", 100.5, E::kOutOfRange, "body.temperature"),
+      bad_gen("TemperatureNaN", "temperature", kNaN, E::kOutOfRange, "body.temperature"),
+      bad_gen("TemperatureInf", "temperature", kInf, E::kOutOfRange, "body.temperature"),
+      bad_gen("TemperatureMinusInf", "temperature", -kInf, E::kOutOfRange, "body.temperature"),
+      bad_gen("TopPZero", "top_p", 0.0, E::kOutOfRange, "body.top_p"),
+      bad_gen("TopPIntZero", "top_p", 0, E::kOutOfRange, "body.top_p"),
+      bad_gen("TopPAboveOne", "top_p", 1.5, E::kOutOfRange, "body.top_p"),
+      bad_gen("TopPNaN", "top_p", kNaN, E::kOutOfRange, "body.top_p"),
+      bad_gen("TopKNegative", "top_k", -1, E::kOutOfRange, "body.top_k"),
+      bad_gen("TopKTooBig", "top_k", k2p31, E::kOutOfRange, "body.top_k"),
+      bad_gen("TopKFloat", "top_k", 4.0, E::kWrongType, "body.top_k"),
+      bad_gen("MinPNegative", "min_p", -0.01, E::kOutOfRange, "body.min_p"),
+      bad_gen("MinPAboveOne", "min_p", 1.01, E::kOutOfRange, "body.min_p"),
+      bad_gen("SeedNegative", "seed", -1, E::kOutOfRange, "body.seed"),
+      bad_gen("SeedFloat", "seed", 1.0, E::kWrongType, "body.seed"),
+      bad_gen("SeedString", "seed", "42", E::kWrongType, "body.seed"),
+      bad_gen("StopIdsString", "stop_token_ids", "2", E::kWrongType, "body.stop_token_ids"),
+      bad_gen("StopIdNegative", "stop_token_ids", Array{1, -2}, E::kOutOfRange,
+              "body.stop_token_ids[1]"),
+      bad_gen("StopIdsTooMany", "stop_token_ids", count_up(257), E::kTooLarge,
+              "body.stop_token_ids"),
+      bad_gen("ReturnLogprobInt", "return_logprob", 1, E::kWrongType, "body.return_logprob"),
+      bad_gen("ReturnLogprobNil", "return_logprob", nullptr, E::kWrongType, "body.return_logprob"),
+      bad_gen("ReturnRoutedExpertsInt", "return_routed_experts", 0, E::kWrongType,
+              "body.return_routed_experts"),
+      bad_gen("StreamString", "stream", "true", E::kWrongType, "body.stream"),
+      bad_gen("StartLenNegative", "routed_experts_start_len", -1, E::kOutOfRange,
+              "body.routed_experts_start_len"),
+      bad_gen("StartLenTooBig", "routed_experts_start_len", k2p32, E::kOutOfRange,
+              "body.routed_experts_start_len"),
+      bad_gen("StartLenFloat", "routed_experts_start_len", 1.0, E::kWrongType,
+              "body.routed_experts_start_len"),
+      bad_body("InputIdsOverFieldLimit", "generate",
+               with(generate_body(), "input_ids", count_up(5)), E::kTooLarge, "body.input_ids",
+               small),
+
+      // ---- abort ----
+      bad_body("AbortNeither", "abort", Map{}, E::kInvalidArgument, "body"),
+      bad_body("AbortBoth", "abort", Map{{"rid", "a"}, {"all", true}}, E::kInvalidArgument, "body"),
+      bad_body("AbortAllFalse", "abort", Map{{"all", false}}, E::kInvalidArgument, "body"),
+      bad_body("AbortRidNilAllFalse", "abort", Map{{"rid", nullptr}, {"all", false}},
+               E::kInvalidArgument, "body"),
+      bad_body("AbortRidEmpty", "abort", Map{{"rid", ""}}, E::kInvalidArgument, "body.rid"),
+      bad_body("AbortRidInt", "abort", Map{{"rid", 5}}, E::kWrongType, "body.rid"),
+      bad_body("AbortRidTooLong", "abort", Map{{"rid", repeat('x', 257)}}, E::kTooLarge,
+               "body.rid"),
+      bad_body("AbortAllInt", "abort", Map{{"all", 1}}, E::kWrongType, "body.all"),
+      bad_env("AbortNoBody", with(envelope("abort", 77, Map{}), "body", std::nullopt),
+              E::kInvalidArgument, "body", 77),
+
+      // ---- hello ----
+      bad_body("HelloNoVersions", "hello", Map{{"client", "c"}}, E::kMissingField, "body.versions"),
+      bad_body("HelloVersionsEmpty", "hello", Map{{"versions", Array{}}}, E::kInvalidArgument,
+               "body.versions"),
+      bad_body("HelloVersionsInt", "hello", Map{{"versions", 1}}, E::kWrongType, "body.versions"),
+      bad_body("HelloVersionNegative", "hello", Map{{"versions", Array{1, -1}}}, E::kOutOfRange,
+               "body.versions[1]"),
+      bad_body("HelloVersionTooBig", "hello", Map{{"versions", Array{k2p32}}}, E::kOutOfRange,
+               "body.versions[0]"),
+      bad_body("HelloVersionsTooMany", "hello", Map{{"versions", count_up(3)}}, E::kTooLarge,
+               "body.versions", two_versions),
+      bad_body("HelloClientInt", "hello", Map{{"client", 5}, {"versions", Array{1}}}, E::kWrongType,
+               "body.client"),
+
+      // ---- shutdown ----
+      bad_body("ShutdownDrainInt", "shutdown", Map{{"drain", 1}}, E::kWrongType, "body.drain"),
+      bad_body("ShutdownDeadlineNegative", "shutdown", Map{{"deadline_s", -1}}, E::kOutOfRange,
+               "body.deadline_s"),
+      bad_body("ShutdownDeadlineHuge", "shutdown", Map{{"deadline_s", 3600.5}}, E::kOutOfRange,
+               "body.deadline_s"),
+      bad_body("ShutdownDeadlineNaN", "shutdown", Map{{"deadline_s", kNaN}}, E::kOutOfRange,
+               "body.deadline_s"),
+      bad_body("ShutdownDeadlineString", "shutdown", Map{{"deadline_s", "5"}}, E::kWrongType,
+               "body.deadline_s"),
+
+      // ---- parse-time bounds: refused before allocation, no field read yet ----
+      bad_body("ArrayOverParseBound", "generate", with(generate_body(), "input_ids", count_up(9)),
+               E::kTooLarge, "", small),
+      bad_body("StringOverParseBound", "status", Map{{"note", repeat('n', 4097)}}, E::kTooLarge,
+               ""),
+      bad_body("BinOverParseBound", "status", Map{{"blob", Bin{repeat('b', 4097)}}}, E::kTooLarge,
+               ""),
+      bad_body(
+          "MapOverParseBound", "status",
+          [] {
+            Map m;
+            for (int i = 0; i < 129; ++i) m.emplace_back("k" + std::to_string(i), i);
+            return m;
+          }(),
+          E::kTooLarge, ""),
+      bad_body(
+          "NestedTooDeep", "status",
+          [] {
+            Value v = 1;
+            for (int i = 0; i < 15; ++i) v = Array{v};  // + envelope + body = 17 levels
+            return Map{{"deep", v}};
+          }(),
+          E::kTooLarge, ""),
+      bad_env("ArrayHeaderClaimsFourBillion",
+              Map{{"v", 1},
+                  {"type", "generate"},
+                  {"id", 5},
+                  {"body", Raw{"\x81\xa9input_ids\xdd\xff\xff\xff\xff"}}},
+              E::kTooLarge, "", 5),
+      // The id after the fault is found too, as long as the bytes up to it are msgpack.
+      bad_env(
+          "IdAfterOversizedBody",
+          Map{{"v", 1}, {"type", "generate"}, {"body", Map{{"x", count_up(200000)}}}, {"id", 5}},
+          E::kTooLarge, "", 5),
+  };
+}
+
+class RefusedRequest : public ::testing::TestWithParam<BadCase> {};
+
+TEST_P(RefusedRequest, TypedCodeAndField) {
+  const BadCase& c = GetParam();
+  const RequestDecodeResult r = decode(c.envelope, c.limits);
+  ASSERT_FALSE(r.status.ok());
+  EXPECT_EQ(error_code_name(r.status.code()), error_code_name(c.code)) << r.status.to_string();
+  EXPECT_EQ(r.status.field(), c.field) << r.status.to_string();
+  EXPECT_EQ(r.env.id, c.id) << "the error reply must echo the id whenever it was readable";
+  EXPECT_FALSE(r.request.has_value());
+  EXPECT_FALSE(r.status.message().empty());
+}
+
+INSTANTIATE_TEST_SUITE_P(Codec, RefusedRequest, ::testing::ValuesIn(bad_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+TEST(RefusedRequestTable, IntKeyInputsReallyHaveIntKeys) {
+  // The non-string-key cases splice raw bytes; check that msgpack reads them as
+  // the intended map and not as something truncated or with trailing bytes.
+  const std::string env = envelope_with_int_key();
+  size_t off = 0;
+  msgpack::object_handle h = msgpack::unpack(env.data(), env.size(), off);
+  EXPECT_EQ(off, env.size());
+  ASSERT_EQ(h.get().type, msgpack::type::MAP);
+  ASSERT_EQ(h.get().via.map.size, 4u);
+  EXPECT_EQ(h.get().via.map.ptr[3].key.type, msgpack::type::POSITIVE_INTEGER);
+}
+
+// ---------------------------------------------------------------------------
+// Accepted requests.
+
+GenerateRequest decode_generate(const Map& body, const Limits& limits = {}) {
+  const RequestDecodeResult r = decode(bytes(envelope("generate", 9, body)), limits);
+  EXPECT_TRUE(r.status.ok()) << r.status.to_string();
+  if (!r.status.ok()) return {};
+  return std::get<GenerateRequest>(*r.request);
+}
+
+TEST(AcceptedRequest, GenerateAllFields) {
+  const GenerateRequest g = decode_generate(generate_body());
+  EXPECT_EQ(g.rid, "r-1");
+  EXPECT_EQ(g.input_ids, (std::vector<int32_t>{1, 2, 3, 4}));
+  EXPECT_EQ(g.max_new_tokens, 8u);
+  EXPECT_EQ(g.temperature, 0.5);
+  EXPECT_EQ(g.top_p, 0.9);
+  EXPECT_EQ(g.top_k, 5);
+  EXPECT_EQ(g.min_p, 0.1);
+  EXPECT_EQ(g.seed, std::optional<uint64_t>(42));
+  EXPECT_EQ(g.stop_token_ids, (std::vector<int32_t>{2}));
+  EXPECT_TRUE(g.return_logprob);
+  EXPECT_TRUE(g.return_routed_experts);
+  EXPECT_EQ(g.routed_experts_start_len, 1u);
+  EXPECT_FALSE(g.stream);
+}
+
+TEST(AcceptedRequest, GenerateMinimalTakesStructDefaults) {
+  const GenerateRequest g = decode_generate(Map{{"rid", "x"}, {"input_ids", Array{0}}});
+  const GenerateRequest d;
+  EXPECT_EQ(g.max_new_tokens, d.max_new_tokens);
+  EXPECT_EQ(g.temperature, d.temperature);
+  EXPECT_EQ(g.top_p, d.top_p);
+  EXPECT_EQ(g.top_k, d.top_k);
+  EXPECT_EQ(g.min_p, d.min_p);
+  EXPECT_FALSE(g.seed.has_value());
+  EXPECT_TRUE(g.stop_token_ids.empty());
+  EXPECT_EQ(g.return_logprob, d.return_logprob);
+  EXPECT_EQ(g.return_routed_experts, d.return_routed_experts);
+  EXPECT_EQ(g.routed_experts_start_len, d.routed_experts_start_len);
+  EXPECT_EQ(g.stream, d.stream);
+}
+
+TEST(AcceptedRequest, NilSeedMeansAbsent) {
+  EXPECT_FALSE(decode_generate(with(generate_body(), "seed", nullptr)).seed.has_value());
+  EXPECT_EQ(decode_generate(with(generate_body(), "seed", UINT64_MAX)).seed,
+            std::optional<uint64_t>(UINT64_MAX));
+  EXPECT_EQ(decode_generate(with(generate_body(), "seed", 0)).seed, std::optional<uint64_t>(0));
+}
+
+TEST(AcceptedRequest, BoundaryValues) {
+  Map b = generate_body();
+  b = with(b, "input_ids", Array{0, k2p31 - 1});
+  b = with(b, "max_new_tokens", 65536);
+  b = with(b, "temperature", 100.0);
+  b = with(b, "top_p", 1.0);
+  b = with(b, "top_k", k2p31 - 1);
+  b = with(b, "min_p", 1.0);
+  b = with(b, "routed_experts_start_len", k2p32 - 1);
+  b = with(b, "stop_token_ids", count_up(256));
+  b = with(b, "rid", repeat('r', 256));
+  const GenerateRequest g = decode_generate(b);
+  EXPECT_EQ(g.input_ids[1], std::numeric_limits<int32_t>::max());
+  EXPECT_EQ(g.max_new_tokens, 65536u);
+  EXPECT_EQ(g.top_k, std::numeric_limits<int32_t>::max());
+  EXPECT_EQ(g.routed_experts_start_len, std::numeric_limits<uint32_t>::max());
+  EXPECT_EQ(g.stop_token_ids.size(), 256u);
+  EXPECT_EQ(g.rid.size(), 256u);
+  EXPECT_EQ(decode_generate(with(generate_body(), "temperature", 0.0)).temperature, 0.0);
+  EXPECT_EQ(decode_generate(with(generate_body(), "min_p", 0.0)).min_p, 0.0);
+}
+
+TEST(AcceptedRequest, IntegersWhereFloatsAreExpected) {
+  Map b = with(generate_body(), "temperature", 1);
+  b = with(b, "top_p", 1);
+  b = with(b, "min_p", 0);
+  const GenerateRequest g = decode_generate(b);
+  EXPECT_EQ(g.temperature, 1.0);
+  EXPECT_EQ(g.top_p, 1.0);
+  EXPECT_EQ(g.min_p, 0.0);
+}
+
+TEST(AcceptedRequest, AnyIntegerEncodingAndFloat32) {
+  // int8 5, int64 7, uint16 300 for fields of other widths; float32 0.5.
+  Map b = with(generate_body(), "max_new_tokens", Raw{std::string("\xd0\x05", 2)});
+  b = with(b, "top_k", Raw{std::string("\xd3\0\0\0\0\0\0\0\x07", 9)});
+  b = with(b, "input_ids", Array{Raw{std::string("\xcd\x01\x2c", 3)}});
+  b = with(b, "temperature", Raw{std::string("\xca\x3f\x00\x00\x00", 5)});
+  const GenerateRequest g = decode_generate(b);
+  EXPECT_EQ(g.max_new_tokens, 5u);
+  EXPECT_EQ(g.top_k, 7);
+  EXPECT_EQ(g.input_ids, std::vector<int32_t>{300});
+  EXPECT_EQ(g.temperature, 0.5);
+}
+
+TEST(AcceptedRequest, UnknownKeysAreIgnoredAtEveryLevel) {
+  Map body = with(generate_body(), "future_field", Map{{"nested", Array{1, "x", nullptr, 2.5}}});
+  Map env = with(envelope("generate", 9, body), "trace_id", "abc");
+  const RequestDecodeResult r = decode(bytes(env));
+  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+  EXPECT_EQ(std::get<GenerateRequest>(*r.request).rid, "r-1");
+}
+
+TEST(AcceptedRequest, NestingUpToTheBoundPasses) {
+  Value v = 1;
+  for (int i = 0; i < 14; ++i) v = Array{v};  // + envelope + body = 16 levels
+  const RequestDecodeResult r = decode(bytes(envelope("status", 1, Map{{"deep", v}})));
+  EXPECT_TRUE(r.status.ok()) << r.status.to_string();
+}
+
+TEST(AcceptedRequest, KeyOrderDoesNotMatter) {
+  Map body = generate_body();
+  std::reverse(body.begin(), body.end());
+  Map env{{"body", body}, {"id", 9}, {"type", "generate"}, {"v", 1}};
+  const RequestDecodeResult r = decode(bytes(env));
+  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+  EXPECT_EQ(r.env.id, 9u);
+  EXPECT_EQ(std::get<GenerateRequest>(*r.request).top_k, 5);
+}
+
+TEST(AcceptedRequest, AbsentBodyIsEmptyMap) {
+  const RequestDecodeResult s =
+      decode(bytes(with(envelope("status", 3, Map{}), "body", std::nullopt)));
+  ASSERT_TRUE(s.status.ok()) << s.status.to_string();
+  EXPECT_TRUE(std::holds_alternative<StatusRequest>(*s.request));
+  EXPECT_EQ(s.env.type, "status");
+  EXPECT_EQ(s.env.v, 1u);
+
+  const RequestDecodeResult d =
+      decode(bytes(with(envelope("shutdown", 4, Map{}), "body", std::nullopt)));
+  ASSERT_TRUE(d.status.ok()) << d.status.to_string();
+  const auto& sd = std::get<ShutdownRequest>(*d.request);
+  EXPECT_TRUE(sd.drain);
+  EXPECT_EQ(sd.deadline_s, 30.0);
+}
+
+TEST(AcceptedRequest, AbortForms) {
+  auto abort_of = [](Map body) {
+    const RequestDecodeResult r = decode(bytes(envelope("abort", 1, std::move(body))));
+    EXPECT_TRUE(r.status.ok()) << r.status.to_string();
+    return r.status.ok() ? std::get<AbortRequest>(*r.request) : AbortRequest{};
+  };
+  AbortRequest a = abort_of(Map{{"rid", "x"}});
+  EXPECT_EQ(a.rid, std::optional<std::string>("x"));
+  EXPECT_FALSE(a.all);
+  a = abort_of(Map{{"rid", "x"}, {"all", false}});
+  EXPECT_EQ(a.rid, std::optional<std::string>("x"));
+  a = abort_of(Map{{"all", true}});
+  EXPECT_FALSE(a.rid.has_value());
+  EXPECT_TRUE(a.all);
+  a = abort_of(Map{{"rid", nullptr}, {"all", true}});
+  EXPECT_FALSE(a.rid.has_value());
+}
+
+TEST(AcceptedRequest, HelloAndShutdown) {
+  RequestDecodeResult r = decode(bytes(envelope("hello", 1, Map{{"versions", Array{1, 2, 7}}})));
+  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+  const auto& h = std::get<HelloRequest>(*r.request);
+  EXPECT_EQ(h.versions, (std::vector<uint32_t>{1, 2, 7}));
+  EXPECT_EQ(h.client, "");
+
+  r = decode(bytes(envelope("shutdown", 2, Map{{"drain", false}, {"deadline_s", 10}})));
+  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+  EXPECT_FALSE(std::get<ShutdownRequest>(*r.request).drain);
+  EXPECT_EQ(std::get<ShutdownRequest>(*r.request).deadline_s, 10.0);
+}
+
+TEST(AcceptedRequest, Utf8StringsPass) {
+  EXPECT_EQ(
+      decode_generate(with(generate_body(), "rid", "r\xc3\xa9-\xe2\x82\xac-\xf0\x9f\x98\x80")).rid,
+      "r\xc3\xa9-\xe2\x82\xac-\xf0\x9f\x98\x80");
+}
+
+TEST(AcceptedRequest, IdIsFilledForEveryType) {
+  const RequestDecodeResult r = decode(bytes(envelope("status", UINT64_MAX, Map{})));
+  ASSERT_TRUE(r.status.ok());
+  EXPECT_EQ(r.env.id, UINT64_MAX);
+}
+
+// ---------------------------------------------------------------------------
+// Envelope-level framing and limits.
+
+TEST(Framing, TrailingBytesAreRefused) {
+  const std::string env = bytes(envelope("status", 3, Map{}));
+  const RequestDecodeResult r = decode(env + std::string("\xc0", 1));
+  EXPECT_EQ(r.status.code(), ErrorCode::kBadMessage);
+  EXPECT_NE(r.status.message().find("trailing"), std::string::npos);
+  EXPECT_EQ(r.env.id, 3u);
+  // Two complete envelopes back to back are trailing bytes too.
+  EXPECT_EQ(decode(env + env).status.code(), ErrorCode::kBadMessage);
+}
+
+TEST(Framing, EveryTruncationIsBadMessage) {
+  const std::string env = bytes(envelope("generate", 9, generate_body()));
+  // {v, type, id: 9, ...}: the id is readable from the prefix that ends right after it.
+  const size_t id_end = env.find(std::string("\xa2id\x09", 4)) + 4;
+  for (size_t n = 0; n < env.size(); ++n) {
+    const RequestDecodeResult r = decode(env.substr(0, n));
+    EXPECT_EQ(r.status.code(), ErrorCode::kBadMessage) << "prefix of " << n << " bytes";
+    EXPECT_EQ(r.env.id, n >= id_end ? 9u : 0u) << "prefix of " << n << " bytes";
+  }
+}
+
+TEST(Framing, ReservedByteIsBadMessage) {
+  EXPECT_EQ(decode(std::string("\xc1", 1)).status.code(), ErrorCode::kBadMessage);
+}
+
+TEST(Framing, EnvelopeOverLimitIsNotParsed) {
+  Limits l;
+  l.max_envelope_bytes = 64;
+  const std::string env = bytes(envelope("generate", 9, generate_body()));
+  ASSERT_GT(env.size(), 64u);
+  const RequestDecodeResult r = decode(env, l);
+  EXPECT_EQ(r.status.code(), ErrorCode::kTooLarge);
+  EXPECT_EQ(r.status.field(), "");
+  // Not decoded, but the id near its start is still echoed.
+  EXPECT_EQ(r.env.id, 9u);
+  l.max_envelope_bytes = env.size();
+  EXPECT_TRUE(decode(env, l).status.ok());
+}
+
+TEST(Framing, PayloadFrameLimits) {
+  Limits l;
+  l.max_frames = 2;
+  l.max_frame_bytes = 8;
+  const std::string env = bytes(envelope("status", 3, Map{}));
+  // v1 requests carry no payload frames; ones within the limits are ignored.
+  EXPECT_TRUE(decode(env, l, {"a", "12345678"}).status.ok());
+
+  RequestDecodeResult r = decode(env, l, {"a", "b", "c"});
+  EXPECT_EQ(r.status.code(), ErrorCode::kTooLarge);
+  EXPECT_EQ(r.env.id, 3u);
+
+  r = decode(env, l, {"a", "123456789"});
+  EXPECT_EQ(r.status.code(), ErrorCode::kTooLarge);
+  EXPECT_EQ(r.status.field(), "frames[1]");
+}
+
+TEST(Framing, ParseBoundFollowsLimits) {
+  // The longest array any request field allows is the parse-time bound.
+  Limits l;
+  l.max_input_tokens = 1000;
+  const Map body = with(generate_body(), "input_ids", count_up(1000));
+  EXPECT_TRUE(decode(bytes(envelope("generate", 1, body)), l).status.ok());
+  const Map over = with(generate_body(), "input_ids", count_up(1001));
+  const RequestDecodeResult r = decode(bytes(envelope("generate", 1, over)), l);
+  EXPECT_EQ(r.status.code(), ErrorCode::kTooLarge);
+}
+
+TEST(Framing, GarbageNeverCrashes) {
+  // Random bytes and random corruptions of a valid message: every outcome must
+  // be a status (and under ASan, no memory error), never an exception.
+  std::mt19937 rng(1234);
+  const std::string valid = bytes(envelope("generate", 9, generate_body()));
+  for (int i = 0; i < 3000; ++i) {
+    std::string s;
+    if (i % 2 == 0) {
+      s.resize(rng() % 64);
+      for (auto& c : s) c = static_cast<char>(rng());
+    } else {
+      s = valid;
+      for (int k = 0, n = 1 + rng() % 4; k < n; ++k) s[rng() % s.size()] = static_cast<char>(rng());
+    }
+    const RequestDecodeResult r = decode(s);
+    if (r.status.ok())
+      EXPECT_TRUE(r.request.has_value());
+    else
+      EXPECT_FALSE(r.request.has_value());
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Round trips: encode, decode, re-encode. Instances use non-default values in
+// every field, so a field the decoder dropped would change the re-encoding.
+
+template <class T>
+T request_round_trip(const T& req, uint64_t id = 41) {
+  const WireMessage m = encode_request(id, Request(req));
+  EXPECT_TRUE(m.frames.empty());
+  const RequestDecodeResult r = decode(m.envelope);
+  EXPECT_TRUE(r.status.ok()) << r.status.to_string();
+  if (!r.status.ok()) return T{};
+  EXPECT_EQ(r.env.id, id);
+  EXPECT_EQ(r.env.type, request_type_name(Request(req)));
+  EXPECT_EQ(encode_request(id, *r.request).envelope, m.envelope);
+  return std::get<T>(*r.request);
+}
+
+GenerateRequest sample_generate() {
+  GenerateRequest g;
+  g.rid = "rid-é";
+  g.input_ids = {0, 1, 127, 128, 255, 256, 65535, 65536, std::numeric_limits<int32_t>::max()};
+  g.max_new_tokens = 300;
+  g.temperature = 0.3;
+  g.top_p = 0.25;
+  g.top_k = 70000;
+  g.min_p = 0.125;
+  g.seed = 1ull << 40;
+  g.stop_token_ids = {7, 8};
+  g.return_logprob = true;
+  g.return_routed_experts = true;
+  g.routed_experts_start_len = 5;
+  g.stream = false;
+  return g;
+}
+
+TEST(RoundTrip, Requests) {
+  const GenerateRequest g = request_round_trip(sample_generate());
+  EXPECT_EQ(g.input_ids, sample_generate().input_ids);
+  EXPECT_EQ(g.seed, sample_generate().seed);
+
+  GenerateRequest no_seed = sample_generate();
+  no_seed.seed.reset();
+  EXPECT_FALSE(request_round_trip(no_seed).seed.has_value());
+
+  HelloRequest h;
+  h.client = "trainer";
+  h.versions = {1, 2};
+  EXPECT_EQ(request_round_trip(h).versions, h.versions);
+
+  request_round_trip(StatusRequest{});
+
+  AbortRequest a;
+  a.rid = "x";
+  EXPECT_EQ(request_round_trip(a).rid, a.rid);
+  AbortRequest all;
+  all.all = true;
+  EXPECT_TRUE(request_round_trip(all).all);
+
+  ShutdownRequest s;
+  s.drain = false;
+  s.deadline_s = 1.5;
+  EXPECT_EQ(request_round_trip(s).deadline_s, 1.5);
+}
+
+template <class T>
+T incoming_round_trip(const WireMessage& m, const Limits& limits = {}) {
+  const auto r = decode_in(m, limits);
+  EXPECT_TRUE(r.ok()) << r.status().to_string();
+  if (!r.ok()) return T{};
+  EXPECT_TRUE(std::holds_alternative<T>(r->msg));
+  return std::get<T>(r->msg);
+}
+
+ModelInfo sample_model() { return ModelInfo{"m", "qwen3_moe", 151936, 48, 47, 128, 8, "uint8"}; }
+
+TEST(RoundTrip, Replies) {
+  HelloReply h;
+  h.build = "b";
+  h.gpu = 3;
+  h.model = sample_model();
+  h.weight_version = 9;
+  h.limits.max_frames = 3;
+  h.limits.max_frame_bytes = 1ull << 40;
+  WireMessage m = encode_reply(5, h);
+  HelloReply h2 = incoming_round_trip<HelloReply>(m);
+  EXPECT_EQ(encode_reply(5, h2).envelope, m.envelope);
+  EXPECT_EQ(h2.limits.max_frame_bytes, 1ull << 40);
+  EXPECT_EQ(h2.model.vocab_size, 151936u);
+
+  StatusReply s;
+  s.state = "draining";
+  s.ready = true;
+  s.reason = "r";
+  s.weight_version = 2;
+  s.num_waiting = 3;
+  s.num_running = 4;
+  s.num_requests_total = 5;
+  s.num_tokens_generated_total = 6;
+  s.uptime_s = 7.5;
+  s.build = "b";
+  s.model = sample_model();
+  m = encode_reply(6, s);
+  EXPECT_EQ(encode_reply(6, incoming_round_trip<StatusReply>(m)).envelope, m.envelope);
+
+  m = encode_reply(7, GenerateReply{"rid"});
+  EXPECT_EQ(incoming_round_trip<GenerateReply>(m).rid, "rid");
+  m = encode_reply(8, AbortReply{4});
+  EXPECT_EQ(incoming_round_trip<AbortReply>(m).num_aborted, 4u);
+  m = encode_reply(9, ShutdownReply{false});
+  EXPECT_FALSE(incoming_round_trip<ShutdownReply>(m).accepted);
+
+  m = encode_error(10, ErrorInfo{"duplicate_rid", "already in flight", "body.rid"});
+  const ErrorInfo e = incoming_round_trip<ErrorInfo>(m);
+  EXPECT_EQ(e.code, "duplicate_rid");
+  EXPECT_EQ(e.message, "already in flight");
+  EXPECT_EQ(e.field, "body.rid");
+  const auto r = decode_in(m);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->env.id, 10u);
+  EXPECT_EQ(r->env.type, "error");
+}
+
+TokensEvent sample_tokens() {
+  TokensEvent t;
+  t.rid = "r";
+  t.token_ids = {5, 6};
+  t.logprobs = {-0.5, -std::numeric_limits<double>::infinity()};
+  t.weight_versions = {1, 2};
+  RoutedExperts re;
+  re.dtype = "int32";
+  re.num_tokens = 2;
+  re.num_layers = 1;
+  re.top_k = 2;
+  re.start_pos = 11;
+  re.data = std::string("\x01\0\0\0\x02\0\0\0\xff\xff\x01\0\x00\x00\x00\x00", 16);
+  t.routed_experts = re;
+  return t;
+}
+
+TEST(RoundTrip, Events) {
+  const WireMessage m = encode_event(3, Event(sample_tokens()));
+  ASSERT_EQ(m.frames.size(), 1u);
+  EXPECT_EQ(m.frames[0], sample_tokens().routed_experts->data);
+  const TokensEvent t = incoming_round_trip<TokensEvent>(m);
+  ASSERT_TRUE(t.routed_experts.has_value());
+  EXPECT_EQ(t.routed_experts->data, sample_tokens().routed_experts->data);
+  EXPECT_EQ(t.routed_experts->start_pos, 11u);
+  EXPECT_TRUE(std::isinf(t.logprobs[1]));
+  const WireMessage again = encode_event(3, Event(t));
+  EXPECT_EQ(again.envelope, m.envelope);
+  EXPECT_EQ(again.frames, m.frames);
+
+  TokensEvent zero_rows = sample_tokens();
+  zero_rows.routed_experts->num_tokens = 0;
+  zero_rows.routed_experts->data.clear();
+  const WireMessage z = encode_event(3, Event(zero_rows));
+  EXPECT_TRUE(z.frames.empty()) << "no payload frame for zero bytes of rows";
+  EXPECT_EQ(incoming_round_trip<TokensEvent>(z).routed_experts->num_tokens, 0u);
+
+  TokensEvent plain = sample_tokens();
+  plain.routed_experts.reset();
+  plain.logprobs.clear();
+  EXPECT_FALSE(incoming_round_trip<TokensEvent>(encode_event(3, Event(plain))).routed_experts);
+
+  FinishedEvent f{"r", "abort", "backpressure", 10, 20};
+  const WireMessage fm = encode_event(4, Event(f));
+  const FinishedEvent f2 = incoming_round_trip<FinishedEvent>(fm);
+  EXPECT_EQ(f2.abort_reason, "backpressure");
+  EXPECT_EQ(f2.completion_tokens, 20u);
+  EXPECT_EQ(encode_event(4, Event(f2)).envelope, fm.envelope);
+
+  FailedEvent fail{"r", ErrorInfo{"resource_exhausted", "no KV blocks", ""}};
+  const FailedEvent fail2 = incoming_round_trip<FailedEvent>(encode_event(5, Event(fail)));
+  EXPECT_EQ(fail2.error.code, "resource_exhausted");
+  EXPECT_EQ(fail2.error.message, "no KV blocks");
+}
+
+// ---------------------------------------------------------------------------
+// Refused replies and events (the client side).
+
+Map tokens_body() {
+  return Map{{"rid", "r"},
+             {"token_ids", Array{1, 2}},
+             {"logprobs", Array{-1.0, -2.0}},
+             {"weight_versions", Array{0, 0}},
+             {"routed_experts", Map{{"dtype", "uint8"},
+                                    {"num_tokens", 2},
+                                    {"num_layers", 1},
+                                    {"top_k", 2},
+                                    {"start_pos", 0},
+                                    {"frame", 0}}}};
+}
+
+Map routed(Map re_overrides) {
+  Map re = std::get<Map>(tokens_body()[4].second.v);
+  for (auto& [k, v] : re_overrides) re = with(re, k, v);
+  return with(tokens_body(), "routed_experts", re);
+}
+
+void expect_incoming_error(const Map& env, const std::vector<std::string>& frames, ErrorCode code,
+                           const std::string& field, const Limits& limits = {}) {
+  const auto r = decode_in(WireMessage{bytes(env), frames}, limits);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(error_code_name(r.status().code()), error_code_name(code)) << r.status().to_string();
+  EXPECT_EQ(r.status().field(), field) << r.status().to_string();
+}
+
+TEST(RefusedIncoming, TokensEventChecks) {
+  const std::vector<std::string> four{"abcd"};
+  EXPECT_TRUE(decode_in(WireMessage{bytes(envelope("tokens", 1, tokens_body())), four}).ok());
+
+  expect_incoming_error(envelope("tokens", 1, routed({{"frame", 1}})), four, E::kOutOfRange,
+                        "body.routed_experts.frame");
+  expect_incoming_error(envelope("tokens", 1, tokens_body()), {}, E::kOutOfRange,
+                        "body.routed_experts.frame");
+  expect_incoming_error(envelope("tokens", 1, tokens_body()), {"abc"}, E::kInvalidArgument,
+                        "body.routed_experts.frame");
+  expect_incoming_error(envelope("tokens", 1, routed({{"dtype", "uint16"}})), four,
+                        E::kInvalidArgument, "body.routed_experts.frame");
+  expect_incoming_error(envelope("tokens", 1, routed({{"frame", nullptr}})), four, E::kMissingField,
+                        "body.routed_experts.frame");
+  expect_incoming_error(envelope("tokens", 1, routed({{"frame", -1}})), four, E::kOutOfRange,
+                        "body.routed_experts.frame");
+  expect_incoming_error(envelope("tokens", 1, routed({{"dtype", "float16"}})), four,
+                        E::kInvalidArgument, "body.routed_experts.dtype");
+  // 2^32-1 cubed times 4 does not fit 64 bits; a wrapped product must not pass.
+  expect_incoming_error(envelope("tokens", 1,
+                                 routed({{"dtype", "int32"},
+                                         {"num_tokens", k2p32 - 1},
+                                         {"num_layers", k2p32 - 1},
+                                         {"top_k", k2p32 - 1}})),
+                        four, E::kOutOfRange, "body.routed_experts");
+  expect_incoming_error(envelope("tokens", 1, routed({{"num_tokens", k2p32}})), four,
+                        E::kOutOfRange, "body.routed_experts.num_tokens");
+  expect_incoming_error(envelope("tokens", 1, with(tokens_body(), "routed_experts", std::nullopt)),
+                        four, E::kMissingField, "body.routed_experts");
+  expect_incoming_error(envelope("tokens", 1, with(tokens_body(), "routed_experts", 5)), four,
+                        E::kWrongType, "body.routed_experts");
+  expect_incoming_error(envelope("tokens", 1, with(tokens_body(), "logprobs", Array{-1.0})), four,
+                        E::kInvalidArgument, "body.logprobs");
+  expect_incoming_error(envelope("tokens", 1, with(tokens_body(), "logprobs", Array{-1.0, "x"})),
+                        four, E::kWrongType, "body.logprobs[1]");
+  expect_incoming_error(envelope("tokens", 1, with(tokens_body(), "weight_versions", Array{0})),
+                        four, E::kInvalidArgument, "body.weight_versions");
+  expect_incoming_error(envelope("tokens", 1, with(tokens_body(), "token_ids", Array{1, -2})), four,
+                        E::kOutOfRange, "body.token_ids[1]");
+  Limits few;
+  few.max_new_tokens = 1;  // also the parse-time array bound on this side
+  expect_incoming_error(envelope("tokens", 1, tokens_body()), four, E::kTooLarge, "", few);
+}
+
+TEST(RefusedIncoming, OtherMessages) {
+  const Map finished{{"rid", "r"},
+                     {"reason", "stop"},
+                     {"abort_reason", ""},
+                     {"prompt_tokens", 1},
+                     {"completion_tokens", 1}};
+  EXPECT_TRUE(decode_in(WireMessage{bytes(envelope("finished", 1, finished)), {}}).ok());
+  expect_incoming_error(envelope("finished", 1, with(finished, "reason", "done")), {},
+                        E::kInvalidArgument, "body.reason");
+  expect_incoming_error(envelope("finished", 1, with(finished, "abort_reason", nullptr)), {},
+                        E::kWrongType, "body.abort_reason");
+  expect_incoming_error(envelope("failed", 1, Map{{"rid", "r"}, {"error", Map{{"code", "x"}}}}), {},
+                        E::kMissingField, "body.error.message");
+  expect_incoming_error(envelope("generate", 1, generate_body()), {}, E::kUnknownType, "type");
+  expect_incoming_error(envelope("abort.ok", 1, Map{{"num_aborted", -1}}), {}, E::kOutOfRange,
+                        "body.num_aborted");
+  expect_incoming_error(with(envelope("abort.ok", 1, Map{{"num_aborted", 1}}), "v", 3), {},
+                        E::kUnsupportedVersion, "v");
+
+  // A hello.ok whose limits map lacks a key names the nested path.
+  const WireMessage m = encode_reply(1, HelloReply{});
+  std::string env = m.envelope;
+  const std::string key = "\xacmax_versions";  // fixstr(12) "max_versions"
+  const size_t at = env.find(key);
+  ASSERT_NE(at, std::string::npos);
+  env.replace(at, key.size(), "\xacmax_Versions");  // same length: now an unknown key
+  const auto r = decode_incoming(as_frame(env), {}, Limits{});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), ErrorCode::kMissingField);
+  EXPECT_EQ(r.status().field(), "body.limits.max_versions");
+}
+
+TEST(AcceptedIncoming, UnknownErrorCodesAndExtraFieldsPass) {
+  const Map err{
+      {"code", "some_future_code"}, {"message", "m"}, {"field", ""}, {"retry_after_s", 1}};
+  const auto r = decode_in(WireMessage{bytes(envelope("error", 2, err)), {}});
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(std::get<ErrorInfo>(r->msg).code, "some_future_code");
+}
+
+// ---------------------------------------------------------------------------
+// Canonical bytes (SPEC §3): what Python's msgpack writes for the same values.
+
+// The bytes that follow `key` (a fixstr) in an encoded envelope.
+std::string after_key(const std::string& env, const std::string& key, size_t n) {
+  const std::string k = std::string(1, static_cast<char>(0xa0 | key.size())) + key;
+  const size_t at = env.find(k);
+  EXPECT_NE(at, std::string::npos) << key;
+  return at == std::string::npos ? "" : env.substr(at + k.size(), n);
+}
+
+TEST(CanonicalBytes, IntegersUseSmallestPositiveFamily) {
+  HelloReply h;
+  h.gpu = 300;  // int32 field, positive: uint16, not int16
+  EXPECT_EQ(after_key(encode_reply(1, h).envelope, "gpu", 3), std::string("\xcd\x01\x2c", 3));
+  h.gpu = 5;
+  EXPECT_EQ(after_key(encode_reply(1, h).envelope, "gpu", 1), "\x05");
+  h.gpu = 200;
+  EXPECT_EQ(after_key(encode_reply(1, h).envelope, "gpu", 2), "\xcc\xc8");
+  h.gpu = -1;
+  EXPECT_EQ(after_key(encode_reply(1, h).envelope, "gpu", 1), "\xff");
+  h.gpu = -33;
+  EXPECT_EQ(after_key(encode_reply(1, h).envelope, "gpu", 2), "\xd0\xdf");
+  h.gpu = std::numeric_limits<int32_t>::min();
+  EXPECT_EQ(after_key(encode_reply(1, h).envelope, "gpu", 5), std::string("\xd2\x80\0\0\0", 5));
+  h.weight_version = UINT64_MAX;
+  EXPECT_EQ(after_key(encode_reply(1, h).envelope, "weight_version", 9),
+            "\xcf" + std::string(8, '\xff'));
+}
+
+TEST(CanonicalBytes, FloatsAreFloat64AndSeedNil) {
+  GenerateRequest g = sample_generate();
+  g.temperature = 1.0;
+  g.seed.reset();
+  const std::string env = encode_request(1, Request(g)).envelope;
+  EXPECT_EQ(after_key(env, "temperature", 9), std::string("\xcb\x3f\xf0\0\0\0\0\0\0", 9));
+  EXPECT_EQ(after_key(env, "seed", 1), "\xc0");
+}
+
+TEST(CanonicalBytes, EnvelopeKeyOrderAndAbortOmitsRid) {
+  AbortRequest all;
+  all.all = true;
+  const std::string env = encode_request(6, Request(all)).envelope;
+  // The golden abort_all bytes, spelled out: {v:1, type:"abort", id:6, body:{all:true}}.
+  EXPECT_EQ(env, std::string("\x84\xa1v\x01\xa4type\xa5"
+                             "abort\xa2id\x06\xa4"
+                             "body\x81\xa3"
+                             "all\xc3"));
+}
+
+TEST(CanonicalBytes, StringsUseStr8FromThirtyTwoBytes) {
+  GenerateReply g{std::string(40, 'a')};
+  EXPECT_EQ(after_key(encode_reply(1, g).envelope, "rid", 2), "\xd9\x28");
+  g.rid = std::string(31, 'a');
+  EXPECT_EQ(after_key(encode_reply(1, g).envelope, "rid", 1), "\xbf");
+}
+
+// ---------------------------------------------------------------------------
+// Small helpers of codec.hpp.
+
+TEST(Helpers, ToErrorInfo) {
+  const ErrorInfo e = to_error_info(Status(ErrorCode::kOutOfRange, "too big", "body.top_k"));
+  EXPECT_EQ(e.code, "out_of_range");
+  EXPECT_EQ(e.message, "too big");
+  EXPECT_EQ(e.field, "body.top_k");
+}
+
+TEST(Helpers, NamesAndSizes) {
+  EXPECT_EQ(request_type_name(Request(HelloRequest{})), "hello");
+  EXPECT_EQ(request_type_name(Request(StatusRequest{})), "status");
+  EXPECT_EQ(request_type_name(Request(GenerateRequest{})), "generate");
+  EXPECT_EQ(request_type_name(Request(AbortRequest{})), "abort");
+  EXPECT_EQ(request_type_name(Request(ShutdownRequest{})), "shutdown");
+  EXPECT_EQ(routed_experts_dtype_size("uint8"), 1u);
+  EXPECT_EQ(routed_experts_dtype_size("uint16"), 2u);
+  EXPECT_EQ(routed_experts_dtype_size("int32"), 4u);
+  EXPECT_EQ(routed_experts_dtype_size("int8"), 0u);
+}
+
+}  // namespace
+}  // namespace rolloutd::protocol
