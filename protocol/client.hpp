@@ -50,7 +50,8 @@ class Client {
   // ---- typed calls (each waits for its reply, bounded by request_timeout_ms) ----
   Result<HelloReply> hello(const std::string& client_name = "rolloutd-cpp");
   Result<StatusReply> status();
-  Result<GenerateReply> submit(const GenerateRequest& req);  // accepted; events follow
+  // Accepted; events follow. An empty req.rid is replaced by a random one (the reply carries it).
+  Result<GenerateReply> submit(const GenerateRequest& req);
   Result<AbortReply> abort(const std::string& rid);
   Result<AbortReply> abort_all();
   Result<ShutdownReply> shutdown(bool drain = true, double deadline_s = 30.0);
@@ -58,10 +59,15 @@ class Client {
   // Next event for any submitted request; nullopt when none arrived within timeout_ms.
   Result<std::optional<Event>> next_event(int timeout_ms);
   // submit + collect events until the final one (bounded by timeout_ms overall).
+  // Events of other requests stay queued for next_event(). On a timeout the
+  // request is aborted and its later events are dropped.
   Result<GenerateResult> generate(const GenerateRequest& req, int timeout_ms = 120000);
 
   // ---- raw transport (used by the Python package and the bad-input tests) ----
+  // Waits up to request_timeout_ms (or timeout_ms) for a connected daemon to take
+  // the message; kUnavailable when none does.
   Status send_raw(const std::vector<std::string>& frames);
+  Status send_raw(const std::vector<std::string>& frames, int timeout_ms);
   // nullopt on timeout. Returns every frame of one message.
   Result<std::optional<std::vector<std::string>>> recv_raw(int timeout_ms);
 

@@ -16,10 +16,10 @@ def main(endpoints):
     clients = [rolloutd.Client(ep, timeout_s=60.0) for ep in endpoints]
     for ep, c in zip(endpoints, clients):
         info = c.hello()
-        m = info["model"]
-        print(f"{ep}: {info['daemon']} {info['build']}; model {m['name']} "
-              f"({m['num_moe_layers']} MoE layers, {m['num_experts']} experts, top-{m['top_k']}), "
-              f"weight version {info['weight_version']}")
+        m = info.model
+        print(f"{ep}: {info.daemon} {info.build}; model {m.name} "
+              f"({m.num_moe_layers} MoE layers, {m.num_experts} experts, top-{m.top_k}), "
+              f"weight version {info.weight_version}")
 
     prompts = [[1, 2, 3, 4, 5], [17, 42, 99], [200, 13, 7, 7, 7, 7, 250]]
     # Submit everything first (all daemons work concurrently), then collect.

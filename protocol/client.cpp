@@ -1,0 +1,456 @@
+#include "protocol/client.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <mutex>
+#include <random>
+#include <unordered_set>
+#include <utility>
+#include <zmq.hpp>
+
+namespace rolloutd::protocol {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+// NOTES: one ZeroMQ context per process, made on first use and deliberately never
+// destroyed. A context's destructor blocks until every socket in it is closed; a
+// Client still alive at exit (a Python object collected after interpreter
+// teardown, a static) would then hang the process. Sockets linger at most
+// kLingerMs, so nothing is held back long. A context must not cross fork(): a
+// child (multiprocessing's fork start method) gets a fresh one; the parent's is
+// left untouched, as its I/O threads do not exist in the child.
+zmq::context_t& process_context() {
+  static std::mutex mu;
+  static zmq::context_t* context = nullptr;
+  static pid_t owner = 0;
+  std::lock_guard<std::mutex> lock(mu);
+  if (context == nullptr || owner != ::getpid()) {
+    context = new zmq::context_t(1);
+    owner = ::getpid();
+  }
+  return *context;
+}
+
+// Bounded so that closing never stalls, long enough that a request sent just
+// before close (shutdown, abort) still leaves the host.
+constexpr int kLingerMs = 100;
+
+milliseconds remaining(Clock::time_point deadline) {
+  auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
+  return std::max(left, milliseconds(0));
+}
+
+Clock::time_point deadline_after(int timeout_ms) {
+  return Clock::now() + milliseconds(std::max(timeout_ms, 0));
+}
+
+Frame as_frame(const std::string& s) {
+  return {reinterpret_cast<const uint8_t*>(s.data()), s.size()};
+}
+
+const std::string& event_rid(const Event& e) {
+  return std::visit([](const auto& ev) -> const std::string& { return ev.rid; }, e);
+}
+
+bool is_final(const Event& e) { return !std::holds_alternative<TokensEvent>(e); }
+
+// The daemon's error object as a Status. A code this build does not know (a newer
+// daemon) keeps its name in the message rather than being silently remapped.
+Status status_from_error(const ErrorInfo& e) {
+  if (auto code = error_code_from_name(e.code); code && *code != ErrorCode::kOk)
+    return Status(*code, e.message, e.field);
+  return Status(ErrorCode::kInternal, "daemon sent unknown error code '" + e.code + "': " + e.message,
+                e.field);
+}
+
+// 128 random bits as 32 hex digits, like the Python client's uuid4().hex. Drawn
+// from the OS each time: a seeded generator would repeat its sequence in a forked
+// child, and two processes would then submit the same rids.
+std::string random_rid() {
+  std::random_device rd;
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string rid;
+  for (int word = 0; word < 4; ++word) {
+    uint32_t v = rd();
+    for (int i = 0; i < 8; ++i, v >>= 4) rid.push_back(kHex[v & 0xF]);
+  }
+  return rid;
+}
+
+// Appends one tokens event's routed-expert rows to what generate() collected.
+// Rows must share dtype, layers and top_k and follow on from the previous rows,
+// or the record would silently misalign tokens and experts.
+Status append_routed_rows(std::optional<RoutedExperts>& acc, const RoutedExperts& rows) {
+  const std::string field = "body.routed_experts";
+  const size_t elem = routed_experts_dtype_size(rows.dtype);
+  if (elem == 0)
+    return Status(ErrorCode::kBadMessage, "unknown routed-experts dtype '" + rows.dtype + "'",
+                  field + ".dtype");
+  const uint64_t expected = uint64_t{rows.num_tokens} * rows.num_layers * rows.top_k * elem;
+  if (rows.data.size() != expected)
+    return Status(ErrorCode::kBadMessage,
+                  "routed-experts frame has " + std::to_string(rows.data.size()) +
+                      " bytes, shape and dtype say " + std::to_string(expected),
+                  field + ".frame");
+  if (!acc) {
+    acc = rows;
+    return Status::Ok();
+  }
+  if (rows.dtype != acc->dtype || rows.num_layers != acc->num_layers || rows.top_k != acc->top_k)
+    return Status(ErrorCode::kBadMessage,
+                  "routed-experts rows changed layout within one request: " + rows.dtype + " [" +
+                      std::to_string(rows.num_layers) + ", " + std::to_string(rows.top_k) +
+                      "] after " + acc->dtype + " [" + std::to_string(acc->num_layers) + ", " +
+                      std::to_string(acc->top_k) + "]",
+                  field);
+  const uint64_t next_pos = uint64_t{acc->start_pos} + acc->num_tokens;
+  if (rows.start_pos != next_pos)
+    return Status(ErrorCode::kBadMessage,
+                  "routed-experts rows start at position " + std::to_string(rows.start_pos) +
+                      ", expected " + std::to_string(next_pos),
+                  field + ".start_pos");
+  acc->data += rows.data;
+  acc->num_tokens += rows.num_tokens;
+  return Status::Ok();
+}
+
+}  // namespace
+
+struct Client::Impl {
+  ClientOptions options;
+  zmq::socket_t socket;
+  uint64_t next_id = 1;           // envelope ids: replies are matched by it
+  std::deque<Event> events;       // events received while waiting for something else
+  // Requests whose caller gave up (generate() timed out): their remaining events
+  // are dropped until the final one, so they never surface in next_event().
+  std::unordered_set<std::string> abandoned;
+
+  Impl(ClientOptions opts, zmq::socket_t sock) : options(std::move(opts)), socket(std::move(sock)) {}
+
+  Status send_frames(const std::vector<const std::string*>& parts, Clock::time_point deadline);
+  Result<std::optional<std::vector<std::string>>> recv_frames(Clock::time_point deadline);
+  // Next decoded message, or nullopt at the deadline.
+  Result<std::optional<DecodedIncoming>> receive(Clock::time_point deadline);
+  Status send_request(uint64_t id, const Request& req, Clock::time_point deadline);
+  // Queues an event for next_event(), unless its request was abandoned.
+  void enqueue(Event event);
+  // Sends an abort for `rid` without waiting (its reply is dropped as stale) and
+  // drops the request's remaining events.
+  void abandon(const std::string& rid);
+
+  // Sends `req` and waits for its reply. `*unanswered` is set when the request was
+  // sent but no reply came (timeout, undecodable message): it may be running.
+  template <class Reply>
+  Result<Reply> call(const Request& req, Clock::time_point deadline, bool* unanswered = nullptr);
+};
+
+Status Client::Impl::send_frames(const std::vector<const std::string*>& parts,
+                                 Clock::time_point deadline) {
+  if (parts.empty()) return Status(ErrorCode::kInvalidArgument, "a message needs at least one frame");
+  // NOTES: the socket sets `immediate`, so POLLOUT means a connected daemon with
+  // room in its queue: a daemon that is down fails the send here, instead of the
+  // request waiting in a local queue and reaching a restarted daemon much later.
+  // Once the first part is accepted ZeroMQ accepts the rest (multipart is atomic).
+  for (;;) {
+    zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLOUT, 0};
+    try {
+      zmq::poll(&item, 1, remaining(deadline));
+    } catch (const zmq::error_t& e) {
+      if (e.num() != EINTR) return Status(ErrorCode::kUnavailable, std::string("poll: ") + e.what());
+    }
+    if (item.revents & ZMQ_POLLOUT) {
+      try {
+        for (size_t i = 0; i < parts.size(); ++i) {
+          auto flags = zmq::send_flags::dontwait;
+          if (i + 1 < parts.size()) flags = flags | zmq::send_flags::sndmore;
+          if (!socket.send(zmq::buffer(*parts[i]), flags)) {
+            if (i == 0) break;  // lost a race for the queue slot: poll again
+            return Status(ErrorCode::kInternal, "ZeroMQ refused part of a multipart message");
+          }
+          if (i + 1 == parts.size()) return Status::Ok();
+        }
+      } catch (const zmq::error_t& e) {
+        return Status(ErrorCode::kUnavailable, std::string("send: ") + e.what());
+      }
+    }
+    if (Clock::now() >= deadline)
+      return Status(ErrorCode::kUnavailable, "no daemon at " + options.endpoint +
+                                                 " accepted the message in time (not running, "
+                                                 "not reachable, or its queue is full)");
+  }
+}
+
+Result<std::optional<std::vector<std::string>>> Client::Impl::recv_frames(
+    Clock::time_point deadline) {
+  for (;;) {
+    zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLIN, 0};
+    try {
+      zmq::poll(&item, 1, remaining(deadline));
+    } catch (const zmq::error_t& e) {
+      if (e.num() != EINTR) return Status(ErrorCode::kUnavailable, std::string("poll: ") + e.what());
+    }
+    if (item.revents & ZMQ_POLLIN) {
+      std::vector<std::string> frames;
+      try {
+        zmq::message_t part;
+        // All parts of a message are present once the first is.
+        while (socket.recv(part, zmq::recv_flags::dontwait)) {
+          frames.emplace_back(part.data<char>(), part.size());
+          if (!part.more()) return std::optional<std::vector<std::string>>(std::move(frames));
+        }
+      } catch (const zmq::error_t& e) {
+        return Status(ErrorCode::kUnavailable, std::string("recv: ") + e.what());
+      }
+      if (!frames.empty())
+        return Status(ErrorCode::kInternal, "ZeroMQ delivered a truncated multipart message");
+    }
+    if (Clock::now() >= deadline) return std::optional<std::vector<std::string>>();
+  }
+}
+
+Result<std::optional<DecodedIncoming>> Client::Impl::receive(Clock::time_point deadline) {
+  RD_ASSIGN_OR_RETURN(auto frames, recv_frames(deadline));
+  if (!frames) return std::optional<DecodedIncoming>();
+  std::vector<Frame> payload;
+  payload.reserve(frames->size() - 1);
+  for (size_t i = 1; i < frames->size(); ++i) payload.push_back(as_frame((*frames)[i]));
+  RD_ASSIGN_OR_RETURN(auto decoded, decode_incoming(as_frame(frames->front()), payload,
+                                                    options.limits));
+  return std::optional<DecodedIncoming>(std::move(decoded));
+}
+
+Status Client::Impl::send_request(uint64_t id, const Request& req, Clock::time_point deadline) {
+  WireMessage msg = encode_request(id, req);
+  std::vector<const std::string*> parts{&msg.envelope};
+  for (const auto& f : msg.frames) parts.push_back(&f);
+  return send_frames(parts, deadline);
+}
+
+void Client::Impl::enqueue(Event event) {
+  if (auto it = abandoned.find(event_rid(event)); it != abandoned.end()) {
+    if (is_final(event)) abandoned.erase(it);
+    return;
+  }
+  events.push_back(std::move(event));
+}
+
+void Client::Impl::abandon(const std::string& rid) {
+  // Events already queued for the request go; later ones are dropped on arrival.
+  std::erase_if(events, [&](const Event& e) { return event_rid(e) == rid; });
+  abandoned.insert(rid);
+  AbortRequest abort;
+  abort.rid = rid;
+  // Best effort: if even this cannot be sent the daemon is gone with the request.
+  (void)send_request(next_id++, abort, deadline_after(kLingerMs));
+}
+
+template <class Reply>
+Result<Reply> Client::Impl::call(const Request& req, Clock::time_point deadline,
+                                 bool* unanswered) {
+  const uint64_t id = next_id++;
+  if (unanswered) *unanswered = false;
+  RD_RETURN_IF_ERROR(send_request(id, req, deadline));
+  if (unanswered) *unanswered = true;
+  for (;;) {
+    RD_ASSIGN_OR_RETURN(auto incoming, receive(deadline));
+    if (!incoming)
+      return Status(ErrorCode::kDeadlineExceeded,
+                    "no reply to '" + std::string(request_type_name(req)) + "' (id " +
+                        std::to_string(id) + ") from " + options.endpoint + " in time");
+    auto& msg = incoming->msg;
+    if (auto* e = std::get_if<TokensEvent>(&msg)) { enqueue(std::move(*e)); continue; }
+    if (auto* e = std::get_if<FinishedEvent>(&msg)) { enqueue(std::move(*e)); continue; }
+    if (auto* e = std::get_if<FailedEvent>(&msg)) { enqueue(std::move(*e)); continue; }
+    // A reply with another id answers a call that already gave up waiting.
+    if (incoming->env.id != id) continue;
+    if (unanswered) *unanswered = false;
+    if (auto* err = std::get_if<ErrorInfo>(&msg)) return status_from_error(*err);
+    if (auto* reply = std::get_if<Reply>(&msg)) return std::move(*reply);
+    return Status(ErrorCode::kBadMessage,
+                  "reply of type '" + incoming->env.type + "' does not answer '" +
+                      std::string(request_type_name(req)) + "'",
+                  "type");
+  }
+}
+
+// ------------------------------------------------------------------ Client --
+
+Result<std::unique_ptr<Client>> Client::connect(const ClientOptions& options) {
+  if (options.request_timeout_ms <= 0)
+    return Status(ErrorCode::kInvalidArgument, "request_timeout_ms must be positive",
+                  "request_timeout_ms");
+  try {
+    zmq::socket_t socket(process_context(), zmq::socket_type::dealer);
+    socket.set(zmq::sockopt::linger, kLingerMs);
+    socket.set(zmq::sockopt::sndhwm, options.send_hwm);
+    socket.set(zmq::sockopt::rcvhwm, options.recv_hwm);
+    socket.set(zmq::sockopt::immediate, true);
+    // A peer that sends a frame beyond any limit is disconnected by ZeroMQ before
+    // the frame is buffered (the pending call then times out).
+    socket.set(zmq::sockopt::maxmsgsize,
+               static_cast<int64_t>(std::max(options.limits.max_envelope_bytes,
+                                             options.limits.max_frame_bytes)));
+    try {
+      socket.connect(options.endpoint);
+    } catch (const zmq::error_t& e) {
+      return Status(ErrorCode::kInvalidArgument,
+                    "cannot connect to '" + options.endpoint + "': " + e.what(), "endpoint");
+    }
+    return std::unique_ptr<Client>(
+        new Client(std::make_unique<Impl>(options, std::move(socket))));
+  } catch (const zmq::error_t& e) {
+    return Status(ErrorCode::kUnavailable, std::string("ZeroMQ socket setup failed: ") + e.what());
+  }
+}
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Client::~Client() = default;
+
+Result<HelloReply> Client::hello(const std::string& client_name) {
+  HelloRequest req{client_name, {kProtocolVersion}};
+  RD_ASSIGN_OR_RETURN(HelloReply reply,
+                      impl_->call<HelloReply>(req, deadline_after(impl_->options.request_timeout_ms)));
+  if (reply.version != kProtocolVersion)
+    return Status(ErrorCode::kUnsupportedVersion,
+                  "daemon chose protocol version " + std::to_string(reply.version) +
+                      ", this client speaks " + std::to_string(kProtocolVersion),
+                  "body.version");
+  return reply;
+}
+
+Result<StatusReply> Client::status() {
+  return impl_->call<StatusReply>(StatusRequest{},
+                                  deadline_after(impl_->options.request_timeout_ms));
+}
+
+Result<GenerateReply> Client::submit(const GenerateRequest& req) {
+  if (!req.rid.empty())
+    return impl_->call<GenerateReply>(req, deadline_after(impl_->options.request_timeout_ms));
+  GenerateRequest named = req;
+  named.rid = random_rid();
+  return impl_->call<GenerateReply>(named, deadline_after(impl_->options.request_timeout_ms));
+}
+
+Result<AbortReply> Client::abort(const std::string& rid) {
+  AbortRequest req;
+  req.rid = rid;
+  return impl_->call<AbortReply>(req, deadline_after(impl_->options.request_timeout_ms));
+}
+
+Result<AbortReply> Client::abort_all() {
+  AbortRequest req;
+  req.all = true;
+  return impl_->call<AbortReply>(req, deadline_after(impl_->options.request_timeout_ms));
+}
+
+Result<ShutdownReply> Client::shutdown(bool drain, double deadline_s) {
+  return impl_->call<ShutdownReply>(ShutdownRequest{drain, deadline_s},
+                                    deadline_after(impl_->options.request_timeout_ms));
+}
+
+Result<std::optional<Event>> Client::next_event(int timeout_ms) {
+  const auto deadline = deadline_after(timeout_ms);
+  while (impl_->events.empty()) {
+    RD_ASSIGN_OR_RETURN(auto incoming, impl_->receive(deadline));
+    if (!incoming) return std::optional<Event>();
+    auto& msg = incoming->msg;
+    if (auto* e = std::get_if<TokensEvent>(&msg)) impl_->enqueue(std::move(*e));
+    else if (auto* e = std::get_if<FinishedEvent>(&msg)) impl_->enqueue(std::move(*e));
+    else if (auto* e = std::get_if<FailedEvent>(&msg)) impl_->enqueue(std::move(*e));
+    // Anything else is a reply to a call that gave up waiting.
+  }
+  Event event = std::move(impl_->events.front());
+  impl_->events.pop_front();
+  return std::optional<Event>(std::move(event));
+}
+
+Result<GenerateResult> Client::generate(const GenerateRequest& req, int timeout_ms) {
+  const auto deadline = deadline_after(timeout_ms);
+  GenerateRequest named = req;
+  if (named.rid.empty()) named.rid = random_rid();
+  const auto reply_deadline =
+      std::min(deadline, deadline_after(impl_->options.request_timeout_ms));
+  bool unanswered = false;
+  auto accepted = impl_->call<GenerateReply>(named, reply_deadline, &unanswered);
+  if (!accepted.ok()) {
+    // An unanswered request may still run on the daemon: abort it. A rejected one
+    // must not be aborted: its rid may belong to another request in flight.
+    if (unanswered) impl_->abandon(named.rid);
+    return accepted.status();
+  }
+
+  GenerateResult result;
+  result.rid = named.rid;
+  // Folds one event into the result; true once the request has ended.
+  auto apply = [&](Event& event) -> Result<bool> {
+    if (auto* t = std::get_if<TokensEvent>(&event)) {
+      result.token_ids.insert(result.token_ids.end(), t->token_ids.begin(), t->token_ids.end());
+      result.logprobs.insert(result.logprobs.end(), t->logprobs.begin(), t->logprobs.end());
+      result.weight_versions.insert(result.weight_versions.end(), t->weight_versions.begin(),
+                                    t->weight_versions.end());
+      if (t->routed_experts) RD_RETURN_IF_ERROR(append_routed_rows(result.routed_experts, *t->routed_experts));
+      return false;
+    }
+    if (auto* f = std::get_if<FinishedEvent>(&event)) result.finished = std::move(*f);
+    else result.failed = std::move(std::get<FailedEvent>(event));
+    return true;
+  };
+  auto give_up = [&](Status s) {
+    impl_->abandon(named.rid);
+    return s;
+  };
+
+  // Events that arrived while waiting for the reply, in order; others stay queued.
+  auto& queue = impl_->events;
+  for (auto it = queue.begin(); it != queue.end();) {
+    if (event_rid(*it) != named.rid) { ++it; continue; }
+    Event event = std::move(*it);
+    it = queue.erase(it);
+    auto done = apply(event);
+    if (!done.ok()) return give_up(done.status());
+    if (*done) return result;
+  }
+  for (;;) {
+    auto incoming = impl_->receive(deadline);
+    if (!incoming.ok()) return give_up(incoming.status());
+    if (!*incoming)
+      return give_up(Status(ErrorCode::kDeadlineExceeded,
+                            "request '" + named.rid + "' did not finish within " +
+                                std::to_string(timeout_ms) + " ms; aborted it",
+                            "rid"));
+    auto& msg = (*incoming)->msg;
+    Event event;
+    if (auto* e = std::get_if<TokensEvent>(&msg)) event = std::move(*e);
+    else if (auto* e = std::get_if<FinishedEvent>(&msg)) event = std::move(*e);
+    else if (auto* e = std::get_if<FailedEvent>(&msg)) event = std::move(*e);
+    else continue;  // a late reply to a call that gave up
+    if (event_rid(event) != named.rid) {
+      impl_->enqueue(std::move(event));
+      continue;
+    }
+    auto done = apply(event);
+    if (!done.ok()) return give_up(done.status());
+    if (*done) return result;
+  }
+}
+
+Status Client::send_raw(const std::vector<std::string>& frames) {
+  return send_raw(frames, impl_->options.request_timeout_ms);
+}
+
+Status Client::send_raw(const std::vector<std::string>& frames, int timeout_ms) {
+  std::vector<const std::string*> parts;
+  parts.reserve(frames.size());
+  for (const auto& f : frames) parts.push_back(&f);
+  return impl_->send_frames(parts, deadline_after(timeout_ms));
+}
+
+Result<std::optional<std::vector<std::string>>> Client::recv_raw(int timeout_ms) {
+  return impl_->recv_frames(deadline_after(timeout_ms));
+}
+
+}  // namespace rolloutd::protocol

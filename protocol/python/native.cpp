@@ -1,0 +1,173 @@
+// rolloutd._native: the C++ client's raw transport (Client::send_raw / recv_raw) for
+// the Python package, which speaks msgpack itself (rolloutd/wire.py). This is what
+// lets the package run where pyzmq cannot be installed (the GPU host).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "protocol/client.hpp"
+
+namespace py = pybind11;
+using rolloutd::ErrorCode;
+using rolloutd::Status;
+using rolloutd::protocol::Client;
+using rolloutd::protocol::ClientOptions;
+
+namespace {
+
+// Blocking calls wait in slices this long, without the GIL, and check for
+// signals in between, so Ctrl-C interrupts a long recv.
+constexpr int kSliceMs = 100;
+
+// rolloutd._native.TransportError, with .code/.message/.field. This reference is
+// never released: the translator may run during interpreter shutdown.
+PyObject* g_transport_error = nullptr;
+
+struct TransportError {
+  Status status;
+};
+
+[[noreturn]] void throw_status(Status s) { throw TransportError{std::move(s)}; }
+
+std::string frame_bytes(const py::handle& item) {
+  if (PyBytes_Check(item.ptr())) return std::string(py::reinterpret_borrow<py::bytes>(item));
+  if (!PyObject_CheckBuffer(item.ptr()) || PyUnicode_Check(item.ptr()))
+    throw py::type_error("frames must be bytes-like, got " +
+                         std::string(py::str(py::type::of(item).attr("__name__"))));
+  py::buffer_info info = py::reinterpret_borrow<py::buffer>(item).request();
+  if (!PyBuffer_IsContiguous(info.view(), 'C')) throw py::value_error("frames must be contiguous");
+  return std::string(static_cast<const char*>(info.ptr), static_cast<size_t>(info.size * info.itemsize));
+}
+
+class Transport {
+ public:
+  Transport(std::string endpoint, int send_hwm, int recv_hwm) : endpoint_(std::move(endpoint)) {
+    ClientOptions options;
+    options.endpoint = endpoint_;
+    options.send_hwm = send_hwm;
+    options.recv_hwm = recv_hwm;
+    auto client = Client::connect(options);
+    if (!client.ok()) throw_status(client.status());
+    client_ = std::move(client).value();
+  }
+
+  void send(const py::sequence& frames, int timeout_ms) {
+    if (timeout_ms < 0) throw py::value_error("timeout_ms must be >= 0");
+    std::vector<std::string> parts;
+    parts.reserve(py::len(frames));
+    for (const auto& item : frames) parts.push_back(frame_bytes(item));
+    if (parts.empty()) throw py::value_error("a message needs at least one frame");
+    const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    for (;;) {
+      const int slice = slice_ms(deadline);
+      Status s = [&] {
+        py::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(mu_);
+        return live().send_raw(parts, slice);
+      }();
+      if (s.ok()) return;
+      // kUnavailable: no daemon took the message in this slice; nothing was sent.
+      if (s.code() != ErrorCode::kUnavailable || Clock::now() >= deadline) throw_status(std::move(s));
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    }
+  }
+
+  py::object recv(int timeout_ms) {
+    if (timeout_ms < 0) throw py::value_error("timeout_ms must be >= 0");
+    const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    for (;;) {
+      const int slice = slice_ms(deadline);
+      auto got = [&] {
+        py::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(mu_);
+        return live().recv_raw(slice);
+      }();
+      if (!got.ok()) throw_status(got.status());
+      if (*got) {
+        py::list out;
+        for (const auto& f : **got) out.append(py::bytes(f));
+        return out;
+      }
+      if (Clock::now() >= deadline) return py::none();
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    }
+  }
+
+  void close() {
+    py::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(mu_);
+    client_.reset();
+  }
+
+  bool closed() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return client_ == nullptr;
+  }
+  const std::string& endpoint() const { return endpoint_; }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  static int slice_ms(Clock::time_point deadline) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    return static_cast<int>(std::clamp<int64_t>(left, 0, kSliceMs));
+  }
+
+  // Called with mu_ held.
+  Client& live() {
+    if (!client_) throw_status(Status(ErrorCode::kFailedPrecondition, "transport is closed"));
+    return *client_;
+  }
+
+  std::string endpoint_;
+  // Python threads may share a Transport; a ZeroMQ socket must not be used by two at once.
+  mutable std::mutex mu_;
+  std::unique_ptr<Client> client_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "rolloutd's C++ ZeroMQ transport (a DEALER on the daemon's control socket)";
+
+  g_transport_error = PyErr_NewExceptionWithDoc(
+      "rolloutd._native.TransportError",
+      "A transport failure; .code is the stable error name, .message and .field explain it.",
+      PyExc_RuntimeError, nullptr);
+  if (g_transport_error == nullptr) throw py::error_already_set();
+  m.add_object("TransportError", py::handle(g_transport_error));
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const TransportError& e) {
+      py::object err = py::reinterpret_borrow<py::object>(g_transport_error)(e.status.to_string());
+      err.attr("code") = py::str(std::string(rolloutd::error_code_name(e.status.code())));
+      err.attr("message") = py::str(e.status.message());
+      err.attr("field") = py::str(e.status.field());
+      PyErr_SetObject(g_transport_error, err.ptr());
+    }
+  });
+
+  py::class_<Transport>(m, "Transport",
+                        "One DEALER socket connected to `endpoint`. Frames are bytes; "
+                        "every call is bounded by its timeout.")
+      .def(py::init<std::string, int, int>(), py::arg("endpoint"), py::arg("send_hwm") = 1000,
+           py::arg("recv_hwm") = 100000)
+      .def("send", &Transport::send, py::arg("frames"), py::arg("timeout_ms") = 30000,
+           "Sends one message (envelope frame, then payload frames). Raises TransportError "
+           "'unavailable' if no daemon takes it within timeout_ms.")
+      .def("recv", &Transport::recv, py::arg("timeout_ms"),
+           "The frames of the next message, or None if none arrives within timeout_ms.")
+      .def("close", &Transport::close, "Closes the socket (pending sends linger at most 100 ms).")
+      .def_property_readonly("closed", &Transport::closed)
+      .def_property_readonly("endpoint", &Transport::endpoint)
+      .def("__enter__", [](Transport& t) -> Transport& { return t; }, py::return_value_policy::reference)
+      .def("__exit__", [](Transport& t, const py::args&) { t.close(); });
+}

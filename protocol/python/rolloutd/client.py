@@ -1,0 +1,359 @@
+"""Client of one rolloutd daemon's control socket.
+
+The socket is the C++ client's ZeroMQ DEALER (rolloutd._native, no pyzmq needed);
+messages are encoded here with rolloutd.wire. Replies are matched to requests by
+envelope id; events that arrive while a call waits are queued for events(). Every
+wait has a deadline. Not thread-safe: use one Client per thread.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Deque, Iterator, List, Optional, Sequence, Set
+
+from . import wire
+from .messages import (PROTOCOL_VERSION, AbortReply, AbortRequest, ErrorInfo, Event, FailedEvent, FinishedEvent,
+                       GenerateReply, GenerateRequest, HelloReply, HelloRequest, RolloutdError,
+                       RoutedExperts, ShutdownReply, ShutdownRequest, StatusReply, StatusRequest,
+                       TokensEvent)
+
+try:
+    from . import _native
+except ImportError as _e:  # the codec (rolloutd.wire) stays usable without the extension
+    _native = None
+    _native_import_error = _e
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:7600"
+_EVENT_TYPES = (TokensEvent, FinishedEvent, FailedEvent)
+
+
+@dataclass
+class GenerateResult:
+    """Everything one generate request produced. Exactly one of finish_reason / error is set."""
+
+    rid: str
+    token_ids: List[int] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
+    weight_versions: List[int] = field(default_factory=list)
+    routed_experts: Optional[RoutedExperts] = None
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    abort_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: Optional[ErrorInfo] = None  # from a failed event
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def raise_for_error(self) -> "GenerateResult":
+        if self.error is not None:
+            raise self.error.to_exception()
+        return self
+
+
+class _Collector:
+    """Folds one request's events into a GenerateResult."""
+
+    def __init__(self, rid: str):
+        self.result = GenerateResult(rid=rid)
+        self._rows: Optional[RoutedExperts] = None
+        self._chunks: List[bytes] = []
+
+    def add(self, event: Event) -> bool:
+        """Applies one event; True once the request has ended."""
+        r = self.result
+        if isinstance(event, TokensEvent):
+            r.token_ids.extend(event.token_ids)
+            r.logprobs.extend(event.logprobs)
+            r.weight_versions.extend(event.weight_versions)
+            if event.routed_experts is not None:
+                self._add_rows(event.routed_experts)
+            return False
+        if isinstance(event, FinishedEvent):
+            r.finish_reason, r.abort_reason = event.reason, event.abort_reason
+            r.prompt_tokens, r.completion_tokens = event.prompt_tokens, event.completion_tokens
+        else:
+            r.error = event.error
+        if self._rows is not None:
+            rows = self._rows
+            r.routed_experts = RoutedExperts(rows.dtype, rows.shape, rows.start_pos, b"".join(self._chunks))
+        return True
+
+    def _add_rows(self, rows: RoutedExperts) -> None:
+        # Rows must keep one layout and follow on, or tokens and experts would misalign.
+        path = "body.routed_experts"
+        if self._rows is None:
+            self._rows = rows
+            self._chunks = [rows.data]
+            return
+        acc = self._rows
+        if (rows.dtype, rows.shape[1:]) != (acc.dtype, acc.shape[1:]):
+            raise RolloutdError("bad_message", f"routed-experts rows changed layout within one request: "
+                                f"{rows.dtype} {rows.shape[1:]} after {acc.dtype} {acc.shape[1:]}", path)
+        expected = acc.start_pos + acc.shape[0]
+        if rows.start_pos != expected:
+            raise RolloutdError("bad_message", f"routed-experts rows start at position {rows.start_pos}, "
+                                f"expected {expected}", f"{path}.start_pos")
+        self._rows = RoutedExperts(acc.dtype, (acc.shape[0] + rows.shape[0],) + acc.shape[1:], acc.start_pos, b"")
+        self._chunks.append(rows.data)
+
+
+def _is_final(event: Event) -> bool:
+    return not isinstance(event, TokensEvent)
+
+
+def _ms(seconds: float) -> int:
+    return max(0, int(seconds * 1000))
+
+
+class Client:
+    """Connects to one daemon, e.g. ``Client("tcp://127.0.0.1:7600")``.
+
+    ``timeout_s`` bounds every reply; generate calls take their own overall timeout.
+    """
+
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 30.0, *,
+                 client_name: str = "rolloutd-py", send_hwm: int = 1000, recv_hwm: int = 100000):
+        if _native is None:
+            raise ImportError(f"rolloutd._native is not built: {_native_import_error}")
+        if timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+        self.endpoint = endpoint
+        self.timeout_s = float(timeout_s)
+        self.client_name = client_name
+        self._transport = self._native_call(_native.Transport, endpoint, send_hwm, recv_hwm)
+        self._next_id = 1
+        self._events: Deque[Event] = collections.deque()
+        # Requests whose caller gave up: their later events are dropped until the final one.
+        self._abandoned: Set[str] = set()
+
+    # ---- lifetime ----
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- typed calls ----
+    def hello(self) -> HelloReply:
+        reply = self._call(HelloRequest(client=self.client_name, versions=[PROTOCOL_VERSION]), HelloReply)
+        if reply.version != PROTOCOL_VERSION:
+            raise RolloutdError("unsupported_version", f"daemon chose protocol version {reply.version}, this "
+                                f"client speaks {PROTOCOL_VERSION}", "body.version")
+        return reply
+
+    def status(self) -> StatusReply:
+        return self._call(StatusRequest(), StatusReply)
+
+    def submit(self, input_ids: Sequence[int], *, rid: Optional[str] = None, **sampling: Any) -> str:
+        """Submits a generate request (fields as GenerateRequest); returns its rid. Events follow."""
+        req = _make_request(input_ids, rid, sampling)
+        self._call(req, GenerateReply)
+        return req.rid
+
+    def abort(self, rid: str) -> AbortReply:
+        return self._call(AbortRequest(rid=rid), AbortReply)
+
+    def abort_all(self) -> AbortReply:
+        return self._call(AbortRequest(all=True), AbortReply)
+
+    def shutdown(self, drain: bool = True, deadline_s: float = 30.0) -> ShutdownReply:
+        return self._call(ShutdownRequest(drain=drain, deadline_s=deadline_s), ShutdownReply)
+
+    # ---- events ----
+    def next_event(self, timeout_s: float) -> Optional[Event]:
+        """The next event of any submitted request, or None if none arrives within timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while not self._events:
+            msg = self._receive(deadline)
+            if msg is None:
+                return None
+            if isinstance(msg.body, _EVENT_TYPES):
+                self._enqueue(msg.body)
+            # Anything else is a reply to a call that gave up waiting.
+        return self._events.popleft()
+
+    def events(self, timeout_s: float = 1.0) -> Iterator[Event]:
+        """Yields events as they arrive; stops when none arrives within timeout_s."""
+        while True:
+            event = self.next_event(timeout_s)
+            if event is None:
+                return
+            yield event
+
+    # ---- generation ----
+    def generate(self, input_ids: Sequence[int], max_new_tokens: int = 16, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: Optional[int] = None,
+                 stop_token_ids: Sequence[int] = (), return_logprob: bool = False,
+                 return_routed_experts: bool = False, routed_experts_start_len: int = 0,
+                 rid: Optional[str] = None, timeout_s: float = 120.0, stream: bool = True) -> GenerateResult:
+        """Submits one request and collects its events until the final one.
+
+        Raises RolloutdError if the daemon rejects the request or it does not end
+        within timeout_s (it is then aborted); a failed event sets ``result.error``.
+        """
+        rid = uuid.uuid4().hex if rid is None else rid
+        collector = _Collector(rid)
+        stream_it = self.generate_stream(
+            input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            min_p=min_p, seed=seed, stop_token_ids=stop_token_ids, return_logprob=return_logprob,
+            return_routed_experts=return_routed_experts, routed_experts_start_len=routed_experts_start_len,
+            rid=rid, timeout_s=timeout_s, stream=stream)
+        with contextlib.closing(stream_it):  # an error here aborts the request at once
+            for event in stream_it:
+                if collector.add(event):
+                    return collector.result
+        raise AssertionError("generate_stream ended without a final event")  # pragma: no cover
+
+    def collect(self, rid: str, timeout_s: float = 120.0) -> GenerateResult:
+        """Collects the events of a request sent with submit() until its final one (events that
+        arrived earlier are taken from the queue). A coordinator submits many requests, to one
+        or many daemons, then collects each; the timeout aborts the request like generate()."""
+        collector = _Collector(rid)
+        deadline = time.monotonic() + timeout_s
+        with contextlib.closing(self._stream(rid, deadline, timeout_s)) as events:
+            for event in events:
+                if collector.add(event):
+                    return collector.result
+        raise AssertionError("the event stream ended without a final event")  # pragma: no cover
+
+    def generate_stream(self, input_ids: Sequence[int], *, rid: Optional[str] = None, timeout_s: float = 120.0,
+                        **sampling: Any) -> Iterator[Event]:
+        """Submits one request and yields its TokensEvent / FinishedEvent / FailedEvent, the
+        final one last. Events of other requests stay queued. Closing the iterator early,
+        or the timeout expiring (RolloutdError deadline_exceeded), aborts the request."""
+        deadline = time.monotonic() + timeout_s
+        req = _make_request(input_ids, rid, sampling)
+        reply_deadline = min(deadline, time.monotonic() + self.timeout_s)
+        msg_id = self._send_request(req, reply_deadline)
+        try:
+            reply = self._await_reply(msg_id, req, reply_deadline)
+        except BaseException:  # timeout, bad reply, Ctrl-C: the request may be running
+            self._abandon(req.rid)
+            raise
+        # A rejection is not aborted: its rid may belong to another request in flight.
+        self._reply_body(reply, req, GenerateReply)
+        return self._stream(req.rid, deadline, timeout_s)
+
+    def _stream(self, rid: str, deadline: float, timeout_s: float) -> Iterator[Event]:
+        done = False
+        try:
+            # Events that arrived while waiting for the reply come first, in order.
+            mine = [e for e in self._events if e.rid == rid]
+            if mine:
+                self._events = collections.deque(e for e in self._events if e.rid != rid)
+            for event in mine:
+                done = _is_final(event)
+                yield event
+                if done:
+                    return
+            while True:
+                msg = self._receive(deadline)
+                if msg is None:
+                    raise RolloutdError("deadline_exceeded",
+                                        f"request '{rid}' did not finish within {timeout_s} s; aborted it", "rid")
+                if not isinstance(msg.body, _EVENT_TYPES):
+                    continue  # a late reply to a call that gave up
+                if msg.body.rid != rid:
+                    self._enqueue(msg.body)
+                    continue
+                done = _is_final(msg.body)
+                yield msg.body
+                if done:
+                    return
+        finally:
+            if not done and self._transport is not None:
+                self._abandon(rid)
+
+    # ---- raw transport (bad-input tests) ----
+    def send_raw(self, frames: Sequence[bytes], timeout_s: Optional[float] = None) -> None:
+        self._native_call(self._live().send, list(frames), _ms(self.timeout_s if timeout_s is None else timeout_s))
+
+    def recv_raw(self, timeout_s: float) -> Optional[List[bytes]]:
+        return self._native_call(self._live().recv, _ms(timeout_s))
+
+    # ---- internals ----
+    def _live(self):
+        if self._transport is None:
+            raise RolloutdError("failed_precondition", "client is closed", "")
+        return self._transport
+
+    @staticmethod
+    def _native_call(fn, *args):
+        try:
+            return fn(*args)
+        except _native.TransportError as e:
+            raise RolloutdError(e.code, e.message, e.field) from None
+
+    def _receive(self, deadline: float) -> Optional[wire.Decoded]:
+        frames = self.recv_raw(max(0.0, deadline - time.monotonic()))
+        return None if frames is None else wire.decode(frames)
+
+    def _call(self, request: Any, reply_type: type, deadline: Optional[float] = None) -> Any:
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout_s
+        return self._reply_body(self._exchange(request, deadline), request, reply_type)
+
+    def _exchange(self, request: Any, deadline: float) -> wire.Decoded:
+        return self._await_reply(self._send_request(request, deadline), request, deadline)
+
+    def _send_request(self, request: Any, deadline: float) -> int:
+        msg_id = self._next_id
+        self._next_id += 1
+        self.send_raw(wire.encode(msg_id, request), max(0.0, deadline - time.monotonic()))
+        return msg_id
+
+    def _await_reply(self, msg_id: int, request: Any, deadline: float) -> wire.Decoded:
+        """The reply to message `msg_id`; events that come first are queued."""
+        while True:
+            msg = self._receive(deadline)
+            if msg is None:
+                raise RolloutdError("deadline_exceeded", f"no reply to '{wire.type_name(request)}' (id {msg_id}) "
+                                    f"from {self.endpoint} in time", "")
+            if isinstance(msg.body, _EVENT_TYPES):
+                self._enqueue(msg.body)
+            elif msg.id == msg_id:
+                return msg
+            # Otherwise it answers a call that already gave up waiting.
+
+    @staticmethod
+    def _reply_body(msg: wire.Decoded, request: Any, reply_type: type) -> Any:
+        if isinstance(msg.body, ErrorInfo):
+            raise msg.body.to_exception()
+        if not isinstance(msg.body, reply_type):
+            raise RolloutdError("bad_message", f"reply of type '{msg.type}' does not answer "
+                                f"'{wire.type_name(request)}'", "type")
+        return msg.body
+
+    def _enqueue(self, event: Event) -> None:
+        if event.rid in self._abandoned:
+            if _is_final(event):
+                self._abandoned.discard(event.rid)
+            return
+        self._events.append(event)
+
+    def _abandon(self, rid: str) -> None:
+        """Drops the request's events and aborts it without waiting (its reply is dropped as stale)."""
+        self._events = collections.deque(e for e in self._events if e.rid != rid)
+        self._abandoned.add(rid)
+        try:
+            self._send_request(AbortRequest(rid=rid), time.monotonic() + 0.1)
+        except RolloutdError:
+            pass  # the daemon is unreachable, and the request with it
+
+
+def _make_request(input_ids: Sequence[int], rid: Optional[str], sampling: dict) -> GenerateRequest:
+    if hasattr(input_ids, "tolist"):  # numpy arrays, torch tensors
+        input_ids = input_ids.tolist()
+    if "stop_token_ids" in sampling:
+        sampling["stop_token_ids"] = list(sampling["stop_token_ids"])
+    return GenerateRequest(rid=uuid.uuid4().hex if rid is None else rid, input_ids=list(input_ids), **sampling)

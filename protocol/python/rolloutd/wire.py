@@ -1,0 +1,430 @@
+"""msgpack codec for the v1 messages (protocol/SPEC.md).
+
+A message is a list of frames: the envelope, a msgpack map {v, type, id, body},
+then payload frames (routed-expert rows). Encoders write SPEC's canonical form
+(keys in SPEC order, floats as float64, integers in their smallest form), the
+same bytes as the C++ encoders. They check only what the wire can carry (types,
+integer widths) and leave range rules to the daemon, which answers with a typed
+error. Decoders apply SPEC's rules and raise RolloutdError naming the field.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+import msgpack
+
+from .messages import (PROTOCOL_VERSION, ROUTED_EXPERTS_DTYPES, AbortReply, AbortRequest, ErrorInfo,
+                       FailedEvent, FinishedEvent, GenerateReply, GenerateRequest, HelloReply,
+                       HelloRequest, Limits, ModelInfo, RolloutdError, RoutedExperts, ShutdownReply,
+                       ShutdownRequest, StatusReply, StatusRequest, TokensEvent)
+
+__all__ = ["Decoded", "encode", "decode", "type_name", "REQUEST_TYPES", "REPLY_TYPES", "EVENT_TYPES"]
+
+# SPEC §9: parse-time bounds on any container, before a field is read.
+_MAX_MAP_ENTRIES = 128
+
+
+@dataclass
+class Decoded:
+    """One received message: envelope type and id, and the decoded body."""
+
+    type: str
+    id: int
+    body: Any
+
+
+class _Ctx:
+    """What a field codec may need besides its value: payload frames and limits."""
+
+    def __init__(self, frames: List[bytes], limits: Limits):
+        self.frames, self.limits = frames, limits
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _wrong_type(expected: str, v: Any, path: str) -> RolloutdError:
+    return RolloutdError("wrong_type", f"expected {expected}, got {type(v).__name__}", path)
+
+
+# ---- field kinds: each encodes a Python value to a msgpack object and back --
+class _Kind:
+    def encode(self, v: Any, path: str, ctx: _Ctx) -> Any:
+        raise NotImplementedError
+
+    def decode(self, v: Any, path: str, ctx: _Ctx) -> Any:
+        raise NotImplementedError
+
+
+class _Int(_Kind):
+    """An integer of a wire width [lo, hi]; decoders also apply SPEC's [min, max] and a limit."""
+
+    def __init__(self, lo: int, hi: int, min: Optional[int] = None, max: Optional[int] = None,
+                 limit: Optional[str] = None):
+        self.lo, self.hi, self.min, self.max, self.limit = lo, hi, min, max, limit
+
+    def encode(self, v, path, ctx):
+        if isinstance(v, (bool, float)) or not hasattr(v, "__index__"):
+            raise _wrong_type("an integer", v, path)
+        v = int(v)  # numpy / torch integers too
+        if not self.lo <= v <= self.hi:
+            raise RolloutdError("out_of_range", f"{v} does not fit in [{self.lo}, {self.hi}]", path)
+        return v
+
+    def decode(self, v, path, ctx):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise _wrong_type("an integer", v, path)
+        lo = self.lo if self.min is None else self.min
+        hi = self.hi if self.max is None else self.max
+        if self.limit is not None:
+            hi = min(hi, getattr(ctx.limits, self.limit))
+        if not lo <= v <= hi:
+            raise RolloutdError("out_of_range", f"must be in [{lo}, {hi}], got {v}", path)
+        return v
+
+
+class _Float(_Kind):
+    """float64 on the wire; decoders check [lo, hi] (or (lo, hi]) when given, which NaN fails."""
+
+    def __init__(self, lo: Optional[float] = None, hi: Optional[float] = None, lo_open: bool = False):
+        self.lo, self.hi, self.lo_open = lo, hi, lo_open
+
+    def encode(self, v, path, ctx):
+        if isinstance(v, bool) or not hasattr(v, "__float__"):
+            raise _wrong_type("a number", v, path)
+        return float(v)
+
+    def decode(self, v, path, ctx):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise _wrong_type("a number", v, path)
+        v = float(v)
+        if self.lo is not None:
+            inside = (v > self.lo if self.lo_open else v >= self.lo) and v <= self.hi
+            if not inside or math.isnan(v):
+                bounds = f"{'(' if self.lo_open else '['}{self.lo}, {self.hi}]"
+                raise RolloutdError("out_of_range", f"must be in {bounds}, got {v}", path)
+        return v
+
+
+class _Bool(_Kind):
+    def encode(self, v, path, ctx):
+        if isinstance(v, (str, bytes)) or not hasattr(v, "__bool__"):
+            raise _wrong_type("a bool", v, path)
+        return bool(v)  # numpy bools too
+
+    def decode(self, v, path, ctx):
+        if not isinstance(v, bool):
+            raise _wrong_type("a bool", v, path)
+        return v
+
+
+class _Str(_Kind):
+    def __init__(self, limit: str = "max_string_bytes", non_empty: bool = False, values: Sequence[str] = ()):
+        self.limit, self.non_empty, self.values = limit, non_empty, tuple(values)
+
+    def encode(self, v, path, ctx):
+        if not isinstance(v, str):
+            raise _wrong_type("a string", v, path)
+        return v
+
+    def decode(self, v, path, ctx):
+        if not isinstance(v, str):
+            raise _wrong_type("a string", v, path)
+        limit = getattr(ctx.limits, self.limit)
+        if len(v.encode()) > limit:
+            raise RolloutdError("too_large", f"longer than {limit} bytes", path)
+        if self.non_empty and not v:
+            raise RolloutdError("invalid_argument", "must not be empty", path)
+        if self.values and v not in self.values:
+            raise RolloutdError("invalid_argument", f"unknown value '{v}'; expected {', '.join(self.values)}", path)
+        return v
+
+
+class _List(_Kind):
+    def __init__(self, item: _Kind, limit: Optional[str] = None, non_empty: bool = False):
+        self.item, self.limit, self.non_empty = item, limit, non_empty
+
+    def encode(self, v, path, ctx):
+        if hasattr(v, "tolist"):  # numpy arrays, torch tensors
+            v = v.tolist()
+        if isinstance(v, (str, bytes, dict)) or not hasattr(v, "__iter__"):
+            raise _wrong_type("a sequence", v, path)
+        return [self.item.encode(x, f"{path}[{i}]", ctx) for i, x in enumerate(v)]
+
+    def decode(self, v, path, ctx):
+        if not isinstance(v, list):
+            raise _wrong_type("an array", v, path)
+        if self.limit is not None and len(v) > getattr(ctx.limits, self.limit):
+            raise RolloutdError("too_large", f"{len(v)} entries, limit {getattr(ctx.limits, self.limit)}", path)
+        if self.non_empty and not v:
+            raise RolloutdError("invalid_argument", "must not be empty", path)
+        return [self.item.decode(x, f"{path}[{i}]", ctx) for i, x in enumerate(v)]
+
+
+class _Nullable(_Kind):
+    """nil or the inner kind (SPEC's "nil ok"); written as nil when None, absent reads as None."""
+
+    def __init__(self, inner: _Kind):
+        self.inner = inner
+
+    def encode(self, v, path, ctx):
+        return None if v is None else self.inner.encode(v, path, ctx)
+
+    def decode(self, v, path, ctx):
+        return None if v is None else self.inner.decode(v, path, ctx)
+
+
+class _Struct(_Kind):
+    """A map for dataclass `cls`: fields [(name, kind)] in wire order. Fields named in
+    `optional` may be absent (dataclass default); unknown keys are ignored."""
+
+    def __init__(self, cls, fields, optional: Sequence[str] = ()):
+        self.cls, self.fields, self.optional = cls, tuple(fields), frozenset(optional)
+
+    def encode(self, v, path, ctx):
+        if not isinstance(v, self.cls):
+            raise _wrong_type(self.cls.__name__, v, path)
+        return {name: kind.encode(getattr(v, name), _join(path, name), ctx) for name, kind in self.fields}
+
+    def decode(self, v, path, ctx):
+        if not isinstance(v, dict):
+            raise _wrong_type("a map", v, path)
+        values = {}
+        for name, kind in self.fields:
+            if name in v:
+                values[name] = kind.decode(v[name], _join(path, name), ctx)
+            elif isinstance(kind, _Nullable):
+                values[name] = None
+            elif name not in self.optional:
+                raise RolloutdError("missing_field", f"'{name}' is required", _join(path, name))
+        return self.cls(**values)
+
+
+class _AbortBody(_Struct):
+    """abort: {rid, all}, rid omitted when absent; decoders want exactly one of rid and all: true."""
+
+    def __init__(self):
+        super().__init__(AbortRequest, [("rid", _Nullable(_Str("max_rid_bytes", non_empty=True))), ("all", _Bool())],
+                         optional=("all",))
+
+    def encode(self, v, path, ctx):
+        body = super().encode(v, path, ctx)
+        if body["rid"] is None:
+            del body["rid"]
+        return body
+
+    def decode(self, v, path, ctx):
+        r = super().decode(v, path, ctx)
+        if (r.rid is None) == (not r.all):
+            raise RolloutdError("invalid_argument", "give either rid or all=true, not both" if r.all
+                                else "give rid or all=true", path)
+        return r
+
+
+class _RoutedExpertsKind(_Kind):
+    """{dtype, num_tokens, num_layers, top_k, start_pos, frame}; the rows are payload frame
+    `frame`, which is nil when they are 0 bytes."""
+
+    _FIELDS = (("dtype", _Str(values=tuple(ROUTED_EXPERTS_DTYPES))), ("num_tokens", _Int(0, 2**32 - 1)),
+               ("num_layers", _Int(0, 2**32 - 1)), ("top_k", _Int(0, 2**32 - 1)),
+               ("start_pos", _Int(0, 2**32 - 1)), ("frame", _Nullable(_Int(0, 2**32 - 1))))
+
+    def encode(self, v, path, ctx):
+        if not isinstance(v, RoutedExperts):
+            raise _wrong_type("RoutedExperts", v, path)
+        tokens, layers, k = v.shape
+        if v.dtype not in ROUTED_EXPERTS_DTYPES:
+            raise RolloutdError("invalid_argument", f"unknown routed-experts dtype '{v.dtype}'", _join(path, "dtype"))
+        if len(v.data) != tokens * layers * k * ROUTED_EXPERTS_DTYPES[v.dtype][0]:
+            raise RolloutdError("invalid_argument", f"{len(v.data)} bytes do not match shape {tuple(v.shape)} "
+                                f"of {v.dtype}", _join(path, "frame"))
+        frame = None
+        if v.data:
+            frame = len(ctx.frames)
+            ctx.frames.append(bytes(v.data))
+        values = (v.dtype, tokens, layers, k, v.start_pos, frame)
+        return {name: kind.encode(x, _join(path, name), ctx) for (name, kind), x in zip(self._FIELDS, values)}
+
+    def decode(self, v, path, ctx):
+        if not isinstance(v, dict):
+            raise _wrong_type("a map", v, path)
+        d = {}
+        for name, kind in self._FIELDS:
+            if name not in v and not isinstance(kind, _Nullable):
+                raise RolloutdError("missing_field", f"'{name}' is required", _join(path, name))
+            d[name] = kind.decode(v.get(name), _join(path, name), ctx)
+        shape = (d["num_tokens"], d["num_layers"], d["top_k"])
+        expected = shape[0] * shape[1] * shape[2] * ROUTED_EXPERTS_DTYPES[d["dtype"]][0]
+        frame_path = _join(path, "frame")
+        if d["frame"] is None:
+            if expected:
+                raise RolloutdError("missing_field", f"{expected} bytes of rows need a payload frame", frame_path)
+            data = b""
+        else:
+            if d["frame"] >= len(ctx.frames):
+                raise RolloutdError("out_of_range", f"payload frame {d['frame']} of {len(ctx.frames)}", frame_path)
+            data = bytes(ctx.frames[d["frame"]])
+            if len(data) != expected:
+                raise RolloutdError("invalid_argument", f"frame holds {len(data)} bytes, shape needs {expected}",
+                                    frame_path)
+        return RoutedExperts(dtype=d["dtype"], shape=shape, start_pos=d["start_pos"], data=data)
+
+
+class _TokensBody(_Struct):
+    """tokens: per-token arrays must agree in length (logprobs may be empty)."""
+
+    def decode(self, v, path, ctx):
+        r = super().decode(v, path, ctx)
+        if r.logprobs and len(r.logprobs) != len(r.token_ids):
+            raise RolloutdError("invalid_argument", f"{len(r.logprobs)} logprobs for {len(r.token_ids)} tokens",
+                                _join(path, "logprobs"))
+        if len(r.weight_versions) != len(r.token_ids):
+            raise RolloutdError("invalid_argument", f"{len(r.weight_versions)} weight versions for "
+                                f"{len(r.token_ids)} tokens", _join(path, "weight_versions"))
+        return r
+
+
+_U32 = _Int(0, 2**32 - 1)
+_U64 = _Int(0, 2**64 - 1)
+_I32 = _Int(-(2**31), 2**31 - 1)
+_TOKEN = _Int(-(2**31), 2**31 - 1, min=0)
+_F64, _BOOL, _STR = _Float(), _Bool(), _Str()
+_RID = _Str("max_rid_bytes")
+
+_MODEL = _Struct(ModelInfo, [("name", _STR), ("family", _STR), ("vocab_size", _U32), ("num_layers", _U32),
+                             ("num_moe_layers", _U32), ("num_experts", _U32), ("top_k", _U32),
+                             ("routed_experts_dtype", _STR)])
+_LIMITS = _Struct(Limits, [("max_envelope_bytes", _U64), ("max_frame_bytes", _U64), ("max_frames", _U32),
+                           ("max_rid_bytes", _U32), ("max_string_bytes", _U32), ("max_input_tokens", _U32),
+                           ("max_new_tokens", _U32), ("max_stop_token_ids", _U32), ("max_versions", _U32)])
+# Codes are an open set: a newer daemon's code passes through.
+_ERROR = _Struct(ErrorInfo, [("code", _STR), ("message", _STR), ("field", _STR)])
+
+# Wire type name -> body kind, by direction.
+REQUEST_TYPES: Dict[str, _Kind] = {
+    "hello": _Struct(HelloRequest, [("client", _STR),
+                                    ("versions", _List(_U32, limit="max_versions", non_empty=True))],
+                     optional=("client",)),
+    "status": _Struct(StatusRequest, []),
+    "generate": _Struct(GenerateRequest, [
+        ("rid", _Str("max_rid_bytes", non_empty=True)),
+        ("input_ids", _List(_TOKEN, limit="max_input_tokens", non_empty=True)),
+        ("max_new_tokens", _Int(0, 2**32 - 1, min=1, limit="max_new_tokens")),
+        ("temperature", _Float(0.0, 100.0)), ("top_p", _Float(0.0, 1.0, lo_open=True)),
+        ("top_k", _Int(-(2**31), 2**31 - 1, min=0)), ("min_p", _Float(0.0, 1.0)), ("seed", _Nullable(_U64)),
+        ("stop_token_ids", _List(_TOKEN, limit="max_stop_token_ids")), ("return_logprob", _BOOL),
+        ("return_routed_experts", _BOOL), ("routed_experts_start_len", _U32), ("stream", _BOOL)],
+        optional=("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop_token_ids", "return_logprob",
+                  "return_routed_experts", "routed_experts_start_len", "stream")),
+    "abort": _AbortBody(),
+    "shutdown": _Struct(ShutdownRequest, [("drain", _BOOL), ("deadline_s", _Float(0.0, 3600.0))],
+                        optional=("drain", "deadline_s")),
+}
+REPLY_TYPES: Dict[str, _Kind] = {
+    "hello.ok": _Struct(HelloReply, [("version", _U32), ("daemon", _STR), ("build", _STR), ("gpu", _I32),
+                                     ("model", _MODEL), ("weight_version", _U64), ("limits", _LIMITS)]),
+    "status.ok": _Struct(StatusReply, [
+        ("state", _STR), ("ready", _BOOL), ("reason", _STR), ("weight_version", _U64), ("num_waiting", _U32),
+        ("num_running", _U32), ("num_requests_total", _U64), ("num_tokens_generated_total", _U64),
+        ("uptime_s", _F64), ("build", _STR), ("model", _MODEL)]),
+    "generate.ok": _Struct(GenerateReply, [("rid", _RID)]),
+    "abort.ok": _Struct(AbortReply, [("num_aborted", _U32)]),
+    "shutdown.ok": _Struct(ShutdownReply, [("accepted", _BOOL)]),
+    "error": _ERROR,
+}
+EVENT_TYPES: Dict[str, _Kind] = {
+    "tokens": _TokensBody(TokensEvent, [
+        ("rid", _RID), ("token_ids", _List(_TOKEN, limit="max_new_tokens")),
+        ("logprobs", _List(_F64, limit="max_new_tokens")),  # any float, -inf included
+        ("weight_versions", _List(_U64, limit="max_new_tokens")),
+        ("routed_experts", _Nullable(_RoutedExpertsKind()))]),
+    "finished": _Struct(FinishedEvent, [("rid", _RID), ("reason", _Str(values=("stop", "length", "abort"))),
+                                        ("abort_reason", _STR), ("prompt_tokens", _U32),
+                                        ("completion_tokens", _U32)]),
+    "failed": _Struct(FailedEvent, [("rid", _RID), ("error", _ERROR)]),
+}
+_KINDS: Dict[str, _Kind] = {**REQUEST_TYPES, **REPLY_TYPES, **EVENT_TYPES}
+_TYPE_OF = {kind.cls: name for name, kind in _KINDS.items()}
+
+
+def type_name(message: Any) -> str:
+    """The envelope type of a message object ("generate", "hello.ok", "error", "tokens", ...)."""
+    try:
+        return _TYPE_OF[type(message)]
+    except KeyError:
+        raise TypeError(f"not a rolloutd message: {type(message).__name__}") from None
+
+
+def encode(msg_id: int, message: Any) -> List[bytes]:
+    """Frames of one message: the envelope, then its payload frames."""
+    ctx = _Ctx([], Limits())
+    body = _KINDS[type_name(message)].encode(message, "body", ctx)
+    envelope = {"v": PROTOCOL_VERSION, "type": type_name(message), "id": _U64.encode(msg_id, "id", ctx),
+                "body": body}
+    return [msgpack.packb(envelope, use_bin_type=True)] + ctx.frames
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _map_from_pairs(pairs):
+    # Decoders that keep the first and those that keep the last duplicate would read
+    # different messages (SPEC §3): refuse both.
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        raise _DuplicateKey()
+    return d
+
+
+def _unpack(data: bytes, limits: Limits) -> Any:
+    try:
+        return msgpack.unpackb(
+            data, raw=False, strict_map_key=True, object_pairs_hook=_map_from_pairs,
+            max_array_len=max(limits.max_input_tokens, limits.max_stop_token_ids, limits.max_versions,
+                              limits.max_new_tokens),
+            max_map_len=_MAX_MAP_ENTRIES, max_str_len=max(limits.max_string_bytes, limits.max_rid_bytes),
+            max_bin_len=limits.max_string_bytes, max_ext_len=limits.max_string_bytes)
+    except _DuplicateKey:
+        raise RolloutdError("bad_message", "duplicate map key", "") from None
+    except UnicodeDecodeError as e:
+        raise RolloutdError("invalid_argument", f"invalid UTF-8: {e}", "") from None
+    except Exception as e:  # msgpack raises several unrelated types on bad input
+        if "exceeds max_" in str(e):  # the parse-time bounds of SPEC §9
+            raise RolloutdError("too_large", str(e), "") from None
+        raise RolloutdError("bad_message", f"not msgpack: {e or type(e).__name__}", "") from None
+
+
+def decode(frames: Sequence[bytes], limits: Optional[Limits] = None) -> Decoded:
+    """Decodes one message (any direction); raises RolloutdError naming the bad field."""
+    limits = limits or Limits()
+    if not frames:
+        raise RolloutdError("bad_message", "a message needs an envelope frame", "")
+    if len(frames[0]) > limits.max_envelope_bytes:
+        raise RolloutdError("too_large", f"envelope of {len(frames[0])} bytes, limit {limits.max_envelope_bytes}",
+                            "")
+    if len(frames) - 1 > limits.max_frames:
+        raise RolloutdError("too_large", f"{len(frames) - 1} payload frames, limit {limits.max_frames}", "")
+    env = _unpack(frames[0], limits)
+    if not isinstance(env, dict):
+        raise RolloutdError("bad_message", "envelope is not a map", "")
+    ctx = _Ctx(list(frames[1:]), limits)
+    if "v" not in env:
+        raise RolloutdError("missing_field", "'v' is required", "v")
+    if isinstance(env["v"], bool) or not isinstance(env["v"], int):
+        raise _wrong_type("an integer", env["v"], "v")
+    if env["v"] != PROTOCOL_VERSION:
+        raise RolloutdError("unsupported_version", f"protocol version {env['v']}; this side speaks "
+                            f"{PROTOCOL_VERSION}", "v")
+    for key in ("id", "type"):
+        if key not in env:
+            raise RolloutdError("missing_field", f"'{key}' is required", key)
+    msg_id = _U64.decode(env["id"], "id", ctx)
+    type_ = _STR.decode(env["type"], "type", ctx)
+    kind = _KINDS.get(type_)
+    if kind is None:
+        raise RolloutdError("unknown_type", f"unknown message type '{type_}'", "type")
+    return Decoded(type=type_, id=msg_id, body=kind.decode(env.get("body", {}), "body", ctx))

@@ -1,0 +1,408 @@
+// protocol::Client against a scripted fake daemon: a ROUTER socket on an ephemeral
+// loopback port, driven by a test thread with the real codec.
+#include "protocol/client.hpp"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+#include <zmq.hpp>
+
+namespace rolloutd::protocol {
+namespace {
+
+using std::chrono::milliseconds;
+using Clock = std::chrono::steady_clock;
+
+// One request as the fake daemon saw it.
+struct Received {
+  std::string identity;  // ROUTER routing id of the client
+  Envelope env;
+  Request request;
+};
+
+class FakeDaemon {
+ public:
+  FakeDaemon() : context_(1), router_(context_, zmq::socket_type::router) {
+    router_.set(zmq::sockopt::linger, 0);
+    router_.bind("tcp://127.0.0.1:*");
+    endpoint_ = router_.get(zmq::sockopt::last_endpoint);
+  }
+  ~FakeDaemon() {
+    if (thread_.joinable()) thread_.join();
+  }
+
+  const std::string& endpoint() const { return endpoint_; }
+
+  // Runs `script` on its own thread; the socket is used by that thread only from now on.
+  void run(std::function<void(FakeDaemon&)> script) {
+    thread_ = std::thread([this, script = std::move(script)] { script(*this); });
+  }
+  void join() { thread_.join(); }
+
+  // The next request; a failed expectation (and an empty request) if none comes in time.
+  Received recv(int timeout_ms = 5000) {
+    Received out;
+    zmq::pollitem_t item{router_.handle(), 0, ZMQ_POLLIN, 0};
+    zmq::poll(&item, 1, milliseconds(timeout_ms));
+    if (!(item.revents & ZMQ_POLLIN)) {
+      ADD_FAILURE() << "fake daemon: no request within " << timeout_ms << " ms";
+      return out;
+    }
+    std::vector<std::string> parts;
+    zmq::message_t part;
+    do {
+      (void)router_.recv(part);
+      parts.emplace_back(part.data<char>(), part.size());
+    } while (part.more());
+    EXPECT_GE(parts.size(), 2u);
+    out.identity = parts[0];
+    std::vector<Frame> payload;
+    for (size_t i = 2; i < parts.size(); ++i)
+      payload.emplace_back(reinterpret_cast<const uint8_t*>(parts[i].data()), parts[i].size());
+    auto decoded = decode_request(
+        Frame(reinterpret_cast<const uint8_t*>(parts[1].data()), parts[1].size()), payload, Limits{});
+    EXPECT_TRUE(decoded.status.ok()) << decoded.status.to_string();
+    out.env = decoded.env;
+    if (decoded.request) out.request = *decoded.request;
+    return out;
+  }
+
+  // Nothing arrives within timeout_ms.
+  void expect_silence(int timeout_ms) {
+    zmq::pollitem_t item{router_.handle(), 0, ZMQ_POLLIN, 0};
+    zmq::poll(&item, 1, milliseconds(timeout_ms));
+    EXPECT_FALSE(item.revents & ZMQ_POLLIN) << "fake daemon: unexpected request";
+  }
+
+  void send(const std::string& identity, const WireMessage& msg) {
+    router_.send(zmq::buffer(identity), zmq::send_flags::sndmore);
+    router_.send(zmq::buffer(msg.envelope),
+                 msg.frames.empty() ? zmq::send_flags::none : zmq::send_flags::sndmore);
+    for (size_t i = 0; i < msg.frames.size(); ++i)
+      router_.send(zmq::buffer(msg.frames[i]),
+                   i + 1 < msg.frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+  }
+
+ private:
+  zmq::context_t context_;
+  zmq::socket_t router_;
+  std::string endpoint_;
+  std::thread thread_;
+};
+
+std::unique_ptr<Client> connect_to(const std::string& endpoint, int request_timeout_ms = 5000) {
+  ClientOptions options;
+  options.endpoint = endpoint;
+  options.request_timeout_ms = request_timeout_ms;
+  auto client = Client::connect(options);
+  EXPECT_TRUE(client.ok()) << client.status().to_string();
+  return std::move(client).value();
+}
+
+GenerateRequest make_generate(const std::string& rid) {
+  GenerateRequest req;
+  req.rid = rid;
+  req.input_ids = {1, 2, 3};
+  req.max_new_tokens = 3;
+  req.return_logprob = true;
+  req.return_routed_experts = true;
+  return req;
+}
+
+// uint8 rows [num_tokens, 2 layers, top_k 2] whose values count up from `first`.
+RoutedExperts rows(uint32_t start_pos, uint32_t num_tokens, uint8_t first) {
+  RoutedExperts r;
+  r.dtype = "uint8";
+  r.num_tokens = num_tokens;
+  r.num_layers = 2;
+  r.top_k = 2;
+  r.start_pos = start_pos;
+  for (uint32_t i = 0; i < num_tokens * 2 * 2; ++i) r.data.push_back(static_cast<char>(first + i));
+  return r;
+}
+
+TokensEvent tokens(const std::string& rid, std::vector<int32_t> ids, std::optional<RoutedExperts> re) {
+  TokensEvent t;
+  t.rid = rid;
+  t.token_ids = ids;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    t.logprobs.push_back(-0.5 * static_cast<double>(i + 1));
+    t.weight_versions.push_back(7);
+  }
+  t.routed_experts = std::move(re);
+  return t;
+}
+
+FinishedEvent finished(const std::string& rid, const std::string& reason, uint32_t completion) {
+  return FinishedEvent{rid, reason, "", 3, completion};
+}
+
+TEST(ClientTest, HelloRoundTrip) {
+  FakeDaemon daemon;
+  daemon.run([](FakeDaemon& d) {
+    Received r = d.recv();
+    EXPECT_EQ(r.env.type, "hello");
+    const auto* hello = std::get_if<HelloRequest>(&r.request);
+    ASSERT_NE(hello, nullptr);
+    EXPECT_EQ(hello->client, "client-test");
+    EXPECT_EQ(hello->versions, std::vector<uint32_t>{kProtocolVersion});
+    HelloReply reply;
+    reply.build = "test-build";
+    reply.model.name = "tiny-moe";
+    reply.model.num_experts = 8;
+    reply.model.routed_experts_dtype = "uint8";
+    reply.weight_version = 42;
+    d.send(r.identity, encode_reply(r.env.id, reply));
+  });
+  auto client = connect_to(daemon.endpoint());
+  auto reply = client->hello("client-test");
+  ASSERT_TRUE(reply.ok()) << reply.status().to_string();
+  EXPECT_EQ(reply->build, "test-build");
+  EXPECT_EQ(reply->model.name, "tiny-moe");
+  EXPECT_EQ(reply->model.num_experts, 8u);
+  EXPECT_EQ(reply->weight_version, 42u);
+}
+
+TEST(ClientTest, ErrorReplyBecomesTypedStatus) {
+  FakeDaemon daemon;
+  daemon.run([](FakeDaemon& d) {
+    Received r = d.recv();
+    EXPECT_EQ(r.env.type, "generate");
+    d.send(r.identity, encode_error(r.env.id, ErrorInfo{"out_of_range", "token id 999 >= vocab 128",
+                                                        "body.input_ids[2]"}));
+  });
+  auto client = connect_to(daemon.endpoint());
+  auto reply = client->submit(make_generate("r1"));
+  ASSERT_FALSE(reply.ok());
+  EXPECT_EQ(reply.status().code(), ErrorCode::kOutOfRange);
+  EXPECT_EQ(reply.status().message(), "token id 999 >= vocab 128");
+  EXPECT_EQ(reply.status().field(), "body.input_ids[2]");
+}
+
+TEST(ClientTest, MissingReplyIsDeadlineExceededAndLateReplyIsDropped) {
+  FakeDaemon daemon;
+  daemon.run([](FakeDaemon& d) {
+    Received hello = d.recv();  // never answered in time
+    Received status = d.recv();
+    EXPECT_EQ(status.env.type, "status");
+    // The late hello reply must not be taken for the status reply.
+    d.send(hello.identity, encode_reply(hello.env.id, HelloReply{}));
+    StatusReply reply;
+    reply.state = "ready";
+    reply.ready = true;
+    d.send(status.identity, encode_reply(status.env.id, reply));
+  });
+  auto client = connect_to(daemon.endpoint(), /*request_timeout_ms=*/200);
+  const auto start = Clock::now();
+  auto hello = client->hello();
+  const auto elapsed = Clock::now() - start;
+  ASSERT_FALSE(hello.ok());
+  EXPECT_EQ(hello.status().code(), ErrorCode::kDeadlineExceeded);
+  EXPECT_GE(elapsed, milliseconds(200));
+  EXPECT_LT(elapsed, milliseconds(3000));
+
+  auto status = client->status();
+  ASSERT_TRUE(status.ok()) << status.status().to_string();
+  EXPECT_EQ(status->state, "ready");
+}
+
+TEST(ClientTest, EventsReceivedWhileWaitingAreQueuedInOrder) {
+  FakeDaemon daemon;
+  daemon.run([](FakeDaemon& d) {
+    Received gen = d.recv();
+    d.send(gen.identity, encode_reply(gen.env.id, GenerateReply{"a"}));
+    Received status = d.recv();
+    // Events for "a" arrive before the status reply.
+    d.send(gen.identity, encode_event(gen.env.id, tokens("a", {5, 6}, std::nullopt)));
+    d.send(gen.identity, encode_event(gen.env.id, finished("a", "length", 2)));
+    d.send(status.identity, encode_reply(status.env.id, StatusReply{}));
+  });
+  auto client = connect_to(daemon.endpoint());
+  auto accepted = client->submit(make_generate("a"));
+  ASSERT_TRUE(accepted.ok()) << accepted.status().to_string();
+  EXPECT_EQ(accepted->rid, "a");
+  ASSERT_TRUE(client->status().ok());
+
+  auto first = client->next_event(0);
+  ASSERT_TRUE(first.ok() && first->has_value());
+  const auto* t = std::get_if<TokensEvent>(&**first);
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(t->token_ids, (std::vector<int32_t>{5, 6}));
+  auto second = client->next_event(0);
+  ASSERT_TRUE(second.ok() && second->has_value());
+  const auto* f = std::get_if<FinishedEvent>(&**second);
+  ASSERT_NE(f, nullptr);
+  EXPECT_EQ(f->reason, "length");
+  auto none = client->next_event(50);
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(none->has_value());
+}
+
+TEST(ClientTest, GenerateConcatenatesTokensAndRoutedRows) {
+  FakeDaemon daemon;
+  daemon.run([](FakeDaemon& d) {
+    Received gen = d.recv();
+    const auto& req = std::get<GenerateRequest>(gen.request);
+    EXPECT_TRUE(req.return_routed_experts);
+    d.send(gen.identity, encode_reply(gen.env.id, GenerateReply{"g"}));
+    // Another request's event in between stays queued for next_event().
+    d.send(gen.identity, encode_event(99, tokens("other", {1}, std::nullopt)));
+    // Prompt (3 rows) + first token, then the second and third tokens.
+    d.send(gen.identity, encode_event(gen.env.id, tokens("g", {10}, rows(0, 4, 0))));
+    d.send(gen.identity, encode_event(gen.env.id, tokens("g", {11, 12}, rows(4, 2, 16))));
+    d.send(gen.identity, encode_event(gen.env.id, finished("g", "length", 3)));
+  });
+  auto client = connect_to(daemon.endpoint());
+  auto result = client->generate(make_generate("g"), 5000);
+  ASSERT_TRUE(result.ok()) << result.status().to_string();
+  EXPECT_EQ(result->rid, "g");
+  EXPECT_EQ(result->token_ids, (std::vector<int32_t>{10, 11, 12}));
+  EXPECT_EQ(result->logprobs, (std::vector<double>{-0.5, -0.5, -1.0}));
+  EXPECT_EQ(result->weight_versions, (std::vector<uint64_t>{7, 7, 7}));
+  ASSERT_TRUE(result->finished.has_value());
+  EXPECT_FALSE(result->failed.has_value());
+  EXPECT_EQ(result->finished->reason, "length");
+  EXPECT_EQ(result->finished->completion_tokens, 3u);
+  ASSERT_TRUE(result->routed_experts.has_value());
+  const RoutedExperts& re = *result->routed_experts;
+  EXPECT_EQ(re.dtype, "uint8");
+  EXPECT_EQ(re.num_tokens, 6u);
+  EXPECT_EQ(re.num_layers, 2u);
+  EXPECT_EQ(re.top_k, 2u);
+  EXPECT_EQ(re.start_pos, 0u);
+  ASSERT_EQ(re.data.size(), 24u);
+  for (size_t i = 0; i < re.data.size(); ++i) EXPECT_EQ(static_cast<uint8_t>(re.data[i]), i);
+
+  auto other = client->next_event(0);
+  ASSERT_TRUE(other.ok() && other->has_value());
+  EXPECT_EQ(std::get<TokensEvent>(**other).rid, "other");
+}
+
+TEST(ClientTest, GenerateReportsFailedEvent) {
+  FakeDaemon daemon;
+  daemon.run([](FakeDaemon& d) {
+    Received gen = d.recv();
+    d.send(gen.identity, encode_reply(gen.env.id, GenerateReply{"f"}));
+    d.send(gen.identity, encode_event(gen.env.id, tokens("f", {10}, std::nullopt)));
+    d.send(gen.identity,
+           encode_event(gen.env.id, FailedEvent{"f", ErrorInfo{"not_ready", "weight update failed", ""}}));
+  });
+  auto client = connect_to(daemon.endpoint());
+  auto req = make_generate("f");
+  req.return_routed_experts = false;
+  auto result = client->generate(req, 5000);
+  ASSERT_TRUE(result.ok()) << result.status().to_string();
+  EXPECT_FALSE(result->finished.has_value());
+  ASSERT_TRUE(result->failed.has_value());
+  EXPECT_EQ(result->failed->error.code, "not_ready");
+  EXPECT_EQ(result->failed->error.message, "weight update failed");
+  EXPECT_EQ(result->token_ids, std::vector<int32_t>{10});
+}
+
+TEST(ClientTest, GenerateRejectsGapInRoutedRowsAndAborts) {
+  FakeDaemon daemon;
+  daemon.run([](FakeDaemon& d) {
+    Received gen = d.recv();
+    d.send(gen.identity, encode_reply(gen.env.id, GenerateReply{"gap"}));
+    d.send(gen.identity, encode_event(gen.env.id, tokens("gap", {10}, rows(0, 4, 0))));
+    d.send(gen.identity, encode_event(gen.env.id, tokens("gap", {11}, rows(5, 1, 0))));  // 4 missing
+    Received abort = d.recv();
+    const auto* a = std::get_if<AbortRequest>(&abort.request);
+    ASSERT_NE(a, nullptr);
+    EXPECT_EQ(a->rid, std::optional<std::string>("gap"));
+  });
+  auto client = connect_to(daemon.endpoint());
+  auto result = client->generate(make_generate("gap"), 5000);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().code(), ErrorCode::kBadMessage);
+  EXPECT_EQ(result.status().field(), "body.routed_experts.start_pos");
+}
+
+TEST(ClientTest, GenerateTimeoutAbortsAndDropsLateEvents) {
+  FakeDaemon daemon;
+  daemon.run([](FakeDaemon& d) {
+    Received gen = d.recv();
+    d.send(gen.identity, encode_reply(gen.env.id, GenerateReply{"slow"}));
+    Received abort = d.recv();
+    EXPECT_EQ(std::get<AbortRequest>(abort.request).rid, std::optional<std::string>("slow"));
+    d.send(abort.identity, encode_reply(abort.env.id, AbortReply{1}));
+    FinishedEvent f = finished("slow", "abort", 0);
+    f.abort_reason = "client";
+    d.send(gen.identity, encode_event(gen.env.id, f));
+    d.send(gen.identity, encode_event(8, tokens("next", {1}, std::nullopt)));
+  });
+  auto client = connect_to(daemon.endpoint());
+  auto result = client->generate(make_generate("slow"), 300);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().code(), ErrorCode::kDeadlineExceeded);
+  // The aborted request's final event is swallowed; the next request's is not.
+  auto event = client->next_event(5000);
+  ASSERT_TRUE(event.ok() && event->has_value());
+  EXPECT_EQ(std::get<TokensEvent>(**event).rid, "next");
+}
+
+TEST(ClientTest, GenerateAbortsAnUnansweredSubmissionButNotARejectedOne) {
+  FakeDaemon daemon;
+  daemon.run([](FakeDaemon& d) {
+    Received gen = d.recv();  // accepted, perhaps, but the reply never comes
+    Received abort = d.recv();
+    EXPECT_EQ(std::get<AbortRequest>(abort.request).rid, std::optional<std::string>("lost"));
+    Received dup = d.recv();
+    d.send(dup.identity, encode_error(dup.env.id, ErrorInfo{"duplicate_rid", "in flight", "body.rid"}));
+    d.expect_silence(300);  // no abort: "taken" belongs to the request already in flight
+  });
+  auto client = connect_to(daemon.endpoint());
+  auto lost = client->generate(make_generate("lost"), 200);
+  ASSERT_FALSE(lost.ok());
+  EXPECT_EQ(lost.status().code(), ErrorCode::kDeadlineExceeded);
+  auto dup = client->generate(make_generate("taken"), 5000);
+  ASSERT_FALSE(dup.ok());
+  EXPECT_EQ(dup.status().code(), ErrorCode::kDuplicateRid);
+}
+
+TEST(ClientTest, SubmitNamesRequestWithoutRid) {
+  FakeDaemon daemon;
+  daemon.run([](FakeDaemon& d) {
+    Received gen = d.recv();
+    const std::string rid = std::get<GenerateRequest>(gen.request).rid;
+    EXPECT_EQ(rid.size(), 32u);
+    d.send(gen.identity, encode_reply(gen.env.id, GenerateReply{rid}));
+  });
+  auto client = connect_to(daemon.endpoint());
+  auto accepted = client->submit(make_generate(""));
+  ASSERT_TRUE(accepted.ok()) << accepted.status().to_string();
+  EXPECT_EQ(accepted->rid.size(), 32u);
+}
+
+TEST(ClientTest, NoDaemonIsUnavailable) {
+  std::string endpoint;
+  {
+    FakeDaemon gone;  // its port is free again once it is destroyed
+    endpoint = gone.endpoint();
+  }
+  auto client = connect_to(endpoint, /*request_timeout_ms=*/200);
+  const auto start = Clock::now();
+  auto hello = client->hello();
+  ASSERT_FALSE(hello.ok());
+  EXPECT_EQ(hello.status().code(), ErrorCode::kUnavailable);
+  EXPECT_LT(Clock::now() - start, milliseconds(3000));
+  auto nothing = client->recv_raw(50);
+  ASSERT_TRUE(nothing.ok());
+  EXPECT_FALSE(nothing->has_value());
+}
+
+TEST(ClientTest, BadEndpointIsInvalidArgument) {
+  ClientOptions options;
+  options.endpoint = "not-an-endpoint";
+  auto client = Client::connect(options);
+  ASSERT_FALSE(client.ok());
+  EXPECT_EQ(client.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(client.status().field(), "endpoint");
+}
+
+}  // namespace
+}  // namespace rolloutd::protocol

@@ -1,0 +1,237 @@
+"""rolloutd.Client against a scripted fake daemon (zmtp_peer.ZmtpPeer)."""
+import socket
+import time
+
+import pytest
+
+from rolloutd import Client, RolloutdError
+from rolloutd.messages import (AbortReply, AbortRequest, ErrorInfo, FailedEvent, FinishedEvent, GenerateReply,
+                               GenerateRequest, HelloReply, HelloRequest, ModelInfo, RoutedExperts, ShutdownReply,
+                               StatusReply, TokensEvent)
+
+
+def rows(start_pos, num_tokens, first=0):
+    """uint8 rows [num_tokens, 2, 2] counting up from `first`."""
+    return RoutedExperts("uint8", (num_tokens, 2, 2), start_pos, bytes(range(first, first + num_tokens * 4)))
+
+
+def tokens(rid, ids, routed=None):
+    return TokensEvent(rid, list(ids), [-0.5] * len(ids), [7] * len(ids), routed)
+
+
+def test_hello_round_trip(daemon):
+    def script(d):
+        m = d.recv()
+        assert m.type == "hello" and m.body == HelloRequest(client="py-test", versions=[1])
+        d.send(m.id, HelloReply(build="b", model=ModelInfo(name="tiny-moe", num_experts=8), weight_version=3))
+
+    peer = daemon(script)
+    with Client(peer.endpoint, client_name="py-test") as c:
+        r = c.hello()
+    assert (r.build, r.model.name, r.model.num_experts, r.weight_version) == ("b", "tiny-moe", 8, 3)
+
+
+def test_error_reply_raises_typed_error(daemon):
+    def script(d):
+        m = d.recv()
+        d.send(m.id, ErrorInfo("out_of_range", "token id 999 >= vocab 128", "body.input_ids[2]"))
+
+    peer = daemon(script)
+    with Client(peer.endpoint) as c, pytest.raises(RolloutdError) as e:
+        c.submit([1, 2, 999], rid="r")
+    assert (e.value.code, e.value.message, e.value.field) == ("out_of_range", "token id 999 >= vocab 128",
+                                                              "body.input_ids[2]")
+
+
+def test_missing_reply_is_deadline_exceeded_and_late_reply_is_dropped(daemon):
+    def script(d):
+        hello = d.recv()
+        status = d.recv()
+        assert status.type == "status"
+        d.send(hello.id, HelloReply())  # late: must not answer status()
+        d.send(status.id, StatusReply(state="ready", ready=True))
+
+    peer = daemon(script)
+    with Client(peer.endpoint, timeout_s=0.2) as c:
+        start = time.monotonic()
+        with pytest.raises(RolloutdError) as e:
+            c.hello()
+        assert e.value.code == "deadline_exceeded"
+        assert 0.19 <= time.monotonic() - start < 3.0
+        c.timeout_s = 5.0
+        assert c.status().state == "ready"
+
+
+def test_events_received_during_a_call_are_queued_in_order(daemon):
+    def script(d):
+        gen = d.recv()
+        d.send(gen.id, GenerateReply(gen.body.rid))
+        status = d.recv()
+        d.send(gen.id, tokens("a", [5, 6]))
+        d.send(gen.id, FinishedEvent("a", "length", "", 3, 2))
+        d.send(status.id, StatusReply())
+
+    peer = daemon(script)
+    with Client(peer.endpoint) as c:
+        assert c.submit([1, 2, 3], rid="a", max_new_tokens=2) == "a"
+        c.status()
+        got = list(c.events(timeout_s=0.05))
+    assert [type(e) for e in got] == [TokensEvent, FinishedEvent]
+    assert got[0].token_ids == [5, 6] and got[1].reason == "length"
+
+
+def test_generate_collects_tokens_and_routed_rows(daemon):
+    def script(d):
+        gen = d.recv()
+        req = gen.body
+        assert isinstance(req, GenerateRequest) and len(req.rid) == 32  # uuid4 hex
+        assert (req.input_ids, req.max_new_tokens, req.seed, req.return_routed_experts) == ([1, 2, 3], 3, 11, True)
+        d.send(gen.id, GenerateReply(req.rid))
+        d.send(99, tokens("other", [1]))  # another request's event stays queued
+        d.send(gen.id, tokens(req.rid, [10], rows(0, 4)))
+        d.send(gen.id, tokens(req.rid, [], rows(4, 0)))  # no rows, states where the next starts
+        d.send(gen.id, tokens(req.rid, [11, 12], rows(4, 2, first=16)))
+        d.send(gen.id, FinishedEvent(req.rid, "length", "", 3, 3))
+
+    peer = daemon(script)
+    with Client(peer.endpoint) as c:
+        r = c.generate([1, 2, 3], max_new_tokens=3, seed=11, return_logprob=True, return_routed_experts=True)
+        other = c.next_event(1.0)
+    assert r.ok and r.error is None
+    assert (r.token_ids, r.logprobs, r.weight_versions) == ([10, 11, 12], [-0.5] * 3, [7] * 3)
+    assert (r.finish_reason, r.prompt_tokens, r.completion_tokens) == ("length", 3, 3)
+    re = r.routed_experts
+    assert (re.dtype, re.shape, re.start_pos, re.data) == ("uint8", (6, 2, 2), 0, bytes(range(24)))
+    assert re.to_list()[5] == [[20, 21], [22, 23]]
+    assert isinstance(other, TokensEvent) and other.rid == "other"
+
+
+def test_generate_reports_failed_event(daemon):
+    def script(d):
+        gen = d.recv()
+        d.send(gen.id, GenerateReply(gen.body.rid))
+        d.send(gen.id, FailedEvent(gen.body.rid, ErrorInfo("not_ready", "weight update failed", "")))
+
+    peer = daemon(script)
+    with Client(peer.endpoint) as c:
+        r = c.generate([1], rid="f")
+    assert not r.ok and r.finish_reason is None
+    assert (r.error.code, r.error.message) == ("not_ready", "weight update failed")
+    with pytest.raises(RolloutdError):
+        r.raise_for_error()
+
+
+def test_generate_rejects_gap_in_routed_rows_and_aborts(daemon):
+    def script(d):
+        gen = d.recv()
+        d.send(gen.id, GenerateReply("gap"))
+        d.send(gen.id, tokens("gap", [10], rows(0, 4)))
+        d.send(gen.id, tokens("gap", [11], rows(5, 1)))
+        abort = d.recv()
+        assert abort.body == AbortRequest(rid="gap")
+
+    peer = daemon(script)
+    with Client(peer.endpoint) as c, pytest.raises(RolloutdError) as e:
+        c.generate([1, 2, 3], rid="gap", return_routed_experts=True)
+    assert (e.value.code, e.value.field) == ("bad_message", "body.routed_experts.start_pos")
+
+
+def test_generate_timeout_aborts_and_drops_late_events(daemon):
+    def script(d):
+        gen = d.recv()
+        d.send(gen.id, GenerateReply("slow"))
+        abort = d.recv()
+        assert abort.body == AbortRequest(rid="slow")
+        d.send(abort.id, AbortReply(1))
+        d.send(gen.id, FinishedEvent("slow", "abort", "client", 1, 0))
+        d.send(8, tokens("next", [1]))
+
+    peer = daemon(script)
+    with Client(peer.endpoint) as c:
+        with pytest.raises(RolloutdError) as e:
+            c.generate([1], rid="slow", timeout_s=0.3)
+        assert e.value.code == "deadline_exceeded"
+        event = c.next_event(5.0)
+    assert isinstance(event, TokensEvent) and event.rid == "next"
+
+
+def test_unanswered_submission_is_aborted_but_rejected_one_is_not(daemon):
+    def script(d):
+        d.recv()  # accepted, perhaps, but the reply never comes
+        assert d.recv().body == AbortRequest(rid="lost")
+        dup = d.recv()
+        d.send(dup.id, ErrorInfo("duplicate_rid", "in flight", "body.rid"))
+        assert d.expect_closed_or_silent(0.3)  # no abort: "taken" belongs to the request in flight
+
+    peer = daemon(script)
+    with Client(peer.endpoint) as c:
+        with pytest.raises(RolloutdError) as e:
+            c.generate([1], rid="lost", timeout_s=0.2)
+        assert e.value.code == "deadline_exceeded"
+        with pytest.raises(RolloutdError) as e:
+            c.generate([1], rid="taken")
+        assert e.value.code == "duplicate_rid"
+        time.sleep(0.4)  # keep the connection open while the daemon listens for an abort
+
+
+def test_stream_yields_events_and_closing_early_aborts(daemon):
+    def script(d):
+        gen = d.recv()
+        d.send(gen.id, GenerateReply("s"))
+        d.send(gen.id, tokens("s", [1]))
+        d.send(gen.id, tokens("s", [2]))
+        abort = d.recv()
+        assert abort.body == AbortRequest(rid="s")
+
+    peer = daemon(script)
+    with Client(peer.endpoint) as c:
+        stream = c.generate_stream([1], rid="s", max_new_tokens=8)
+        first = next(stream)
+        assert first.token_ids == [1]
+        stream.close()
+
+
+def test_abort_all_and_shutdown(daemon):
+    def script(d):
+        m = d.recv()
+        assert m.body == AbortRequest(all=True)
+        d.send(m.id, AbortReply(2))
+        m = d.recv()
+        assert (m.type, m.body.drain, m.body.deadline_s) == ("shutdown", False, 5.0)
+        d.send(m.id, ShutdownReply(True))
+
+    peer = daemon(script)
+    with Client(peer.endpoint) as c:
+        assert c.abort_all().num_aborted == 2
+        assert c.shutdown(drain=False, deadline_s=5).accepted
+
+
+def test_no_daemon_is_unavailable():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    endpoint = "tcp://127.0.0.1:%d" % s.getsockname()[1]
+    s.close()
+    with Client(endpoint, timeout_s=0.2) as c, pytest.raises(RolloutdError) as e:
+        c.status()
+    assert e.value.code == "unavailable"
+
+
+def test_closed_client_refuses_calls():
+    c = Client("tcp://127.0.0.1:1", timeout_s=0.1)
+    c.close()
+    with pytest.raises(RolloutdError) as e:
+        c.status()
+    assert e.value.code == "failed_precondition"
+
+
+def test_undecodable_reply_is_a_typed_error(daemon):
+    def script(d):
+        m = d.recv()
+        d.send_frames([b"\xc1 not msgpack"])
+        d.send(m.id, StatusReply())
+
+    peer = daemon(script)
+    with Client(peer.endpoint) as c:
+        with pytest.raises(RolloutdError) as e:
+            c.status()
+        assert e.value.code == "bad_message"

@@ -1,0 +1,84 @@
+"""rolloutctl (daemon/rolloutctl) against a scripted fake daemon: JSON out, typed errors, exit codes."""
+import json
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+from rolloutd.messages import (AbortRequest, ErrorInfo, FinishedEvent, GenerateReply, HelloReply, ModelInfo,
+                               RoutedExperts, TokensEvent)
+
+ROLLOUTCTL = os.environ.get("ROLLOUTCTL_BIN") or str(
+    pathlib.Path(os.environ.get("ROLLOUTD_BUILD_DIR", "build")) / "daemon" / "rolloutctl" / "rolloutctl")
+pytestmark = pytest.mark.skipif(not os.path.exists(ROLLOUTCTL), reason=f"no rolloutctl at {ROLLOUTCTL}")
+
+
+def rolloutctl(*args, env=None):
+    return subprocess.run([ROLLOUTCTL, *args], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, **(env or {})})
+
+
+def test_hello_prints_json(daemon):
+    def script(d):
+        m = d.recv()
+        assert m.body.client == "rolloutctl"
+        d.send(m.id, HelloReply(build="b", model=ModelInfo(name="tiny-moe", top_k=2)))
+
+    peer = daemon(script)
+    # The endpoint from the environment, as launch scripts set it.
+    out = rolloutctl("hello", env={"ROLLOUTD_ENDPOINT": peer.endpoint})
+    assert out.returncode == 0, out.stderr
+    reply = json.loads(out.stdout)
+    assert list(reply) == ["version", "daemon", "build", "gpu", "model", "weight_version", "limits"]
+    assert reply["model"]["name"] == "tiny-moe" and reply["limits"]["max_frames"] == 16
+
+
+def test_generate_prints_collected_result(daemon):
+    def script(d):
+        m = d.recv()
+        req = m.body
+        assert (req.rid, req.input_ids, req.max_new_tokens, req.seed, req.stop_token_ids) == ("r1", [1, 2, 3], 2, 5,
+                                                                                            [9, 8])
+        assert (req.temperature, req.return_logprob, req.return_routed_experts, req.stream) == (0.0, True, True, False)
+        d.send(m.id, GenerateReply("r1"))
+        d.send(m.id, TokensEvent("r1", [10, 11], [-0.25, -1.5], [4, 4],
+                                 RoutedExperts("uint16", (2, 1, 2), 2, bytes([1, 0, 0, 1, 3, 0, 255, 255]))))
+        d.send(m.id, FinishedEvent("r1", "length", "", 3, 2))
+
+    peer = daemon(script)
+    out = rolloutctl("--endpoint", peer.endpoint, "generate", "--input-ids", "1,2,3", "--max-new-tokens", "2",
+                     "--temperature", "0", "--seed", "5", "--stop-ids", "9,8", "--logprobs", "--routed-experts",
+                     "--no-stream", "--rid", "r1")
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert (r["rid"], r["token_ids"], r["logprobs"], r["weight_versions"]) == ("r1", [10, 11], [-0.25, -1.5], [4, 4])
+    assert (r["finish_reason"], r["prompt_tokens"], r["completion_tokens"]) == ("length", 3, 2)
+    assert r["routed_experts"] == {"dtype": "uint16", "shape": [2, 1, 2], "start_pos": 2,
+                                   "ids": [[[1, 256]], [[3, 65535]]]}
+
+
+def test_error_reply_goes_to_stderr_with_exit_2(daemon):
+    def script(d):
+        m = d.recv()
+        assert m.body == AbortRequest(rid="gone")
+        d.send(m.id, ErrorInfo("draining", "shutting down", ""))
+
+    peer = daemon(script)
+    out = rolloutctl("--endpoint", peer.endpoint, "abort", "--rid", "gone")
+    assert out.returncode == 2 and out.stdout == ""
+    assert json.loads(out.stderr) == {"error": {"code": "draining", "message": "shutting down", "field": ""}}
+
+
+def test_usage_errors_exit_64():
+    assert rolloutctl().returncode == 64
+    assert rolloutctl("generate").returncode == 64  # --input-ids is required
+    assert rolloutctl("abort", "--rid", "x", "--all").returncode == 64
+    assert rolloutctl("generate", "--input-ids", "1,x").returncode == 64
+    assert rolloutctl("--help").returncode == 0
+
+
+def test_unreachable_daemon_exits_2():
+    out = rolloutctl("--endpoint", "tcp://127.0.0.1:1", "--timeout-s", "0.2", "status")
+    assert out.returncode == 2
+    assert json.loads(out.stderr)["error"]["code"] == "unavailable"
