@@ -179,6 +179,9 @@ protocol::StatusReply ControlActor::status_reply() const {
 void ControlActor::on_request(const std::string& identity, std::vector<zmq::message_t>& parts) {
   const auto t0 = Clock::now();
   const uint64_t client = client_for(identity);
+  // /readyz reads the signal flag directly; start the drain before judging this request so
+  // nothing is accepted after a probe has seen "draining".
+  if (drain_requested_.load() && !draining_) begin_drain(config_.drain_timeout_s, "signal");
   if (parts.size() < 2) {
     metrics_.on_request("invalid");
     reply_error(client, 0, Status(ErrorCode::kBadMessage, "empty message: expected an envelope frame"));
