@@ -121,7 +121,7 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
   info.routed_experts_dtype = core::routed_experts_dtype_for(mc.num_experts);
   obs::log_info("daemon", "model ready",
                 {{"model", mc.name}, {"device", ctx.device.to_string()}, {"seed", config.model_seed},
-                 {"parameters", (*engine)->model().parameters().size()}});
+                 {"parameters", (*engine)->model().weights().size()}});
 
   // ---- actors ----
   obs::Metrics metrics;

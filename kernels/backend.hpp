@@ -42,6 +42,10 @@ struct MoeExpertsArgs {
   TensorView topk_weights;    // [T, K] f32
   TensorView logical_to_physical;  // [E_logical] int32: compute slot of each logical expert
   int64_t num_valid_tokens = -1;   // rows >= this are padding: output zero, never read ids
+  // Row layout of each expert's w_gate_up: false = concatenated (gate rows [0, I), up rows
+  // [I, 2I)); true = interleaved (gate j at row 2j, up j at row 2j + 1), the kernel layout the
+  // weight registry's expert quant method keeps between sessions.
+  bool gate_up_interleaved = false;
 };
 
 struct Backend {

@@ -10,7 +10,8 @@ Engine::Engine(std::unique_ptr<MoeDecoder> model, const EngineOptions& options)
       options_(options),
       kv_(options.step.num_kv_blocks, options.step.kv_block_size),
       recorder_(model_->config().num_moe_layers(), model_->config().num_experts_per_tok,
-                options.step.max_tokens) {}
+                options.step.max_tokens),
+      updater_(model_->weights()) {}
 
 Result<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<MoeDecoder> model,
                                                const EngineOptions& options) {
@@ -32,6 +33,8 @@ Result<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<MoeDecoder> model
 Status Engine::submit(RequestSpec spec) {
   const ModelConfig& c = model_->config();
   if (spec.rid.empty()) return Status(ErrorCode::kInvalidArgument, "empty request id", "rid");
+  if (!updater_.broken_reason().empty())
+    return Status(ErrorCode::kNotReady, "the model is not whole: " + updater_.broken_reason());
   if (by_rid_.count(spec.rid))
     return Status(ErrorCode::kDuplicateRid, "request id '" + spec.rid + "' is already in flight", "rid");
   if (spec.input_ids.empty())
@@ -159,7 +162,58 @@ size_t Engine::abort_all(const std::string& reason, std::vector<EngineEvent>& ou
   return victims.size();
 }
 
+Engine::PauseCounts Engine::pause(PauseMode mode, std::vector<EngineEvent>& out) {
+  PauseCounts c;
+  paused_ = true;
+  if (mode == PauseMode::kAbort) {
+    c.aborted = static_cast<uint32_t>(abort_all("weight_update", out));
+  } else if (mode == PauseMode::kRetract) {
+    // Every request that has computed anything starts again from its prompt; running ones
+    // go back to the head of the queue in their running order, ahead of those never started.
+    std::vector<Sequence*> back;
+    for (Sequence* s : running_) back.push_back(s);
+    for (Sequence* s : waiting_) back.push_back(s);
+    running_.clear();
+    waiting_.clear();
+    for (Sequence* s : back) {
+      if (s->num_computed > 0 || s->num_generated > 0) {
+        EngineEvent e;
+        e.kind = EngineEvent::Kind::kRetracted;
+        e.rid = s->spec.rid;
+        e.tag = s->spec.tag;
+        e.num_tokens_discarded = s->num_generated;
+        out.push_back(std::move(e));
+        ++c.retracted;
+      }
+      s->tokens.resize(static_cast<size_t>(s->prompt_len));
+      s->num_computed = 0;
+      s->num_generated = 0;
+      s->running = false;
+      (void)kv_.release(s->blocks);
+      waiting_.push_back(s);
+    }
+  } else {
+    c.paused = static_cast<uint32_t>(running_.size() + waiting_.size());
+  }
+  return c;
+}
+
+uint32_t Engine::resume() {
+  paused_ = false;
+  return static_cast<uint32_t>(running_.size() + waiting_.size());
+}
+
+size_t Engine::fail_all(const Status& error, std::vector<EngineEvent>& out) {
+  std::vector<Sequence*> victims;
+  for (auto& [rid, s] : by_rid_) victims.push_back(s.get());
+  std::sort(victims.begin(), victims.end(),
+            [](const Sequence* a, const Sequence* b) { return a->spec.rid < b->spec.rid; });
+  for (Sequence* s : victims) fail(*s, error, out);
+  return victims.size();
+}
+
 Status Engine::step(std::vector<EngineEvent>& out) {
+  if (!can_step()) return Status::Ok();
   admit();
   if (running_.empty()) return Status::Ok();
 

@@ -18,6 +18,7 @@
 #include "core/model/moe_decoder.hpp"
 #include "core/moe/routed_experts.hpp"
 #include "core/sampling/sampler.hpp"
+#include "core/weights/session.hpp"
 
 namespace rolloutd::core {
 
@@ -34,7 +35,9 @@ struct RequestSpec {
 };
 
 struct EngineEvent {
-  enum class Kind : uint8_t { kTokens, kFinished, kFailed };
+  // kRetracted: the request restarts from its prompt (pause mode retract); what the client
+  // received for it so far is void. Not final.
+  enum class Kind : uint8_t { kTokens, kFinished, kFailed, kRetracted };
   Kind kind = Kind::kTokens;
   std::string rid;
   uint64_t tag = 0;
@@ -52,6 +55,8 @@ struct EngineEvent {
   uint32_t completion_tokens = 0;
   // kFailed
   Status error;
+  // kRetracted
+  uint32_t num_tokens_discarded = 0;
 };
 
 struct EngineOptions {
@@ -84,7 +89,29 @@ class Engine {
   size_t abort_all(const std::string& reason, std::vector<EngineEvent>& out,
                    std::optional<uint64_t> tag_filter = std::nullopt);
 
-  bool has_work() const { return !waiting_.empty() || !running_.empty(); }
+  // Requests in flight (waiting or running), whether or not they can advance now.
+  bool has_requests() const { return !waiting_.empty() || !running_.empty(); }
+  // Requests that step() would advance: none while paused, while a weight-update session is
+  // open, or while the model is not whole after a failed session.
+  bool has_work() const { return has_requests() && can_step(); }
+  bool can_step() const { return !paused_ && updater_.whole(); }
+
+  // ---- weight updates and pause modes ----
+  enum class PauseMode : uint8_t { kAbort, kRetract, kInPlace };
+  struct PauseCounts {
+    uint32_t aborted = 0, retracted = 0, paused = 0;
+  };
+  // abort: in-flight requests end with finished{abort, "weight_update"}; retract: they get a
+  // retracted event and restart from their prompt when generation continues (nothing stale
+  // kept); in_place: they keep their state and continue, their tokens' versions showing the
+  // switch. New requests are accepted and queued while paused.
+  PauseCounts pause(PauseMode mode, std::vector<EngineEvent>& out);
+  uint32_t resume();  // returns the number of requests that can continue
+  bool paused() const { return paused_; }
+  WeightUpdater& updater() { return updater_; }
+  const WeightUpdater& updater() const { return updater_; }
+  // Fails every request in flight with `error` (the model stopped being whole under them).
+  size_t fail_all(const Status& error, std::vector<EngineEvent>& out);
   // One scheduling step: admit, run one forward pass, sample, emit events.
   // A forward failure fails the affected requests (failed events) and is returned.
   Status step(std::vector<EngineEvent>& out);
@@ -121,6 +148,8 @@ class Engine {
   std::unordered_map<std::string, std::unique_ptr<Sequence>> by_rid_;
   std::deque<Sequence*> waiting_;
   std::vector<Sequence*> running_;
+  WeightUpdater updater_;
+  bool paused_ = false;
   uint64_t weight_version_ = 0;
   uint64_t requests_total_ = 0;
   uint64_t prompt_tokens_total_ = 0;

@@ -24,6 +24,9 @@ struct ModelConfig {
   double rms_norm_eps = 1e-6;
   int64_t max_position_embeddings = 4096;
   bool norm_topk_prob = true;
+  // How a checkpoint's fused `mlp.experts.gate_up_proj` orders its rows: concatenated
+  // (gate rows, then up rows: transformers 5) or interleaved (gate j, up j, ...: gpt-oss).
+  bool gate_up_checkpoint_interleaved = false;
 
   int64_t num_moe_layers() const { return num_hidden_layers; }
   // Checks internal consistency (positive sizes, heads divisible, top_k <= experts, ...).

@@ -35,9 +35,8 @@ ModelConfig embedded_model_config() {
 
 Status init_random_weights(MoeDecoder& model, uint64_t seed) {
   std::vector<float> host;
-  const auto& backend = model.backend();
-  const auto& ctx = model.context();
-  for (const Parameter& p : model.parameters().all()) {
+  WeightRegistry& reg = model.weights();
+  for (const RegisteredParameter& p : reg.parameters()) {
     if (p.storage.dtype != DType::kF32)
       return Status(ErrorCode::kInternal, "random init expects FP32 parameters", p.name);
     host.resize(static_cast<size_t>(p.storage.numel()));
@@ -52,11 +51,14 @@ Status init_random_weights(MoeDecoder& model, uint64_t seed) {
       if (p.name == "lm_head.weight") gain = 4.0f;
       fill_uniform(host, seed, p.name, gain / std::sqrt(static_cast<float>(fan_in)));
     }
-    const CopyKind kind =
-        ctx.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost : CopyKind::kHostToDevice;
-    RD_RETURN_IF_ERROR(backend.copy(ctx, p.storage.data, host.data(), host.size() * sizeof(float), kind));
+    // The values are in checkpoint layout; write them through the registry like any loader.
+    const CheckpointTensor* t = reg.resolve(p.name);
+    if (!t) return Status(ErrorCode::kInternal, "no whole-tensor checkpoint name", p.name);
+    const std::vector<int64_t> shape(p.storage.shape.data(), p.storage.shape.data() + p.storage.rank());
+    RD_RETURN_IF_ERROR(reg.load(*t, DType::kF32, shape,
+                                {reinterpret_cast<const uint8_t*>(host.data()), host.size() * sizeof(float)}));
   }
-  return backend.synchronize(ctx);
+  return reg.postprocess_all();
 }
 
 }  // namespace rolloutd::core

@@ -42,9 +42,11 @@ Status MoeDecoder::allocate() {
   kv_arena_ = std::make_unique<StableArena>(backend_, ctx_, MemoryTag::kKvCache);
   scratch_arena_ = std::make_unique<StableArena>(backend_, ctx_, MemoryTag::kScratch);
 
-  auto param = [&](const std::string& name, Shape shape, TensorView& out) -> Status {
+  weights_ = std::make_unique<WeightRegistry>(backend_, ctx_);
+  auto param = [&](const std::string& name, Shape shape, TensorView& out,
+                   std::unique_ptr<QuantMethod> method = nullptr, bool whole_alias = true) -> Status {
     RD_ASSIGN_OR_RETURN(out, weights_arena_->allocate(DType::kF32, shape));
-    return params_.add(name, out);
+    return weights_->add(name, out, std::move(method), whole_alias);
   };
   const int64_t H = c.hidden_size, D = c.head_dim, QH = c.num_attention_heads,
                 KVH = c.num_key_value_heads, E = c.num_experts, I = c.moe_intermediate_size;
@@ -61,9 +63,12 @@ Status MoeDecoder::allocate() {
     RD_RETURN_IF_ERROR(param(p + "self_attn.o_proj.weight", Shape{H, QH * D}, L.o_proj));
     RD_RETURN_IF_ERROR(param(p + "post_attention_layernorm.weight", Shape{H}, L.post_attention_layernorm));
     RD_RETURN_IF_ERROR(param(p + "mlp.gate.weight", Shape{E, H}, L.router));
-    // Stacked expert tensors as transformers 5 stores them (gate rows, then up rows).
-    RD_RETURN_IF_ERROR(param(p + "mlp.experts.gate_up_proj", Shape{E, 2 * I, H}, L.experts_gate_up));
+    // Stacked expert tensors as transformers 5 stores them (gate rows, then up rows); the
+    // kernel layout interleaves gate/up rows (InterleaveGateUpMethod).
+    RD_RETURN_IF_ERROR(param(p + "mlp.experts.gate_up_proj", Shape{E, 2 * I, H}, L.experts_gate_up,
+                             std::make_unique<InterleaveGateUpMethod>(I), !c.gate_up_checkpoint_interleaved));
     RD_RETURN_IF_ERROR(param(p + "mlp.experts.down_proj", Shape{E, H, I}, L.experts_down));
+    RD_RETURN_IF_ERROR(add_loader_aliases(l));
 
     const Shape cache{limits_.num_kv_blocks, limits_.kv_block_size, KVH, D};
     RD_ASSIGN_OR_RETURN(L.k_cache, kv_arena_->allocate(DType::kF32, cache));
@@ -108,6 +113,39 @@ Status MoeDecoder::allocate() {
   return Status::Ok();
 }
 
+Status MoeDecoder::add_loader_aliases(int64_t l) {
+  const auto& c = config_;
+  const int64_t H = c.hidden_size, D = c.head_dim, QH = c.num_attention_heads,
+                KVH = c.num_key_value_heads, E = c.num_experts, I = c.moe_intermediate_size;
+  const std::string p = "model.layers." + std::to_string(l) + ".";
+  const size_t gate_up = weights_->index_of(p + "mlp.experts.gate_up_proj");
+  const size_t down = weights_->index_of(p + "mlp.experts.down_proj");
+  // Per-expert tensors (Hugging Face checkpoints before transformers 5, Mixtral, Qwen3-MoE).
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+    RD_RETURN_IF_ERROR(weights_->add_alias({x + "gate_proj.weight", {I, H}, {RowCopy{gate_up, e, 0, 1, 0, 1, I}}}));
+    RD_RETURN_IF_ERROR(weights_->add_alias({x + "up_proj.weight", {I, H}, {RowCopy{gate_up, e, 0, 1, I, 1, I}}}));
+    RD_RETURN_IF_ERROR(weights_->add_alias({x + "down_proj.weight", {H, I}, {RowCopy{down, e, 0, 1, 0, 1, H}}}));
+  }
+  if (c.gate_up_checkpoint_interleaved) {
+    // Fused tensor with gate j at row 2j and up j at row 2j + 1 of each expert (gpt-oss order).
+    CheckpointTensor t{p + "mlp.experts.gate_up_proj", {E, 2 * I, H}, {}};
+    for (int64_t e = 0; e < E; ++e) {
+      t.pieces.push_back(RowCopy{gate_up, e, e * 2 * I, 2, 0, 1, I});
+      t.pieces.push_back(RowCopy{gate_up, e, e * 2 * I + 1, 2, I, 1, I});
+    }
+    RD_RETURN_IF_ERROR(weights_->add_alias(std::move(t)));
+  }
+  // Fused QKV (rows q, then k, then v).
+  const size_t q = weights_->index_of(p + "self_attn.q_proj.weight");
+  const size_t k = weights_->index_of(p + "self_attn.k_proj.weight");
+  const size_t v = weights_->index_of(p + "self_attn.v_proj.weight");
+  return weights_->add_alias({p + "self_attn.qkv_proj.weight",
+                              {(QH + 2 * KVH) * D, H},
+                              {RowCopy{q, -1, 0, 1, 0, 1, QH * D}, RowCopy{k, -1, QH * D, 1, 0, 1, KVH * D},
+                               RowCopy{v, -1, (QH + KVH) * D, 1, 0, 1, KVH * D}}});
+}
+
 Status MoeDecoder::forward(const StepBatch& b, std::vector<float>& logits,
                            RoutedExpertRecorder* recorder) {
   const auto& c = config_;
@@ -116,6 +154,10 @@ Status MoeDecoder::forward(const StepBatch& b, std::vector<float>& logits,
   const int64_t R = static_cast<int64_t>(b.logits_rows.size());
   // Host-side validation: the batch is built by the scheduler, but a bad batch must fail
   // with a status, never index out of bounds in a kernel.
+  if (!weights_->all_kernel_layout())
+    return Status(ErrorCode::kFailedPrecondition,
+                  "parameters are not in kernel layout (a weight update is in progress or was never finished)",
+                  "weights");
   if (T <= 0 || T > limits_.max_tokens)
     return Status(ErrorCode::kInternal, "step token count outside [1, max_tokens]", "token_ids");
   if (S <= 0 || S > limits_.max_seqs || b.max_blocks_per_seq > limits_.max_blocks_per_seq)
@@ -203,6 +245,7 @@ Status MoeDecoder::forward(const StepBatch& b, std::vector<float>& logits,
     args.topk_weights = topk_w;
     args.logical_to_physical = L.logical_to_physical;
     args.num_valid_tokens = T;
+    args.gate_up_interleaved = true;  // kernel layout of InterleaveGateUpMethod
     RD_RETURN_IF_ERROR(backend_.moe_experts(ctx_, args));
     RD_RETURN_IF_ERROR(backend_.add(ctx_, h, h, moe_out));
   }

@@ -9,10 +9,10 @@
 #include <vector>
 
 #include "core/model/config.hpp"
-#include "core/model/parameters.hpp"
 #include "core/moe/expert_map.hpp"
 #include "core/moe/routed_experts.hpp"
 #include "core/storage/arena.hpp"
+#include "core/weights/registry.hpp"
 #include "kernels/backend.hpp"
 
 namespace rolloutd::core {
@@ -45,8 +45,10 @@ struct StepLimits {
 class MoeDecoder {
  public:
   // Allocates parameters (weights arena), KV cache (kv arena) and step workspace (scratch
-  // arena) once; registers every parameter under its Hugging Face name. Values are
-  // uninitialised until a loader writes them (see embedded_model.hpp).
+  // arena) once; registers every parameter under its Hugging Face name, with the loader
+  // aliases (per-expert tensors, fused QKV). Parameters start in checkpoint layout with
+  // unspecified values: a loader writes them, then weights().postprocess_all() moves them to
+  // kernel layout (see embedded_model.hpp). forward() refuses to run before that.
   static Result<std::unique_ptr<MoeDecoder>> create(const ModelConfig& config,
                                                      const StepLimits& limits,
                                                      const Backend& backend, ExecContext ctx);
@@ -57,8 +59,9 @@ class MoeDecoder {
 
   const ModelConfig& config() const { return config_; }
   const StepLimits& limits() const { return limits_; }
-  const ParameterTable& parameters() const { return params_; }
-  ParameterTable& parameters() { return params_; }
+  // Every parameter under its checkpoint name, with quant method and layout flag.
+  const WeightRegistry& weights() const { return *weights_; }
+  WeightRegistry& weights() { return *weights_; }
   const Backend& backend() const { return backend_; }
   const ExecContext& context() const { return ctx_; }
   const ExpertMap& expert_map(int64_t layer) const { return layers_[static_cast<size_t>(layer)].expert_map; }
@@ -81,13 +84,14 @@ class MoeDecoder {
 
   MoeDecoder(const ModelConfig& c, const StepLimits& l, const Backend& b, ExecContext ctx);
   Status allocate();
+  Status add_loader_aliases(int64_t layer);
 
   ModelConfig config_;
   StepLimits limits_;
   const Backend& backend_;
   ExecContext ctx_;
   std::unique_ptr<StableArena> weights_arena_, kv_arena_, scratch_arena_;
-  ParameterTable params_;
+  std::unique_ptr<WeightRegistry> weights_;
   TensorView embed_tokens_, final_norm_, lm_head_;
   std::vector<Layer> layers_;
   Workspace ws_;

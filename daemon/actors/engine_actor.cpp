@@ -30,6 +30,7 @@ void EngineActor::account(const std::vector<core::EngineEvent>& events) {
       case core::EngineEvent::Kind::kTokens: generated += e.token_ids.size(); break;
       case core::EngineEvent::Kind::kFinished: metrics_.on_finished(e.finish_reason); break;
       case core::EngineEvent::Kind::kFailed: metrics_.on_finished("failed"); break;
+      case core::EngineEvent::Kind::kRetracted: break;
     }
   }
   if (generated) metrics_.add_generated_tokens(generated);
@@ -139,7 +140,7 @@ void EngineActor::run() {
     }
     if (stop_) break;
 
-    if (draining_ && engine_->has_work() && Clock::now() >= drain_deadline_) {
+    if (draining_ && engine_->has_requests() && Clock::now() >= drain_deadline_) {
       std::vector<core::EngineEvent> events;
       const size_t n = engine_->abort_all("shutdown", events);
       obs::log_warn("engine", "drain deadline reached; aborted in-flight requests", {{"count", n}});
@@ -170,7 +171,7 @@ void EngineActor::run() {
         }
       }
     }
-    if (draining_ && !drain_done_sent_ && !engine_->has_work()) {
+    if (draining_ && !drain_done_sent_ && !engine_->has_requests()) {
       drain_done_sent_ = true;
       send(DrainDone{});
     }

@@ -109,7 +109,9 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
         gate_up[static_cast<size_t>(r)] = dot(gu + r * hidden, xr, hidden);
       for (int64_t i = 0; i < inter; ++i)
         h[static_cast<size_t>(i)] =
-            silu(gate_up[static_cast<size_t>(i)]) * gate_up[static_cast<size_t>(inter + i)];
+            a.gate_up_interleaved
+                ? silu(gate_up[static_cast<size_t>(2 * i)]) * gate_up[static_cast<size_t>(2 * i + 1)]
+                : silu(gate_up[static_cast<size_t>(i)]) * gate_up[static_cast<size_t>(inter + i)];
       const float wk = topk_w[t * top_k + k];
       const float* down = w_down + e * hidden * inter;
       for (int64_t j = 0; j < hidden; ++j) orow[j] += wk * dot(down + j * inter, h.data(), inter);

@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kMoeThreads)
                        const float* __restrict__ w_gate_up, const float* __restrict__ w_down,
                        const int32_t* __restrict__ topk_ids, const float* __restrict__ topk_w,
                        const int32_t* __restrict__ l2p, int64_t num_valid, int64_t hidden,
-                       int64_t inter, int top_k, int num_logical, int num_phys) {
+                       int64_t inter, int top_k, int num_logical, int num_phys, bool interleaved) {
   extern __shared__ float h[];
   const int64_t t = blockIdx.x;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -114,8 +114,8 @@ __global__ void __launch_bounds__(kMoeThreads)
 
     const float* gu = w_gate_up + e * 2 * inter * hidden;
     for (int64_t i = warp; i < inter; i += kMoeWarps) {
-      const float* gate_row = gu + i * hidden;
-      const float* up_row = gu + (inter + i) * hidden;
+      const float* gate_row = gu + (interleaved ? 2 * i : i) * hidden;
+      const float* up_row = gu + (interleaved ? 2 * i + 1 : inter + i) * hidden;
       float g = 0.0f, u = 0.0f;
       for (int64_t c = lane; c < hidden; c += 32) {
         g += gate_row[c] * xr[c];
@@ -191,7 +191,8 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
       a.w_down.as<const float>(), a.topk_ids.as<const int32_t>(),
       a.topk_weights.as<const float>(), a.logical_to_physical.as<const int32_t>(),
       op_checks::moe_valid_rows(a), a.x.size(1), inter, static_cast<int>(a.topk_ids.size(1)),
-      static_cast<int>(a.logical_to_physical.size(0)), static_cast<int>(a.w_gate_up.size(0)));
+      static_cast<int>(a.logical_to_physical.size(0)), static_cast<int>(a.w_gate_up.size(0)),
+      a.gate_up_interleaved);
   RD_CUDA_CHECK_LAUNCH("moe_experts_kernel");
   return Status::Ok();
 }

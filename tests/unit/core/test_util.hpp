@@ -53,6 +53,20 @@ inline std::unique_ptr<core::Engine> embedded_engine(const core::StepLimits& lim
   return std::move(*e);
 }
 
+// Random finite bf16 bit patterns (normal values in roughly [-4, 4]), deterministic.
+inline void fill_bf16_values(std::vector<uint16_t>& out, uint64_t seed) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (auto& v : out) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    const uint16_t sign = static_cast<uint16_t>((x >> 63) << 15);
+    const uint16_t exp = static_cast<uint16_t>(120 + (x >> 40) % 9);  // 2^-7 .. 2^1
+    const uint16_t man = static_cast<uint16_t>(x & 0x7f);
+    v = static_cast<uint16_t>(sign | (exp << 7) | man);
+  }
+}
+
 // Runs the engine until idle (bounded), collecting every event.
 inline std::vector<core::EngineEvent> run_to_idle(core::Engine& e, int max_steps = 10000) {
   std::vector<core::EngineEvent> out;

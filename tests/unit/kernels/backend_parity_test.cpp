@@ -442,9 +442,13 @@ void moe_cases() {
           slots.resize(static_cast<size_t>(p.e_logical));
           c.add_i32("logical_to_physical", {p.e_logical}, slots);
           c.add_out("out", DType::kF32, {p.t, p.h});
-          c.run = [valid = p.valid, t = p.t](const Backend& b, const ExecContext& x,
-                                             const std::vector<TensorView>& a) {
+          // Half the shapes read the experts' gate/up rows interleaved (the registry's kernel
+          // layout), half concatenated.
+          const bool interleaved = (p.e_phys + p.t) % 2 == 1;
+          c.run = [valid = p.valid, t = p.t, interleaved](const Backend& b, const ExecContext& x,
+                                                          const std::vector<TensorView>& a) {
             MoeExpertsArgs args;
+            args.gate_up_interleaved = interleaved;
             args.x = a[0];
             args.w_gate_up = a[1];
             args.w_down = a[2];

@@ -34,7 +34,7 @@ TEST(EmbeddedModel, WeightsMatchReferenceBitForBit) {
   ASSERT_EQ(golden["seed"].get<uint64_t>(), core::kEmbeddedModelSeed);
   auto model = test::embedded_model(test::small_limits());
   for (const auto& [name, values] : golden["weight_samples"].items()) {
-    const core::Parameter* p = model->parameters().find(name);
+    const core::RegisteredParameter* p = model->weights().find(name);
     ASSERT_NE(p, nullptr) << name;
     const float* w = p->storage.as<float>();
     for (size_t i = 0; i < values.size(); ++i)

@@ -1,0 +1,88 @@
+#pragma once
+// Quant methods: how a registered parameter moves between its checkpoint layout
+// (what the trainer sends, what checksums and get_weights_by_name report) and its
+// kernel layout (what the forward pass reads). Three hooks, each in place:
+//   restore_before_load     kernel layout -> checkpoint layout
+//   load                    write checkpoint-layout rows, converting dtype where allowed
+//   postprocess_after_load  checkpoint layout -> kernel layout
+// A per-parameter state flag makes the pair safe to call in any order: restoring a
+// parameter already in checkpoint layout and postprocessing one already in kernel
+// layout are refused no-ops (counted), never a second permutation -- the bug where a
+// partial session permuted an already-permuted weight.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/backend.hpp"
+#include "kernels/status.hpp"
+#include "kernels/tensor_view.hpp"
+
+namespace rolloutd::core {
+
+enum class Layout : uint8_t { kCheckpoint, kKernel };
+
+// A block of rows copied from a source tensor into a parameter (checkpoint coordinates).
+// Rows are the last dimension's vectors; `expert` selects the slice of a stacked [E, R, C]
+// parameter (-1 for unstacked parameters).
+struct RowCopy {
+  size_t param = 0;
+  int64_t expert = -1;
+  int64_t src_start = 0, src_stride = 1;
+  int64_t dst_start = 0, dst_stride = 1;
+  int64_t count = 0;
+};
+
+class QuantMethod {
+ public:
+  virtual ~QuantMethod() = default;
+  virtual const char* name() const = 0;
+  // True when restore/postprocess actually move data (begin_weight_update restores these).
+  virtual bool transforms_layout() const = 0;
+  virtual Status restore_before_load(const Backend& b, const ExecContext& ctx, TensorView storage) = 0;
+  virtual Status postprocess_after_load(const Backend& b, const ExecContext& ctx, TensorView storage) = 0;
+  // Checkpoint row `r` of expert `e` lives at kernel row kernel_row(r) (identity by default).
+  virtual int64_t kernel_row(int64_t checkpoint_row) const { return checkpoint_row; }
+  // Non-checkpoint state the method owns (permutations, constants): backed up across memory
+  // release later; exposed so tests can check it is bit-identical afterwards.
+  virtual std::vector<int32_t> static_state() const { return {}; }
+};
+
+// Unquantized parameters: both layouts are the same bytes.
+class IdentityMethod final : public QuantMethod {
+ public:
+  const char* name() const override { return "identity"; }
+  bool transforms_layout() const override { return false; }
+  Status restore_before_load(const Backend&, const ExecContext&, TensorView) override { return Status::Ok(); }
+  Status postprocess_after_load(const Backend&, const ExecContext&, TensorView) override { return Status::Ok(); }
+};
+
+// Stacked expert gate/up weights [E, 2I, H]: the checkpoint concatenates gate rows [0, I)
+// and up rows [I, 2I); the kernel layout interleaves them (gate j at row 2j, up j at 2j + 1)
+// so one pass over an expert reads each gate/up pair together -- the layout the fused
+// MXFP4 expert GEMM will want. The permutation is applied in place, cycle by cycle, with a
+// one-row temporary: no tensor-sized second buffer.
+class InterleaveGateUpMethod final : public QuantMethod {
+ public:
+  explicit InterleaveGateUpMethod(int64_t intermediate);
+  const char* name() const override { return "interleave_gate_up"; }
+  bool transforms_layout() const override { return true; }
+  Status restore_before_load(const Backend& b, const ExecContext& ctx, TensorView storage) override;
+  Status postprocess_after_load(const Backend& b, const ExecContext& ctx, TensorView storage) override;
+  int64_t kernel_row(int64_t checkpoint_row) const override {
+    return kernel_of_checkpoint_[static_cast<size_t>(checkpoint_row)];
+  }
+  std::vector<int32_t> static_state() const override { return kernel_of_checkpoint_; }
+
+ private:
+  // Moves row src_of[k] to row k for every k, in place.
+  Status permute(const Backend& b, const ExecContext& ctx, TensorView storage,
+                 const std::vector<int32_t>& src_of, const std::vector<std::vector<int32_t>>& cycles);
+  int64_t inter_;
+  std::vector<int32_t> kernel_of_checkpoint_;      // checkpoint row -> kernel row
+  std::vector<int32_t> checkpoint_of_kernel_;      // kernel row -> checkpoint row
+  std::vector<std::vector<int32_t>> to_kernel_cycles_, to_checkpoint_cycles_;
+  std::vector<char> row_tmp_;
+};
+
+}  // namespace rolloutd::core

@@ -1,0 +1,236 @@
+#include "core/weights/registry.hpp"
+
+#include <cstring>
+#include <limits>
+
+#include "kernels/bf16.hpp"
+
+namespace rolloutd::core {
+namespace {
+
+bool convertible(DType dst, DType src) {
+  if (dst == src) return true;
+  return (dst == DType::kF32 && src == DType::kBF16) || (dst == DType::kBF16 && src == DType::kF32);
+}
+
+// Converts `n` elements of `src` (src_dtype) into `dst` (dst_dtype), host memory.
+void convert(void* dst, DType dst_dtype, const uint8_t* src, DType src_dtype, size_t n) {
+  if (dst_dtype == src_dtype) {
+    std::memcpy(dst, src, n * dtype_size(dst_dtype));
+  } else if (dst_dtype == DType::kF32 && src_dtype == DType::kBF16) {
+    auto* d = static_cast<float*>(dst);
+    for (size_t i = 0; i < n; ++i) {
+      uint16_t b;
+      std::memcpy(&b, src + 2 * i, 2);
+      d[i] = bf16_bits_to_f32(b);
+    }
+  } else {  // BF16 <- FP32
+    auto* d = static_cast<uint16_t*>(dst);
+    for (size_t i = 0; i < n; ++i) {
+      float f;
+      std::memcpy(&f, src + 4 * i, 4);
+      d[i] = f32_to_bf16_bits(f);
+    }
+  }
+}
+
+std::string shape_string(std::span<const int64_t> s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+}  // namespace
+
+RowGeometry row_geometry(const TensorView& s) {
+  if (s.rank() >= 3) {
+    int64_t cols = 1;
+    for (int i = 2; i < s.rank(); ++i) cols *= s.size(i);
+    return {s.size(0), s.size(1), cols};
+  }
+  if (s.rank() == 2) return {1, s.size(0), s.size(1)};
+  return {1, 1, s.numel()};
+}
+
+bool WeightRegistry::all_kernel_layout() const {
+  for (const auto& p : params_)
+    if (p.layout != Layout::kKernel) return false;
+  return true;
+}
+
+Status WeightRegistry::add(std::string name, TensorView storage, std::unique_ptr<QuantMethod> method,
+                           bool whole_name_alias) {
+  if (param_index_.count(name) || tensors_.count(name))
+    return Status(ErrorCode::kInternal, "parameter registered twice", name);
+  const size_t index = params_.size();
+  const RowGeometry g = row_geometry(storage);
+  CheckpointTensor whole;
+  whole.name = name;
+  whole.shape.assign(storage.shape.data(), storage.shape.data() + storage.rank());
+  for (int64_t e = 0; e < g.experts; ++e) {
+    RowCopy c;
+    c.param = index;
+    c.expert = storage.rank() >= 3 ? e : -1;
+    c.src_start = e * g.rows;
+    c.count = g.rows;
+    whole.pieces.push_back(c);
+  }
+  if (whole_name_alias) tensors_.emplace(name, std::move(whole));
+  param_index_.emplace(name, index);
+  RegisteredParameter p;
+  p.name = std::move(name);
+  p.storage = storage;
+  p.method = method ? std::move(method) : std::make_unique<IdentityMethod>();
+  params_.push_back(std::move(p));
+  return Status::Ok();
+}
+
+Status WeightRegistry::add_alias(CheckpointTensor alias) {
+  if (tensors_.count(alias.name)) return Status(ErrorCode::kInternal, "checkpoint name registered twice", alias.name);
+  int64_t src_rows = 1, cols = -1;
+  for (size_t i = 0; i + 1 < alias.shape.size(); ++i) src_rows *= alias.shape[i];
+  for (const RowCopy& c : alias.pieces) {
+    if (c.param >= params_.size()) return Status(ErrorCode::kInternal, "alias targets an unknown parameter", alias.name);
+    const RowGeometry g = row_geometry(params_[c.param].storage);
+    if (cols >= 0 && cols != g.cols) return Status(ErrorCode::kInternal, "alias pieces differ in row width", alias.name);
+    cols = g.cols;
+    const int64_t last_src = c.src_start + (c.count - 1) * c.src_stride;
+    const int64_t last_dst = c.dst_start + (c.count - 1) * c.dst_stride;
+    if (c.count <= 0 || c.src_start < 0 || last_src >= src_rows || c.dst_start < 0 || last_dst >= g.rows ||
+        c.expert >= g.experts || (c.expert < 0 && params_[c.param].storage.rank() >= 3))
+      return Status(ErrorCode::kInternal, "alias row copy out of bounds", alias.name);
+  }
+  if (alias.shape.empty() || alias.shape.back() != cols)
+    return Status(ErrorCode::kInternal, "alias row width differs from its target", alias.name);
+  std::string key = alias.name;
+  tensors_.emplace(std::move(key), std::move(alias));
+  return Status::Ok();
+}
+
+const CheckpointTensor* WeightRegistry::resolve(std::string_view name) const {
+  auto it = tensors_.find(std::string(name));
+  return it == tensors_.end() ? nullptr : &it->second;
+}
+
+const RegisteredParameter* WeightRegistry::find(std::string_view name) const {
+  const size_t i = index_of(name);
+  return i == SIZE_MAX ? nullptr : &params_[i];
+}
+
+size_t WeightRegistry::index_of(std::string_view name) const {
+  auto it = param_index_.find(std::string(name));
+  return it == param_index_.end() ? SIZE_MAX : it->second;
+}
+
+Status WeightRegistry::check_load(const CheckpointTensor& t, DType src_dtype, std::span<const int64_t> shape,
+                                  size_t src_bytes) const {
+  if (shape.size() != t.shape.size() || !std::equal(shape.begin(), shape.end(), t.shape.begin()))
+    return Status(ErrorCode::kInvalidArgument,
+                  "shape " + shape_string(shape) + " does not match " + t.name + " " + shape_string(t.shape),
+                  "shape");
+  uint64_t numel = 1;
+  for (int64_t d : shape) numel *= static_cast<uint64_t>(d);
+  if (numel * dtype_size(src_dtype) != src_bytes)
+    return Status(ErrorCode::kInvalidArgument, "byte count does not match shape and dtype", "nbytes");
+  for (const RowCopy& c : t.pieces) {
+    const RegisteredParameter& p = params_[c.param];
+    if (!convertible(p.storage.dtype, src_dtype))
+      return Status(ErrorCode::kInvalidArgument,
+                    std::string("cannot load ") + std::string(dtype_name(src_dtype)) + " into " +
+                        std::string(dtype_name(p.storage.dtype)) + " parameter " + p.name,
+                    "dtype");
+    if (p.layout != Layout::kCheckpoint)
+      return Status(ErrorCode::kFailedPrecondition,
+                    "parameter " + p.name + " is in kernel layout: it was not selected by begin_weight_update",
+                    "name");
+  }
+  return Status::Ok();
+}
+
+Status WeightRegistry::load(const CheckpointTensor& t, DType src_dtype, std::span<const int64_t> shape,
+                            std::span<const uint8_t> src) {
+  RD_RETURN_IF_ERROR(check_load(t, src_dtype, shape, src.size()));
+  const size_t src_elem = dtype_size(src_dtype);
+  for (const RowCopy& c : t.pieces) {
+    RegisteredParameter& p = params_[c.param];
+    const RowGeometry g = row_geometry(p.storage);
+    const size_t dst_elem = dtype_size(p.storage.dtype);
+    const size_t src_row_bytes = static_cast<size_t>(g.cols) * src_elem;
+    const size_t dst_row_bytes = static_cast<size_t>(g.cols) * dst_elem;
+    const bool host = p.storage.device.kind == DeviceKind::kCpu;
+    char* base = static_cast<char*>(p.storage.data) +
+                 dst_row_bytes * static_cast<size_t>((c.expert < 0 ? 0 : c.expert) * g.rows);
+    // Contiguous runs move as one block (one conversion, one copy); strided ones row by row.
+    const int64_t run = (c.src_stride == 1 && c.dst_stride == 1) ? c.count : 1;
+    for (int64_t i = 0; i < c.count; i += run) {
+      const uint8_t* s = src.data() + src_row_bytes * static_cast<size_t>(c.src_start + i * c.src_stride);
+      char* d = base + dst_row_bytes * static_cast<size_t>(c.dst_start + i * c.dst_stride);
+      const size_t n = static_cast<size_t>(g.cols * run);
+      if (host) {
+        convert(d, p.storage.dtype, s, src_dtype, n);
+      } else if (p.storage.dtype == src_dtype) {
+        RD_RETURN_IF_ERROR(backend_.copy(ctx_, d, s, n * dst_elem, CopyKind::kHostToDevice));
+      } else {
+        scratch_.resize(n * dst_elem);
+        convert(scratch_.data(), p.storage.dtype, s, src_dtype, n);
+        RD_RETURN_IF_ERROR(backend_.copy(ctx_, d, scratch_.data(), n * dst_elem, CopyKind::kHostToDevice));
+        RD_RETURN_IF_ERROR(backend_.synchronize(ctx_));  // scratch_ is reused by the next run
+      }
+    }
+    p.loads += static_cast<uint64_t>(c.count);
+  }
+  if (ctx_.device.kind != DeviceKind::kCpu) RD_RETURN_IF_ERROR(backend_.synchronize(ctx_));
+  return Status::Ok();
+}
+
+Status WeightRegistry::restore(size_t i) {
+  RegisteredParameter& p = params_[i];
+  if (p.layout == Layout::kCheckpoint) {
+    ++counters_.refused_restores;
+    return Status::Ok();
+  }
+  RD_RETURN_IF_ERROR(p.method->restore_before_load(backend_, ctx_, p.storage));
+  p.layout = Layout::kCheckpoint;
+  return Status::Ok();
+}
+
+Status WeightRegistry::postprocess(size_t i) {
+  RegisteredParameter& p = params_[i];
+  if (p.layout == Layout::kKernel) {
+    ++counters_.refused_postprocesses;
+    return Status::Ok();
+  }
+  RD_RETURN_IF_ERROR(p.method->postprocess_after_load(backend_, ctx_, p.storage));
+  p.layout = Layout::kKernel;
+  p.loads = 0;
+  return Status::Ok();
+}
+
+Status WeightRegistry::postprocess_all() {
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].layout == Layout::kCheckpoint) RD_RETURN_IF_ERROR(postprocess(i));
+  return Status::Ok();
+}
+
+Status WeightRegistry::read_checkpoint(size_t i, std::vector<uint8_t>& out) const {
+  const RegisteredParameter& p = params_[i];
+  const RowGeometry g = row_geometry(p.storage);
+  const size_t row_bytes = static_cast<size_t>(g.cols) * dtype_size(p.storage.dtype);
+  out.resize(row_bytes * static_cast<size_t>(g.rows * g.experts));
+  const CopyKind kind = p.storage.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost : CopyKind::kDeviceToHost;
+  if (p.layout == Layout::kCheckpoint || !p.method->transforms_layout()) {
+    RD_RETURN_IF_ERROR(backend_.copy(ctx_, out.data(), p.storage.data, out.size(), kind));
+  } else {
+    for (int64_t e = 0; e < g.experts; ++e)
+      for (int64_t r = 0; r < g.rows; ++r) {
+        const char* src = static_cast<const char*>(p.storage.data) +
+                          row_bytes * static_cast<size_t>(e * g.rows + p.method->kernel_row(r));
+        RD_RETURN_IF_ERROR(backend_.copy(ctx_, out.data() + row_bytes * static_cast<size_t>(e * g.rows + r), src,
+                                         row_bytes, kind));
+      }
+  }
+  if (kind == CopyKind::kDeviceToHost) RD_RETURN_IF_ERROR(backend_.synchronize(ctx_));
+  return Status::Ok();
+}
+
+}  // namespace rolloutd::core

@@ -1,0 +1,102 @@
+#pragma once
+// The weight registry: every parameter registered once at model build under its
+// Hugging Face checkpoint name, with its stored dtype/shape, its stable storage,
+// its quant method and its layout flag; plus the loader mappings that real
+// checkpoints need (per-expert tensors into a stacked [E, ...] parameter, fused
+// gate/up in concatenated or interleaved order, fused QKV) as checkpoint-name
+// aliases that resolve to row copies.
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "core/weights/quant_method.hpp"
+#include "kernels/backend.hpp"
+#include "kernels/status.hpp"
+
+namespace rolloutd::core {
+
+struct RegisteredParameter {
+  std::string name;
+  TensorView storage;                    // stored dtype/shape; address fixed for the model's life
+  std::unique_ptr<QuantMethod> method;
+  Layout layout = Layout::kCheckpoint;   // freshly allocated storage holds checkpoint data
+  uint64_t loads = 0;                    // rows written since the last postprocess
+};
+
+// A checkpoint tensor the registry accepts: its name, shape, and where its rows land.
+struct CheckpointTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::vector<RowCopy> pieces;
+};
+
+struct RegistryCounters {
+  uint64_t refused_restores = 0;       // restore on a parameter already in checkpoint layout
+  uint64_t refused_postprocesses = 0;  // postprocess on a parameter already in kernel layout
+};
+
+class WeightRegistry {
+ public:
+  WeightRegistry(const Backend& backend, ExecContext ctx) : backend_(backend), ctx_(ctx) {}
+
+  // Registers a stored parameter (and its own name as a whole-tensor checkpoint name).
+  // `whole_name_alias` = false leaves the name free for an add_alias() with another row
+  // order (a fused tensor whose checkpoint interleaves what the parameter concatenates).
+  Status add(std::string name, TensorView storage, std::unique_ptr<QuantMethod> method,
+             bool whole_name_alias = true);
+  // True when every parameter is in kernel layout (what the forward pass may read).
+  bool all_kernel_layout() const;
+  // Registers an extra checkpoint name (an alias) made of row copies into parameters.
+  Status add_alias(CheckpointTensor alias);
+
+  const CheckpointTensor* resolve(std::string_view checkpoint_name) const;
+  const RegisteredParameter* find(std::string_view param_name) const;
+  size_t index_of(std::string_view param_name) const;  // SIZE_MAX if unknown
+  const std::vector<RegisteredParameter>& parameters() const { return params_; }
+  size_t size() const { return params_.size(); }
+
+  // Writes checkpoint-layout data for one checkpoint tensor. `src` holds the tensor in
+  // `src_dtype`, row-major, `shape` must equal the tensor's shape. Conversions allowed: FP32
+  // storage <- BF16/FP32, BF16 storage <- FP32 (round to nearest even)/BF16; other dtypes
+  // must match. Every target parameter must be in checkpoint layout (restored).
+  Status load(const CheckpointTensor& t, DType src_dtype, std::span<const int64_t> shape,
+              std::span<const uint8_t> src);
+  // Checks load() would accept (dtype, shape, layout) without writing anything.
+  Status check_load(const CheckpointTensor& t, DType src_dtype, std::span<const int64_t> shape,
+                    size_t src_bytes) const;
+
+  // Layout transitions; refused no-ops when the flag says the move was already made.
+  Status restore(size_t param);
+  Status postprocess(size_t param);
+  Status postprocess_all();
+
+  // The parameter's checkpoint-layout bytes in its stored dtype (independent of the current
+  // layout: kernel-layout rows are read back through the method's row map).
+  Status read_checkpoint(size_t param, std::vector<uint8_t>& out) const;
+
+  const RegistryCounters& counters() const { return counters_; }
+  const Backend& backend() const { return backend_; }
+  const ExecContext& context() const { return ctx_; }
+
+ private:
+  const Backend& backend_;
+  ExecContext ctx_;
+  std::vector<RegisteredParameter> params_;
+  std::unordered_map<std::string, size_t> param_index_;
+  std::unordered_map<std::string, CheckpointTensor> tensors_;
+  RegistryCounters counters_;
+  std::vector<uint8_t> scratch_;
+};
+
+// Rows and row width of a stored parameter as the row copies see it: [E, R, C] -> (E, R, C);
+// [R, C] -> (1, R, C); [C] -> (1, 1, C).
+struct RowGeometry {
+  int64_t experts, rows, cols;
+};
+RowGeometry row_geometry(const TensorView& storage);
+
+}  // namespace rolloutd::core

@@ -1,0 +1,206 @@
+#include "core/weights/session.hpp"
+
+#include <zlib.h>
+
+#include <algorithm>
+#include <numeric>
+#include <string_view>
+#include <unordered_set>
+
+namespace rolloutd::core {
+namespace {
+std::string entry_field(size_t i, const char* what) {
+  return "entries[" + std::to_string(i) + "]" + (what[0] ? std::string(".") + what : std::string());
+}
+double seconds(SteadyClock::duration d) { return std::chrono::duration<double>(d).count(); }
+}  // namespace
+
+uint32_t crc32_of(std::span<const uint8_t> bytes, uint32_t seed) {
+  uLong c = seed;
+  // zlib takes uInt lengths: feed large buffers in chunks.
+  size_t off = 0;
+  while (off < bytes.size()) {
+    const size_t n = std::min<size_t>(bytes.size() - off, size_t{1} << 30);
+    c = crc32(c, bytes.data() + off, static_cast<uInt>(n));
+    off += n;
+  }
+  return static_cast<uint32_t>(c);
+}
+
+Status WeightUpdater::check_session(uint64_t session) const {
+  if (!open_ || session != id_)
+    return Status(ErrorCode::kFailedPrecondition,
+                  open_ ? "session " + std::to_string(session) + " is not open (session " + std::to_string(id_) + " is)"
+                        : "no weight-update session is open",
+                  "session");
+  return Status::Ok();
+}
+
+Result<BeginResult> WeightUpdater::begin(const std::vector<std::string>& selector, double timeout_s,
+                                         SteadyClock::time_point now) {
+  if (open_)
+    return Status(ErrorCode::kFailedPrecondition, "session " + std::to_string(id_) + " is already open", "session");
+  if (!(timeout_s > 0 && timeout_s <= 3600))
+    return Status(ErrorCode::kOutOfRange, "timeout_s must be in (0, 3600]", "timeout_s");
+  BeginResult r;
+  const auto& params = reg_.parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    bool selected = selector.empty();
+    for (const auto& prefix : selector) selected |= params[i].name.rfind(prefix, 0) == 0;
+    if (!selected) continue;
+    if (params[i].layout == Layout::kKernel && params[i].method->transforms_layout()) ++r.num_parameters_restored;
+    Status s = reg_.restore(i);
+    if (!s.ok()) {
+      // A restore that fails half-way leaves layouts mixed: put back what moved, fail closed.
+      open_ = true;
+      id_ = next_id_++;
+      (void)finish_failed("begin_weight_update failed restoring " + params[i].name + ": " + s.message());
+      return s;
+    }
+  }
+  open_ = true;
+  id_ = next_id_++;
+  timeout_s_ = timeout_s;
+  started_ = last_activity_ = now;
+  written_.clear();
+  buckets_ = 0;
+  entries_ = bytes_ = 0;
+  r.session = id_;
+  return r;
+}
+
+Result<BucketResult> WeightUpdater::apply_bucket(uint64_t session, std::span<const BucketEntry> entries,
+                                                 std::span<const uint8_t> bucket, std::optional<uint32_t> crc,
+                                                 SteadyClock::time_point now) {
+  RD_RETURN_IF_ERROR(check_session(session));
+  const auto t0 = SteadyClock::now();
+  if (entries.empty()) return Status(ErrorCode::kInvalidArgument, "bucket has no entries", "entries");
+  // 1. Every entry on its own: known name, in range, dtype/shape acceptable.
+  std::vector<const CheckpointTensor*> targets(entries.size());
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const BucketEntry& e = entries[i];
+    const CheckpointTensor* t = reg_.resolve(e.name);
+    if (!t) return Status(ErrorCode::kNotFound, "unknown parameter '" + e.name + "'", entry_field(i, "name"));
+    if (e.byte_offset > bucket.size() || e.nbytes > bucket.size() - e.byte_offset)
+      return Status(ErrorCode::kOutOfRange,
+                    "bytes [" + std::to_string(e.byte_offset) + ", +" + std::to_string(e.nbytes) +
+                        ") lie outside the bucket of " + std::to_string(bucket.size()) + " bytes",
+                    entry_field(i, "byte_offset"));
+    Status s = reg_.check_load(*t, e.dtype, e.shape, e.nbytes);
+    if (!s.ok()) return Status(s.code(), s.message(), entry_field(i, s.field().c_str()));
+    targets[i] = t;
+  }
+  // 2. No two entries share bytes, and no two write the same rows (a duplicate name).
+  std::vector<size_t> order(entries.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return entries[a].byte_offset < entries[b].byte_offset; });
+  for (size_t k = 1; k < order.size(); ++k) {
+    const BucketEntry& prev = entries[order[k - 1]];
+    if (prev.byte_offset + prev.nbytes > entries[order[k]].byte_offset && prev.nbytes && entries[order[k]].nbytes)
+      return Status(ErrorCode::kInvalidArgument,
+                    "entry overlaps entry " + std::to_string(order[k - 1]) + " ('" + prev.name + "')",
+                    entry_field(order[k], ""));
+  }
+  std::unordered_set<std::string_view> names;
+  for (size_t i = 0; i < entries.size(); ++i)
+    if (!names.insert(entries[i].name).second)
+      return Status(ErrorCode::kInvalidArgument, "parameter '" + entries[i].name + "' appears twice in the bucket",
+                    entry_field(i, "name"));
+  // 3. The payload is what the trainer sent.
+  if (crc) {
+    const uint32_t got = crc32_of(bucket);
+    if (got != *crc)
+      return Status(ErrorCode::kInvalidArgument,
+                    "bucket checksum mismatch: crc32 " + std::to_string(got) + ", expected " + std::to_string(*crc),
+                    "checksum");
+  }
+  // 4. Write. Validation above is complete, so a failure here is an environment fault
+  // (device error): the session fails closed.
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const BucketEntry& e = entries[i];
+    Status s = reg_.load(*targets[i], e.dtype, e.shape, bucket.subspan(e.byte_offset, e.nbytes));
+    for (const RowCopy& c : targets[i]->pieces) written_.insert(c.param);
+    if (!s.ok()) {
+      (void)finish_failed("bucket write failed at " + e.name + ": " + s.message());
+      return Status(s.code(), s.message(), entry_field(i, ""));
+    }
+  }
+  ++buckets_;
+  entries_ += entries.size();
+  bytes_ += bucket.size();
+  last_activity_ = now;
+  BucketResult r;
+  r.num_entries = static_cast<uint32_t>(entries.size());
+  r.num_bytes = bucket.size();
+  r.duration_s = seconds(SteadyClock::now() - t0);
+  return r;
+}
+
+Result<EndResult> WeightUpdater::end(uint64_t session, uint64_t weight_version, SteadyClock::time_point now) {
+  RD_RETURN_IF_ERROR(check_session(session));
+  const auto t0 = SteadyClock::now();
+  Status s = reg_.postprocess_all();
+  if (!s.ok()) {
+    (void)finish_failed("postprocess failed: " + s.message());
+    return s;
+  }
+  EndResult r;
+  r.session = id_;
+  r.weight_version = weight_version;
+  r.num_buckets = buckets_;
+  r.num_entries = entries_;
+  r.num_bytes = bytes_;
+  r.num_parameters_updated = static_cast<uint32_t>(written_.size());
+  r.postprocess_s = seconds(SteadyClock::now() - t0);
+  r.duration_s = seconds(now - started_) + r.postprocess_s;
+  for (size_t p : written_) broken_.erase(p);
+  if (broken_.empty()) broken_reason_.clear();
+  else
+    broken_reason_ = std::to_string(broken_.size()) +
+                     " parameters written by a failed weight-update session have not been rewritten (e.g. " +
+                     reg_.parameters()[*broken_.begin()].name + ")";
+  r.whole = broken_.empty();
+  open_ = false;
+  written_.clear();
+  return r;
+}
+
+Status WeightUpdater::finish_failed(const std::string& why) {
+  // Return every layout to kernel order so the flags stay truthful; what was written stays
+  // written, and those parameters are marked until a completed session rewrites them.
+  Status s = reg_.postprocess_all();
+  if (!written_.empty()) {
+    broken_.insert(written_.begin(), written_.end());
+    broken_reason_ = "weight-update session " + std::to_string(id_) + " failed after writing " +
+                     std::to_string(written_.size()) + " parameters (e.g. " +
+                     reg_.parameters()[*written_.begin()].name + "): " + why;
+  }
+  if (!s.ok()) {
+    // Layouts are now unknown: nothing may be served until a full session rewrites them.
+    for (size_t i = 0; i < reg_.size(); ++i) broken_.insert(i);
+    broken_reason_ = "layout restore failed after session " + std::to_string(id_) + ": " + s.message();
+  }
+  open_ = false;
+  written_.clear();
+  return s;
+}
+
+Result<bool> WeightUpdater::abort(uint64_t session, const std::string& why) {
+  RD_RETURN_IF_ERROR(check_session(session));
+  (void)finish_failed("aborted: " + why);
+  return broken_.empty();
+}
+
+std::optional<Status> WeightUpdater::expire_if_idle(SteadyClock::time_point now) {
+  if (!open_) return std::nullopt;
+  if (seconds(now - last_activity_) <= timeout_s_) return std::nullopt;
+  const uint64_t id = id_;
+  (void)finish_failed("idle for more than " + std::to_string(timeout_s_) + " s");
+  return Status(ErrorCode::kDeadlineExceeded,
+                "weight-update session " + std::to_string(id) + " expired after " + std::to_string(timeout_s_) +
+                    " s without activity",
+                "session");
+}
+
+}  // namespace rolloutd::core

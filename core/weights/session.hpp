@@ -1,0 +1,100 @@
+#pragma once
+// Weight-update sessions: begin -> any number of flattened buckets -> end, with the
+// fail-closed contract. Runs on the engine's thread (the only writer of parameters),
+// between forward steps.
+//
+//  - begin restores the selected parameters to checkpoint layout (in place);
+//  - a bucket is validated as a whole (names, dtypes, shapes, byte ranges, overlaps,
+//    checksum) before a single byte is written, so a rejected bucket changes nothing;
+//  - end re-derives kernel layouts (in place) and sets the weight version;
+//  - a session that ends any other way (abort, idle deadline) after it wrote a bucket
+//    leaves the model "not whole": the daemon reports not ready and refuses generation
+//    until a completed session has rewritten every parameter the failed one touched.
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/weights/registry.hpp"
+#include "kernels/dtype.hpp"
+#include "kernels/status.hpp"
+
+namespace rolloutd::core {
+
+using SteadyClock = std::chrono::steady_clock;
+
+struct BucketEntry {
+  std::string name;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  uint64_t byte_offset = 0;
+  uint64_t nbytes = 0;
+};
+
+struct BeginResult {
+  uint64_t session = 0;
+  uint32_t num_parameters_restored = 0;  // parameters whose layout actually moved
+};
+struct BucketResult {
+  uint32_t num_entries = 0;
+  uint64_t num_bytes = 0;
+  double duration_s = 0;
+};
+struct EndResult {
+  uint64_t session = 0;
+  uint64_t weight_version = 0;
+  uint32_t num_buckets = 0;
+  uint64_t num_entries = 0;
+  uint64_t num_bytes = 0;
+  uint32_t num_parameters_updated = 0;
+  double duration_s = 0;
+  double postprocess_s = 0;
+  bool whole = true;  // false: parameters from an earlier failed session still hold partial data
+};
+
+uint32_t crc32_of(std::span<const uint8_t> bytes, uint32_t seed = 0);
+
+class WeightUpdater {
+ public:
+  explicit WeightUpdater(WeightRegistry& registry) : reg_(registry) {}
+
+  Result<BeginResult> begin(const std::vector<std::string>& selector, double timeout_s,
+                            SteadyClock::time_point now);
+  // `bucket` is the whole flat buffer the entries' byte offsets refer to.
+  Result<BucketResult> apply_bucket(uint64_t session, std::span<const BucketEntry> entries,
+                                    std::span<const uint8_t> bucket, std::optional<uint32_t> crc32,
+                                    SteadyClock::time_point now);
+  Result<EndResult> end(uint64_t session, uint64_t weight_version, SteadyClock::time_point now);
+  // Ends the session without a new version. Returns whether the model is whole afterwards.
+  Result<bool> abort(uint64_t session, const std::string& why);
+  // Ends an open session whose idle deadline passed; returns its error (kDeadlineExceeded).
+  std::optional<Status> expire_if_idle(SteadyClock::time_point now);
+
+  bool session_open() const { return open_; }
+  uint64_t session_id() const { return open_ ? id_ : 0; }
+  // Servable: no session open and nothing left half-written by a failed one.
+  bool whole() const { return !open_ && broken_.empty(); }
+  // Why the model is not whole after a failed session ("" otherwise).
+  const std::string& broken_reason() const { return broken_reason_; }
+
+ private:
+  Status check_session(uint64_t session) const;
+  Status finish_failed(const std::string& why);
+
+  WeightRegistry& reg_;
+  bool open_ = false;
+  uint64_t id_ = 0;
+  uint64_t next_id_ = 1;
+  double timeout_s_ = 60;
+  SteadyClock::time_point started_, last_activity_;
+  std::set<size_t> written_;  // parameters this session wrote
+  std::set<size_t> broken_;   // parameters written by failed sessions, not yet rewritten
+  std::string broken_reason_;
+  uint32_t buckets_ = 0;
+  uint64_t entries_ = 0, bytes_ = 0;
+};
+
+}  // namespace rolloutd::core

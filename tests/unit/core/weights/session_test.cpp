@@ -1,0 +1,467 @@
+// The weight hot-reload contracts on the CPU backend: stable addresses, restore/postprocess
+// identity and refusal, equivalence with a fresh build, partial sessions, loader mappings,
+// dtype conversions, fail-closed errors, pause modes.
+#include "core/weights/session.hpp"
+
+#include <cstring>
+#include <map>
+
+#include "../test_util.hpp"
+#include "kernels/bf16.hpp"
+
+namespace rolloutd::core {
+namespace {
+
+using test::embedded_engine;
+using test::embedded_model;
+using test::run_to_idle;
+using test::small_limits;
+
+const auto kNow = SteadyClock::now();
+
+struct Bucket {
+  std::vector<BucketEntry> entries;
+  std::vector<uint8_t> bytes;
+  void add(const std::string& name, DType dtype, std::vector<int64_t> shape, const void* data, size_t n) {
+    BucketEntry e{name, dtype, std::move(shape), bytes.size(), n};
+    entries.push_back(e);
+    bytes.insert(bytes.end(), static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(data) + n);
+  }
+};
+
+std::vector<int64_t> shape_of(const TensorView& v) { return {v.shape.data(), v.shape.data() + v.rank()}; }
+
+// Checkpoint-layout bytes of every parameter of `m`.
+std::map<std::string, std::vector<uint8_t>> checkpoint_of(const MoeDecoder& m) {
+  std::map<std::string, std::vector<uint8_t>> out;
+  const auto& reg = m.weights();
+  for (size_t i = 0; i < reg.size(); ++i) EXPECT_TRUE(reg.read_checkpoint(i, out[reg.parameters()[i].name]).ok());
+  return out;
+}
+
+// Stored bytes (whatever the layout) of every parameter.
+std::map<std::string, std::vector<uint8_t>> storage_of(const MoeDecoder& m) {
+  std::map<std::string, std::vector<uint8_t>> out;
+  for (const auto& p : m.weights().parameters()) {
+    const auto* b = static_cast<const uint8_t*>(p.storage.data);
+    out[p.name].assign(b, b + p.storage.nbytes());
+  }
+  return out;
+}
+
+std::map<std::string, const void*> addresses_of(const MoeDecoder& m) {
+  std::map<std::string, const void*> out;
+  for (const auto& p : m.weights().parameters()) out[p.name] = p.storage.data;
+  return out;
+}
+
+Bucket full_bucket(const MoeDecoder& source, const std::string& prefix = "") {
+  Bucket b;
+  for (const auto& [name, bytes] : checkpoint_of(source)) {
+    if (name.rfind(prefix, 0) != 0) continue;
+    const auto* p = source.weights().find(name);
+    b.add(name, DType::kF32, shape_of(p->storage), bytes.data(), bytes.size());
+  }
+  return b;
+}
+
+std::unique_ptr<MoeDecoder> model_with_seed(uint64_t seed) {
+  auto l = small_limits();
+  auto m = MoeDecoder::create(embedded_model_config(), l, cpu_backend(), ExecContext{});
+  EXPECT_TRUE(m.ok());
+  EXPECT_TRUE(init_random_weights(**m, seed).ok());
+  return std::move(*m);
+}
+
+Status push(WeightUpdater& u, const Bucket& b, uint64_t version = 1) {
+  auto s = u.begin({}, 60, kNow);
+  if (!s.ok()) return s.status();
+  auto r = u.apply_bucket(s->session, b.entries, b.bytes, std::nullopt, kNow);
+  if (!r.ok()) return r.status();
+  auto e = u.end(s->session, version, kNow);
+  return e.ok() ? Status::Ok() : e.status();
+}
+
+TEST(WeightRegistry, RestoreThenPostprocessIsIdentityAndRepeatsAreRefused) {
+  auto m = model_with_seed(1);
+  auto& reg = m->weights();
+  const size_t gu = reg.index_of("model.layers.0.mlp.experts.gate_up_proj");
+  ASSERT_NE(gu, SIZE_MAX);
+  const auto before = storage_of(*m);
+  const auto ckpt = checkpoint_of(*m);
+  ASSERT_NE(before.at(reg.parameters()[gu].name), ckpt.at(reg.parameters()[gu].name))
+      << "the kernel layout must be a real permutation of the checkpoint layout";
+  // A second postprocess is a refused no-op, never a second permutation.
+  ASSERT_TRUE(reg.postprocess(gu).ok());
+  EXPECT_EQ(reg.counters().refused_postprocesses, 1u);
+  EXPECT_EQ(storage_of(*m), before);
+  ASSERT_TRUE(reg.restore(gu).ok());
+  // In checkpoint layout the stored bytes are the checkpoint bytes.
+  EXPECT_EQ(storage_of(*m).at(reg.parameters()[gu].name), ckpt.at(reg.parameters()[gu].name));
+  ASSERT_TRUE(reg.restore(gu).ok());
+  EXPECT_EQ(reg.counters().refused_restores, 1u);
+  ASSERT_TRUE(reg.postprocess(gu).ok());
+  EXPECT_EQ(storage_of(*m), before);
+}
+
+TEST(WeightUpdater, FullUpdateEqualsFreshBuildAndKeepsAddresses) {
+  auto target = model_with_seed(777);
+  auto m = model_with_seed(1);
+  const auto addrs = addresses_of(*m);
+  WeightUpdater u(m->weights());
+  ASSERT_TRUE(push(u, full_bucket(*target)).ok());
+  EXPECT_EQ(storage_of(*m), storage_of(*target)) << "bit-identical to building fresh from T";
+  EXPECT_EQ(addresses_of(*m), addrs);
+  EXPECT_TRUE(u.whole());
+}
+
+TEST(WeightUpdater, UpdatedEngineGeneratesLikeAFreshOne) {
+  auto target = model_with_seed(777);
+  auto bucket = full_bucket(*target);
+  auto fresh = embedded_engine(small_limits());
+  auto updated = embedded_engine(small_limits());
+  // Make `fresh` hold the target weights by building it from them, then compare generation.
+  WeightUpdater uf(fresh->model().weights());
+  ASSERT_TRUE(push(uf, bucket).ok());  // equivalent to a fresh build (previous test)
+  ASSERT_TRUE(push(updated->updater(), bucket, 5).ok());
+  for (auto* e : {fresh.get(), updated.get()}) {
+    RequestSpec s;
+    s.rid = "a";
+    s.input_ids = {3, 1, 4, 1, 5};
+    s.max_new_tokens = 12;
+    s.sampling.temperature = 0;
+    ASSERT_TRUE(e->submit(s).ok());
+  }
+  auto tokens = [](const std::vector<EngineEvent>& ev) {
+    std::vector<int32_t> t;
+    for (const auto& e : ev) t.insert(t.end(), e.token_ids.begin(), e.token_ids.end());
+    return t;
+  };
+  EXPECT_EQ(tokens(run_to_idle(*fresh)), tokens(run_to_idle(*updated)));
+}
+
+TEST(WeightUpdater, PartialSessionsEqualAFullReloadWithTheSameFinalValues) {
+  auto old_weights = model_with_seed(1);
+  auto new_weights = model_with_seed(2);
+  const auto old_ckpt = checkpoint_of(*old_weights);
+  const auto new_ckpt = checkpoint_of(*new_weights);
+  struct Case {
+    const char* what;
+    std::vector<std::string> prefixes;  // parameters taken from the new weights
+  };
+  const std::vector<Case> cases = {
+      {"empty", {}},
+      {"weight-only", {"model.layers.1.self_attn.", "lm_head.weight"}},
+      {"scale-only (norms)", {"model.layers.0.input_layernorm", "model.layers.2.post_attention_layernorm", "model.norm"}},
+      {"experts", {"model.layers.3.mlp.experts.", "model.layers.0.mlp.experts.gate_up_proj"}},
+  };
+  for (const Case& c : cases) {
+    auto m = model_with_seed(1);
+    WeightUpdater u(m->weights());
+    Bucket b;
+    std::map<std::string, std::vector<uint8_t>> expected = old_ckpt;
+    for (const auto& [name, bytes] : new_ckpt) {
+      bool take = false;
+      for (const auto& p : c.prefixes) take |= name.rfind(p, 0) == 0;
+      if (!take) continue;
+      b.add(name, DType::kF32, shape_of(m->weights().find(name)->storage), bytes.data(), bytes.size());
+      expected[name] = bytes;
+    }
+    auto s = u.begin({}, 60, kNow);
+    ASSERT_TRUE(s.ok()) << c.what;
+    if (!b.entries.empty()) ASSERT_TRUE(u.apply_bucket(s->session, b.entries, b.bytes, std::nullopt, kNow).ok());
+    ASSERT_TRUE(u.end(s->session, 1, kNow).ok());
+    // Reference: a full reload of the same final values into a third model.
+    auto ref = model_with_seed(3);
+    Bucket full;
+    for (const auto& [name, bytes] : expected)
+      full.add(name, DType::kF32, shape_of(ref->weights().find(name)->storage), bytes.data(), bytes.size());
+    WeightUpdater ur(ref->weights());
+    ASSERT_TRUE(push(ur, full).ok());
+    EXPECT_EQ(storage_of(*m), storage_of(*ref)) << c.what;
+    EXPECT_EQ(checkpoint_of(*m), expected) << c.what;
+  }
+}
+
+TEST(WeightUpdater, RepeatedEmptySessionsChangeNothing) {
+  auto m = model_with_seed(1);
+  const auto before = storage_of(*m);
+  WeightUpdater u(m->weights());
+  for (int i = 0; i < 5; ++i) {
+    auto s = u.begin({}, 60, kNow);
+    ASSERT_TRUE(s.ok());
+    ASSERT_TRUE(u.end(s->session, static_cast<uint64_t>(i), kNow).ok());
+  }
+  // Selector sessions restore only what they select; the rest is never touched twice.
+  auto s = u.begin({"model.layers.2."}, 60, kNow);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->num_parameters_restored, 1u) << "one stacked gate_up per layer moves";
+  ASSERT_TRUE(u.end(s->session, 9, kNow).ok());
+  EXPECT_EQ(storage_of(*m), before);
+}
+
+TEST(WeightUpdater, LoaderMappingsPerExpertFusedQkvAndInterleavedGateUp) {
+  auto target = model_with_seed(42);
+  auto m = model_with_seed(1);
+  const auto ckpt = checkpoint_of(*target);
+  const auto& c = m->config();
+  const int64_t I = c.moe_intermediate_size, H = c.hidden_size, D = c.head_dim;
+  const int64_t QH = c.num_attention_heads, KVH = c.num_key_value_heads;
+  Bucket b;
+  for (const auto& [name, bytes] : ckpt) {
+    const auto* p = m->weights().find(name);
+    if (name.find("mlp.experts.gate_up_proj") != std::string::npos) {
+      const std::string layer = name.substr(0, name.find("mlp."));
+      for (int64_t e = 0; e < c.num_experts; ++e) {  // per-expert gate_proj / up_proj
+        const uint8_t* base = bytes.data() + static_cast<size_t>(e * 2 * I * H) * 4;
+        b.add(layer + "mlp.experts." + std::to_string(e) + ".gate_proj.weight", DType::kF32, {I, H}, base,
+              static_cast<size_t>(I * H) * 4);
+        b.add(layer + "mlp.experts." + std::to_string(e) + ".up_proj.weight", DType::kF32, {I, H},
+              base + static_cast<size_t>(I * H) * 4, static_cast<size_t>(I * H) * 4);
+      }
+    } else if (name.find("self_attn.q_proj") != std::string::npos) {
+      const std::string layer = name.substr(0, name.find("self_attn."));
+      std::vector<uint8_t> qkv = bytes;
+      const auto& k = ckpt.at(layer + "self_attn.k_proj.weight");
+      const auto& v = ckpt.at(layer + "self_attn.v_proj.weight");
+      qkv.insert(qkv.end(), k.begin(), k.end());
+      qkv.insert(qkv.end(), v.begin(), v.end());
+      b.add(layer + "self_attn.qkv_proj.weight", DType::kF32, {(QH + 2 * KVH) * D, H}, qkv.data(), qkv.size());
+    } else if (name.find("self_attn.k_proj") != std::string::npos ||
+               name.find("self_attn.v_proj") != std::string::npos) {
+      continue;  // inside the fused QKV above
+    } else {
+      b.add(name, DType::kF32, shape_of(p->storage), bytes.data(), bytes.size());
+    }
+  }
+  WeightUpdater u(m->weights());
+  ASSERT_TRUE(push(u, b).ok());
+  EXPECT_EQ(storage_of(*m), storage_of(*target));
+
+  // A checkpoint whose fused gate_up interleaves rows (gpt-oss order) lands the same values.
+  auto cfg = embedded_model_config();
+  cfg.gate_up_checkpoint_interleaved = true;
+  auto mi = MoeDecoder::create(cfg, small_limits(), cpu_backend(), ExecContext{});
+  ASSERT_TRUE(mi.ok());
+  ASSERT_TRUE(init_random_weights(**mi, 5).ok());
+  Bucket bi;
+  for (const auto& [name, bytes] : ckpt) {
+    std::vector<uint8_t> data = bytes;
+    if (name.find("mlp.experts.gate_up_proj") != std::string::npos) {
+      for (int64_t e = 0; e < c.num_experts; ++e)
+        for (int64_t j = 0; j < I; ++j) {
+          const size_t row = static_cast<size_t>(H) * 4;
+          const size_t base = static_cast<size_t>(e * 2 * I) * row;
+          std::memcpy(&data[base + static_cast<size_t>(2 * j) * row], &bytes[base + static_cast<size_t>(j) * row], row);
+          std::memcpy(&data[base + static_cast<size_t>(2 * j + 1) * row], &bytes[base + static_cast<size_t>(I + j) * row], row);
+        }
+    }
+    bi.add(name, DType::kF32, shape_of((*mi)->weights().find(name)->storage), data.data(), data.size());
+  }
+  WeightUpdater ui((*mi)->weights());
+  ASSERT_TRUE(push(ui, bi).ok());
+  EXPECT_EQ(storage_of(**mi), storage_of(*target));
+}
+
+TEST(WeightUpdater, Bf16InputAndItsFp32ExportGiveIdenticalParameters) {
+  auto m1 = model_with_seed(1), m2 = model_with_seed(1);
+  const auto* p = m1->weights().find("model.layers.1.mlp.gate.weight");
+  const size_t n = static_cast<size_t>(p->storage.numel());
+  std::vector<uint16_t> bf(n);
+  std::vector<float> f32(n);
+  test::fill_bf16_values(bf, 99);
+  for (size_t i = 0; i < n; ++i) f32[i] = bf16_bits_to_f32(bf[i]);
+  Bucket a, b;
+  a.add(p->name, DType::kBF16, shape_of(p->storage), bf.data(), n * 2);
+  b.add(p->name, DType::kF32, shape_of(p->storage), f32.data(), n * 4);
+  WeightUpdater u1(m1->weights()), u2(m2->weights());
+  ASSERT_TRUE(push(u1, a).ok());
+  ASSERT_TRUE(push(u2, b).ok());
+  EXPECT_EQ(storage_of(*m1), storage_of(*m2));
+}
+
+TEST(WeightUpdater, FailClosedErrorsAreTypedAndNameTheEntry) {
+  auto m = model_with_seed(1);
+  const auto before = storage_of(*m);
+  WeightUpdater u(m->weights());
+  auto s = u.begin({}, 60, kNow);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(u.begin({}, 60, kNow).status().code(), ErrorCode::kFailedPrecondition) << "second begin";
+  const auto* norm = m->weights().find("model.norm.weight");
+  std::vector<float> ones(64, 1.0f);
+  auto expect = [&](const Bucket& b, ErrorCode code, const std::string& field, std::optional<uint32_t> crc = {}) {
+    auto r = u.apply_bucket(s->session, b.entries, b.bytes, crc, kNow);
+    EXPECT_EQ(r.status().code(), code) << r.status().to_string();
+    EXPECT_EQ(r.status().field(), field) << r.status().to_string();
+  };
+  Bucket ok;
+  ok.add("model.norm.weight", DType::kF32, {64}, ones.data(), 256);
+  Bucket unknown = ok;
+  unknown.add("model.nope.weight", DType::kF32, {64}, ones.data(), 256);
+  expect(unknown, ErrorCode::kNotFound, "entries[1].name");
+  Bucket bad_dtype;
+  bad_dtype.add("model.norm.weight", DType::kI32, {64}, ones.data(), 256);
+  expect(bad_dtype, ErrorCode::kInvalidArgument, "entries[0].dtype");
+  Bucket bad_shape;
+  bad_shape.add("model.norm.weight", DType::kF32, {32, 2}, ones.data(), 256);
+  expect(bad_shape, ErrorCode::kInvalidArgument, "entries[0].shape");
+  Bucket outside = ok;
+  outside.entries[0].byte_offset = 8;
+  expect(outside, ErrorCode::kOutOfRange, "entries[0].byte_offset");
+  Bucket overlap;
+  overlap.add("model.norm.weight", DType::kF32, {64}, ones.data(), 256);
+  overlap.add("model.layers.0.input_layernorm.weight", DType::kF32, {64}, ones.data(), 256);
+  overlap.entries[1].byte_offset = 128;
+  overlap.bytes.resize(384);
+  expect(overlap, ErrorCode::kInvalidArgument, "entries[1]");
+  Bucket twice;
+  twice.add("model.norm.weight", DType::kF32, {64}, ones.data(), 256);
+  twice.add("model.norm.weight", DType::kF32, {64}, ones.data(), 256);
+  expect(twice, ErrorCode::kInvalidArgument, "entries[1].name");
+  expect(ok, ErrorCode::kInvalidArgument, "checksum", crc32_of(ok.bytes) ^ 1u);
+  EXPECT_EQ(u.apply_bucket(s->session + 1, ok.entries, ok.bytes, std::nullopt, kNow).status().code(),
+            ErrorCode::kFailedPrecondition);
+  // Rejected buckets change nothing; the session stays usable and ends whole.
+  ASSERT_TRUE(u.end(s->session, 1, kNow).ok());
+  EXPECT_TRUE(u.whole());
+  EXPECT_EQ(storage_of(*m), before);
+  EXPECT_EQ(u.end(s->session, 1, kNow).status().code(), ErrorCode::kFailedPrecondition) << "no session open";
+  (void)norm;
+}
+
+TEST(WeightUpdater, SessionsOutsideTheSelectorCannotWrite) {
+  auto m = model_with_seed(1);
+  WeightUpdater u(m->weights());
+  auto s = u.begin({"model.layers.0."}, 60, kNow);
+  ASSERT_TRUE(s.ok());
+  std::vector<float> ones(64, 1.0f);
+  Bucket b;
+  b.add("model.norm.weight", DType::kF32, {64}, ones.data(), 256);
+  auto r = u.apply_bucket(s->session, b.entries, b.bytes, std::nullopt, kNow);
+  EXPECT_EQ(r.status().code(), ErrorCode::kFailedPrecondition);
+  EXPECT_EQ(r.status().field(), "entries[0].name");
+  ASSERT_TRUE(u.end(s->session, 1, kNow).ok());
+}
+
+TEST(WeightUpdater, AnIdleSessionExpiresAndAHalfWrittenModelIsNotServed) {
+  auto e = embedded_engine(small_limits());
+  auto& u = e->updater();
+  const auto addrs = addresses_of(e->model());
+  auto s = u.begin({}, 2.0, kNow);
+  ASSERT_TRUE(s.ok());
+  std::vector<float> ones(64, 1.0f);
+  Bucket b;
+  b.add("model.norm.weight", DType::kF32, {64}, ones.data(), 256);
+  ASSERT_TRUE(u.apply_bucket(s->session, b.entries, b.bytes, std::nullopt, kNow).ok());
+  EXPECT_FALSE(u.expire_if_idle(kNow + std::chrono::seconds(1)));
+  auto expired = u.expire_if_idle(kNow + std::chrono::seconds(3));
+  ASSERT_TRUE(expired);
+  EXPECT_EQ(expired->code(), ErrorCode::kDeadlineExceeded);
+  EXPECT_FALSE(u.session_open());
+  EXPECT_FALSE(u.whole());
+  EXPECT_NE(u.broken_reason().find("model.norm.weight"), std::string::npos) << u.broken_reason();
+  RequestSpec r;
+  r.rid = "x";
+  r.input_ids = {1};
+  EXPECT_EQ(e->submit(r).code(), ErrorCode::kNotReady);
+  EXPECT_TRUE(e->model().weights().all_kernel_layout()) << "layouts are put back even when failing";
+  // An unrelated completed session does not make it whole; one that rewrites it does.
+  auto s2 = u.begin({}, 60, kNow);
+  ASSERT_TRUE(s2.ok());
+  auto end2 = u.end(s2->session, 3, kNow);
+  ASSERT_TRUE(end2.ok());
+  EXPECT_FALSE(end2->whole);
+  EXPECT_FALSE(u.whole());
+  ASSERT_TRUE(push(u, b, 4).ok());
+  EXPECT_TRUE(u.whole());
+  EXPECT_TRUE(e->submit(r).ok());
+  EXPECT_EQ(addresses_of(e->model()), addrs);
+}
+
+TEST(WeightUpdater, AbortBeforeAnyBucketLeavesTheModelWhole) {
+  auto m = model_with_seed(1);
+  const auto before = storage_of(*m);
+  WeightUpdater u(m->weights());
+  auto s = u.begin({}, 60, kNow);
+  ASSERT_TRUE(s.ok());
+  auto r = u.abort(s->session, "trainer changed its mind");
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(*r);
+  EXPECT_TRUE(u.whole());
+  EXPECT_EQ(storage_of(*m), before);
+}
+
+// ---- pause modes ----
+
+RequestSpec greedy(const std::string& rid, uint32_t n) {
+  RequestSpec s;
+  s.rid = rid;
+  s.input_ids = {7, 8, 9};
+  s.max_new_tokens = n;
+  s.sampling.temperature = 0;
+  return s;
+}
+
+TEST(EnginePause, AbortModeEndsInFlightRequests) {
+  auto e = embedded_engine(small_limits());
+  ASSERT_TRUE(e->submit(greedy("a", 50)).ok());
+  std::vector<EngineEvent> ev;
+  ASSERT_TRUE(e->step(ev).ok());
+  auto c = e->pause(Engine::PauseMode::kAbort, ev);
+  EXPECT_EQ(c.aborted, 1u);
+  EXPECT_EQ(ev.back().kind, EngineEvent::Kind::kFinished);
+  EXPECT_EQ(ev.back().abort_reason, "weight_update");
+  EXPECT_FALSE(e->has_requests());
+}
+
+TEST(EnginePause, RetractRestartsFromThePromptUnderTheNewWeights) {
+  auto target = model_with_seed(777);
+  auto bucket = full_bucket(*target);
+  // Reference: the request run from scratch on the new weights.
+  auto ref = embedded_engine(small_limits());
+  ASSERT_TRUE(push(ref->updater(), bucket, 2).ok());
+  ASSERT_TRUE(ref->submit(greedy("a", 10)).ok());
+  std::vector<int32_t> want;
+  for (const auto& ev : run_to_idle(*ref)) want.insert(want.end(), ev.token_ids.begin(), ev.token_ids.end());
+
+  auto e = embedded_engine(small_limits());
+  ASSERT_TRUE(e->submit(greedy("a", 10)).ok());
+  std::vector<EngineEvent> ev;
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(e->step(ev).ok());
+  auto c = e->pause(Engine::PauseMode::kRetract, ev);
+  EXPECT_EQ(c.retracted, 1u);
+  ASSERT_EQ(ev.back().kind, EngineEvent::Kind::kRetracted);
+  EXPECT_EQ(ev.back().num_tokens_discarded, 4u);
+  EXPECT_FALSE(e->has_work()) << "nothing runs while paused";
+  ASSERT_TRUE(push(e->updater(), bucket, 2).ok());
+  e->set_weight_version(2);
+  e->resume();
+  std::vector<int32_t> got;
+  for (const auto& x : run_to_idle(*e)) {
+    got.insert(got.end(), x.token_ids.begin(), x.token_ids.end());
+    for (uint64_t v : x.weight_versions) EXPECT_EQ(v, 2u) << "nothing stale is kept";
+  }
+  EXPECT_EQ(got, want);
+}
+
+TEST(EnginePause, InPlaceKeepsGoingAndVersionsShowTheSwitch) {
+  auto e = embedded_engine(small_limits());
+  ASSERT_TRUE(e->submit(greedy("a", 8)).ok());
+  std::vector<EngineEvent> ev;
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(e->step(ev).ok());
+  auto c = e->pause(Engine::PauseMode::kInPlace, ev);
+  EXPECT_EQ(c.paused, 1u);
+  ASSERT_TRUE(e->submit(greedy("b", 2)).ok()) << "new requests queue while paused";
+  ASSERT_TRUE(push(e->updater(), full_bucket(*model_with_seed(5)), 1).ok());
+  e->set_weight_version(1);
+  EXPECT_EQ(e->resume(), 2u);
+  auto rest = run_to_idle(*e);
+  ev.insert(ev.end(), rest.begin(), rest.end());
+  std::vector<uint64_t> versions;
+  for (const auto& x : ev)
+    if (x.rid == "a") versions.insert(versions.end(), x.weight_versions.begin(), x.weight_versions.end());
+  EXPECT_EQ(versions, (std::vector<uint64_t>{0, 0, 0, 1, 1, 1, 1, 1}));
+}
+
+}  // namespace
+}  // namespace rolloutd::core
