@@ -45,6 +45,8 @@ ParseOutcome parse_config(int argc, const char* const* argv) {
       "largest max_new_tokens accepted")->check(CLI::Range(1u, 1u << 24));
   add("--max-input-tokens", c.limits.max_input_tokens, "ROLLOUTD_MAX_INPUT_TOKENS",
       "longest prompt accepted")->check(CLI::Range(1u, 1u << 24));
+  add("--shm-prefix", c.shm_prefix, "ROLLOUTD_SHM_PREFIX",
+      "shared-memory buckets must be named with this prefix (e.g. /rolloutd_trainer0)");
   add("--outbox-limit", c.outbox_limit, "ROLLOUTD_OUTBOX_LIMIT",
       "undelivered messages per client before its requests are aborted")->check(CLI::Range(16, 1 << 24));
   add("--drain-timeout-s", c.drain_timeout_s, "ROLLOUTD_DRAIN_TIMEOUT_S",
@@ -77,6 +79,8 @@ Status validate(const DaemonConfig& c) {
   if (c.max_blocks_per_seq > c.kv_blocks)
     return Status(ErrorCode::kInvalidArgument, "max_blocks_per_seq exceeds kv_blocks",
                   "max_blocks_per_seq");
+  if (c.shm_prefix.size() < 2 || c.shm_prefix[0] != '/')
+    return Status(ErrorCode::kInvalidArgument, "shm prefix must start with '/' and name something", "shm_prefix");
   if (c.model.rfind("embedded:", 0) != 0 || c.model != "embedded:tiny-moe")
     return Status(ErrorCode::kUnimplemented,
                   "only the embedded model 'embedded:tiny-moe' is served by this build", "model");
@@ -102,6 +106,7 @@ nlohmann::json to_json(const DaemonConfig& c) {
       {"max_blocks_per_seq", c.max_blocks_per_seq},
       {"max_new_tokens_limit", c.limits.max_new_tokens},
       {"max_input_tokens", c.limits.max_input_tokens},
+      {"shm_prefix", c.shm_prefix},
       {"outbox_limit", c.outbox_limit},
       {"drain_timeout_s", c.drain_timeout_s},
       {"flush_timeout_s", c.flush_timeout_s},

@@ -39,6 +39,9 @@ struct DaemonConfig {
   // Protocol bounds (the hello reply reports them).
   protocol::Limits limits;
 
+  // Weight updates.
+  std::string shm_prefix = "/rolloutd";  // update_weights reads only shm objects named so
+
   // Streams and lifecycle.
   int outbox_limit = 65536;           // undelivered messages per client before its requests abort
   double drain_timeout_s = 30.0;      // SIGTERM: finish in-flight requests for at most this long

@@ -59,7 +59,9 @@ nlohmann::json snapshot_json(const EngineSnapshot* s) {
           {"requests_total", s->num_requests_total},
           {"prompt_tokens_total", s->num_prompt_tokens_total},
           {"generated_tokens_total", s->num_generated_tokens_total},
-          {"steps_total", s->num_steps_total}};
+          {"steps_total", s->num_steps_total},
+          {"paused", s->paused},
+          {"update_session", s->update_session}};
 }
 
 }  // namespace
@@ -194,7 +196,7 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
   const std::string http_ep =
       "http://" + config.http_bind_address + ":" + std::to_string((*http_server)->port());
 
-  EngineActor engine_actor(std::move(*engine), std::move(*engine_box), metrics, snapshot, engine_hb);
+  EngineActor engine_actor(std::move(*engine), std::move(*engine_box), metrics, snapshot, engine_hb, config);
   std::thread engine_thread([&] { engine_actor.run(); });
 
   nlohmann::json endpoints{{"control", *control_ep}, {"http", http_ep}, {"pid", ::getpid()}, {"gpu", gpu}};

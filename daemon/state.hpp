@@ -51,7 +51,7 @@ class Heartbeat {
 
 // What /v1/status, /readyz and the status reply show.
 struct EngineSnapshot {
-  std::string state = "starting";    // starting | ready | not_ready | draining
+  std::string state = "starting";    // starting | ready | updating | not_ready | draining
   std::string reason;
   uint64_t weight_version = 0;
   uint64_t num_waiting = 0;
@@ -62,6 +62,8 @@ struct EngineSnapshot {
   int64_t kv_blocks_free = 0;
   int64_t kv_blocks_total = 0;
   uint64_t num_steps_total = 0;
+  bool paused = false;
+  uint64_t update_session = 0;
 };
 
 }  // namespace rolloutd::daemon

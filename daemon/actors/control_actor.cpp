@@ -161,6 +161,8 @@ protocol::StatusReply ControlActor::status_reply() const {
     r.num_running = static_cast<uint32_t>(snap->num_running);
     r.num_requests_total = snap->num_requests_total;
     r.num_tokens_generated_total = snap->num_generated_tokens_total;
+    r.paused = snap->paused;
+    r.update_session = snap->update_session;
   } else {
     r.state = "starting";
     r.reason = "engine not started";
@@ -230,7 +232,9 @@ void ControlActor::on_request(const std::string& identity, std::vector<zmq::mess
     auto snap = snapshot_.load();
     if (draining_) {
       reply_error(client, id, Status(ErrorCode::kDraining, "daemon is draining; no new requests"));
-    } else if (!snap || snap->state != "ready") {
+    } else if (!snap || (snap->state != "ready" && snap->state != "updating")) {
+      // "updating" (a weight session is open) queues the request; a failed session or a
+      // faulted engine refuses it.
       reply_error(client, id, Status(ErrorCode::kNotReady,
                                      "daemon is not ready: " + (snap ? snap->reason : std::string("starting"))));
     } else if (routes_.count(gen->rid)) {
@@ -269,6 +273,22 @@ void ControlActor::on_request(const std::string& identity, std::vector<zmq::mess
     cmd.reason = "client";
     cmd.client = client;
     cmd.envelope_id = id;
+    ++clients_[client].num_pending_replies;
+    send_engine(std::move(cmd));
+  } else if (std::holds_alternative<protocol::BeginWeightUpdateRequest>(req) ||
+             std::holds_alternative<protocol::UpdateWeightsRequest>(req) ||
+             std::holds_alternative<protocol::EndWeightUpdateRequest>(req) ||
+             std::holds_alternative<protocol::AbortWeightUpdateRequest>(req) ||
+             std::holds_alternative<protocol::GetWeightsByNameRequest>(req) ||
+             std::holds_alternative<protocol::WeightsChecksumRequest>(req) ||
+             std::holds_alternative<protocol::PauseGenerationRequest>(req) ||
+             std::holds_alternative<protocol::ContinueGenerationRequest>(req)) {
+    WeightCommand cmd;
+    cmd.client = client;
+    cmd.envelope_id = id;
+    cmd.request = std::move(req);
+    // The payload frames (an inline bucket) move to the engine without a copy.
+    for (size_t i = 2; i < parts.size(); ++i) cmd.payload.push_back(std::move(parts[i]));
     ++clients_[client].num_pending_replies;
     send_engine(std::move(cmd));
   } else if (auto* shut = std::get_if<protocol::ShutdownRequest>(&req)) {
@@ -338,6 +358,16 @@ void ControlActor::on_event(core::EngineEvent& ev) {
       }
       return;
     }
+    case core::EngineEvent::Kind::kRetracted: {
+      // Nothing delivered for a stream=false request yet: just forget what was gathered.
+      route.pending = protocol::TokensEvent{};
+      route.pending.rid = ev.rid;
+      if (route.stream) {
+        protocol::RetractedEvent r{ev.rid, ev.num_tokens_discarded, "weight_update"};
+        enqueue(route.client, protocol::encode_event(route.envelope_id, protocol::Event{std::move(r)}), false);
+      }
+      return;
+    }
     case core::EngineEvent::Kind::kFinished:
     case core::EngineEvent::Kind::kFailed: {
       if (ev.kind == core::EngineEvent::Kind::kFinished && ev.finish_reason == "abort" &&
@@ -398,6 +428,11 @@ void ControlActor::on_engine_output(EngineOutput& out) {
     }
   } else if (auto* b = std::get_if<EventBatch>(&out)) {
     for (auto& ev : b->events) on_event(ev);
+  } else if (auto* e = std::get_if<EncodedReply>(&out)) {
+    if (auto c = clients_.find(e->client); c != clients_.end() && c->second.num_pending_replies > 0)
+      --c->second.num_pending_replies;
+    if (!e->error_code.empty()) metrics_.on_error(e->error_code);
+    enqueue(e->client, std::move(e->message), true);
   } else if (std::holds_alternative<DrainDone>(out)) {
     drain_done_ = true;
     flush_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(

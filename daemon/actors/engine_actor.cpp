@@ -8,12 +8,13 @@ using Clock = std::chrono::steady_clock;
 
 EngineActor::EngineActor(std::unique_ptr<core::Engine> engine, std::unique_ptr<MailboxEnd> mailbox,
                          obs::Metrics& metrics, SnapshotCell<EngineSnapshot>& snapshot,
-                         Heartbeat& heartbeat)
+                         Heartbeat& heartbeat, const DaemonConfig& config)
     : engine_(std::move(engine)),
       mailbox_(std::move(mailbox)),
       metrics_(metrics),
       snapshot_(snapshot),
-      heartbeat_(heartbeat) {}
+      heartbeat_(heartbeat),
+      config_(config) {}
 
 void EngineActor::send(EngineOutput out) {
   auto mail = std::make_unique<EngineOutputMail>();
@@ -80,6 +81,8 @@ void EngineActor::handle(EngineCommand& cmd) {
       obs::log_info("engine", "draining",
                     {{"deadline_s", drain->deadline_s}, {"running", st.num_running}, {"waiting", st.num_waiting}});
     }
+  } else if (auto* w = std::get_if<WeightCommand>(&cmd)) {
+    handle_weights(*w);
   } else if (std::holds_alternative<StopCommand>(cmd)) {
     // Anything still in flight gets its final event before the loop ends.
     engine_->abort_all("shutdown", events);
@@ -92,15 +95,25 @@ void EngineActor::handle(EngineCommand& cmd) {
 void EngineActor::publish() {
   const auto st = engine_->stats();
   auto s = std::make_shared<EngineSnapshot>();
+  const auto& u = engine_->updater();
   if (faulted_) {
     s->state = "not_ready";
     s->reason = "engine fault: " + fault_reason_;
   } else if (draining_) {
     s->state = "draining";
     s->reason = "draining";
+  } else if (!u.broken_reason().empty()) {
+    s->state = "not_ready";
+    s->reason = u.broken_reason();
+  } else if (u.session_open()) {
+    // Not servable (layouts restored, buckets arriving) but healthy: generate requests queue.
+    s->state = "updating";
+    s->reason = "weight-update session " + std::to_string(u.session_id()) + " is open";
   } else {
     s->state = "ready";
   }
+  s->paused = engine_->paused();
+  s->update_session = u.session_id();
   s->weight_version = engine_->weight_version();
   s->num_waiting = st.num_waiting;
   s->num_running = st.num_running;
@@ -140,6 +153,7 @@ void EngineActor::run() {
     }
     if (stop_) break;
 
+    check_session_deadline();
     if (draining_ && engine_->has_requests() && Clock::now() >= drain_deadline_) {
       std::vector<core::EngineEvent> events;
       const size_t n = engine_->abort_all("shutdown", events);

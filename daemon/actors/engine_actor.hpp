@@ -9,6 +9,7 @@
 #include "core/engine/engine.hpp"
 #include "daemon/actors/mail.hpp"
 #include "daemon/actors/mailbox.hpp"
+#include "daemon/config.hpp"
 #include "daemon/obs/metrics.hpp"
 #include "daemon/state.hpp"
 
@@ -17,7 +18,8 @@ namespace rolloutd::daemon {
 class EngineActor {
  public:
   EngineActor(std::unique_ptr<core::Engine> engine, std::unique_ptr<MailboxEnd> mailbox,
-              obs::Metrics& metrics, SnapshotCell<EngineSnapshot>& snapshot, Heartbeat& heartbeat);
+              obs::Metrics& metrics, SnapshotCell<EngineSnapshot>& snapshot, Heartbeat& heartbeat,
+              const DaemonConfig& config);
   // Thread body; returns after a StopCommand.
   void run();
 
@@ -26,12 +28,21 @@ class EngineActor {
   void send(EngineOutput out);
   void publish();
   void account(const std::vector<core::EngineEvent>& events);
+  // Weight sessions, weight reads, pause/continue (engine_weights.cpp).
+  void handle_weights(WeightCommand& cmd);
+  void reply(uint64_t client, protocol::WireMessage msg);
+  void reply_error(uint64_t client, uint64_t envelope_id, const Status& s);
+  // The model stopped being whole (failed session): end what was in flight, say why.
+  void on_model_broken(const Status& why);
+  void check_session_deadline();
 
   std::unique_ptr<core::Engine> engine_;
   std::unique_ptr<MailboxEnd> mailbox_;
   obs::Metrics& metrics_;
   SnapshotCell<EngineSnapshot>& snapshot_;
   Heartbeat& heartbeat_;
+  const DaemonConfig& config_;
+  std::vector<uint8_t> shm_staging_;  // reused across shm buckets
   bool stop_ = false;
   bool draining_ = false;
   bool drain_done_sent_ = false;

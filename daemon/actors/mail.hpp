@@ -8,6 +8,10 @@
 
 #include "core/engine/engine.hpp"
 #include "kernels/status.hpp"
+#include "protocol/codec.hpp"
+#include "protocol/messages.hpp"
+
+#include <zmq.hpp>
 
 namespace rolloutd::daemon {
 
@@ -29,8 +33,17 @@ struct DrainCommand {              // finish in-flight work for at most deadline
   double deadline_s = 30.0;
 };
 struct StopCommand {};             // leave the loop (after drain)
+// Weight sessions, weight reads and pause/continue: the engine thread owns the parameters,
+// so these run there, between steps. `payload` holds the message's payload frames (an
+// inline bucket), moved out of the socket's message without a copy.
+struct WeightCommand {
+  uint64_t client = 0;
+  uint64_t envelope_id = 0;
+  protocol::Request request;
+  std::vector<zmq::message_t> payload;
+};
 using EngineCommand =
-    std::variant<SubmitCommand, AbortCommand, AbortClientCommand, DrainCommand, StopCommand>;
+    std::variant<SubmitCommand, AbortCommand, AbortClientCommand, DrainCommand, StopCommand, WeightCommand>;
 
 // engine -> control
 struct SubmitResult {
@@ -51,7 +64,12 @@ struct DrainDone {};
 struct EngineFault {               // the engine cannot continue; the process must exit non-zero
   Status status;
 };
-using EngineOutput = std::variant<SubmitResult, AbortResult, EventBatch, DrainDone, EngineFault>;
+struct EncodedReply {              // a reply the engine encoded itself (weight commands)
+  uint64_t client = 0;
+  protocol::WireMessage message;
+  std::string error_code;          // non-empty for an error reply (counted by control)
+};
+using EngineOutput = std::variant<SubmitResult, AbortResult, EventBatch, DrainDone, EngineFault, EncodedReply>;
 
 // Mail carries exactly one of the variants.
 struct EngineCommandMail {

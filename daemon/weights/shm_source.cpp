@@ -1,0 +1,68 @@
+#include "daemon/weights/shm_source.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cctype>
+#include <cstring>
+
+namespace rolloutd::daemon {
+
+Status check_shm_name(const std::string& name, const std::string& prefix) {
+  if (name.size() < 2 || name.size() > 251 || name[0] != '/')
+    return Status(ErrorCode::kInvalidArgument, "shared-memory name must be '/' followed by 1-250 characters",
+                  "body.source.name");
+  for (size_t i = 1; i < name.size(); ++i) {
+    const char c = name[i];
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-'))
+      return Status(ErrorCode::kInvalidArgument, "shared-memory name may hold only [A-Za-z0-9._-]",
+                    "body.source.name");
+  }
+  if (name.rfind(prefix, 0) != 0)
+    return Status(ErrorCode::kInvalidArgument,
+                  "shared-memory name '" + name + "' is outside this daemon's prefix '" + prefix + "'",
+                  "body.source.name");
+  return Status::Ok();
+}
+
+Status read_shm(const std::string& name, uint64_t offset, uint64_t size, std::vector<uint8_t>& out) {
+  const int fd = shm_open(name.c_str(), O_RDONLY, 0);
+  if (fd < 0)
+    return Status(errno == ENOENT ? ErrorCode::kNotFound : ErrorCode::kUnavailable,
+                  "cannot open shared memory '" + name + "': " + std::strerror(errno), "body.source.name");
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    const int e = errno;
+    close(fd);
+    return Status(ErrorCode::kUnavailable, std::string("fstat failed: ") + std::strerror(e), "body.source");
+  }
+  const uint64_t have = static_cast<uint64_t>(st.st_size);
+  if (offset > have || size > have - offset) {
+    close(fd);
+    return Status(ErrorCode::kOutOfRange,
+                  "range [" + std::to_string(offset) + ", +" + std::to_string(size) + ") lies outside '" + name +
+                      "' of " + std::to_string(have) + " bytes",
+                  "body.source");
+  }
+  out.resize(size);
+  uint64_t done = 0;
+  while (done < size) {
+    const ssize_t n = pread(fd, out.data() + done, size - done, static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int e = errno;
+      close(fd);
+      return Status(ErrorCode::kUnavailable, n == 0 ? "shared memory shrank while being read"
+                                                                 : std::string("read failed: ") + std::strerror(e),
+                    "body.source");
+    }
+    done += static_cast<uint64_t>(n);
+  }
+  close(fd);
+  return Status::Ok();
+}
+
+}  // namespace rolloutd::daemon
