@@ -48,14 +48,14 @@ void cpu_quantize_mx(const MxQuantPlan& p) {
           const int64_t byte = kb * kMxfp4BytesPerBlock + j;
           if (p.kernel_layout) {
             p.blocks[expert * p.rows_per_expert * row_bytes +
-                     mxfp4_kernel_value_offset(lr, byte, row_bytes, p.order)] = b;
+                     mxfp4_kernel_value_offset(lr, byte, p.rows_per_expert, row_bytes, p.order)] = b;
           } else {
             p.blocks[r * row_bytes + byte] = b;
           }
         }
         if (p.kernel_layout)
           p.kernel_scales[expert * p.rows_per_expert * p.num_kb +
-                          mxfp4_kernel_scale_offset(lr, kb, p.num_kb, p.order)] = s;
+                          mxfp4_kernel_scale_offset(lr, kb, p.rows_per_expert, p.num_kb, p.order)] = s;
       } else {
         for (int64_t i = 0; i < n; ++i)
           p.q[r * x.cols + k0 + i] = poisoned ? E4M3{0} : e4m3_encode(v[i], se);
@@ -83,10 +83,12 @@ void cpu_dequantize_mx(const MxDequantPlan& p) {
   }
 }
 
-// One closed group of rows at a time through a group-sized scratch buffer: the permutation
-// maps the bytes of rows [g*G, (g+1)*G) onto the same byte range.
-void cpu_layout(const LayoutPlan& p) {
-  const int64_t group = mxfp4_group_rows(p.order);
+namespace {
+
+// kPlain, kGateUpInterleaved: one closed group of rows at a time through a group-sized
+// scratch buffer (the permutation maps the bytes of rows [g*G, (g+1)*G) onto themselves).
+void layout_by_groups(const LayoutPlan& p) {
+  const int64_t group = mxfp4_row_multiple(p.order);
   const int64_t span = group * p.row_bytes;
   std::vector<Fp4x2> scratch(static_cast<size_t>(span));
   for (int64_t e = 0; e < p.experts; ++e) {
@@ -97,7 +99,7 @@ void cpu_layout(const LayoutPlan& p) {
       for (int64_t lr = 0; lr < group; ++lr) {
         for (int64_t b = 0; b < p.row_bytes; ++b) {
           const int64_t kernel_pos =
-              mxfp4_kernel_value_offset(g0 + lr, b, p.row_bytes, p.order) - g0 * p.row_bytes;
+              mxfp4_kernel_value_offset(g0 + lr, b, p.n, p.row_bytes, p.order) - g0 * p.row_bytes;
           const int64_t ckpt_pos = lr * p.row_bytes + b;
           if (p.to_kernel) base[kernel_pos] = scratch[static_cast<size_t>(ckpt_pos)];
           else base[ckpt_pos] = scratch[static_cast<size_t>(kernel_pos)];
@@ -107,13 +109,62 @@ void cpu_layout(const LayoutPlan& p) {
   }
 }
 
+// One 16-row tile between checkpoint rows [16][row_bytes] and the kernel tiles [K/64][16][32].
+void transpose_tile(const Fp4x2* src, Fp4x2* dst, int64_t row_bytes, bool to_kernel) {
+  for (int64_t i = 0; i < kMxfp4TileRows; ++i) {
+    for (int64_t b = 0; b < row_bytes; ++b) {
+      const int64_t ckpt = i * row_bytes + b;
+      const int64_t kern = (b / kMxfp4TileRowBytes) * kMxfp4TileBytes + i * kMxfp4TileRowBytes +
+                           b % kMxfp4TileRowBytes;
+      if (to_kernel) dst[kern] = src[ckpt];
+      else dst[ckpt] = src[kern];
+    }
+  }
+}
+
+// kGateUpConcatenated: whole tiles follow the cycles of the gate/up shuffle; each move
+// transposes the tile. Scratch: the cycle's first tile and the tile in flight.
+void layout_by_tile_cycles(const LayoutPlan& p) {
+  const int64_t nt = p.n / kMxfp4TileRows, tile = kMxfp4TileRows * p.row_bytes;
+  std::vector<Fp4x2> saved(static_cast<size_t>(tile)), work(static_cast<size_t>(tile));
+  // Forward: kernel tile k receives checkpoint tile source(k); inverse: checkpoint tile t
+  // receives kernel tile kernel(t).
+  auto next = [&](int64_t k) {
+    return p.to_kernel ? mxfp4_concat_source_tile(k, nt) : mxfp4_concat_kernel_tile(k, nt);
+  };
+  std::vector<char> done(static_cast<size_t>(nt));
+  for (int64_t e = 0; e < p.experts; ++e) {
+    Fp4x2* base = p.blocks + e * p.n * p.row_bytes;
+    std::fill(done.begin(), done.end(), 0);
+    for (int64_t start = 0; start < nt; ++start) {
+      if (done[static_cast<size_t>(start)]) continue;
+      std::memcpy(saved.data(), base + start * tile, static_cast<size_t>(tile));
+      int64_t cur = start;
+      for (int64_t k = next(start); k != start; cur = k, k = next(k)) {
+        std::memcpy(work.data(), base + k * tile, static_cast<size_t>(tile));
+        transpose_tile(work.data(), base + cur * tile, p.row_bytes, p.to_kernel);
+        done[static_cast<size_t>(cur)] = 1;
+      }
+      transpose_tile(saved.data(), base + cur * tile, p.row_bytes, p.to_kernel);
+      done[static_cast<size_t>(cur)] = 1;
+    }
+  }
+}
+
+}  // namespace
+
+void cpu_layout(const LayoutPlan& p) {
+  if (p.order == Mxfp4RowOrder::kGateUpConcatenated) layout_by_tile_cycles(p);
+  else layout_by_groups(p);
+}
+
 void cpu_scales_layout(const ScalesLayoutPlan& p) {
   for (int64_t e = 0; e < p.experts; ++e) {
     const int64_t base = e * p.n * p.row_blocks;
     for (int64_t r = 0; r < p.n; ++r) {
       for (int64_t kb = 0; kb < p.row_blocks; ++kb) {
         const int64_t ckpt = base + r * p.row_blocks + kb;
-        const int64_t kern = base + mxfp4_kernel_scale_offset(r, kb, p.row_blocks, p.order);
+        const int64_t kern = base + mxfp4_kernel_scale_offset(r, kb, p.n, p.row_blocks, p.order);
         if (p.to_kernel) p.dst[kern] = p.src[ckpt];
         else p.dst[ckpt] = p.src[kern];
       }

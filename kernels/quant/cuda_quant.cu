@@ -7,7 +7,8 @@
 //   per block holding its 16,384 elements in registers between the amax and the encode, so
 //   the input is read from DRAM once.
 // - The in-place MXFP4 layout permutation: one CTA per closed group of 16 or 32 rows, staged
-//   through shared memory (the group is the only extra storage).
+//   through shared memory (the group is the only extra storage); for concatenated gate/up,
+//   one CTA per cycle of 16-row tiles, two tiles of shared memory.
 // - Dequantization and the scale copies: one thread per output element (not on a hot path).
 // Input loads are 16-byte vectors where the view is contiguous, K % 8 == 0 and the base is
 // aligned; every other input (strided, odd K) takes the per-element path of the same kernel.
@@ -136,11 +137,11 @@ __global__ void __launch_bounds__(kThreads)
       if constexpr (kMode == kMxfp4Kernel) {
         const int64_t e = r / p.rows_per_expert, lr = r - e * p.rows_per_expert;
         store8(blocks + e * p.rows_per_expert * row_bytes +
-                   mxfp4_kernel_value_offset(lr, b, row_bytes, p.order),
+                   mxfp4_kernel_value_offset(lr, b, p.rows_per_expert, row_bytes, p.order),
                lo, hi, out_vec, 8);
         if (half == 0)
           p.kernel_scales[e * p.rows_per_expert * p.num_kb +
-                          mxfp4_kernel_scale_offset(lr, kb, p.num_kb, p.order)] = s;
+                          mxfp4_kernel_scale_offset(lr, kb, p.rows_per_expert, p.num_kb, p.order)] = s;
       } else {
         store8(blocks + r * row_bytes + b, lo, hi, out_vec, 8);
       }
@@ -325,17 +326,30 @@ __global__ void fp8_dequantize_kernel(const Fp8DequantPlan p) {
 
 // ---- MXFP4 layouts ------------------------------------------------------------------------
 
-// One closed group of rows per CTA: read the group's span into shared memory, then write each
-// chunk (16 bytes, or 1 on a misaligned tensor) from where the other layout keeps it. A
-// 16-byte chunk never straddles a 32-byte tile row or a row (K/2 % 32 == 0), so mapping its
-// first byte maps the chunk.
+// Position (byte offset) in one 16-row tile's other layout of the byte at `off`: to_kernel
+// maps a kernel-tile position [K/64][16][32] to its checkpoint position [16][K/2], and the
+// reverse. A 16-byte chunk never straddles a 32-byte tile row or a row (K/2 % 32 == 0), so
+// mapping a chunk's first byte maps the chunk.
+__device__ __forceinline__ int tile_source(int off, int row_bytes, bool to_kernel) {
+  if (to_kernel) {
+    const int kt = off / kMxfp4TileBytes, in_tile = off % kMxfp4TileBytes;
+    return (in_tile / kMxfp4TileRowBytes) * row_bytes + kt * kMxfp4TileRowBytes +
+           in_tile % kMxfp4TileRowBytes;
+  }
+  const int i = off / row_bytes, b = off % row_bytes;
+  return (b / kMxfp4TileRowBytes) * kMxfp4TileBytes + i * kMxfp4TileRowBytes + b % kMxfp4TileRowBytes;
+}
+
+// kPlain / kGateUpInterleaved: one closed group of rows per CTA. Read the group's span into
+// shared memory, then write each chunk (16 bytes, or 1 on a misaligned tensor) from where
+// the other layout keeps it.
 template <typename Chunk>
 __global__ void __launch_bounds__(kLayoutThreads) mxfp4_layout_kernel(const LayoutPlan p) {
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int kW = sizeof(Chunk);
-  const int group = mxfp4_group_rows(p.order);
+  const int group = mxfp4_row_multiple(p.order);
   const int row_bytes = static_cast<int>(p.row_bytes);
-  const int k_tiles = row_bytes / kMxfp4TileRowBytes;
+  const int tile_bytes = kMxfp4TileRows * row_bytes;
   const int span = group * row_bytes;
   const int64_t groups_per_expert = p.n / group;
   const int64_t e = blockIdx.x / groups_per_expert, gi = blockIdx.x - e * groups_per_expert;
@@ -348,19 +362,56 @@ __global__ void __launch_bounds__(kLayoutThreads) mxfp4_layout_kernel(const Layo
   for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
     const int off = c * kW;
     int from;
-    if (p.to_kernel) {  // `off` is a kernel-layout position: find its checkpoint byte
-      const int tile = off / kMxfp4TileBytes, in_tile = off % kMxfp4TileBytes;
-      const int kr = (tile / k_tiles) * kMxfp4TileRows + in_tile / kMxfp4TileRowBytes;
-      const int r = static_cast<int>(mxfp4_checkpoint_row(kr, p.order));
-      from = r * row_bytes + (tile % k_tiles) * kMxfp4TileRowBytes + in_tile % kMxfp4TileRowBytes;
+    if (p.to_kernel) {  // `off` is a kernel-layout position: kernel row -> checkpoint row
+      const int tile = off / tile_bytes, in_tile = tile_source(off % tile_bytes, row_bytes, true);
+      const int kr = tile * kMxfp4TileRows + in_tile / row_bytes;
+      from = static_cast<int>(mxfp4_checkpoint_row(kr, group, p.order)) * row_bytes + in_tile % row_bytes;
     } else {  // `off` is a checkpoint position: find it in the kernel layout
-      const int r = off / row_bytes, b = off % row_bytes;
-      const int kr = static_cast<int>(mxfp4_kernel_row(r, p.order));
-      from = ((kr / kMxfp4TileRows) * k_tiles + b / kMxfp4TileRowBytes) * kMxfp4TileBytes +
-             (kr % kMxfp4TileRows) * kMxfp4TileRowBytes + b % kMxfp4TileRowBytes;
+      const int kr = static_cast<int>(mxfp4_kernel_row(off / row_bytes, group, p.order));
+      from = (kr / kMxfp4TileRows) * tile_bytes +
+             tile_source((kr % kMxfp4TileRows) * row_bytes + off % row_bytes, row_bytes, false);
     }
     base[c] = staged[from / kW];
   }
+}
+
+// kGateUpConcatenated: CTA (t, e) leads the cycle of tile t of expert e when t is the cycle's
+// smallest tile, and walks it: save the first tile, then move each tile into its
+// predecessor's place (transposing it), and close with the saved one. Tiles of different
+// cycles are disjoint, so the cycles run in parallel; fixed points are one-tile cycles.
+template <typename Chunk>
+__global__ void __launch_bounds__(kLayoutThreads) mxfp4_tile_cycle_kernel(const LayoutPlan p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int kW = sizeof(Chunk);
+  const int64_t nt = p.n / kMxfp4TileRows;
+  const int64_t start = blockIdx.x;
+  auto next = [&](int64_t k) {
+    return p.to_kernel ? mxfp4_concat_source_tile(k, nt) : mxfp4_concat_kernel_tile(k, nt);
+  };
+  for (int64_t k = next(start); k != start; k = next(k))
+    if (k < start) return;  // not the leader (uniform across the CTA)
+  const int row_bytes = static_cast<int>(p.row_bytes);
+  const int chunks = kMxfp4TileRows * row_bytes / kW;
+  uint8_t* mat = reinterpret_cast<uint8_t*>(p.blocks) + static_cast<int64_t>(blockIdx.y) * p.n * p.row_bytes;
+  auto tile = [&](int64_t t) { return reinterpret_cast<Chunk*>(mat + t * kMxfp4TileRows * p.row_bytes); };
+  Chunk* saved = reinterpret_cast<Chunk*>(smem);
+  Chunk* work = saved + chunks;
+  auto move = [&](const Chunk* from, Chunk* to) {  // shared -> global, transposing
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x)
+      to[c] = from[tile_source(c * kW, row_bytes, p.to_kernel) / kW];
+  };
+  const Chunk* first = tile(start);
+  for (int c = threadIdx.x; c < chunks; c += blockDim.x) saved[c] = first[c];
+  __syncthreads();
+  int64_t cur = start;
+  for (int64_t k = next(start); k != start; cur = k, k = next(k)) {
+    const Chunk* src = tile(k);
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) work[c] = src[c];
+    __syncthreads();  // tile k fully read before it is overwritten next step
+    move(work, tile(cur));
+    __syncthreads();  // `work` free again
+  }
+  move(saved, tile(cur));
 }
 
 __global__ void mxfp4_scales_layout_kernel(const ScalesLayoutPlan p) {
@@ -374,10 +425,10 @@ __global__ void mxfp4_scales_layout_kernel(const ScalesLayoutPlan p) {
     if (p.to_kernel) {  // i is a kernel-layout position
       const int64_t tile = off / kMxfp4TileScales, in_tile = off % kMxfp4TileScales;
       const int64_t kr = (tile / k_tiles) * kMxfp4TileRows + in_tile / 2;
-      const int64_t r = mxfp4_checkpoint_row(kr, p.order);
+      const int64_t r = mxfp4_checkpoint_row(kr, p.n, p.order);
       from = r * p.row_blocks + (tile % k_tiles) * 2 + in_tile % 2;
     } else {
-      from = mxfp4_kernel_scale_offset(off / p.row_blocks, off % p.row_blocks, p.row_blocks, p.order);
+      from = mxfp4_kernel_scale_offset(off / p.row_blocks, off % p.row_blocks, p.n, p.row_blocks, p.order);
     }
     p.dst[i] = p.src[e * per_expert + from];
   }
@@ -412,31 +463,42 @@ Status cuda_dequantize_mx(const ExecContext& ctx, const MxDequantPlan& p) {
 }
 
 Status cuda_layout(const ExecContext& ctx, const LayoutPlan& p) {
-  const int64_t group = mxfp4_group_rows(p.order);
-  const int64_t num_groups = p.experts * (p.n / group);
-  if (num_groups == 0 || p.row_bytes == 0) return Status::Ok();
+  if (p.experts == 0 || p.n == 0 || p.row_bytes == 0) return Status::Ok();
+  const bool cycles = p.order == Mxfp4RowOrder::kGateUpConcatenated;
+  // Shared memory per CTA: one closed group of rows, or two tiles for the cycle walk.
+  const int64_t rows_staged = cycles ? 2 * kMxfp4TileRows : mxfp4_row_multiple(p.order);
+  const int64_t smem = rows_staged * p.row_bytes;
   DeviceGuard guard;
   RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
   int device = 0, smem_optin = 0;
   RD_CUDA_CHECK(cudaGetDevice(&device));
   RD_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  const int64_t span = group * p.row_bytes;
-  if (span > smem_optin)
+  if (smem > smem_optin)
     return Status(ErrorCode::kUnimplemented,
-                  "blocks: a group of " + std::to_string(group) + " rows is " +
-                      std::to_string(span) + " bytes, above the " + std::to_string(smem_optin) +
-                      " bytes of shared memory a block may use (K too large for the in-place "
-                      "CUDA permutation)",
+                  "blocks: the in-place permutation stages " + std::to_string(rows_staged) +
+                      " rows of " + std::to_string(p.row_bytes) + " bytes (" +
+                      std::to_string(smem) + " bytes), above the " + std::to_string(smem_optin) +
+                      " bytes of shared memory a block may use: K too large for the CUDA path",
                   "blocks");
-  if (num_groups > 0x7fffffff)
-    return Status(ErrorCode::kUnimplemented, "blocks: more than 2^31 row groups", "blocks");
   const bool vec = aligned(p.blocks, 16);
-  auto kernel = vec ? mxfp4_layout_kernel<uint4> : mxfp4_layout_kernel<uint8_t>;
+  void (*kernel)(LayoutPlan);
+  dim3 grid;
+  if (cycles) {
+    kernel = vec ? mxfp4_tile_cycle_kernel<uint4> : mxfp4_tile_cycle_kernel<uint8_t>;
+    if (p.experts > 65535 || p.n / kMxfp4TileRows > 0x7fffffff)
+      return Status(ErrorCode::kUnimplemented, "blocks: more than 65535 experts", "blocks");
+    grid = dim3(static_cast<unsigned>(p.n / kMxfp4TileRows), static_cast<unsigned>(p.experts));
+  } else {
+    kernel = vec ? mxfp4_layout_kernel<uint4> : mxfp4_layout_kernel<uint8_t>;
+    const int64_t num_groups = p.experts * (p.n / mxfp4_row_multiple(p.order));
+    if (num_groups > 0x7fffffff)
+      return Status(ErrorCode::kUnimplemented, "blocks: more than 2^31 row groups", "blocks");
+    grid = dim3(static_cast<unsigned>(num_groups));
+  }
   RD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(span)));
-  kernel<<<static_cast<unsigned>(num_groups), kLayoutThreads, static_cast<size_t>(span),
-           stream_of(ctx)>>>(p);
-  RD_CUDA_CHECK_LAUNCH("mxfp4_layout_kernel");
+                                     static_cast<int>(smem)));
+  kernel<<<grid, kLayoutThreads, static_cast<size_t>(smem), stream_of(ctx)>>>(p);
+  RD_CUDA_CHECK_LAUNCH("mxfp4 layout kernel");
   return Status::Ok();
 }
 

@@ -26,12 +26,15 @@
 // Checkpoint layout (gpt-oss `*_blocks` / `*_scales`): blocks uint8 [E, N, K/32, 16],
 // scales uint8 [E, N, K/32], row-major, one row of the weight per output feature n.
 //
-// Kernel layout ("tiled v1", what the expert GEMM reads; Mxfp4KernelLayout below):
-// 1. Rows. kPlain keeps the checkpoint row order (down_proj, any matrix). kGateUpInterleaved
-//    is for a gpt-oss gate_up_proj, whose checkpoint rows alternate gate/up (row 2i = gate i,
-//    row 2i+1 = up i): each group of 32 rows becomes 16 gate rows then their 16 up rows, so
-//    one 32-row GEMM tile holds the gate and up outputs of the same 16 intermediate features
-//    and SwiGLU runs in the epilogue.
+// Kernel layout ("tiled v1", what the expert GEMM reads; the helpers at the end):
+// 1. Rows. kPlain keeps the checkpoint row order (down_proj, any matrix). The two gate/up
+//    orders name how the checkpoint stores a fused gate_up_proj of N = 2I rows:
+//    kGateUpInterleaved (gpt-oss: row 2j = gate j, row 2j+1 = up j) and kGateUpConcatenated
+//    (Qwen3-MoE / DeepSeek exports, this registry's checkpoint: gate rows [0, I), up rows
+//    [I, 2I)). Both become the same kernel rows: each group of 32 holds 16 gate rows then
+//    the 16 up rows of the same intermediate features (gate j at 32*(j/16) + j%16, up j 16
+//    rows later), so one 32-row GEMM tile computes gate and up together and SwiGLU runs in
+//    its epilogue.
 // 2. Values. The (row-reordered) matrix is cut into tiles of 16 rows x 64 elements (16 x 32
 //    bytes); tiles are stored row-tile-major, K-tile-minor, [N/16][K/64][16][32], each tile
 //    512 contiguous bytes: one 16-byte load per lane of a warp fetches a whole tile, where
@@ -39,10 +42,11 @@
 // 3. Scales (a separate copy; the checkpoint scales are never touched, the weight registry
 //    restores from them): the 2 scales of each tile row, [N/16][K/64][16][2], 32 contiguous
 //    bytes per tile in the same tile order as the values: two 16-byte loads per tile.
-// Requirements: K % 64 == 0 and N % 16 == 0 (N % 32 == 0 for kGateUpInterleaved).
-// The value permutation is closed on every group of 16 rows (32 when interleaved), so it is
-// applied in place a group at a time: the extra memory is one group (16 or 32 rows x K/2
-// bytes), never a second tensor. Applying it twice is NOT the identity; the inverse
+// Requirements: K % 64 == 0 and N % 16 == 0 (N % 32 == 0 for the gate/up orders).
+// In place, with no second tensor: kPlain and kGateUpInterleaved permute within closed
+// groups of 16 / 32 rows (one group of scratch); kGateUpConcatenated moves whole 16-row
+// tiles along the cycles of the gate/up shuffle, transposing each tile on the way (two
+// tiles of scratch). Applying the permutation twice is NOT the identity; the inverse
 // (mxfp4_blocks_to_checkpoint_layout) is, and the registry tracks which layout is live.
 #include <cstdint>
 
@@ -84,8 +88,9 @@ RD_HOST_DEVICE inline uint32_t e2m1_decode_bits(uint32_t code, int scale_exp) {
 // ---- kernel layout ("tiled v1") -----------------------------------------------------------
 
 enum class Mxfp4RowOrder : uint8_t {
-  kPlain = 0,              // rows keep their order
-  kGateUpInterleaved = 1,  // checkpoint rows gate0, up0, gate1, up1, ... (gpt-oss gate_up_proj)
+  kPlain = 0,               // rows keep their order
+  kGateUpInterleaved = 1,   // checkpoint rows gate0, up0, gate1, up1, ... (gpt-oss gate_up_proj)
+  kGateUpConcatenated = 2,  // checkpoint rows gate0..gate(I-1), up0..up(I-1)
 };
 
 inline constexpr int kMxfp4LayoutVersion = 1;
@@ -95,39 +100,64 @@ inline constexpr int kMxfp4TileRowBytes = 32;          // kMxfp4TileK / 2
 inline constexpr int kMxfp4TileBytes = 512;            // 16 x 32
 inline constexpr int kMxfp4TileScales = 32;            // 16 rows x 2 scales
 
-// Rows that the in-place permutation moves together (the closed groups).
-RD_HOST_DEVICE inline int mxfp4_group_rows(Mxfp4RowOrder order) {
-  return order == Mxfp4RowOrder::kGateUpInterleaved ? 2 * kMxfp4TileRows : kMxfp4TileRows;
+// The row count N must be a multiple of this for the order.
+RD_HOST_DEVICE inline int mxfp4_row_multiple(Mxfp4RowOrder order) {
+  return order == Mxfp4RowOrder::kPlain ? kMxfp4TileRows : 2 * kMxfp4TileRows;
 }
 
-// Kernel row of checkpoint row r (within one expert), and the inverse.
-RD_HOST_DEVICE inline int64_t mxfp4_kernel_row(int64_t r, Mxfp4RowOrder order) {
-  if (order == Mxfp4RowOrder::kPlain) return r;
-  const int64_t g = r / 32, i = r % 32;
-  return g * 32 + (i & 1) * 16 + i / 2;
+// Kernel row of checkpoint row r of an N-row expert matrix, and the inverse.
+RD_HOST_DEVICE inline int64_t mxfp4_kernel_row(int64_t r, int64_t n, Mxfp4RowOrder order) {
+  switch (order) {
+    case Mxfp4RowOrder::kGateUpInterleaved: {
+      const int64_t g = r / 32, i = r % 32;
+      return g * 32 + (i & 1) * 16 + i / 2;
+    }
+    case Mxfp4RowOrder::kGateUpConcatenated: {
+      const int64_t half = n / 2, up = r >= half ? 1 : 0, j = r - up * half;
+      return (j / 16) * 32 + up * 16 + j % 16;
+    }
+    default:
+      return r;
+  }
 }
-RD_HOST_DEVICE inline int64_t mxfp4_checkpoint_row(int64_t kr, Mxfp4RowOrder order) {
-  if (order == Mxfp4RowOrder::kPlain) return kr;
+RD_HOST_DEVICE inline int64_t mxfp4_checkpoint_row(int64_t kr, int64_t n, Mxfp4RowOrder order) {
   const int64_t g = kr / 32, i = kr % 32;
-  return g * 32 + (i % 16) * 2 + i / 16;
+  switch (order) {
+    case Mxfp4RowOrder::kGateUpInterleaved:
+      return g * 32 + (i % 16) * 2 + i / 16;
+    case Mxfp4RowOrder::kGateUpConcatenated:
+      return (i / 16) * (n / 2) + g * 16 + i % 16;
+    default:
+      return kr;
+  }
 }
 
-// Where things live in the kernel layout of one expert matrix with `row_bytes` = K/2.
+// Where things live in the kernel layout of one expert matrix of n rows x row_bytes (= K/2).
 // Byte `b` (0 <= b < K/2) of checkpoint row r:
-RD_HOST_DEVICE inline int64_t mxfp4_kernel_value_offset(int64_t r, int64_t b, int64_t row_bytes,
-                                                        Mxfp4RowOrder order) {
-  const int64_t kr = mxfp4_kernel_row(r, order);
+RD_HOST_DEVICE inline int64_t mxfp4_kernel_value_offset(int64_t r, int64_t b, int64_t n,
+                                                        int64_t row_bytes, Mxfp4RowOrder order) {
+  const int64_t kr = mxfp4_kernel_row(r, n, order);
   const int64_t k_tiles = row_bytes / kMxfp4TileRowBytes;
   return ((kr / kMxfp4TileRows) * k_tiles + b / kMxfp4TileRowBytes) * kMxfp4TileBytes +
          (kr % kMxfp4TileRows) * kMxfp4TileRowBytes + b % kMxfp4TileRowBytes;
 }
 // Scale of block kb (0 <= kb < K/32) of checkpoint row r, in the kernel scales buffer:
-RD_HOST_DEVICE inline int64_t mxfp4_kernel_scale_offset(int64_t r, int64_t kb, int64_t row_blocks,
-                                                        Mxfp4RowOrder order) {
-  const int64_t kr = mxfp4_kernel_row(r, order);
+RD_HOST_DEVICE inline int64_t mxfp4_kernel_scale_offset(int64_t r, int64_t kb, int64_t n,
+                                                        int64_t row_blocks, Mxfp4RowOrder order) {
+  const int64_t kr = mxfp4_kernel_row(r, n, order);
   const int64_t k_tiles = row_blocks / 2;
   return ((kr / kMxfp4TileRows) * k_tiles + kb / 2) * kMxfp4TileScales +
          (kr % kMxfp4TileRows) * 2 + kb % 2;
+}
+
+// kGateUpConcatenated moves whole 16-row tiles: kernel tile k holds checkpoint tile
+// mxfp4_concat_source_tile(k) (of nt = N/16 tiles), transposed into the tile layout.
+RD_HOST_DEVICE inline int64_t mxfp4_concat_source_tile(int64_t k, int64_t nt) {
+  return (k % 2) * (nt / 2) + k / 2;
+}
+RD_HOST_DEVICE inline int64_t mxfp4_concat_kernel_tile(int64_t t, int64_t nt) {
+  const int64_t half = nt / 2;
+  return t < half ? 2 * t : 2 * (t - half) + 1;
 }
 
 }  // namespace rolloutd::quant

@@ -127,7 +127,8 @@ StridedRows rows_of(const TensorView& x) {
 }
 
 Status order_ok(Mxfp4RowOrder order) {
-  if (order == Mxfp4RowOrder::kPlain || order == Mxfp4RowOrder::kGateUpInterleaved)
+  if (order == Mxfp4RowOrder::kPlain || order == Mxfp4RowOrder::kGateUpInterleaved ||
+      order == Mxfp4RowOrder::kGateUpConcatenated)
     return Status::Ok();
   return invalid("order", "unknown Mxfp4RowOrder " + std::to_string(static_cast<int>(order)));
 }
@@ -137,13 +138,13 @@ Status layout_dims(int64_t n, int64_t kb, Mxfp4RowOrder order, std::string_view 
   if (kb % 2 != 0)
     return invalid(name, "K = " + std::to_string(kb * 32) +
                              " is not a multiple of 64 (the kernel layout's K tile)");
-  const int g = mxfp4_group_rows(order);
+  const int g = mxfp4_row_multiple(order);
   if (n % g != 0)
     return invalid(name, "N = " + std::to_string(n) + " rows is not a multiple of " +
                              std::to_string(g) +
-                             (order == Mxfp4RowOrder::kGateUpInterleaved
-                                  ? " (interleaved gate/up groups)"
-                                  : " (the kernel layout's row tile)"));
+                             (order == Mxfp4RowOrder::kPlain
+                                  ? " (the kernel layout's row tile)"
+                                  : " (16 gate and 16 up rows per kernel group)"));
   return Status::Ok();
 }
 

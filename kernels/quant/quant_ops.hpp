@@ -49,8 +49,9 @@ Status dequantize_mxfp4(const ExecContext& ctx, TensorView blocks, TensorView sc
                         TensorView out);
 
 // In place on blocks [.., N, K/32, 16] (every leading dimension an expert): checkpoint layout
-// to kernel layout, and back. The inverse undoes the forward exactly; neither is idempotent.
-// CUDA: one group of rows (16, or 32 when interleaved, x K/2 bytes) must fit in a block's
+// to kernel layout, and back; `order` names the checkpoint's row order (mxfp4.hpp). The
+// inverse undoes the forward exactly; neither is idempotent. Extra memory: one group of 16
+// (kPlain) or 32 rows (gate/up orders) of K/2 bytes. CUDA stages that group in a block's
 // shared memory (227 KiB on H100/H200: K up to 14,528), else kUnimplemented.
 Status mxfp4_blocks_to_kernel_layout(const ExecContext& ctx, TensorView blocks,
                                      Mxfp4RowOrder order);
