@@ -56,7 +56,19 @@ const std::string& event_rid(const Event& e) {
   return std::visit([](const auto& ev) -> const std::string& { return ev.rid; }, e);
 }
 
-bool is_final(const Event& e) { return !std::holds_alternative<TokensEvent>(e); }
+// finished and failed end a request; tokens and retracted do not.
+bool is_final(const Event& e) {
+  return std::holds_alternative<FinishedEvent>(e) || std::holds_alternative<FailedEvent>(e);
+}
+
+// The event in a received message, or nullopt for a reply.
+std::optional<Event> take_event(Incoming& msg) {
+  if (auto* e = std::get_if<TokensEvent>(&msg)) return Event(std::move(*e));
+  if (auto* e = std::get_if<FinishedEvent>(&msg)) return Event(std::move(*e));
+  if (auto* e = std::get_if<FailedEvent>(&msg)) return Event(std::move(*e));
+  if (auto* e = std::get_if<RetractedEvent>(&msg)) return Event(std::move(*e));
+  return std::nullopt;
+}
 
 // The daemon's error object as a Status. A code this build does not know (a newer
 // daemon) keeps its name in the message rather than being silently remapped.
@@ -131,11 +143,13 @@ struct Client::Impl {
 
   Impl(ClientOptions opts, zmq::socket_t sock) : options(std::move(opts)), socket(std::move(sock)) {}
 
-  Status send_frames(const std::vector<const std::string*>& parts, Clock::time_point deadline);
+  Status send_frames(const std::vector<std::string_view>& parts, Clock::time_point deadline);
   Result<std::optional<std::vector<std::string>>> recv_frames(Clock::time_point deadline);
   // Next decoded message, or nullopt at the deadline.
   Result<std::optional<DecodedIncoming>> receive(Clock::time_point deadline);
-  Status send_request(uint64_t id, const Request& req, Clock::time_point deadline);
+  // `payload`: frames sent after the envelope (an inline bucket).
+  Status send_request(uint64_t id, const Request& req, Clock::time_point deadline,
+                      const std::vector<std::string_view>& payload = {});
   // Queues an event for next_event(), unless its request was abandoned.
   void enqueue(Event event);
   // Sends an abort for `rid` without waiting (its reply is dropped as stale) and
@@ -145,10 +159,15 @@ struct Client::Impl {
   // Sends `req` and waits for its reply. `*unanswered` is set when the request was
   // sent but no reply came (timeout, undecodable message): it may be running.
   template <class Reply>
-  Result<Reply> call(const Request& req, Clock::time_point deadline, bool* unanswered = nullptr);
+  Result<Reply> call(const Request& req, Clock::time_point deadline, bool* unanswered = nullptr,
+                     const std::vector<std::string_view>& payload = {});
+  template <class Reply>
+  Result<Reply> call(const Request& req) {
+    return call<Reply>(req, deadline_after(options.request_timeout_ms));
+  }
 };
 
-Status Client::Impl::send_frames(const std::vector<const std::string*>& parts,
+Status Client::Impl::send_frames(const std::vector<std::string_view>& parts,
                                  Clock::time_point deadline) {
   if (parts.empty()) return Status(ErrorCode::kInvalidArgument, "a message needs at least one frame");
   // NOTES: the socket sets `immediate`, so POLLOUT means a connected daemon with
@@ -167,7 +186,7 @@ Status Client::Impl::send_frames(const std::vector<const std::string*>& parts,
         for (size_t i = 0; i < parts.size(); ++i) {
           auto flags = zmq::send_flags::dontwait;
           if (i + 1 < parts.size()) flags = flags | zmq::send_flags::sndmore;
-          if (!socket.send(zmq::buffer(*parts[i]), flags)) {
+          if (!socket.send(zmq::buffer(parts[i].data(), parts[i].size()), flags)) {
             if (i == 0) break;  // lost a race for the queue slot: poll again
             return Status(ErrorCode::kInternal, "ZeroMQ refused part of a multipart message");
           }
@@ -223,10 +242,12 @@ Result<std::optional<DecodedIncoming>> Client::Impl::receive(Clock::time_point d
   return std::optional<DecodedIncoming>(std::move(decoded));
 }
 
-Status Client::Impl::send_request(uint64_t id, const Request& req, Clock::time_point deadline) {
+Status Client::Impl::send_request(uint64_t id, const Request& req, Clock::time_point deadline,
+                                  const std::vector<std::string_view>& payload) {
   WireMessage msg = encode_request(id, req);
-  std::vector<const std::string*> parts{&msg.envelope};
-  for (const auto& f : msg.frames) parts.push_back(&f);
+  std::vector<std::string_view> parts{msg.envelope};
+  for (const auto& f : msg.frames) parts.emplace_back(f);
+  parts.insert(parts.end(), payload.begin(), payload.end());
   return send_frames(parts, deadline);
 }
 
@@ -250,10 +271,10 @@ void Client::Impl::abandon(const std::string& rid) {
 
 template <class Reply>
 Result<Reply> Client::Impl::call(const Request& req, Clock::time_point deadline,
-                                 bool* unanswered) {
+                                 bool* unanswered, const std::vector<std::string_view>& payload) {
   const uint64_t id = next_id++;
   if (unanswered) *unanswered = false;
-  RD_RETURN_IF_ERROR(send_request(id, req, deadline));
+  RD_RETURN_IF_ERROR(send_request(id, req, deadline, payload));
   if (unanswered) *unanswered = true;
   for (;;) {
     RD_ASSIGN_OR_RETURN(auto incoming, receive(deadline));
@@ -262,9 +283,10 @@ Result<Reply> Client::Impl::call(const Request& req, Clock::time_point deadline,
                     "no reply to '" + std::string(request_type_name(req)) + "' (id " +
                         std::to_string(id) + ") from " + options.endpoint + " in time");
     auto& msg = incoming->msg;
-    if (auto* e = std::get_if<TokensEvent>(&msg)) { enqueue(std::move(*e)); continue; }
-    if (auto* e = std::get_if<FinishedEvent>(&msg)) { enqueue(std::move(*e)); continue; }
-    if (auto* e = std::get_if<FailedEvent>(&msg)) { enqueue(std::move(*e)); continue; }
+    if (auto event = take_event(msg)) {
+      enqueue(std::move(*event));
+      continue;
+    }
     // A reply with another id answers a call that already gave up waiting.
     if (incoming->env.id != id) continue;
     if (unanswered) *unanswered = false;
@@ -352,16 +374,71 @@ Result<ShutdownReply> Client::shutdown(bool drain, double deadline_s) {
                                     deadline_after(impl_->options.request_timeout_ms));
 }
 
+Result<BeginWeightUpdateReply> Client::begin_weight_update(
+    std::optional<std::vector<std::string>> selector, double timeout_s) {
+  return impl_->call<BeginWeightUpdateReply>(
+      BeginWeightUpdateRequest{std::move(selector), timeout_s});
+}
+
+Result<UpdateWeightsReply> Client::update_weights_inline(uint64_t session,
+                                                         std::vector<BucketEntry> entries,
+                                                         std::string_view payload,
+                                                         std::optional<uint32_t> checksum) {
+  UpdateWeightsRequest req;
+  req.session = session;
+  req.entries = std::move(entries);
+  req.source = InlineSource{0};
+  if (checksum) req.checksum = BucketChecksum{"crc32", *checksum};
+  return impl_->call<UpdateWeightsReply>(
+      req, deadline_after(impl_->options.request_timeout_ms), nullptr, {payload});
+}
+
+Result<UpdateWeightsReply> Client::update_weights_shm(uint64_t session,
+                                                      std::vector<BucketEntry> entries,
+                                                      const std::string& shm_name, uint64_t offset,
+                                                      uint64_t size,
+                                                      std::optional<uint32_t> checksum) {
+  UpdateWeightsRequest req;
+  req.session = session;
+  req.entries = std::move(entries);
+  req.source = ShmSource{shm_name, offset, size};
+  if (checksum) req.checksum = BucketChecksum{"crc32", *checksum};
+  return impl_->call<UpdateWeightsReply>(req);
+}
+
+Result<EndWeightUpdateReply> Client::end_weight_update(uint64_t session, uint64_t weight_version) {
+  return impl_->call<EndWeightUpdateReply>(EndWeightUpdateRequest{session, weight_version});
+}
+
+Result<AbortWeightUpdateReply> Client::abort_weight_update(uint64_t session) {
+  return impl_->call<AbortWeightUpdateReply>(AbortWeightUpdateRequest{session});
+}
+
+Result<GetWeightsByNameReply> Client::get_weights_by_name(const std::string& name,
+                                                          uint32_t truncate) {
+  return impl_->call<GetWeightsByNameReply>(GetWeightsByNameRequest{name, truncate});
+}
+
+Result<WeightsChecksumReply> Client::weights_checksum(
+    std::optional<std::vector<std::string>> names) {
+  return impl_->call<WeightsChecksumReply>(WeightsChecksumRequest{std::move(names)});
+}
+
+Result<PauseGenerationReply> Client::pause_generation(PauseMode mode) {
+  return impl_->call<PauseGenerationReply>(PauseGenerationRequest{mode});
+}
+
+Result<ContinueGenerationReply> Client::continue_generation() {
+  return impl_->call<ContinueGenerationReply>(ContinueGenerationRequest{});
+}
+
 Result<std::optional<Event>> Client::next_event(int timeout_ms) {
   const auto deadline = deadline_after(timeout_ms);
   while (impl_->events.empty()) {
     RD_ASSIGN_OR_RETURN(auto incoming, impl_->receive(deadline));
     if (!incoming) return std::optional<Event>();
-    auto& msg = incoming->msg;
-    if (auto* e = std::get_if<TokensEvent>(&msg)) impl_->enqueue(std::move(*e));
-    else if (auto* e = std::get_if<FinishedEvent>(&msg)) impl_->enqueue(std::move(*e));
-    else if (auto* e = std::get_if<FailedEvent>(&msg)) impl_->enqueue(std::move(*e));
-    // Anything else is a reply to a call that gave up waiting.
+    // Anything but an event is a reply to a call that gave up waiting.
+    if (auto event = take_event(incoming->msg)) impl_->enqueue(std::move(*event));
   }
   Event event = std::move(impl_->events.front());
   impl_->events.pop_front();
@@ -395,6 +472,16 @@ Result<GenerateResult> Client::generate(const GenerateRequest& req, int timeout_
       if (t->routed_experts) RD_RETURN_IF_ERROR(append_routed_rows(result.routed_experts, *t->routed_experts));
       return false;
     }
+    if (std::holds_alternative<RetractedEvent>(event)) {
+      // The request restarts from its prompt under new weights: nothing received so
+      // far stands, and its routed rows start again at routed_experts_start_len.
+      result.token_ids.clear();
+      result.logprobs.clear();
+      result.weight_versions.clear();
+      result.routed_experts.reset();
+      ++result.num_retractions;
+      return false;
+    }
     if (auto* f = std::get_if<FinishedEvent>(&event)) result.finished = std::move(*f);
     else result.failed = std::move(std::get<FailedEvent>(event));
     return true;
@@ -422,12 +509,9 @@ Result<GenerateResult> Client::generate(const GenerateRequest& req, int timeout_
                             "request '" + named.rid + "' did not finish within " +
                                 std::to_string(timeout_ms) + " ms; aborted it",
                             "rid"));
-    auto& msg = (*incoming)->msg;
-    Event event;
-    if (auto* e = std::get_if<TokensEvent>(&msg)) event = std::move(*e);
-    else if (auto* e = std::get_if<FinishedEvent>(&msg)) event = std::move(*e);
-    else if (auto* e = std::get_if<FailedEvent>(&msg)) event = std::move(*e);
-    else continue;  // a late reply to a call that gave up
+    std::optional<Event> received = take_event((*incoming)->msg);
+    if (!received) continue;  // a late reply to a call that gave up
+    Event& event = *received;
     if (event_rid(event) != named.rid) {
       impl_->enqueue(std::move(event));
       continue;
@@ -443,10 +527,12 @@ Status Client::send_raw(const std::vector<std::string>& frames) {
 }
 
 Status Client::send_raw(const std::vector<std::string>& frames, int timeout_ms) {
-  std::vector<const std::string*> parts;
-  parts.reserve(frames.size());
-  for (const auto& f : frames) parts.push_back(&f);
+  std::vector<std::string_view> parts(frames.begin(), frames.end());
   return impl_->send_frames(parts, deadline_after(timeout_ms));
+}
+
+Status Client::send_raw_views(const std::vector<std::string_view>& frames, int timeout_ms) {
+  return impl_->send_frames(frames, deadline_after(timeout_ms));
 }
 
 Result<std::optional<std::vector<std::string>>> Client::recv_raw(int timeout_ms) {

@@ -12,6 +12,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kernels/status.hpp"
@@ -38,6 +39,9 @@ struct GenerateResult {
   std::optional<RoutedExperts> routed_experts;
   std::optional<FinishedEvent> finished;  // exactly one of finished / failed
   std::optional<FailedEvent> failed;
+  // Times the daemon retracted the request (pause_generation{retract}); each one
+  // discarded what had been collected, so the fields above hold the last attempt only.
+  uint32_t num_retractions = 0;
 };
 
 class Client {
@@ -56,11 +60,37 @@ class Client {
   Result<AbortReply> abort_all();
   Result<ShutdownReply> shutdown(bool drain = true, double deadline_s = 30.0);
 
-  // Next event for any submitted request; nullopt when none arrived within timeout_ms.
+  // ---- weight updates (SPEC §11) ----
+  // selector: parameter-name prefixes the session may touch (nullopt: all).
+  Result<BeginWeightUpdateReply> begin_weight_update(
+      std::optional<std::vector<std::string>> selector = std::nullopt, double timeout_s = 60.0);
+  // One bucket whose bytes travel as payload frame 0 of the message. `checksum`:
+  // crc32(payload), checked by the daemon before it applies anything.
+  Result<UpdateWeightsReply> update_weights_inline(uint64_t session,
+                                                   std::vector<BucketEntry> entries,
+                                                   std::string_view payload,
+                                                   std::optional<uint32_t> checksum = std::nullopt);
+  // One bucket in [offset, offset + size) of POSIX shared memory `shm_name` ("/...").
+  // The daemon has copied it and unmapped the region once the reply arrives.
+  Result<UpdateWeightsReply> update_weights_shm(uint64_t session, std::vector<BucketEntry> entries,
+                                                const std::string& shm_name, uint64_t offset,
+                                                uint64_t size,
+                                                std::optional<uint32_t> checksum = std::nullopt);
+  Result<EndWeightUpdateReply> end_weight_update(uint64_t session, uint64_t weight_version);
+  Result<AbortWeightUpdateReply> abort_weight_update(uint64_t session);
+  Result<GetWeightsByNameReply> get_weights_by_name(const std::string& name, uint32_t truncate = 100);
+  Result<WeightsChecksumReply> weights_checksum(
+      std::optional<std::vector<std::string>> names = std::nullopt);
+  Result<PauseGenerationReply> pause_generation(PauseMode mode);
+  Result<ContinueGenerationReply> continue_generation();
+
+  // Next event for any submitted request (tokens, finished, failed, retracted);
+  // nullopt when none arrived within timeout_ms.
   Result<std::optional<Event>> next_event(int timeout_ms);
   // submit + collect events until the final one (bounded by timeout_ms overall).
   // Events of other requests stay queued for next_event(). On a timeout the
-  // request is aborted and its later events are dropped.
+  // request is aborted and its later events are dropped. A `retracted` event resets
+  // what was collected: the request restarts from its prompt.
   Result<GenerateResult> generate(const GenerateRequest& req, int timeout_ms = 120000);
 
   // ---- raw transport (used by the Python package and the bad-input tests) ----
@@ -68,6 +98,9 @@ class Client {
   // the message; kUnavailable when none does.
   Status send_raw(const std::vector<std::string>& frames);
   Status send_raw(const std::vector<std::string>& frames, int timeout_ms);
+  // The same without copying the frames first: they must stay valid during the call
+  // (the Python transport sends a weight bucket from the caller's buffer this way).
+  Status send_raw_views(const std::vector<std::string_view>& frames, int timeout_ms);
   // nullopt on timeout. Returns every frame of one message.
   Result<std::optional<std::vector<std::string>>> recv_raw(int timeout_ms);
 

@@ -30,9 +30,31 @@ constexpr std::string_view kError = "error";
 constexpr std::string_view kTokens = "tokens";
 constexpr std::string_view kFinished = "finished";
 constexpr std::string_view kFailed = "failed";
+// Weight updates and generation control (SPEC §11).
+constexpr std::string_view kBeginWeightUpdate = "begin_weight_update";
+constexpr std::string_view kUpdateWeights = "update_weights";
+constexpr std::string_view kEndWeightUpdate = "end_weight_update";
+constexpr std::string_view kAbortWeightUpdate = "abort_weight_update";
+constexpr std::string_view kGetWeightsByName = "get_weights_by_name";
+constexpr std::string_view kWeightsChecksum = "weights_checksum";
+constexpr std::string_view kPauseGeneration = "pause_generation";
+constexpr std::string_view kContinueGeneration = "continue_generation";
+constexpr std::string_view kBeginWeightUpdateOk = "begin_weight_update.ok";
+constexpr std::string_view kUpdateWeightsOk = "update_weights.ok";
+constexpr std::string_view kEndWeightUpdateOk = "end_weight_update.ok";
+constexpr std::string_view kAbortWeightUpdateOk = "abort_weight_update.ok";
+constexpr std::string_view kGetWeightsByNameOk = "get_weights_by_name.ok";
+constexpr std::string_view kWeightsChecksumOk = "weights_checksum.ok";
+constexpr std::string_view kPauseGenerationOk = "pause_generation.ok";
+constexpr std::string_view kContinueGenerationOk = "continue_generation.ok";
+constexpr std::string_view kRetracted = "retracted";
+
+constexpr std::string_view kFlattenedBucket = "flattened_bucket";
+constexpr std::string_view kCrc32 = "crc32";
 
 // Parse-time bounds that Limits does not name (SPEC §9). v1 maps have at most 13
-// keys and nest 3 containers deep; the slack is for fields added later in v1.
+// keys and nest 5 containers deep (update_weights: envelope, body, entries, entry, shape);
+// the slack is for fields added later in v1.
 constexpr size_t kMaxMapEntries = 128;
 constexpr size_t kMaxDepth = 16;
 
@@ -209,7 +231,7 @@ Status read_array(const msgpack::object& o, const Path& p, size_t max_count, std
   for (uint32_t i = 0; i < a.size; ++i) {
     T v{};
     RD_RETURN_IF_ERROR(read_element(a.ptr[i], p.at(i), v));
-    out.push_back(v);
+    out.push_back(std::move(v));
   }
   return Status::Ok();
 }
@@ -227,6 +249,8 @@ enum class Need { kRequired, kOptional };
 // v1 grow new fields.
 class MapReader {
  public:
+  static constexpr uint32_t kPairwiseKeyCheck = 16;
+
   MapReader(const msgpack::object_kv* entries, uint32_t size, const Path& path)
       : entries_(entries), size_(size), path_(path) {}
 
@@ -234,6 +258,25 @@ class MapReader {
   // the first and one that keeps the last (Python's dict) would read different
   // messages from the same bytes.
   Status check_keys() const {
+    // Small maps (every v1 map; a bucket has thousands of entry maps) are checked
+    // pairwise without allocating; larger ones by sorting.
+    if (size_ <= kPairwiseKeyCheck) {
+      for (uint32_t i = 0; i < size_; ++i) {
+        const msgpack::object& k = entries_[i].key;
+        if (k.type != msgpack::type::STR) {
+          return error_at(ErrorCode::kBadMessage, path_,
+                          std::string("map key must be str, got ") + msgpack_type_name(k));
+        }
+      }
+      for (uint32_t i = 0; i < size_; ++i) {
+        const std::string_view ki(entries_[i].key.via.str.ptr, entries_[i].key.via.str.size);
+        for (uint32_t j = i + 1; j < size_; ++j) {
+          if (ki == std::string_view(entries_[j].key.via.str.ptr, entries_[j].key.via.str.size))
+            return error_at(ErrorCode::kBadMessage, path_.child(ki), "duplicate key");
+        }
+      }
+      return Status::Ok();
+    }
     std::vector<std::string_view> keys;
     keys.reserve(size_);
     for (uint32_t i = 0; i < size_; ++i) {
@@ -589,18 +632,321 @@ Status decode_body(const MapReader& b, const Limits&, ShutdownRequest& r) {
   return b.number("deadline_s", Need::kOptional, {0.0, 3600.0}, r.deadline_s);
 }
 
+// ---- weight updates (SPEC §11) ----
+
+// What a request decoder may need besides its body: update_weights checks its
+// entries against the payload frame they point into.
+struct RequestContext {
+  const Limits& limits;
+  std::span<const Frame> frames;
+};
+
+// The requests without payload frames decode from the limits alone.
 template <class T>
-Result<Request> decode_request_as(const MapReader& body, const Limits& limits) {
+Status decode_body(const MapReader& b, const RequestContext& c, T& r) {
+  return decode_body(b, c.limits, r);
+}
+
+// The first position (in list order) whose name appeared earlier in the list, or
+// nullopt. Sorting keeps this O(n log n) for a bucket of 65536 entries.
+template <class NameAt>
+std::optional<size_t> first_repeated(size_t n, NameAt&& name_at) {
+  std::vector<std::pair<std::string_view, size_t>> names;
+  names.reserve(n);
+  for (size_t i = 0; i < n; ++i) names.emplace_back(name_at(i), i);
+  std::sort(names.begin(), names.end());
+  std::optional<size_t> first;
+  for (size_t k = 1; k < names.size(); ++k)
+    if (names[k].first == names[k - 1].first && (!first || names[k].second < *first))
+      first = names[k].second;
+  return first;
+}
+
+// A "nil ok" list of non-empty names (selector prefixes, parameter names). nil, not
+// [], means "all": an empty list is refused so that a client bug cannot turn "these
+// parameters" into "no parameter" silently.
+Status read_name_list(const MapReader& b, std::string_view key, const Limits& l,
+                      std::optional<std::vector<std::string>>& out, bool distinct) {
+  return b.field(key, Need::kOptional, [&](const msgpack::object& o, const Path& p) {
+    if (o.type == msgpack::type::NIL) return Status::Ok();
+    std::vector<std::string> names;
+    RD_RETURN_IF_ERROR(read_array(
+        o, p, l.max_bucket_entries, names,
+        [&](const msgpack::object& e, const Path& ep, std::string& name) {
+          RD_RETURN_IF_ERROR(read_str(e, ep, l.max_string_bytes, name));
+          return require_non_empty(ep, name.size());
+        }));
+    if (names.empty())
+      return error_at(ErrorCode::kInvalidArgument, p, "must not be empty; nil means all");
+    if (distinct) {
+      if (auto i = first_repeated(names.size(), [&](size_t k) { return std::string_view(names[k]); }))
+        return error_at(ErrorCode::kInvalidArgument, p.at(*i), "'" + names[*i] + "' is listed twice");
+    }
+    out = std::move(names);
+    return Status::Ok();
+  });
+}
+
+Status read_shape(const msgpack::object& o, const Path& p, std::vector<int64_t>& out) {
+  return read_array(o, p, kMaxTensorRank, out,
+                    [](const msgpack::object& e, const Path& ep, int64_t& dim) {
+                      return read_int<int64_t>(e, ep, 0, kMaxTensorDim, dim);
+                    });
+}
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// product(shape) * element_bytes, or nullopt when it does not fit 64 bits. A zero
+// dimension makes the product 0 whatever the others are (no false overflow).
+std::optional<uint64_t> shape_bytes(const std::vector<int64_t>& shape, size_t element_bytes) {
+  if (std::find(shape.begin(), shape.end(), 0) != shape.end()) return 0;
+  uint64_t n = element_bytes;
+  for (int64_t d : shape)
+    if (__builtin_mul_overflow(n, static_cast<uint64_t>(d), &n)) return std::nullopt;
+  return n;
+}
+
+// ^/[A-Za-z0-9._-]{1,250}$, and not "/." or "/..", which name directories, not objects.
+bool is_valid_shm_name(std::string_view name) {
+  if (name.size() < 2 || name.size() > 251 || name[0] != '/') return false;
+  if (name == "/." || name == "/..") return false;
+  return std::all_of(name.begin() + 1, name.end(), [](char ch) {
+    const auto c = static_cast<unsigned char>(ch);
+    return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
+           c == '.' || c == '_' || c == '-';
+  });
+}
+
+Status decode_bucket_entry(const MapReader& m, const Limits& l, BucketEntry& e) {
+  RD_RETURN_IF_ERROR(m.str("name", Need::kRequired, l.max_string_bytes, e.name));
+  RD_RETURN_IF_ERROR(require_non_empty(m.path("name"), e.name.size()));
+  std::string dtype;
+  RD_RETURN_IF_ERROR(m.str("dtype", Need::kRequired, l.max_string_bytes, dtype));
+  const std::optional<DType> dt = dtype_from_name(dtype);
+  if (!dt) {
+    return error_at(ErrorCode::kInvalidArgument, m.path("dtype"),
+                    "unknown dtype '" + dtype + "'; expected a PyTorch or safetensors name");
+  }
+  e.dtype = *dt;
+  RD_RETURN_IF_ERROR(m.field("shape", Need::kRequired, [&](const msgpack::object& o, const Path& p) {
+    return read_shape(o, p, e.shape);
+  }));
+  RD_RETURN_IF_ERROR(m.integer("byte_offset", Need::kRequired, e.byte_offset));
+  RD_RETURN_IF_ERROR(m.integer("nbytes", Need::kRequired, e.nbytes));
+  // float4_e2m1fn_x2 counts stored bytes (pairs), as kernels/dtype.hpp does.
+  const std::optional<uint64_t> expected = shape_bytes(e.shape, dtype_size(e.dtype));
+  if (!expected) {
+    return error_at(ErrorCode::kOutOfRange, m.path("shape"),
+                    "shape " + shape_str(e.shape) + " of " + std::string(dtype_name(e.dtype)) +
+                        " is more than 2^64 bytes");
+  }
+  if (e.nbytes != *expected) {
+    return error_at(ErrorCode::kInvalidArgument, m.path("nbytes"),
+                    std::to_string(e.nbytes) + " bytes, but shape " + shape_str(e.shape) +
+                        " of " + std::string(dtype_name(e.dtype)) + " is " +
+                        std::to_string(*expected));
+  }
+  uint64_t end = 0;
+  if (__builtin_add_overflow(e.byte_offset, e.nbytes, &end)) {
+    return error_at(ErrorCode::kOutOfRange, m.path("byte_offset"),
+                    "byte_offset + nbytes overflows 64 bits");
+  }
+  return Status::Ok();
+}
+
+Status decode_source(const MapReader& m, const RequestContext& c, BucketSource& out) {
+  std::string kind;
+  RD_RETURN_IF_ERROR(m.str("kind", Need::kRequired, c.limits.max_string_bytes, kind));
+  if (kind == "inline") {
+    InlineSource s;
+    RD_RETURN_IF_ERROR(m.integer("frame", Need::kRequired, s.frame));
+    if (s.frame >= c.frames.size()) {
+      return error_at(ErrorCode::kOutOfRange, m.path("frame"),
+                      "payload frame " + std::to_string(s.frame) + " of " +
+                          std::to_string(c.frames.size()));
+    }
+    out = s;
+    return Status::Ok();
+  }
+  if (kind == "shm") {
+    ShmSource s;
+    RD_RETURN_IF_ERROR(m.str("name", Need::kRequired, c.limits.max_string_bytes, s.name));
+    if (!is_valid_shm_name(s.name)) {
+      return error_at(ErrorCode::kInvalidArgument, m.path("name"),
+                      "'" + s.name + "' is not a shared-memory name: '/' then 1 to 250 of "
+                                     "A-Z a-z 0-9 . _ -");
+    }
+    RD_RETURN_IF_ERROR(m.integer("offset", Need::kRequired, s.offset));
+    RD_RETURN_IF_ERROR(m.integer("size", Need::kRequired, s.size));
+    uint64_t end = 0;
+    if (__builtin_add_overflow(s.offset, s.size, &end)) {
+      return error_at(ErrorCode::kOutOfRange, m.path("size"), "offset + size overflows 64 bits");
+    }
+    out = std::move(s);
+    return Status::Ok();
+  }
+  return error_at(ErrorCode::kInvalidArgument, m.path("kind"),
+                  "unknown source kind '" + kind + "'; expected inline or shm");
+}
+
+// Checks that need every entry: each lies inside the bucket buffer, no two share a
+// byte, no name appears twice. Entries were checked one by one already, so
+// byte_offset + nbytes does not overflow.
+Status check_bucket_layout(const MapReader& b, const UpdateWeightsRequest& r, uint64_t bucket_size,
+                           std::string_view bucket) {
+  const Path entries = b.path("entries");
+  for (size_t i = 0; i < r.entries.size(); ++i) {
+    const BucketEntry& e = r.entries[i];
+    if (e.byte_offset + e.nbytes > bucket_size) {
+      const Path at = entries.at(i);
+      return error_at(ErrorCode::kOutOfRange, at.child("byte_offset"),
+                      "bytes [" + std::to_string(e.byte_offset) + ", " +
+                          std::to_string(e.byte_offset + e.nbytes) + ") lie outside the " +
+                          std::string(bucket) + " of " + std::to_string(bucket_size) + " bytes");
+    }
+  }
+  // NOTES: overlapping entries would make the applied values depend on the order
+  // the daemon copies them in; sorted by offset, an entry overlaps an earlier one
+  // iff it starts before the furthest end seen so far. Empty entries hold no byte.
+  std::vector<uint32_t> order;
+  order.reserve(r.entries.size());
+  for (uint32_t i = 0; i < r.entries.size(); ++i)
+    if (r.entries[i].nbytes > 0) order.push_back(i);
+  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b2) {
+    return std::pair(r.entries[a].byte_offset, a) < std::pair(r.entries[b2].byte_offset, b2);
+  });
+  uint64_t furthest_end = 0;
+  uint32_t furthest = 0;
+  for (size_t k = 0; k < order.size(); ++k) {
+    const BucketEntry& e = r.entries[order[k]];
+    if (k > 0 && e.byte_offset < furthest_end) {
+      const BucketEntry& o = r.entries[furthest];
+      return error_at(ErrorCode::kInvalidArgument, entries.at(order[k]),
+                      "bytes [" + std::to_string(e.byte_offset) + ", " +
+                          std::to_string(e.byte_offset + e.nbytes) + ") overlap entries[" +
+                          std::to_string(furthest) + "] ('" + o.name + "') at [" +
+                          std::to_string(o.byte_offset) + ", " +
+                          std::to_string(o.byte_offset + o.nbytes) + ")");
+    }
+    if (k == 0 || e.byte_offset + e.nbytes > furthest_end) {
+      furthest_end = e.byte_offset + e.nbytes;
+      furthest = order[k];
+    }
+  }
+  // Two entries for one parameter: which one wins would be an accident of order.
+  if (auto i = first_repeated(r.entries.size(),
+                              [&](size_t k) { return std::string_view(r.entries[k].name); })) {
+    const Path at = entries.at(*i);
+    return error_at(ErrorCode::kInvalidArgument, at.child("name"),
+                    "'" + r.entries[*i].name + "' appears earlier in the bucket too");
+  }
+  return Status::Ok();
+}
+
+Status decode_body(const MapReader& b, const Limits& l, BeginWeightUpdateRequest& r) {
+  RD_RETURN_IF_ERROR(read_name_list(b, "selector", l, r.selector, /*distinct=*/false));
+  return b.number("timeout_s", Need::kOptional, {0.0, 3600.0, /*lo_open=*/true}, r.timeout_s);
+}
+
+Status decode_body(const MapReader& b, const RequestContext& c, UpdateWeightsRequest& r) {
+  const Limits& l = c.limits;
+  RD_RETURN_IF_ERROR(b.integer("session", Need::kRequired, r.session));
+  RD_RETURN_IF_ERROR(b.str("load_format", Need::kRequired, l.max_string_bytes, r.load_format));
+  if (r.load_format != kFlattenedBucket) {
+    return error_at(ErrorCode::kInvalidArgument, b.path("load_format"),
+                    "unknown load_format '" + r.load_format + "'; expected flattened_bucket");
+  }
+  RD_RETURN_IF_ERROR(b.field("entries", Need::kRequired, [&](const msgpack::object& o, const Path& p) {
+    return read_array(o, p, l.max_bucket_entries, r.entries,
+                      [&](const msgpack::object& e, const Path& ep, BucketEntry& entry) {
+                        std::optional<MapReader> m;
+                        RD_RETURN_IF_ERROR(open_map(e, ep, m));
+                        return decode_bucket_entry(*m, l, entry);
+                      });
+  }));
+  RD_RETURN_IF_ERROR(require_non_empty(b.path("entries"), r.entries.size()));
+  RD_RETURN_IF_ERROR(nested(b, "source", r.source, [&](const MapReader& m, BucketSource& out) {
+    return decode_source(m, c, out);
+  }));
+  RD_RETURN_IF_ERROR(b.field("checksum", Need::kOptional, [&](const msgpack::object& o, const Path& p) {
+    if (o.type == msgpack::type::NIL) return Status::Ok();
+    std::optional<MapReader> m;
+    RD_RETURN_IF_ERROR(open_map(o, p, m));
+    BucketChecksum& sum = r.checksum.emplace();
+    RD_RETURN_IF_ERROR(m->str("algo", Need::kRequired, l.max_string_bytes, sum.algo));
+    if (sum.algo != kCrc32) {
+      return error_at(ErrorCode::kInvalidArgument, m->path("algo"),
+                      "unknown checksum algo '" + sum.algo + "'; expected crc32");
+    }
+    return m->integer("value", Need::kRequired, sum.value);
+  }));
+  if (const auto* in = std::get_if<InlineSource>(&r.source))
+    return check_bucket_layout(b, r, c.frames[in->frame].size(),
+                               "payload frame " + std::to_string(in->frame));
+  return check_bucket_layout(b, r, std::get<ShmSource>(r.source).size, "shared-memory region");
+}
+
+Status decode_body(const MapReader& b, const Limits&, EndWeightUpdateRequest& r) {
+  RD_RETURN_IF_ERROR(b.integer("session", Need::kRequired, r.session));
+  return b.integer("weight_version", Need::kRequired, r.weight_version);
+}
+
+Status decode_body(const MapReader& b, const Limits&, AbortWeightUpdateRequest& r) {
+  return b.integer("session", Need::kRequired, r.session);
+}
+
+Status decode_body(const MapReader& b, const Limits& l, GetWeightsByNameRequest& r) {
+  RD_RETURN_IF_ERROR(b.str("name", Need::kRequired, l.max_string_bytes, r.name));
+  RD_RETURN_IF_ERROR(require_non_empty(b.path("name"), r.name.size()));
+  return b.integer<uint32_t>("truncate", Need::kOptional, 0, kMaxGetWeightsTruncate, r.truncate);
+}
+
+Status decode_body(const MapReader& b, const Limits& l, WeightsChecksumRequest& r) {
+  return read_name_list(b, "names", l, r.names, /*distinct=*/true);
+}
+
+Status decode_body(const MapReader& b, const Limits& l, PauseGenerationRequest& r) {
+  std::string mode;
+  RD_RETURN_IF_ERROR(b.str("mode", Need::kRequired, l.max_string_bytes, mode));
+  const std::optional<PauseMode> m = pause_mode_from_name(mode);
+  if (!m) {
+    return error_at(ErrorCode::kInvalidArgument, b.path("mode"),
+                    "unknown mode '" + mode + "'; expected abort, retract or in_place");
+  }
+  r.mode = *m;
+  return Status::Ok();
+}
+
+Status decode_body(const MapReader&, const Limits&, ContinueGenerationRequest&) {
+  return Status::Ok();
+}
+
+template <class T>
+Result<Request> decode_request_as(const MapReader& body, const RequestContext& c) {
   T r;
-  RD_RETURN_IF_ERROR(decode_body(body, limits, r));
+  RD_RETURN_IF_ERROR(decode_body(body, c, r));
   return Request(std::move(r));
 }
 
-using RequestDecoder = Result<Request> (*)(const MapReader&, const Limits&);
+using RequestDecoder = Result<Request> (*)(const MapReader&, const RequestContext&);
 constexpr std::pair<std::string_view, RequestDecoder> kRequestDecoders[] = {
-    {kHello, &decode_request_as<HelloRequest>},       {kStatus, &decode_request_as<StatusRequest>},
-    {kGenerate, &decode_request_as<GenerateRequest>}, {kAbort, &decode_request_as<AbortRequest>},
+    {kHello, &decode_request_as<HelloRequest>},
+    {kStatus, &decode_request_as<StatusRequest>},
+    {kGenerate, &decode_request_as<GenerateRequest>},
+    {kAbort, &decode_request_as<AbortRequest>},
     {kShutdown, &decode_request_as<ShutdownRequest>},
+    {kBeginWeightUpdate, &decode_request_as<BeginWeightUpdateRequest>},
+    {kUpdateWeights, &decode_request_as<UpdateWeightsRequest>},
+    {kEndWeightUpdate, &decode_request_as<EndWeightUpdateRequest>},
+    {kAbortWeightUpdate, &decode_request_as<AbortWeightUpdateRequest>},
+    {kGetWeightsByName, &decode_request_as<GetWeightsByNameRequest>},
+    {kWeightsChecksum, &decode_request_as<WeightsChecksumRequest>},
+    {kPauseGeneration, &decode_request_as<PauseGenerationRequest>},
+    {kContinueGeneration, &decode_request_as<ContinueGenerationRequest>},
 };
 
 // ---- replies and events ----
@@ -630,7 +976,9 @@ Status decode_limits(const MapReader& m, Limits& r) {
   RD_RETURN_IF_ERROR(m.integer("max_input_tokens", Need::kRequired, r.max_input_tokens));
   RD_RETURN_IF_ERROR(m.integer("max_new_tokens", Need::kRequired, r.max_new_tokens));
   RD_RETURN_IF_ERROR(m.integer("max_stop_token_ids", Need::kRequired, r.max_stop_token_ids));
-  return m.integer("max_versions", Need::kRequired, r.max_versions);
+  RD_RETURN_IF_ERROR(m.integer("max_versions", Need::kRequired, r.max_versions));
+  // Added with the weight-update messages: a daemon from before them omits it.
+  return m.integer("max_bucket_entries", Need::kOptional, r.max_bucket_entries);
 }
 
 Status decode_error_info(const MapReader& m, const Limits& l, ErrorInfo& r) {
@@ -666,8 +1014,12 @@ Status decode_body(const MapReader& b, const IncomingContext& c, StatusReply& r)
       b.integer("num_tokens_generated_total", Need::kRequired, r.num_tokens_generated_total));
   RD_RETURN_IF_ERROR(b.number("uptime_s", Need::kRequired, {}, r.uptime_s));
   RD_RETURN_IF_ERROR(b.str("build", Need::kRequired, l.max_string_bytes, r.build));
-  return nested(b, "model", r.model,
-                [&](const MapReader& m, ModelInfo& out) { return decode_model(m, l, out); });
+  RD_RETURN_IF_ERROR(nested(b, "model", r.model, [&](const MapReader& m, ModelInfo& out) {
+    return decode_model(m, l, out);
+  }));
+  // Added with the weight-update messages: a daemon from before them omits both.
+  RD_RETURN_IF_ERROR(b.boolean("paused", Need::kOptional, r.paused));
+  return b.integer("update_session", Need::kOptional, r.update_session);
 }
 
 Status decode_body(const MapReader& b, const IncomingContext& c, GenerateReply& r) {
@@ -781,6 +1133,93 @@ Status decode_body(const MapReader& b, const IncomingContext& c, FailedEvent& r)
   });
 }
 
+Status decode_body(const MapReader& b, const IncomingContext&, BeginWeightUpdateReply& r) {
+  RD_RETURN_IF_ERROR(b.integer("session", Need::kRequired, r.session));
+  RD_RETURN_IF_ERROR(b.integer("weight_version", Need::kRequired, r.weight_version));
+  return b.integer("num_parameters_restored", Need::kRequired, r.num_parameters_restored);
+}
+
+Status decode_body(const MapReader& b, const IncomingContext&, UpdateWeightsReply& r) {
+  RD_RETURN_IF_ERROR(b.integer("session", Need::kRequired, r.session));
+  RD_RETURN_IF_ERROR(b.integer("num_entries", Need::kRequired, r.num_entries));
+  RD_RETURN_IF_ERROR(b.integer("num_bytes", Need::kRequired, r.num_bytes));
+  return b.number("duration_s", Need::kRequired, {}, r.duration_s);
+}
+
+Status decode_body(const MapReader& b, const IncomingContext&, EndWeightUpdateReply& r) {
+  RD_RETURN_IF_ERROR(b.integer("session", Need::kRequired, r.session));
+  RD_RETURN_IF_ERROR(b.integer("weight_version", Need::kRequired, r.weight_version));
+  RD_RETURN_IF_ERROR(b.integer("num_buckets", Need::kRequired, r.num_buckets));
+  RD_RETURN_IF_ERROR(b.integer("num_entries", Need::kRequired, r.num_entries));
+  RD_RETURN_IF_ERROR(b.integer("num_bytes", Need::kRequired, r.num_bytes));
+  RD_RETURN_IF_ERROR(b.integer("num_parameters_updated", Need::kRequired, r.num_parameters_updated));
+  RD_RETURN_IF_ERROR(b.number("duration_s", Need::kRequired, {}, r.duration_s));
+  return b.number("postprocess_s", Need::kRequired, {}, r.postprocess_s);
+}
+
+Status decode_body(const MapReader& b, const IncomingContext& c, AbortWeightUpdateReply& r) {
+  RD_RETURN_IF_ERROR(b.integer("session", Need::kRequired, r.session));
+  // An open set, like status.ok.state: a newer daemon's value is passed through.
+  return b.str("state", Need::kRequired, c.limits.max_string_bytes, r.state);
+}
+
+Status decode_body(const MapReader& b, const IncomingContext& c, GetWeightsByNameReply& r) {
+  const Limits& l = c.limits;
+  RD_RETURN_IF_ERROR(b.str("name", Need::kRequired, l.max_string_bytes, r.name));
+  RD_RETURN_IF_ERROR(b.str("dtype", Need::kRequired, l.max_string_bytes, r.dtype));
+  RD_RETURN_IF_ERROR(b.field("shape", Need::kRequired, [&](const msgpack::object& o, const Path& p) {
+    return read_shape(o, p, r.shape);
+  }));
+  return b.field("values", Need::kRequired, [&](const msgpack::object& o, const Path& p) {
+    // Any float: a parameter may hold NaN or infinities, and a check must show them.
+    return read_array(o, p, kMaxGetWeightsTruncate, r.values, read_number);
+  });
+}
+
+Status decode_parameter_checksum(const MapReader& m, const Limits& l, ParameterChecksum& r) {
+  RD_RETURN_IF_ERROR(m.str("name", Need::kRequired, l.max_string_bytes, r.name));
+  RD_RETURN_IF_ERROR(m.str("dtype", Need::kRequired, l.max_string_bytes, r.dtype));
+  RD_RETURN_IF_ERROR(m.field("shape", Need::kRequired, [&](const msgpack::object& o, const Path& p) {
+    return read_shape(o, p, r.shape);
+  }));
+  return m.integer("checksum", Need::kRequired, r.checksum);
+}
+
+Status decode_body(const MapReader& b, const IncomingContext& c, WeightsChecksumReply& r) {
+  const Limits& l = c.limits;
+  RD_RETURN_IF_ERROR(b.str("algo", Need::kRequired, l.max_string_bytes, r.algo));
+  if (r.algo != kCrc32) {
+    return error_at(ErrorCode::kInvalidArgument, b.path("algo"),
+                    "unknown checksum algo '" + r.algo + "'; expected crc32");
+  }
+  RD_RETURN_IF_ERROR(b.integer("weight_version", Need::kRequired, r.weight_version));
+  RD_RETURN_IF_ERROR(b.integer("model_checksum", Need::kRequired, r.model_checksum));
+  return b.field("parameters", Need::kRequired, [&](const msgpack::object& o, const Path& p) {
+    return read_array(o, p, l.max_bucket_entries, r.parameters,
+                      [&](const msgpack::object& e, const Path& ep, ParameterChecksum& out) {
+                        std::optional<MapReader> m;
+                        RD_RETURN_IF_ERROR(open_map(e, ep, m));
+                        return decode_parameter_checksum(*m, l, out);
+                      });
+  });
+}
+
+Status decode_body(const MapReader& b, const IncomingContext&, PauseGenerationReply& r) {
+  RD_RETURN_IF_ERROR(b.integer("num_aborted", Need::kRequired, r.num_aborted));
+  RD_RETURN_IF_ERROR(b.integer("num_retracted", Need::kRequired, r.num_retracted));
+  return b.integer("num_paused", Need::kRequired, r.num_paused);
+}
+
+Status decode_body(const MapReader& b, const IncomingContext&, ContinueGenerationReply& r) {
+  return b.integer("num_resumed", Need::kRequired, r.num_resumed);
+}
+
+Status decode_body(const MapReader& b, const IncomingContext& c, RetractedEvent& r) {
+  RD_RETURN_IF_ERROR(b.str("rid", Need::kRequired, c.limits.max_rid_bytes, r.rid));
+  RD_RETURN_IF_ERROR(b.integer("num_tokens_discarded", Need::kRequired, r.num_tokens_discarded));
+  return b.str("reason", Need::kRequired, c.limits.max_string_bytes, r.reason);
+}
+
 template <class T>
 Result<Incoming> decode_incoming_as(const MapReader& body, const IncomingContext& c) {
   T r;
@@ -799,6 +1238,15 @@ constexpr std::pair<std::string_view, IncomingDecoder> kIncomingDecoders[] = {
     {kTokens, &decode_incoming_as<TokensEvent>},
     {kFinished, &decode_incoming_as<FinishedEvent>},
     {kFailed, &decode_incoming_as<FailedEvent>},
+    {kBeginWeightUpdateOk, &decode_incoming_as<BeginWeightUpdateReply>},
+    {kUpdateWeightsOk, &decode_incoming_as<UpdateWeightsReply>},
+    {kEndWeightUpdateOk, &decode_incoming_as<EndWeightUpdateReply>},
+    {kAbortWeightUpdateOk, &decode_incoming_as<AbortWeightUpdateReply>},
+    {kGetWeightsByNameOk, &decode_incoming_as<GetWeightsByNameReply>},
+    {kWeightsChecksumOk, &decode_incoming_as<WeightsChecksumReply>},
+    {kPauseGenerationOk, &decode_incoming_as<PauseGenerationReply>},
+    {kContinueGenerationOk, &decode_incoming_as<ContinueGenerationReply>},
+    {kRetracted, &decode_incoming_as<RetractedEvent>},
 };
 
 template <class Decoder, size_t N>
@@ -964,6 +1412,60 @@ void write_body(Packer& pk, const ShutdownRequest& r) {
   MapWriter(pk, 2).put("drain", r.drain).put("deadline_s", r.deadline_s);
 }
 
+void write_body(Packer& pk, const BeginWeightUpdateRequest& r) {
+  MapWriter(pk, 2).put("selector", r.selector).put("timeout_s", r.timeout_s);
+}
+
+void write_bucket_entry(Packer& pk, const BucketEntry& e) {
+  MapWriter(pk, 5)
+      .put("name", e.name)
+      .put("dtype", dtype_name(e.dtype))
+      .put("shape", e.shape)
+      .put("byte_offset", e.byte_offset)
+      .put("nbytes", e.nbytes);
+}
+
+void write_body(Packer& pk, const UpdateWeightsRequest& r) {
+  MapWriter w(pk, 5);
+  w.put("session", r.session).put("load_format", r.load_format);
+  Packer& entries = w.key("entries");
+  entries.msgpack().pack_array(static_cast<uint32_t>(r.entries.size()));
+  for (const BucketEntry& e : r.entries) write_bucket_entry(entries, e);
+  Packer& source = w.key("source");
+  if (const auto* in = std::get_if<InlineSource>(&r.source)) {
+    MapWriter(source, 2).put("kind", "inline").put("frame", in->frame);
+  } else {
+    const auto& shm = std::get<ShmSource>(r.source);
+    MapWriter(source, 4)
+        .put("kind", "shm")
+        .put("name", shm.name)
+        .put("offset", shm.offset)
+        .put("size", shm.size);
+  }
+  Packer& checksum = w.key("checksum");
+  if (r.checksum)
+    MapWriter(checksum, 2).put("algo", r.checksum->algo).put("value", r.checksum->value);
+  else
+    checksum.msgpack().pack_nil();
+}
+
+void write_body(Packer& pk, const EndWeightUpdateRequest& r) {
+  MapWriter(pk, 2).put("session", r.session).put("weight_version", r.weight_version);
+}
+void write_body(Packer& pk, const AbortWeightUpdateRequest& r) {
+  MapWriter(pk, 1).put("session", r.session);
+}
+void write_body(Packer& pk, const GetWeightsByNameRequest& r) {
+  MapWriter(pk, 2).put("name", r.name).put("truncate", r.truncate);
+}
+void write_body(Packer& pk, const WeightsChecksumRequest& r) {
+  MapWriter(pk, 1).put("names", r.names);
+}
+void write_body(Packer& pk, const PauseGenerationRequest& r) {
+  MapWriter(pk, 1).put("mode", pause_mode_name(r.mode));
+}
+void write_body(Packer& pk, const ContinueGenerationRequest&) { MapWriter(pk, 0); }
+
 void write_model(Packer& pk, const ModelInfo& m) {
   MapWriter(pk, 8)
       .put("name", m.name)
@@ -977,7 +1479,7 @@ void write_model(Packer& pk, const ModelInfo& m) {
 }
 
 void write_limits(Packer& pk, const Limits& l) {
-  MapWriter(pk, 9)
+  MapWriter(pk, 10)
       .put("max_envelope_bytes", l.max_envelope_bytes)
       .put("max_frame_bytes", l.max_frame_bytes)
       .put("max_frames", l.max_frames)
@@ -986,7 +1488,8 @@ void write_limits(Packer& pk, const Limits& l) {
       .put("max_input_tokens", l.max_input_tokens)
       .put("max_new_tokens", l.max_new_tokens)
       .put("max_stop_token_ids", l.max_stop_token_ids)
-      .put("max_versions", l.max_versions);
+      .put("max_versions", l.max_versions)
+      .put("max_bucket_entries", l.max_bucket_entries);
 }
 
 void write_error_info(Packer& pk, const ErrorInfo& e) {
@@ -1014,6 +1517,7 @@ void write_routed_experts(Packer& pk, const RoutedExperts& r, std::vector<std::s
 std::string_view event_type(const TokensEvent&) { return kTokens; }
 std::string_view event_type(const FinishedEvent&) { return kFinished; }
 std::string_view event_type(const FailedEvent&) { return kFailed; }
+std::string_view event_type(const RetractedEvent&) { return kRetracted; }
 
 void write_event(Packer& pk, const TokensEvent& e, std::vector<std::string>& frames) {
   MapWriter w(pk, 5);
@@ -1040,6 +1544,57 @@ void write_event(Packer& pk, const FailedEvent& e, std::vector<std::string>&) {
   w.put("rid", e.rid);
   write_error_info(w.key("error"), e.error);
 }
+void write_event(Packer& pk, const RetractedEvent& e, std::vector<std::string>&) {
+  MapWriter(pk, 3)
+      .put("rid", e.rid)
+      .put("num_tokens_discarded", e.num_tokens_discarded)
+      .put("reason", e.reason);
+}
+
+void write_parameter_checksum(Packer& pk, const ParameterChecksum& p) {
+  MapWriter(pk, 4)
+      .put("name", p.name)
+      .put("dtype", p.dtype)
+      .put("shape", p.shape)
+      .put("checksum", p.checksum);
+}
+
+// Request wire names by type.
+std::string_view request_name(const HelloRequest&) { return kHello; }
+std::string_view request_name(const StatusRequest&) { return kStatus; }
+std::string_view request_name(const GenerateRequest&) { return kGenerate; }
+std::string_view request_name(const AbortRequest&) { return kAbort; }
+std::string_view request_name(const ShutdownRequest&) { return kShutdown; }
+std::string_view request_name(const BeginWeightUpdateRequest&) { return kBeginWeightUpdate; }
+std::string_view request_name(const UpdateWeightsRequest&) { return kUpdateWeights; }
+std::string_view request_name(const EndWeightUpdateRequest&) { return kEndWeightUpdate; }
+std::string_view request_name(const AbortWeightUpdateRequest&) { return kAbortWeightUpdate; }
+std::string_view request_name(const GetWeightsByNameRequest&) { return kGetWeightsByName; }
+std::string_view request_name(const WeightsChecksumRequest&) { return kWeightsChecksum; }
+std::string_view request_name(const PauseGenerationRequest&) { return kPauseGeneration; }
+std::string_view request_name(const ContinueGenerationRequest&) { return kContinueGeneration; }
+
+// CRC-32 (zlib's: reflected polynomial 0xEDB88320), slice-by-8: eight table
+// lookups per 8 input bytes, several times the byte-at-a-time rate.
+struct Crc32Tables {
+  uint32_t t[8][256];
+};
+constexpr Crc32Tables make_crc32_tables() {
+  Crc32Tables x{};
+  for (uint32_t i = 0; i < 256; ++i) {
+    uint32_t c = i;
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0xEDB88320u : c >> 1;
+    x.t[0][i] = c;
+  }
+  for (uint32_t i = 0; i < 256; ++i)
+    for (int s = 1; s < 8; ++s) x.t[s][i] = (x.t[s - 1][i] >> 8) ^ x.t[0][x.t[s - 1][i] & 0xFF];
+  return x;
+}
+constexpr Crc32Tables kCrc32Tables = make_crc32_tables();
+
+uint32_t load_le32(const uint8_t* p) {
+  return uint32_t{p[0]} | uint32_t{p[1]} << 8 | uint32_t{p[2]} << 16 | uint32_t{p[3]} << 24;
+}
 
 }  // namespace
 
@@ -1050,21 +1605,57 @@ ErrorInfo to_error_info(const Status& s) {
 }
 
 std::string_view request_type_name(const Request& r) {
-  return std::visit(
-      [](const auto& req) -> std::string_view {
-        using T = std::decay_t<decltype(req)>;
-        if constexpr (std::is_same_v<T, HelloRequest>)
-          return kHello;
-        else if constexpr (std::is_same_v<T, StatusRequest>)
-          return kStatus;
-        else if constexpr (std::is_same_v<T, GenerateRequest>)
-          return kGenerate;
-        else if constexpr (std::is_same_v<T, AbortRequest>)
-          return kAbort;
-        else
-          return kShutdown;
-      },
-      r);
+  return std::visit([](const auto& req) { return request_name(req); }, r);
+}
+
+std::string_view pause_mode_name(PauseMode m) {
+  switch (m) {
+    case PauseMode::kAbort: return "abort";
+    case PauseMode::kRetract: return "retract";
+    case PauseMode::kInPlace: return "in_place";
+  }
+  return "abort";
+}
+
+std::optional<PauseMode> pause_mode_from_name(std::string_view name) {
+  for (PauseMode m : {PauseMode::kAbort, PauseMode::kRetract, PauseMode::kInPlace})
+    if (pause_mode_name(m) == name) return m;
+  return std::nullopt;
+}
+
+Frame inline_bucket(const UpdateWeightsRequest& r, std::span<const Frame> frames) {
+  const auto* in = std::get_if<InlineSource>(&r.source);
+  if (in == nullptr || in->frame >= frames.size()) return {};
+  return frames[in->frame];
+}
+
+uint32_t crc32(std::span<const uint8_t> bytes, uint32_t crc) {
+  const auto& t = kCrc32Tables.t;
+  uint32_t c = ~crc;
+  const uint8_t* p = bytes.data();
+  size_t n = bytes.size();
+  for (; n >= 8; p += 8, n -= 8) {
+    const uint32_t lo = load_le32(p) ^ c;
+    const uint32_t hi = load_le32(p + 4);
+    c = t[7][lo & 0xFF] ^ t[6][(lo >> 8) & 0xFF] ^ t[5][(lo >> 16) & 0xFF] ^ t[4][lo >> 24] ^
+        t[3][hi & 0xFF] ^ t[2][(hi >> 8) & 0xFF] ^ t[1][(hi >> 16) & 0xFF] ^ t[0][hi >> 24];
+  }
+  for (; n > 0; ++p, --n) c = t[0][(c ^ *p) & 0xFF] ^ (c >> 8);
+  return ~c;
+}
+
+uint32_t model_checksum(std::vector<std::pair<std::string, uint32_t>> checksums) {
+  // std::string compares as unsigned char: byte-wise, which for UTF-8 is code-point
+  // order, the order of Python's sorted() over str.
+  std::sort(checksums.begin(), checksums.end());
+  uint32_t crc = 0;
+  for (const auto& [name, sum] : checksums) {
+    crc = crc32({reinterpret_cast<const uint8_t*>(name.data()), name.size()}, crc);
+    const uint8_t tail[5] = {0, static_cast<uint8_t>(sum), static_cast<uint8_t>(sum >> 8),
+                             static_cast<uint8_t>(sum >> 16), static_cast<uint8_t>(sum >> 24)};
+    crc = crc32(tail, crc);
+  }
+  return crc;
 }
 
 size_t routed_experts_dtype_size(std::string_view dtype) {
@@ -1077,8 +1668,8 @@ size_t routed_experts_dtype_size(std::string_view dtype) {
 RequestDecodeResult decode_request(Frame envelope, std::span<const Frame> frames,
                                    const Limits& limits) {
   RequestDecodeResult out;
-  const size_t max_array =
-      std::max({limits.max_input_tokens, limits.max_stop_token_ids, limits.max_versions});
+  const size_t max_array = std::max({limits.max_input_tokens, limits.max_stop_token_ids,
+                                     limits.max_versions, limits.max_bucket_entries});
   OpenedEnvelope opened;
   out.status = open_envelope(envelope, frames, limits, max_array, out.env, opened);
   if (!out.status.ok()) return out;
@@ -1087,7 +1678,7 @@ RequestDecodeResult decode_request(Frame envelope, std::span<const Frame> frames
     out.status = unknown_type(out.env.type);
     return out;
   }
-  Result<Request> request = decode(*opened.body, limits);
+  Result<Request> request = decode(*opened.body, RequestContext{limits, frames});
   if (!request.ok()) {
     out.status = request.status();
     return out;
@@ -1100,8 +1691,11 @@ Result<DecodedIncoming> decode_incoming(Frame envelope, std::span<const Frame> f
                                         const Limits& limits) {
   DecodedIncoming out;
   OpenedEnvelope opened;
-  RD_RETURN_IF_ERROR(
-      open_envelope(envelope, frames, limits, limits.max_new_tokens, out.env, opened));
+  // The longest array a daemon sends: a tokens event's, a bucket-sized list, or the
+  // values of get_weights_by_name.
+  const size_t max_array =
+      std::max({limits.max_new_tokens, limits.max_bucket_entries, kMaxGetWeightsTruncate});
+  RD_RETURN_IF_ERROR(open_envelope(envelope, frames, limits, max_array, out.env, opened));
   const IncomingDecoder decode = find_decoder(kIncomingDecoders, out.env.type);
   if (decode == nullptr) return unknown_type(out.env.type);
   RD_ASSIGN_OR_RETURN(out.msg, decode(*opened.body, IncomingContext{limits, frames}));
@@ -1129,7 +1723,7 @@ WireMessage encode_reply(uint64_t id, const HelloReply& r) {
 
 WireMessage encode_reply(uint64_t id, const StatusReply& r) {
   return encode_message(kStatusOk, id, [&](Packer& pk, std::vector<std::string>&) {
-    MapWriter w(pk, 11);
+    MapWriter w(pk, 13);
     w.put("state", r.state)
         .put("ready", r.ready)
         .put("reason", r.reason)
@@ -1141,6 +1735,7 @@ WireMessage encode_reply(uint64_t id, const StatusReply& r) {
         .put("uptime_s", r.uptime_s)
         .put("build", r.build);
     write_model(w.key("model"), r.model);
+    w.put("paused", r.paused).put("update_session", r.update_session);
   });
 }
 
@@ -1159,6 +1754,81 @@ WireMessage encode_reply(uint64_t id, const AbortReply& r) {
 WireMessage encode_reply(uint64_t id, const ShutdownReply& r) {
   return encode_message(kShutdownOk, id, [&](Packer& pk, std::vector<std::string>&) {
     MapWriter(pk, 1).put("accepted", r.accepted);
+  });
+}
+
+WireMessage encode_reply(uint64_t id, const BeginWeightUpdateReply& r) {
+  return encode_message(kBeginWeightUpdateOk, id, [&](Packer& pk, std::vector<std::string>&) {
+    MapWriter(pk, 3)
+        .put("session", r.session)
+        .put("weight_version", r.weight_version)
+        .put("num_parameters_restored", r.num_parameters_restored);
+  });
+}
+
+WireMessage encode_reply(uint64_t id, const UpdateWeightsReply& r) {
+  return encode_message(kUpdateWeightsOk, id, [&](Packer& pk, std::vector<std::string>&) {
+    MapWriter(pk, 4)
+        .put("session", r.session)
+        .put("num_entries", r.num_entries)
+        .put("num_bytes", r.num_bytes)
+        .put("duration_s", r.duration_s);
+  });
+}
+
+WireMessage encode_reply(uint64_t id, const EndWeightUpdateReply& r) {
+  return encode_message(kEndWeightUpdateOk, id, [&](Packer& pk, std::vector<std::string>&) {
+    MapWriter(pk, 8)
+        .put("session", r.session)
+        .put("weight_version", r.weight_version)
+        .put("num_buckets", r.num_buckets)
+        .put("num_entries", r.num_entries)
+        .put("num_bytes", r.num_bytes)
+        .put("num_parameters_updated", r.num_parameters_updated)
+        .put("duration_s", r.duration_s)
+        .put("postprocess_s", r.postprocess_s);
+  });
+}
+
+WireMessage encode_reply(uint64_t id, const AbortWeightUpdateReply& r) {
+  return encode_message(kAbortWeightUpdateOk, id, [&](Packer& pk, std::vector<std::string>&) {
+    MapWriter(pk, 2).put("session", r.session).put("state", r.state);
+  });
+}
+
+WireMessage encode_reply(uint64_t id, const GetWeightsByNameReply& r) {
+  return encode_message(kGetWeightsByNameOk, id, [&](Packer& pk, std::vector<std::string>&) {
+    MapWriter(pk, 4)
+        .put("name", r.name)
+        .put("dtype", r.dtype)
+        .put("shape", r.shape)
+        .put("values", r.values);
+  });
+}
+
+WireMessage encode_reply(uint64_t id, const WeightsChecksumReply& r) {
+  return encode_message(kWeightsChecksumOk, id, [&](Packer& pk, std::vector<std::string>&) {
+    MapWriter w(pk, 4);
+    w.put("algo", r.algo).put("weight_version", r.weight_version).put("model_checksum",
+                                                                      r.model_checksum);
+    Packer& params = w.key("parameters");
+    params.msgpack().pack_array(static_cast<uint32_t>(r.parameters.size()));
+    for (const ParameterChecksum& p : r.parameters) write_parameter_checksum(params, p);
+  });
+}
+
+WireMessage encode_reply(uint64_t id, const PauseGenerationReply& r) {
+  return encode_message(kPauseGenerationOk, id, [&](Packer& pk, std::vector<std::string>&) {
+    MapWriter(pk, 3)
+        .put("num_aborted", r.num_aborted)
+        .put("num_retracted", r.num_retracted)
+        .put("num_paused", r.num_paused);
+  });
+}
+
+WireMessage encode_reply(uint64_t id, const ContinueGenerationReply& r) {
+  return encode_message(kContinueGenerationOk, id, [&](Packer& pk, std::vector<std::string>&) {
+    MapWriter(pk, 1).put("num_resumed", r.num_resumed);
   });
 }
 

@@ -38,15 +38,33 @@ WireMessage encode_reply(uint64_t id, const StatusReply& r);
 WireMessage encode_reply(uint64_t id, const GenerateReply& r);
 WireMessage encode_reply(uint64_t id, const AbortReply& r);
 WireMessage encode_reply(uint64_t id, const ShutdownReply& r);
+WireMessage encode_reply(uint64_t id, const BeginWeightUpdateReply& r);
+WireMessage encode_reply(uint64_t id, const UpdateWeightsReply& r);
+WireMessage encode_reply(uint64_t id, const EndWeightUpdateReply& r);
+WireMessage encode_reply(uint64_t id, const AbortWeightUpdateReply& r);
+WireMessage encode_reply(uint64_t id, const GetWeightsByNameReply& r);
+WireMessage encode_reply(uint64_t id, const WeightsChecksumReply& r);
+WireMessage encode_reply(uint64_t id, const PauseGenerationReply& r);
+WireMessage encode_reply(uint64_t id, const ContinueGenerationReply& r);
 WireMessage encode_error(uint64_t id, const ErrorInfo& e);
 // Events echo the id of the generate request that created them.
 WireMessage encode_event(uint64_t id, const Event& e);
 
+// The bucket bytes of an update_weights request with an inline source: the payload
+// frame it names, from the frames the request was decoded with (decode_request
+// checked that it exists and holds every entry). Empty for other sources.
+Frame inline_bucket(const UpdateWeightsRequest& r, std::span<const Frame> frames);
+
 // ---- client side ----
+// Payload frames are the caller's: an update_weights with an inline source gets an
+// envelope only, and the caller sends the bucket as payload frame source.frame.
 WireMessage encode_request(uint64_t id, const Request& r);
 
 using Incoming = std::variant<HelloReply, StatusReply, GenerateReply, AbortReply, ShutdownReply,
-                              ErrorInfo, TokensEvent, FinishedEvent, FailedEvent>;
+                              ErrorInfo, TokensEvent, FinishedEvent, FailedEvent,
+                              BeginWeightUpdateReply, UpdateWeightsReply, EndWeightUpdateReply,
+                              AbortWeightUpdateReply, GetWeightsByNameReply, WeightsChecksumReply,
+                              PauseGenerationReply, ContinueGenerationReply, RetractedEvent>;
 struct DecodedIncoming {
   Envelope env;
   Incoming msg;
@@ -58,5 +76,12 @@ Result<DecodedIncoming> decode_incoming(Frame envelope, std::span<const Frame> f
 std::string_view request_type_name(const Request& r);
 // Number of bytes per element of a routed-experts dtype name; 0 if unknown.
 size_t routed_experts_dtype_size(std::string_view dtype);
+
+// ---- checksums (SPEC §11.5) ----
+// zlib's CRC-32 (Python's zlib.crc32): crc32(b, crc32(a)) == crc32(a + b).
+uint32_t crc32(std::span<const uint8_t> bytes, uint32_t crc = 0);
+// CRC-32 of the concatenation, over the parameters sorted by name (byte-wise), of
+// name + '\0' + the parameter's checksum as 4 little-endian bytes. Names must be unique.
+uint32_t model_checksum(std::vector<std::pair<std::string, uint32_t>> checksums);
 
 }  // namespace rolloutd::protocol

@@ -8,6 +8,7 @@
 #include <variant>
 #include <vector>
 
+#include "kernels/dtype.hpp"
 #include "kernels/status.hpp"
 
 namespace rolloutd::protocol {
@@ -26,7 +27,13 @@ struct Limits {
   uint32_t max_new_tokens = 65536;
   uint32_t max_stop_token_ids = 256;
   uint32_t max_versions = 16;
+  uint32_t max_bucket_entries = 65536;      // entries of one update_weights bucket
 };
+
+// Fixed bounds of the weight-update messages (SPEC §4.1), not configurable.
+inline constexpr uint32_t kMaxTensorRank = 8;                 // BucketEntry::shape
+inline constexpr int64_t kMaxTensorDim = int64_t{1} << 40;    // each shape dimension
+inline constexpr uint32_t kMaxGetWeightsTruncate = 1000000;   // get_weights_by_name.truncate
 
 // ---------------------------------------------------------------- envelope --
 // Every message's first frame: msgpack map {v, type, id, body}.
@@ -78,8 +85,83 @@ struct ShutdownRequest {
   double deadline_s = 30.0;
 };
 
+// ---- weight updates (SPEC §11) ----
+struct BeginWeightUpdateRequest {
+  // Parameter-name prefixes the session may touch; absent = every parameter.
+  std::optional<std::vector<std::string>> selector;
+  double timeout_s = 60.0;            // idle deadline of the session, (0, 3600]
+};
+
+// One tensor of a bucket: checkpoint name, dtype and shape, and where its bytes lie
+// in the bucket buffer (little-endian, row-major).
+struct BucketEntry {
+  std::string name;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;         // rank <= kMaxTensorRank, each dim in [0, kMaxTensorDim]
+  uint64_t byte_offset = 0;           // from the start of the bucket buffer
+  uint64_t nbytes = 0;                // == product(shape) * dtype_size(dtype)
+};
+
+// The bucket buffer is payload frame `frame` of the same message. The decoder does
+// not copy it: the daemon reads it from the frames it passed to decode_request.
+struct InlineSource {
+  uint32_t frame = 0;
+};
+// The bucket buffer is [offset, offset + size) of the POSIX shared-memory object `name`.
+struct ShmSource {
+  std::string name;                   // "/..." (shm_open name)
+  uint64_t offset = 0;
+  uint64_t size = 0;
+};
+using BucketSource = std::variant<InlineSource, ShmSource>;
+
+struct BucketChecksum {
+  std::string algo = "crc32";         // only "crc32" in v1
+  uint32_t value = 0;                 // CRC-32 of the whole bucket buffer
+};
+
+struct UpdateWeightsRequest {
+  uint64_t session = 0;
+  std::string load_format = "flattened_bucket";
+  std::vector<BucketEntry> entries;   // non-empty, non-overlapping, inside the buffer
+  BucketSource source;
+  std::optional<BucketChecksum> checksum;
+};
+
+struct EndWeightUpdateRequest {
+  uint64_t session = 0;
+  uint64_t weight_version = 0;        // the version tokens carry from now on
+};
+
+struct AbortWeightUpdateRequest {
+  uint64_t session = 0;
+};
+
+struct GetWeightsByNameRequest {
+  std::string name;
+  uint32_t truncate = 100;            // first elements returned, <= kMaxGetWeightsTruncate
+};
+
+struct WeightsChecksumRequest {
+  std::optional<std::vector<std::string>> names;  // absent = every parameter
+};
+
+enum class PauseMode : uint8_t { kAbort, kRetract, kInPlace };
+// "abort" | "retract" | "in_place"
+std::string_view pause_mode_name(PauseMode m);
+std::optional<PauseMode> pause_mode_from_name(std::string_view name);
+
+struct PauseGenerationRequest {
+  PauseMode mode = PauseMode::kAbort;
+};
+
+struct ContinueGenerationRequest {};
+
 using Request =
-    std::variant<HelloRequest, StatusRequest, GenerateRequest, AbortRequest, ShutdownRequest>;
+    std::variant<HelloRequest, StatusRequest, GenerateRequest, AbortRequest, ShutdownRequest,
+                 BeginWeightUpdateRequest, UpdateWeightsRequest, EndWeightUpdateRequest,
+                 AbortWeightUpdateRequest, GetWeightsByNameRequest, WeightsChecksumRequest,
+                 PauseGenerationRequest, ContinueGenerationRequest>;
 
 // ----------------------------------------------------------------- replies --
 struct ModelInfo {
@@ -115,6 +197,8 @@ struct StatusReply {
   double uptime_s = 0.0;
   std::string build;
   ModelInfo model;
+  bool paused = false;                // pause_generation in effect
+  uint64_t update_session = 0;        // open weight-update session, 0 = none
 };
 
 struct GenerateReply {                // the request was accepted; events follow
@@ -127,6 +211,66 @@ struct AbortReply {
 
 struct ShutdownReply {
   bool accepted = true;
+};
+
+struct BeginWeightUpdateReply {
+  uint64_t session = 0;
+  uint64_t weight_version = 0;        // version serving when the session began
+  uint32_t num_parameters_restored = 0;
+};
+
+struct UpdateWeightsReply {
+  uint64_t session = 0;
+  uint32_t num_entries = 0;
+  uint64_t num_bytes = 0;
+  double duration_s = 0.0;
+};
+
+struct EndWeightUpdateReply {
+  uint64_t session = 0;
+  uint64_t weight_version = 0;
+  uint32_t num_buckets = 0;
+  uint64_t num_entries = 0;
+  uint64_t num_bytes = 0;
+  uint32_t num_parameters_updated = 0;
+  double duration_s = 0.0;            // begin to end
+  double postprocess_s = 0.0;
+};
+
+struct AbortWeightUpdateReply {
+  uint64_t session = 0;
+  std::string state;                  // "ready" | "not_ready" (buckets had been applied)
+};
+
+struct GetWeightsByNameReply {
+  std::string name;
+  std::string dtype;                  // checkpoint dtype name ("bfloat16", ...)
+  std::vector<int64_t> shape;
+  std::vector<double> values;         // first `truncate` elements, checkpoint layout, flattened
+};
+
+struct ParameterChecksum {
+  std::string name;
+  std::string dtype;
+  std::vector<int64_t> shape;
+  uint32_t checksum = 0;              // CRC-32 of the checkpoint-layout bytes
+};
+
+struct WeightsChecksumReply {
+  std::string algo = "crc32";
+  uint64_t weight_version = 0;
+  uint32_t model_checksum = 0;        // protocol::model_checksum over `parameters`
+  std::vector<ParameterChecksum> parameters;  // sorted by name
+};
+
+struct PauseGenerationReply {
+  uint32_t num_aborted = 0;
+  uint32_t num_retracted = 0;
+  uint32_t num_paused = 0;
+};
+
+struct ContinueGenerationReply {
+  uint32_t num_resumed = 0;
 };
 
 // ------------------------------------------------------------------ events --
@@ -161,6 +305,14 @@ struct FailedEvent {
   ErrorInfo error;
 };
 
-using Event = std::variant<TokensEvent, FinishedEvent, FailedEvent>;
+// Not final: the request restarts from its prompt; the client discards what it
+// received for this rid (tokens, logprobs, versions, routed rows). More events follow.
+struct RetractedEvent {
+  std::string rid;
+  uint32_t num_tokens_discarded = 0;  // tokens delivered so far that are now void
+  std::string reason;                 // "weight_update"
+};
+
+using Event = std::variant<TokensEvent, FinishedEvent, FailedEvent, RetractedEvent>;
 
 }  // namespace rolloutd::protocol

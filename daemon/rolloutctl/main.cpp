@@ -88,7 +88,8 @@ json limits_json(const proto::Limits& l) {
           {"max_input_tokens", l.max_input_tokens},
           {"max_new_tokens", l.max_new_tokens},
           {"max_stop_token_ids", l.max_stop_token_ids},
-          {"max_versions", l.max_versions}};
+          {"max_versions", l.max_versions},
+          {"max_bucket_entries", l.max_bucket_entries}};
 }
 
 // Expert id `i` of raw little-endian rows (the byte order is fixed by the wire, not the host).
@@ -173,7 +174,9 @@ Command add_status(CLI::App& root) {
                           {"num_tokens_generated_total", r.num_tokens_generated_total},
                           {"uptime_s", r.uptime_s},
                           {"build", r.build},
-                          {"model", model_json(r.model)}};
+                          {"model", model_json(r.model)},
+                          {"paused", r.paused},
+                          {"update_session", r.update_session}};
                 });
           }};
 }
@@ -237,6 +240,7 @@ Command add_generate(CLI::App& root) {
               out["prompt_tokens"] = res.finished->prompt_tokens;
               out["completion_tokens"] = res.finished->completion_tokens;
             }
+            out["num_retractions"] = res.num_retractions;  // each voided what came before it
             return print_result(out);
           }};
 }
@@ -276,6 +280,86 @@ Command add_shutdown(CLI::App& root) {
           }};
 }
 
+// ---- weights and generation control (SPEC §11) ----
+Command add_weights_checksum(CLI::App& root) {
+  auto* app = root.add_subcommand(
+      "weights-checksum", "Print per-parameter and whole-model CRC-32s of the serving weights");
+  auto names = std::make_shared<std::vector<std::string>>();
+  auto* opt = app->add_option("--names", *names, "Parameter names, e.g. a,b (default: every one)")
+                  ->delimiter(',');
+  return {app, [names, opt](const GlobalOptions& g) {
+            std::optional<std::vector<std::string>> selected;
+            if (opt->count() > 0) selected = *names;
+            return run_call<proto::WeightsChecksumReply>(
+                g, [&](proto::Client& c) { return c.weights_checksum(selected); },
+                [](const proto::WeightsChecksumReply& r) -> json {
+                  json params = json::array();
+                  for (const auto& p : r.parameters)
+                    params.push_back({{"name", p.name},
+                                      {"dtype", p.dtype},
+                                      {"shape", p.shape},
+                                      {"checksum", p.checksum}});
+                  return {{"algo", r.algo},
+                          {"weight_version", r.weight_version},
+                          {"model_checksum", r.model_checksum},
+                          {"parameters", std::move(params)}};
+                });
+          }};
+}
+
+Command add_get_weights(CLI::App& root) {
+  auto* app = root.add_subcommand(
+      "get-weights", "Print the first values of one parameter (checkpoint layout, flattened)");
+  struct Options {
+    std::string name;
+    uint32_t truncate = 100;
+  };
+  auto opts = std::make_shared<Options>();
+  app->add_option("--name", opts->name, "Parameter name")->required();
+  app->add_option("--truncate", opts->truncate, "How many values")
+      ->capture_default_str()
+      ->check(CLI::Range(uint32_t{0}, proto::kMaxGetWeightsTruncate));
+  return {app, [opts](const GlobalOptions& g) {
+            return run_call<proto::GetWeightsByNameReply>(
+                g, [&](proto::Client& c) { return c.get_weights_by_name(opts->name, opts->truncate); },
+                [](const proto::GetWeightsByNameReply& r) -> json {
+                  // NaN and infinities have no JSON number: nlohmann writes them as null.
+                  return {{"name", r.name}, {"dtype", r.dtype}, {"shape", r.shape}, {"values", r.values}};
+                });
+          }};
+}
+
+Command add_pause(CLI::App& root) {
+  auto* app = root.add_subcommand("pause", "Stop forward steps (before a weight update)");
+  auto mode = std::make_shared<std::string>();
+  app->add_option("--mode", *mode,
+                  "abort: end in-flight requests; retract: restart them from their prompt later; "
+                  "in_place: hold them until continue")
+      ->required()
+      ->check(CLI::IsMember({"abort", "retract", "in_place"}));
+  return {app, [mode](const GlobalOptions& g) {
+            return run_call<proto::PauseGenerationReply>(
+                g,
+                [&](proto::Client& c) { return c.pause_generation(*proto::pause_mode_from_name(*mode)); },
+                [](const proto::PauseGenerationReply& r) -> json {
+                  return {{"num_aborted", r.num_aborted},
+                          {"num_retracted", r.num_retracted},
+                          {"num_paused", r.num_paused}};
+                });
+          }};
+}
+
+Command add_continue(CLI::App& root) {
+  auto* app = root.add_subcommand("continue", "Resume forward steps after pause");
+  return {app, [](const GlobalOptions& g) {
+            return run_call<proto::ContinueGenerationReply>(
+                g, [](proto::Client& c) { return c.continue_generation(); },
+                [](const proto::ContinueGenerationReply& r) -> json {
+                  return {{"num_resumed", r.num_resumed}};
+                });
+          }};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -292,7 +376,9 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
 
   const std::vector<Command> commands = {
-      add_hello(app), add_status(app), add_generate(app), add_abort(app), add_shutdown(app),
+      add_hello(app),         add_status(app),        add_generate(app),
+      add_abort(app),         add_shutdown(app),      add_weights_checksum(app),
+      add_get_weights(app),   add_pause(app),         add_continue(app),
   };
 
   try {

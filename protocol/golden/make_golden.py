@@ -15,8 +15,15 @@ Outputs, next to this script:
   <name>.msgpack          envelope frame (frame 0)
   <name>.frame<i>.bin     payload frame i
   bad_<name>.msgpack      inputs the daemon must reject
-  bad_cases.json          for each bad input: the expected error code, field path
-                          and echoed id (0 when the id cannot be read)
+  bad_<name>.frame<i>.bin their payload frames, if any
+  bad_cases.json          for each bad input: the expected error code, field path,
+                          echoed id (0 when the id cannot be read) and, when it has
+                          any, its payload frame files
+
+hello_ok and status_ok are what a daemon sent before the weight-update messages
+(SPEC §11) added optional fields to them: decoders must still accept them, and
+re-encoding them gives hello_ok_full and status_ok_full (the added fields at their
+defaults). Their dict literals below are frozen.
 
 Golden files are never regenerated to follow an encoder change (SPEC §10); this
 script exists so that new goldens are made the same independent way.
@@ -24,6 +31,7 @@ script exists so that new goldens are made the same independent way.
 import json
 import os
 import struct
+import zlib
 
 import msgpack
 
@@ -71,6 +79,50 @@ ROWS_U16 = [[[1000, 3], [259, 40000], [65535, 0]],
 
 def flatten(rows):
     return [e for token in rows for layer in token for e in layer]
+
+
+# ---- weight updates (SPEC §11) ----
+LIMITS_FULL = dict(LIMITS, max_bucket_entries=65536)
+
+# One inline bucket of three tensors in three dtypes, little-endian, row-major, with
+# 4 bytes of padding before the second (entries need not be packed tight).
+Q_PROJ = struct.pack("<6H", 0x3F80, 0xC000, 0x3F00, 0x0000, 0x8000, 0x4049)  # bf16 [2, 3]
+NORM = struct.pack("<3f", 1.0, 0.5, -2.25)                                   # f32 [3]
+EXPERT = bytes([0x38, 0xB8, 0x00, 0x7E])                                     # f8_e4m3fn [2, 2]
+BUCKET = Q_PROJ + b"\0" * 4 + NORM + EXPERT                                  # 32 bytes
+BUCKET_ENTRIES = [
+    {"name": "model.layers.0.self_attn.q_proj.weight", "dtype": "bfloat16", "shape": [2, 3],
+     "byte_offset": 0, "nbytes": 12},
+    {"name": "model.layers.0.input_layernorm.weight", "dtype": "float32", "shape": [3],
+     "byte_offset": 16, "nbytes": 12},
+    {"name": "model.layers.0.mlp.experts.0.down_proj.weight", "dtype": "float8_e4m3fn",
+     "shape": [2, 2], "byte_offset": 28, "nbytes": 4},
+]
+LM_HEAD_BYTES = 151936 * 2048 * 2
+
+
+def update_weights_body(**override):
+    body = {
+        "session": 7,
+        "load_format": "flattened_bucket",
+        "entries": [dict(e) for e in BUCKET_ENTRIES],
+        "source": {"kind": "inline", "frame": 0},
+        "checksum": {"algo": "crc32", "value": zlib.crc32(BUCKET)},
+    }
+    body.update(override)
+    return body
+
+
+def model_checksum(checksums):
+    """SPEC §11.5: CRC-32 over name + NUL + LE32 checksum, parameters sorted by name."""
+    data = b"".join(n.encode() + b"\0" + struct.pack("<I", c) for n, c in sorted(checksums.items()))
+    return zlib.crc32(data)
+
+
+PARAM_CHECKSUMS = {
+    "model.layers.0.self_attn.q_proj.weight": zlib.crc32(Q_PROJ),
+    "model.layers.0.input_layernorm.weight": zlib.crc32(NORM),
+}
 
 
 GOLDEN = {
@@ -193,6 +245,140 @@ GOLDEN = {
         "rid": "g",
         "error": {"code": "internal", "message": "engine step failed", "field": ""},
     }), []),
+
+    # ---- weight updates and generation control (SPEC §11) ----
+    "hello_ok_full": (envelope("hello.ok", 1, {
+        "version": 1,
+        "daemon": "rolloutd",
+        "build": "0.1.0 cpu",
+        "gpu": -1,
+        "model": MODEL,
+        "weight_version": 0,
+        "limits": LIMITS_FULL,
+    }), []),
+    "status_ok_full": (envelope("status.ok", 2, {
+        "state": "ready",
+        "ready": True,
+        "reason": "",
+        "weight_version": 4294967296,
+        "num_waiting": 3,
+        "num_running": 200,
+        "num_requests_total": 70000,
+        "num_tokens_generated_total": 123456789012,
+        "uptime_s": 3601.25,
+        "build": "0.1.0 cpu",
+        "model": MODEL,
+        "paused": False,
+        "update_session": 0,
+    }), []),
+    # A session left the daemon fail-closed while generation is paused.
+    "status_ok_paused": (envelope("status.ok", 21, {
+        "state": "not_ready",
+        "ready": False,
+        "reason": "weight update session 7 failed after 2 buckets: unknown parameter 'x'",
+        "weight_version": 11,
+        "num_waiting": 4,
+        "num_running": 0,
+        "num_requests_total": 90,
+        "num_tokens_generated_total": 5000,
+        "uptime_s": 120.5,
+        "build": "0.1.0 cpu",
+        "model": MODEL,
+        "paused": True,
+        "update_session": 7,
+    }), []),
+    "begin_weight_update": (envelope("begin_weight_update", 30, {
+        "selector": ["model.layers.0.", "lm_head."],
+        "timeout_s": 30.0,
+    }), []),
+    "begin_weight_update_all": (envelope("begin_weight_update", 31, {
+        "selector": None,
+        "timeout_s": 60.0,
+    }), []),
+    "update_weights_inline": (envelope("update_weights", 32, update_weights_body()), [BUCKET]),
+    # Offsets past 4 GiB; the entries' byte_offset is relative to source.offset.
+    "update_weights_shm": (envelope("update_weights", 33, {
+        "session": 7,
+        "load_format": "flattened_bucket",
+        "entries": [
+            {"name": "lm_head.weight", "dtype": "bfloat16", "shape": [151936, 2048],
+             "byte_offset": 0, "nbytes": LM_HEAD_BYTES},
+            {"name": "model.norm.weight", "dtype": "float32", "shape": [2048],
+             "byte_offset": LM_HEAD_BYTES, "nbytes": 8192},
+        ],
+        "source": {"kind": "shm", "name": "/rolloutd-trainer-0", "offset": 1 << 33,
+                   "size": LM_HEAD_BYTES + 8192},
+        "checksum": None,
+    }), []),
+    "end_weight_update": (envelope("end_weight_update", 34, {"session": 7, "weight_version": 12}), []),
+    "abort_weight_update": (envelope("abort_weight_update", 35, {"session": 7}), []),
+    "get_weights_by_name": (envelope("get_weights_by_name", 36, {"name": "model.norm.weight",
+                                                                 "truncate": 4}), []),
+    "weights_checksum": (envelope("weights_checksum", 37, {
+        "names": ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.input_layernorm.weight"],
+    }), []),
+    "weights_checksum_all": (envelope("weights_checksum", 38, {"names": None}), []),
+    "pause_generation": (envelope("pause_generation", 39, {"mode": "retract"}), []),
+    "continue_generation": (envelope("continue_generation", 40, {}), []),
+    "begin_weight_update_ok": (envelope("begin_weight_update.ok", 30, {
+        "session": 7,
+        "weight_version": 11,
+        "num_parameters_restored": 48,
+    }), []),
+    "update_weights_ok": (envelope("update_weights.ok", 32, {
+        "session": 7,
+        "num_entries": 3,
+        "num_bytes": 28,
+        "duration_s": 0.00125,
+    }), []),
+    "end_weight_update_ok": (envelope("end_weight_update.ok", 34, {
+        "session": 7,
+        "weight_version": 12,
+        "num_buckets": 2,
+        "num_entries": 5,
+        "num_bytes": LM_HEAD_BYTES + 8192 + 28,
+        "num_parameters_updated": 5,
+        "duration_s": 2.5,
+        "postprocess_s": 0.75,
+    }), []),
+    "abort_weight_update_ok": (envelope("abort_weight_update.ok", 35, {"session": 7, "state": "not_ready"}), []),
+    # bfloat16 values are exact in float64; -0.0 keeps its sign.
+    "get_weights_by_name_ok": (envelope("get_weights_by_name.ok", 36, {
+        "name": "model.norm.weight",
+        "dtype": "bfloat16",
+        "shape": [2048],
+        "values": [1.0, 0.99609375, -0.0, 3.0517578125e-05],
+    }), []),
+    # Checksums of the inline bucket's first two tensors (zlib.crc32 of their bytes).
+    "weights_checksum_ok": (envelope("weights_checksum.ok", 37, {
+        "algo": "crc32",
+        "weight_version": 12,
+        "model_checksum": model_checksum(PARAM_CHECKSUMS),
+        "parameters": [
+            {"name": "model.layers.0.input_layernorm.weight", "dtype": "float32", "shape": [3],
+             "checksum": PARAM_CHECKSUMS["model.layers.0.input_layernorm.weight"]},
+            {"name": "model.layers.0.self_attn.q_proj.weight", "dtype": "bfloat16", "shape": [2, 3],
+             "checksum": PARAM_CHECKSUMS["model.layers.0.self_attn.q_proj.weight"]},
+        ],
+    }), []),
+    "pause_generation_ok": (envelope("pause_generation.ok", 39, {
+        "num_aborted": 0,
+        "num_retracted": 3,
+        "num_paused": 0,
+    }), []),
+    "continue_generation_ok": (envelope("continue_generation.ok", 40, {"num_resumed": 3}), []),
+    "retracted": (envelope("retracted", 3, {
+        "rid": "rollout-0007",
+        "num_tokens_discarded": 5,
+        "reason": "weight_update",
+    }), []),
+    "finished_abort_weight_update": (envelope("finished", 3, {
+        "rid": "rollout-0007",
+        "reason": "abort",
+        "abort_reason": "weight_update",
+        "prompt_tokens": 8,
+        "completion_tokens": 2,
+    }), []),
 }
 
 
@@ -207,7 +393,17 @@ def raw(*parts):
     return b"".join(p if isinstance(p, bytes) else pack(p) for p in parts)
 
 
-# name -> (envelope bytes, expected code, expected field, expected echoed id)
+def bad_update(id_, **override):
+    return pack(envelope("update_weights", id_, update_weights_body(**override)))
+
+
+def with_entry(i, **override):
+    entries = [dict(e) for e in BUCKET_ENTRIES]
+    entries[i].update(override)
+    return entries
+
+
+# name -> (envelope bytes, expected code, expected field, expected echoed id[, payload frames])
 BAD = {
     # Cut inside the last key: the id (3) came before the cut and is echoed.
     "truncated": (pack(GOLDEN["generate"][0])[:-5], "bad_message", "", 3),
@@ -236,6 +432,32 @@ BAD = {
         raw(b"\x84", "v", 1, "type", "generate", "id", 20, "body",
             b"\x82", "rid", "r", "input_ids", b"\xdd\xff\xff\xff\xff"),
         "too_large", "", 20),
+    # ---- update_weights (SPEC §11.2): the decoder's checks, before anything is applied ----
+    # entries[1] starts inside entries[0]: the second of the pair is named.
+    "update_weights_overlap": (
+        bad_update(41, entries=with_entry(1, byte_offset=8)), "invalid_argument", "body.entries[1]", 41,
+        [BUCKET]),
+    # The third entry's bytes [28, 32) do not fit a 30-byte frame.
+    "update_weights_entry_beyond_frame": (
+        bad_update(42), "out_of_range", "body.entries[2].byte_offset", 42, [BUCKET[:30]]),
+    "update_weights_nbytes_mismatch": (
+        bad_update(43, entries=with_entry(0, nbytes=10)), "invalid_argument", "body.entries[0].nbytes", 43,
+        [BUCKET]),
+    "update_weights_unknown_load_format": (
+        bad_update(44, load_format="safetensors"), "invalid_argument", "body.load_format", 44, [BUCKET]),
+    "update_weights_bad_shm_name": (
+        bad_update(45, source={"kind": "shm", "name": "/../dev/mem", "offset": 0, "size": 32}),
+        "invalid_argument", "body.source.name", 45),
+    "update_weights_unknown_dtype": (
+        bad_update(46, entries=with_entry(1, dtype="complex64")), "invalid_argument",
+        "body.entries[1].dtype", 46, [BUCKET]),
+    "update_weights_no_payload_frame": (
+        bad_update(47), "out_of_range", "body.source.frame", 47),
+    "update_weights_checksum_algo": (
+        bad_update(48, checksum={"algo": "sha256", "value": 1}), "invalid_argument", "body.checksum.algo", 48,
+        [BUCKET]),
+    "pause_generation_unknown_mode": (
+        pack(envelope("pause_generation", 49, {"mode": "drain"})), "invalid_argument", "body.mode", 49),
 }
 
 
@@ -250,11 +472,18 @@ def main():
             with open(os.path.join(HERE, f"{name}.frame{i}.bin"), "wb") as f:
                 f.write(frame)
     cases = []
-    for name, (data, code, field, id_) in BAD.items():
+    for name, (data, code, field, id_, *frames) in BAD.items():
         file = f"bad_{name}.msgpack"
         with open(os.path.join(HERE, file), "wb") as f:
             f.write(data)
-        cases.append({"file": file, "code": code, "field": field, "id": id_})
+        case = {"file": file, "code": code, "field": field, "id": id_}
+        if frames:
+            case["frames"] = []
+            for i, frame in enumerate(frames[0]):
+                case["frames"].append(f"bad_{name}.frame{i}.bin")
+                with open(os.path.join(HERE, case["frames"][-1]), "wb") as f:
+                    f.write(frame)
+        cases.append(case)
     with open(os.path.join(HERE, "bad_cases.json"), "w") as f:
         json.dump(cases, f, indent=1)
         f.write("\n")

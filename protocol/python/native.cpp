@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "protocol/client.hpp"
@@ -35,15 +36,32 @@ struct TransportError {
 
 [[noreturn]] void throw_status(Status s) { throw TransportError{std::move(s)}; }
 
-std::string frame_bytes(const py::handle& item) {
-  if (PyBytes_Check(item.ptr())) return std::string(py::reinterpret_borrow<py::bytes>(item));
-  if (!PyObject_CheckBuffer(item.ptr()) || PyUnicode_Check(item.ptr()))
-    throw py::type_error("frames must be bytes-like, got " +
-                         std::string(py::str(py::type::of(item).attr("__name__"))));
-  py::buffer_info info = py::reinterpret_borrow<py::buffer>(item).request();
-  if (!PyBuffer_IsContiguous(info.view(), 'C')) throw py::value_error("frames must be contiguous");
-  return std::string(static_cast<const char*>(info.ptr), static_cast<size_t>(info.size * info.itemsize));
-}
+// A read-only view of one frame's bytes, valid while this object lives: it holds a
+// reference to the Python object and, for buffers, the buffer export (which pins the
+// memory), so send() can release the GIL without copying a weight bucket first.
+class FrameView {
+ public:
+  explicit FrameView(const py::handle& item) : owner_(py::reinterpret_borrow<py::object>(item)) {
+    if (PyBytes_Check(item.ptr())) {
+      bytes_ = std::string_view(PyBytes_AS_STRING(item.ptr()),
+                                static_cast<size_t>(PyBytes_GET_SIZE(item.ptr())));
+      return;
+    }
+    if (!PyObject_CheckBuffer(item.ptr()) || PyUnicode_Check(item.ptr()))
+      throw py::type_error("frames must be bytes-like, got " +
+                           std::string(py::str(py::type::of(item).attr("__name__"))));
+    info_ = std::make_unique<py::buffer_info>(py::reinterpret_borrow<py::buffer>(item).request());
+    if (!PyBuffer_IsContiguous(info_->view(), 'C')) throw py::value_error("frames must be contiguous");
+    bytes_ = std::string_view(static_cast<const char*>(info_->ptr),
+                              static_cast<size_t>(info_->size * info_->itemsize));
+  }
+  std::string_view bytes() const { return bytes_; }
+
+ private:
+  py::object owner_;
+  std::unique_ptr<py::buffer_info> info_;  // released (PyBuffer_Release) with the GIL held
+  std::string_view bytes_;
+};
 
 class Transport {
  public:
@@ -59,17 +77,20 @@ class Transport {
 
   void send(const py::sequence& frames, int timeout_ms) {
     if (timeout_ms < 0) throw py::value_error("timeout_ms must be >= 0");
-    std::vector<std::string> parts;
-    parts.reserve(py::len(frames));
-    for (const auto& item : frames) parts.push_back(frame_bytes(item));
-    if (parts.empty()) throw py::value_error("a message needs at least one frame");
+    std::vector<FrameView> views;
+    views.reserve(py::len(frames));
+    for (const auto& item : frames) views.emplace_back(item);
+    if (views.empty()) throw py::value_error("a message needs at least one frame");
+    std::vector<std::string_view> parts;
+    parts.reserve(views.size());
+    for (const auto& v : views) parts.push_back(v.bytes());
     const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
     for (;;) {
       const int slice = slice_ms(deadline);
       Status s = [&] {
         py::gil_scoped_release release;
         std::lock_guard<std::mutex> lock(mu_);
-        return live().send_raw(parts, slice);
+        return live().send_raw_views(parts, slice);
       }();
       if (s.ok()) return;
       // kUnavailable: no daemon took the message in this slice; nothing was sent.

@@ -5,14 +5,25 @@
         print(c.hello().model)
         r = c.generate([1, 2, 3], max_new_tokens=8, return_logprob=True, return_routed_experts=True)
         print(r.token_ids, r.logprobs, r.routed_experts.shape)
+        c.pause_generation("retract")
+        c.push_weights(state_dict.items(), weight_version=1)  # begin, buckets, end
+        c.continue_generation()
 
 The transport is the project's C++ client (rolloutd._native, pybind11): no pyzmq needed.
 """
-from .client import DEFAULT_ENDPOINT, Client, GenerateResult
-from .messages import (PROTOCOL_VERSION, AbortReply, ErrorInfo, FailedEvent, FinishedEvent, GenerateRequest,
-                       HelloReply, Limits, ModelInfo, RolloutdError, RoutedExperts, ShutdownReply, StatusReply,
-                       TokensEvent)
+from .client import DEFAULT_ENDPOINT, Client, GenerateResult, WeightsChecksums
+from .messages import (PROTOCOL_VERSION, AbortReply, AbortWeightUpdateReply, BeginWeightUpdateReply, BucketChecksum,
+                       BucketEntry, ContinueGenerationReply, EndWeightUpdateReply, ErrorInfo, FailedEvent,
+                       FinishedEvent, GenerateRequest, GetWeightsByNameReply, HelloReply, InlineSource, Limits,
+                       ModelInfo, ParameterChecksum, PauseGenerationReply, RetractedEvent, RolloutdError,
+                       RoutedExperts, ShmSource, ShutdownReply, StatusReply, TokensEvent, UpdateWeightsReply,
+                       WeightsChecksumReply)
+from .weights import crc32_of, model_checksum, pack_bucket
 
 __all__ = ["Client", "GenerateResult", "DEFAULT_ENDPOINT", "PROTOCOL_VERSION", "RolloutdError", "ErrorInfo",
-           "TokensEvent", "FinishedEvent", "FailedEvent", "RoutedExperts", "GenerateRequest", "HelloReply",
-           "StatusReply", "AbortReply", "ShutdownReply", "ModelInfo", "Limits"]
+           "TokensEvent", "FinishedEvent", "FailedEvent", "RetractedEvent", "RoutedExperts", "GenerateRequest",
+           "HelloReply", "StatusReply", "AbortReply", "ShutdownReply", "ModelInfo", "Limits",
+           "BucketEntry", "BucketChecksum", "InlineSource", "ShmSource", "BeginWeightUpdateReply",
+           "UpdateWeightsReply", "EndWeightUpdateReply", "AbortWeightUpdateReply", "GetWeightsByNameReply",
+           "WeightsChecksumReply", "ParameterChecksum", "PauseGenerationReply", "ContinueGenerationReply",
+           "WeightsChecksums", "pack_bucket", "crc32_of", "model_checksum"]

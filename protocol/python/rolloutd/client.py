@@ -11,14 +11,21 @@ import collections
 import contextlib
 import time
 import uuid
+import zlib
 from dataclasses import dataclass, field
-from typing import Any, Deque, Iterator, List, Optional, Sequence, Set
+from typing import Any, Deque, Iterator, List, Optional, Sequence, Set, Union
 
 from . import wire
-from .messages import (PROTOCOL_VERSION, AbortReply, AbortRequest, ErrorInfo, Event, FailedEvent, FinishedEvent,
-                       GenerateReply, GenerateRequest, HelloReply, HelloRequest, RolloutdError,
-                       RoutedExperts, ShutdownReply, ShutdownRequest, StatusReply, StatusRequest,
-                       TokensEvent)
+from .messages import (PROTOCOL_VERSION, AbortReply, AbortRequest, AbortWeightUpdateReply,
+                       AbortWeightUpdateRequest, BeginWeightUpdateReply, BeginWeightUpdateRequest, BucketChecksum,
+                       BucketEntry, ContinueGenerationReply, ContinueGenerationRequest, EndWeightUpdateReply,
+                       EndWeightUpdateRequest, ErrorInfo, Event, FailedEvent, FinishedEvent, GenerateReply,
+                       GenerateRequest, GetWeightsByNameReply, GetWeightsByNameRequest, HelloReply, HelloRequest,
+                       InlineSource, Limits, ParameterChecksum, PauseGenerationReply, PauseGenerationRequest,
+                       RetractedEvent, RolloutdError, RoutedExperts, ShmSource, ShutdownReply, ShutdownRequest,
+                       StatusReply, StatusRequest, TokensEvent, UpdateWeightsReply, UpdateWeightsRequest,
+                       WeightsChecksumReply, WeightsChecksumRequest)
+from . import weights as _weights
 
 try:
     from . import _native
@@ -27,7 +34,7 @@ except ImportError as _e:  # the codec (rolloutd.wire) stays usable without the 
     _native_import_error = _e
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:7600"
-_EVENT_TYPES = (TokensEvent, FinishedEvent, FailedEvent)
+_EVENT_TYPES = (TokensEvent, FinishedEvent, FailedEvent, RetractedEvent)
 
 
 @dataclass
@@ -44,6 +51,9 @@ class GenerateResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: Optional[ErrorInfo] = None  # from a failed event
+    # Times the daemon retracted the request (pause_generation(mode="retract")); each one
+    # voided what had been collected, so the fields above hold the last attempt only.
+    num_retractions: int = 0
 
     @property
     def ok(self) -> bool:
@@ -72,6 +82,13 @@ class _Collector:
             r.weight_versions.extend(event.weight_versions)
             if event.routed_experts is not None:
                 self._add_rows(event.routed_experts)
+            return False
+        if isinstance(event, RetractedEvent):
+            # The request restarts from its prompt under new weights: nothing received so far
+            # stands, and its routed rows start again at routed_experts_start_len.
+            r.token_ids, r.logprobs, r.weight_versions = [], [], []
+            self._rows, self._chunks = None, []
+            r.num_retractions += 1
             return False
         if isinstance(event, FinishedEvent):
             r.finish_reason, r.abort_reason = event.reason, event.abort_reason
@@ -103,7 +120,7 @@ class _Collector:
 
 
 def _is_final(event: Event) -> bool:
-    return not isinstance(event, TokensEvent)
+    return isinstance(event, (FinishedEvent, FailedEvent))
 
 
 def _ms(seconds: float) -> int:
@@ -127,6 +144,9 @@ class Client:
         self.client_name = client_name
         self._transport = self._native_call(_native.Transport, endpoint, send_hwm, recv_hwm)
         self._next_id = 1
+        # The daemon's limits from its last hello reply (defaults until then); push_weights
+        # sizes buckets by them.
+        self.limits = Limits()
         self._events: Deque[Event] = collections.deque()
         # Requests whose caller gave up: their later events are dropped until the final one.
         self._abandoned: Set[str] = set()
@@ -149,6 +169,7 @@ class Client:
         if reply.version != PROTOCOL_VERSION:
             raise RolloutdError("unsupported_version", f"daemon chose protocol version {reply.version}, this "
                                 f"client speaks {PROTOCOL_VERSION}", "body.version")
+        self.limits = reply.limits
         return reply
 
     def status(self) -> StatusReply:
@@ -168,6 +189,68 @@ class Client:
 
     def shutdown(self, drain: bool = True, deadline_s: float = 30.0) -> ShutdownReply:
         return self._call(ShutdownRequest(drain=drain, deadline_s=deadline_s), ShutdownReply)
+
+    # ---- weight updates (SPEC §11) ----
+    def begin_weight_update(self, selector: Optional[Sequence[str]] = None,
+                            timeout_s: float = 60.0) -> BeginWeightUpdateReply:
+        """Opens a session; `selector` lists the parameter-name prefixes it may touch (None: all)."""
+        return self._call(BeginWeightUpdateRequest(None if selector is None else list(selector), timeout_s),
+                          BeginWeightUpdateReply)
+
+    def update_weights_inline(self, session: int, entries: Sequence[BucketEntry], payload: Any,
+                              checksum: Union[None, bool, int] = None) -> UpdateWeightsReply:
+        """Sends one bucket whose bytes (`payload`, bytes-like) travel as a payload frame.
+        checksum: a CRC-32 of the payload, or True to compute it here."""
+        if checksum is True:
+            checksum = zlib.crc32(payload)
+        return self._call(UpdateWeightsRequest(session=session, entries=list(entries),
+                                               source=InlineSource(data=payload),
+                                               checksum=_checksum(checksum)), UpdateWeightsReply)
+
+    def update_weights_shm(self, session: int, entries: Sequence[BucketEntry], shm_name: str, offset: int,
+                           size: int, checksum: Optional[int] = None) -> UpdateWeightsReply:
+        """Sends one bucket in [offset, offset + size) of POSIX shared memory `shm_name` ("/...").
+        Once this returns the daemon has copied the bytes and unmapped the region."""
+        return self._call(UpdateWeightsRequest(session=session, entries=list(entries),
+                                               source=ShmSource(shm_name, offset, size),
+                                               checksum=_checksum(checksum)), UpdateWeightsReply)
+
+    def end_weight_update(self, session: int, weight_version: int) -> EndWeightUpdateReply:
+        return self._call(EndWeightUpdateRequest(session, weight_version), EndWeightUpdateReply)
+
+    def abort_weight_update(self, session: int) -> AbortWeightUpdateReply:
+        return self._call(AbortWeightUpdateRequest(session), AbortWeightUpdateReply)
+
+    def get_weights_by_name(self, name: str, truncate: int = 100) -> GetWeightsByNameReply:
+        return self._call(GetWeightsByNameRequest(name, truncate), GetWeightsByNameReply)
+
+    def weights_checksum(self, names: Optional[Sequence[str]] = None) -> "WeightsChecksums":
+        """Per-parameter CRC-32s of the daemon's checkpoint-layout weights, as a dict name -> crc32
+        that also carries .model_checksum, .weight_version and .parameters (the full reply)."""
+        reply = self._call(WeightsChecksumRequest(None if names is None else list(names)), WeightsChecksumReply)
+        return WeightsChecksums(reply)
+
+    def pause_generation(self, mode: str) -> PauseGenerationReply:
+        """mode: "abort" (end in-flight requests), "retract" (restart them from their prompt
+        later) or "in_place" (hold them, KV cache included, until continue_generation)."""
+        return self._call(PauseGenerationRequest(mode), PauseGenerationReply)
+
+    def continue_generation(self) -> ContinueGenerationReply:
+        return self._call(ContinueGenerationRequest(), ContinueGenerationReply)
+
+    def push_weights(self, tensors, weight_version: int, bucket_bytes: int = 256 << 20, via: str = "inline",
+                     shm_name: Optional[str] = None, checksum: bool = False,
+                     selector: Optional[Sequence[str]] = None, timeout_s: float = 60.0) -> EndWeightUpdateReply:
+        """One whole weight update: begin, buckets of at most `bucket_bytes`, end(weight_version).
+
+        tensors: (name, numpy array) or (name, dtype, shape, bytes-like) items, as pack_bucket takes.
+        via="inline" sends each bucket as a payload frame; via="shm" writes it into one POSIX
+        shared-memory region (`shm_name`, default "/rolloutd-<random>"), reused for every bucket
+        and unlinked at the end. Buckets also respect the daemon's limits from the last hello()
+        (frame size, entries per bucket, envelope size). On any failure the session is aborted
+        and the error re-raised. Returns the end_weight_update reply."""
+        return _weights.push_weights(self, tensors, weight_version, bucket_bytes=bucket_bytes, via=via,
+                                     shm_name=shm_name, checksum=checksum, selector=selector, timeout_s=timeout_s)
 
     # ---- events ----
     def next_event(self, timeout_s: float) -> Optional[Event]:
@@ -228,9 +311,10 @@ class Client:
 
     def generate_stream(self, input_ids: Sequence[int], *, rid: Optional[str] = None, timeout_s: float = 120.0,
                         **sampling: Any) -> Iterator[Event]:
-        """Submits one request and yields its TokensEvent / FinishedEvent / FailedEvent, the
-        final one last. Events of other requests stay queued. Closing the iterator early,
-        or the timeout expiring (RolloutdError deadline_exceeded), aborts the request."""
+        """Submits one request and yields its TokensEvent / RetractedEvent / FinishedEvent /
+        FailedEvent, the final one last (a RetractedEvent voids what came before it). Events of
+        other requests stay queued. Closing the iterator early, or the timeout expiring
+        (RolloutdError deadline_exceeded), aborts the request."""
         deadline = time.monotonic() + timeout_s
         req = _make_request(input_ids, rid, sampling)
         reply_deadline = min(deadline, time.monotonic() + self.timeout_s)
@@ -349,6 +433,22 @@ class Client:
             self._send_request(AbortRequest(rid=rid), time.monotonic() + 0.1)
         except RolloutdError:
             pass  # the daemon is unreachable, and the request with it
+
+
+class WeightsChecksums(dict):
+    """name -> CRC-32 of a parameter's checkpoint-layout bytes, from weights_checksum(); compare
+    with rolloutd.crc32_of(array) per tensor, or model_checksum(dict) as a whole."""
+
+    def __init__(self, reply: WeightsChecksumReply):
+        super().__init__((p.name, p.checksum) for p in reply.parameters)
+        self.algo = reply.algo
+        self.weight_version = reply.weight_version
+        self.model_checksum = reply.model_checksum
+        self.parameters: List[ParameterChecksum] = reply.parameters
+
+
+def _checksum(value: Optional[int]) -> Optional[BucketChecksum]:
+    return None if value is None else BucketChecksum(value=int(value))
 
 
 def _make_request(input_ids: Sequence[int], rid: Optional[str], sampling: dict) -> GenerateRequest:

@@ -7,12 +7,33 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 PROTOCOL_VERSION = 1
 
 # Routed-expert dtype name -> (bytes per element, numpy dtype string, little-endian).
 ROUTED_EXPERTS_DTYPES = {"uint8": (1, "<u1"), "uint16": (2, "<u2"), "int32": (4, "<i4")}
+
+# Weight dtypes of update_weights entries (mirrors kernels/dtype.cpp): PyTorch name ->
+# (bytes per stored element, safetensors name). float4_e2m1fn_x2 stores two E2M1 values
+# per element (byte), so a shape counts bytes, as torch.float4_e2m1fn_x2 does.
+WEIGHT_DTYPES = {
+    "float32": (4, "F32"), "bfloat16": (2, "BF16"), "float16": (2, "F16"),
+    "float8_e4m3fn": (1, "F8_E4M3"), "float8_e8m0fnu": (1, "F8_E8M0"), "float4_e2m1fn_x2": (1, "F4"),
+    "uint8": (1, "U8"), "int8": (1, "I8"), "uint16": (2, "U16"), "int16": (2, "I16"), "uint32": (4, "U32"),
+    "int32": (4, "I32"), "int64": (8, "I64"), "bool": (1, "BOOL"),
+}
+_DTYPE_ALIASES = {**{st: name for name, (_, st) in WEIGHT_DTYPES.items()}, "float": "float32", "half": "float16"}
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+def weight_dtype(name: str) -> Optional[str]:
+    """The canonical (PyTorch) name of a weight dtype given by its PyTorch name, with or
+    without "torch.", or its safetensors name; None if it is not one."""
+    if name.startswith("torch."):
+        name = name[len("torch."):]
+    return name if name in WEIGHT_DTYPES else _DTYPE_ALIASES.get(name)
 
 
 class RolloutdError(Exception):
@@ -51,6 +72,7 @@ class Limits:
     max_new_tokens: int = 65536
     max_stop_token_ids: int = 256
     max_versions: int = 16
+    max_bucket_entries: int = 65536
 
 
 @dataclass
@@ -106,6 +128,89 @@ class ShutdownRequest:
     deadline_s: float = 30.0
 
 
+# ---- weight updates and generation control (SPEC §11) ----
+@dataclass
+class BeginWeightUpdateRequest:
+    selector: Optional[List[str]] = None  # parameter-name prefixes; None = every parameter
+    timeout_s: float = 60.0  # idle deadline of the session
+
+
+@dataclass
+class BucketEntry:
+    """One tensor of a bucket: its bytes are [byte_offset, byte_offset + nbytes) of the bucket buffer."""
+
+    name: str
+    dtype: str  # PyTorch name ("bfloat16"); safetensors names are accepted
+    shape: List[int]
+    byte_offset: int
+    nbytes: int
+
+
+@dataclass
+class InlineSource:
+    """The bucket buffer travels as a payload frame of the update_weights message. Encoding
+    appends `data` as a payload frame (and sets `frame`); decoding sets `data` to that frame."""
+
+    frame: int = 0
+    data: Any = None  # bytes-like
+
+
+@dataclass
+class ShmSource:
+    """The bucket buffer is [offset, offset + size) of POSIX shared memory `name` ("/...")."""
+
+    name: str
+    offset: int = 0
+    size: int = 0
+
+
+@dataclass
+class BucketChecksum:
+    algo: str = "crc32"
+    value: int = 0  # zlib.crc32 of the whole bucket buffer
+
+
+@dataclass
+class UpdateWeightsRequest:
+    session: int = 0
+    load_format: str = "flattened_bucket"
+    entries: List[BucketEntry] = field(default_factory=list)
+    source: Union[InlineSource, ShmSource] = field(default_factory=InlineSource)
+    checksum: Optional[BucketChecksum] = None
+
+
+@dataclass
+class EndWeightUpdateRequest:
+    session: int
+    weight_version: int
+
+
+@dataclass
+class AbortWeightUpdateRequest:
+    session: int
+
+
+@dataclass
+class GetWeightsByNameRequest:
+    name: str
+    truncate: int = 100
+
+
+@dataclass
+class WeightsChecksumRequest:
+    names: Optional[List[str]] = None  # None = every parameter
+
+
+@dataclass
+class PauseGenerationRequest:
+    mode: str  # "abort" | "retract" | "in_place"
+
+
+@dataclass
+class ContinueGenerationRequest:
+    pass
+
+
 # ------------------------------------------------------------------ replies --
 @dataclass
 class HelloReply:
@@ -131,6 +236,8 @@ class StatusReply:
     uptime_s: float = 0.0
     build: str = ""
     model: ModelInfo = field(default_factory=ModelInfo)
+    paused: bool = False  # pause_generation in effect
+    update_session: int = 0  # open weight-update session, 0 = none
 
 
 @dataclass
@@ -146,6 +253,75 @@ class AbortReply:
 @dataclass
 class ShutdownReply:
     accepted: bool = True
+
+
+@dataclass
+class BeginWeightUpdateReply:
+    session: int = 0
+    weight_version: int = 0  # serving when the session began
+    num_parameters_restored: int = 0
+
+
+@dataclass
+class UpdateWeightsReply:
+    session: int = 0
+    num_entries: int = 0
+    num_bytes: int = 0
+    duration_s: float = 0.0
+
+
+@dataclass
+class EndWeightUpdateReply:
+    session: int = 0
+    weight_version: int = 0
+    num_buckets: int = 0
+    num_entries: int = 0
+    num_bytes: int = 0
+    num_parameters_updated: int = 0
+    duration_s: float = 0.0
+    postprocess_s: float = 0.0
+
+
+@dataclass
+class AbortWeightUpdateReply:
+    session: int = 0
+    state: str = ""  # "ready" | "not_ready"
+
+
+@dataclass
+class GetWeightsByNameReply:
+    name: str = ""
+    dtype: str = ""
+    shape: List[int] = field(default_factory=list)
+    values: List[float] = field(default_factory=list)  # first `truncate` elements, flattened
+
+
+@dataclass
+class ParameterChecksum:
+    name: str
+    dtype: str
+    shape: List[int]
+    checksum: int  # zlib.crc32 of the checkpoint-layout bytes
+
+
+@dataclass
+class WeightsChecksumReply:
+    algo: str = "crc32"
+    weight_version: int = 0
+    model_checksum: int = 0
+    parameters: List[ParameterChecksum] = field(default_factory=list)  # sorted by name
+
+
+@dataclass
+class PauseGenerationReply:
+    num_aborted: int = 0
+    num_retracted: int = 0
+    num_paused: int = 0
+
+
+@dataclass
+class ContinueGenerationReply:
+    num_resumed: int = 0
 
 
 # ------------------------------------------------------------------- events --
@@ -210,6 +386,20 @@ class FailedEvent:
     error: ErrorInfo
 
 
-Request = Union[HelloRequest, StatusRequest, GenerateRequest, AbortRequest, ShutdownRequest]
-Reply = Union[HelloReply, StatusReply, GenerateReply, AbortReply, ShutdownReply, ErrorInfo]
-Event = Union[TokensEvent, FinishedEvent, FailedEvent]
+@dataclass
+class RetractedEvent:
+    """Not final: the request restarts from its prompt under new weights; everything received
+    for this rid so far is void. More events follow."""
+
+    rid: str
+    num_tokens_discarded: int = 0
+    reason: str = ""  # "weight_update"
+
+
+Request = Union[HelloRequest, StatusRequest, GenerateRequest, AbortRequest, ShutdownRequest,
+                BeginWeightUpdateRequest, UpdateWeightsRequest, EndWeightUpdateRequest, AbortWeightUpdateRequest,
+                GetWeightsByNameRequest, WeightsChecksumRequest, PauseGenerationRequest, ContinueGenerationRequest]
+Reply = Union[HelloReply, StatusReply, GenerateReply, AbortReply, ShutdownReply, ErrorInfo, BeginWeightUpdateReply,
+              UpdateWeightsReply, EndWeightUpdateReply, AbortWeightUpdateReply, GetWeightsByNameReply,
+              WeightsChecksumReply, PauseGenerationReply, ContinueGenerationReply]
+Event = Union[TokensEvent, FinishedEvent, FailedEvent, RetractedEvent]

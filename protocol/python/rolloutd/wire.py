@@ -1,7 +1,7 @@
 """msgpack codec for the v1 messages (protocol/SPEC.md).
 
 A message is a list of frames: the envelope, a msgpack map {v, type, id, body},
-then payload frames (routed-expert rows). Encoders write SPEC's canonical form
+then payload frames (routed-expert rows, an inline weight bucket). Encoders write SPEC's canonical form
 (keys in SPEC order, floats as float64, integers in their smallest form), the
 same bytes as the C++ encoders. They check only what the wire can carry (types,
 integer widths) and leave range rules to the daemon, which answers with a typed
@@ -10,20 +10,32 @@ error. Decoders apply SPEC's rules and raise RolloutdError naming the field.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 import msgpack
 
-from .messages import (PROTOCOL_VERSION, ROUTED_EXPERTS_DTYPES, AbortReply, AbortRequest, ErrorInfo,
-                       FailedEvent, FinishedEvent, GenerateReply, GenerateRequest, HelloReply,
-                       HelloRequest, Limits, ModelInfo, RolloutdError, RoutedExperts, ShutdownReply,
-                       ShutdownRequest, StatusReply, StatusRequest, TokensEvent)
+from .messages import (PAUSE_MODES, PROTOCOL_VERSION, ROUTED_EXPERTS_DTYPES, WEIGHT_DTYPES, AbortReply,
+                       AbortRequest, AbortWeightUpdateReply, AbortWeightUpdateRequest, BeginWeightUpdateReply,
+                       BeginWeightUpdateRequest, BucketChecksum, BucketEntry, ContinueGenerationReply,
+                       ContinueGenerationRequest, EndWeightUpdateReply, EndWeightUpdateRequest, ErrorInfo,
+                       FailedEvent, FinishedEvent, GenerateReply, GenerateRequest, GetWeightsByNameReply,
+                       GetWeightsByNameRequest, HelloReply, HelloRequest, InlineSource, Limits, ModelInfo,
+                       ParameterChecksum, PauseGenerationReply, PauseGenerationRequest, RetractedEvent,
+                       RolloutdError, RoutedExperts, ShmSource, ShutdownReply, ShutdownRequest, StatusReply,
+                       StatusRequest, TokensEvent, UpdateWeightsReply, UpdateWeightsRequest, WeightsChecksumReply,
+                       WeightsChecksumRequest, weight_dtype)
 
 __all__ = ["Decoded", "encode", "decode", "type_name", "REQUEST_TYPES", "REPLY_TYPES", "EVENT_TYPES"]
 
 # SPEC §9: parse-time bounds on any container, before a field is read.
 _MAX_MAP_ENTRIES = 128
+# SPEC §4.1: fixed bounds of the weight-update messages.
+MAX_TENSOR_RANK = 8
+MAX_TENSOR_DIM = 2**40
+MAX_GET_WEIGHTS_TRUNCATE = 1_000_000
+_SHM_NAME = re.compile(r"/[A-Za-z0-9._-]{1,250}")
 
 
 @dataclass
@@ -144,8 +156,11 @@ class _Str(_Kind):
 
 
 class _List(_Kind):
-    def __init__(self, item: _Kind, limit: Optional[str] = None, non_empty: bool = False):
-        self.item, self.limit, self.non_empty = item, limit, non_empty
+    """An array; `limit` names a Limits field bounding its length, `max_len` is a fixed bound."""
+
+    def __init__(self, item: _Kind, limit: Optional[str] = None, non_empty: bool = False,
+                 max_len: Optional[int] = None):
+        self.item, self.limit, self.non_empty, self.max_len = item, limit, non_empty, max_len
 
     def encode(self, v, path, ctx):
         if hasattr(v, "tolist"):  # numpy arrays, torch tensors
@@ -157,8 +172,9 @@ class _List(_Kind):
     def decode(self, v, path, ctx):
         if not isinstance(v, list):
             raise _wrong_type("an array", v, path)
-        if self.limit is not None and len(v) > getattr(ctx.limits, self.limit):
-            raise RolloutdError("too_large", f"{len(v)} entries, limit {getattr(ctx.limits, self.limit)}", path)
+        limit = getattr(ctx.limits, self.limit) if self.limit is not None else self.max_len
+        if limit is not None and len(v) > limit:
+            raise RolloutdError("too_large", f"{len(v)} entries, limit {limit}", path)
         if self.non_empty and not v:
             raise RolloutdError("invalid_argument", "must not be empty", path)
         return [self.item.decode(x, f"{path}[{i}]", ctx) for i, x in enumerate(v)]
@@ -287,6 +303,125 @@ class _TokensBody(_Struct):
         return r
 
 
+# ---- weight updates (SPEC §11) ----
+class _DType(_Str):
+    """A weight dtype name, PyTorch or safetensors spelling; written and read back as the PyTorch name."""
+
+    def encode(self, v, path, ctx):
+        v = super().encode(v, path, ctx)
+        return weight_dtype(v) or v  # an unknown name is the daemon's to refuse
+
+    def decode(self, v, path, ctx):
+        v = super().decode(v, path, ctx)
+        canonical = weight_dtype(v)
+        if canonical is None:
+            raise RolloutdError("invalid_argument", f"unknown dtype '{v}'; expected a PyTorch or safetensors name",
+                                path)
+        return canonical
+
+
+def _shape_bytes(shape: Sequence[int], element_bytes: int) -> int:
+    n = element_bytes
+    for d in shape:
+        n *= d
+    return n
+
+
+class _BucketEntryKind(_Struct):
+    """One entry: nbytes must be product(shape) * dtype size, and the end must fit 64 bits."""
+
+    def decode(self, v, path, ctx):
+        e = super().decode(v, path, ctx)
+        expected = _shape_bytes(e.shape, WEIGHT_DTYPES[e.dtype][0])
+        if expected >= 2**64:
+            raise RolloutdError("out_of_range", f"shape {e.shape} of {e.dtype} is more than 2^64 bytes",
+                                _join(path, "shape"))
+        if e.nbytes != expected:
+            raise RolloutdError("invalid_argument", f"{e.nbytes} bytes, but shape {e.shape} of {e.dtype} is "
+                                f"{expected}", _join(path, "nbytes"))
+        if e.byte_offset + e.nbytes >= 2**64:
+            raise RolloutdError("out_of_range", "byte_offset + nbytes overflows 64 bits", _join(path, "byte_offset"))
+        return e
+
+
+class _SourceKind(_Kind):
+    """{kind: "inline", frame} | {kind: "shm", name, offset, size}."""
+
+    def encode(self, v, path, ctx):
+        if isinstance(v, InlineSource):
+            frame = v.frame
+            if v.data is not None:
+                frame = len(ctx.frames)
+                ctx.frames.append(v.data)
+            return {"kind": "inline", "frame": _U32.encode(frame, _join(path, "frame"), ctx)}
+        if isinstance(v, ShmSource):
+            return {"kind": "shm", "name": _STR.encode(v.name, _join(path, "name"), ctx),
+                    "offset": _U64.encode(v.offset, _join(path, "offset"), ctx),
+                    "size": _U64.encode(v.size, _join(path, "size"), ctx)}
+        raise _wrong_type("InlineSource or ShmSource", v, path)
+
+    def decode(self, v, path, ctx):
+        if not isinstance(v, dict):
+            raise _wrong_type("a map", v, path)
+
+        def field(name, kind):
+            if name not in v:
+                raise RolloutdError("missing_field", f"'{name}' is required", _join(path, name))
+            return kind.decode(v[name], _join(path, name), ctx)
+
+        kind = field("kind", _STR)
+        if kind == "inline":
+            frame = field("frame", _U32)
+            if frame >= len(ctx.frames):
+                raise RolloutdError("out_of_range", f"payload frame {frame} of {len(ctx.frames)}",
+                                    _join(path, "frame"))
+            return InlineSource(frame=frame, data=ctx.frames[frame])
+        if kind == "shm":
+            name = field("name", _STR)
+            if not _SHM_NAME.fullmatch(name) or name in ("/.", "/.."):
+                raise RolloutdError("invalid_argument", f"'{name}' is not a shared-memory name: '/' then 1 to 250 "
+                                    "of A-Z a-z 0-9 . _ -", _join(path, "name"))
+            offset, size = field("offset", _U64), field("size", _U64)
+            if offset + size >= 2**64:
+                raise RolloutdError("out_of_range", "offset + size overflows 64 bits", _join(path, "size"))
+            return ShmSource(name=name, offset=offset, size=size)
+        raise RolloutdError("invalid_argument", f"unknown source kind '{kind}'; expected inline or shm",
+                            _join(path, "kind"))
+
+
+class _UpdateWeightsBody(_Struct):
+    """update_weights: after the fields, the checks that need every entry (SPEC §11.2), in the
+    C++ decoder's order: inside the buffer, no shared byte, no name twice."""
+
+    def decode(self, v, path, ctx):
+        r = super().decode(v, path, ctx)
+        entries = _join(path, "entries")
+        if isinstance(r.source, InlineSource):
+            size, what = len(r.source.data), f"payload frame {r.source.frame}"
+        else:
+            size, what = r.source.size, "shared-memory region"
+        for i, e in enumerate(r.entries):
+            if e.byte_offset + e.nbytes > size:
+                raise RolloutdError("out_of_range", f"bytes [{e.byte_offset}, {e.byte_offset + e.nbytes}) lie "
+                                    f"outside the {what} of {size} bytes", f"{entries}[{i}].byte_offset")
+        order = sorted((e.byte_offset, i) for i, e in enumerate(r.entries) if e.nbytes > 0)
+        furthest_end, furthest = 0, None
+        for offset, i in order:
+            end = offset + r.entries[i].nbytes
+            if furthest is not None and offset < furthest_end:
+                raise RolloutdError("invalid_argument", f"bytes [{offset}, {end}) overlap entries[{furthest}]",
+                                    f"{entries}[{i}]")
+            if furthest is None or end > furthest_end:
+                furthest_end, furthest = end, i
+        seen = {}
+        for i, e in enumerate(r.entries):
+            if e.name in seen:
+                raise RolloutdError("invalid_argument", f"'{e.name}' is also entries[{seen[e.name]}]",
+                                    f"{entries}[{i}].name")
+            seen[e.name] = i
+        return r
+
+
 _U32 = _Int(0, 2**32 - 1)
 _U64 = _Int(0, 2**64 - 1)
 _I32 = _Int(-(2**31), 2**31 - 1)
@@ -297,11 +432,31 @@ _RID = _Str("max_rid_bytes")
 _MODEL = _Struct(ModelInfo, [("name", _STR), ("family", _STR), ("vocab_size", _U32), ("num_layers", _U32),
                              ("num_moe_layers", _U32), ("num_experts", _U32), ("top_k", _U32),
                              ("routed_experts_dtype", _STR)])
+# Fields added after the first v1 daemons (with the weight-update messages) are optional
+# for decoders: an older daemon omits them.
 _LIMITS = _Struct(Limits, [("max_envelope_bytes", _U64), ("max_frame_bytes", _U64), ("max_frames", _U32),
                            ("max_rid_bytes", _U32), ("max_string_bytes", _U32), ("max_input_tokens", _U32),
-                           ("max_new_tokens", _U32), ("max_stop_token_ids", _U32), ("max_versions", _U32)])
+                           ("max_new_tokens", _U32), ("max_stop_token_ids", _U32), ("max_versions", _U32),
+                           ("max_bucket_entries", _U32)], optional=("max_bucket_entries",))
 # Codes are an open set: a newer daemon's code passes through.
 _ERROR = _Struct(ErrorInfo, [("code", _STR), ("message", _STR), ("field", _STR)])
+_SHAPE = _List(_Int(0, 2**64 - 1, max=MAX_TENSOR_DIM), max_len=MAX_TENSOR_RANK)
+class _DistinctNames(_List):
+    """weights_checksum.names: the first name (in list order) seen before is refused."""
+
+    def decode(self, v, path, ctx):
+        names = super().decode(v, path, ctx)
+        seen = set()
+        for i, name in enumerate(names):
+            if name in seen:
+                raise RolloutdError("invalid_argument", f"'{name}' is listed twice", f"{path}[{i}]")
+            seen.add(name)
+        return names
+
+
+# nil = all; an empty list is refused (it would select nothing by accident).
+_NAMES = _Nullable(_List(_Str(non_empty=True), limit="max_bucket_entries", non_empty=True))
+_DISTINCT_NAMES = _Nullable(_DistinctNames(_Str(non_empty=True), limit="max_bucket_entries", non_empty=True))
 
 # Wire type name -> body kind, by direction.
 REQUEST_TYPES: Dict[str, _Kind] = {
@@ -322,6 +477,24 @@ REQUEST_TYPES: Dict[str, _Kind] = {
     "abort": _AbortBody(),
     "shutdown": _Struct(ShutdownRequest, [("drain", _BOOL), ("deadline_s", _Float(0.0, 3600.0))],
                         optional=("drain", "deadline_s")),
+    "begin_weight_update": _Struct(BeginWeightUpdateRequest, [
+        ("selector", _NAMES), ("timeout_s", _Float(0.0, 3600.0, lo_open=True))], optional=("timeout_s",)),
+    "update_weights": _UpdateWeightsBody(UpdateWeightsRequest, [
+        ("session", _U64), ("load_format", _Str(values=("flattened_bucket",))),
+        ("entries", _List(_BucketEntryKind(BucketEntry, [
+            ("name", _Str(non_empty=True)), ("dtype", _DType()), ("shape", _SHAPE), ("byte_offset", _U64),
+            ("nbytes", _U64)]),
+            limit="max_bucket_entries", non_empty=True)),
+        ("source", _SourceKind()),
+        ("checksum", _Nullable(_Struct(BucketChecksum, [("algo", _Str(values=("crc32",))), ("value", _U32)])))]),
+    "end_weight_update": _Struct(EndWeightUpdateRequest, [("session", _U64), ("weight_version", _U64)]),
+    "abort_weight_update": _Struct(AbortWeightUpdateRequest, [("session", _U64)]),
+    "get_weights_by_name": _Struct(GetWeightsByNameRequest, [
+        ("name", _Str(non_empty=True)), ("truncate", _Int(0, 2**32 - 1, max=MAX_GET_WEIGHTS_TRUNCATE))],
+        optional=("truncate",)),
+    "weights_checksum": _Struct(WeightsChecksumRequest, [("names", _DISTINCT_NAMES)]),
+    "pause_generation": _Struct(PauseGenerationRequest, [("mode", _Str(values=PAUSE_MODES))]),
+    "continue_generation": _Struct(ContinueGenerationRequest, []),
 }
 REPLY_TYPES: Dict[str, _Kind] = {
     "hello.ok": _Struct(HelloReply, [("version", _U32), ("daemon", _STR), ("build", _STR), ("gpu", _I32),
@@ -329,11 +502,30 @@ REPLY_TYPES: Dict[str, _Kind] = {
     "status.ok": _Struct(StatusReply, [
         ("state", _STR), ("ready", _BOOL), ("reason", _STR), ("weight_version", _U64), ("num_waiting", _U32),
         ("num_running", _U32), ("num_requests_total", _U64), ("num_tokens_generated_total", _U64),
-        ("uptime_s", _F64), ("build", _STR), ("model", _MODEL)]),
+        ("uptime_s", _F64), ("build", _STR), ("model", _MODEL), ("paused", _BOOL), ("update_session", _U64)],
+        optional=("paused", "update_session")),
     "generate.ok": _Struct(GenerateReply, [("rid", _RID)]),
     "abort.ok": _Struct(AbortReply, [("num_aborted", _U32)]),
     "shutdown.ok": _Struct(ShutdownReply, [("accepted", _BOOL)]),
     "error": _ERROR,
+    "begin_weight_update.ok": _Struct(BeginWeightUpdateReply, [
+        ("session", _U64), ("weight_version", _U64), ("num_parameters_restored", _U32)]),
+    "update_weights.ok": _Struct(UpdateWeightsReply, [
+        ("session", _U64), ("num_entries", _U32), ("num_bytes", _U64), ("duration_s", _F64)]),
+    "end_weight_update.ok": _Struct(EndWeightUpdateReply, [
+        ("session", _U64), ("weight_version", _U64), ("num_buckets", _U32), ("num_entries", _U64),
+        ("num_bytes", _U64), ("num_parameters_updated", _U32), ("duration_s", _F64), ("postprocess_s", _F64)]),
+    "abort_weight_update.ok": _Struct(AbortWeightUpdateReply, [("session", _U64), ("state", _STR)]),
+    "get_weights_by_name.ok": _Struct(GetWeightsByNameReply, [
+        ("name", _STR), ("dtype", _STR), ("shape", _SHAPE),
+        ("values", _List(_F64, max_len=MAX_GET_WEIGHTS_TRUNCATE))]),  # any float, NaN included
+    "weights_checksum.ok": _Struct(WeightsChecksumReply, [
+        ("algo", _Str(values=("crc32",))), ("weight_version", _U64), ("model_checksum", _U32),
+        ("parameters", _List(_Struct(ParameterChecksum, [("name", _STR), ("dtype", _STR), ("shape", _SHAPE),
+                                                         ("checksum", _U32)]), limit="max_bucket_entries"))]),
+    "pause_generation.ok": _Struct(PauseGenerationReply, [
+        ("num_aborted", _U32), ("num_retracted", _U32), ("num_paused", _U32)]),
+    "continue_generation.ok": _Struct(ContinueGenerationReply, [("num_resumed", _U32)]),
 }
 EVENT_TYPES: Dict[str, _Kind] = {
     "tokens": _TokensBody(TokensEvent, [
@@ -345,6 +537,7 @@ EVENT_TYPES: Dict[str, _Kind] = {
                                         ("abort_reason", _STR), ("prompt_tokens", _U32),
                                         ("completion_tokens", _U32)]),
     "failed": _Struct(FailedEvent, [("rid", _RID), ("error", _ERROR)]),
+    "retracted": _Struct(RetractedEvent, [("rid", _RID), ("num_tokens_discarded", _U32), ("reason", _STR)]),
 }
 _KINDS: Dict[str, _Kind] = {**REQUEST_TYPES, **REPLY_TYPES, **EVENT_TYPES}
 _TYPE_OF = {kind.cls: name for name, kind in _KINDS.items()}
@@ -385,7 +578,7 @@ def _unpack(data: bytes, limits: Limits) -> Any:
         return msgpack.unpackb(
             data, raw=False, strict_map_key=True, object_pairs_hook=_map_from_pairs,
             max_array_len=max(limits.max_input_tokens, limits.max_stop_token_ids, limits.max_versions,
-                              limits.max_new_tokens),
+                              limits.max_new_tokens, limits.max_bucket_entries, MAX_GET_WEIGHTS_TRUNCATE),
             max_map_len=_MAX_MAP_ENTRIES, max_str_len=max(limits.max_string_bytes, limits.max_rid_bytes),
             max_bin_len=limits.max_string_bytes, max_ext_len=limits.max_string_bytes)
     except _DuplicateKey:

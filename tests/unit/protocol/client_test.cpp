@@ -22,6 +22,7 @@ struct Received {
   std::string identity;  // ROUTER routing id of the client
   Envelope env;
   Request request;
+  std::vector<std::string> frames;  // payload frames after the envelope
 };
 
 class FakeDaemon {
@@ -60,6 +61,7 @@ class FakeDaemon {
     } while (part.more());
     EXPECT_GE(parts.size(), 2u);
     out.identity = parts[0];
+    out.frames.assign(parts.begin() + 2, parts.end());
     std::vector<Frame> payload;
     for (size_t i = 2; i < parts.size(); ++i)
       payload.emplace_back(reinterpret_cast<const uint8_t*>(parts[i].data()), parts[i].size());
@@ -402,6 +404,158 @@ TEST(ClientTest, BadEndpointIsInvalidArgument) {
   ASSERT_FALSE(client.ok());
   EXPECT_EQ(client.status().code(), ErrorCode::kInvalidArgument);
   EXPECT_EQ(client.status().field(), "endpoint");
+}
+
+// ---- weight updates and generation control (SPEC §11) ----
+
+TEST(ClientTest, WeightSessionCalls) {
+  const std::string payload = std::string("\x80\x3f\x00\x40", 4) + std::string(60, '\0') + "abcd";
+  const std::vector<BucketEntry> entries = {BucketEntry{"w", DType::kBF16, {2}, 0, 4},
+                                            BucketEntry{"b", DType::kI8, {4}, 64, 4}};
+  FakeDaemon daemon;
+  daemon.run([&](FakeDaemon& d) {
+    Received r = d.recv();
+    const auto& begin = std::get<BeginWeightUpdateRequest>(r.request);
+    EXPECT_EQ(begin.selector, (std::vector<std::string>{"model.layers.3."}));
+    EXPECT_EQ(begin.timeout_s, 5.0);
+    d.send(r.identity, encode_reply(r.env.id, BeginWeightUpdateReply{4, 10, 2}));
+
+    r = d.recv();
+    const auto& inl = std::get<UpdateWeightsRequest>(r.request);
+    EXPECT_EQ(inl.session, 4u);
+    EXPECT_EQ(std::get<InlineSource>(inl.source).frame, 0u);
+    ASSERT_EQ(r.frames.size(), 1u);
+    EXPECT_EQ(r.frames[0], payload) << "the bucket travels as payload frame 0";
+    ASSERT_TRUE(inl.checksum.has_value());
+    EXPECT_EQ(inl.checksum->value, crc32({reinterpret_cast<const uint8_t*>(payload.data()), payload.size()}));
+    EXPECT_EQ(inl.entries.size(), 2u);
+    d.send(r.identity, encode_reply(r.env.id, UpdateWeightsReply{4, 2, 8, 0.5}));
+
+    r = d.recv();
+    const auto& shm = std::get<UpdateWeightsRequest>(r.request);
+    EXPECT_TRUE(r.frames.empty());
+    EXPECT_FALSE(shm.checksum.has_value());
+    const auto& src = std::get<ShmSource>(shm.source);
+    EXPECT_EQ(src.name, "/rolloutd-t");
+    EXPECT_EQ(src.offset, 4096u);
+    EXPECT_EQ(src.size, 68u);
+    d.send(r.identity, encode_reply(r.env.id, UpdateWeightsReply{4, 2, 8, 0.25}));
+
+    r = d.recv();
+    EXPECT_EQ(std::get<EndWeightUpdateRequest>(r.request).weight_version, 11u);
+    d.send(r.identity, encode_reply(r.env.id, EndWeightUpdateReply{4, 11, 2, 4, 16, 2, 1.5, 0.5}));
+    r = d.recv();
+    EXPECT_EQ(std::get<AbortWeightUpdateRequest>(r.request).session, 5u);
+    d.send(r.identity, encode_error(r.env.id, ErrorInfo{"failed_precondition", "no session 5 is open",
+                                                        "body.session"}));
+    r = d.recv();
+    EXPECT_EQ(std::get<GetWeightsByNameRequest>(r.request).truncate, 2u);
+    d.send(r.identity, encode_reply(r.env.id, GetWeightsByNameReply{"w", "bfloat16", {2}, {1.0, 2.0}}));
+    r = d.recv();
+    EXPECT_FALSE(std::get<WeightsChecksumRequest>(r.request).names.has_value());
+    WeightsChecksumReply sums;
+    sums.weight_version = 11;
+    sums.parameters = {ParameterChecksum{"w", "bfloat16", {2}, 0x12345678u}};
+    sums.model_checksum = model_checksum({{"w", 0x12345678u}});
+    d.send(r.identity, encode_reply(r.env.id, sums));
+    r = d.recv();
+    EXPECT_EQ(std::get<PauseGenerationRequest>(r.request).mode, PauseMode::kRetract);
+    d.send(r.identity, encode_reply(r.env.id, PauseGenerationReply{0, 3, 0}));
+    r = d.recv();
+    EXPECT_TRUE(std::holds_alternative<ContinueGenerationRequest>(r.request));
+    d.send(r.identity, encode_reply(r.env.id, ContinueGenerationReply{3}));
+  });
+  auto client = connect_to(daemon.endpoint());
+  auto begin = client->begin_weight_update(std::vector<std::string>{"model.layers.3."}, 5.0);
+  ASSERT_TRUE(begin.ok()) << begin.status().to_string();
+  EXPECT_EQ(begin->session, 4u);
+  EXPECT_EQ(begin->num_parameters_restored, 2u);
+  auto inl = client->update_weights_inline(
+      4, entries, payload, crc32({reinterpret_cast<const uint8_t*>(payload.data()), payload.size()}));
+  ASSERT_TRUE(inl.ok()) << inl.status().to_string();
+  EXPECT_EQ(inl->num_bytes, 8u);
+  auto shm = client->update_weights_shm(4, entries, "/rolloutd-t", 4096, 68);
+  ASSERT_TRUE(shm.ok()) << shm.status().to_string();
+  EXPECT_EQ(shm->duration_s, 0.25);
+  auto end = client->end_weight_update(4, 11);
+  ASSERT_TRUE(end.ok()) << end.status().to_string();
+  EXPECT_EQ(end->num_buckets, 2u);
+  EXPECT_EQ(end->postprocess_s, 0.5);
+  auto abort = client->abort_weight_update(5);
+  ASSERT_FALSE(abort.ok());
+  EXPECT_EQ(abort.status().code(), ErrorCode::kFailedPrecondition);
+  EXPECT_EQ(abort.status().field(), "body.session");
+  auto weights = client->get_weights_by_name("w", 2);
+  ASSERT_TRUE(weights.ok()) << weights.status().to_string();
+  EXPECT_EQ(weights->values, (std::vector<double>{1.0, 2.0}));
+  auto checksum = client->weights_checksum();
+  ASSERT_TRUE(checksum.ok()) << checksum.status().to_string();
+  EXPECT_EQ(checksum->parameters.at(0).checksum, 0x12345678u);
+  auto pause = client->pause_generation(PauseMode::kRetract);
+  ASSERT_TRUE(pause.ok()) << pause.status().to_string();
+  EXPECT_EQ(pause->num_retracted, 3u);
+  auto resumed = client->continue_generation();
+  ASSERT_TRUE(resumed.ok()) << resumed.status().to_string();
+  EXPECT_EQ(resumed->num_resumed, 3u);
+}
+
+TEST(ClientTest, GenerateDiscardsWhatARetractedRequestHadReceived) {
+  FakeDaemon daemon;
+  daemon.run([](FakeDaemon& d) {
+    Received gen = d.recv();
+    d.send(gen.identity, encode_reply(gen.env.id, GenerateReply{"r"}));
+    d.send(gen.identity, encode_event(gen.env.id, tokens("r", {10}, rows(0, 4, 0))));
+    d.send(gen.identity, encode_event(gen.env.id, tokens("r", {11}, rows(4, 1, 16))));
+    d.send(gen.identity, encode_event(gen.env.id, RetractedEvent{"r", 2, "weight_update"}));
+    // Restarted from the prompt: rows begin again at position 0, versions are new.
+    TokensEvent again = tokens("r", {20, 21}, rows(0, 5, 100));
+    again.weight_versions = {8, 8};
+    d.send(gen.identity, encode_event(gen.env.id, again));
+    d.send(gen.identity, encode_event(gen.env.id, finished("r", "length", 2)));
+  });
+  auto client = connect_to(daemon.endpoint());
+  auto result = client->generate(make_generate("r"), 5000);
+  ASSERT_TRUE(result.ok()) << result.status().to_string();
+  EXPECT_EQ(result->token_ids, (std::vector<int32_t>{20, 21}));
+  EXPECT_EQ(result->logprobs, (std::vector<double>{-0.5, -1.0}));
+  EXPECT_EQ(result->weight_versions, (std::vector<uint64_t>{8, 8}));
+  EXPECT_EQ(result->num_retractions, 1u);
+  ASSERT_TRUE(result->routed_experts.has_value());
+  EXPECT_EQ(result->routed_experts->start_pos, 0u);
+  EXPECT_EQ(result->routed_experts->num_tokens, 5u);
+  EXPECT_EQ(static_cast<uint8_t>(result->routed_experts->data[0]), 100);
+  ASSERT_TRUE(result->finished.has_value());
+}
+
+TEST(ClientTest, RetractedIsQueuedAndNotFinal) {
+  FakeDaemon daemon;
+  daemon.run([](FakeDaemon& d) {
+    Received gen = d.recv();
+    d.send(gen.identity, encode_reply(gen.env.id, GenerateReply{"q"}));
+    Received status = d.recv();
+    d.send(gen.identity, encode_event(gen.env.id, RetractedEvent{"q", 0, "weight_update"}));
+    StatusReply paused;
+    paused.paused = true;
+    paused.update_session = 2;
+    d.send(status.identity, encode_reply(status.env.id, paused));
+    d.send(gen.identity, encode_event(gen.env.id, tokens("q", {5}, std::nullopt)));
+    d.send(gen.identity, encode_event(gen.env.id, finished("q", "length", 1)));
+  });
+  auto client = connect_to(daemon.endpoint());
+  ASSERT_TRUE(client->submit(make_generate("q")).ok());
+  auto st = client->status();
+  ASSERT_TRUE(st.ok()) << st.status().to_string();
+  EXPECT_TRUE(st->paused);
+  EXPECT_EQ(st->update_session, 2u);
+  auto first = client->next_event(0);
+  ASSERT_TRUE(first.ok() && first->has_value());
+  EXPECT_EQ(std::get<RetractedEvent>(**first).reason, "weight_update");
+  auto second = client->next_event(5000);
+  ASSERT_TRUE(second.ok() && second->has_value());
+  EXPECT_TRUE(std::holds_alternative<TokensEvent>(**second));
+  auto third = client->next_event(5000);
+  ASSERT_TRUE(third.ok() && third->has_value());
+  EXPECT_TRUE(std::holds_alternative<FinishedEvent>(**third));
 }
 
 }  // namespace

@@ -167,6 +167,7 @@ struct BadCase {
   std::string field;
   uint64_t id = 0;  // expected env.id (0: could not be read)
   Limits limits{};
+  std::vector<std::string> frames{};  // payload frames sent with the envelope
 };
 
 BadCase bad_body(std::string name, std::string type, Map body, ErrorCode code, std::string field,
@@ -200,12 +201,254 @@ constexpr uint64_t k2p32 = uint64_t{1} << 32;
 
 using E = ErrorCode;
 
+// ---- weight updates (SPEC §11) ----
+Map entry(std::string name, std::string dtype, Array shape, uint64_t offset, uint64_t nbytes) {
+  return Map{{"name", std::move(name)},
+             {"dtype", std::move(dtype)},
+             {"shape", std::move(shape)},
+             {"byte_offset", offset},
+             {"nbytes", nbytes}};
+}
+
+// Three entries in three dtypes over a 32-byte bucket, as in the update_weights_inline golden.
+Array bucket_entries() {
+  return Array{entry("q", "bfloat16", Array{2, 3}, 0, 12), entry("norm", "float32", Array{3}, 16, 12),
+               entry("e", "float8_e4m3fn", Array{2, 2}, 28, 4)};
+}
+const std::string kBucket(32, '\x01');
+
+Map update_body(Array entries = bucket_entries()) {
+  return Map{{"session", 7},
+             {"load_format", "flattened_bucket"},
+             {"entries", std::move(entries)},
+             {"source", Map{{"kind", "inline"}, {"frame", 0}}},
+             {"checksum", Map{{"algo", "crc32"}, {"value", 5}}}};
+}
+
+Map shm_source(Value name = "/rolloutd-w", Value offset = 4096, Value size = 32) {
+  return Map{{"kind", "shm"}, {"name", std::move(name)}, {"offset", std::move(offset)},
+             {"size", std::move(size)}};
+}
+
+// `entries` with entry i's `key` replaced (std::nullopt erases it).
+Array entries_with(size_t i, const std::string& key, std::optional<Value> value,
+                   Array entries = bucket_entries()) {
+  entries[i] = with(std::get<Map>(entries[i].v), key, std::move(value));
+  return entries;
+}
+
+BadCase bad_update(std::string name, Map body, ErrorCode code, std::string field,
+                   std::vector<std::string> frames = {kBucket}, Limits limits = {}) {
+  BadCase c = bad_body(std::move(name), "update_weights", std::move(body), code, std::move(field),
+                       limits);
+  c.frames = std::move(frames);
+  return c;
+}
+BadCase bad_entry(std::string name, size_t i, const std::string& key, std::optional<Value> value,
+                  ErrorCode code, std::string field) {
+  return bad_update(std::move(name), update_body(entries_with(i, key, std::move(value))), code,
+                    std::move(field));
+}
+
+std::vector<BadCase> weight_update_bad_cases() {
+  Limits two_entries;
+  two_entries.max_bucket_entries = 2;
+  Limits short_strings;  // a field limit below the parse-time string bound (max_rid_bytes)
+  short_strings.max_string_bytes = 100;
+  const Map update = update_body();
+  const Map shm = with(update, "source", shm_source());
+  return {
+      // ---- update_weights: top-level fields ----
+      bad_update("UpdateSessionMissing", with(update, "session", std::nullopt), E::kMissingField,
+                 "body.session"),
+      bad_update("UpdateSessionNegative", with(update, "session", -1), E::kOutOfRange, "body.session"),
+      bad_update("UpdateSessionFloat", with(update, "session", 7.0), E::kWrongType, "body.session"),
+      bad_update("LoadFormatMissing", with(update, "load_format", std::nullopt), E::kMissingField,
+                 "body.load_format"),
+      bad_update("LoadFormatUnknown", with(update, "load_format", "safetensors"),
+                 E::kInvalidArgument, "body.load_format"),
+      bad_update("EntriesMissing", with(update, "entries", std::nullopt), E::kMissingField,
+                 "body.entries"),
+      bad_update("EntriesNotArray", with(update, "entries", Map{}), E::kWrongType, "body.entries"),
+      bad_update("EntriesEmpty", update_body(Array{}), E::kInvalidArgument, "body.entries"),
+      bad_update("EntriesOverLimit", update, E::kTooLarge, "body.entries", {kBucket}, two_entries),
+      bad_update("EntryNotMap", update_body(Array{entry("a", "int8", Array{1}, 0, 1), 5}),
+                 E::kWrongType, "body.entries[1]"),
+      // ---- update_weights: one entry ----
+      bad_entry("EntryNameMissing", 0, "name", std::nullopt, E::kMissingField, "body.entries[0].name"),
+      bad_entry("EntryNameEmpty", 1, "name", "", E::kInvalidArgument, "body.entries[1].name"),
+      bad_entry("EntryNameBin", 0, "name", Bin{"q"}, E::kWrongType, "body.entries[0].name"),
+      bad_update("EntryNameTooLong", update_body(entries_with(0, "name", repeat('n', 101))),
+                 E::kTooLarge, "body.entries[0].name", {kBucket}, short_strings),
+      bad_entry("EntryDtypeUnknown", 1, "dtype", "complex64", E::kInvalidArgument,
+                "body.entries[1].dtype"),
+      bad_entry("EntryDtypeFloat64", 1, "dtype", "float64", E::kInvalidArgument,
+                "body.entries[1].dtype"),
+      bad_entry("EntryDtypeEmpty", 1, "dtype", "", E::kInvalidArgument, "body.entries[1].dtype"),
+      bad_entry("EntryDtypeInt", 1, "dtype", 4, E::kWrongType, "body.entries[1].dtype"),
+      bad_entry("EntryShapeMissing", 0, "shape", std::nullopt, E::kMissingField,
+                "body.entries[0].shape"),
+      bad_entry("EntryShapeNotArray", 0, "shape", 6, E::kWrongType, "body.entries[0].shape"),
+      bad_entry("EntryShapeRankNine", 0, "shape", Array{1, 1, 1, 1, 1, 1, 1, 1, 1}, E::kTooLarge,
+                "body.entries[0].shape"),
+      bad_entry("EntryShapeDimNegative", 0, "shape", Array{2, -3}, E::kOutOfRange,
+                "body.entries[0].shape[1]"),
+      bad_entry("EntryShapeDimOver2p40", 0, "shape", Array{(uint64_t{1} << 40) + 1}, E::kOutOfRange,
+                "body.entries[0].shape[0]"),
+      bad_entry("EntryShapeDimFloat", 0, "shape", Array{2.0, 3}, E::kWrongType,
+                "body.entries[0].shape[0]"),
+      // 2^40 * 2^40 * 2 bytes does not fit 64 bits: refused, not wrapped to a small size.
+      bad_entry("EntryShapeBytesOverflow", 0, "shape",
+                Array{uint64_t{1} << 40, uint64_t{1} << 40}, E::kOutOfRange,
+                "body.entries[0].shape"),
+      bad_entry("EntryNbytesMismatch", 0, "nbytes", 10, E::kInvalidArgument,
+                "body.entries[0].nbytes"),
+      bad_entry("EntryNbytesMissing", 0, "nbytes", std::nullopt, E::kMissingField,
+                "body.entries[0].nbytes"),
+      // float4_e2m1fn_x2 counts stored bytes (pairs of values): [2, 2] is 4 bytes, not 2.
+      bad_update("EntryFp4NbytesAreStoredBytes",
+                 update_body(Array{entry("blocks", "float4_e2m1fn_x2", Array{2, 2}, 0, 2)}),
+                 E::kInvalidArgument, "body.entries[0].nbytes"),
+      bad_entry("EntryOffsetNegative", 0, "byte_offset", -1, E::kOutOfRange,
+                "body.entries[0].byte_offset"),
+      bad_entry("EntryOffsetMissing", 2, "byte_offset", std::nullopt, E::kMissingField,
+                "body.entries[2].byte_offset"),
+      bad_entry("EntryEndOverflows", 2, "byte_offset", UINT64_MAX - 2, E::kOutOfRange,
+                "body.entries[2].byte_offset"),
+      // ---- update_weights: the bucket as a whole ----
+      bad_update("EntryBeyondInlineFrame", update, E::kOutOfRange, "body.entries[2].byte_offset",
+                 {kBucket.substr(0, 31)}),
+      bad_update("EntryStartsBeyondInlineFrame",
+                 update_body(Array{entry("z", "int8", Array{0}, 33, 0)}), E::kOutOfRange,
+                 "body.entries[0].byte_offset"),
+      bad_entry("EntriesOverlap", 1, "byte_offset", 8, E::kInvalidArgument, "body.entries[1]"),
+      // The entry starting later is named, whatever the list order; nesting is caught too.
+      bad_update("EntriesOverlapNested",
+                 update_body(Array{entry("small", "int8", Array{4}, 20, 4),
+                                   entry("big", "int8", Array{32}, 0, 32)}),
+                 E::kInvalidArgument, "body.entries[0]"),
+      bad_update("EntriesOverlapFirstFound",
+                 update_body(Array{entry("a", "int8", Array{16}, 0, 16),
+                                   entry("b", "int8", Array{2}, 4, 2),
+                                   entry("c", "int8", Array{4}, 12, 4)}),
+                 E::kInvalidArgument, "body.entries[1]"),
+      bad_update("EntriesSameOffset",
+                 update_body(Array{entry("a", "int8", Array{4}, 8, 4),
+                                   entry("b", "int8", Array{1}, 8, 1)}),
+                 E::kInvalidArgument, "body.entries[1]"),
+      bad_entry("EntryNameTwice", 2, "name", "q", E::kInvalidArgument, "body.entries[2].name"),
+      bad_update("EntryNamesTwiceFirstInListOrder",
+                 update_body(Array{entry("z", "int8", Array{1}, 0, 1), entry("b", "int8", Array{1}, 1, 1),
+                                   entry("b", "int8", Array{1}, 2, 1), entry("z", "int8", Array{1}, 3, 1)}),
+                 E::kInvalidArgument, "body.entries[2].name"),
+      // ---- update_weights: source ----
+      bad_update("SourceMissing", with(update, "source", std::nullopt), E::kMissingField,
+                 "body.source"),
+      bad_update("SourceNotMap", with(update, "source", "inline"), E::kWrongType, "body.source"),
+      bad_update("SourceKindMissing", with(update, "source", Map{{"frame", 0}}), E::kMissingField,
+                 "body.source.kind"),
+      bad_update("SourceKindUnknown", with(update, "source", Map{{"kind", "cuda_ipc"}}),
+                 E::kInvalidArgument, "body.source.kind"),
+      bad_update("InlineFrameMissingField", with(update, "source", Map{{"kind", "inline"}}),
+                 E::kMissingField, "body.source.frame"),
+      bad_update("InlineWithoutPayloadFrame", update, E::kOutOfRange, "body.source.frame", {}),
+      bad_update("InlineFrameIndexPastFrames",
+                 with(update, "source", Map{{"kind", "inline"}, {"frame", 1}}), E::kOutOfRange,
+                 "body.source.frame"),
+      bad_update("ShmNameNoSlash", with(update, "source", shm_source("rolloutd-w")),
+                 E::kInvalidArgument, "body.source.name", {}),
+      bad_update("ShmNameOnlySlash", with(update, "source", shm_source("/")), E::kInvalidArgument,
+                 "body.source.name", {}),
+      bad_update("ShmNameInnerSlash", with(update, "source", shm_source("/a/b")),
+                 E::kInvalidArgument, "body.source.name", {}),
+      bad_update("ShmNameDotDot", with(update, "source", shm_source("/..")), E::kInvalidArgument,
+                 "body.source.name", {}),
+      bad_update("ShmNameSpace", with(update, "source", shm_source("/a b")), E::kInvalidArgument,
+                 "body.source.name", {}),
+      bad_update("ShmNameTooLong", with(update, "source", shm_source("/" + repeat('x', 251))),
+                 E::kInvalidArgument, "body.source.name", {}),
+      bad_update("ShmNameInt", with(update, "source", shm_source(5)), E::kWrongType,
+                 "body.source.name", {}),
+      bad_update("ShmSizeMissing",
+                 with(update, "source", with(shm_source(), "size", std::nullopt)),
+                 E::kMissingField, "body.source.size", {}),
+      bad_update("ShmOffsetNegative", with(update, "source", shm_source("/w", -1)),
+                 E::kOutOfRange, "body.source.offset", {}),
+      bad_update("ShmEndOverflows", with(update, "source", shm_source("/w", UINT64_MAX - 8, 32)),
+                 E::kOutOfRange, "body.source.size", {}),
+      bad_update("ShmEntryBeyondRegion", with(update, "source", shm_source("/w", 0, 31)),
+                 E::kOutOfRange, "body.entries[2].byte_offset", {}),
+      // ---- update_weights: checksum ----
+      bad_update("ChecksumNotMap", with(shm, "checksum", 5), E::kWrongType, "body.checksum", {}),
+      bad_update("ChecksumAlgoUnknown", with(shm, "checksum", Map{{"algo", "sha256"}, {"value", 1}}),
+                 E::kInvalidArgument, "body.checksum.algo", {}),
+      bad_update("ChecksumAlgoMissing", with(shm, "checksum", Map{{"value", 1}}), E::kMissingField,
+                 "body.checksum.algo", {}),
+      bad_update("ChecksumValueOver32Bits",
+                 with(shm, "checksum", Map{{"algo", "crc32"}, {"value", k2p32}}), E::kOutOfRange,
+                 "body.checksum.value", {}),
+      // ---- begin_weight_update ----
+      bad_body("SelectorEmptyList", "begin_weight_update", Map{{"selector", Array{}}},
+               E::kInvalidArgument, "body.selector"),
+      bad_body("SelectorEmptyPrefix", "begin_weight_update", Map{{"selector", Array{"a.", ""}}},
+               E::kInvalidArgument, "body.selector[1]"),
+      bad_body("SelectorNotArray", "begin_weight_update", Map{{"selector", "model."}},
+               E::kWrongType, "body.selector"),
+      bad_body("SelectorPrefixInt", "begin_weight_update", Map{{"selector", Array{1}}},
+               E::kWrongType, "body.selector[0]"),
+      bad_body("SelectorOverLimit", "begin_weight_update", Map{{"selector", Array{"a", "b", "c"}}},
+               E::kTooLarge, "body.selector", two_entries),
+      bad_body("TimeoutZero", "begin_weight_update", Map{{"timeout_s", 0}}, E::kOutOfRange,
+               "body.timeout_s"),
+      bad_body("TimeoutOverAnHour", "begin_weight_update", Map{{"timeout_s", 3600.5}},
+               E::kOutOfRange, "body.timeout_s"),
+      bad_body("TimeoutNaN", "begin_weight_update", Map{{"timeout_s", kNaN}}, E::kOutOfRange,
+               "body.timeout_s"),
+      bad_body("TimeoutNil", "begin_weight_update", Map{{"timeout_s", nullptr}}, E::kWrongType,
+               "body.timeout_s"),
+      // ---- end / abort ----
+      bad_body("EndSessionMissing", "end_weight_update", Map{{"weight_version", 1}},
+               E::kMissingField, "body.session"),
+      bad_body("EndVersionMissing", "end_weight_update", Map{{"session", 1}}, E::kMissingField,
+               "body.weight_version"),
+      bad_body("EndVersionFloat", "end_weight_update", Map{{"session", 1}, {"weight_version", 2.0}},
+               E::kWrongType, "body.weight_version"),
+      bad_body("AbortUpdateSessionString", "abort_weight_update", Map{{"session", "7"}},
+               E::kWrongType, "body.session"),
+      bad_body("AbortUpdateNoBody", "abort_weight_update", Map{}, E::kMissingField, "body.session"),
+      // ---- get_weights_by_name / weights_checksum ----
+      bad_body("GetWeightsNameMissing", "get_weights_by_name", Map{{"truncate", 1}},
+               E::kMissingField, "body.name"),
+      bad_body("GetWeightsNameEmpty", "get_weights_by_name", Map{{"name", ""}},
+               E::kInvalidArgument, "body.name"),
+      bad_body("GetWeightsTruncateOverMax", "get_weights_by_name",
+               Map{{"name", "w"}, {"truncate", 1000001}}, E::kOutOfRange, "body.truncate"),
+      bad_body("GetWeightsTruncateNegative", "get_weights_by_name",
+               Map{{"name", "w"}, {"truncate", -1}}, E::kOutOfRange, "body.truncate"),
+      bad_body("ChecksumNamesEmptyList", "weights_checksum", Map{{"names", Array{}}},
+               E::kInvalidArgument, "body.names"),
+      bad_body("ChecksumNameEmpty", "weights_checksum", Map{{"names", Array{""}}},
+               E::kInvalidArgument, "body.names[0]"),
+      bad_body("ChecksumNameInt", "weights_checksum", Map{{"names", Array{"a", 2}}}, E::kWrongType,
+               "body.names[1]"),
+      // The first name (in list order) seen before is named, whichever sorts first.
+      bad_body("ChecksumNamesRepeated", "weights_checksum",
+               Map{{"names", Array{"z", "b", "a", "b", "z"}}}, E::kInvalidArgument, "body.names[3]"),
+      // ---- pause_generation ----
+      bad_body("PauseModeMissing", "pause_generation", Map{}, E::kMissingField, "body.mode"),
+      bad_body("PauseModeUnknown", "pause_generation", Map{{"mode", "drain"}}, E::kInvalidArgument,
+               "body.mode"),
+      bad_body("PauseModeInt", "pause_generation", Map{{"mode", 1}}, E::kWrongType, "body.mode"),
+  };
+}
+
 std::vector<BadCase> bad_cases() {
   const Map status_env = envelope("status", 77, Map{});
   Limits small;  // makes per-field size checks reachable below the parse-time bound
   small.max_input_tokens = 4;
   small.max_versions = 8;
   small.max_stop_token_ids = 2;
+  small.max_bucket_entries = 8;  // a bucket's entries bound the parse too (SPEC §9)
   Limits two_versions;
   two_versions.max_versions = 2;
 
@@ -388,7 +631,7 @@ class RefusedRequest : public ::testing::TestWithParam<BadCase> {};
 
 TEST_P(RefusedRequest, TypedCodeAndField) {
   const BadCase& c = GetParam();
-  const RequestDecodeResult r = decode(c.envelope, c.limits);
+  const RequestDecodeResult r = decode(c.envelope, c.limits, c.frames);
   ASSERT_FALSE(r.status.ok());
   EXPECT_EQ(error_code_name(r.status.code()), error_code_name(c.code)) << r.status.to_string();
   EXPECT_EQ(r.status.field(), c.field) << r.status.to_string();
@@ -398,6 +641,8 @@ TEST_P(RefusedRequest, TypedCodeAndField) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Codec, RefusedRequest, ::testing::ValuesIn(bad_cases()),
+                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(WeightUpdate, RefusedRequest, ::testing::ValuesIn(weight_update_bad_cases()),
                          [](const auto& info) { return info.param.name; });
 
 TEST(RefusedRequestTable, IntKeyInputsReallyHaveIntKeys) {
@@ -930,8 +1175,9 @@ TEST(RefusedIncoming, TokensEventChecks) {
   expect_incoming_error(envelope("tokens", 1, with(tokens_body(), "token_ids", Array{1, -2})), four,
                         E::kOutOfRange, "body.token_ids[1]");
   Limits few;
-  few.max_new_tokens = 1;  // also the parse-time array bound on this side
-  expect_incoming_error(envelope("tokens", 1, tokens_body()), four, E::kTooLarge, "", few);
+  few.max_new_tokens = 1;  // below the parse-time bound, which get_weights_by_name sets (§9)
+  expect_incoming_error(envelope("tokens", 1, tokens_body()), four, E::kTooLarge, "body.token_ids",
+                        few);
 }
 
 TEST(RefusedIncoming, OtherMessages) {
@@ -1051,6 +1297,362 @@ TEST(Helpers, NamesAndSizes) {
   EXPECT_EQ(routed_experts_dtype_size("uint16"), 2u);
   EXPECT_EQ(routed_experts_dtype_size("int32"), 4u);
   EXPECT_EQ(routed_experts_dtype_size("int8"), 0u);
+}
+
+// ---------------------------------------------------------------------------
+// Weight updates and generation control (SPEC §11).
+
+UpdateWeightsRequest decode_update(const Map& body, const std::vector<std::string>& frames = {kBucket},
+                                   const Limits& limits = {}) {
+  const RequestDecodeResult r = decode(bytes(envelope("update_weights", 9, body)), limits, frames);
+  EXPECT_TRUE(r.status.ok()) << r.status.to_string();
+  if (!r.status.ok()) return {};
+  return std::get<UpdateWeightsRequest>(*r.request);
+}
+
+TEST(WeightUpdate, InlineBucketIsNotCopied) {
+  const std::vector<std::string> frames{kBucket};
+  const auto views = as_frames(frames);
+  const RequestDecodeResult r =
+      decode_request(as_frame(bytes(envelope("update_weights", 9, update_body()))), views, Limits{});
+  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+  const auto& u = std::get<UpdateWeightsRequest>(*r.request);
+  EXPECT_EQ(u.session, 7u);
+  ASSERT_EQ(u.entries.size(), 3u);
+  EXPECT_EQ(u.entries[0].name, "q");
+  EXPECT_EQ(u.entries[0].dtype, DType::kBF16);
+  EXPECT_EQ(u.entries[0].shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(u.entries[2].dtype, DType::kF8E4M3);
+  EXPECT_EQ(u.entries[2].byte_offset, 28u);
+  EXPECT_EQ(std::get<InlineSource>(u.source).frame, 0u);
+  ASSERT_TRUE(u.checksum.has_value());
+  EXPECT_EQ(u.checksum->value, 5u);
+  const Frame bucket = inline_bucket(u, views);
+  EXPECT_EQ(bucket.data(), views[0].data());
+  EXPECT_EQ(bucket.size(), 32u);
+}
+
+TEST(WeightUpdate, DtypeSpellingsAndFp4Bytes) {
+  const std::pair<const char*, DType> spellings[] = {
+      {"torch.bfloat16", DType::kBF16}, {"BF16", DType::kBF16},       {"float", DType::kF32},
+      {"half", DType::kF16},            {"F8_E4M3", DType::kF8E4M3},  {"float8_e8m0fnu", DType::kE8M0},
+      {"torch.int64", DType::kI64},     {"bool", DType::kBool},
+  };
+  for (const auto& [name, dtype] : spellings) {
+    const size_t size = dtype_size(dtype);
+    const UpdateWeightsRequest u =
+        decode_update(update_body(Array{entry("w", name, Array{2}, 0, 2 * size)}));
+    ASSERT_EQ(u.entries.size(), 1u) << name;
+    EXPECT_EQ(u.entries[0].dtype, dtype) << name;
+  }
+  // float4_e2m1fn_x2 [2, 2]: four stored bytes (eight E2M1 values).
+  EXPECT_EQ(decode_update(update_body(Array{entry("b", "float4_e2m1fn_x2", Array{2, 2}, 0, 4)}))
+                .entries[0]
+                .dtype,
+            DType::kFP4x2);
+}
+
+TEST(WeightUpdate, LayoutsThatAreAllowed) {
+  // Any order, gaps, unused bytes at the end, zero-size entries anywhere in bounds
+  // (even inside another entry: they hold no byte), and a scalar.
+  const UpdateWeightsRequest u = decode_update(update_body(Array{
+      entry("late", "int8", Array{4}, 24, 4), entry("early", "float32", Array{2}, 0, 8),
+      entry("empty", "float32", Array{0, 5}, 2, 0), entry("empty_end", "int8", Array{0}, 32, 0),
+      entry("scalar", "int32", Array{}, 12, 4)}));
+  EXPECT_EQ(u.entries.size(), 5u);
+  EXPECT_TRUE(u.entries[4].shape.empty());
+  // A zero dimension makes the product 0, however large the others (no false overflow).
+  const int64_t big = int64_t{1} << 40;
+  EXPECT_EQ(decode_update(update_body(Array{entry("z", "float32", Array{big, big, big, 0}, 0, 0)}))
+                .entries[0]
+                .nbytes,
+            0u);
+  // Shared memory: an entry may end exactly at size; offsets past 4 GiB.
+  const Map shm = with(update_body(Array{entry("w", "float32", Array{big}, 0, uint64_t{4} << 40)}),
+                       "source", shm_source("/rolloutd-0.a_b-C", uint64_t{1} << 33, uint64_t{4} << 40));
+  const UpdateWeightsRequest s = decode_update(shm, {});
+  const auto& src = std::get<ShmSource>(s.source);
+  EXPECT_EQ(src.name, "/rolloutd-0.a_b-C");
+  EXPECT_EQ(src.offset, uint64_t{1} << 33);
+  EXPECT_EQ(s.entries[0].nbytes, uint64_t{4} << 40);
+  EXPECT_TRUE(inline_bucket(s, {}).empty());
+  // A nil checksum means none; a name of 250 characters is the longest.
+  const UpdateWeightsRequest n =
+      decode_update(with(with(update_body(), "checksum", nullptr), "source",
+                         shm_source("/" + repeat('n', 250), 0, 32)),
+                    {});
+  EXPECT_FALSE(n.checksum.has_value());
+}
+
+TEST(WeightUpdate, BucketEntryLimitRaisesTheParseBound) {
+  Limits l;
+  l.max_input_tokens = 4;
+  l.max_stop_token_ids = 4;
+  l.max_versions = 4;
+  l.max_bucket_entries = 6;
+  Array six;
+  for (int i = 0; i < 6; ++i) six.push_back(entry("w" + std::to_string(i), "int8", Array{1}, i, 1));
+  EXPECT_EQ(decode_update(update_body(six), {kBucket}, l).entries.size(), 6u);
+}
+
+TEST(WeightUpdate, OtherRequestsDecode) {
+  auto req = [](std::string type, Map body) {
+    const RequestDecodeResult r = decode(bytes(envelope(std::move(type), 3, std::move(body))));
+    EXPECT_TRUE(r.status.ok()) << r.status.to_string();
+    return r.status.ok() ? *r.request : Request{};
+  };
+  const auto begin = std::get<BeginWeightUpdateRequest>(req("begin_weight_update", Map{}));
+  EXPECT_FALSE(begin.selector.has_value());
+  EXPECT_EQ(begin.timeout_s, 60.0);
+  const auto sel = std::get<BeginWeightUpdateRequest>(
+      req("begin_weight_update", Map{{"selector", Array{"model.layers.1."}}, {"timeout_s", 3600}}));
+  EXPECT_EQ(sel.selector, (std::vector<std::string>{"model.layers.1."}));
+  EXPECT_EQ(sel.timeout_s, 3600.0);
+  EXPECT_FALSE(std::get<BeginWeightUpdateRequest>(req("begin_weight_update", Map{{"selector", nullptr}}))
+                   .selector.has_value());
+  const auto end = std::get<EndWeightUpdateRequest>(
+      req("end_weight_update", Map{{"session", 4}, {"weight_version", UINT64_MAX}}));
+  EXPECT_EQ(end.weight_version, UINT64_MAX);
+  EXPECT_EQ(std::get<GetWeightsByNameRequest>(req("get_weights_by_name", Map{{"name", "w"}})).truncate,
+            100u);
+  EXPECT_EQ(std::get<GetWeightsByNameRequest>(
+                req("get_weights_by_name", Map{{"name", "w"}, {"truncate", 1000000}}))
+                .truncate,
+            1000000u);
+  EXPECT_FALSE(std::get<WeightsChecksumRequest>(req("weights_checksum", Map{})).names.has_value());
+  EXPECT_EQ(std::get<PauseGenerationRequest>(req("pause_generation", Map{{"mode", "in_place"}})).mode,
+            PauseMode::kInPlace);
+  EXPECT_TRUE(std::holds_alternative<ContinueGenerationRequest>(req("continue_generation", Map{})));
+}
+
+TEST(WeightUpdate, RequestsRoundTrip) {
+  UpdateWeightsRequest u;
+  u.session = 1ull << 40;
+  u.entries = {BucketEntry{"a", DType::kBF16, {2, 3}, 0, 12},
+               BucketEntry{"b", DType::kFP4x2, {4}, 16, 4}};
+  u.source = InlineSource{1};
+  u.checksum = BucketChecksum{"crc32", 0xFFFFFFFFu};
+  const WireMessage m = encode_request(41, Request(u));
+  EXPECT_TRUE(m.frames.empty()) << "an inline bucket is the sender's frame";
+  const RequestDecodeResult r = decode(m.envelope, {}, {"unused", std::string(20, '\0')});
+  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+  const auto& u2 = std::get<UpdateWeightsRequest>(*r.request);
+  EXPECT_EQ(u2.entries[1].dtype, DType::kFP4x2);
+  EXPECT_EQ(std::get<InlineSource>(u2.source).frame, 1u);
+  EXPECT_EQ(encode_request(41, *r.request).envelope, m.envelope);
+
+  UpdateWeightsRequest s = u;
+  s.source = ShmSource{"/x", 3, 20};
+  s.checksum.reset();
+  const UpdateWeightsRequest s2 = request_round_trip(s);
+  EXPECT_EQ(std::get<ShmSource>(s2.source).size, 20u);
+  EXPECT_FALSE(s2.checksum.has_value());
+
+  EXPECT_EQ(request_round_trip(BeginWeightUpdateRequest{std::vector<std::string>{"a", "b."}, 0.5})
+                .selector->size(),
+            2u);
+  EXPECT_FALSE(request_round_trip(BeginWeightUpdateRequest{}).selector.has_value());
+  EXPECT_EQ(request_round_trip(EndWeightUpdateRequest{3, 9}).weight_version, 9u);
+  EXPECT_EQ(request_round_trip(AbortWeightUpdateRequest{3}).session, 3u);
+  EXPECT_EQ(request_round_trip(GetWeightsByNameRequest{"w", 0}).truncate, 0u);
+  EXPECT_EQ(request_round_trip(WeightsChecksumRequest{std::vector<std::string>{"w"}}).names->at(0), "w");
+  EXPECT_FALSE(request_round_trip(WeightsChecksumRequest{}).names.has_value());
+  for (PauseMode mode : {PauseMode::kAbort, PauseMode::kRetract, PauseMode::kInPlace})
+    EXPECT_EQ(request_round_trip(PauseGenerationRequest{mode}).mode, mode);
+  request_round_trip(ContinueGenerationRequest{});
+}
+
+TEST(WeightUpdate, RepliesAndEventRoundTrip) {
+  auto again = [](const WireMessage& m, auto decoded) {
+    EXPECT_EQ(encode_reply(1, decoded).envelope, m.envelope);
+    return decoded;
+  };
+  WireMessage m = encode_reply(1, BeginWeightUpdateReply{7, 11, 48});
+  EXPECT_EQ(again(m, incoming_round_trip<BeginWeightUpdateReply>(m)).num_parameters_restored, 48u);
+  m = encode_reply(1, UpdateWeightsReply{7, 3, 1ull << 35, 0.25});
+  EXPECT_EQ(again(m, incoming_round_trip<UpdateWeightsReply>(m)).num_bytes, 1ull << 35);
+  m = encode_reply(1, EndWeightUpdateReply{7, 12, 2, 5, 100, 5, 2.5, 0.0});
+  EXPECT_EQ(again(m, incoming_round_trip<EndWeightUpdateReply>(m)).postprocess_s, 0.0);
+  m = encode_reply(1, AbortWeightUpdateReply{7, "not_ready"});
+  EXPECT_EQ(again(m, incoming_round_trip<AbortWeightUpdateReply>(m)).state, "not_ready");
+  m = encode_reply(1, GetWeightsByNameReply{"w", "bfloat16", {2, 2}, {1.0, kNaN, -kInf, -0.0}});
+  const auto g = again(m, incoming_round_trip<GetWeightsByNameReply>(m));
+  EXPECT_TRUE(std::isnan(g.values[1]));
+  EXPECT_TRUE(std::signbit(g.values[3]));
+  WeightsChecksumReply w;
+  w.weight_version = 3;
+  w.model_checksum = 0xCAFEF00Du;
+  w.parameters = {ParameterChecksum{"a", "float32", {3}, 1}, ParameterChecksum{"b", "int8", {}, 2}};
+  m = encode_reply(1, w);
+  EXPECT_EQ(again(m, incoming_round_trip<WeightsChecksumReply>(m)).parameters[1].checksum, 2u);
+  m = encode_reply(1, PauseGenerationReply{1, 2, 3});
+  EXPECT_EQ(again(m, incoming_round_trip<PauseGenerationReply>(m)).num_paused, 3u);
+  m = encode_reply(1, ContinueGenerationReply{4});
+  EXPECT_EQ(again(m, incoming_round_trip<ContinueGenerationReply>(m)).num_resumed, 4u);
+
+  StatusReply s;
+  s.paused = true;
+  s.update_session = 9;
+  m = encode_reply(1, s);
+  const StatusReply s2 = again(m, incoming_round_trip<StatusReply>(m));
+  EXPECT_TRUE(s2.paused);
+  EXPECT_EQ(s2.update_session, 9u);
+  HelloReply h;
+  h.limits.max_bucket_entries = 7;
+  m = encode_reply(1, h);
+  EXPECT_EQ(again(m, incoming_round_trip<HelloReply>(m)).limits.max_bucket_entries, 7u);
+
+  const RetractedEvent ev{"r", 5, "weight_update"};
+  const WireMessage e = encode_event(3, Event(ev));
+  const RetractedEvent ev2 = incoming_round_trip<RetractedEvent>(e);
+  EXPECT_EQ(ev2.num_tokens_discarded, 5u);
+  EXPECT_EQ(encode_event(3, Event(ev2)).envelope, e.envelope);
+}
+
+TEST(WeightUpdate, RefusedReplies) {
+  const Map checksum_ok{{"algo", "crc32"},
+                        {"weight_version", 1},
+                        {"model_checksum", 2},
+                        {"parameters", Array{Map{{"name", "a"},
+                                                 {"dtype", "float32"},
+                                                 {"shape", Array{2}},
+                                                 {"checksum", 3}}}}};
+  EXPECT_TRUE(decode_in(WireMessage{bytes(envelope("weights_checksum.ok", 1, checksum_ok)), {}}).ok());
+  expect_incoming_error(envelope("weights_checksum.ok", 1, with(checksum_ok, "algo", "md5")), {},
+                        E::kInvalidArgument, "body.algo");
+  expect_incoming_error(
+      envelope("weights_checksum.ok", 1,
+               with(checksum_ok, "parameters",
+                    Array{Map{{"name", "a"}, {"dtype", "f"}, {"shape", Array{}}, {"checksum", k2p32}}})),
+      {}, E::kOutOfRange, "body.parameters[0].checksum");
+  expect_incoming_error(envelope("weights_checksum.ok", 1, with(checksum_ok, "model_checksum", -1)),
+                        {}, E::kOutOfRange, "body.model_checksum");
+  const Map weights_ok{
+      {"name", "w"}, {"dtype", "bfloat16"}, {"shape", Array{2}}, {"values", Array{1.0, 2}}};
+  EXPECT_TRUE(decode_in(WireMessage{bytes(envelope("get_weights_by_name.ok", 1, weights_ok)), {}}).ok());
+  expect_incoming_error(
+      envelope("get_weights_by_name.ok", 1, with(weights_ok, "values", Array{1.0, "x"})), {},
+      E::kWrongType, "body.values[1]");
+  expect_incoming_error(
+      envelope("get_weights_by_name.ok", 1, with(weights_ok, "shape", Array{1, 1, 1, 1, 1, 1, 1, 1, 1})),
+      {}, E::kTooLarge, "body.shape");
+  expect_incoming_error(envelope("retracted", 1, Map{{"rid", "r"}, {"num_tokens_discarded", 1}}), {},
+                        E::kMissingField, "body.reason");
+  expect_incoming_error(
+      envelope("retracted", 1, Map{{"rid", "r"}, {"num_tokens_discarded", -1}, {"reason", ""}}), {},
+      E::kOutOfRange, "body.num_tokens_discarded");
+  expect_incoming_error(envelope("update_weights.ok", 1,
+                                 Map{{"session", 1}, {"num_entries", 1}, {"num_bytes", 1},
+                                     {"duration_s", kInf}}),
+                        {}, E::kOutOfRange, "body.duration_s");
+  expect_incoming_error(envelope("pause_generation.ok", 1, Map{{"num_aborted", 1}, {"num_retracted", 0}}),
+                        {}, E::kMissingField, "body.num_paused");
+  // Fields added to status.ok and hello.ok limits are optional, but typed when present.
+  StatusReply s;
+  Map status = with(Map{{"state", "ready"},      {"ready", true},        {"reason", ""},
+                        {"weight_version", 0},   {"num_waiting", 0},     {"num_running", 0},
+                        {"num_requests_total", 0}, {"num_tokens_generated_total", 0},
+                        {"uptime_s", 1.0},       {"build", "b"}},
+                    "model",
+                    Map{{"name", "m"}, {"family", "f"}, {"vocab_size", 1}, {"num_layers", 1},
+                        {"num_moe_layers", 1}, {"num_experts", 1}, {"top_k", 1},
+                        {"routed_experts_dtype", "uint8"}});
+  EXPECT_TRUE(decode_in(WireMessage{bytes(envelope("status.ok", 1, status)), {}}).ok());
+  expect_incoming_error(envelope("status.ok", 1, with(status, "paused", 1)), {}, E::kWrongType,
+                        "body.paused");
+  expect_incoming_error(envelope("status.ok", 1, with(status, "update_session", -2)), {},
+                        E::kOutOfRange, "body.update_session");
+}
+
+TEST(WeightUpdate, ClientParseBoundAllowsAMillionValues) {
+  GetWeightsByNameReply r;
+  r.name = "w";
+  r.dtype = "float32";
+  r.shape = {1000000};
+  r.values.assign(1000000, 0.5);
+  Limits l;
+  l.max_envelope_bytes = 16u << 20;  // 9 MB of float64: over the default 4 MiB envelope
+  const WireMessage m = encode_reply(1, r);
+  EXPECT_EQ(decode_in(m).status().code(), ErrorCode::kTooLarge);
+  EXPECT_EQ(incoming_round_trip<GetWeightsByNameReply>(m, l).values.size(), 1000000u);
+  r.values.push_back(0.5);
+  const auto over = decode_in(encode_reply(1, r), l);
+  ASSERT_FALSE(over.ok());
+  EXPECT_EQ(over.status().code(), ErrorCode::kTooLarge);
+  EXPECT_EQ(over.status().field(), "") << "refused while parsing, before allocating";
+}
+
+TEST(WeightUpdate, CanonicalBytes) {
+  // An alias is read as the dtype and written back under its PyTorch name.
+  const Map alias_body = update_body(Array{entry("w", "BF16", Array{2}, 0, 4)});
+  const RequestDecodeResult r = decode(bytes(envelope("update_weights", 1, alias_body)), {}, {kBucket});
+  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+  const Map canonical = update_body(Array{entry("w", "bfloat16", Array{2}, 0, 4)});
+  EXPECT_EQ(encode_request(1, *r.request).envelope, bytes(envelope("update_weights", 1, canonical)));
+  // Absent "nil ok" fields are written as nil.
+  const std::string begin = encode_request(1, Request(BeginWeightUpdateRequest{})).envelope;
+  EXPECT_EQ(after_key(begin, "selector", 1), "\xc0");
+  UpdateWeightsRequest u;
+  u.entries = {BucketEntry{"w", DType::kI8, {1}, 0, 1}};
+  u.source = ShmSource{"/w", 0, 1};
+  EXPECT_EQ(after_key(encode_request(1, Request(u)).envelope, "checksum", 1), "\xc0");
+}
+
+// A plain bitwise CRC-32 (zlib's polynomial, reflected), to check the table-driven one.
+uint32_t crc32_bitwise(const std::string& s) {
+  uint32_t c = 0xFFFFFFFFu;
+  for (unsigned char b : s) {
+    c ^= b;
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0xEDB88320u : c >> 1;
+  }
+  return ~c;
+}
+
+std::span<const uint8_t> u8(const std::string& s) {
+  return {reinterpret_cast<const uint8_t*>(s.data()), s.size()};
+}
+
+TEST(Checksums, Crc32IsZlibs) {
+  EXPECT_EQ(crc32(u8("123456789")), 0xCBF43926u);  // the CRC-32 check value
+  EXPECT_EQ(crc32(u8("")), 0u);
+  EXPECT_EQ(crc32(u8("The quick brown fox jumps over the lazy dog")), 0x414FA339u);
+  std::mt19937 rng(7);
+  std::string data(1000, '\0');
+  for (auto& c : data) c = static_cast<char>(rng());
+  // Every length and start (alignment) against the bitwise reference, and chaining.
+  for (size_t start = 0; start < 9; ++start) {
+    for (size_t n = 0; n + start <= 80; ++n) {
+      const std::string piece = data.substr(start, n);
+      ASSERT_EQ(crc32(u8(piece)), crc32_bitwise(piece)) << start << "+" << n;
+    }
+  }
+  EXPECT_EQ(crc32(u8(data)), crc32_bitwise(data));
+  EXPECT_EQ(crc32(u8(data.substr(333)), crc32(u8(data.substr(0, 333)))), crc32(u8(data)));
+}
+
+TEST(Checksums, ModelChecksumIsTheSpecFormula) {
+  // SPEC §11.5 spelled out: name + NUL + LE32, in name order (byte-wise, so "B" < "a" < "é").
+  const std::vector<std::pair<std::string, uint32_t>> sums = {
+      {"a.weight", 0x11223344u}, {"\xc3\xa9", 0xFFFFFFFFu}, {"B", 0u}};
+  const std::string concat = std::string("B") + '\0' + std::string("\0\0\0\0", 4) + "a.weight" + '\0' +
+                             std::string("\x44\x33\x22\x11", 4) + "\xc3\xa9" + '\0' +
+                             std::string("\xff\xff\xff\xff", 4);
+  EXPECT_EQ(model_checksum(sums), crc32(u8(concat)));
+  EXPECT_EQ(model_checksum({}), 0u);
+}
+
+TEST(Helpers, WeightUpdateNames) {
+  EXPECT_EQ(request_type_name(Request(BeginWeightUpdateRequest{})), "begin_weight_update");
+  EXPECT_EQ(request_type_name(Request(UpdateWeightsRequest{})), "update_weights");
+  EXPECT_EQ(request_type_name(Request(EndWeightUpdateRequest{})), "end_weight_update");
+  EXPECT_EQ(request_type_name(Request(AbortWeightUpdateRequest{})), "abort_weight_update");
+  EXPECT_EQ(request_type_name(Request(GetWeightsByNameRequest{})), "get_weights_by_name");
+  EXPECT_EQ(request_type_name(Request(WeightsChecksumRequest{})), "weights_checksum");
+  EXPECT_EQ(request_type_name(Request(PauseGenerationRequest{})), "pause_generation");
+  EXPECT_EQ(request_type_name(Request(ContinueGenerationRequest{})), "continue_generation");
+  EXPECT_EQ(pause_mode_name(PauseMode::kInPlace), "in_place");
+  EXPECT_EQ(pause_mode_from_name("retract"), PauseMode::kRetract);
+  EXPECT_FALSE(pause_mode_from_name("in-place").has_value());
 }
 
 }  // namespace

@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -59,10 +61,13 @@ Golden load(const std::string& name) {
 }
 
 // Every golden and the message type it holds. GoldenSet.NoneUntested keeps this
-// list and the directory in step.
+// list and the directory in step. A golden with `upgrades_to` is what a daemon sent
+// before SPEC §11 added optional fields to its message: it must still decode, and
+// re-encoding it writes those fields at their defaults, giving that other golden.
 struct Case {
   const char* name;
   const char* type;
+  const char* upgrades_to = nullptr;
 };
 constexpr Case kGoldens[] = {
     {"hello", "hello"},
@@ -72,8 +77,8 @@ constexpr Case kGoldens[] = {
     {"abort", "abort"},
     {"abort_all", "abort"},
     {"shutdown", "shutdown"},
-    {"hello_ok", "hello.ok"},
-    {"status_ok", "status.ok"},
+    {"hello_ok", "hello.ok", "hello_ok_full"},
+    {"status_ok", "status.ok", "status_ok_full"},
     {"generate_ok", "generate.ok"},
     {"abort_ok", "abort.ok"},
     {"shutdown_ok", "shutdown.ok"},
@@ -85,10 +90,36 @@ constexpr Case kGoldens[] = {
     {"finished", "finished"},
     {"finished_abort", "finished"},
     {"failed", "failed"},
+    // weight updates and generation control (SPEC §11)
+    {"hello_ok_full", "hello.ok"},
+    {"status_ok_full", "status.ok"},
+    {"status_ok_paused", "status.ok"},
+    {"begin_weight_update", "begin_weight_update"},
+    {"begin_weight_update_all", "begin_weight_update"},
+    {"update_weights_inline", "update_weights"},
+    {"update_weights_shm", "update_weights"},
+    {"end_weight_update", "end_weight_update"},
+    {"abort_weight_update", "abort_weight_update"},
+    {"get_weights_by_name", "get_weights_by_name"},
+    {"weights_checksum", "weights_checksum"},
+    {"weights_checksum_all", "weights_checksum"},
+    {"pause_generation", "pause_generation"},
+    {"continue_generation", "continue_generation"},
+    {"begin_weight_update_ok", "begin_weight_update.ok"},
+    {"update_weights_ok", "update_weights.ok"},
+    {"end_weight_update_ok", "end_weight_update.ok"},
+    {"abort_weight_update_ok", "abort_weight_update.ok"},
+    {"get_weights_by_name_ok", "get_weights_by_name.ok"},
+    {"weights_checksum_ok", "weights_checksum.ok"},
+    {"pause_generation_ok", "pause_generation.ok"},
+    {"continue_generation_ok", "continue_generation.ok"},
+    {"retracted", "retracted"},
+    {"finished_abort_weight_update", "finished"},
 };
 
 bool is_request_type(std::string_view t) {
-  return t == "hello" || t == "status" || t == "generate" || t == "abort" || t == "shutdown";
+  return t.find('.') == std::string_view::npos && t != "error" && t != "tokens" &&
+         t != "finished" && t != "failed" && t != "retracted";
 }
 
 WireMessage reencode(uint64_t id, const Incoming& msg) {
@@ -98,7 +129,7 @@ WireMessage reencode(uint64_t id, const Incoming& msg) {
         if constexpr (std::is_same_v<T, ErrorInfo>)
           return encode_error(id, m);
         else if constexpr (std::is_same_v<T, TokensEvent> || std::is_same_v<T, FinishedEvent> ||
-                           std::is_same_v<T, FailedEvent>)
+                           std::is_same_v<T, FailedEvent> || std::is_same_v<T, RetractedEvent>)
           return encode_event(id, Event(m));
         else
           return encode_reply(id, m);
@@ -118,14 +149,26 @@ TEST_P(GoldenRoundTrip, DecodesAndReencodesIdentically) {
     ASSERT_TRUE(r.status.ok()) << r.status.to_string();
     EXPECT_EQ(r.env.type, c.type);
     again = encode_request(r.env.id, *r.request);
+    // A request's payload frames are the caller's (an inline bucket): the decoder
+    // points at them, the encoder leaves them to the sender.
+    EXPECT_TRUE(again.frames.empty());
+    if (const auto* u = std::get_if<UpdateWeightsRequest>(&*r.request)) {
+      const Frame bucket = inline_bucket(*u, frames);
+      if (std::holds_alternative<InlineSource>(u->source)) {
+        ASSERT_EQ(g.frames.size(), 1u);
+        EXPECT_EQ(bucket.data(), frames[0].data()) << "the inline bucket must not be copied";
+        again.frames.emplace_back(reinterpret_cast<const char*>(bucket.data()), bucket.size());
+      }
+    }
   } else {
     const auto r = decode_incoming(as_frame(g.envelope), frames, Limits{});
     ASSERT_TRUE(r.ok()) << r.status().to_string();
     EXPECT_EQ(r->env.type, c.type);
     again = reencode(r->env.id, r->msg);
   }
-  EXPECT_EQ(again.envelope, g.envelope) << "re-encoding " << c.name << " changed its bytes";
-  EXPECT_EQ(again.frames, g.frames);
+  const Golden expected = c.upgrades_to ? load(c.upgrades_to) : g;
+  EXPECT_EQ(again.envelope, expected.envelope) << "re-encoding " << c.name << " changed its bytes";
+  EXPECT_EQ(again.frames, expected.frames);
 }
 
 INSTANTIATE_TEST_SUITE_P(Protocol, GoldenRoundTrip, ::testing::ValuesIn(kGoldens),
@@ -197,6 +240,127 @@ TEST(GoldenValues, HelloOkAdvertisesDefaultLimits) {
   EXPECT_EQ(h.limits.max_new_tokens, d.max_new_tokens);
   EXPECT_EQ(h.limits.max_stop_token_ids, d.max_stop_token_ids);
   EXPECT_EQ(h.limits.max_versions, d.max_versions);
+  // Absent in this older form: the default stands.
+  EXPECT_EQ(h.limits.max_bucket_entries, d.max_bucket_entries);
+
+  const Golden full = load("hello_ok_full");
+  const auto f = decode_incoming(as_frame(full.envelope), {}, Limits{});
+  ASSERT_TRUE(f.ok()) << f.status().to_string();
+  EXPECT_EQ(std::get<HelloReply>(f->msg).limits.max_bucket_entries, d.max_bucket_entries);
+}
+
+TEST(GoldenValues, StatusOkPausedAndOlderForm) {
+  const Golden g = load("status_ok_paused");
+  const auto r = decode_incoming(as_frame(g.envelope), {}, Limits{});
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  const auto& s = std::get<StatusReply>(r->msg);
+  EXPECT_EQ(s.state, "not_ready");
+  EXPECT_TRUE(s.paused);
+  EXPECT_EQ(s.update_session, 7u);
+
+  const Golden old = load("status_ok");
+  const auto o = decode_incoming(as_frame(old.envelope), {}, Limits{});
+  ASSERT_TRUE(o.ok()) << o.status().to_string();
+  EXPECT_FALSE(std::get<StatusReply>(o->msg).paused);
+  EXPECT_EQ(std::get<StatusReply>(o->msg).update_session, 0u);
+}
+
+TEST(GoldenValues, UpdateWeightsInline) {
+  const Golden g = load("update_weights_inline");
+  const auto frames = g.frame_views();
+  const RequestDecodeResult r = decode_request(as_frame(g.envelope), frames, Limits{});
+  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+  const auto& u = std::get<UpdateWeightsRequest>(*r.request);
+  EXPECT_EQ(u.session, 7u);
+  EXPECT_EQ(u.load_format, "flattened_bucket");
+  ASSERT_EQ(u.entries.size(), 3u);
+  EXPECT_EQ(u.entries[0].name, "model.layers.0.self_attn.q_proj.weight");
+  EXPECT_EQ(u.entries[0].dtype, DType::kBF16);
+  EXPECT_EQ(u.entries[0].shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(u.entries[1].dtype, DType::kF32);
+  EXPECT_EQ(u.entries[1].byte_offset, 16u);
+  EXPECT_EQ(u.entries[1].nbytes, 12u);
+  EXPECT_EQ(u.entries[2].dtype, DType::kF8E4M3);
+  ASSERT_TRUE(std::holds_alternative<InlineSource>(u.source));
+  EXPECT_EQ(std::get<InlineSource>(u.source).frame, 0u);
+  ASSERT_TRUE(u.checksum.has_value());
+  EXPECT_EQ(u.checksum->algo, "crc32");
+  // The checksum covers the whole bucket buffer (SPEC §11.5), as zlib computed it.
+  EXPECT_EQ(u.checksum->value, crc32(inline_bucket(u, frames)));
+  // Entry 1 is float32 [1.0, 0.5, -2.25], little-endian.
+  const Frame bucket = inline_bucket(u, frames);
+  float norm[3];
+  std::memcpy(norm, bucket.data() + u.entries[1].byte_offset, sizeof(norm));
+  EXPECT_EQ(norm[0], 1.0f);
+  EXPECT_EQ(norm[2], -2.25f);
+}
+
+TEST(GoldenValues, UpdateWeightsShmBeyondFourGiB) {
+  const Golden g = load("update_weights_shm");
+  const RequestDecodeResult r = decode_request(as_frame(g.envelope), {}, Limits{});
+  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+  const auto& u = std::get<UpdateWeightsRequest>(*r.request);
+  const auto& shm = std::get<ShmSource>(u.source);
+  EXPECT_EQ(shm.name, "/rolloutd-trainer-0");
+  EXPECT_EQ(shm.offset, uint64_t{1} << 33);
+  EXPECT_EQ(u.entries[0].nbytes, uint64_t{151936} * 2048 * 2);
+  EXPECT_EQ(shm.size, u.entries[1].byte_offset + u.entries[1].nbytes);
+  EXPECT_FALSE(u.checksum.has_value());
+  EXPECT_TRUE(inline_bucket(u, {}).empty());
+}
+
+TEST(GoldenValues, WeightsChecksumMatchesZlibAndSpecFormula) {
+  const Golden bucket_msg = load("update_weights_inline");
+  const auto frames = bucket_msg.frame_views();
+  const RequestDecodeResult b = decode_request(as_frame(bucket_msg.envelope), frames, Limits{});
+  ASSERT_TRUE(b.status.ok()) << b.status.to_string();
+  const auto& u = std::get<UpdateWeightsRequest>(*b.request);
+
+  const Golden g = load("weights_checksum_ok");
+  const auto r = decode_incoming(as_frame(g.envelope), {}, Limits{});
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  const auto& w = std::get<WeightsChecksumReply>(r->msg);
+  ASSERT_EQ(w.parameters.size(), 2u);
+  std::vector<std::pair<std::string, uint32_t>> sums;
+  for (const ParameterChecksum& p : w.parameters) {
+    // Each parameter's checksum is zlib's CRC-32 of its bytes in the inline bucket.
+    const auto it = std::find_if(u.entries.begin(), u.entries.end(),
+                                 [&](const BucketEntry& e) { return e.name == p.name; });
+    ASSERT_NE(it, u.entries.end()) << p.name;
+    EXPECT_EQ(p.checksum, crc32(inline_bucket(u, frames).subspan(it->byte_offset, it->nbytes)))
+        << p.name;
+    sums.emplace_back(p.name, p.checksum);
+  }
+  std::reverse(sums.begin(), sums.end());  // the formula sorts by name itself
+  EXPECT_EQ(model_checksum(sums), w.model_checksum);
+}
+
+TEST(GoldenValues, WeightsAndGenerationControl) {
+  auto incoming = [](const char* name) {
+    const Golden g = load(name);
+    auto r = decode_incoming(as_frame(g.envelope), {}, Limits{});
+    EXPECT_TRUE(r.ok()) << name << ": " << r.status().to_string();
+    return r.ok() ? r->msg : Incoming{};
+  };
+  const auto values = std::get<GetWeightsByNameReply>(incoming("get_weights_by_name_ok")).values;
+  ASSERT_EQ(values.size(), 4u);
+  EXPECT_EQ(values[1], 0.99609375);
+  EXPECT_TRUE(std::signbit(values[2]));
+  const auto retracted = std::get<RetractedEvent>(incoming("retracted"));
+  EXPECT_EQ(retracted.num_tokens_discarded, 5u);
+  EXPECT_EQ(retracted.reason, "weight_update");
+  EXPECT_EQ(std::get<FinishedEvent>(incoming("finished_abort_weight_update")).abort_reason,
+            "weight_update");
+  EXPECT_EQ(std::get<PauseGenerationReply>(incoming("pause_generation_ok")).num_retracted, 3u);
+
+  const Golden pause = load("pause_generation");
+  const RequestDecodeResult p = decode_request(as_frame(pause.envelope), {}, Limits{});
+  ASSERT_TRUE(p.status.ok()) << p.status.to_string();
+  EXPECT_EQ(std::get<PauseGenerationRequest>(*p.request).mode, PauseMode::kRetract);
+  const Golden begin = load("begin_weight_update_all");
+  const RequestDecodeResult a = decode_request(as_frame(begin.envelope), {}, Limits{});
+  ASSERT_TRUE(a.status.ok()) << a.status.to_string();
+  EXPECT_FALSE(std::get<BeginWeightUpdateRequest>(*a.request).selector.has_value());
 }
 
 TEST(GoldenValues, RoutedExpertsAreLittleEndianRows) {
@@ -245,7 +409,12 @@ TEST(GoldenBadCases, RefusedWithTypedError) {
     files.insert(file);
     SCOPED_TRACE(file);
     const std::string bytes = read_file(golden_dir() / file);
-    const RequestDecodeResult r = decode_request(as_frame(bytes), {}, Limits{});
+    std::vector<std::string> payload;
+    for (const auto& f : c.value("frames", nlohmann::json::array()))
+      payload.push_back(read_file(golden_dir() / f.get<std::string>()));
+    std::vector<Frame> views;
+    for (const auto& f : payload) views.push_back(as_frame(f));
+    const RequestDecodeResult r = decode_request(as_frame(bytes), views, Limits{});
     ASSERT_FALSE(r.status.ok());
     EXPECT_EQ(error_code_name(r.status.code()), c.at("code").get<std::string>())
         << r.status.to_string();

@@ -6,8 +6,8 @@ import pytest
 
 from rolloutd import Client, RolloutdError
 from rolloutd.messages import (AbortReply, AbortRequest, ErrorInfo, FailedEvent, FinishedEvent, GenerateReply,
-                               GenerateRequest, HelloReply, HelloRequest, ModelInfo, RoutedExperts, ShutdownReply,
-                               StatusReply, TokensEvent)
+                               GenerateRequest, HelloReply, HelloRequest, ModelInfo, RetractedEvent, RoutedExperts,
+                               ShutdownReply, StatusReply, TokensEvent)
 
 
 def rows(start_pos, num_tokens, first=0):
@@ -104,6 +104,56 @@ def test_generate_collects_tokens_and_routed_rows(daemon):
     assert (re.dtype, re.shape, re.start_pos, re.data) == ("uint8", (6, 2, 2), 0, bytes(range(24)))
     assert re.to_list()[5] == [[20, 21], [22, 23]]
     assert isinstance(other, TokensEvent) and other.rid == "other"
+
+
+def test_generate_discards_what_a_retracted_request_had_received(daemon):
+    def script(d):
+        gen = d.recv()
+        rid = gen.body.rid
+        d.send(gen.id, GenerateReply(rid))
+        d.send(gen.id, tokens(rid, [10], rows(0, 4)))
+        d.send(gen.id, tokens(rid, [11], rows(4, 1, first=16)))
+        d.send(gen.id, RetractedEvent(rid, 2, "weight_update"))
+        # Restarted from the prompt under new weights: rows start again at position 0.
+        d.send(gen.id, TokensEvent(rid, [20, 21], [-0.25, -0.75], [8, 8], rows(0, 5, first=100)))
+        d.send(gen.id, FinishedEvent(rid, "length", "", 3, 2))
+
+    peer = daemon(script)
+    with Client(peer.endpoint) as c:
+        r = c.generate([1, 2, 3], max_new_tokens=2, return_logprob=True, return_routed_experts=True)
+    assert (r.token_ids, r.logprobs, r.weight_versions) == ([20, 21], [-0.25, -0.75], [8, 8])
+    assert r.num_retractions == 1 and r.finish_reason == "length"
+    assert (r.routed_experts.shape, r.routed_experts.start_pos) == ((5, 2, 2), 0)
+    assert r.routed_experts.data == bytes(range(100, 120))
+
+
+def test_collect_and_stream_see_retracted_as_not_final(daemon):
+    def script(d):
+        gen = d.recv()
+        d.send(gen.id, GenerateReply("q"))
+        status = d.recv()
+        d.send(gen.id, tokens("q", [5]))  # queued while status() waits
+        d.send(gen.id, RetractedEvent("q", 1, "weight_update"))
+        d.send(status.id, StatusReply(paused=True, update_session=2))
+        d.send(gen.id, tokens("q", [6, 7]))
+        d.send(gen.id, RetractedEvent("q", 2, "weight_update"))
+        d.send(gen.id, tokens("q", [8]))
+        d.send(gen.id, FinishedEvent("q", "stop", "", 1, 1))
+        gen = d.recv()
+        d.send(gen.id, GenerateReply("s"))
+        d.send(gen.id, RetractedEvent("s", 0, "weight_update"))
+        d.send(gen.id, FinishedEvent("s", "abort", "weight_update", 1, 0))
+
+    peer = daemon(script)
+    with Client(peer.endpoint) as c:
+        c.submit([1], rid="q")
+        st = c.status()
+        assert (st.paused, st.update_session) == (True, 2)
+        r = c.collect("q", timeout_s=5.0)
+        assert (r.token_ids, r.weight_versions, r.num_retractions) == ([8], [7], 2)
+        events = list(c.generate_stream([1], rid="s"))
+    assert [type(e) for e in events] == [RetractedEvent, FinishedEvent]
+    assert events[1].abort_reason == "weight_update"
 
 
 def test_generate_reports_failed_event(daemon):

@@ -6,8 +6,11 @@ import subprocess
 
 import pytest
 
-from rolloutd.messages import (AbortRequest, ErrorInfo, FinishedEvent, GenerateReply, HelloReply, ModelInfo,
-                               RoutedExperts, TokensEvent)
+from rolloutd.messages import (AbortRequest, ContinueGenerationReply, ContinueGenerationRequest, ErrorInfo,
+                               FinishedEvent, GenerateReply, GetWeightsByNameReply, GetWeightsByNameRequest,
+                               HelloReply, ModelInfo, ParameterChecksum, PauseGenerationReply, PauseGenerationRequest,
+                               RetractedEvent, RoutedExperts, StatusReply, StatusRequest, TokensEvent,
+                               WeightsChecksumReply, WeightsChecksumRequest)
 
 ROLLOUTCTL = os.environ.get("ROLLOUTCTL_BIN") or str(
     pathlib.Path(os.environ.get("ROLLOUTD_BUILD_DIR", "build")) / "daemon" / "rolloutctl" / "rolloutctl")
@@ -58,6 +61,70 @@ def test_generate_prints_collected_result(daemon):
                                    "ids": [[[1, 256]], [[3, 65535]]]}
 
 
+def test_generate_reports_only_the_attempt_after_a_retraction(daemon):
+    def script(d):
+        m = d.recv()
+        d.send(m.id, GenerateReply("r2"))
+        d.send(m.id, TokensEvent("r2", [10], [], [4]))
+        d.send(m.id, RetractedEvent("r2", 1, "weight_update"))
+        d.send(m.id, TokensEvent("r2", [12, 13], [], [5, 5]))
+        d.send(m.id, FinishedEvent("r2", "length", "", 1, 2))
+
+    peer = daemon(script)
+    out = rolloutctl("--endpoint", peer.endpoint, "generate", "--input-ids", "1", "--rid", "r2")
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert (r["token_ids"], r["weight_versions"], r["num_retractions"]) == ([12, 13], [5, 5], 1)
+
+
+def serve_one(daemon, request, reply):
+    """A fake daemon for one rolloutctl run (one connection): expects `request`, answers `reply`."""
+    def script(d):
+        m = d.recv()
+        assert m.body == request
+        d.send(m.id, reply)
+
+    return daemon(script).endpoint
+
+
+def test_weights_checksum(daemon):
+    params = [ParameterChecksum("a", "float32", [2], 1), ParameterChecksum("b.weight", "bfloat16", [], 2)]
+    endpoint = serve_one(daemon, WeightsChecksumRequest(["a", "b.weight"]),
+                         WeightsChecksumReply("crc32", 7, 0xFFFFFFFF, params))
+    out = rolloutctl("--endpoint", endpoint, "weights-checksum", "--names", "a,b.weight")
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert list(r) == ["algo", "weight_version", "model_checksum", "parameters"]
+    assert r["model_checksum"] == 0xFFFFFFFF
+    assert r["parameters"][1] == {"name": "b.weight", "dtype": "bfloat16", "shape": [], "checksum": 2}
+    endpoint = serve_one(daemon, WeightsChecksumRequest(None), WeightsChecksumReply("crc32", 7, 3, []))
+    out = rolloutctl("--endpoint", endpoint, "weights-checksum")
+    assert out.returncode == 0 and json.loads(out.stdout)["parameters"] == []
+
+
+def test_get_weights(daemon):
+    endpoint = serve_one(daemon, GetWeightsByNameRequest("model.norm.weight", 2),
+                         GetWeightsByNameReply("model.norm.weight", "bfloat16", [4], [1.5, float("nan")]))
+    out = rolloutctl("--endpoint", endpoint, "get-weights", "--name", "model.norm.weight", "--truncate", "2")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"name": "model.norm.weight", "dtype": "bfloat16", "shape": [4],
+                                      "values": [1.5, None]}  # NaN has no JSON number
+
+
+def test_pause_continue_and_status(daemon):
+    endpoint = serve_one(daemon, PauseGenerationRequest("in_place"), PauseGenerationReply(0, 0, 2))
+    out = rolloutctl("--endpoint", endpoint, "pause", "--mode", "in_place")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"num_aborted": 0, "num_retracted": 0, "num_paused": 2}
+    endpoint = serve_one(daemon, StatusRequest(), StatusReply(state="ready", ready=True, paused=True,
+                                                              update_session=3))
+    st = json.loads(rolloutctl("--endpoint", endpoint, "status").stdout)
+    assert (st["paused"], st["update_session"]) == (True, 3)
+    endpoint = serve_one(daemon, ContinueGenerationRequest(), ContinueGenerationReply(2))
+    out = rolloutctl("--endpoint", endpoint, "continue")
+    assert out.returncode == 0 and json.loads(out.stdout) == {"num_resumed": 2}
+
+
 def test_error_reply_goes_to_stderr_with_exit_2(daemon):
     def script(d):
         m = d.recv()
@@ -75,6 +142,10 @@ def test_usage_errors_exit_64():
     assert rolloutctl("generate").returncode == 64  # --input-ids is required
     assert rolloutctl("abort", "--rid", "x", "--all").returncode == 64
     assert rolloutctl("generate", "--input-ids", "1,x").returncode == 64
+    assert rolloutctl("pause").returncode == 64  # --mode is required
+    assert rolloutctl("pause", "--mode", "drain").returncode == 64
+    assert rolloutctl("get-weights").returncode == 64  # --name is required
+    assert rolloutctl("get-weights", "--name", "w", "--truncate", "1000001").returncode == 64
     assert rolloutctl("--help").returncode == 0
 
 

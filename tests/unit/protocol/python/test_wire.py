@@ -7,13 +7,20 @@ import struct
 import msgpack
 import pytest
 
-from rolloutd import wire
-from rolloutd.messages import (AbortRequest, GenerateRequest, RolloutdError, RoutedExperts, TokensEvent)
+import zlib
+
+from rolloutd import model_checksum, wire
+from rolloutd.messages import (AbortRequest, BucketEntry, GenerateRequest, InlineSource, Limits, RolloutdError,
+                               RoutedExperts, ShmSource, StatusReply, TokensEvent, UpdateWeightsRequest,
+                               WeightsChecksumRequest)
 
 SOURCE_ROOT = pathlib.Path(os.environ.get("ROLLOUTD_SOURCE_ROOT") or pathlib.Path(__file__).resolve().parents[4])
 GOLDEN_DIR = SOURCE_ROOT / "protocol" / "golden"
 GOLDEN = sorted(p.name[:-len(".msgpack")] for p in GOLDEN_DIR.glob("*.msgpack") if not p.name.startswith("bad_"))
 BAD_CASES = json.loads((GOLDEN_DIR / "bad_cases.json").read_text()) if (GOLDEN_DIR / "bad_cases.json").exists() else []
+# What a daemon sent before SPEC §11 added optional fields to these messages: they must still
+# decode, and re-encoding writes the added fields at their defaults, giving the other golden.
+UPGRADES = {"hello_ok": "hello_ok_full", "status_ok": "status_ok_full"}
 
 
 def read_golden(name):
@@ -37,13 +44,25 @@ def test_golden_decodes_and_reencodes_identically(name):
     decoded = wire.decode(frames)
     assert (decoded.type, decoded.id) == (plain["type"], plain["id"])
     assert wire.type_name(decoded.body) == plain["type"]
-    assert wire.encode(decoded.id, decoded.body) == frames
+    expected = read_golden(UPGRADES[name]) if name in UPGRADES else frames
+    assert wire.encode(decoded.id, decoded.body) == expected
+
+
+def test_upgraded_goldens_differ_only_by_the_added_fields():
+    old = msgpack.unpackb(read_golden("hello_ok")[0])
+    old["body"]["limits"]["max_bucket_entries"] = Limits().max_bucket_entries
+    assert msgpack.packb(old) == read_golden("hello_ok_full")[0]
+    old = msgpack.unpackb(read_golden("status_ok")[0])
+    old["body"].update(paused=False, update_session=0)
+    assert msgpack.packb(old) == read_golden("status_ok_full")[0]
+    assert wire.decode(read_golden("status_ok")).body == wire.decode(read_golden("status_ok_full")).body
 
 
 @pytest.mark.parametrize("case", BAD_CASES, ids=[c["file"] for c in BAD_CASES])
 def test_bad_input_is_a_typed_error(case):
+    frames = [(GOLDEN_DIR / f).read_bytes() for f in [case["file"], *case.get("frames", [])]]
     with pytest.raises(RolloutdError) as e:
-        wire.decode([(GOLDEN_DIR / case["file"]).read_bytes()])
+        wire.decode(frames)
     assert (e.value.code, e.value.field) == (case["code"], case["field"])
 
 
@@ -104,3 +123,88 @@ def test_duplicate_keys_are_refused():
 def test_missing_body_means_empty():
     frames = [msgpack.packb({"v": 1, "type": "status", "id": 4})]
     assert wire.decode(frames).type == "status"
+
+
+# ---- weight updates (SPEC §11) ----
+def test_inline_bucket_rides_as_payload_frame():
+    frames = read_golden("update_weights_inline")
+    req = wire.decode(frames).body
+    assert isinstance(req, UpdateWeightsRequest) and isinstance(req.source, InlineSource)
+    assert req.source.frame == 0 and req.source.data == frames[1]
+    assert [e.dtype for e in req.entries] == ["bfloat16", "float32", "float8_e4m3fn"]
+    assert req.checksum.algo == "crc32" and req.checksum.value == zlib.crc32(frames[1])
+    norm = req.entries[1]
+    assert struct.unpack("<3f", frames[1][norm.byte_offset:norm.byte_offset + norm.nbytes]) == (1.0, 0.5, -2.25)
+
+
+def test_shm_source_and_offsets_past_4_gib():
+    req = wire.decode(read_golden("update_weights_shm")).body
+    assert req.source == ShmSource("/rolloutd-trainer-0", 1 << 33, 151936 * 2048 * 2 + 8192)
+    assert req.checksum is None and req.entries[1].byte_offset == 151936 * 2048 * 2
+
+
+def test_weights_checksum_golden_matches_zlib_and_formula():
+    bucket = wire.decode(read_golden("update_weights_inline")).body
+    reply = wire.decode(read_golden("weights_checksum_ok")).body
+    data = bucket.source.data
+    by_name = {e.name: e for e in bucket.entries}
+    sums = {}
+    for p in reply.parameters:
+        e = by_name[p.name]
+        assert p.checksum == zlib.crc32(data[e.byte_offset:e.byte_offset + e.nbytes])
+        assert (p.dtype, p.shape) == (e.dtype, e.shape)
+        sums[p.name] = p.checksum
+    assert [p.name for p in reply.parameters] == sorted(sums)
+    assert reply.model_checksum == model_checksum(sums)
+
+
+def test_dtype_spellings_are_written_as_pytorch_names():
+    def entry(dtype):
+        return BucketEntry("w", dtype, [2], 0, 4)
+
+    canonical = wire.encode(1, UpdateWeightsRequest(7, entries=[entry("bfloat16")], source=InlineSource(data=b"abcd")))
+    for alias in ("torch.bfloat16", "BF16"):
+        assert wire.encode(1, UpdateWeightsRequest(7, entries=[entry(alias)],
+                                                   source=InlineSource(data=b"abcd"))) == canonical
+    assert wire.decode(canonical).body.entries[0].dtype == "bfloat16"
+
+
+def test_update_weights_checks_name_the_entry():
+    def check(entries, frame, code, field, source=None):
+        req = UpdateWeightsRequest(7, entries=entries, source=source or InlineSource(data=frame))
+        with pytest.raises(RolloutdError) as e:
+            wire.decode(wire.encode(1, req))
+        assert (e.value.code, e.value.field) == (code, field)
+
+    ok = [BucketEntry("a", "float32", [2], 0, 8), BucketEntry("b", "int8", [4], 8, 4)]
+    assert len(wire.decode(wire.encode(1, UpdateWeightsRequest(7, entries=ok, source=InlineSource(data=bytes(12))))
+                           ).body.entries) == 2
+    check([], bytes(12), "invalid_argument", "body.entries")
+    check([ok[0], BucketEntry("a", "int8", [4], 8, 4)], bytes(12), "invalid_argument", "body.entries[1].name")
+    # The entry that starts later in the buffer is the one named, whatever the list order.
+    check([ok[1], BucketEntry("c", "int8", [4], 6, 4)], bytes(12), "invalid_argument", "body.entries[0]")
+    check([BucketEntry("x", "float4_e2m1fn_x2", [3, 2], 0, 12)], bytes(12), "invalid_argument",
+          "body.entries[0].nbytes")
+    check([BucketEntry("x", "float32", [2**40] * 8, 0, 0)], bytes(12), "out_of_range", "body.entries[0].shape")
+    check([BucketEntry("x", "float32", [2**40 + 1], 0, 0)], bytes(12), "out_of_range", "body.entries[0].shape[0]")
+    check([BucketEntry("x", "float32", [1] * 9, 0, 4)], bytes(12), "too_large", "body.entries[0].shape")
+    check([BucketEntry("x", "int8", [4], 2**64 - 2, 4)], bytes(12), "out_of_range", "body.entries[0].byte_offset")
+    check(ok, None, "out_of_range", "body.entries[1].byte_offset", ShmSource("/r", 0, 11))
+    check(ok, None, "out_of_range", "body.source.size", ShmSource("/r", 2**64 - 4, 12))
+    check(ok, None, "invalid_argument", "body.source.name", ShmSource("/..", 0, 12))
+    names = [BucketEntry(n, "int8", [1], i, 1) for i, n in enumerate("zbbz")]
+    check(names, bytes(4), "invalid_argument", "body.entries[2].name")
+
+
+def test_weights_checksum_names_must_be_distinct():
+    with pytest.raises(RolloutdError) as e:
+        wire.decode(wire.encode(1, WeightsChecksumRequest(["z", "b", "a", "b", "z"])))
+    assert (e.value.code, e.value.field) == ("invalid_argument", "body.names[3]")
+    with pytest.raises(RolloutdError) as e:
+        wire.decode(wire.encode(1, WeightsChecksumRequest([])))
+    assert (e.value.code, e.value.field) == ("invalid_argument", "body.names")
+
+
+def test_status_defaults_for_fields_added_later():
+    body = wire.decode(read_golden("status_ok")).body
+    assert isinstance(body, StatusReply) and (body.paused, body.update_session) == (False, 0)

@@ -105,13 +105,14 @@ class ZmtpPeer:
             self.error = traceback.format_exc()
 
     def _read_exact(self, n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            chunk = self._conn.recv(n - len(buf))
-            if not chunk:
+        buf = bytearray(n)  # filled in place: a weight bucket may be megabytes
+        view, got = memoryview(buf), 0
+        while got < n:
+            k = self._conn.recv_into(view[got:])
+            if k == 0:
                 raise EOFError("peer closed the connection")
-            buf += chunk
-        return buf
+            got += k
+        return bytes(buf)
 
     def _read_frame(self):
         flags = self._read_exact(1)[0]
