@@ -17,6 +17,9 @@ EngineActor::EngineActor(std::unique_ptr<core::Engine> engine, std::unique_ptr<M
       config_(config) {}
 
 void EngineActor::send(EngineOutput out) {
+  // A client that got a reply and then asks for status must see the state the reply
+  // acknowledged: publish before the reply leaves (status is answered from the snapshot).
+  if (!std::holds_alternative<EventBatch>(out)) publish();
   auto mail = std::make_unique<EngineOutputMail>();
   mail->out = std::move(out);
   Status s = mailbox_->send(std::move(mail));

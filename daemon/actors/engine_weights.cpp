@@ -132,6 +132,14 @@ void EngineActor::handle_weights(WeightCommand& cmd) {
     return reply(cmd.client, encode_reply(id, UpdateWeightsReply{r->session, a->num_entries, a->num_bytes, a->duration_s}));
   }
   if (auto* r = std::get_if<EndWeightUpdateRequest>(&cmd.request)) {
+    // Versions never decrease (SPEC 6): a trainer that restarted from an older step says so
+    // by bumping, not by going back. The session stays open.
+    if (r->weight_version < engine_->weight_version() && u.session_open() && u.session_id() == r->session)
+      return reply_error(cmd.client, id,
+                         Status(ErrorCode::kInvalidArgument,
+                                "weight_version " + std::to_string(r->weight_version) + " is below the serving version " +
+                                    std::to_string(engine_->weight_version()),
+                                "body.weight_version"));
     auto e = u.end(r->session, r->weight_version, now);
     if (!e.ok()) {
       if (!u.broken_reason().empty()) on_model_broken(e.status());
@@ -160,6 +168,11 @@ void EngineActor::handle_weights(WeightCommand& cmd) {
     const size_t i = reg.index_of(r->name);
     if (i == SIZE_MAX)
       return reply_error(cmd.client, id, Status(ErrorCode::kNotFound, "unknown parameter '" + r->name + "'", "body.name"));
+    // Each value costs 9 bytes on the wire: refuse a reply that could not fit an envelope.
+    if (static_cast<uint64_t>(r->truncate) * 9 + 4096 > config_.limits.max_envelope_bytes)
+      return reply_error(cmd.client, id,
+                         Status(ErrorCode::kTooLarge, "truncate would make the reply exceed max_envelope_bytes",
+                                "body.truncate"));
     std::vector<uint8_t> bytes;
     if (Status s = reg.read_checkpoint(i, bytes); !s.ok()) return reply_error(cmd.client, id, s);
     const auto& p = reg.parameters()[i];

@@ -27,7 +27,8 @@ def test_sigterm_drains_every_accepted_request_gets_one_final_event(daemon):
     c.close()
     lines = daemon.log_lines()
     assert any(l.get("msg") == "drain started" for l in lines)
-    assert lines[-1]["msg"] == "stopped" and lines[-1]["exit_code"] == 0
+    stopped = [l for l in lines if l.get("msg") == "stopped"]
+    assert len(stopped) == 1 and stopped[0]["exit_code"] == 0
 
 
 def test_drain_deadline_aborts_long_requests_with_reason_shutdown(daemon_factory):
@@ -59,8 +60,7 @@ def test_generate_while_draining_is_refused(daemon_factory):
     with pytest.raises(rolloutd.RolloutdError) as e:
         c.submit([2], max_new_tokens=2)
     assert e.value.code == "draining"
-    # Ending the long request lets the drain finish well before its deadline.
-    assert c.abort_all().num_aborted == 1
+    # The long request finishes on its own (well inside the 60 s drain) and the daemon exits 0.
     assert d.terminate() == 0
     c.close()
 

@@ -1,0 +1,221 @@
+"""Weight hot reload end to end: real daemons, the Python client, inline and shm buckets.
+
+New weights come from the independent NumPy re-implementation of the embedded model's
+initialisation (tests/reference/tiny_moe_reference.py) with another seed, so a daemon that
+takes them must behave exactly like a daemon started with --model-seed of that seed.
+"""
+import os
+import sys
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+import rolloutd
+
+sys.path.insert(0, os.path.join(os.environ["ROLLOUTD_SOURCE_ROOT"], "tests", "reference"))
+import tiny_moe_reference as ref  # noqa: E402
+
+NEW_SEED = 4242
+
+
+def numpy_weights(seed):
+    old = ref.SEED
+    ref.SEED = seed
+    try:
+        return ref.build_weights(ref.CONFIG)
+    finally:
+        ref.SEED = old
+
+
+@pytest.fixture(scope="module")
+def new_weights():
+    return numpy_weights(NEW_SEED)
+
+
+def greedy(c, prompt=(3, 1, 4, 1, 5), n=12):
+    r = c.generate(list(prompt), max_new_tokens=n, temperature=0.0, return_logprob=True,
+                   return_routed_experts=True)
+    return r.token_ids, r.routed_experts.data, r.weight_versions
+
+
+def test_push_equals_a_daemon_started_with_those_weights(daemon_factory, new_weights):
+    pushed, fresh = daemon_factory(), daemon_factory(args=["--model-seed", str(NEW_SEED)])
+    with pushed.client() as a, fresh.client() as b:
+        a.hello()
+        reply = a.push_weights(list(new_weights.items()), weight_version=7, bucket_bytes=256 << 10)
+        assert reply.weight_version == 7 and reply.num_buckets > 1
+        assert reply.num_parameters_updated == len(new_weights)
+        sums = a.weights_checksum()
+        expected = {name: zlib.crc32(np.ascontiguousarray(w).tobytes()) for name, w in new_weights.items()}
+        assert dict(sums) == expected
+        assert sums.model_checksum == rolloutd.weights.model_checksum(expected)
+        assert sums.model_checksum == b.weights_checksum().model_checksum
+        ta, ra, va = greedy(a)
+        tb, rb, _ = greedy(b)
+        assert ta == tb and ra == rb
+        assert va == [7] * len(ta)
+        got = a.get_weights_by_name("model.layers.2.mlp.experts.gate_up_proj", truncate=50)
+        assert got.dtype == "float32" and list(got.shape) == [16, 64, 64]
+        assert np.array_equal(np.array(got.values, dtype=np.float32),
+                              new_weights["model.layers.2.mlp.experts.gate_up_proj"].reshape(-1)[:50])
+
+
+def test_bf16_push_and_its_fp32_export_are_identical(daemon_factory, new_weights):
+    d1, d2 = daemon_factory(), daemon_factory()
+    w = new_weights["model.layers.0.mlp.gate.weight"]
+    bf16 = (w.view(np.uint32) >> 16).astype(np.uint16)  # truncation: exact bf16 values
+    as_f32 = (bf16.astype(np.uint32) << 16).view(np.float32)
+    with d1.client() as a, d2.client() as b:
+        a.hello()
+        b.hello()
+        a.push_weights([("model.layers.0.mlp.gate.weight", "bfloat16", w.shape, bf16.tobytes())], 1)
+        b.push_weights([("model.layers.0.mlp.gate.weight", as_f32)], 1)
+        assert a.weights_checksum().model_checksum == b.weights_checksum().model_checksum
+
+
+def test_shm_and_inline_buffers_may_be_scribbled_right_after_each_reply(daemon, new_weights):
+    from multiprocessing import shared_memory
+    names = sorted(new_weights)[:10]
+    entries, data = rolloutd.weights.pack_bucket([(n, new_weights[n]) for n in names])
+    shm = shared_memory.SharedMemory(name=f"rolloutd-test-{os.getpid()}", create=True, size=len(data))
+    try:
+        with daemon.client() as c:
+            s = c.begin_weight_update().session
+            shm.buf[:len(data)] = data
+            c.update_weights_shm(s, entries, "/" + shm.name, 0, len(data), checksum=zlib.crc32(data))
+            shm.buf[:len(data)] = bytes(len(data))  # the trainer reuses its buffer at once
+            payload = bytearray(data)
+            c.update_weights_inline(s, entries, payload)
+            payload[:] = b"\xff" * len(payload)
+            c.end_weight_update(s, 3)
+            sums = c.weights_checksum(names)
+            for n in names:
+                assert sums[n] == zlib.crc32(new_weights[n].tobytes()), n
+    finally:
+        shm.close()
+        shm.unlink()
+
+
+def test_fail_closed_errors_name_the_entry_and_change_nothing(daemon, new_weights):
+    name = "model.norm.weight"
+    good = [(name, new_weights[name])]
+    with daemon.client() as c:
+        before = c.weights_checksum().model_checksum
+        s = c.begin_weight_update().session
+        with pytest.raises(rolloutd.RolloutdError) as e:
+            c.begin_weight_update()
+        assert e.value.code == "failed_precondition"
+        entries, data = rolloutd.weights.pack_bucket([("model.nope.weight", new_weights[name])] + good)
+        with pytest.raises(rolloutd.RolloutdError) as e:
+            c.update_weights_inline(s, entries, data)
+        assert (e.value.code, e.value.field) == ("not_found", "body.entries[0].name")
+        entries, data = rolloutd.weights.pack_bucket([(name, new_weights[name].reshape(2, 32))])
+        with pytest.raises(rolloutd.RolloutdError) as e:
+            c.update_weights_inline(s, entries, data)
+        assert (e.value.code, e.value.field) == ("invalid_argument", "body.entries[0].shape")
+        entries, data = rolloutd.weights.pack_bucket(good)
+        with pytest.raises(rolloutd.RolloutdError) as e:
+            c.update_weights_inline(s, entries, data, checksum=zlib.crc32(data) ^ 1)
+        assert (e.value.code, e.value.field) == ("invalid_argument", "body.checksum")
+        with pytest.raises(rolloutd.RolloutdError) as e:
+            c.update_weights_inline(s + 100, entries, data)
+        assert (e.value.code, e.value.field) == ("failed_precondition", "body.session")
+        with pytest.raises(rolloutd.RolloutdError) as e:
+            c.update_weights_shm(s, entries, "/not-ours", 0, len(data))
+        assert (e.value.code, e.value.field) == ("invalid_argument", "body.source.name")
+        with pytest.raises(rolloutd.RolloutdError) as e:
+            c.update_weights_shm(s, entries, "/rolloutd-does-not-exist", 0, len(data))
+        assert e.value.code == "not_found"
+        # Nothing was written: aborting leaves the model whole and unchanged.
+        assert c.abort_weight_update(s).state == "ready"
+        assert c.weights_checksum().model_checksum == before
+        assert c.status().ready
+
+
+def test_idle_session_expires_and_a_half_written_model_is_refused(daemon, new_weights):
+    with daemon.client() as c:
+        c.hello()
+        long_rid = c.submit([1, 2], max_new_tokens=3000, temperature=1.0, seed=1)
+        c.pause_generation("in_place")
+        s = c.begin_weight_update(timeout_s=0.5).session
+        entries, data = rolloutd.weights.pack_bucket([("model.norm.weight", new_weights["model.norm.weight"])])
+        c.update_weights_inline(s, entries, data)
+        deadline = time.monotonic() + 10
+        while c.status().state != "not_ready":
+            assert time.monotonic() < deadline, "the session did not expire"
+            time.sleep(0.05)
+        st = c.status()
+        assert not st.ready and "model.norm.weight" in st.reason
+        code, body = daemon.get("/readyz")
+        assert code == 503 and "model.norm.weight" in body
+        # The request that was in flight is failed with the reason, never served half-updated.
+        final = None
+        for ev in c.events(timeout_s=5.0):
+            if ev.rid == long_rid and not isinstance(ev, (rolloutd.TokensEvent, rolloutd.RetractedEvent)):
+                final = ev
+                break
+        assert isinstance(final, rolloutd.FailedEvent) and final.error.code == "not_ready"
+        with pytest.raises(rolloutd.RolloutdError) as e:
+            c.generate([1], max_new_tokens=2)
+        assert e.value.code == "not_ready"
+        # A completed session that rewrites what the failed one touched makes it whole again.
+        c.push_weights(list(new_weights.items()), weight_version=2)
+        c.continue_generation()
+        assert c.status().ready
+        assert c.generate([1], max_new_tokens=2, temperature=0.0).weight_versions == [2, 2]
+
+
+def test_pause_retract_restarts_under_the_new_weights(daemon_factory, new_weights):
+    d, fresh = daemon_factory(), daemon_factory(args=["--model-seed", str(NEW_SEED)])
+    with d.client() as c, fresh.client() as f:
+        c.hello()
+        want = f.generate([9, 8, 7], max_new_tokens=2000, temperature=0.0).token_ids
+        stream = c.generate_stream([9, 8, 7], max_new_tokens=2000, temperature=0.0, rid="r1")
+        first = next(stream)
+        assert isinstance(first, rolloutd.TokensEvent)
+        with d.client() as trainer:
+            trainer.hello()
+            p = trainer.pause_generation("retract")
+            assert p.num_retracted == 1
+            trainer.push_weights(list(new_weights.items()), weight_version=5)
+            trainer.continue_generation()
+        events = [first] + list(stream)
+        kinds = [type(e).__name__ for e in events]
+        assert "RetractedEvent" in kinds and kinds[-1] == "FinishedEvent"
+        after = events[kinds.index("RetractedEvent") + 1:-1]
+        tokens = [t for e in after for t in e.token_ids]
+        versions = [v for e in after for v in e.weight_versions]
+        assert tokens == want and set(versions) == {5}
+        # The collector of generate() resets on retracted too.
+
+
+def test_pause_in_place_versions_show_the_switch(daemon, new_weights):
+    with daemon.client() as c, daemon.client() as trainer:
+        trainer.hello()
+        rid = c.submit([5, 5], max_new_tokens=2000, temperature=0.0)
+        first = c.next_event(10.0)  # generation is under way with version 0
+        assert isinstance(first, rolloutd.TokensEvent) and first.rid == rid
+        p = trainer.pause_generation("in_place")
+        assert p.num_paused == 1
+        trainer.push_weights(list(new_weights.items()), weight_version=9)
+        trainer.continue_generation()
+        r = c.collect(rid, timeout_s=60)
+        versions = list(first.weight_versions) + r.weight_versions
+        assert r.finish_reason == "length" and len(versions) == 2000
+        assert versions[0] == 0 and versions[-1] == 9
+        assert versions == sorted(versions), "versions never go back"
+
+
+def test_pause_abort_ends_requests_with_reason_weight_update(daemon):
+    with daemon.client() as c, daemon.client() as trainer:
+        rid = c.submit([5], max_new_tokens=3000, temperature=1.0, seed=2)
+        assert trainer.pause_generation("abort").num_aborted == 1
+        r = c.collect(rid, timeout_s=30)
+        assert r.finish_reason == "abort" and r.abort_reason == "weight_update"
+        # Paused: new requests queue until continue.
+        rid2 = c.submit([5], max_new_tokens=2)
+        assert c.next_event(0.3) is None
+        trainer.continue_generation()
+        assert c.collect(rid2, timeout_s=30).finish_reason == "length"
