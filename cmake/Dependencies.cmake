@@ -36,9 +36,6 @@ pkg_check_modules(SYSTEMD IMPORTED_TARGET libsystemd)
 if(ROLLOUTD_BUILD_TESTS)
   find_package(GTest REQUIRED)
 endif()
-if(ROLLOUTD_BUILD_BENCH)
-  find_package(benchmark QUIET)
-endif()
 if(ROLLOUTD_BUILD_PYTHON)
   # Scripts pass Python3_EXECUTABLE=/usr/bin/python3 (Debian's, which has python3-msgpack,
   # python3-numpy and python3-pytest); the GPU host passes its own python3.
