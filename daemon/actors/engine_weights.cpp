@@ -81,6 +81,7 @@ void EngineActor::check_session_deadline() {
   auto expired = engine_->updater().expire_if_idle(Clock::now());
   if (!expired) return;
   metrics_.on_error(error_code_name(expired->code()));
+  metrics_.on_weight_session("expired", 0);
   obs::log_error("weights", "weight-update session expired", {{"error", expired->to_string()}});
   if (!engine_->updater().whole() && !engine_->updater().broken_reason().empty()) on_model_broken(*expired);
 }
@@ -126,9 +127,11 @@ void EngineActor::handle_weights(WeightCommand& cmd) {
     // Whatever happened, nothing of the producer's memory is held past this point: the
     // inline frames die with `cmd`, the shm object was closed by read_shm.
     if (!a.ok()) {
+      if (!u.session_open()) metrics_.on_weight_session("failed", 0);
       if (!u.broken_reason().empty() && !u.session_open()) on_model_broken(a.status());
       return reply_error(cmd.client, id, in_body(a.status()));
     }
+    metrics_.add_weight_update_bytes(a->num_bytes);
     return reply(cmd.client, encode_reply(id, UpdateWeightsReply{r->session, a->num_entries, a->num_bytes, a->duration_s}));
   }
   if (auto* r = std::get_if<EndWeightUpdateRequest>(&cmd.request)) {
@@ -146,6 +149,7 @@ void EngineActor::handle_weights(WeightCommand& cmd) {
       return reply_error(cmd.client, id, in_body(e.status()));
     }
     engine_->set_weight_version(r->weight_version);
+    metrics_.on_weight_session("completed", e->duration_s);
     obs::log_info("weights", "session ended",
                   {{"session", e->session}, {"weight_version", e->weight_version}, {"buckets", e->num_buckets},
                    {"entries", e->num_entries}, {"size_bytes", e->num_bytes},
@@ -160,6 +164,7 @@ void EngineActor::handle_weights(WeightCommand& cmd) {
   if (auto* r = std::get_if<AbortWeightUpdateRequest>(&cmd.request)) {
     auto a = u.abort(r->session, "abort_weight_update");
     if (!a.ok()) return reply_error(cmd.client, id, in_body(a.status()));
+    metrics_.on_weight_session("aborted", 0);
     if (!*a) on_model_broken(Status(ErrorCode::kAborted, "session aborted after writing buckets"));
     return reply(cmd.client, encode_reply(id, AbortWeightUpdateReply{r->session, *a ? "ready" : "not_ready"}));
   }

@@ -88,7 +88,22 @@ struct Metrics::Impl {
                           .Name("rolloutd_stream_aborts_total")
                           .Help("Event streams the daemon could not deliver, by reason.")
                           .Register(registry),
-                      "reason", max_label_values) {
+                      "reason", max_label_values),
+        weight_sessions(prometheus::BuildCounter()
+                            .Name("rolloutd_weight_update_sessions_total")
+                            .Help("Weight-update sessions that ended, by result.")
+                            .Register(registry),
+                        "result", max_label_values) {
+    weight_update_seconds = &prometheus::BuildHistogram()
+                                 .Name("rolloutd_weight_update_duration_seconds")
+                                 .Help("Wall time of completed weight-update sessions, begin to end.")
+                                 .Register(registry)
+                                 .Add({}, step_buckets());
+    weight_update_bytes = &prometheus::BuildCounter()
+                               .Name("rolloutd_weight_update_bytes_total")
+                               .Help("Bucket bytes applied to parameters.")
+                               .Register(registry)
+                               .Add({});
     prompt_tokens = &prometheus::BuildCounter()
                          .Name("rolloutd_prompt_tokens_total")
                          .Help("Prompt tokens accepted for prefill.")
@@ -140,6 +155,7 @@ struct Metrics::Impl {
     // types belong to the protocol and appear on first use.
     for (std::string_view r : {"stop", "length", "abort", "failed"}) finished.get(r);
     for (std::string_view r : {"client_gone", "backpressure"}) stream_aborts.get(r);
+    for (std::string_view r : {"completed", "aborted", "expired", "failed"}) weight_sessions.get(r);
     for (int c = static_cast<int>(ErrorCode::kOk) + 1; c <= static_cast<int>(ErrorCode::kInternal); ++c) {
       errors.get(error_code_name(static_cast<ErrorCode>(c)));
     }
@@ -149,6 +165,9 @@ struct Metrics::Impl {
   CappedCounterFamily errors;
   CappedCounterFamily finished;
   CappedCounterFamily stream_aborts;
+  CappedCounterFamily weight_sessions;
+  prometheus::Histogram* weight_update_seconds = nullptr;
+  prometheus::Counter* weight_update_bytes = nullptr;
   prometheus::Counter* prompt_tokens = nullptr;
   prometheus::Counter* generated_tokens = nullptr;
   prometheus::Gauge* queue_waiting = nullptr;
@@ -185,6 +204,13 @@ void Metrics::set_queue_depth(uint64_t waiting, uint64_t running) {
 }
 
 void Metrics::observe_step_seconds(double s) { impl_->step_seconds->Observe(s); }
+void Metrics::on_weight_session(std::string_view result, double seconds) {
+  impl_->weight_sessions.get(result).Increment();
+  if (result == "completed") impl_->weight_update_seconds->Observe(seconds);
+}
+void Metrics::add_weight_update_bytes(uint64_t n) {
+  impl_->weight_update_bytes->Increment(static_cast<double>(n));
+}
 void Metrics::observe_control_seconds(double s) { impl_->control_seconds->Observe(s); }
 void Metrics::set_ready(bool ready) { impl_->ready->Set(ready ? 1.0 : 0.0); }
 void Metrics::set_weight_version(uint64_t version) {

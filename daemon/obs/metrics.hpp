@@ -43,6 +43,10 @@ class Metrics {
   void set_queue_depth(uint64_t waiting, uint64_t running);  // rolloutd_queue_depth{state}
   void observe_step_seconds(double s);             // rolloutd_engine_step_duration_seconds
   void observe_control_seconds(double s);          // rolloutd_control_handle_duration_seconds
+  // rolloutd_weight_update_sessions_total{result="completed"|"aborted"|"expired"|"failed"};
+  // completed ones also observe rolloutd_weight_update_duration_seconds.
+  void on_weight_session(std::string_view result, double seconds);
+  void add_weight_update_bytes(uint64_t n);        // rolloutd_weight_update_bytes_total
   void set_ready(bool ready);                      // rolloutd_ready
   void set_weight_version(uint64_t version);       // rolloutd_weight_version
   void set_uptime_seconds(double s);               // rolloutd_uptime_seconds

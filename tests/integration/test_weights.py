@@ -56,6 +56,8 @@ def test_push_equals_a_daemon_started_with_those_weights(daemon_factory, new_wei
         tb, rb, _ = greedy(b)
         assert ta == tb and ra == rb
         assert va == [7] * len(ta)
+        assert pushed.metric("rolloutd_weight_update_sessions_total", result="completed") == 1
+        assert pushed.metric("rolloutd_weight_update_bytes_total") >= sum(w.nbytes for w in new_weights.values())
         got = a.get_weights_by_name("model.layers.2.mlp.experts.gate_up_proj", truncate=50)
         assert got.dtype == "float32" and list(got.shape) == [16, 64, 64]
         assert np.array_equal(np.array(got.values, dtype=np.float32),
@@ -148,6 +150,7 @@ def test_idle_session_expires_and_a_half_written_model_is_refused(daemon, new_we
             time.sleep(0.05)
         st = c.status()
         assert not st.ready and "model.norm.weight" in st.reason
+        assert daemon.metric("rolloutd_weight_update_sessions_total", result="expired") == 1
         code, body = daemon.get("/readyz")
         assert code == 503 and "model.norm.weight" in body
         # The request that was in flight is failed with the reason, never served half-updated.
