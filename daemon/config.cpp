@@ -1,10 +1,13 @@
 #include "daemon/config.hpp"
 
+#include <charconv>
+#include <cstdlib>
 #include <iostream>
 
 #include <CLI/CLI.hpp>
 
 #include "build_info.hpp"
+#include "kernels/backend.hpp"
 
 namespace rolloutd::daemon {
 
@@ -19,17 +22,24 @@ ParseOutcome parse_config(int argc, const char* const* argv) {
     return app.add_option(flag, value, help)->envname(env);
   };
   add("--bind", c.bind_address, "ROLLOUTD_BIND", "address the control socket binds (loopback by default)");
-  add("--control-port", c.control_port, "ROLLOUTD_CONTROL_PORT", "control socket port (0: ephemeral)")
+  add("--control-port", c.control_port, "ROLLOUTD_CONTROL_PORT",
+      "control socket port (0: ephemeral); the local index is added to it")
       ->check(CLI::Range(0, 65535));
   add("--http-bind", c.http_bind_address, "ROLLOUTD_HTTP_BIND", "address of the HTTP health/metrics server");
-  add("--http-port", c.http_port, "ROLLOUTD_HTTP_PORT", "HTTP port (0: ephemeral)")
+  add("--http-port", c.http_port, "ROLLOUTD_HTTP_PORT", "HTTP port (0: ephemeral); the local index is added to it")
       ->check(CLI::Range(0, 65535));
   add("--endpoints-file", c.endpoints_file, "ROLLOUTD_ENDPOINTS_FILE",
       "write the bound endpoints as JSON to this file once listening");
   add("--model", c.model, "ROLLOUTD_MODEL", "model to serve (embedded:tiny-moe)");
   add("--model-seed", c.model_seed, "ROLLOUTD_MODEL_SEED", "seed of the embedded model's weights");
-  add("--device", c.device, "ROLLOUTD_DEVICE", "compute backend")->check(CLI::IsMember({"cpu", "cuda"}));
-  add("--gpu", c.gpu, "ROLLOUTD_GPU", "CUDA device ordinal (with --device cuda)")->check(CLI::Range(-1, 1023));
+  add("--device", c.device, "ROLLOUTD_DEVICE", "compute backend (auto: cuda when a GPU is visible, else cpu)")
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+  add("--gpu", c.gpu, "ROLLOUTD_GPU",
+      "CUDA device ordinal (-1: 0 if CUDA_VISIBLE_DEVICES names one device, else the local index)")
+      ->check(CLI::Range(-1, 1023));
+  add("--local-index", c.local_index, "ROLLOUTD_LOCAL_INDEX",
+      "this daemon's index on its node, added to the ports (-1: SLURM_LOCALID, else LOCAL_RANK, else 0)")
+      ->check(CLI::Range(-1, 1023));
   add("--max-running", c.max_running, "ROLLOUTD_MAX_RUNNING", "requests decoding at once")
       ->check(CLI::Range(1, 4096));
   add("--max-waiting", c.max_waiting, "ROLLOUTD_MAX_WAITING", "queued requests before 'overloaded'")
@@ -47,6 +57,12 @@ ParseOutcome parse_config(int argc, const char* const* argv) {
       "longest prompt accepted")->check(CLI::Range(1u, 1u << 24));
   add("--shm-prefix", c.shm_prefix, "ROLLOUTD_SHM_PREFIX",
       "shared-memory buckets must be named with this prefix (e.g. /rolloutd_trainer0)");
+  add("--synthetic-params", c.synthetic_param_bytes, "ROLLOUTD_SYNTHETIC_PARAMS",
+      "benchmarks: register this many bytes of extra BF16 parameters synthetic.{i}.weight (256 MiB each)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  add("--synthetic-small-params", c.synthetic_small_params, "ROLLOUTD_SYNTHETIC_SMALL_PARAMS",
+      "benchmarks: register this many BF16 parameters synthetic_small.{i}.weight of 1024 elements")
+      ->check(CLI::Range(int64_t{0}, int64_t{1000000}));
   add("--outbox-limit", c.outbox_limit, "ROLLOUTD_OUTBOX_LIMIT",
       "undelivered messages per client before its requests are aborted")->check(CLI::Range(16, 1 << 24));
   add("--drain-timeout-s", c.drain_timeout_s, "ROLLOUTD_DRAIN_TIMEOUT_S",
@@ -66,10 +82,89 @@ ParseOutcome parse_config(int argc, const char* const* argv) {
     out.exit_code = rc == 0 ? 0 : 64;
     return out;
   }
+  // Only "auto" asks the CUDA runtime anything: a CPU daemon never initialises it.
+  const int visible_gpus = c.device == "auto" ? cuda_device_count() : 0;
+  if (Status s = resolve_placement(c, visible_gpus, process_env()); !s.ok()) {
+    std::cerr << "rolloutd: " << s.message() << "\n";
+    out.exit_now = true;
+    out.exit_code = 64;
+  }
   return out;
 }
 
+EnvLookup process_env() {
+  return [](std::string_view name) -> std::optional<std::string> {
+    const char* v = std::getenv(std::string(name).c_str());
+    if (v == nullptr) return std::nullopt;
+    return std::string(v);
+  };
+}
+
+namespace {
+
+// A non-negative decimal index from the environment; nullopt when unset or empty.
+Result<std::optional<int>> env_index(const EnvLookup& env, std::string_view name) {
+  auto v = env(name);
+  if (!v || v->empty()) return std::optional<int>();
+  int out = -1;
+  auto [end, ec] = std::from_chars(v->data(), v->data() + v->size(), out);
+  if (ec != std::errc() || end != v->data() + v->size() || out < 0 || out > 1023)
+    return Status(ErrorCode::kInvalidArgument,
+                  std::string(name) + "='" + *v + "' is not a local index in [0, 1023]", std::string(name));
+  return std::optional<int>(out);
+}
+
+// Devices CUDA_VISIBLE_DEVICES names (comma-separated ordinals or UUIDs); nullopt when unset.
+std::optional<int> visible_device_entries(const EnvLookup& env) {
+  auto v = env("CUDA_VISIBLE_DEVICES");
+  if (!v) return std::nullopt;
+  int n = 0;
+  size_t start = 0;
+  while (start <= v->size()) {
+    const size_t comma = std::min(v->find(',', start), v->size());
+    const std::string item = v->substr(start, comma - start);
+    // CUDA stops at the first invalid entry ("-1", "NoDevFiles" from old Slurm).
+    if (item.find_first_not_of(" \t") == std::string::npos || item == "NoDevFiles" || item[0] == '-') break;
+    ++n;
+    start = comma + 1;
+  }
+  return n;
+}
+
+}  // namespace
+
+Status resolve_placement(DaemonConfig& c, int num_visible_gpus, const EnvLookup& env) {
+  if (c.local_index < 0) {
+    RD_ASSIGN_OR_RETURN(auto slurm, env_index(env, "SLURM_LOCALID"));
+    RD_ASSIGN_OR_RETURN(auto rank, env_index(env, "LOCAL_RANK"));
+    c.local_index = slurm ? *slurm : rank ? *rank : 0;
+  }
+  if (c.device == "auto") {
+    c.device = num_visible_gpus > 0 ? "cuda" : "cpu";
+    if (c.device == "cpu") c.gpu = -1;
+  }
+  if (c.device == "cuda" && c.gpu < 0) {
+    // One visible device is this process's GPU whatever its index (Slurm binds one per task);
+    // otherwise the node's daemons share the visible set and take one each, by local index.
+    const auto visible = visible_device_entries(env);
+    c.gpu = visible && *visible == 1 ? 0 : c.local_index;
+  }
+  for (auto [port, name] : {std::pair<int*, const char*>{&c.control_port, "control_port"},
+                            std::pair<int*, const char*>{&c.http_port, "http_port"}}) {
+    if (*port == 0) continue;  // ephemeral stays ephemeral
+    if (*port + c.local_index > 65535)
+      return Status(ErrorCode::kInvalidArgument,
+                    std::string(name) + " " + std::to_string(*port) + " + local index " +
+                        std::to_string(c.local_index) + " is past 65535",
+                    name);
+    *port += c.local_index;
+  }
+  return Status::Ok();
+}
+
 Status validate(const DaemonConfig& c) {
+  if (c.device == "auto")
+    return Status(ErrorCode::kInvalidArgument, "--device auto is resolved by resolve_placement first", "device");
   if (c.device == "cuda" && c.gpu < 0)
     return Status(ErrorCode::kInvalidArgument, "--device cuda needs --gpu <ordinal>", "gpu");
   if (c.device == "cpu" && c.gpu >= 0)
@@ -98,6 +193,7 @@ nlohmann::json to_json(const DaemonConfig& c) {
       {"model_seed", c.model_seed},
       {"device", c.device},
       {"gpu", c.gpu},
+      {"local_index", c.local_index},
       {"max_running", c.max_running},
       {"max_waiting", c.max_waiting},
       {"max_step_tokens", c.max_step_tokens},
@@ -107,6 +203,8 @@ nlohmann::json to_json(const DaemonConfig& c) {
       {"max_new_tokens_limit", c.limits.max_new_tokens},
       {"max_input_tokens", c.limits.max_input_tokens},
       {"shm_prefix", c.shm_prefix},
+      {"synthetic_param_bytes", c.synthetic_param_bytes},
+      {"synthetic_small_params", c.synthetic_small_params},
       {"outbox_limit", c.outbox_limit},
       {"drain_timeout_s", c.drain_timeout_s},
       {"flush_timeout_s", c.flush_timeout_s},

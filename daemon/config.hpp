@@ -3,7 +3,10 @@
 // log line. Precedence: command-line flag, then ROLLOUTD_* environment variable,
 // then the default (NCCL_PARAM's habit).
 #include <cstdint>
+#include <functional>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -17,16 +20,19 @@ struct DaemonConfig {
   // Network. Loopback by default: a daemon is reachable from other hosts only when the
   // operator says so.
   std::string bind_address = "127.0.0.1";
-  int control_port = 7600;            // 0: ephemeral (see endpoints_file)
+  int control_port = 7600;            // 0: ephemeral (see endpoints_file); else base + local_index
   std::string http_bind_address = "127.0.0.1";
-  int http_port = 7700;               // 0: ephemeral
+  int http_port = 7700;               // 0: ephemeral; else base + local_index
   std::string endpoints_file;         // JSON {control, http, pid, gpu} written once bound
 
   // Model and device.
   std::string model = "embedded:tiny-moe";
   uint64_t model_seed = 20261130;
-  std::string device = "cpu";         // "cpu" | "cuda"
-  int gpu = -1;                       // CUDA ordinal; -1 with --device cpu
+  std::string device = "cpu";         // "cpu" | "cuda" | "auto" (resolve_placement picks one)
+  int gpu = -1;                       // CUDA ordinal; -1 with --device cpu, or "pick" before resolve_placement
+  // This daemon's index among the daemons of its node: added to non-zero ports and, with
+  // --device cuda and no --gpu, the CUDA ordinal. -1: SLURM_LOCALID, else LOCAL_RANK, else 0.
+  int local_index = -1;
 
   // Engine.
   int max_running = 64;
@@ -41,6 +47,8 @@ struct DaemonConfig {
 
   // Weight updates.
   std::string shm_prefix = "/rolloutd";  // update_weights reads only shm objects named so
+  int64_t synthetic_param_bytes = 0;      // benchmarks: extra BF16 `synthetic.{i}.weight` parameters
+  int64_t synthetic_small_params = 0;     // benchmarks: BF16 `synthetic_small.{i}.weight` of 1024 elements
 
   // Streams and lifecycle.
   int outbox_limit = 65536;           // undelivered messages per client before its requests abort
@@ -56,8 +64,22 @@ struct ParseOutcome {
   int exit_code = 0;
 };
 
-// Parses argv and the environment. Usage errors print CLI11's message and set exit_code 64.
+// Parses argv and the environment, then resolve_placement (getenv, and the visible CUDA
+// devices when --device auto). Usage errors print a message and set exit_code 64.
 ParseOutcome parse_config(int argc, const char* const* argv);
+
+// How resolve_placement reads the environment: getenv in the daemon, a map in tests.
+using EnvLookup = std::function<std::optional<std::string>(std::string_view name)>;
+EnvLookup process_env();
+
+// Where a daemon runs on its node, resolved once after parsing:
+// - local_index (if -1): SLURM_LOCALID, else LOCAL_RANK, else 0;
+// - device "auto": "cuda" when num_visible_gpus > 0, else "cpu" (and gpu -1);
+// - with "cuda" and gpu -1: 0 if CUDA_VISIBLE_DEVICES names exactly one device (Slurm's
+//   --gpus-per-task=1, a Kubernetes GPU container), else local_index;
+// - non-zero ports become base + local_index.
+// Errors (a malformed SLURM_LOCALID, a port past 65535) are usage errors.
+Status resolve_placement(DaemonConfig& c, int num_visible_gpus, const EnvLookup& env);
 // Semantic checks beyond what the parser enforces (port ranges, device/gpu agreement, ...).
 Status validate(const DaemonConfig& c);
 nlohmann::json to_json(const DaemonConfig& c);

@@ -3,10 +3,12 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <mutex>
 #include <thread>
 
 #if defined(ROLLOUTD_WITH_SYSTEMD)
@@ -22,6 +24,8 @@
 #include "daemon/obs/log.hpp"
 #include "daemon/obs/metrics.hpp"
 #include "daemon/state.hpp"
+#include "daemon/weights/cuda_ipc.hpp"
+#include "daemon/weights/nccl_group.hpp"
 
 namespace rolloutd::daemon {
 namespace {
@@ -33,6 +37,65 @@ void notify_systemd(const char* state) {
   (void)state;
 #endif
 }
+
+// systemd's watchdog (WatchdogSec= in the unit sets WATCHDOG_USEC): WATCHDOG=1 every half
+// interval from a thread of its own, so no actor ever waits on the notify socket. Until
+// serving() it pings unconditionally (model loading has no heartbeat; TimeoutStartSec bounds
+// it); after, only while both actor loops have turned within the interval, so a wedged engine
+// gets the unit restarted instead of being kept alive by this thread.
+class SystemdWatchdog {
+ public:
+  SystemdWatchdog(const Heartbeat& control, const Heartbeat& engine, double stale_s)
+      : control_(control), engine_(engine) {
+#if defined(ROLLOUTD_WITH_SYSTEMD)
+    uint64_t usec = 0;
+    if (sd_watchdog_enabled(0, &usec) <= 0 || usec == 0) return;
+    const double interval_s = static_cast<double>(usec) * 1e-6;
+    limit_s_ = std::min(stale_s, interval_s);
+    period_ = std::chrono::microseconds(std::max<uint64_t>(usec / 2, 20000));
+    obs::log_info("daemon", "systemd watchdog enabled", {{"interval_s", interval_s}});
+    thread_ = std::thread([this] { loop(); });
+#else
+    (void)stale_s;
+#endif
+  }
+  ~SystemdWatchdog() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  void serving() { serving_.store(true); }
+
+ private:
+  void loop() {
+    bool warned = false;
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!cv_.wait_for(lock, period_, [this] { return stop_; })) {
+      const double c = control_.age_s(), e = engine_.age_s();
+      if (!serving_.load() || (c < limit_s_ && e < limit_s_)) {
+        notify_systemd("WATCHDOG=1");
+        warned = false;
+      } else if (!warned) {
+        obs::log_warn("daemon", "actor loop stalled; withholding the systemd watchdog ping",
+                      {{"control_heartbeat_age_s", c}, {"engine_heartbeat_age_s", e}});
+        warned = true;
+      }
+    }
+  }
+
+  const Heartbeat& control_;
+  const Heartbeat& engine_;
+  double limit_s_ = 0;
+  std::chrono::microseconds period_{0};
+  std::atomic<bool> serving_{false};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
 
 // Written atomically (temp file + rename) so a launcher polling for it never reads half a file.
 Status write_endpoints_file(const std::string& path, const nlohmann::json& j) {
@@ -73,6 +136,8 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
     obs::log_error("daemon", "invalid configuration", {{"error", s.to_string()}});
     return kExitUsage;
   }
+  Heartbeat control_hb, engine_hb;
+  SystemdWatchdog watchdog(control_hb, engine_hb, config.stale_heartbeat_s);
 
   // ---- device and model ----
   const Backend* backend = &cpu_backend();
@@ -88,6 +153,8 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
     ctx.device = Device::cuda(config.gpu);
   }
   core::ModelConfig mc = core::embedded_model_config();
+  mc.synthetic_param_bytes = config.synthetic_param_bytes;
+  mc.synthetic_small_params = config.synthetic_small_params;
   core::StepLimits limits;
   limits.max_tokens = config.max_step_tokens;
   limits.max_seqs = config.max_running;
@@ -129,7 +196,6 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
   obs::Metrics metrics;
   metrics.set_build_info(build::kVersion, build::kCudaEnabled);
   SnapshotCell<EngineSnapshot> snapshot;
-  Heartbeat control_hb, engine_hb;
   zmq::context_t zctx(1);
 
   auto control_box = MailboxEnd::bind(zctx, "engine");
@@ -141,6 +207,8 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
   const int32_t gpu = config.device == "cuda" ? config.gpu : -1;
   ControlActor control(zctx, config, std::move(*control_box), metrics, snapshot, control_hb, info, gpu,
                        drain_requested);
+  if (config.device == "cuda")
+    control.set_device_facts(static_cast<uint32_t>(NcclGroup::loaded_version()), cuda_device_uuid(config.gpu));
   auto control_ep = control.bind();
   if (!control_ep.ok()) {
     obs::log_error("daemon", "bind failed", {{"error", control_ep.status().to_string()}});
@@ -206,6 +274,7 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
       obs::log_warn("daemon", "could not write the endpoints file", {{"error", s.to_string()}});
   }
   notify_systemd("READY=1");
+  watchdog.serving();
 
   const int rc = control.run();  // returns after the drain completes
   notify_systemd("STOPPING=1");

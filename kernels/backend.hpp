@@ -98,6 +98,13 @@ struct Backend {
   // outside [0, E_phys) is kOutOfRange ("topk_ids" / "logical_to_physical"); CUDA: that
   // (t, k) contributes nothing.
   Status (*moe_experts)(const ExecContext&, const MoeExpertsArgs& args);
+
+  // ---- conversion ----
+  // dst[i] = src[i] converted, n elements, both on the context's device (same dtype: a copy;
+  // FP32 -> BF16 rounds to nearest even, BF16 -> FP32 is exact). Used to load checkpoint
+  // tensors that arrive on the device (NCCL, CUDA IPC) in another dtype than the parameter.
+  Status (*convert)(const ExecContext&, void* dst, DType dst_dtype, const void* src, DType src_dtype,
+                    size_t n);
 };
 
 const Backend& cpu_backend();

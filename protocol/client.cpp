@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <mutex>
 #include <random>
 #include <unordered_set>
@@ -430,6 +431,48 @@ Result<PauseGenerationReply> Client::pause_generation(PauseMode mode) {
 
 Result<ContinueGenerationReply> Client::continue_generation() {
   return impl_->call<ContinueGenerationReply>(ContinueGenerationRequest{});
+}
+
+Result<InitWeightGroupReply> Client::init_weight_group(const std::string& group,
+                                                       const std::string& unique_id,
+                                                       uint32_t world_size, uint32_t rank,
+                                                       uint32_t root, uint32_t nccl_version,
+                                                       double timeout_s) {
+  InitWeightGroupRequest req{group, unique_id, world_size, rank, root, nccl_version, timeout_s};
+  // The daemon answers when it has joined or given up (after timeout_s): wait past that,
+  // with slack for the reply itself, so a slow join is reported by the daemon, not guessed.
+  const double join_ms = std::isfinite(timeout_s) ? std::clamp(timeout_s, 0.0, 3600.0) * 1000.0 : 0.0;
+  const int wait_ms = std::max(impl_->options.request_timeout_ms, static_cast<int>(join_ms) + 5000);
+  return impl_->call<InitWeightGroupReply>(req, deadline_after(wait_ms));
+}
+
+Result<DestroyWeightGroupReply> Client::destroy_weight_group(const std::string& group) {
+  return impl_->call<DestroyWeightGroupReply>(DestroyWeightGroupRequest{group});
+}
+
+Result<UpdateWeightsReply> Client::update_weights_nccl(uint64_t session,
+                                                       std::vector<BucketEntry> entries,
+                                                       const std::string& group, uint32_t root,
+                                                       uint64_t size,
+                                                       std::optional<uint32_t> checksum) {
+  UpdateWeightsRequest req;
+  req.session = session;
+  req.entries = std::move(entries);
+  req.source = NcclSource{group, root, size};
+  if (checksum) req.checksum = BucketChecksum{"crc32", *checksum};
+  return impl_->call<UpdateWeightsReply>(req);
+}
+
+Result<UpdateWeightsReply> Client::update_weights_cuda_ipc(
+    uint64_t session, std::vector<BucketEntry> entries, const std::string& handle,
+    uint64_t offset, uint64_t size, const std::string& device_uuid,
+    std::optional<uint32_t> checksum) {
+  UpdateWeightsRequest req;
+  req.session = session;
+  req.entries = std::move(entries);
+  req.source = CudaIpcSource{handle, offset, size, device_uuid};
+  if (checksum) req.checksum = BucketChecksum{"crc32", *checksum};
+  return impl_->call<UpdateWeightsReply>(req);
 }
 
 Result<std::optional<Event>> Client::next_event(int timeout_ms) {

@@ -84,6 +84,33 @@ class Client {
   Result<PauseGenerationReply> pause_generation(PauseMode mode);
   Result<ContinueGenerationReply> continue_generation();
 
+  // ---- GPU weight transports (SPEC §11.7) ----
+  // Joins the daemon to the NCCL group `group` as `rank` of `world_size`; the trainer
+  // (`root`) created `unique_id` (128 bytes) and joins at the same time. The daemon
+  // replies once joined, so this waits up to max(request_timeout_ms, timeout_s + 5 s).
+  Result<InitWeightGroupReply> init_weight_group(const std::string& group,
+                                                 const std::string& unique_id,
+                                                 uint32_t world_size, uint32_t rank,
+                                                 uint32_t root, uint32_t nccl_version,
+                                                 double timeout_s = 120.0);
+  // Cooperative teardown: the trainer destroys its communicator at the same time.
+  Result<DestroyWeightGroupReply> destroy_weight_group(const std::string& group);
+  // One bucket of `size` bytes that `root` broadcasts over `group`. The daemon replies
+  // after it received and applied the bytes, so the broadcast must already be posted
+  // (asynchronously, on a CUDA stream) or be posted by another thread: this call blocks.
+  Result<UpdateWeightsReply> update_weights_nccl(uint64_t session, std::vector<BucketEntry> entries,
+                                                 const std::string& group, uint32_t root,
+                                                 uint64_t size,
+                                                 std::optional<uint32_t> checksum = std::nullopt);
+  // One bucket in [offset, offset + size) of the CUDA allocation exported as `handle`
+  // (64-byte cudaIpcMemHandle_t) on the device `device_uuid` (16 bytes), which must be
+  // the daemon's. The daemon has copied and synchronized once the reply arrives, so the
+  // producer may reuse or free the memory then.
+  Result<UpdateWeightsReply> update_weights_cuda_ipc(
+      uint64_t session, std::vector<BucketEntry> entries, const std::string& handle,
+      uint64_t offset, uint64_t size, const std::string& device_uuid,
+      std::optional<uint32_t> checksum = std::nullopt);
+
   // Next event for any submitted request (tokens, finished, failed, retracted);
   // nullopt when none arrived within timeout_ms.
   Result<std::optional<Event>> next_event(int timeout_ms);

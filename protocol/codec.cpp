@@ -7,6 +7,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <type_traits>
 #include <utility>
@@ -48,6 +49,11 @@ constexpr std::string_view kWeightsChecksumOk = "weights_checksum.ok";
 constexpr std::string_view kPauseGenerationOk = "pause_generation.ok";
 constexpr std::string_view kContinueGenerationOk = "continue_generation.ok";
 constexpr std::string_view kRetracted = "retracted";
+// NCCL weight groups (SPEC §11.7).
+constexpr std::string_view kInitWeightGroup = "init_weight_group";
+constexpr std::string_view kDestroyWeightGroup = "destroy_weight_group";
+constexpr std::string_view kInitWeightGroupOk = "init_weight_group.ok";
+constexpr std::string_view kDestroyWeightGroupOk = "destroy_weight_group.ok";
 
 constexpr std::string_view kFlattenedBucket = "flattened_bucket";
 constexpr std::string_view kCrc32 = "crc32";
@@ -169,6 +175,23 @@ Status read_float(const msgpack::object& o, const Path& p, const Interval& range
     return error_at(ErrorCode::kOutOfRange, p,
                     "must be finite and in " + range.str() + ", got " + format_double(out));
   }
+  return Status::Ok();
+}
+
+// A msgpack bin of exactly one of `sizes` bytes (the parse bound already capped it at
+// max_string_bytes). A str is refused: handles and ids are raw bytes, and a str
+// would have to be valid UTF-8, which a random ncclUniqueId is not.
+Status read_bin(const msgpack::object& o, const Path& p, std::initializer_list<size_t> sizes,
+                std::string& out) {
+  if (o.type != msgpack::type::BIN) return wrong_type(p, o, "bin");
+  const size_t n = o.via.bin.size;
+  if (std::find(sizes.begin(), sizes.end(), n) == sizes.end()) {
+    std::string want;
+    for (size_t k : sizes) want += (want.empty() ? "" : " or ") + std::to_string(k);
+    return error_at(ErrorCode::kInvalidArgument, p,
+                    std::to_string(n) + " bytes; must be exactly " + want);
+  }
+  out.assign(o.via.bin.ptr, n);
   return Status::Ok();
 }
 
@@ -338,6 +361,12 @@ class MapReader {
   Status number(std::string_view key, Need need, const Interval& range, double& out) const {
     return field(key, need, [&](const msgpack::object& o, const Path& p) {
       return read_float(o, p, range, out);
+    });
+  }
+  Status bin(std::string_view key, Need need, std::initializer_list<size_t> sizes,
+             std::string& out) const {
+    return field(key, need, [&](const msgpack::object& o, const Path& p) {
+      return read_bin(o, p, sizes, out);
     });
   }
   Status boolean(std::string_view key, Need need, bool& out) const {
@@ -721,6 +750,12 @@ bool is_valid_shm_name(std::string_view name) {
   });
 }
 
+Status check_group_name(const Path& p, const std::string& name) {
+  if (is_valid_weight_group_name(name)) return Status::Ok();
+  return error_at(ErrorCode::kInvalidArgument, p,
+                  "'" + name + "' is not a weight-group name: 1 to 64 of A-Z a-z 0-9 . _ -");
+}
+
 Status decode_bucket_entry(const MapReader& m, const Limits& l, BucketEntry& e) {
   RD_RETURN_IF_ERROR(m.str("name", Need::kRequired, l.max_string_bytes, e.name));
   RD_RETURN_IF_ERROR(require_non_empty(m.path("name"), e.name.size()));
@@ -789,8 +824,30 @@ Status decode_source(const MapReader& m, const RequestContext& c, BucketSource& 
     out = std::move(s);
     return Status::Ok();
   }
+  if (kind == "nccl") {
+    NcclSource s;
+    RD_RETURN_IF_ERROR(m.str("group", Need::kRequired, c.limits.max_string_bytes, s.group));
+    RD_RETURN_IF_ERROR(check_group_name(m.path("group"), s.group));
+    RD_RETURN_IF_ERROR(m.integer("root", Need::kRequired, s.root));
+    RD_RETURN_IF_ERROR(m.integer<uint64_t>("size", Need::kRequired, 0, kMaxDeviceBucketBytes, s.size));
+    out = std::move(s);
+    return Status::Ok();
+  }
+  if (kind == "cuda_ipc") {
+    CudaIpcSource s;
+    RD_RETURN_IF_ERROR(m.bin("handle", Need::kRequired, {kCudaIpcHandleBytes}, s.handle));
+    RD_RETURN_IF_ERROR(m.integer("offset", Need::kRequired, s.offset));
+    RD_RETURN_IF_ERROR(m.integer<uint64_t>("size", Need::kRequired, 0, kMaxDeviceBucketBytes, s.size));
+    uint64_t end = 0;
+    if (__builtin_add_overflow(s.offset, s.size, &end)) {
+      return error_at(ErrorCode::kOutOfRange, m.path("size"), "offset + size overflows 64 bits");
+    }
+    RD_RETURN_IF_ERROR(m.bin("device_uuid", Need::kRequired, {kDeviceUuidBytes}, s.device_uuid));
+    out = std::move(s);
+    return Status::Ok();
+  }
   return error_at(ErrorCode::kInvalidArgument, m.path("kind"),
-                  "unknown source kind '" + kind + "'; expected inline or shm");
+                  "unknown source kind '" + kind + "'; expected inline, shm, nccl or cuda_ipc");
 }
 
 // Checks that need every entry: each lies inside the bucket buffer, no two share a
@@ -887,7 +944,11 @@ Status decode_body(const MapReader& b, const RequestContext& c, UpdateWeightsReq
   if (const auto* in = std::get_if<InlineSource>(&r.source))
     return check_bucket_layout(b, r, c.frames[in->frame].size(),
                                "payload frame " + std::to_string(in->frame));
-  return check_bucket_layout(b, r, std::get<ShmSource>(r.source).size, "shared-memory region");
+  if (const auto* shm = std::get_if<ShmSource>(&r.source))
+    return check_bucket_layout(b, r, shm->size, "shared-memory region");
+  if (const auto* nccl = std::get_if<NcclSource>(&r.source))
+    return check_bucket_layout(b, r, nccl->size, "broadcast buffer");
+  return check_bucket_layout(b, r, std::get<CudaIpcSource>(r.source).size, "CUDA IPC range");
 }
 
 Status decode_body(const MapReader& b, const Limits&, EndWeightUpdateRequest& r) {
@@ -925,6 +986,37 @@ Status decode_body(const MapReader&, const Limits&, ContinueGenerationRequest&) 
   return Status::Ok();
 }
 
+Status decode_body(const MapReader& b, const Limits& l, InitWeightGroupRequest& r) {
+  RD_RETURN_IF_ERROR(b.str("group", Need::kRequired, l.max_string_bytes, r.group));
+  RD_RETURN_IF_ERROR(check_group_name(b.path("group"), r.group));
+  RD_RETURN_IF_ERROR(b.bin("unique_id", Need::kRequired, {kNcclUniqueIdBytes}, r.unique_id));
+  RD_RETURN_IF_ERROR(b.integer<uint32_t>("world_size", Need::kRequired, kMinWeightGroupSize,
+                                         kMaxWeightGroupSize, r.world_size));
+  RD_RETURN_IF_ERROR(b.integer("rank", Need::kRequired, r.rank));
+  RD_RETURN_IF_ERROR(b.integer("root", Need::kOptional, r.root));
+  RD_RETURN_IF_ERROR(b.integer("nccl_version", Need::kRequired, r.nccl_version));
+  RD_RETURN_IF_ERROR(
+      b.number("timeout_s", Need::kOptional, {0.0, 3600.0, /*lo_open=*/true}, r.timeout_s));
+  // Cross-field checks, after every field's own: ranks are positions in the group.
+  const std::string world = std::to_string(r.world_size);
+  if (r.rank >= r.world_size)
+    return error_at(ErrorCode::kOutOfRange, b.path("rank"),
+                    "rank " + std::to_string(r.rank) + " is not below world_size " + world);
+  if (r.root >= r.world_size)
+    return error_at(ErrorCode::kOutOfRange, b.path("root"),
+                    "root " + std::to_string(r.root) + " is not below world_size " + world);
+  if (r.rank == r.root)
+    return error_at(ErrorCode::kInvalidArgument, b.path("rank"),
+                    "rank " + std::to_string(r.rank) +
+                        " is the root's: the daemon receives, the trainer (root) broadcasts");
+  return Status::Ok();
+}
+
+Status decode_body(const MapReader& b, const Limits& l, DestroyWeightGroupRequest& r) {
+  RD_RETURN_IF_ERROR(b.str("group", Need::kRequired, l.max_string_bytes, r.group));
+  return check_group_name(b.path("group"), r.group);
+}
+
 template <class T>
 Result<Request> decode_request_as(const MapReader& body, const RequestContext& c) {
   T r;
@@ -947,6 +1039,8 @@ constexpr std::pair<std::string_view, RequestDecoder> kRequestDecoders[] = {
     {kWeightsChecksum, &decode_request_as<WeightsChecksumRequest>},
     {kPauseGeneration, &decode_request_as<PauseGenerationRequest>},
     {kContinueGeneration, &decode_request_as<ContinueGenerationRequest>},
+    {kInitWeightGroup, &decode_request_as<InitWeightGroupRequest>},
+    {kDestroyWeightGroup, &decode_request_as<DestroyWeightGroupRequest>},
 };
 
 // ---- replies and events ----
@@ -998,7 +1092,10 @@ Status decode_body(const MapReader& b, const IncomingContext& c, HelloReply& r) 
     return decode_model(m, l, out);
   }));
   RD_RETURN_IF_ERROR(b.integer("weight_version", Need::kRequired, r.weight_version));
-  return nested(b, "limits", r.limits, decode_limits);
+  RD_RETURN_IF_ERROR(nested(b, "limits", r.limits, decode_limits));
+  // Added with the GPU weight transports (SPEC §11.7): an older daemon omits both.
+  RD_RETURN_IF_ERROR(b.integer("nccl_version", Need::kOptional, r.nccl_version));
+  return b.bin("device_uuid", Need::kOptional, {0, kDeviceUuidBytes}, r.device_uuid);
 }
 
 Status decode_body(const MapReader& b, const IncomingContext& c, StatusReply& r) {
@@ -1220,6 +1317,18 @@ Status decode_body(const MapReader& b, const IncomingContext& c, RetractedEvent&
   return b.str("reason", Need::kRequired, c.limits.max_string_bytes, r.reason);
 }
 
+Status decode_body(const MapReader& b, const IncomingContext& c, InitWeightGroupReply& r) {
+  RD_RETURN_IF_ERROR(b.str("group", Need::kRequired, c.limits.max_string_bytes, r.group));
+  RD_RETURN_IF_ERROR(b.integer("nccl_version", Need::kRequired, r.nccl_version));
+  RD_RETURN_IF_ERROR(b.integer("rank", Need::kRequired, r.rank));
+  RD_RETURN_IF_ERROR(b.integer("world_size", Need::kRequired, r.world_size));
+  return b.number("duration_s", Need::kRequired, {}, r.duration_s);
+}
+
+Status decode_body(const MapReader& b, const IncomingContext& c, DestroyWeightGroupReply& r) {
+  return b.str("group", Need::kRequired, c.limits.max_string_bytes, r.group);
+}
+
 template <class T>
 Result<Incoming> decode_incoming_as(const MapReader& body, const IncomingContext& c) {
   T r;
@@ -1247,6 +1356,8 @@ constexpr std::pair<std::string_view, IncomingDecoder> kIncomingDecoders[] = {
     {kPauseGenerationOk, &decode_incoming_as<PauseGenerationReply>},
     {kContinueGenerationOk, &decode_incoming_as<ContinueGenerationReply>},
     {kRetracted, &decode_incoming_as<RetractedEvent>},
+    {kInitWeightGroupOk, &decode_incoming_as<InitWeightGroupReply>},
+    {kDestroyWeightGroupOk, &decode_incoming_as<DestroyWeightGroupReply>},
 };
 
 template <class Decoder, size_t N>
@@ -1286,6 +1397,11 @@ class Packer {
   msgpack::packer<msgpack::sbuffer> pk_;
 };
 
+// Raw bytes written as msgpack bin (handles, ids, uuids); plain strings are str.
+struct BinBytes {
+  std::string_view bytes;
+};
+
 template <class T>
 struct IsVector : std::false_type {};
 template <class T>
@@ -1313,6 +1429,9 @@ void write(Packer& packer, const T& v) {
       pk.pack_int64(v);
   } else if constexpr (std::is_same_v<T, double>) {
     packer.float64(v);
+  } else if constexpr (std::is_same_v<T, BinBytes>) {
+    pk.pack_bin(static_cast<uint32_t>(v.bytes.size()));
+    pk.pack_bin_body(v.bytes.data(), static_cast<uint32_t>(v.bytes.size()));
   } else if constexpr (std::is_convertible_v<const T&, std::string_view>) {
     const std::string_view s(v);
     pk.pack_str(static_cast<uint32_t>(s.size()));
@@ -1434,13 +1553,26 @@ void write_body(Packer& pk, const UpdateWeightsRequest& r) {
   Packer& source = w.key("source");
   if (const auto* in = std::get_if<InlineSource>(&r.source)) {
     MapWriter(source, 2).put("kind", "inline").put("frame", in->frame);
-  } else {
-    const auto& shm = std::get<ShmSource>(r.source);
+  } else if (const auto* shm = std::get_if<ShmSource>(&r.source)) {
     MapWriter(source, 4)
         .put("kind", "shm")
-        .put("name", shm.name)
-        .put("offset", shm.offset)
-        .put("size", shm.size);
+        .put("name", shm->name)
+        .put("offset", shm->offset)
+        .put("size", shm->size);
+  } else if (const auto* nccl = std::get_if<NcclSource>(&r.source)) {
+    MapWriter(source, 4)
+        .put("kind", "nccl")
+        .put("group", nccl->group)
+        .put("root", nccl->root)
+        .put("size", nccl->size);
+  } else {
+    const auto& ipc = std::get<CudaIpcSource>(r.source);
+    MapWriter(source, 5)
+        .put("kind", "cuda_ipc")
+        .put("handle", BinBytes{ipc.handle})
+        .put("offset", ipc.offset)
+        .put("size", ipc.size)
+        .put("device_uuid", BinBytes{ipc.device_uuid});
   }
   Packer& checksum = w.key("checksum");
   if (r.checksum)
@@ -1465,6 +1597,19 @@ void write_body(Packer& pk, const PauseGenerationRequest& r) {
   MapWriter(pk, 1).put("mode", pause_mode_name(r.mode));
 }
 void write_body(Packer& pk, const ContinueGenerationRequest&) { MapWriter(pk, 0); }
+void write_body(Packer& pk, const InitWeightGroupRequest& r) {
+  MapWriter(pk, 7)
+      .put("group", r.group)
+      .put("unique_id", BinBytes{r.unique_id})
+      .put("world_size", r.world_size)
+      .put("rank", r.rank)
+      .put("root", r.root)
+      .put("nccl_version", r.nccl_version)
+      .put("timeout_s", r.timeout_s);
+}
+void write_body(Packer& pk, const DestroyWeightGroupRequest& r) {
+  MapWriter(pk, 1).put("group", r.group);
+}
 
 void write_model(Packer& pk, const ModelInfo& m) {
   MapWriter(pk, 8)
@@ -1573,6 +1718,8 @@ std::string_view request_name(const GetWeightsByNameRequest&) { return kGetWeigh
 std::string_view request_name(const WeightsChecksumRequest&) { return kWeightsChecksum; }
 std::string_view request_name(const PauseGenerationRequest&) { return kPauseGeneration; }
 std::string_view request_name(const ContinueGenerationRequest&) { return kContinueGeneration; }
+std::string_view request_name(const InitWeightGroupRequest&) { return kInitWeightGroup; }
+std::string_view request_name(const DestroyWeightGroupRequest&) { return kDestroyWeightGroup; }
 
 // CRC-32 (zlib's: reflected polynomial 0xEDB88320), slice-by-8: eight table
 // lookups per 8 input bytes, several times the byte-at-a-time rate.
@@ -1658,6 +1805,22 @@ uint32_t model_checksum(std::vector<std::pair<std::string, uint32_t>> checksums)
   return crc;
 }
 
+bool is_valid_weight_group_name(std::string_view name) {
+  if (name.empty() || name.size() > kMaxWeightGroupNameBytes) return false;
+  return std::all_of(name.begin(), name.end(), [](char ch) {
+    const auto c = static_cast<unsigned char>(ch);
+    return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
+           c == '.' || c == '_' || c == '-';
+  });
+}
+
+std::string nccl_version_string(uint32_t code) {
+  // NCCL_VERSION(X, Y, Z) is X*10000 + Y*100 + Z from 2.9 on, X*1000 + Y*100 + Z before.
+  const uint32_t major = code >= 10000 ? code / 10000 : code / 1000;
+  const uint32_t minor = code >= 10000 ? code % 10000 / 100 : code % 1000 / 100;
+  return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(code % 100);
+}
+
 size_t routed_experts_dtype_size(std::string_view dtype) {
   if (dtype == "uint8") return 1;
   if (dtype == "uint16") return 2;
@@ -1713,11 +1876,12 @@ WireMessage encode_request(uint64_t id, const Request& r) {
 
 WireMessage encode_reply(uint64_t id, const HelloReply& r) {
   return encode_message(kHelloOk, id, [&](Packer& pk, std::vector<std::string>&) {
-    MapWriter w(pk, 7);
+    MapWriter w(pk, 9);
     w.put("version", r.version).put("daemon", r.daemon).put("build", r.build).put("gpu", r.gpu);
     write_model(w.key("model"), r.model);
     w.put("weight_version", r.weight_version);
     write_limits(w.key("limits"), r.limits);
+    w.put("nccl_version", r.nccl_version).put("device_uuid", BinBytes{r.device_uuid});
   });
 }
 
@@ -1829,6 +1993,23 @@ WireMessage encode_reply(uint64_t id, const PauseGenerationReply& r) {
 WireMessage encode_reply(uint64_t id, const ContinueGenerationReply& r) {
   return encode_message(kContinueGenerationOk, id, [&](Packer& pk, std::vector<std::string>&) {
     MapWriter(pk, 1).put("num_resumed", r.num_resumed);
+  });
+}
+
+WireMessage encode_reply(uint64_t id, const InitWeightGroupReply& r) {
+  return encode_message(kInitWeightGroupOk, id, [&](Packer& pk, std::vector<std::string>&) {
+    MapWriter(pk, 5)
+        .put("group", r.group)
+        .put("nccl_version", r.nccl_version)
+        .put("rank", r.rank)
+        .put("world_size", r.world_size)
+        .put("duration_s", r.duration_s);
+  });
+}
+
+WireMessage encode_reply(uint64_t id, const DestroyWeightGroupReply& r) {
+  return encode_message(kDestroyWeightGroupOk, id, [&](Packer& pk, std::vector<std::string>&) {
+    MapWriter(pk, 1).put("group", r.group);
   });
 }
 

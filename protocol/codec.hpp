@@ -46,6 +46,8 @@ WireMessage encode_reply(uint64_t id, const GetWeightsByNameReply& r);
 WireMessage encode_reply(uint64_t id, const WeightsChecksumReply& r);
 WireMessage encode_reply(uint64_t id, const PauseGenerationReply& r);
 WireMessage encode_reply(uint64_t id, const ContinueGenerationReply& r);
+WireMessage encode_reply(uint64_t id, const InitWeightGroupReply& r);
+WireMessage encode_reply(uint64_t id, const DestroyWeightGroupReply& r);
 WireMessage encode_error(uint64_t id, const ErrorInfo& e);
 // Events echo the id of the generate request that created them.
 WireMessage encode_event(uint64_t id, const Event& e);
@@ -64,7 +66,8 @@ using Incoming = std::variant<HelloReply, StatusReply, GenerateReply, AbortReply
                               ErrorInfo, TokensEvent, FinishedEvent, FailedEvent,
                               BeginWeightUpdateReply, UpdateWeightsReply, EndWeightUpdateReply,
                               AbortWeightUpdateReply, GetWeightsByNameReply, WeightsChecksumReply,
-                              PauseGenerationReply, ContinueGenerationReply, RetractedEvent>;
+                              PauseGenerationReply, ContinueGenerationReply, RetractedEvent,
+                              InitWeightGroupReply, DestroyWeightGroupReply>;
 struct DecodedIncoming {
   Envelope env;
   Incoming msg;
@@ -76,6 +79,10 @@ Result<DecodedIncoming> decode_incoming(Frame envelope, std::span<const Frame> f
 std::string_view request_type_name(const Request& r);
 // Number of bytes per element of a routed-experts dtype name; 0 if unknown.
 size_t routed_experts_dtype_size(std::string_view dtype);
+// ^[A-Za-z0-9._-]{1,64}$: an NCCL weight group's name (SPEC §11.7).
+bool is_valid_weight_group_name(std::string_view name);
+// "2.28.9" for NCCL_VERSION_CODE 22809 (and the pre-2.9 encoding, 2708 -> "2.7.8"); for messages.
+std::string nccl_version_string(uint32_t code);
 
 // ---- checksums (SPEC §11.5) ----
 // zlib's CRC-32 (Python's zlib.crc32): crc32(b, crc32(a)) == crc32(a + b).

@@ -2,6 +2,7 @@
 // The v1 wire contract as C++ types. protocol/SPEC.md is normative; this header
 // mirrors it. Codecs (protocol/codec.hpp) turn these into msgpack maps and back,
 // validating every field.
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -34,6 +35,15 @@ struct Limits {
 inline constexpr uint32_t kMaxTensorRank = 8;                 // BucketEntry::shape
 inline constexpr int64_t kMaxTensorDim = int64_t{1} << 40;    // each shape dimension
 inline constexpr uint32_t kMaxGetWeightsTruncate = 1000000;   // get_weights_by_name.truncate
+
+// GPU weight transports (SPEC §11.7), fixed by NCCL and CUDA, not configurable.
+inline constexpr size_t kNcclUniqueIdBytes = 128;             // ncclUniqueId (NCCL_UNIQUE_ID_BYTES)
+inline constexpr size_t kCudaIpcHandleBytes = 64;             // cudaIpcMemHandle_t
+inline constexpr size_t kDeviceUuidBytes = 16;                // cudaDeviceProp::uuid
+inline constexpr uint64_t kMaxDeviceBucketBytes = uint64_t{1} << 40;  // NcclSource/CudaIpcSource::size
+inline constexpr uint32_t kMinWeightGroupSize = 2;            // a trainer rank and a daemon
+inline constexpr uint32_t kMaxWeightGroupSize = 65536;
+inline constexpr size_t kMaxWeightGroupNameBytes = 64;        // ^[A-Za-z0-9._-]{1,64}$
 
 // ---------------------------------------------------------------- envelope --
 // Every message's first frame: msgpack map {v, type, id, body}.
@@ -113,7 +123,22 @@ struct ShmSource {
   uint64_t offset = 0;
   uint64_t size = 0;
 };
-using BucketSource = std::variant<InlineSource, ShmSource>;
+// The bucket buffer is `size` bytes that the group's `root` (the trainer) broadcasts
+// with ncclBroadcast into the daemon's staging buffer (SPEC §11.7).
+struct NcclSource {
+  std::string group;                  // a group joined with init_weight_group
+  uint32_t root = 0;                  // the broadcasting rank: the group's root
+  uint64_t size = 0;                  // bytes broadcast into the staging buffer, <= kMaxDeviceBucketBytes
+};
+// The bucket buffer is [offset, offset + size) of the CUDA allocation the producer
+// exported with cudaIpcGetMemHandle, on the daemon's own device (SPEC §11.7).
+struct CudaIpcSource {
+  std::string handle;                 // exactly kCudaIpcHandleBytes (cudaIpcMemHandle_t), msgpack bin
+  uint64_t offset = 0;                // from the base of the allocation
+  uint64_t size = 0;                  // <= kMaxDeviceBucketBytes
+  std::string device_uuid;            // exactly kDeviceUuidBytes, msgpack bin
+};
+using BucketSource = std::variant<InlineSource, ShmSource, NcclSource, CudaIpcSource>;
 
 struct BucketChecksum {
   std::string algo = "crc32";         // only "crc32" in v1
@@ -157,11 +182,28 @@ struct PauseGenerationRequest {
 
 struct ContinueGenerationRequest {};
 
+// ---- NCCL weight groups (SPEC §11.7) ----
+// Join the broadcast group the trainer created; the reply comes once joined (or failed).
+struct InitWeightGroupRequest {
+  std::string group;                  // ^[A-Za-z0-9._-]{1,64}$, unique among the daemon's groups
+  std::string unique_id;              // exactly kNcclUniqueIdBytes (ncclUniqueId), msgpack bin
+  uint32_t world_size = 0;            // [kMinWeightGroupSize, kMaxWeightGroupSize]
+  uint32_t rank = 0;                  // this daemon's rank: < world_size, != root
+  uint32_t root = 0;                  // the trainer's rank, which broadcasts: < world_size
+  uint32_t nccl_version = 0;          // NCCL_VERSION_CODE of the trainer's NCCL, e.g. 22809
+  double timeout_s = 120.0;           // (0, 3600]: bounds the join and each broadcast
+};
+
+struct DestroyWeightGroupRequest {
+  std::string group;
+};
+
 using Request =
     std::variant<HelloRequest, StatusRequest, GenerateRequest, AbortRequest, ShutdownRequest,
                  BeginWeightUpdateRequest, UpdateWeightsRequest, EndWeightUpdateRequest,
                  AbortWeightUpdateRequest, GetWeightsByNameRequest, WeightsChecksumRequest,
-                 PauseGenerationRequest, ContinueGenerationRequest>;
+                 PauseGenerationRequest, ContinueGenerationRequest, InitWeightGroupRequest,
+                 DestroyWeightGroupRequest>;
 
 // ----------------------------------------------------------------- replies --
 struct ModelInfo {
@@ -183,6 +225,9 @@ struct HelloReply {
   ModelInfo model;
   uint64_t weight_version = 0;
   Limits limits;
+  // Added with the GPU weight transports (SPEC §11.7); optional for decoders.
+  uint32_t nccl_version = 0;          // the NCCL the daemon loaded (ncclGetVersion); 0 = none
+  std::string device_uuid;            // kDeviceUuidBytes of the daemon's GPU; empty on the CPU backend
 };
 
 struct StatusReply {
@@ -271,6 +316,18 @@ struct PauseGenerationReply {
 
 struct ContinueGenerationReply {
   uint32_t num_resumed = 0;
+};
+
+struct InitWeightGroupReply {
+  std::string group;
+  uint32_t nccl_version = 0;          // the daemon's loaded NCCL (equal to the trainer's)
+  uint32_t rank = 0;
+  uint32_t world_size = 0;
+  double duration_s = 0.0;            // receipt to joined
+};
+
+struct DestroyWeightGroupReply {
+  std::string group;
 };
 
 // ------------------------------------------------------------------ events --

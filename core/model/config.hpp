@@ -27,6 +27,13 @@ struct ModelConfig {
   // How a checkpoint's fused `mlp.experts.gate_up_proj` orders its rows: concatenated
   // (gate rows, then up rows: transformers 5) or interleaved (gate j, up j, ...: gpt-oss).
   bool gate_up_checkpoint_interleaved = false;
+  // Benchmarks of weight transports: extra BF16 parameters `synthetic.{i}.weight` of 256 MiB
+  // each (the last one smaller), up to this many bytes in all. Not read by the forward pass;
+  // their values are unspecified until a weight update writes them.
+  int64_t synthetic_param_bytes = 0;
+  // ... and this many small BF16 parameters `synthetic_small.{i}.weight` of 1024 elements
+  // (per-tensor overhead of a bucket of many small tensors).
+  int64_t synthetic_small_params = 0;
 
   int64_t num_moe_layers() const { return num_hidden_layers; }
   // Checks internal consistency (positive sizes, heads divisible, top_k <= experts, ...).

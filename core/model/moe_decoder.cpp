@@ -1,5 +1,6 @@
 #include "core/model/moe_decoder.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -80,6 +81,19 @@ Status MoeDecoder::allocate() {
                                      static_cast<size_t>(E) * sizeof(int32_t),
                                      ctx_.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost
                                                                           : CopyKind::kHostToDevice));
+  }
+  for (int64_t left = c.synthetic_param_bytes, i = 0; left > 0; ++i) {
+    const int64_t bytes = std::min<int64_t>(left, int64_t{256} << 20) & ~int64_t{1};
+    if (bytes <= 0) break;
+    TensorView t;
+    RD_ASSIGN_OR_RETURN(t, weights_arena_->allocate(DType::kBF16, Shape{bytes / 2}));
+    RD_RETURN_IF_ERROR(weights_->add("synthetic." + std::to_string(i) + ".weight", t, nullptr));
+    left -= bytes;
+  }
+  for (int64_t i = 0; i < c.synthetic_small_params; ++i) {
+    TensorView t;
+    RD_ASSIGN_OR_RETURN(t, weights_arena_->allocate(DType::kBF16, Shape{1024}));
+    RD_RETURN_IF_ERROR(weights_->add("synthetic_small." + std::to_string(i) + ".weight", t, nullptr));
   }
   RD_RETURN_IF_ERROR(param("model.norm.weight", Shape{H}, final_norm_));
   RD_RETURN_IF_ERROR(param("lm_head.weight", Shape{c.vocab_size, H}, lm_head_));

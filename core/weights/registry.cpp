@@ -148,8 +148,10 @@ Status WeightRegistry::check_load(const CheckpointTensor& t, DType src_dtype, st
 }
 
 Status WeightRegistry::load(const CheckpointTensor& t, DType src_dtype, std::span<const int64_t> shape,
-                            std::span<const uint8_t> src) {
+                            std::span<const uint8_t> src, bool src_on_device) {
   RD_RETURN_IF_ERROR(check_load(t, src_dtype, shape, src.size()));
+  if (src_on_device && ctx_.device.kind != DeviceKind::kCuda)
+    return Status(ErrorCode::kInvalidArgument, "device-resident bytes for a model on the CPU", "source");
   const size_t src_elem = dtype_size(src_dtype);
   for (const RowCopy& c : t.pieces) {
     RegisteredParameter& p = params_[c.param];
@@ -166,7 +168,9 @@ Status WeightRegistry::load(const CheckpointTensor& t, DType src_dtype, std::spa
       const uint8_t* s = src.data() + src_row_bytes * static_cast<size_t>(c.src_start + i * c.src_stride);
       char* d = base + dst_row_bytes * static_cast<size_t>(c.dst_start + i * c.dst_stride);
       const size_t n = static_cast<size_t>(g.cols * run);
-      if (host) {
+      if (src_on_device) {
+        RD_RETURN_IF_ERROR(backend_.convert(ctx_, d, p.storage.dtype, s, src_dtype, n));
+      } else if (host) {
         convert(d, p.storage.dtype, s, src_dtype, n);
       } else if (p.storage.dtype == src_dtype) {
         RD_RETURN_IF_ERROR(backend_.copy(ctx_, d, s, n * dst_elem, CopyKind::kHostToDevice));
@@ -179,7 +183,8 @@ Status WeightRegistry::load(const CheckpointTensor& t, DType src_dtype, std::spa
     }
     p.loads += static_cast<uint64_t>(c.count);
   }
-  if (ctx_.device.kind != DeviceKind::kCpu) RD_RETURN_IF_ERROR(backend_.synchronize(ctx_));
+  // Device-to-device work stays queued: the caller synchronizes once per bucket.
+  if (ctx_.device.kind != DeviceKind::kCpu && !src_on_device) RD_RETURN_IF_ERROR(backend_.synchronize(ctx_));
   return Status::Ok();
 }
 

@@ -63,8 +63,10 @@ class WeightRegistry {
   // `src_dtype`, row-major, `shape` must equal the tensor's shape. Conversions allowed: FP32
   // storage <- BF16/FP32, BF16 storage <- FP32 (round to nearest even)/BF16; other dtypes
   // must match. Every target parameter must be in checkpoint layout (restored).
+  // `src_on_device`: the bytes live on the registry's CUDA device (an NCCL staging buffer, a
+  // CUDA IPC mapping); copies and conversions then run on the device.
   Status load(const CheckpointTensor& t, DType src_dtype, std::span<const int64_t> shape,
-              std::span<const uint8_t> src);
+              std::span<const uint8_t> src, bool src_on_device = false);
   // Checks load() would accept (dtype, shape, layout) without writing anything.
   Status check_load(const CheckpointTensor& t, DType src_dtype, std::span<const int64_t> shape,
                     size_t src_bytes) const;

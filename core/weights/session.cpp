@@ -71,7 +71,7 @@ Result<BeginResult> WeightUpdater::begin(const std::vector<std::string>& selecto
 
 Result<BucketResult> WeightUpdater::apply_bucket(uint64_t session, std::span<const BucketEntry> entries,
                                                  std::span<const uint8_t> bucket, std::optional<uint32_t> crc,
-                                                 SteadyClock::time_point now) {
+                                                 SteadyClock::time_point now, bool on_device) {
   RD_RETURN_IF_ERROR(check_session(session));
   const auto t0 = SteadyClock::now();
   if (entries.empty()) return Status(ErrorCode::kInvalidArgument, "bucket has no entries", "entries");
@@ -109,7 +109,16 @@ Result<BucketResult> WeightUpdater::apply_bucket(uint64_t session, std::span<con
                     entry_field(i, "name"));
   // 3. The payload is what the trainer sent.
   if (crc) {
-    const uint32_t got = crc32_of(bucket);
+    // A device-resident bucket is checksummed from a host copy: a check the trainer asks for
+    // (tests, suspected corruption), not the fast path.
+    std::vector<uint8_t> host;
+    if (on_device) {
+      host.resize(bucket.size());
+      RD_RETURN_IF_ERROR(reg_.backend().copy(reg_.context(), host.data(), bucket.data(), bucket.size(),
+                                             CopyKind::kDeviceToHost));
+      RD_RETURN_IF_ERROR(reg_.backend().synchronize(reg_.context()));
+    }
+    const uint32_t got = crc32_of(on_device ? std::span<const uint8_t>(host) : bucket);
     if (got != *crc)
       return Status(ErrorCode::kInvalidArgument,
                     "bucket checksum mismatch: crc32 " + std::to_string(got) + ", expected " + std::to_string(*crc),
@@ -119,11 +128,19 @@ Result<BucketResult> WeightUpdater::apply_bucket(uint64_t session, std::span<con
   // (device error): the session fails closed.
   for (size_t i = 0; i < entries.size(); ++i) {
     const BucketEntry& e = entries[i];
-    Status s = reg_.load(*targets[i], e.dtype, e.shape, bucket.subspan(e.byte_offset, e.nbytes));
+    Status s = reg_.load(*targets[i], e.dtype, e.shape, bucket.subspan(e.byte_offset, e.nbytes), on_device);
     for (const RowCopy& c : targets[i]->pieces) written_.insert(c.param);
     if (!s.ok()) {
       (void)finish_failed("bucket write failed at " + e.name + ": " + s.message());
       return Status(s.code(), s.message(), entry_field(i, ""));
+    }
+  }
+  if (on_device) {
+    // The reply that follows promises the bytes are in place: wait for the device copies.
+    Status s = reg_.backend().synchronize(reg_.context());
+    if (!s.ok()) {
+      (void)finish_failed("device copy failed: " + s.message());
+      return s;
     }
   }
   ++buckets_;

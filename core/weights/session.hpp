@@ -64,9 +64,10 @@ class WeightUpdater {
   Result<BeginResult> begin(const std::vector<std::string>& selector, double timeout_s,
                             SteadyClock::time_point now);
   // `bucket` is the whole flat buffer the entries' byte offsets refer to.
+  // `on_device`: the bucket lives on the model's CUDA device (NCCL staging, CUDA IPC).
   Result<BucketResult> apply_bucket(uint64_t session, std::span<const BucketEntry> entries,
                                     std::span<const uint8_t> bucket, std::optional<uint32_t> crc32,
-                                    SteadyClock::time_point now);
+                                    SteadyClock::time_point now, bool on_device = false);
   Result<EndResult> end(uint64_t session, uint64_t weight_version, SteadyClock::time_point now);
   // Ends the session without a new version. Returns whether the model is whole afterwards.
   Result<bool> abort(uint64_t session, const std::string& why);

@@ -224,6 +224,8 @@ void ControlActor::on_request(const std::string& identity, std::vector<zmq::mess
       auto snap = snapshot_.load();
       r.weight_version = snap ? snap->weight_version : 0;
       r.limits = config_.limits;
+      r.nccl_version = nccl_version_;
+      r.device_uuid = device_uuid_;
       enqueue(client, protocol::encode_reply(id, r), true);
     }
   } else if (std::holds_alternative<protocol::StatusRequest>(req)) {
@@ -282,7 +284,9 @@ void ControlActor::on_request(const std::string& identity, std::vector<zmq::mess
              std::holds_alternative<protocol::GetWeightsByNameRequest>(req) ||
              std::holds_alternative<protocol::WeightsChecksumRequest>(req) ||
              std::holds_alternative<protocol::PauseGenerationRequest>(req) ||
-             std::holds_alternative<protocol::ContinueGenerationRequest>(req)) {
+             std::holds_alternative<protocol::ContinueGenerationRequest>(req) ||
+             std::holds_alternative<protocol::InitWeightGroupRequest>(req) ||
+             std::holds_alternative<protocol::DestroyWeightGroupRequest>(req)) {
     WeightCommand cmd;
     cmd.client = client;
     cmd.envelope_id = id;

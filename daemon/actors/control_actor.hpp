@@ -38,6 +38,10 @@ class ControlActor {
                protocol::ModelInfo model, int32_t gpu, std::atomic<bool>& drain_requested);
   ~ControlActor();
 
+  void set_device_facts(uint32_t nccl_version, std::string device_uuid) {
+    nccl_version_ = nccl_version;
+    device_uuid_ = std::move(device_uuid);
+  }
   // Binds the ROUTER; returns the bound endpoint ("tcp://127.0.0.1:7600").
   Result<std::string> bind();
   // Thread body. Returns the process exit code: 0 after a clean drain, 3 after an engine fault.
@@ -83,6 +87,8 @@ class ControlActor {
   Heartbeat& heartbeat_;
   protocol::ModelInfo model_;
   int32_t gpu_;
+  uint32_t nccl_version_ = 0;   // reported in hello so a trainer can check before joining
+  std::string device_uuid_;     // 16 bytes on a GPU: a trainer on the same device may use IPC
   std::atomic<bool>& drain_requested_;
   zmq::socket_t router_;
 

@@ -85,7 +85,9 @@ void EngineActor::handle(EngineCommand& cmd) {
                     {{"deadline_s", drain->deadline_s}, {"running", st.num_running}, {"waiting", st.num_waiting}});
     }
   } else if (auto* w = std::get_if<WeightCommand>(&cmd)) {
-    handle_weights(*w);
+    // Weight commands are ordered: while a join or an NCCL bucket is in flight, later ones wait.
+    if (has_pending_device_work() || !deferred_.empty()) deferred_.push_back(std::move(*w));
+    else handle_weights(*w);
   } else if (std::holds_alternative<StopCommand>(cmd)) {
     // Anything still in flight gets its final event before the loop ends.
     engine_->abort_all("shutdown", events);
@@ -143,7 +145,9 @@ void EngineActor::run() {
     heartbeat_.beat();
     // Busy: only look at the mailbox between steps. Idle: sleep on it (bounded, so the
     // heartbeat keeps beating and drain deadlines are checked).
-    const auto timeout = engine_->has_work() ? std::chrono::milliseconds(0) : std::chrono::milliseconds(50);
+    const auto timeout = engine_->has_work()              ? std::chrono::milliseconds(0)
+                         : has_pending_device_work()       ? std::chrono::milliseconds(1)
+                                                           : std::chrono::milliseconds(50);
     zmq::pollitem_t items[] = {{mailbox_->socket().handle(), 0, ZMQ_POLLIN, 0}};
     try {
       zmq::poll(items, 1, timeout);
@@ -157,6 +161,7 @@ void EngineActor::run() {
     if (stop_) break;
 
     check_session_deadline();
+    poll_device_work();
     if (draining_ && engine_->has_requests() && Clock::now() >= drain_deadline_) {
       std::vector<core::EngineEvent> events;
       const size_t n = engine_->abort_all("shutdown", events);

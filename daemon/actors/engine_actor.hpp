@@ -4,6 +4,10 @@
 // steps while there is work, and sends events back in one batch per step. It
 // never touches a socket other than its mailbox and never waits on another actor.
 #include <chrono>
+#include <deque>
+#include <map>
+#include <optional>
+#include <span>
 #include <memory>
 
 #include "core/engine/engine.hpp"
@@ -12,6 +16,8 @@
 #include "daemon/config.hpp"
 #include "daemon/obs/metrics.hpp"
 #include "daemon/state.hpp"
+#include "daemon/weights/cuda_ipc.hpp"
+#include "daemon/weights/nccl_group.hpp"
 
 namespace rolloutd::daemon {
 
@@ -35,6 +41,15 @@ class EngineActor {
   // The model stopped being whole (failed session): end what was in flight, say why.
   void on_model_broken(const Status& why);
   void check_session_deadline();
+  // Device transports (engine_weights.cpp): joins and NCCL buckets complete asynchronously;
+  // weight commands that arrive meanwhile wait in order behind them.
+  bool has_pending_device_work() const { return pending_join_.has_value() || pending_bucket_.has_value(); }
+  void poll_device_work();
+  void start_nccl_bucket(WeightCommand& cmd);
+  void finish_session_resources();
+  // Applies a bucket already in host or device memory and replies.
+  void apply_and_reply(uint64_t client, uint64_t envelope_id, const protocol::UpdateWeightsRequest& r,
+                       std::span<const uint8_t> bucket, bool on_device);
 
   std::unique_ptr<core::Engine> engine_;
   std::unique_ptr<MailboxEnd> mailbox_;
@@ -43,6 +58,22 @@ class EngineActor {
   Heartbeat& heartbeat_;
   const DaemonConfig& config_;
   std::vector<uint8_t> shm_staging_;  // reused across shm buckets
+  std::map<std::string, std::unique_ptr<NcclGroup>> groups_;
+  struct PendingJoin {
+    uint64_t client = 0, envelope_id = 0;
+    std::string group;
+    std::chrono::steady_clock::time_point started;
+  };
+  struct PendingBucket {
+    uint64_t client = 0, envelope_id = 0;
+    protocol::UpdateWeightsRequest request;
+  };
+  std::optional<PendingJoin> pending_join_;
+  std::optional<PendingBucket> pending_bucket_;
+  std::deque<WeightCommand> deferred_;
+  void* device_staging_ = nullptr;     // NCCL receive buffer (device), grown on demand
+  uint64_t device_staging_bytes_ = 0;
+  std::unique_ptr<CudaIpcImporter> ipc_;
   bool stop_ = false;
   bool draining_ = false;
   bool drain_done_sent_ = false;

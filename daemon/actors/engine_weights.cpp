@@ -82,8 +82,138 @@ void EngineActor::check_session_deadline() {
   if (!expired) return;
   metrics_.on_error(error_code_name(expired->code()));
   metrics_.on_weight_session("expired", 0);
+  finish_session_resources();
   obs::log_error("weights", "weight-update session expired", {{"error", expired->to_string()}});
   if (!engine_->updater().whole() && !engine_->updater().broken_reason().empty()) on_model_broken(*expired);
+}
+
+void EngineActor::finish_session_resources() {
+  if (ipc_) {
+    const size_t n = ipc_->close_all();
+    if (n) obs::log_debug("ipc", "closed handles", {{"count", n}});
+    metrics_.set_ipc_handles_open(0);
+  }
+  if (device_staging_) {
+    (void)engine_->model().backend().free(engine_->model().context(), device_staging_);
+    device_staging_ = nullptr;
+    device_staging_bytes_ = 0;
+  }
+}
+
+void EngineActor::apply_and_reply(uint64_t client, uint64_t envelope_id, const protocol::UpdateWeightsRequest& r,
+                                  std::span<const uint8_t> bucket, bool on_device) {
+  auto& u = engine_->updater();
+  std::vector<core::BucketEntry> entries;
+  entries.reserve(r.entries.size());
+  for (const auto& e : r.entries) entries.push_back({e.name, e.dtype, e.shape, e.byte_offset, e.nbytes});
+  std::optional<uint32_t> crc;
+  if (r.checksum) crc = r.checksum->value;
+  auto a = u.apply_bucket(r.session, entries, bucket, crc, Clock::now(), on_device);
+  // Whatever happened, nothing of the producer's memory is read past this point: inline frames
+  // die with the command, the shm object was closed by read_shm, device copies were synchronized.
+  if (!a.ok()) {
+    if (!u.session_open()) {
+      metrics_.on_weight_session("failed", 0);
+      finish_session_resources();
+    }
+    if (!u.broken_reason().empty() && !u.session_open()) on_model_broken(a.status());
+    return reply_error(client, envelope_id, in_body(a.status()));
+  }
+  metrics_.add_weight_update_bytes(a->num_bytes);
+  reply(client, protocol::encode_reply(envelope_id, protocol::UpdateWeightsReply{r.session, a->num_entries,
+                                                                                 a->num_bytes, a->duration_s}));
+}
+
+void EngineActor::start_nccl_bucket(WeightCommand& cmd) {
+  auto& r = std::get<protocol::UpdateWeightsRequest>(cmd.request);
+  const auto& src = std::get<protocol::NcclSource>(r.source);
+  auto it = groups_.find(src.group);
+  if (it == groups_.end() || it->second->aborted() || (pending_join_ && pending_join_->group == src.group))
+    return reply_error(cmd.client, cmd.envelope_id,
+                       Status(ErrorCode::kNotFound, "no joined group '" + src.group + "'", "body.source.group"));
+  if (static_cast<int>(src.root) != it->second->root())
+    return reply_error(cmd.client, cmd.envelope_id,
+                       Status(ErrorCode::kInvalidArgument,
+                              "root " + std::to_string(src.root) + " is not the group's root " +
+                                  std::to_string(it->second->root()),
+                              "body.source.root"));
+  const auto& ctx = engine_->model().context();
+  const auto& backend = engine_->model().backend();
+  if (src.size > device_staging_bytes_) {
+    if (device_staging_) (void)backend.free(ctx, device_staging_);
+    device_staging_ = nullptr;
+    device_staging_bytes_ = 0;
+    if (Status s = backend.alloc(ctx, src.size, &device_staging_); !s.ok())
+      return reply_error(cmd.client, cmd.envelope_id,
+                         Status(ErrorCode::kResourceExhausted, "cannot allocate a " + std::to_string(src.size) +
+                                                                   "-byte staging buffer: " + s.message(),
+                                "body.source.size"));
+    device_staging_bytes_ = src.size;
+  }
+  // The broadcast must match the trainer's: post it even if the table will be refused, then
+  // refuse after it completes (otherwise the trainer's collective would wait forever).
+  if (Status s = it->second->start_broadcast(device_staging_, src.size); !s.ok())
+    return reply_error(cmd.client, cmd.envelope_id, s);
+  pending_bucket_ = PendingBucket{cmd.client, cmd.envelope_id, std::move(r)};
+}
+
+void EngineActor::poll_device_work() {
+  using namespace protocol;
+  if (pending_join_) {
+    auto it = groups_.find(pending_join_->group);
+    Result<bool> done = it == groups_.end()
+                            ? Result<bool>(Status(ErrorCode::kInternal, "group vanished", "body.group"))
+                            : it->second->poll_join();
+    if (!done.ok() || *done) {
+      PendingJoin j = *pending_join_;
+      pending_join_.reset();
+      if (!done.ok()) {
+        groups_.erase(j.group);
+        reply_error(j.client, j.envelope_id, done.status());
+      } else {
+        const double dt = std::chrono::duration<double>(Clock::now() - j.started).count();
+        obs::log_info("nccl", "joined group", {{"group", j.group}, {"duration_s", dt}});
+        InitWeightGroupReply rep;
+        rep.group = j.group;
+        rep.nccl_version = static_cast<uint32_t>(NcclGroup::loaded_version());
+        rep.duration_s = dt;
+        reply(j.client, encode_reply(j.envelope_id, rep));
+      }
+    }
+  }
+  if (pending_bucket_) {
+    const auto& src = std::get<NcclSource>(pending_bucket_->request.source);
+    auto it = groups_.find(src.group);
+    Result<bool> done = it == groups_.end()
+                            ? Result<bool>(Status(ErrorCode::kUnavailable, "group vanished", "body.source.group"))
+                            : it->second->poll_broadcast();
+    if (!done.ok() || *done) {
+      PendingBucket b = std::move(*pending_bucket_);
+      pending_bucket_.reset();
+      metrics_.set_ipc_handles_open(ipc_ ? ipc_->num_open() : 0);
+      if (!done.ok()) {
+        // The trainer is gone or too slow: the communicator is aborted and the session fails
+        // closed; the group must be re-initialised.
+        groups_.erase(src.group);
+        auto& u = engine_->updater();
+        if (u.session_open()) {
+          auto a = u.abort(u.session_id(), "NCCL broadcast failed: " + done.status().message());
+          metrics_.on_weight_session("failed", 0);
+          finish_session_resources();
+          if (a.ok() && !*a) on_model_broken(done.status());
+        }
+        reply_error(b.client, b.envelope_id, done.status());
+      } else {
+        apply_and_reply(b.client, b.envelope_id, b.request,
+                        {static_cast<const uint8_t*>(device_staging_), src.size}, true);
+      }
+    }
+  }
+  while (!has_pending_device_work() && !deferred_.empty()) {
+    WeightCommand next = std::move(deferred_.front());
+    deferred_.pop_front();
+    handle_weights(next);
+  }
 }
 
 void EngineActor::handle_weights(WeightCommand& cmd) {
@@ -101,38 +231,91 @@ void EngineActor::handle_weights(WeightCommand& cmd) {
                                                                      b->num_parameters_restored}));
   }
   if (auto* r = std::get_if<UpdateWeightsRequest>(&cmd.request)) {
-    std::span<const uint8_t> bucket;
     if (auto* in = std::get_if<InlineSource>(&r->source)) {
       if (in->frame >= cmd.payload.size())
         return reply_error(cmd.client, id, Status(ErrorCode::kOutOfRange, "no such payload frame", "body.source.frame"));
       const zmq::message_t& f = cmd.payload[in->frame];
-      bucket = {static_cast<const uint8_t*>(f.data()), f.size()};
-    } else {
-      const auto& shm = std::get<ShmSource>(r->source);
-      // Check the session before touching the producer's memory at all.
-      if (!u.session_open() || u.session_id() != r->session)
-        return reply_error(cmd.client, id,
-                           Status(ErrorCode::kFailedPrecondition, "weight-update session is not open", "body.session"));
-      Status s = check_shm_name(shm.name, config_.shm_prefix);
-      if (s.ok()) s = read_shm(shm.name, shm.offset, shm.size, shm_staging_);
+      return apply_and_reply(cmd.client, id, *r, {static_cast<const uint8_t*>(f.data()), f.size()}, false);
+    }
+    // NCCL: the trainer's broadcast is already posted, so the daemon always takes part in it
+    // (a refusal before receiving would leave the trainer's collective waiting until its own
+    // timeout); the session and the table are checked when the bytes are in.
+    if (std::holds_alternative<NcclSource>(r->source)) {
+      if (config_.device != "cuda" || NcclGroup::loaded_version() == 0)
+        return reply_error(cmd.client, id, Status(ErrorCode::kUnimplemented,
+                                                  "nccl buckets need a daemon on a GPU with NCCL loaded",
+                                                  "body.source.kind"));
+      return start_nccl_bucket(cmd);
+    }
+    // Check the session before touching the producer's memory at all.
+    if (!u.session_open() || u.session_id() != r->session)
+      return reply_error(cmd.client, id,
+                         Status(ErrorCode::kFailedPrecondition, "weight-update session is not open", "body.session"));
+    if (auto* shm = std::get_if<ShmSource>(&r->source)) {
+      Status s = check_shm_name(shm->name, config_.shm_prefix);
+      if (s.ok()) s = read_shm(shm->name, shm->offset, shm->size, shm_staging_);
       if (!s.ok()) return reply_error(cmd.client, id, s);
-      bucket = shm_staging_;
+      return apply_and_reply(cmd.client, id, *r, shm_staging_, false);
     }
-    std::vector<core::BucketEntry> entries;
-    entries.reserve(r->entries.size());
-    for (const auto& e : r->entries) entries.push_back({e.name, e.dtype, e.shape, e.byte_offset, e.nbytes});
-    std::optional<uint32_t> crc;
-    if (r->checksum) crc = r->checksum->value;
-    auto a = u.apply_bucket(r->session, entries, bucket, crc, now);
-    // Whatever happened, nothing of the producer's memory is held past this point: the
-    // inline frames die with `cmd`, the shm object was closed by read_shm.
-    if (!a.ok()) {
-      if (!u.session_open()) metrics_.on_weight_session("failed", 0);
-      if (!u.broken_reason().empty() && !u.session_open()) on_model_broken(a.status());
-      return reply_error(cmd.client, id, in_body(a.status()));
+    if (config_.device != "cuda")
+      return reply_error(cmd.client, id, Status(ErrorCode::kUnimplemented,
+                                                "cuda_ipc buckets need a daemon on a GPU (--device cuda)",
+                                                "body.source.kind"));
+    if (auto* ipc = std::get_if<CudaIpcSource>(&r->source)) {
+      if (!ipc_) ipc_ = std::make_unique<CudaIpcImporter>(config_.gpu);
+      auto p = ipc_->map(ipc->handle, ipc->offset, ipc->size, ipc->device_uuid);
+      metrics_.set_ipc_handles_open(ipc_->num_open());
+      if (!p.ok()) return reply_error(cmd.client, id, p.status());
+      return apply_and_reply(cmd.client, id, *r, {*p, ipc->size}, true);
     }
-    metrics_.add_weight_update_bytes(a->num_bytes);
-    return reply(cmd.client, encode_reply(id, UpdateWeightsReply{r->session, a->num_entries, a->num_bytes, a->duration_s}));
+    return reply_error(cmd.client, id, Status(ErrorCode::kInternal, "unknown bucket source", "body.source"));
+  }
+  if (auto* r = std::get_if<InitWeightGroupRequest>(&cmd.request)) {
+    const int mine = NcclGroup::loaded_version();
+    if (config_.device != "cuda" || mine == 0)
+      return reply_error(cmd.client, id,
+                         Status(ErrorCode::kUnimplemented,
+                                config_.device != "cuda" ? "weight groups need a daemon on a GPU (--device cuda)"
+                                                         : "this daemon could not load libnccl.so.2: put the trainer's "
+                                                           "NCCL on LD_LIBRARY_PATH",
+                                ""));
+    if (groups_.count(r->group))
+      return reply_error(cmd.client, id, Status(ErrorCode::kFailedPrecondition,
+                                                "group '" + r->group + "' exists; destroy it first", "body.group"));
+    if (static_cast<int>(r->nccl_version) != mine)
+      return reply_error(
+          cmd.client, id,
+          Status(ErrorCode::kFailedPrecondition,
+                 "the trainer runs NCCL " + std::to_string(r->nccl_version) + " but this daemon loaded NCCL " +
+                     std::to_string(mine) + "; start the daemon with LD_LIBRARY_PATH pointing at the trainer's "
+                     "library (PyTorch: <site-packages>/nvidia/nccl/lib)",
+                 "body.nccl_version"));
+    auto g = NcclGroup::start_join(r->group, r->unique_id, static_cast<int>(r->world_size), static_cast<int>(r->rank),
+                                   static_cast<int>(r->root), config_.gpu, r->timeout_s);
+    if (!g.ok()) return reply_error(cmd.client, id, g.status());
+    groups_.emplace(r->group, std::move(*g));
+    pending_join_ = PendingJoin{cmd.client, id, r->group, now};
+    obs::log_info("nccl", "joining group", {{"group", r->group}, {"rank", r->rank}, {"world_size", r->world_size},
+                                             {"nccl_version", mine}});
+    return;  // replied from poll_device_work()
+  }
+  if (auto* r = std::get_if<DestroyWeightGroupRequest>(&cmd.request)) {
+    auto it = groups_.find(r->group);
+    if (it == groups_.end())
+      return reply_error(cmd.client, id, Status(ErrorCode::kNotFound, "no group '" + r->group + "'", "body.group"));
+    // Tearing down aborts the communicator (never blocks on a peer that may be gone). A join in
+    // progress is answered `aborted`; a broadcast in progress fails as for a lost peer.
+    if (pending_join_ && pending_join_->group == r->group) {
+      reply_error(pending_join_->client, pending_join_->envelope_id,
+                  Status(ErrorCode::kAborted, "group '" + r->group + "' was destroyed while joining", "body.group"));
+      pending_join_.reset();
+    }
+    if (pending_bucket_ && std::get<NcclSource>(pending_bucket_->request.source).group == r->group)
+      it->second->abort("destroy_weight_group during a broadcast");  // poll_device_work() fails it
+    else
+      groups_.erase(it);
+    obs::log_info("nccl", "group destroyed", {{"group", r->group}});
+    return reply(cmd.client, encode_reply(id, DestroyWeightGroupReply{r->group}));
   }
   if (auto* r = std::get_if<EndWeightUpdateRequest>(&cmd.request)) {
     // Versions never decrease (SPEC 6): a trainer that restarted from an older step says so
@@ -150,6 +333,7 @@ void EngineActor::handle_weights(WeightCommand& cmd) {
     }
     engine_->set_weight_version(r->weight_version);
     metrics_.on_weight_session("completed", e->duration_s);
+    finish_session_resources();
     obs::log_info("weights", "session ended",
                   {{"session", e->session}, {"weight_version", e->weight_version}, {"buckets", e->num_buckets},
                    {"entries", e->num_entries}, {"size_bytes", e->num_bytes},
@@ -165,6 +349,7 @@ void EngineActor::handle_weights(WeightCommand& cmd) {
     auto a = u.abort(r->session, "abort_weight_update");
     if (!a.ok()) return reply_error(cmd.client, id, in_body(a.status()));
     metrics_.on_weight_session("aborted", 0);
+    finish_session_resources();
     if (!*a) on_model_broken(Status(ErrorCode::kAborted, "session aborted after writing buckets"));
     return reply(cmd.client, encode_reply(id, AbortWeightUpdateReply{r->session, *a ? "ready" : "not_ready"}));
   }

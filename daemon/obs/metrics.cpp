@@ -99,6 +99,11 @@ struct Metrics::Impl {
                                  .Help("Wall time of completed weight-update sessions, begin to end.")
                                  .Register(registry)
                                  .Add({}, step_buckets());
+    ipc_handles_open = &prometheus::BuildGauge()
+                            .Name("rolloutd_weight_ipc_handles_open")
+                            .Help("CUDA IPC handles held open by the weight-update session.")
+                            .Register(registry)
+                            .Add({});
     weight_update_bytes = &prometheus::BuildCounter()
                                .Name("rolloutd_weight_update_bytes_total")
                                .Help("Bucket bytes applied to parameters.")
@@ -168,6 +173,7 @@ struct Metrics::Impl {
   CappedCounterFamily weight_sessions;
   prometheus::Histogram* weight_update_seconds = nullptr;
   prometheus::Counter* weight_update_bytes = nullptr;
+  prometheus::Gauge* ipc_handles_open = nullptr;
   prometheus::Counter* prompt_tokens = nullptr;
   prometheus::Counter* generated_tokens = nullptr;
   prometheus::Gauge* queue_waiting = nullptr;
@@ -208,6 +214,7 @@ void Metrics::on_weight_session(std::string_view result, double seconds) {
   impl_->weight_sessions.get(result).Increment();
   if (result == "completed") impl_->weight_update_seconds->Observe(seconds);
 }
+void Metrics::set_ipc_handles_open(uint64_t n) { impl_->ipc_handles_open->Set(static_cast<double>(n)); }
 void Metrics::add_weight_update_bytes(uint64_t n) {
   impl_->weight_update_bytes->Increment(static_cast<double>(n));
 }

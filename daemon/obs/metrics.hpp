@@ -47,6 +47,7 @@ class Metrics {
   // completed ones also observe rolloutd_weight_update_duration_seconds.
   void on_weight_session(std::string_view result, double seconds);
   void add_weight_update_bytes(uint64_t n);        // rolloutd_weight_update_bytes_total
+  void set_ipc_handles_open(uint64_t n);           // rolloutd_weight_ipc_handles_open
   void set_ready(bool ready);                      // rolloutd_ready
   void set_weight_version(uint64_t version);       // rolloutd_weight_version
   void set_uptime_seconds(double s);               // rolloutd_uptime_seconds

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/bf16.hpp"
 #include "kernels/cpu/cpu_ops.hpp"
 #include "kernels/cpu/op_checks.hpp"
 
@@ -184,6 +185,30 @@ Status kv_store(const ExecContext& ctx, TensorView k_cache, TensorView v_cache, 
 
 }  // namespace cpu
 
+namespace cpu {
+Status convert(const ExecContext& ctx, void* dst, DType dt, const void* src, DType st, size_t n) {
+  if (ctx.device.kind != DeviceKind::kCpu)
+    return Status(ErrorCode::kInvalidArgument, "CPU convert with a non-CPU context", "ctx");
+  if (n == 0) return Status::Ok();
+  if (dst == nullptr || src == nullptr)
+    return Status(ErrorCode::kInvalidArgument, "null pointer", dst == nullptr ? "dst" : "src");
+  if (dt == st) {
+    std::memcpy(dst, src, n * dtype_size(dt));
+  } else if (dt == DType::kF32 && st == DType::kBF16) {
+    auto* d = static_cast<float*>(dst);
+    const auto* s = static_cast<const uint16_t*>(src);
+    for (size_t i = 0; i < n; ++i) d[i] = bf16_bits_to_f32(s[i]);
+  } else if (dt == DType::kBF16 && st == DType::kF32) {
+    auto* d = static_cast<uint16_t*>(dst);
+    const auto* s = static_cast<const float*>(src);
+    for (size_t i = 0; i < n; ++i) d[i] = f32_to_bf16_bits(s[i]);
+  } else {
+    return Status(ErrorCode::kInvalidArgument, "unsupported conversion", "dst_dtype");
+  }
+  return Status::Ok();
+}
+}  // namespace cpu
+
 const Backend& cpu_backend() {
   static const Backend kCpuBackend{
       "cpu",
@@ -201,6 +226,7 @@ const Backend& cpu_backend() {
       cpu::paged_attention,
       cpu::router_softmax_topk,
       cpu::moe_experts,
+      cpu::convert,
   };
   return kCpuBackend;
 }

@@ -33,4 +33,6 @@ Status router_softmax_topk(const ExecContext&, TensorView ids, TensorView weight
                            TensorView logits, bool renormalize);
 Status moe_experts(const ExecContext&, const MoeExpertsArgs& args);
 
+Status convert(const ExecContext&, void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t n);
+
 }  // namespace rolloutd::cpu

@@ -187,6 +187,7 @@ const Backend* cuda_backend() {
       cuda::paged_attention,
       cuda::router_softmax_topk,
       cuda::moe_experts,
+      cuda::convert,
   };
   return &kCudaBackend;
 }

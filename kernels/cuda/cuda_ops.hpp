@@ -24,5 +24,7 @@ Status paged_attention(const ExecContext&, TensorView out, TensorView q, TensorV
 Status router_softmax_topk(const ExecContext&, TensorView ids, TensorView weights,
                            TensorView logits, bool renormalize);
 Status moe_experts(const ExecContext&, const MoeExpertsArgs& args);
+// elementwise.cu
+Status convert(const ExecContext&, void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t n);
 
 }  // namespace rolloutd::cuda

@@ -1,7 +1,9 @@
+#include <algorithm>
 // CUDA twins of the elementwise ops: embedding, rmsnorm, add, rope, kv_store.
 // Index values live on the device and are not checked on the host (that would need a
 // synchronisation): an embedding id outside [0, V) gives a zero row, a slot outside the
 // cache is skipped. Nothing is ever read or written out of bounds.
+#include "kernels/bf16.hpp"
 #include "kernels/cpu/op_checks.hpp"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_ops.hpp"
@@ -158,6 +160,45 @@ Status kv_store(const ExecContext& ctx, TensorView k_cache, TensorView v_cache, 
       slot_mapping.as<const int32_t>(), k_cache.size(0) * k_cache.size(1),
       k_cache.size(2) * k_cache.size(3));
   RD_CUDA_CHECK_LAUNCH("kv_store_kernel");
+  return Status::Ok();
+}
+
+// ---- dtype conversion (device-resident checkpoint tensors) ----
+namespace {
+__global__ void bf16_to_f32_kernel(float* __restrict__ dst, const uint16_t* __restrict__ src, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dst[i] = __uint_as_float(static_cast<uint32_t>(src[i]) << 16);
+}
+__global__ void f32_to_bf16_kernel(uint16_t* __restrict__ dst, const float* __restrict__ src, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dst[i] = f32_to_bf16_bits(src[i]);  // kernels/bf16.hpp: the CPU's rounding, bit for bit
+}
+}  // namespace
+
+Status convert(const ExecContext& ctx, void* dst, DType dt, const void* src, DType st, size_t n) {
+  if (ctx.device.kind != DeviceKind::kCuda)
+    return Status(ErrorCode::kInvalidArgument, "CUDA convert with a non-CUDA context", "ctx");
+  if (n == 0) return Status::Ok();
+  if (dst == nullptr || src == nullptr)
+    return Status(ErrorCode::kInvalidArgument, "null pointer", dst == nullptr ? "dst" : "src");
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  cudaStream_t stream = static_cast<cudaStream_t>(ctx.stream);
+  const int64_t count = static_cast<int64_t>(n);
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((count + kThreads - 1) / kThreads, 65535 * 8));
+  if (dt == st) {
+    RD_CUDA_CHECK(cudaMemcpyAsync(dst, src, n * dtype_size(dt), cudaMemcpyDeviceToDevice, stream));
+  } else if (dt == DType::kF32 && st == DType::kBF16) {
+    bf16_to_f32_kernel<<<grid, kThreads, 0, stream>>>(static_cast<float*>(dst), static_cast<const uint16_t*>(src), count);
+    RD_CUDA_CHECK_LAUNCH("bf16_to_f32_kernel");
+  } else if (dt == DType::kBF16 && st == DType::kF32) {
+    f32_to_bf16_kernel<<<grid, kThreads, 0, stream>>>(static_cast<uint16_t*>(dst), static_cast<const float*>(src), count);
+    RD_CUDA_CHECK_LAUNCH("f32_to_bf16_kernel");
+  } else {
+    return Status(ErrorCode::kInvalidArgument, "unsupported conversion", "dst_dtype");
+  }
   return Status::Ok();
 }
 

@@ -1,22 +1,54 @@
-// CUDA twins of cpu_quant.cpp, bit-exact with it (quant_parity_test.cpp). The element codecs
-// are the shared integer ones of minifloat.hpp; what differs is how the work is spread:
-// - MX quantize: two lanes per 32-element block, 16 elements (one or two 16-byte loads) each,
-//   amax combined with one shuffle; MXFP4 writes 8 bytes per lane, straight into the kernel
-//   layout when asked (8 bytes never straddle a 32-byte tile row).
-// - UE8M0 FP8, 1 x 128: eight lanes per block, three shuffles. 128 x 128: one 256-thread CTA
-//   per block holding its 16,384 elements in registers between the amax and the encode, so
-//   the input is read from DRAM once.
+// CUDA twins of cpu_quant.cpp, bit-exact with it (quant_parity_test.cpp). What differs from the
+// reference is how the work is spread and how an element is encoded:
+// - Elements travel in chunks of 8 consecutive ones of a row (one 16-byte load of bf16, two of
+//   f32). A "lane" (one thread's share of one block) owns two chunks of its block, chosen so
+//   that each load instruction of a warp reads whole 32-byte sectors; every load of a thread
+//   is issued before the first is used.
+// - MX quantize: two lanes per 32-element block (chunks h and h + 2), amax combined with one
+//   shuffle; after encoding the two lanes swap one chunk so each stores 8 contiguous bytes
+//   (MXFP4, straight into the kernel layout when asked: 8 bytes never straddle a 32-byte tile
+//   row) or 16 (MXFP8).
+// - UE8M0 FP8, 1 x 128: eight lanes per block (chunks s and s + 8), three shuffles. 128 x 128:
+//   one 256-thread CTA per block holding its 16,384 elements in registers (packed as loaded)
+//   between the amax and the encode, so the input is read from DRAM once.
+// - Element codecs: E4M3 by the hardware conversion of x * 2^-se, E2M1 by rounding through an
+//   addition (bf16 pairs, or f32); both proven equal to minifloat.hpp's round_to_code below.
+// - The common case (contiguous, 16-byte aligned, whole blocks) indexes without division; any
+//   other input (strided, K not a multiple of the block, misaligned) takes the generic path of
+//   the same kernels: 64-bit row/block arithmetic and per-element loads where needed.
 // - The in-place MXFP4 layout permutation: one CTA per closed group of 16 or 32 rows, staged
 //   through shared memory (the group is the only extra storage); for concatenated gate/up,
 //   one CTA per cycle of 16-row tiles, two tiles of shared memory.
 // - Dequantization and the scale copies: one thread per output element (not on a hot path).
-// Input loads are 16-byte vectors where the view is contiguous, K % 8 == 0 and the base is
-// aligned; every other input (strided, odd K) takes the per-element path of the same kernel.
+//
+// Predict, change, measure (tests/bench/quant/quant_bench.cu on an H200, 4 GiB of bf16 in; the
+// same run's device copy moves 4.2 TB/s read + write). Before: 0.21-0.29 x copy, ~400 G
+// elements/s, i.e. ~80 lane instructions per element at the chip's ~33 T/s: instruction-bound
+// (per-element integer encoders, a 64-bit division per lane). Issue 4 asks >= 0.7 x copy, which
+// for MXFP4 is 1.16 T elements/s, a budget of ~29 instructions per element at full issue.
+// Counts below are per element, bf16 input, from the PTX of this file:
+//  1. E4M3: FMUL by the exact power of two 2^-se, then cvt.rn.satfinite.e4m3x2.f32 per pair:
+//     ~30 -> ~3 instructions. Predicted MXFP8 and both UE8M0 FP8 ops memory-bound.
+//  2. E2M1 on bf16 pairs: y = min(|x| 2^-se, 6) and one fma em*64 + y (em = max(2^floor(log2 y),
+//     1)) rounds y onto the E2M1 grid in one IEEE rounding; code from the bits: ~35 -> ~6.
+//  3. Index math: no 64-bit division on the common path (linear offsets; a 32-bit
+//     multiply-high division for the kernel layout's row): ~5 -> < 1.
+//  4. Loads: whole sectors per instruction and 64 bytes in flight per thread (was 32, in half
+//     sectors). The whole bf16 MXFP4 kernel is ~440 PTX instructions per 32 elements (~14 per
+//     element with every per-lane cost, SASS fewer after fusion): ~40% of issue at 0.7 x copy,
+//     so DRAM, not issue, should bound it.
+//  Predicted (x copy): MXFP4 checkpoint 0.26 -> 0.75-0.85, kernel layout 0.23 -> 0.7-0.8,
+//  MXFP8 0.29 -> 0.75-0.85, UE8M0 1 x 128 0.26 -> 0.75-0.85, 128 x 128 0.21 -> 0.7-0.8 (one
+//  barrier per tile; 4 CTAs per SM now that the tile stays packed in 32 registers).
 #include <cstdint>
 #include <string>
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/quant/quant_plan.hpp"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "cuda_quant.cu needs sm_90: cvt.rn.satfinite.e4m3x2.f32 (sm_89) and mul.rn.bf16x2 (sm_90)"
+#endif
 
 namespace rolloutd::quant::detail {
 namespace {
@@ -27,42 +59,254 @@ using cuda::stream_of;
 
 constexpr int kThreads = 256;
 constexpr int kLayoutThreads = 512;
+constexpr int kLaneIters = 2;  // lanes per thread in the quantize kernels: 4 chunks in flight
 
 bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
-// Eight consecutive elements (row offset ro, columns k..k+7) as FP32 bits; columns at or past
-// K read as +0, which never raises an amax and encodes to the +0 code.
-template <bool kBf16, bool kVec>
-__device__ __forceinline__ void load8(const StridedRows& x, int64_t ro, int64_t k, uint32_t v[8]) {
-  if constexpr (kVec) {
-    // K % 8 == 0 here, so a chunk is entirely inside the row or entirely past its end.
-    if (k >= x.cols) {
+// ---- index arithmetic ---------------------------------------------------------------------
+
+// n / d for every 32-bit n with one multiply-high (Granlund & Montgomery 1994, the round-up
+// multiplier 2^32 + mul with shift = ceil(log2 d); exact for every n < 2^32, d >= 1).
+struct FastDiv {
+  uint32_t d = 1, mul = 1, shift = 0;
+  static FastDiv of(uint32_t d) {
+    FastDiv f;
+    f.d = d;
+    while ((uint64_t{1} << f.shift) < d) ++f.shift;
+    f.mul = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << f.shift) - d)) / d + 1);
+    return f;
+  }
+  __device__ __forceinline__ uint32_t div(uint32_t n) const {
+    return static_cast<uint32_t>((static_cast<uint64_t>(__umulhi(n, mul)) + n) >> shift);
+  }
+};
+
+// mxfp4.hpp's kernel-layout positions in 32-bit arithmetic, for one expert matrix of fewer
+// than 2^31 bytes (the host checks): kernel row of checkpoint row r, then the byte offset of
+// row byte b (b % 8 == 0 here) and of the scale of block kb. Mirrors mxfp4_kernel_row /
+// _value_offset / _scale_offset; quant_parity_test holds the two together.
+__device__ __forceinline__ uint32_t kernel_row_u32(uint32_t r, uint32_t n, Mxfp4RowOrder order) {
+  if (order == Mxfp4RowOrder::kGateUpInterleaved) return (r & ~31u) + (r & 1u) * 16u + ((r & 31u) >> 1);
+  if (order == Mxfp4RowOrder::kGateUpConcatenated) {
+    const uint32_t half = n >> 1, up = r >= half ? 1u : 0u, j = r - up * half;
+    return (j >> 4) * 32u + up * 16u + (j & 15u);
+  }
+  return r;
+}
+__device__ __forceinline__ uint32_t kernel_value_offset_u32(uint32_t kr, uint32_t b, uint32_t k_tiles) {
+  return ((kr >> 4) * k_tiles + (b >> 5)) * kMxfp4TileBytes + (kr & 15u) * kMxfp4TileRowBytes + (b & 31u);
+}
+__device__ __forceinline__ uint32_t kernel_scale_offset_u32(uint32_t kr, uint32_t kb, uint32_t k_tiles) {
+  return ((kr >> 4) * k_tiles + (kb >> 1)) * kMxfp4TileScales + (kr & 15u) * 2u + (kb & 1u);
+}
+
+// ---- chunks: 8 consecutive elements of a row, as loaded -----------------------------------
+
+template <bool kBf16>
+struct Chunk {
+  static constexpr int kWords = kBf16 ? 4 : 8;  // bf16: element 2j in the low half of word j
+  uint32_t w[kWords];
+};
+
+// FP32 bits of element j.
+template <bool kBf16>
+__device__ __forceinline__ uint32_t elem_bits(const Chunk<kBf16>& c, int j) {
+  if constexpr (kBf16) return (j & 1) ? c.w[j >> 1] & 0xffff0000u : c.w[j >> 1] << 16;
+  else return c.w[j];
+}
+
+template <bool kBf16>
+__device__ __forceinline__ void zero(Chunk<kBf16>& c) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = 0;
-      return;
-    }
-    if constexpr (kBf16) {
-      const uint4 w =
-          __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(x.data) + ro + k));
-      v[0] = w.x << 16, v[1] = w.x & 0xffff0000u, v[2] = w.y << 16, v[3] = w.y & 0xffff0000u;
-      v[4] = w.z << 16, v[5] = w.z & 0xffff0000u, v[6] = w.w << 16, v[7] = w.w & 0xffff0000u;
-    } else {
-      const uint4* s = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(x.data) + ro + k);
-      const uint4 a = __ldg(s), b = __ldg(s + 1);
-      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
-      v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-    }
+  for (int i = 0; i < Chunk<kBf16>::kWords; ++i) c.w[i] = 0;
+}
+
+// From a 16-byte aligned element offset of the input's storage.
+template <bool kBf16>
+__device__ __forceinline__ void load_chunk(const void* data, int64_t off, Chunk<kBf16>& c) {
+  if constexpr (kBf16) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(data) + off));
+    c.w[0] = v.x, c.w[1] = v.y, c.w[2] = v.z, c.w[3] = v.w;
   } else {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = k + j < x.cols ? x.load_bits(ro, k + j) : 0u;
+    const uint4* s = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(data) + off);
+    const uint4 a = __ldg(s), b = __ldg(s + 1);
+    c.w[0] = a.x, c.w[1] = a.y, c.w[2] = a.z, c.w[3] = a.w;
+    c.w[4] = b.x, c.w[5] = b.y, c.w[6] = b.z, c.w[7] = b.w;
   }
 }
 
-__device__ __forceinline__ uint32_t abs_max8(const uint32_t v[8], uint32_t m) {
+// Columns k..k+7 of the row at offset ro (from row_offset); columns at or past K read as +0,
+// which never raises an amax and encodes to the +0 code. kVec: contiguous, K % 8 == 0, 16-byte
+// aligned, so a chunk is entirely inside the row or entirely past its end.
+template <bool kBf16, bool kVec>
+__device__ __forceinline__ void load_chunk(const StridedRows& x, int64_t ro, int64_t k, Chunk<kBf16>& c) {
+  if constexpr (kVec) {
+    if (k >= x.cols) zero(c);
+    else load_chunk<kBf16>(x.data, ro + k, c);
+  } else {
+    zero(c);
 #pragma unroll
-  for (int j = 0; j < 8; ++j) m = max(m, v[j] & kF32AbsMask);
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t b = k + j < x.cols ? x.load_bits(ro, k + j) : 0u;
+      if constexpr (kBf16) c.w[j >> 1] |= (j & 1) ? b : b >> 16;
+      else c.w[j] = b;
+    }
+  }
+}
+
+// Offset of row r: kVec inputs are contiguous, so no walk through the strides (whose 64-bit
+// divisions would also cost register saves around their subroutine calls).
+template <bool kVec>
+__device__ __forceinline__ int64_t row_start(const StridedRows& x, int64_t r) {
+  return kVec ? r * x.cols : x.row_offset(r);
+}
+
+// ---- amax: |x| bits compared as integers (NaN and Inf sort above every finite) ------------
+// bf16 keeps two maxima per word (one per half) until amax_finish.
+
+template <bool kBf16>
+__device__ __forceinline__ uint32_t amax_combine(uint32_t a, uint32_t b) {
+  if constexpr (kBf16) return __vmaxu2(a, b);  // one max.u16x2 on sm_90
+  else return max(a, b);
+}
+
+template <bool kBf16>
+__device__ __forceinline__ uint32_t amax_acc(const Chunk<kBf16>& c, uint32_t m) {
+#pragma unroll
+  for (int i = 0; i < Chunk<kBf16>::kWords; ++i)
+    m = amax_combine<kBf16>(m, c.w[i] & (kBf16 ? 0x7fff7fffu : kF32AbsMask));
   return m;
 }
+
+// The FP32 magnitude bits of the maximum.
+template <bool kBf16>
+__device__ __forceinline__ uint32_t amax_finish(uint32_t m) {
+  if constexpr (kBf16) return max(m & 0xffffu, m >> 16) << 16;
+  else return m;
+}
+
+// ---- E4M3: the hardware conversion ---------------------------------------------------------
+// x * 2^-se is exact in FP32 unless it is below 2^-126, where it rounds to a value that is
+// still far under the smallest E4M3 half-step (2^-10): the code is +-0 either way. Then
+// cvt.rn.satfinite is round_to_code exactly: RNE onto the E4M3 grid (subnormals included),
+// +-448 for anything larger, the sign kept (-0 -> 0x80). Only finite inputs get here (a block
+// holding NaN/Inf is poisoned and stored as zeros), so satfinite's NaN rule never applies.
+// FP32 multiplies honour subnormal inputs (no -ftz in this build).
+
+// 2^-se as an FP32 (se in [-127, 126]: every scale a finite amax produces).
+__device__ __forceinline__ float exp2_neg(int se) { return __uint_as_float(static_cast<uint32_t>(127 - se) << 23); }
+
+__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {  // lo in byte 0, hi in byte 1
+  uint16_t d;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+template <bool kBf16>
+__device__ __forceinline__ uint2 e4m3_chunk(const Chunk<kBf16>& c, float inv_scale) {
+  uint32_t h[4];
+#pragma unroll
+  for (int p = 0; p < 4; ++p)
+    h[p] = e4m3x2(__fmul_rn(__uint_as_float(elem_bits(c, 2 * p)), inv_scale),
+                  __fmul_rn(__uint_as_float(elem_bits(c, 2 * p + 1)), inv_scale));
+  return make_uint2(__byte_perm(h[0], h[1], 0x5410), __byte_perm(h[2], h[3], 0x5410));
+}
+
+// ---- E2M1: rounding by addition --------------------------------------------------------------
+// With y = min(|x| 2^-se, 6) and em = max(2^floor(log2 y), 1), the E2M1 grid near y has step
+// em/2, and r = em * 2^(p-1) + y rounded once to a float of p significant bits (p = 8 for bf16,
+// 24 for f32) is y rounded to that step, ties to even (em * 2^(p-1) has a zero mantissa, so
+// the parity of r's mantissa is the parity of the multiple). The code is then
+// (r - em * 2^(p-1)) / step + 2 log2(em), all in the bits. y below 2^-126 may flush or round
+// on the way: its code is 0 either way. Checked against e2m1_encode for every bf16 value and
+// every scale exponent (with IEEE and with flush-to-zero bf16 arithmetic), and for f32 on
+// random values and every grid point and midpoint of every exponent.
+//
+// The bf16 pair ops could flush subnormal *inputs*: that matters only when |x| < 2^-126 can
+// still reach the 0.25 rounding threshold, i.e. se < -124, a block with 0 < amax < 2^-122.
+// Those blocks take e2m1_chunk_exact (the reference, per element).
+
+__device__ __forceinline__ uint32_t bf16x2_fma(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ uint32_t bf16x2_min(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("min.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ uint32_t bf16x2_max(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+constexpr uint32_t kTinyMxfp4Amax = 0x02800000u;  // 2^-122: below it, se < -124
+
+// Eight E2M1 codes of one chunk as the 4 bytes it occupies in a block (element 2j in the low
+// nibble of byte j). s2: 2^-se as a bf16 pair.
+__device__ __forceinline__ uint32_t e2m1_chunk(const Chunk<true>& c, uint32_t s2) {
+  constexpr uint32_t kSix = 0x40c040c0u, kOne = 0x3f803f80u, k64 = 0x42804280u;
+  uint32_t q[4];
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const uint32_t y = bf16x2_min(bf16x2_mul(c.w[p] & 0x7fff7fffu, s2), kSix);
+    const uint32_t em = bf16x2_max(y & 0x7f807f80u, kOne);
+    const uint32_t r = bf16x2_fma(em, k64, y);
+    // Per half: r - em + (em >> 6) = 0x3FE + code (bits of r = bits of em * 64 + multiple,
+    // em >> 6 = 254 + 2 log2(em)); no half borrows from the other.
+    const uint32_t t = r + (em >> 6) - em;
+    // q = (code << 12) | sign << 15 per half: the 0x3FE bias leaves through the constant,
+    // 2^32 - (0x03FE03FE << 12), which has no bit where the sign bits go.
+    q[p] = (t << 12) + ((c.w[p] & 0x80008000u) | 0x1fc02000u);
+  }
+  // Byte j = nibble of element 2j (bits 12..15 of q[j]) | nibble of 2j+1 (bits 28..31) << 4.
+  const uint32_t a = __byte_perm(q[0], q[1], 0x7351), b = __byte_perm(q[2], q[3], 0x7351);
+  return (__byte_perm(a, b, 0x5410) >> 4) | __byte_perm(a, b, 0x7632);
+}
+
+__device__ __forceinline__ uint32_t e2m1_chunk(const Chunk<false>& c, float inv_scale) {
+  uint32_t out = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float y = fminf(__fmul_rn(__uint_as_float(c.w[j] & kF32AbsMask), inv_scale), 6.0f);
+    const uint32_t em = max(__float_as_uint(y) & 0x7f800000u, 0x3f800000u);
+    const float r = __fmaf_rn(__uint_as_float(em), 4194304.0f, y);  // em * 2^22 + y
+    // bits(r) - bits(em * 2^22) = multiple of the step; (em >> 22) - 254 = 2 log2(em).
+    const uint32_t code = __float_as_uint(r) - em + (em >> 22) - ((22u << 23) + 254u);
+    out |= (code | ((c.w[j] >> 28) & 8u)) << (4 * j);
+  }
+  return out;
+}
+
+// The reference encoder on four bf16 pairs, out of line: it is rare, and large inlined.
+__device__ __noinline__ uint32_t e2m1_chunk_exact(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, int se) {
+  const Chunk<true> c{{w0, w1, w2, w3}};
+  uint32_t out = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) out |= e2m1_encode(elem_bits(c, j), se) << (4 * j);
+  return out;
+}
+
+// The E2M1 codes of a chunk of a block with scale exponent se and maximum amax (finite).
+template <bool kBf16>
+__device__ __forceinline__ uint32_t e2m1_codes(const Chunk<kBf16>& c, int se, uint32_t amax) {
+  if constexpr (kBf16) {
+    if (amax != 0 && amax < kTinyMxfp4Amax) return e2m1_chunk_exact(c.w[0], c.w[1], c.w[2], c.w[3], se);
+    const uint32_t s = static_cast<uint32_t>(127 - se) << 7;
+    return e2m1_chunk(c, s | (s << 16));
+  } else {
+    return e2m1_chunk(c, exp2_neg(se));
+  }
+}
+
+// ---- stores -------------------------------------------------------------------------------
 
 // Eight bytes (lo = bytes 0..3, hi = bytes 4..7, little-endian) to dst, of which the first n
 // are in range; one 8-byte store when the destination allows it.
@@ -74,106 +318,150 @@ __device__ __forceinline__ void store8(uint8_t* dst, uint32_t lo, uint32_t hi, b
   for (int j = 0; j < 8 && j < n; ++j) dst[j] = static_cast<uint8_t>((j < 4 ? lo : hi) >> (8 * (j & 3)));
 }
 
-// Eight E4M3 codes of v / 2^se packed little-endian into lo/hi.
-__device__ __forceinline__ void encode8_e4m3(const uint32_t v[8], int se, uint32_t& lo, uint32_t& hi) {
-  lo = hi = 0;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    lo |= static_cast<uint32_t>(e4m3_encode(v[j], se).bits) << (8 * j);
-    hi |= static_cast<uint32_t>(e4m3_encode(v[j + 4], se).bits) << (8 * j);
-  }
-}
-
 // ---- MX quantize --------------------------------------------------------------------------
 
 enum MxMode : int { kMxfp4Checkpoint = 0, kMxfp4Kernel = 1, kMxfp8 = 2 };
 
-template <bool kBf16, bool kVec, int kMode>
-__global__ void __launch_bounds__(kThreads)
-    mx_quantize_kernel(const MxQuantPlan p, int64_t total_lanes, bool out_vec) {
+struct MxLaunch {
+  int64_t lanes = 0;  // 2 per 32-element block
+  bool out_vec = false;  // generic path: 8-byte stores allowed
+  // kLinear with the kernel layout: row = block / num_kb, expert = row / rows_per_expert.
+  FastDiv num_kb, rows_per_expert;
+};
+
+// kLinear: contiguous, 16-byte aligned, K % 32 == 0, output aligned for 8 (MXFP4) or 16
+// (MXFP8) byte stores: lane l reads elements 16 l - 8 (l & 1) (+16) and writes bytes 8 l
+// (MXFP4) or elements 16 l (MXFP8) of the flat tensors; no division unless the kernel layout
+// needs the row. Otherwise (kVec as in load_chunk) rows and blocks come from 64-bit division.
+template <bool kBf16, bool kLinear, bool kVec, int kMode>
+__global__ void __launch_bounds__(kThreads) mx_quantize_kernel(const MxQuantPlan p, const MxLaunch l) {
   constexpr bool kFp4 = kMode != kMxfp8;
   constexpr int kEmax = kFp4 ? kE2M1EmaxElem : kE4M3EmaxElem;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  // Whole warps iterate together (blockDim and stride are multiples of 32), so the shuffle
-  // below always has its partner lane; lanes past the end carry zeros and store nothing.
-  const int64_t end = (total_lanes + 31) & ~int64_t{31};
-  for (int64_t id = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; id < end;
-       id += stride) {
-    const bool valid = id < total_lanes;
-    const int64_t blk = id >> 1;
-    const int half = static_cast<int>(id & 1);
-    int64_t r = 0, kb = 0;
-    uint32_t v[16];
-    if (valid) {
-      r = blk / p.num_kb;
-      kb = blk - r * p.num_kb;
-      const int64_t ro = p.x.row_offset(r), k = kb * kMxBlockSize + half * 16;
-      load8<kBf16, kVec>(p.x, ro, k, v);
-      load8<kBf16, kVec>(p.x, ro, k + 8, v + 8);
-    } else {
+  constexpr int64_t kSpan = int64_t{kThreads} * kLaneIters;
+  // Whole CTAs iterate together and lanes past the end carry zeros and store nothing, so the
+  // shuffles below always find their partner lane (a block's two lanes are adjacent).
+  for (int64_t base = blockIdx.x * kSpan; base < l.lanes; base += gridDim.x * kSpan) {
+    Chunk<kBf16> c[kLaneIters][2];
+    int64_t row[kLaneIters], kb[kLaneIters];
 #pragma unroll
-      for (int j = 0; j < 16; ++j) v[j] = 0;
+    for (int i = 0; i < kLaneIters; ++i) {
+      const int64_t lane = base + i * kThreads + threadIdx.x, blk = lane >> 1;
+      const int h = static_cast<int>(lane & 1);
+      row[i] = kb[i] = 0;
+      if (lane >= l.lanes) {
+        zero(c[i][0]);
+        zero(c[i][1]);
+      } else if constexpr (kLinear) {
+        const int64_t off = blk * kMxBlockSize + 8 * h;
+        load_chunk<kBf16>(p.x.data, off, c[i][0]);
+        load_chunk<kBf16>(p.x.data, off + 16, c[i][1]);
+      } else {
+        row[i] = blk / p.num_kb;
+        kb[i] = blk - row[i] * p.num_kb;
+        const int64_t ro = row_start<kVec>(p.x, row[i]), k = kb[i] * kMxBlockSize + 8 * h;
+        load_chunk<kBf16, kVec>(p.x, ro, k, c[i][0]);
+        load_chunk<kBf16, kVec>(p.x, ro, k + 16, c[i][1]);
+      }
     }
-    uint32_t amax = abs_max8(v + 8, abs_max8(v, 0));
-    amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    if (!valid) continue;
-    const E8M0 s = mx_scale_from_amax(amax, kEmax);
-    const bool poisoned = e8m0_is_nan(s);
-    const int se = e8m0_exponent(s);
-    uint32_t lo = 0, hi = 0;
-    if constexpr (kFp4) {
-      if (!poisoned) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          lo |= static_cast<uint32_t>(fp4x2_pack(e2m1_encode(v[2 * j], se),
-                                                 e2m1_encode(v[2 * j + 1], se)).bits) << (8 * j);
-          hi |= static_cast<uint32_t>(fp4x2_pack(e2m1_encode(v[8 + 2 * j], se),
-                                                 e2m1_encode(v[9 + 2 * j], se)).bits) << (8 * j);
+    for (int i = 0; i < kLaneIters; ++i) {
+      const int64_t lane = base + i * kThreads + threadIdx.x, blk = lane >> 1;
+      const int h = static_cast<int>(lane & 1);
+      uint32_t m = amax_acc<kBf16>(c[i][1], amax_acc<kBf16>(c[i][0], 0));
+      m = amax_combine<kBf16>(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      const uint32_t amax = amax_finish<kBf16>(m);
+      const E8M0 s = mx_scale_from_amax(amax, kEmax);
+      const bool poisoned = e8m0_is_nan(s);
+      const int se = e8m0_exponent(s);
+      uint8_t* dst;
+      if constexpr (kFp4) {
+        uint32_t q0 = e2m1_codes<kBf16>(c[i][0], se, amax), q1 = e2m1_codes<kBf16>(c[i][1], se, amax);
+        if (poisoned) q0 = q1 = 0;
+        // Lane h stores bytes [8h, 8h + 8) of the block's 16: chunks 2h and 2h + 1.
+        const uint32_t other = __shfl_xor_sync(0xffffffffu, h ? q0 : q1, 1);
+        const uint32_t lo = h ? other : q0, hi = h ? q1 : other;
+        if (lane >= l.lanes) continue;
+        uint8_t* blocks = reinterpret_cast<uint8_t*>(p.blocks);
+        if constexpr (kMode == kMxfp4Kernel) {
+          int64_t expert_base, value_off, scale_off;
+          if constexpr (kLinear) {
+            const uint32_t r = l.num_kb.div(static_cast<uint32_t>(blk));
+            const uint32_t b = static_cast<uint32_t>(blk - int64_t{r} * l.num_kb.d);
+            const uint32_t e = l.rows_per_expert.div(r), lr = r - e * l.rows_per_expert.d;
+            const uint32_t kr = kernel_row_u32(lr, l.rows_per_expert.d, p.order), k_tiles = l.num_kb.d / 2;
+            expert_base = int64_t{e} * l.rows_per_expert.d;
+            value_off = kernel_value_offset_u32(kr, b * kMxfp4BytesPerBlock + 8 * h, k_tiles);
+            scale_off = kernel_scale_offset_u32(kr, b, k_tiles);
+          } else {
+            const int64_t e = row[i] / p.rows_per_expert, lr = row[i] - e * p.rows_per_expert;
+            const int64_t row_bytes = p.num_kb * kMxfp4BytesPerBlock;
+            expert_base = e * p.rows_per_expert;
+            value_off = mxfp4_kernel_value_offset(lr, kb[i] * kMxfp4BytesPerBlock + 8 * h, p.rows_per_expert,
+                                                  row_bytes, p.order);
+            scale_off = mxfp4_kernel_scale_offset(lr, kb[i], p.rows_per_expert, p.num_kb, p.order);
+          }
+          dst = blocks + expert_base * p.num_kb * kMxfp4BytesPerBlock + value_off;
+          if (h == 0) p.kernel_scales[expert_base * p.num_kb + scale_off] = s;
+        } else {
+          // Checkpoint blocks [rows, num_kb, 16] are flat in the block index either way.
+          dst = blocks + blk * kMxfp4BytesPerBlock + 8 * h;
+        }
+        if constexpr (kLinear) *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
+        else store8(dst, lo, hi, l.out_vec, 8);
+      } else {
+        const float inv = exp2_neg(se);
+        uint2 q0 = e4m3_chunk<kBf16>(c[i][0], inv), q1 = e4m3_chunk<kBf16>(c[i][1], inv);
+        if (poisoned) q0 = q1 = make_uint2(0, 0);
+        // Lane h stores elements [16h, 16h + 16) of the block: chunks 2h and 2h + 1.
+        const uint2 send = h ? q0 : q1;
+        const uint2 other = make_uint2(__shfl_xor_sync(0xffffffffu, send.x, 1),
+                                       __shfl_xor_sync(0xffffffffu, send.y, 1));
+        const uint2 lo = h ? other : q0, hi = h ? q1 : other;
+        if (lane >= l.lanes) continue;
+        if constexpr (kLinear) {
+          dst = reinterpret_cast<uint8_t*>(p.q) + blk * kMxBlockSize + 16 * h;
+          *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+        } else {
+          const int64_t k = kb[i] * kMxBlockSize + 16 * h;
+          dst = reinterpret_cast<uint8_t*>(p.q) + row[i] * p.x.cols + k;
+          store8(dst, lo.x, lo.y, l.out_vec, p.x.cols - k);
+          store8(dst + 8, hi.x, hi.y, l.out_vec, p.x.cols - k - 8);
         }
       }
-      const int64_t row_bytes = p.num_kb * kMxfp4BytesPerBlock;
-      const int64_t b = kb * kMxfp4BytesPerBlock + half * 8;
-      uint8_t* blocks = reinterpret_cast<uint8_t*>(p.blocks);
-      if constexpr (kMode == kMxfp4Kernel) {
-        const int64_t e = r / p.rows_per_expert, lr = r - e * p.rows_per_expert;
-        store8(blocks + e * p.rows_per_expert * row_bytes +
-                   mxfp4_kernel_value_offset(lr, b, p.rows_per_expert, row_bytes, p.order),
-               lo, hi, out_vec, 8);
-        if (half == 0)
-          p.kernel_scales[e * p.rows_per_expert * p.num_kb +
-                          mxfp4_kernel_scale_offset(lr, kb, p.rows_per_expert, p.num_kb, p.order)] = s;
-      } else {
-        store8(blocks + r * row_bytes + b, lo, hi, out_vec, 8);
-      }
-    } else {
-      const int64_t k = kb * kMxBlockSize + half * 16;
-      uint8_t* q = reinterpret_cast<uint8_t*>(p.q) + r * p.x.cols + k;
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        if (!poisoned) encode8_e4m3(v + 8 * c, se, lo, hi);
-        store8(q + 8 * c, lo, hi, out_vec, p.x.cols - (k + 8 * c));
-      }
+      // Checkpoint scales [rows, num_kb]: flat in the block index.
+      if (h == 0) p.scales[blk] = s;
     }
-    if (half == 0) p.scales[r * p.num_kb + kb] = s;
   }
 }
 
+enum class InputPath { kLinear, kVec, kGeneric };
+
+template <bool kBf16, int kMode>
+void launch_mx(const MxQuantPlan& p, const MxLaunch& l, InputPath path, cudaStream_t st) {
+  const unsigned grid = blocks_for(l.lanes, kThreads * kLaneIters);
+  if (path == InputPath::kLinear) mx_quantize_kernel<kBf16, true, true, kMode><<<grid, kThreads, 0, st>>>(p, l);
+  else if (path == InputPath::kVec) mx_quantize_kernel<kBf16, false, true, kMode><<<grid, kThreads, 0, st>>>(p, l);
+  else mx_quantize_kernel<kBf16, false, false, kMode><<<grid, kThreads, 0, st>>>(p, l);
+}
+
 template <int kMode>
-void launch_mx(const MxQuantPlan& p, bool vec, bool out_vec, int64_t lanes, cudaStream_t st) {
-  const unsigned grid = blocks_for(lanes, kThreads);
-  if (p.x.bf16) {
-    if (vec) mx_quantize_kernel<true, true, kMode><<<grid, kThreads, 0, st>>>(p, lanes, out_vec);
-    else mx_quantize_kernel<true, false, kMode><<<grid, kThreads, 0, st>>>(p, lanes, out_vec);
-  } else {
-    if (vec) mx_quantize_kernel<false, true, kMode><<<grid, kThreads, 0, st>>>(p, lanes, out_vec);
-    else mx_quantize_kernel<false, false, kMode><<<grid, kThreads, 0, st>>>(p, lanes, out_vec);
-  }
+void launch_mx(const MxQuantPlan& p, const MxLaunch& l, InputPath path, cudaStream_t st) {
+  if (p.x.bf16) launch_mx<true, kMode>(p, l, path, st);
+  else launch_mx<false, kMode>(p, l, path, st);
 }
 
 // ---- UE8M0 FP8, 1 x 128 -------------------------------------------------------------------
 
+// The reference divides amax / 448 correctly rounded; div.rn would cost a subroutine call (and
+// its register saves) per block. Instead: q0 = amax * RN(1/448), one exact-residual FMA
+// correction. q equals the IEEE quotient for every amax >= 2^-120; below, it may be 1 ulp off
+// in the subnormal range, where both clamp to the scale 2^-127. The E8M0 code it gives was
+// checked against the reference's for all 2^31 magnitudes (IEEE single precision, no
+// flush-to-zero: the __*_rn intrinsics keep the compiler from contracting or flushing).
 __device__ __forceinline__ E8M0 ue8m0_scale(uint32_t amax) {
-  return ue8m0_scale_from_quotient(amax, __fdiv_rn(__uint_as_float(amax), kE4M3Max));
+  constexpr float kInv = 1.0f / kE4M3Max;
+  const float a = __uint_as_float(amax), q0 = __fmul_rn(a, kInv);
+  return ue8m0_scale_from_quotient(amax, __fmaf_rn(__fmaf_rn(-q0, kE4M3Max, a), kInv, q0));
 }
 
 // The scale of block (scale row sr, kb) in both forms, and the packed row's zero padding.
@@ -187,44 +475,65 @@ __device__ __forceinline__ void write_fp8_scale(const Fp8QuantPlan& p, int64_t s
   }
 }
 
-template <bool kBf16, bool kVec>
+// Lane l = 8 * block + s owns chunks s and s + 8 of its 128-element block: eight lanes read
+// 128 contiguous bytes (bf16) per instruction. kLinear: contiguous, 16-byte aligned, K % 128
+// == 0, q 8-byte aligned, packed rows unpadded (num_kb % 4 == 0): every offset is flat in the
+// block index (a 1 x 128 scale row is the input row). Otherwise 64-bit division, as kVec says.
+template <bool kBf16, bool kLinear, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     fp8_token_kernel(const Fp8QuantPlan p, int64_t total_lanes, bool out_vec) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t end = (total_lanes + 31) & ~int64_t{31};
-  for (int64_t id = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; id < end;
-       id += stride) {
-    const bool valid = id < total_lanes;
-    const int sub = static_cast<int>(id & 7);
-    const int64_t blk = id >> 3;
-    int64_t r = 0, kb = 0;
-    uint32_t v[16];
-    if (valid) {
-      r = blk / p.g.num_kb;
-      kb = blk - r * p.g.num_kb;
-      const int64_t ro = p.x.row_offset(r), k = kb * kFp8BlockK + sub * 16;
-      load8<kBf16, kVec>(p.x, ro, k, v);
-      load8<kBf16, kVec>(p.x, ro, k + 8, v + 8);
-    } else {
+  constexpr int64_t kSpan = int64_t{kThreads} * kLaneIters;
+  for (int64_t base = blockIdx.x * kSpan; base < total_lanes; base += gridDim.x * kSpan) {
+    Chunk<kBf16> c[kLaneIters][2];
+    int64_t row[kLaneIters], kb[kLaneIters];
 #pragma unroll
-      for (int j = 0; j < 16; ++j) v[j] = 0;
+    for (int i = 0; i < kLaneIters; ++i) {
+      const int64_t lane = base + i * kThreads + threadIdx.x, blk = lane >> 3;
+      const int sub = static_cast<int>(lane & 7);
+      row[i] = kb[i] = 0;
+      if (lane >= total_lanes) {
+        zero(c[i][0]);
+        zero(c[i][1]);
+      } else if constexpr (kLinear) {
+        const int64_t off = blk * kFp8BlockK + 8 * sub;
+        load_chunk<kBf16>(p.x.data, off, c[i][0]);
+        load_chunk<kBf16>(p.x.data, off + 64, c[i][1]);
+      } else {
+        row[i] = blk / p.g.num_kb;
+        kb[i] = blk - row[i] * p.g.num_kb;
+        const int64_t ro = row_start<kVec>(p.x, row[i]), k = kb[i] * kFp8BlockK + 8 * sub;
+        load_chunk<kBf16, kVec>(p.x, ro, k, c[i][0]);
+        load_chunk<kBf16, kVec>(p.x, ro, k + 64, c[i][1]);
+      }
     }
-    uint32_t amax = abs_max8(v + 8, abs_max8(v, 0));
-    amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
-    if (!valid) continue;
-    const E8M0 s = ue8m0_scale(amax);
-    const bool poisoned = e8m0_is_nan(s);
-    const int64_t k = kb * kFp8BlockK + sub * 16;
-    uint8_t* q = reinterpret_cast<uint8_t*>(p.q) + r * p.g.cols + k;
-    uint32_t lo = 0, hi = 0;
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      if (!poisoned) encode8_e4m3(v + 8 * c, e8m0_exponent(s), lo, hi);
-      store8(q + 8 * c, lo, hi, out_vec, p.g.cols - (k + 8 * c));
+    for (int i = 0; i < kLaneIters; ++i) {
+      const int64_t lane = base + i * kThreads + threadIdx.x, blk = lane >> 3;
+      const int sub = static_cast<int>(lane & 7);
+      uint32_t m = amax_acc<kBf16>(c[i][1], amax_acc<kBf16>(c[i][0], 0));
+#pragma unroll
+      for (int d = 1; d < 8; d <<= 1) m = amax_combine<kBf16>(m, __shfl_xor_sync(0xffffffffu, m, d));
+      const E8M0 s = ue8m0_scale(amax_finish<kBf16>(m));
+      const float inv = exp2_neg(e8m0_exponent(s));
+      uint2 q0 = e4m3_chunk<kBf16>(c[i][0], inv), q1 = e4m3_chunk<kBf16>(c[i][1], inv);
+      if (e8m0_is_nan(s)) q0 = q1 = make_uint2(0, 0);
+      if (lane >= total_lanes) continue;
+      if constexpr (kLinear) {
+        uint8_t* q = reinterpret_cast<uint8_t*>(p.q) + blk * kFp8BlockK + 8 * sub;
+        *reinterpret_cast<uint2*>(q) = q0;
+        *reinterpret_cast<uint2*>(q + 64) = q1;
+        if (sub == 0) {
+          if (p.scales) p.scales[blk] = __uint_as_float(e8m0_decode_bits(s));
+          if (p.packed) p.packed[blk] = s;
+        }
+      } else {
+        const int64_t k = kb[i] * kFp8BlockK + 8 * sub;
+        uint8_t* q = reinterpret_cast<uint8_t*>(p.q) + row[i] * p.g.cols + k;
+        store8(q, q0.x, q0.y, out_vec, p.g.cols - k);
+        store8(q + 64, q1.x, q1.y, out_vec, p.g.cols - (k + 64));
+        if (sub == 0) write_fp8_scale(p, row[i], kb[i], s);  // 1 x 128: scale row = row
+      }
     }
-    if (sub == 0) write_fp8_scale(p, p.g.scale_row(r), kb, s);
   }
 }
 
@@ -233,8 +542,11 @@ __global__ void __launch_bounds__(kThreads)
 constexpr int kTileThreads = 256;
 constexpr int kTileChunks = kFp8WeightBlockN * kFp8BlockK / 8 / kTileThreads;  // 8 per thread
 
+// minBlocks 1: without it ptxas caps the strided bf16 variant at 64 registers and spills
+// around the subroutine calls of row_offset's 64-bit divisions; the contiguous bf16 variant
+// needs 64 either way (4 CTAs per SM, 128 KB of loads in flight).
 template <bool kBf16, bool kVec>
-__global__ void __launch_bounds__(kTileThreads) fp8_tile_kernel(const Fp8QuantPlan p, bool out_vec) {
+__global__ void __launch_bounds__(kTileThreads, 1) fp8_tile_kernel(const Fp8QuantPlan p, bool out_vec) {
   __shared__ uint32_t warp_max[kTileThreads / 32];
   const Fp8Geometry& g = p.g;
   const int64_t tile = blockIdx.x;
@@ -245,21 +557,17 @@ __global__ void __launch_bounds__(kTileThreads) fp8_tile_kernel(const Fp8QuantPl
   const int t = threadIdx.x;
   const int64_t k = kb * kFp8BlockK + (t & 15) * 8;  // this thread's 8 columns
   // Chunk i of this thread covers row r0 + 16 i + t / 16: a warp reads two whole 256-byte
-  // (bf16) rows per instruction.
-  uint32_t v[kTileChunks][8];
-  uint32_t amax = 0;
+  // (bf16) rows per instruction. The chunks stay packed as loaded (32 registers for bf16).
+  Chunk<kBf16> v[kTileChunks];
+  uint32_t m = 0;
 #pragma unroll
   for (int i = 0; i < kTileChunks; ++i) {
     const int64_t r = r0 + 16 * i + (t >> 4);
-    if (r < r1) {
-      load8<kBf16, kVec>(p.x, p.x.row_offset(r), k, v[i]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v[i][j] = 0;
-    }
-    amax = abs_max8(v[i], amax);
+    if (r < r1) load_chunk<kBf16, kVec>(p.x, row_start<kVec>(p.x, r), k, v[i]);
+    else zero(v[i]);
+    m = amax_acc<kBf16>(v[i], m);
   }
-  amax = __reduce_max_sync(0xffffffffu, amax);
+  uint32_t amax = __reduce_max_sync(0xffffffffu, amax_finish<kBf16>(m));
   if ((t & 31) == 0) warp_max[t >> 5] = amax;
   __syncthreads();
   amax = 0;
@@ -267,14 +575,14 @@ __global__ void __launch_bounds__(kTileThreads) fp8_tile_kernel(const Fp8QuantPl
   for (int w = 0; w < kTileThreads / 32; ++w) amax = max(amax, warp_max[w]);
   const E8M0 s = ue8m0_scale(amax);
   const bool poisoned = e8m0_is_nan(s);
+  const float inv = exp2_neg(e8m0_exponent(s));
   if (t == 0) write_fp8_scale(p, sr, kb, s);
 #pragma unroll
   for (int i = 0; i < kTileChunks; ++i) {
     const int64_t r = r0 + 16 * i + (t >> 4);
     if (r >= r1 || k >= g.cols) continue;
-    uint32_t lo = 0, hi = 0;
-    if (!poisoned) encode8_e4m3(v[i], e8m0_exponent(s), lo, hi);
-    store8(reinterpret_cast<uint8_t*>(p.q) + r * g.cols + k, lo, hi, out_vec, g.cols - k);
+    uint2 q = poisoned ? make_uint2(0, 0) : e4m3_chunk<kBf16>(v[i], inv);
+    store8(reinterpret_cast<uint8_t*>(p.q) + r * g.cols + k, q.x, q.y, out_vec, g.cols - k);
   }
 }
 
@@ -439,15 +747,27 @@ __global__ void mxfp4_scales_layout_kernel(const ScalesLayoutPlan p) {
 // ---- host entry points --------------------------------------------------------------------
 
 Status cuda_quantize_mx(const ExecContext& ctx, const MxQuantPlan& p) {
-  const int64_t lanes = p.x.rows * p.num_kb * 2;
-  if (lanes == 0) return Status::Ok();
+  MxLaunch l;
+  l.lanes = p.x.rows * p.num_kb * 2;
+  if (l.lanes == 0) return Status::Ok();
   DeviceGuard guard;
   RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
   const bool vec = p.x.contiguous && p.x.cols % 8 == 0 && aligned(p.x.data, 16);
-  const bool out_vec = p.fp4 ? aligned(p.blocks, 8) : aligned(p.q, 8) && p.x.cols % 8 == 0;
-  if (!p.fp4) launch_mx<kMxfp8>(p, vec, out_vec, lanes, stream_of(ctx));
-  else if (p.kernel_layout) launch_mx<kMxfp4Kernel>(p, vec, out_vec, lanes, stream_of(ctx));
-  else launch_mx<kMxfp4Checkpoint>(p, vec, out_vec, lanes, stream_of(ctx));
+  l.out_vec = p.fp4 ? aligned(p.blocks, 8) : aligned(p.q, 8) && p.x.cols % 8 == 0;
+  bool linear = vec && p.x.cols % kMxBlockSize == 0 && (p.fp4 ? aligned(p.blocks, 8) : aligned(p.q, 16));
+  if (linear && p.kernel_layout) {
+    // 32-bit row arithmetic: every block index and one expert's bytes below 2^31.
+    const int64_t expert_bytes = p.rows_per_expert * p.num_kb * kMxfp4BytesPerBlock;
+    linear = p.x.rows * p.num_kb < (int64_t{1} << 31) && expert_bytes < (int64_t{1} << 31);
+    if (linear) {
+      l.num_kb = FastDiv::of(static_cast<uint32_t>(p.num_kb));
+      l.rows_per_expert = FastDiv::of(static_cast<uint32_t>(p.rows_per_expert));
+    }
+  }
+  const InputPath path = linear ? InputPath::kLinear : (vec ? InputPath::kVec : InputPath::kGeneric);
+  if (!p.fp4) launch_mx<kMxfp8>(p, l, path, stream_of(ctx));
+  else if (p.kernel_layout) launch_mx<kMxfp4Kernel>(p, l, path, stream_of(ctx));
+  else launch_mx<kMxfp4Checkpoint>(p, l, path, stream_of(ctx));
   RD_CUDA_CHECK_LAUNCH("mx_quantize_kernel");
   return Status::Ok();
 }
@@ -522,13 +842,17 @@ Status cuda_quantize_fp8(const ExecContext& ctx, const Fp8QuantPlan& p) {
   if (p.g.num_kb == 0) return Status::Ok();  // K == 0: no element, no scale, no padding
   if (p.g.block_rows == 1) {
     const int64_t lanes = p.x.rows * p.g.num_kb * 8;
-    const unsigned grid = blocks_for(lanes, kThreads);
+    const unsigned grid = blocks_for(lanes, kThreads * kLaneIters);
+    const bool linear = vec && p.g.cols % kFp8BlockK == 0 && aligned(p.q, 8) &&
+                        (p.packed == nullptr || p.g.packed_row_bytes == p.g.num_kb);
     if (p.x.bf16) {
-      if (vec) fp8_token_kernel<true, true><<<grid, kThreads, 0, st>>>(p, lanes, out_vec);
-      else fp8_token_kernel<true, false><<<grid, kThreads, 0, st>>>(p, lanes, out_vec);
+      if (linear) fp8_token_kernel<true, true, true><<<grid, kThreads, 0, st>>>(p, lanes, out_vec);
+      else if (vec) fp8_token_kernel<true, false, true><<<grid, kThreads, 0, st>>>(p, lanes, out_vec);
+      else fp8_token_kernel<true, false, false><<<grid, kThreads, 0, st>>>(p, lanes, out_vec);
     } else {
-      if (vec) fp8_token_kernel<false, true><<<grid, kThreads, 0, st>>>(p, lanes, out_vec);
-      else fp8_token_kernel<false, false><<<grid, kThreads, 0, st>>>(p, lanes, out_vec);
+      if (linear) fp8_token_kernel<false, true, true><<<grid, kThreads, 0, st>>>(p, lanes, out_vec);
+      else if (vec) fp8_token_kernel<false, false, true><<<grid, kThreads, 0, st>>>(p, lanes, out_vec);
+      else fp8_token_kernel<false, false, false><<<grid, kThreads, 0, st>>>(p, lanes, out_vec);
     }
     RD_CUDA_CHECK_LAUNCH("fp8_token_kernel");
     return Status::Ok();

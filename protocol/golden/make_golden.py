@@ -23,7 +23,9 @@ Outputs, next to this script:
 hello_ok and status_ok are what a daemon sent before the weight-update messages
 (SPEC §11) added optional fields to them: decoders must still accept them, and
 re-encoding them gives hello_ok_full and status_ok_full (the added fields at their
-defaults). Their dict literals below are frozen.
+defaults). Their dict literals below are frozen. Likewise hello_ok_full is what a
+daemon sent before the GPU weight transports (SPEC §11.7) appended nccl_version and
+device_uuid to hello.ok: it re-encodes, as hello_ok does, to hello_ok_cpu.
 
 Golden files are never regenerated to follow an encoder change (SPEC §10); this
 script exists so that new goldens are made the same independent way.
@@ -99,6 +101,56 @@ BUCKET_ENTRIES = [
      "shape": [2, 2], "byte_offset": 28, "nbytes": 4},
 ]
 LM_HEAD_BYTES = 151936 * 2048 * 2
+
+
+# ---- GPU weight transports (SPEC §11.7) ----
+# An ncclUniqueId as the trainer sends it: CuPy's get_unique_id() gives 128 signed chars,
+# the wire carries bytes((v + 256) % 256 for v in uid). Deterministic, with bytes >= 0x80
+# (which a str could not hold) and zeros.
+UNIQUE_ID = bytes((i * 37 + 11) % 256 for i in range(128))
+# A cudaIpcMemHandle_t (64 opaque bytes) and a device UUID (16 bytes), likewise made up.
+IPC_HANDLE = bytes((255 - i * 3) % 256 for i in range(64))
+DEVICE_UUID = bytes.fromhex("a1b2c3d4e5f60718293a4b5c6d7e8f90")
+NCCL_2_28_9 = 22809  # NCCL_VERSION_CODE: 2 * 10000 + 28 * 100 + 9
+# Two bfloat16 tensors at 256-byte aligned offsets, as rolloutd.trainer packs them.
+DEVICE_ENTRIES = [
+    {"name": "model.layers.0.mlp.experts.gate_up_proj", "dtype": "bfloat16", "shape": [16, 64, 64],
+     "byte_offset": 0, "nbytes": 131072},
+    {"name": "model.layers.0.mlp.gate.weight", "dtype": "float32", "shape": [16, 64],
+     "byte_offset": 131072, "nbytes": 4096},
+]
+DEVICE_BUCKET_BYTES = 131072 + 4096
+
+
+def device_update_body(source, **override):
+    body = {
+        "session": 9,
+        "load_format": "flattened_bucket",
+        "entries": [dict(e) for e in DEVICE_ENTRIES],
+        "source": source,
+        "checksum": None,
+    }
+    body.update(override)
+    return body
+
+
+NCCL_SOURCE = {"kind": "nccl", "group": "weights", "root": 0, "size": DEVICE_BUCKET_BYTES}
+IPC_SOURCE = {"kind": "cuda_ipc", "handle": IPC_HANDLE, "offset": 2 << 20, "size": DEVICE_BUCKET_BYTES,
+              "device_uuid": DEVICE_UUID}
+
+
+def init_group_body(**override):
+    body = {
+        "group": "weights",
+        "unique_id": UNIQUE_ID,
+        "world_size": 3,
+        "rank": 2,
+        "root": 0,
+        "nccl_version": NCCL_2_28_9,
+        "timeout_s": 120.0,
+    }
+    body.update(override)
+    return body
 
 
 def update_weights_body(**override):
@@ -379,6 +431,45 @@ GOLDEN = {
         "prompt_tokens": 8,
         "completion_tokens": 2,
     }), []),
+
+    # ---- GPU weight transports (SPEC §11.7) ----
+    # What a CPU daemon sends now: no NCCL, no device (the re-encoding of hello_ok and hello_ok_full).
+    "hello_ok_cpu": (envelope("hello.ok", 1, {
+        "version": 1,
+        "daemon": "rolloutd",
+        "build": "0.1.0 cpu",
+        "gpu": -1,
+        "model": MODEL,
+        "weight_version": 0,
+        "limits": LIMITS_FULL,
+        "nccl_version": 0,
+        "device_uuid": b"",
+    }), []),
+    "hello_ok_gpu": (envelope("hello.ok", 1, {
+        "version": 1,
+        "daemon": "rolloutd",
+        "build": "0.1.0 cuda sm_90a",
+        "gpu": 1,
+        "model": MODEL,
+        "weight_version": 5,
+        "limits": LIMITS_FULL,
+        "nccl_version": NCCL_2_28_9,
+        "device_uuid": DEVICE_UUID,
+    }), []),
+    "init_weight_group": (envelope("init_weight_group", 50, init_group_body()), []),
+    "init_weight_group_ok": (envelope("init_weight_group.ok", 50, {
+        "group": "weights",
+        "nccl_version": NCCL_2_28_9,
+        "rank": 2,
+        "world_size": 3,
+        "duration_s": 0.75,
+    }), []),
+    "destroy_weight_group": (envelope("destroy_weight_group", 51, {"group": "weights"}), []),
+    "destroy_weight_group_ok": (envelope("destroy_weight_group.ok", 51, {"group": "weights"}), []),
+    "update_weights_nccl": (envelope("update_weights", 52, device_update_body(
+        NCCL_SOURCE, checksum={"algo": "crc32", "value": 0xDEADBEEF})), []),
+    # Offset 2 MiB into the exported allocation (a caching allocator's segment).
+    "update_weights_cuda_ipc": (envelope("update_weights", 53, device_update_body(IPC_SOURCE)), []),
 }
 
 
@@ -458,6 +549,47 @@ BAD = {
         [BUCKET]),
     "pause_generation_unknown_mode": (
         pack(envelope("pause_generation", 49, {"mode": "drain"})), "invalid_argument", "body.mode", 49),
+    # ---- GPU weight transports (SPEC §11.7) ----
+    "init_weight_group_short_unique_id": (
+        pack(envelope("init_weight_group", 60, init_group_body(unique_id=UNIQUE_ID[:127]))),
+        "invalid_argument", "body.unique_id", 60),
+    # The id as a str: ids are raw bytes (msgpack bin).
+    "init_weight_group_unique_id_str": (
+        pack(envelope("init_weight_group", 61, init_group_body(unique_id="x" * 128))),
+        "wrong_type", "body.unique_id", 61),
+    "init_weight_group_rank_is_root": (
+        pack(envelope("init_weight_group", 62, init_group_body(rank=0))), "invalid_argument", "body.rank", 62),
+    "init_weight_group_rank_beyond_world": (
+        pack(envelope("init_weight_group", 63, init_group_body(rank=3))), "out_of_range", "body.rank", 63),
+    "init_weight_group_world_of_one": (
+        pack(envelope("init_weight_group", 64, init_group_body(world_size=1, rank=0))),
+        "out_of_range", "body.world_size", 64),
+    "init_weight_group_bad_name": (
+        pack(envelope("init_weight_group", 65, init_group_body(group="../weights"))),
+        "invalid_argument", "body.group", 65),
+    "init_weight_group_timeout_zero": (
+        pack(envelope("init_weight_group", 66, init_group_body(timeout_s=0.0))),
+        "out_of_range", "body.timeout_s", 66),
+    "destroy_weight_group_missing_group": (
+        pack(envelope("destroy_weight_group", 67, {})), "missing_field", "body.group", 67),
+    "update_weights_nccl_size_over_2p40": (
+        pack(envelope("update_weights", 68, device_update_body(dict(NCCL_SOURCE, size=(1 << 40) + 1)))),
+        "out_of_range", "body.source.size", 68),
+    "update_weights_nccl_entry_beyond_size": (
+        pack(envelope("update_weights", 69, device_update_body(dict(NCCL_SOURCE, size=DEVICE_BUCKET_BYTES - 1)))),
+        "out_of_range", "body.entries[1].byte_offset", 69),
+    "update_weights_nccl_bad_group": (
+        pack(envelope("update_weights", 70, device_update_body(dict(NCCL_SOURCE, group="")))),
+        "invalid_argument", "body.source.group", 70),
+    "update_weights_cuda_ipc_short_handle": (
+        pack(envelope("update_weights", 71, device_update_body(dict(IPC_SOURCE, handle=IPC_HANDLE[:63])))),
+        "invalid_argument", "body.source.handle", 71),
+    "update_weights_cuda_ipc_uuid_length": (
+        pack(envelope("update_weights", 72, device_update_body(dict(IPC_SOURCE, device_uuid=DEVICE_UUID + b"\0")))),
+        "invalid_argument", "body.source.device_uuid", 72),
+    "update_weights_cuda_ipc_end_overflows": (
+        pack(envelope("update_weights", 73, device_update_body(dict(IPC_SOURCE, offset=2**64 - 4096)))),
+        "out_of_range", "body.source.size", 73),
 }
 
 

@@ -9,9 +9,14 @@
         c.push_weights(state_dict.items(), weight_version=1)  # begin, buckets, end
         c.continue_generation()
 
+Many daemons at once: rolloutd.Coordinator (coordinator.py) spreads rollouts, fans their events
+into one stream, fans weight updates out, and accounts for the requests of a daemon that dies.
+
 The transport is the project's C++ client (rolloutd._native, pybind11): no pyzmq needed.
 """
 from .client import DEFAULT_ENDPOINT, Client, GenerateResult, WeightsChecksums
+from .coordinator import (Coordinator, DaemonEndpoint, DaemonHealth, FleetWeightSession, FleetWeightUpdate,
+                          load_endpoints)
 from .messages import (PROTOCOL_VERSION, AbortReply, AbortWeightUpdateReply, BeginWeightUpdateReply, BucketChecksum,
                        BucketEntry, ContinueGenerationReply, EndWeightUpdateReply, ErrorInfo, FailedEvent,
                        FinishedEvent, GenerateRequest, GetWeightsByNameReply, HelloReply, InlineSource, Limits,
@@ -26,4 +31,15 @@ __all__ = ["Client", "GenerateResult", "DEFAULT_ENDPOINT", "PROTOCOL_VERSION", "
            "BucketEntry", "BucketChecksum", "InlineSource", "ShmSource", "BeginWeightUpdateReply",
            "UpdateWeightsReply", "EndWeightUpdateReply", "AbortWeightUpdateReply", "GetWeightsByNameReply",
            "WeightsChecksumReply", "ParameterChecksum", "PauseGenerationReply", "ContinueGenerationReply",
-           "WeightsChecksums", "pack_bucket", "crc32_of", "model_checksum"]
+           "WeightsChecksums", "pack_bucket", "crc32_of", "model_checksum",
+           "Coordinator", "DaemonEndpoint", "DaemonHealth", "FleetWeightSession", "FleetWeightUpdate",
+           "load_endpoints"]
+
+# GPU weight transports (SPEC §11.7). The PyTorch side, rolloutd.trainer (NcclWeightGroup,
+# push_weights), imports torch and CuPy when used, so it is not imported here.
+from .client import PendingReply  # noqa: E402
+from .messages import (CudaIpcSource, DestroyWeightGroupReply, InitWeightGroupReply, NcclSource,  # noqa: E402
+                       nccl_version_string)
+
+__all__ += ["PendingReply", "NcclSource", "CudaIpcSource", "InitWeightGroupReply", "DestroyWeightGroupReply",
+            "nccl_version_string"]

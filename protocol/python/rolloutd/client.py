@@ -13,15 +13,17 @@ import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Deque, Iterator, List, Optional, Sequence, Set, Union
+from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Set, Union
 
 from . import wire
 from .messages import (PROTOCOL_VERSION, AbortReply, AbortRequest, AbortWeightUpdateReply,
                        AbortWeightUpdateRequest, BeginWeightUpdateReply, BeginWeightUpdateRequest, BucketChecksum,
-                       BucketEntry, ContinueGenerationReply, ContinueGenerationRequest, EndWeightUpdateReply,
+                       BucketEntry, ContinueGenerationReply, ContinueGenerationRequest, CudaIpcSource,
+                       DestroyWeightGroupReply, DestroyWeightGroupRequest, EndWeightUpdateReply,
                        EndWeightUpdateRequest, ErrorInfo, Event, FailedEvent, FinishedEvent, GenerateReply,
                        GenerateRequest, GetWeightsByNameReply, GetWeightsByNameRequest, HelloReply, HelloRequest,
-                       InlineSource, Limits, ParameterChecksum, PauseGenerationReply, PauseGenerationRequest,
+                       InitWeightGroupReply, InitWeightGroupRequest, InlineSource, Limits, NcclSource,
+                       ParameterChecksum, PauseGenerationReply, PauseGenerationRequest,
                        RetractedEvent, RolloutdError, RoutedExperts, ShmSource, ShutdownReply, ShutdownRequest,
                        StatusReply, StatusRequest, TokensEvent, UpdateWeightsReply, UpdateWeightsRequest,
                        WeightsChecksumReply, WeightsChecksumRequest)
@@ -119,6 +121,40 @@ class _Collector:
         self._chunks.append(rows.data)
 
 
+class PendingReply:
+    """A request sent without waiting for its reply (Client.send_request, or the calls that take
+    wait=False). result() waits for the reply, bounded by the deadline set when it was sent (or
+    timeout_s), and returns its body or raises RolloutdError. Replies to several pending requests
+    of one Client may be collected in any order. Use it from the Client's own thread."""
+
+    def __init__(self, client: "Client", msg_id: int, request: Any, reply_type: type, deadline: float):
+        self.client, self.id, self.request, self.reply_type = client, msg_id, request, reply_type
+        self.deadline = deadline
+        self._done, self._value, self._error = False, None, None
+
+    def done(self) -> bool:
+        """True once the reply was collected (result() then returns at once)."""
+        return self._done
+
+    def result(self, timeout_s: Optional[float] = None) -> Any:
+        if not self._done:
+            deadline = self.deadline if timeout_s is None else time.monotonic() + timeout_s
+            try:
+                msg = self.client._await_reply(self.id, self.request, deadline)
+                self._value = self.client._reply_body(msg, self.request, self.reply_type)
+            except RolloutdError as e:
+                if e.code == "deadline_exceeded" and timeout_s is not None and time.monotonic() < self.deadline:
+                    raise  # a shorter wait of the caller's: the reply may still come
+                self._error = e
+            finally:
+                if self._error is not None or self._value is not None:
+                    self._done = True
+                    self.client._outstanding.pop(self.id, None)
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 def _is_final(event: Event) -> bool:
     return isinstance(event, (FinishedEvent, FailedEvent))
 
@@ -150,6 +186,9 @@ class Client:
         self._events: Deque[Event] = collections.deque()
         # Requests whose caller gave up: their later events are dropped until the final one.
         self._abandoned: Set[str] = set()
+        # Replies that arrived for PendingReply ids other than the one being waited for (None:
+        # not yet arrived); collected by that PendingReply's result().
+        self._outstanding: Dict[int, Optional[wire.Decoded]] = {}
 
     # ---- lifetime ----
     def close(self) -> None:
@@ -237,6 +276,57 @@ class Client:
 
     def continue_generation(self) -> ContinueGenerationReply:
         return self._call(ContinueGenerationRequest(), ContinueGenerationReply)
+
+    # ---- GPU weight transports (SPEC §11.7) ----
+    def init_weight_group(self, group: str, unique_id: bytes, world_size: int, rank: int, root: int = 0,
+                          nccl_version: int = 0, timeout_s: float = 120.0, *,
+                          wait: bool = True) -> Union[InitWeightGroupReply, PendingReply]:
+        """Joins the daemon to the NCCL group `group` as `rank` of `world_size`; the trainer (rank
+        `root`) created `unique_id` (128 bytes) and must join at the same time, so pass wait=False
+        and call .result() after starting the trainer's own join (rolloutd.trainer.NcclWeightGroup
+        does all of this). The reply comes once the daemon joined, within timeout_s."""
+        req = InitWeightGroupRequest(group, bytes(unique_id), world_size, rank, root, nccl_version, timeout_s)
+        # The daemon answers when joined or after timeout_s: wait past that, with slack for the reply.
+        return self._maybe_wait(self.send_request(req, InitWeightGroupReply, max(self.timeout_s, timeout_s + 5.0)),
+                                wait)
+
+    def destroy_weight_group(self, group: str, *, wait: bool = True) -> Union[DestroyWeightGroupReply, PendingReply]:
+        """Tears the group down on the daemon; the trainer destroys its communicator at the same time."""
+        return self._maybe_wait(self.send_request(DestroyWeightGroupRequest(group), DestroyWeightGroupReply), wait)
+
+    def update_weights_nccl(self, session: int, entries: Sequence[BucketEntry], group: str, root: int, size: int,
+                            checksum: Optional[int] = None, *, wait: bool = True,
+                            timeout_s: Optional[float] = None) -> Union[UpdateWeightsReply, PendingReply]:
+        """One bucket of `size` bytes that rank `root` broadcasts over `group`. The daemon replies
+        after it received and applied the bytes: send with wait=False, post the broadcast, then
+        .result() (or post the broadcast on a CUDA stream first, then call with wait=True)."""
+        req = UpdateWeightsRequest(session=session, entries=list(entries), source=NcclSource(group, root, size),
+                                   checksum=_checksum(checksum))
+        return self._maybe_wait(self.send_request(req, UpdateWeightsReply, timeout_s), wait)
+
+    def update_weights_cuda_ipc(self, session: int, entries: Sequence[BucketEntry], handle: bytes, offset: int,
+                                size: int, device_uuid: bytes, checksum: Optional[int] = None, *,
+                                wait: bool = True,
+                                timeout_s: Optional[float] = None) -> Union[UpdateWeightsReply, PendingReply]:
+        """One bucket in [offset, offset + size) of the CUDA allocation exported as `handle` (64-byte
+        cudaIpcMemHandle_t) on GPU `device_uuid` (16 bytes: the daemon's, hello().device_uuid). The
+        daemon has copied and synchronized when the reply arrives: the buffer may be reused then."""
+        req = UpdateWeightsRequest(session=session, entries=list(entries),
+                                   source=CudaIpcSource(bytes(handle), offset, size, bytes(device_uuid)),
+                                   checksum=_checksum(checksum))
+        return self._maybe_wait(self.send_request(req, UpdateWeightsReply, timeout_s), wait)
+
+    def send_request(self, request: Any, reply_type: type, timeout_s: Optional[float] = None) -> PendingReply:
+        """Sends any request without waiting; PendingReply.result() collects its reply (bounded by
+        timeout_s, default the client's). Lets one thread keep requests to many daemons in flight."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        msg_id = self._send_request(request, deadline)
+        self._outstanding[msg_id] = None
+        return PendingReply(self, msg_id, request, reply_type, deadline)
+
+    @staticmethod
+    def _maybe_wait(pending: PendingReply, wait: bool):
+        return pending.result() if wait else pending
 
     def push_weights(self, tensors, weight_version: int, bucket_bytes: int = 256 << 20, via: str = "inline",
                      shm_name: Optional[str] = None, checksum: bool = False,
@@ -397,7 +487,11 @@ class Client:
         return msg_id
 
     def _await_reply(self, msg_id: int, request: Any, deadline: float) -> wire.Decoded:
-        """The reply to message `msg_id`; events that come first are queued."""
+        """The reply to message `msg_id`; events that come first are queued, and replies to other
+        pending requests (send_request) are kept for them."""
+        stashed = self._outstanding.get(msg_id)
+        if stashed is not None:
+            return stashed
         while True:
             msg = self._receive(deadline)
             if msg is None:
@@ -407,6 +501,8 @@ class Client:
                 self._enqueue(msg.body)
             elif msg.id == msg_id:
                 return msg
+            elif msg.id in self._outstanding:
+                self._outstanding[msg.id] = msg
             # Otherwise it answers a call that already gave up waiting.
 
     @staticmethod

@@ -27,6 +27,20 @@ _DTYPE_ALIASES = {**{st: name for name, (_, st) in WEIGHT_DTYPES.items()}, "floa
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
+# GPU weight transports (SPEC §11.7): sizes fixed by NCCL and CUDA.
+NCCL_UNIQUE_ID_BYTES = 128  # ncclUniqueId
+CUDA_IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t
+DEVICE_UUID_BYTES = 16  # cudaDeviceProp.uuid
+MAX_DEVICE_BUCKET_BYTES = 1 << 40  # NcclSource.size, CudaIpcSource.size
+MIN_WEIGHT_GROUP_SIZE, MAX_WEIGHT_GROUP_SIZE = 2, 65536
+
+
+def nccl_version_string(code: int) -> str:
+    """"2.28.9" for NCCL_VERSION_CODE 22809 (X*10000 + Y*100 + Z from 2.9 on, X*1000 + Y*100 + Z before)."""
+    if code >= 10000:
+        return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
+    return f"{code // 1000}.{code % 1000 // 100}.{code % 100}"
+
 
 def weight_dtype(name: str) -> Optional[str]:
     """The canonical (PyTorch) name of a weight dtype given by its PyTorch name, with or
@@ -165,6 +179,27 @@ class ShmSource:
 
 
 @dataclass
+class NcclSource:
+    """The bucket buffer is `size` bytes that rank `root` (the trainer) broadcasts over the NCCL
+    group `group` (joined with init_weight_group) into the daemon's staging buffer."""
+
+    group: str
+    root: int = 0
+    size: int = 0
+
+
+@dataclass
+class CudaIpcSource:
+    """The bucket buffer is [offset, offset + size) of the CUDA allocation exported as `handle`
+    (64-byte cudaIpcMemHandle_t) on the GPU `device_uuid` (16 bytes), the daemon's own."""
+
+    handle: bytes
+    offset: int = 0
+    size: int = 0
+    device_uuid: bytes = b""
+
+
+@dataclass
 class BucketChecksum:
     algo: str = "crc32"
     value: int = 0  # zlib.crc32 of the whole bucket buffer
@@ -175,7 +210,7 @@ class UpdateWeightsRequest:
     session: int = 0
     load_format: str = "flattened_bucket"
     entries: List[BucketEntry] = field(default_factory=list)
-    source: Union[InlineSource, ShmSource] = field(default_factory=InlineSource)
+    source: Union[InlineSource, ShmSource, NcclSource, CudaIpcSource] = field(default_factory=InlineSource)
     checksum: Optional[BucketChecksum] = None
 
 
@@ -211,6 +246,24 @@ class ContinueGenerationRequest:
     pass
 
 
+@dataclass
+class InitWeightGroupRequest:
+    """Join the NCCL group the trainer (rank `root`) created; the reply comes once joined."""
+
+    group: str
+    unique_id: bytes  # 128 bytes: bytes((v + 256) % 256 for v in cupy.cuda.nccl.get_unique_id())
+    world_size: int
+    rank: int
+    root: int = 0
+    nccl_version: int = 0  # NCCL_VERSION_CODE of the trainer's NCCL (cupy.cuda.nccl.get_version())
+    timeout_s: float = 120.0  # bounds the join and each broadcast
+
+
+@dataclass
+class DestroyWeightGroupRequest:
+    group: str
+
+
 # ------------------------------------------------------------------ replies --
 @dataclass
 class HelloReply:
@@ -221,6 +274,8 @@ class HelloReply:
     model: ModelInfo = field(default_factory=ModelInfo)
     weight_version: int = 0
     limits: Limits = field(default_factory=Limits)
+    nccl_version: int = 0  # the NCCL the daemon loaded; 0 = none (SPEC §11.7)
+    device_uuid: bytes = b""  # 16 bytes of the daemon's GPU; empty on the CPU backend
 
 
 @dataclass
@@ -324,6 +379,20 @@ class ContinueGenerationReply:
     num_resumed: int = 0
 
 
+@dataclass
+class InitWeightGroupReply:
+    group: str = ""
+    nccl_version: int = 0  # the daemon's loaded NCCL
+    rank: int = 0
+    world_size: int = 0
+    duration_s: float = 0.0
+
+
+@dataclass
+class DestroyWeightGroupReply:
+    group: str = ""
+
+
 # ------------------------------------------------------------------- events --
 @dataclass
 class RoutedExperts:
@@ -398,8 +467,10 @@ class RetractedEvent:
 
 Request = Union[HelloRequest, StatusRequest, GenerateRequest, AbortRequest, ShutdownRequest,
                 BeginWeightUpdateRequest, UpdateWeightsRequest, EndWeightUpdateRequest, AbortWeightUpdateRequest,
-                GetWeightsByNameRequest, WeightsChecksumRequest, PauseGenerationRequest, ContinueGenerationRequest]
+                GetWeightsByNameRequest, WeightsChecksumRequest, PauseGenerationRequest, ContinueGenerationRequest,
+                InitWeightGroupRequest, DestroyWeightGroupRequest]
 Reply = Union[HelloReply, StatusReply, GenerateReply, AbortReply, ShutdownReply, ErrorInfo, BeginWeightUpdateReply,
               UpdateWeightsReply, EndWeightUpdateReply, AbortWeightUpdateReply, GetWeightsByNameReply,
-              WeightsChecksumReply, PauseGenerationReply, ContinueGenerationReply]
+              WeightsChecksumReply, PauseGenerationReply, ContinueGenerationReply, InitWeightGroupReply,
+              DestroyWeightGroupReply]
 Event = Union[TokensEvent, FinishedEvent, FailedEvent, RetractedEvent]

@@ -16,16 +16,19 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import msgpack
 
-from .messages import (PAUSE_MODES, PROTOCOL_VERSION, ROUTED_EXPERTS_DTYPES, WEIGHT_DTYPES, AbortReply,
-                       AbortRequest, AbortWeightUpdateReply, AbortWeightUpdateRequest, BeginWeightUpdateReply,
-                       BeginWeightUpdateRequest, BucketChecksum, BucketEntry, ContinueGenerationReply,
-                       ContinueGenerationRequest, EndWeightUpdateReply, EndWeightUpdateRequest, ErrorInfo,
-                       FailedEvent, FinishedEvent, GenerateReply, GenerateRequest, GetWeightsByNameReply,
-                       GetWeightsByNameRequest, HelloReply, HelloRequest, InlineSource, Limits, ModelInfo,
-                       ParameterChecksum, PauseGenerationReply, PauseGenerationRequest, RetractedEvent,
-                       RolloutdError, RoutedExperts, ShmSource, ShutdownReply, ShutdownRequest, StatusReply,
-                       StatusRequest, TokensEvent, UpdateWeightsReply, UpdateWeightsRequest, WeightsChecksumReply,
-                       WeightsChecksumRequest, weight_dtype)
+from .messages import (CUDA_IPC_HANDLE_BYTES, DEVICE_UUID_BYTES, MAX_DEVICE_BUCKET_BYTES, MAX_WEIGHT_GROUP_SIZE,
+                       MIN_WEIGHT_GROUP_SIZE, NCCL_UNIQUE_ID_BYTES, PAUSE_MODES, PROTOCOL_VERSION,
+                       ROUTED_EXPERTS_DTYPES, WEIGHT_DTYPES, AbortReply, AbortRequest, AbortWeightUpdateReply,
+                       AbortWeightUpdateRequest, BeginWeightUpdateReply, BeginWeightUpdateRequest, BucketChecksum,
+                       BucketEntry, ContinueGenerationReply, ContinueGenerationRequest, CudaIpcSource,
+                       DestroyWeightGroupReply, DestroyWeightGroupRequest, EndWeightUpdateReply,
+                       EndWeightUpdateRequest, ErrorInfo, FailedEvent, FinishedEvent, GenerateReply, GenerateRequest,
+                       GetWeightsByNameReply, GetWeightsByNameRequest, HelloReply, HelloRequest, InitWeightGroupReply,
+                       InitWeightGroupRequest, InlineSource, Limits, ModelInfo, NcclSource, ParameterChecksum,
+                       PauseGenerationReply, PauseGenerationRequest, RetractedEvent, RolloutdError, RoutedExperts,
+                       ShmSource, ShutdownReply, ShutdownRequest, StatusReply, StatusRequest, TokensEvent,
+                       UpdateWeightsReply, UpdateWeightsRequest, WeightsChecksumReply, WeightsChecksumRequest,
+                       weight_dtype)
 
 __all__ = ["Decoded", "encode", "decode", "type_name", "REQUEST_TYPES", "REPLY_TYPES", "EVENT_TYPES"]
 
@@ -36,6 +39,7 @@ MAX_TENSOR_RANK = 8
 MAX_TENSOR_DIM = 2**40
 MAX_GET_WEIGHTS_TRUNCATE = 1_000_000
 _SHM_NAME = re.compile(r"/[A-Za-z0-9._-]{1,250}")
+_GROUP_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 @dataclass
@@ -152,6 +156,37 @@ class _Str(_Kind):
             raise RolloutdError("invalid_argument", "must not be empty", path)
         if self.values and v not in self.values:
             raise RolloutdError("invalid_argument", f"unknown value '{v}'; expected {', '.join(self.values)}", path)
+        return v
+
+
+class _Bin(_Kind):
+    """Raw bytes as msgpack bin (handles, ids, uuids); decoders want one of `sizes` bytes."""
+
+    def __init__(self, *sizes: int):
+        self.sizes = sizes
+
+    def encode(self, v, path, ctx):
+        if not isinstance(v, (bytes, bytearray, memoryview)):
+            raise _wrong_type("bytes", v, path)
+        return bytes(v)
+
+    def decode(self, v, path, ctx):
+        if not isinstance(v, bytes):
+            raise _wrong_type("bin", v, path)
+        if len(v) not in self.sizes:
+            raise RolloutdError("invalid_argument", f"{len(v)} bytes; must be exactly "
+                                f"{' or '.join(map(str, self.sizes))}", path)
+        return v
+
+
+class _GroupName(_Str):
+    """An NCCL weight group's name: ^[A-Za-z0-9._-]{1,64}$."""
+
+    def decode(self, v, path, ctx):
+        v = super().decode(v, path, ctx)
+        if not _GROUP_NAME.fullmatch(v):
+            raise RolloutdError("invalid_argument", f"'{v}' is not a weight-group name: 1 to 64 of "
+                                "A-Z a-z 0-9 . _ -", path)
         return v
 
 
@@ -345,7 +380,8 @@ class _BucketEntryKind(_Struct):
 
 
 class _SourceKind(_Kind):
-    """{kind: "inline", frame} | {kind: "shm", name, offset, size}."""
+    """{kind: "inline", frame} | {kind: "shm", name, offset, size} | {kind: "nccl", group, root, size}
+    | {kind: "cuda_ipc", handle, offset, size, device_uuid}."""
 
     def encode(self, v, path, ctx):
         if isinstance(v, InlineSource):
@@ -358,7 +394,16 @@ class _SourceKind(_Kind):
             return {"kind": "shm", "name": _STR.encode(v.name, _join(path, "name"), ctx),
                     "offset": _U64.encode(v.offset, _join(path, "offset"), ctx),
                     "size": _U64.encode(v.size, _join(path, "size"), ctx)}
-        raise _wrong_type("InlineSource or ShmSource", v, path)
+        if isinstance(v, NcclSource):
+            return {"kind": "nccl", "group": _STR.encode(v.group, _join(path, "group"), ctx),
+                    "root": _U32.encode(v.root, _join(path, "root"), ctx),
+                    "size": _U64.encode(v.size, _join(path, "size"), ctx)}
+        if isinstance(v, CudaIpcSource):
+            return {"kind": "cuda_ipc", "handle": _HANDLE.encode(v.handle, _join(path, "handle"), ctx),
+                    "offset": _U64.encode(v.offset, _join(path, "offset"), ctx),
+                    "size": _U64.encode(v.size, _join(path, "size"), ctx),
+                    "device_uuid": _UUID.encode(v.device_uuid, _join(path, "device_uuid"), ctx)}
+        raise _wrong_type("InlineSource, ShmSource, NcclSource or CudaIpcSource", v, path)
 
     def decode(self, v, path, ctx):
         if not isinstance(v, dict):
@@ -385,8 +430,16 @@ class _SourceKind(_Kind):
             if offset + size >= 2**64:
                 raise RolloutdError("out_of_range", "offset + size overflows 64 bits", _join(path, "size"))
             return ShmSource(name=name, offset=offset, size=size)
-        raise RolloutdError("invalid_argument", f"unknown source kind '{kind}'; expected inline or shm",
-                            _join(path, "kind"))
+        if kind == "nccl":
+            group = field("group", _GroupName())
+            return NcclSource(group=group, root=field("root", _U32), size=field("size", _DEVICE_SIZE))
+        if kind == "cuda_ipc":
+            handle, offset, size = field("handle", _HANDLE), field("offset", _U64), field("size", _DEVICE_SIZE)
+            if offset + size >= 2**64:
+                raise RolloutdError("out_of_range", "offset + size overflows 64 bits", _join(path, "size"))
+            return CudaIpcSource(handle=handle, offset=offset, size=size, device_uuid=field("device_uuid", _UUID))
+        raise RolloutdError("invalid_argument", f"unknown source kind '{kind}'; expected inline, shm, nccl or "
+                            "cuda_ipc", _join(path, "kind"))
 
 
 class _UpdateWeightsBody(_Struct):
@@ -398,8 +451,12 @@ class _UpdateWeightsBody(_Struct):
         entries = _join(path, "entries")
         if isinstance(r.source, InlineSource):
             size, what = len(r.source.data), f"payload frame {r.source.frame}"
-        else:
+        elif isinstance(r.source, ShmSource):
             size, what = r.source.size, "shared-memory region"
+        elif isinstance(r.source, NcclSource):
+            size, what = r.source.size, "broadcast buffer"
+        else:
+            size, what = r.source.size, "CUDA IPC range"
         for i, e in enumerate(r.entries):
             if e.byte_offset + e.nbytes > size:
                 raise RolloutdError("out_of_range", f"bytes [{e.byte_offset}, {e.byte_offset + e.nbytes}) lie "
@@ -422,12 +479,32 @@ class _UpdateWeightsBody(_Struct):
         return r
 
 
+class _InitGroupBody(_Struct):
+    """init_weight_group: after the fields, the rank checks (the C++ decoder's order)."""
+
+    def decode(self, v, path, ctx):
+        r = super().decode(v, path, ctx)
+        if r.rank >= r.world_size:
+            raise RolloutdError("out_of_range", f"rank {r.rank} is not below world_size {r.world_size}",
+                                _join(path, "rank"))
+        if r.root >= r.world_size:
+            raise RolloutdError("out_of_range", f"root {r.root} is not below world_size {r.world_size}",
+                                _join(path, "root"))
+        if r.rank == r.root:
+            raise RolloutdError("invalid_argument", f"rank {r.rank} is the root's: the daemon receives, the "
+                                "trainer (root) broadcasts", _join(path, "rank"))
+        return r
+
+
 _U32 = _Int(0, 2**32 - 1)
 _U64 = _Int(0, 2**64 - 1)
 _I32 = _Int(-(2**31), 2**31 - 1)
 _TOKEN = _Int(-(2**31), 2**31 - 1, min=0)
 _F64, _BOOL, _STR = _Float(), _Bool(), _Str()
 _RID = _Str("max_rid_bytes")
+_HANDLE = _Bin(CUDA_IPC_HANDLE_BYTES)
+_UUID = _Bin(DEVICE_UUID_BYTES)
+_DEVICE_SIZE = _Int(0, 2**64 - 1, max=MAX_DEVICE_BUCKET_BYTES)
 
 _MODEL = _Struct(ModelInfo, [("name", _STR), ("family", _STR), ("vocab_size", _U32), ("num_layers", _U32),
                              ("num_moe_layers", _U32), ("num_experts", _U32), ("top_k", _U32),
@@ -495,10 +572,19 @@ REQUEST_TYPES: Dict[str, _Kind] = {
     "weights_checksum": _Struct(WeightsChecksumRequest, [("names", _DISTINCT_NAMES)]),
     "pause_generation": _Struct(PauseGenerationRequest, [("mode", _Str(values=PAUSE_MODES))]),
     "continue_generation": _Struct(ContinueGenerationRequest, []),
+    "init_weight_group": _InitGroupBody(InitWeightGroupRequest, [
+        ("group", _GroupName()), ("unique_id", _Bin(NCCL_UNIQUE_ID_BYTES)),
+        ("world_size", _Int(0, 2**32 - 1, min=MIN_WEIGHT_GROUP_SIZE, max=MAX_WEIGHT_GROUP_SIZE)),
+        ("rank", _U32), ("root", _U32), ("nccl_version", _U32), ("timeout_s", _Float(0.0, 3600.0, lo_open=True))],
+        optional=("root", "timeout_s")),
+    "destroy_weight_group": _Struct(DestroyWeightGroupRequest, [("group", _GroupName())]),
 }
 REPLY_TYPES: Dict[str, _Kind] = {
+    # nccl_version and device_uuid came with the GPU weight transports (SPEC §11.7): optional.
     "hello.ok": _Struct(HelloReply, [("version", _U32), ("daemon", _STR), ("build", _STR), ("gpu", _I32),
-                                     ("model", _MODEL), ("weight_version", _U64), ("limits", _LIMITS)]),
+                                     ("model", _MODEL), ("weight_version", _U64), ("limits", _LIMITS),
+                                     ("nccl_version", _U32), ("device_uuid", _Bin(0, DEVICE_UUID_BYTES))],
+                        optional=("nccl_version", "device_uuid")),
     "status.ok": _Struct(StatusReply, [
         ("state", _STR), ("ready", _BOOL), ("reason", _STR), ("weight_version", _U64), ("num_waiting", _U32),
         ("num_running", _U32), ("num_requests_total", _U64), ("num_tokens_generated_total", _U64),
@@ -526,6 +612,9 @@ REPLY_TYPES: Dict[str, _Kind] = {
     "pause_generation.ok": _Struct(PauseGenerationReply, [
         ("num_aborted", _U32), ("num_retracted", _U32), ("num_paused", _U32)]),
     "continue_generation.ok": _Struct(ContinueGenerationReply, [("num_resumed", _U32)]),
+    "init_weight_group.ok": _Struct(InitWeightGroupReply, [
+        ("group", _STR), ("nccl_version", _U32), ("rank", _U32), ("world_size", _U32), ("duration_s", _F64)]),
+    "destroy_weight_group.ok": _Struct(DestroyWeightGroupReply, [("group", _STR)]),
 }
 EVENT_TYPES: Dict[str, _Kind] = {
     "tokens": _TokensBody(TokensEvent, [

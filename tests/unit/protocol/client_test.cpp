@@ -558,5 +558,70 @@ TEST(ClientTest, RetractedIsQueuedAndNotFinal) {
   EXPECT_TRUE(std::holds_alternative<FinishedEvent>(**third));
 }
 
+TEST(ClientTest, WeightGroupAndDeviceBucketCalls) {
+  const std::string uid(128, '\x80');
+  const std::string handle(64, '\x07');
+  const std::string uuid(16, '\xee');
+  const std::vector<BucketEntry> entries{BucketEntry{"w", DType::kBF16, {2}, 0, 4},
+                                         BucketEntry{"b", DType::kF32, {1}, 256, 4}};
+  FakeDaemon daemon;
+  daemon.run([&](FakeDaemon& d) {
+    Received r = d.recv();
+    const auto& init = std::get<InitWeightGroupRequest>(r.request);
+    EXPECT_EQ(init.group, "weights");
+    EXPECT_EQ(init.unique_id, uid);
+    EXPECT_EQ(init.world_size, 2u);
+    EXPECT_EQ(init.rank, 1u);
+    EXPECT_EQ(init.root, 0u);
+    EXPECT_EQ(init.nccl_version, 22809u);
+    EXPECT_EQ(init.timeout_s, 0.5);
+    // Joining takes longer than request_timeout_ms: the call waits past timeout_s.
+    std::this_thread::sleep_for(milliseconds(400));
+    d.send(r.identity, encode_reply(r.env.id, InitWeightGroupReply{"weights", 22809, 1, 2, 0.4}));
+
+    r = d.recv();
+    const auto& nccl = std::get<UpdateWeightsRequest>(r.request);
+    const auto& src = std::get<NcclSource>(nccl.source);
+    EXPECT_EQ(src.group, "weights");
+    EXPECT_EQ(src.root, 0u);
+    EXPECT_EQ(src.size, 260u);
+    EXPECT_EQ(nccl.entries.size(), 2u);
+    ASSERT_TRUE(nccl.checksum.has_value());
+    EXPECT_EQ(nccl.checksum->value, 77u);
+    EXPECT_TRUE(r.frames.empty()) << "the bytes travel by NCCL, not as a frame";
+    d.send(r.identity, encode_reply(r.env.id, UpdateWeightsReply{9, 2, 8, 0.01}));
+
+    r = d.recv();
+    const auto& ipc = std::get<UpdateWeightsRequest>(r.request);
+    const auto& isrc = std::get<CudaIpcSource>(ipc.source);
+    EXPECT_EQ(isrc.handle, handle);
+    EXPECT_EQ(isrc.offset, 1u << 21);
+    EXPECT_EQ(isrc.size, 260u);
+    EXPECT_EQ(isrc.device_uuid, uuid);
+    EXPECT_FALSE(ipc.checksum.has_value());
+    d.send(r.identity, encode_error(r.env.id, ErrorInfo{"invalid_argument", "handle of another GPU",
+                                                        "body.source.device_uuid"}));
+
+    r = d.recv();
+    EXPECT_EQ(std::get<DestroyWeightGroupRequest>(r.request).group, "weights");
+    d.send(r.identity, encode_reply(r.env.id, DestroyWeightGroupReply{"weights"}));
+  });
+  auto client = connect_to(daemon.endpoint(), /*request_timeout_ms=*/200);
+  auto init = client->init_weight_group("weights", uid, 2, 1, 0, 22809, 0.5);
+  ASSERT_TRUE(init.ok()) << init.status().to_string();
+  EXPECT_EQ(init->nccl_version, 22809u);
+  EXPECT_EQ(init->duration_s, 0.4);
+  auto nccl = client->update_weights_nccl(9, entries, "weights", 0, 260, 77u);
+  ASSERT_TRUE(nccl.ok()) << nccl.status().to_string();
+  EXPECT_EQ(nccl->num_entries, 2u);
+  auto ipc = client->update_weights_cuda_ipc(9, entries, handle, 1u << 21, 260, uuid);
+  ASSERT_FALSE(ipc.ok());
+  EXPECT_EQ(ipc.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(ipc.status().field(), "body.source.device_uuid");
+  auto destroy = client->destroy_weight_group("weights");
+  ASSERT_TRUE(destroy.ok()) << destroy.status().to_string();
+  EXPECT_EQ(destroy->group, "weights");
+}
+
 }  // namespace
 }  // namespace rolloutd::protocol

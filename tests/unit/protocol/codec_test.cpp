@@ -347,7 +347,7 @@ std::vector<BadCase> weight_update_bad_cases() {
       bad_update("SourceNotMap", with(update, "source", "inline"), E::kWrongType, "body.source"),
       bad_update("SourceKindMissing", with(update, "source", Map{{"frame", 0}}), E::kMissingField,
                  "body.source.kind"),
-      bad_update("SourceKindUnknown", with(update, "source", Map{{"kind", "cuda_ipc"}}),
+      bad_update("SourceKindUnknown", with(update, "source", Map{{"kind", "rdma"}}),
                  E::kInvalidArgument, "body.source.kind"),
       bad_update("InlineFrameMissingField", with(update, "source", Map{{"kind", "inline"}}),
                  E::kMissingField, "body.source.frame"),
@@ -439,6 +439,129 @@ std::vector<BadCase> weight_update_bad_cases() {
       bad_body("PauseModeUnknown", "pause_generation", Map{{"mode", "drain"}}, E::kInvalidArgument,
                "body.mode"),
       bad_body("PauseModeInt", "pause_generation", Map{{"mode", 1}}, E::kWrongType, "body.mode"),
+  };
+}
+
+// ---- GPU weight transports (SPEC §11.7) ----
+const std::string kUniqueId(128, '\x9c');  // bytes >= 0x80: not valid UTF-8, so bin only
+const std::string kIpcHandle(64, '\xfe');
+const std::string kUuid(16, '\x42');
+
+Map init_group_body() {
+  return Map{{"group", "weights"},   {"unique_id", Bin{kUniqueId}}, {"world_size", 3},
+             {"rank", 1},            {"root", 0},                   {"nccl_version", 22809},
+             {"timeout_s", 120.0}};
+}
+
+Map nccl_source(Value group = "weights", Value root = 0, Value size = 32) {
+  return Map{{"kind", "nccl"}, {"group", std::move(group)}, {"root", std::move(root)},
+             {"size", std::move(size)}};
+}
+
+Map ipc_source(Value handle = Bin{kIpcHandle}, Value offset = 1 << 20, Value size = 32,
+               Value uuid = Bin{kUuid}) {
+  return Map{{"kind", "cuda_ipc"},
+             {"handle", std::move(handle)},
+             {"offset", std::move(offset)},
+             {"size", std::move(size)},
+             {"device_uuid", std::move(uuid)}};
+}
+
+BadCase bad_init(std::string name, const std::string& key, std::optional<Value> value, ErrorCode code,
+                 std::string field) {
+  return bad_body(std::move(name), "init_weight_group", with(init_group_body(), key, std::move(value)),
+                  code, std::move(field));
+}
+
+std::vector<BadCase> transport_bad_cases() {
+  const Map update = update_body();
+  const Map nccl = with(update, "source", nccl_source());
+  const uint64_t k2p40 = uint64_t{1} << 40;
+  return {
+      // ---- init_weight_group ----
+      bad_init("GroupMissing", "group", std::nullopt, E::kMissingField, "body.group"),
+      bad_init("GroupEmpty", "group", "", E::kInvalidArgument, "body.group"),
+      bad_init("GroupSlash", "group", "a/b", E::kInvalidArgument, "body.group"),
+      bad_init("GroupSpace", "group", "a b", E::kInvalidArgument, "body.group"),
+      bad_init("GroupTooLong", "group", repeat('g', 65), E::kInvalidArgument, "body.group"),
+      bad_init("GroupBin", "group", Bin{"weights"}, E::kWrongType, "body.group"),
+      bad_init("UniqueIdMissing", "unique_id", std::nullopt, E::kMissingField, "body.unique_id"),
+      bad_init("UniqueIdStr", "unique_id", repeat('u', 128), E::kWrongType, "body.unique_id"),
+      bad_init("UniqueIdShort", "unique_id", Bin{kUniqueId.substr(1)}, E::kInvalidArgument,
+               "body.unique_id"),
+      bad_init("UniqueIdLong", "unique_id", Bin{kUniqueId + "x"}, E::kInvalidArgument,
+               "body.unique_id"),
+      bad_init("WorldSizeMissing", "world_size", std::nullopt, E::kMissingField, "body.world_size"),
+      bad_init("WorldSizeOne", "world_size", 1, E::kOutOfRange, "body.world_size"),
+      bad_init("WorldSizeOver65536", "world_size", 65537, E::kOutOfRange, "body.world_size"),
+      bad_init("WorldSizeFloat", "world_size", 3.0, E::kWrongType, "body.world_size"),
+      bad_init("RankMissing", "rank", std::nullopt, E::kMissingField, "body.rank"),
+      bad_init("RankNegative", "rank", -1, E::kOutOfRange, "body.rank"),
+      bad_init("RankAtWorldSize", "rank", 3, E::kOutOfRange, "body.rank"),
+      bad_init("RankIsRoot", "rank", 0, E::kInvalidArgument, "body.rank"),
+      bad_init("RootAtWorldSize", "root", 3, E::kOutOfRange, "body.root"),
+      bad_body("RankIsDefaultRoot", "init_weight_group",
+               with(with(init_group_body(), "root", std::nullopt), "rank", 0), E::kInvalidArgument,
+               "body.rank"),
+      bad_init("NcclVersionMissing", "nccl_version", std::nullopt, E::kMissingField,
+               "body.nccl_version"),
+      bad_init("NcclVersionString", "nccl_version", "2.28.9", E::kWrongType, "body.nccl_version"),
+      bad_init("NcclVersionOver32Bits", "nccl_version", k2p32, E::kOutOfRange, "body.nccl_version"),
+      bad_init("GroupTimeoutZero", "timeout_s", 0.0, E::kOutOfRange, "body.timeout_s"),
+      bad_init("GroupTimeoutOverAnHour", "timeout_s", 3601, E::kOutOfRange, "body.timeout_s"),
+      bad_init("GroupTimeoutInf", "timeout_s", kInf, E::kOutOfRange, "body.timeout_s"),
+      // ---- destroy_weight_group ----
+      bad_body("DestroyGroupMissing", "destroy_weight_group", Map{}, E::kMissingField, "body.group"),
+      bad_body("DestroyGroupInvalid", "destroy_weight_group", Map{{"group", "/x"}},
+               E::kInvalidArgument, "body.group"),
+      // ---- update_weights with an nccl source ----
+      bad_update("NcclGroupMissing", with(update, "source", with(nccl_source(), "group", std::nullopt)),
+                 E::kMissingField, "body.source.group", {}),
+      bad_update("NcclGroupInvalid", with(update, "source", nccl_source("w eights")),
+                 E::kInvalidArgument, "body.source.group", {}),
+      bad_update("NcclRootMissing", with(update, "source", with(nccl_source(), "root", std::nullopt)),
+                 E::kMissingField, "body.source.root", {}),
+      bad_update("NcclRootNegative", with(update, "source", nccl_source("weights", -1)),
+                 E::kOutOfRange, "body.source.root", {}),
+      bad_update("NcclSizeMissing", with(update, "source", with(nccl_source(), "size", std::nullopt)),
+                 E::kMissingField, "body.source.size", {}),
+      bad_update("NcclSizeOver2p40", with(update, "source", nccl_source("weights", 0, k2p40 + 1)),
+                 E::kOutOfRange, "body.source.size", {}),
+      bad_update("NcclEntryBeyondSize", with(update, "source", nccl_source("weights", 0, 31)),
+                 E::kOutOfRange, "body.entries[2].byte_offset", {}),
+      bad_update("NcclChecksumAlgo", with(nccl, "checksum", Map{{"algo", "xxh3"}, {"value", 1}}),
+                 E::kInvalidArgument, "body.checksum.algo", {}),
+      // ---- update_weights with a cuda_ipc source ----
+      bad_update("IpcHandleMissing", with(update, "source", with(ipc_source(), "handle", std::nullopt)),
+                 E::kMissingField, "body.source.handle", {}),
+      bad_update("IpcHandleStr", with(update, "source", ipc_source(repeat('h', 64))), E::kWrongType,
+                 "body.source.handle", {}),
+      bad_update("IpcHandleShort", with(update, "source", ipc_source(Bin{kIpcHandle.substr(2)})),
+                 E::kInvalidArgument, "body.source.handle", {}),
+      // torch's _share_cuda_() gives 66 bytes: its 2-byte prefix must be stripped first.
+      bad_update("IpcHandleWithTorchPrefix",
+                 with(update, "source", ipc_source(Bin{std::string(2, '\0') + kIpcHandle})),
+                 E::kInvalidArgument, "body.source.handle", {}),
+      bad_update("IpcOffsetNegative", with(update, "source", ipc_source(Bin{kIpcHandle}, -4)),
+                 E::kOutOfRange, "body.source.offset", {}),
+      bad_update("IpcSizeOver2p40",
+                 with(update, "source", ipc_source(Bin{kIpcHandle}, 0, k2p40 + 1)), E::kOutOfRange,
+                 "body.source.size", {}),
+      bad_update("IpcEndOverflows",
+                 with(update, "source", ipc_source(Bin{kIpcHandle}, UINT64_MAX - 8, 32)),
+                 E::kOutOfRange, "body.source.size", {}),
+      bad_update("IpcUuidMissing",
+                 with(update, "source", with(ipc_source(), "device_uuid", std::nullopt)),
+                 E::kMissingField, "body.source.device_uuid", {}),
+      bad_update("IpcUuidEmpty",
+                 with(update, "source", ipc_source(Bin{kIpcHandle}, 0, 32, Bin{""})),
+                 E::kInvalidArgument, "body.source.device_uuid", {}),
+      bad_update("IpcUuidAsText",
+                 with(update, "source",
+                      ipc_source(Bin{kIpcHandle}, 0, 32, "GPU-a1b2c3d4-e5f6-0718-293a-4b5c6d7e8f90")),
+                 E::kWrongType, "body.source.device_uuid", {}),
+      bad_update("IpcEntryBeyondRange", with(update, "source", ipc_source(Bin{kIpcHandle}, 0, 30)),
+                 E::kOutOfRange, "body.entries[2].byte_offset", {}),
   };
 }
 
@@ -643,6 +766,8 @@ TEST_P(RefusedRequest, TypedCodeAndField) {
 INSTANTIATE_TEST_SUITE_P(Codec, RefusedRequest, ::testing::ValuesIn(bad_cases()),
                          [](const auto& info) { return info.param.name; });
 INSTANTIATE_TEST_SUITE_P(WeightUpdate, RefusedRequest, ::testing::ValuesIn(weight_update_bad_cases()),
+                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Transports, RefusedRequest, ::testing::ValuesIn(transport_bad_cases()),
                          [](const auto& info) { return info.param.name; });
 
 TEST(RefusedRequestTable, IntKeyInputsReallyHaveIntKeys) {
@@ -1653,6 +1778,168 @@ TEST(Helpers, WeightUpdateNames) {
   EXPECT_EQ(pause_mode_name(PauseMode::kInPlace), "in_place");
   EXPECT_EQ(pause_mode_from_name("retract"), PauseMode::kRetract);
   EXPECT_FALSE(pause_mode_from_name("in-place").has_value());
+}
+
+// ---------------------------------------------------------------------------
+// GPU weight transports (SPEC §11.7).
+
+TEST(Transports, InitWeightGroupDecodes) {
+  const RequestDecodeResult r = decode(bytes(envelope("init_weight_group", 5, init_group_body())));
+  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+  const auto& g = std::get<InitWeightGroupRequest>(*r.request);
+  EXPECT_EQ(g.group, "weights");
+  EXPECT_EQ(g.unique_id, kUniqueId);
+  EXPECT_EQ(g.world_size, 3u);
+  EXPECT_EQ(g.rank, 1u);
+  EXPECT_EQ(g.nccl_version, 22809u);
+  // root and timeout_s may be omitted; a root other than 0 and the widest group are fine.
+  const Map minimal = with(with(init_group_body(), "root", std::nullopt), "timeout_s", std::nullopt);
+  const RequestDecodeResult m = decode(bytes(envelope("init_weight_group", 6, minimal)));
+  ASSERT_TRUE(m.status.ok()) << m.status.to_string();
+  EXPECT_EQ(std::get<InitWeightGroupRequest>(*m.request).root, 0u);
+  EXPECT_EQ(std::get<InitWeightGroupRequest>(*m.request).timeout_s, 120.0);
+  const Map wide = with(with(with(init_group_body(), "world_size", 65536), "rank", 0), "root", 65535);
+  const RequestDecodeResult w = decode(bytes(envelope("init_weight_group", 7, wide)));
+  ASSERT_TRUE(w.status.ok()) << w.status.to_string();
+  EXPECT_EQ(std::get<InitWeightGroupRequest>(*w.request).root, 65535u);
+  // The longest name, every allowed character.
+  const std::string name = "A-Z.a_z-0.9" + repeat('x', 53);
+  ASSERT_EQ(name.size(), 64u);
+  EXPECT_TRUE(decode(bytes(envelope("init_weight_group", 8, with(init_group_body(), "group", name))))
+                  .status.ok());
+  EXPECT_TRUE(is_valid_weight_group_name(name));
+  EXPECT_FALSE(is_valid_weight_group_name(name + "x"));
+  EXPECT_FALSE(is_valid_weight_group_name(""));
+  EXPECT_FALSE(is_valid_weight_group_name("w\xc3\xa9"));
+}
+
+TEST(Transports, DeviceSourcesDecode) {
+  const UpdateWeightsRequest n = decode_update(with(update_body(), "source", nccl_source()), {});
+  const auto& ns = std::get<NcclSource>(n.source);
+  EXPECT_EQ(ns.group, "weights");
+  EXPECT_EQ(ns.size, 32u);
+  EXPECT_TRUE(inline_bucket(n, {}).empty());
+  // The largest size; payload frames are ignored for device sources.
+  const uint64_t k2p40 = uint64_t{1} << 40;
+  const UpdateWeightsRequest big = decode_update(
+      with(update_body(Array{entry("w", "bfloat16", Array{k2p40 / 2}, 0, k2p40)}), "source",
+           nccl_source("w.1", 7, k2p40)),
+      {kBucket});
+  EXPECT_EQ(std::get<NcclSource>(big.source).root, 7u);
+  EXPECT_EQ(std::get<NcclSource>(big.source).size, k2p40);
+
+  const UpdateWeightsRequest i = decode_update(with(update_body(), "source", ipc_source()), {});
+  const auto& is = std::get<CudaIpcSource>(i.source);
+  EXPECT_EQ(is.handle, kIpcHandle);
+  EXPECT_EQ(is.offset, 1u << 20);
+  EXPECT_EQ(is.size, 32u);
+  EXPECT_EQ(is.device_uuid, kUuid);
+  EXPECT_TRUE(inline_bucket(i, {}).empty());
+}
+
+TEST(Transports, RequestsRoundTrip) {
+  const InitWeightGroupRequest init{"g-1", kUniqueId, 5, 4, 1, 22809, 0.5};
+  const InitWeightGroupRequest init2 = request_round_trip(init);
+  EXPECT_EQ(init2.unique_id, kUniqueId);
+  EXPECT_EQ(init2.root, 1u);
+  EXPECT_EQ(init2.timeout_s, 0.5);
+  EXPECT_EQ(request_round_trip(DestroyWeightGroupRequest{"g-1"}).group, "g-1");
+
+  UpdateWeightsRequest u;
+  u.session = 3;
+  u.entries = {BucketEntry{"a", DType::kBF16, {2, 3}, 0, 12}, BucketEntry{"b", DType::kF32, {}, 256, 4}};
+  u.source = NcclSource{"weights", 0, 260};
+  u.checksum = BucketChecksum{"crc32", 9};
+  const UpdateWeightsRequest n = request_round_trip(u);
+  EXPECT_EQ(std::get<NcclSource>(n.source).size, 260u);
+  EXPECT_EQ(n.checksum->value, 9u);
+  u.source = CudaIpcSource{kIpcHandle, 4096, 260, kUuid};
+  u.checksum.reset();
+  const UpdateWeightsRequest i = request_round_trip(u);
+  EXPECT_EQ(std::get<CudaIpcSource>(i.source).handle, kIpcHandle);
+  EXPECT_EQ(std::get<CudaIpcSource>(i.source).device_uuid, kUuid);
+  EXPECT_EQ(request_type_name(Request(InitWeightGroupRequest{})), "init_weight_group");
+  EXPECT_EQ(request_type_name(Request(DestroyWeightGroupRequest{})), "destroy_weight_group");
+}
+
+TEST(Transports, CanonicalBytes) {
+  // Handles, ids and uuids are msgpack bin (bin8 for these sizes), in SPEC key order.
+  const std::string env = encode_request(1, Request(InitWeightGroupRequest{
+                                                "w", kUniqueId, 2, 1, 0, 22809, 120.0}))
+                              .envelope;
+  EXPECT_EQ(env, bytes(envelope("init_weight_group", 1,
+                                Map{{"group", "w"}, {"unique_id", Bin{kUniqueId}}, {"world_size", 2},
+                                    {"rank", 1}, {"root", 0}, {"nccl_version", 22809},
+                                    {"timeout_s", 120.0}})));
+  EXPECT_EQ(after_key(env, "unique_id", 2), "\xc4\x80");
+  UpdateWeightsRequest u;
+  u.entries = {BucketEntry{"w", DType::kI8, {1}, 0, 1}};
+  u.source = CudaIpcSource{kIpcHandle, 0, 1, kUuid};
+  const std::string ipc = encode_request(1, Request(u)).envelope;
+  EXPECT_EQ(after_key(ipc, "handle", 2), "\xc4\x40");
+  EXPECT_EQ(after_key(ipc, "device_uuid", 2), "\xc4\x10");
+  // hello.ok writes the two added fields last; an empty uuid is an empty bin.
+  const std::string hello = encode_reply(1, HelloReply{}).envelope;
+  EXPECT_EQ(after_key(hello, "nccl_version", 1), std::string(1, '\0'));
+  EXPECT_EQ(after_key(hello, "device_uuid", 2), std::string("\xc4\x00", 2));
+}
+
+TEST(Transports, RepliesRoundTrip) {
+  HelloReply h;
+  h.gpu = 1;
+  h.nccl_version = 22809;
+  h.device_uuid = kUuid;
+  WireMessage m = encode_reply(1, h);
+  const HelloReply h2 = incoming_round_trip<HelloReply>(m);
+  EXPECT_EQ(h2.nccl_version, 22809u);
+  EXPECT_EQ(h2.device_uuid, kUuid);
+  EXPECT_EQ(encode_reply(1, h2).envelope, m.envelope);
+
+  m = encode_reply(2, InitWeightGroupReply{"weights", 22809, 1, 2, 0.125});
+  const auto g = incoming_round_trip<InitWeightGroupReply>(m);
+  EXPECT_EQ(g.group, "weights");
+  EXPECT_EQ(g.nccl_version, 22809u);
+  EXPECT_EQ(g.rank, 1u);
+  EXPECT_EQ(g.world_size, 2u);
+  EXPECT_EQ(g.duration_s, 0.125);
+  EXPECT_EQ(encode_reply(2, g).envelope, m.envelope);
+  m = encode_reply(3, DestroyWeightGroupReply{"weights"});
+  EXPECT_EQ(incoming_round_trip<DestroyWeightGroupReply>(m).group, "weights");
+}
+
+TEST(Transports, RefusedReplies) {
+  const Map hello = Map{{"version", 1},
+                        {"daemon", "rolloutd"},
+                        {"build", "b"},
+                        {"gpu", 0},
+                        {"model", Map{{"name", "m"}, {"family", "f"}, {"vocab_size", 1},
+                                      {"num_layers", 1}, {"num_moe_layers", 1}, {"num_experts", 1},
+                                      {"top_k", 1}, {"routed_experts_dtype", "uint8"}}},
+                        {"weight_version", 0},
+                        {"limits", Map{{"max_envelope_bytes", 1}, {"max_frame_bytes", 1},
+                                       {"max_frames", 1}, {"max_rid_bytes", 1},
+                                       {"max_string_bytes", 1}, {"max_input_tokens", 1},
+                                       {"max_new_tokens", 1}, {"max_stop_token_ids", 1},
+                                       {"max_versions", 1}}}};
+  EXPECT_TRUE(decode_in(WireMessage{bytes(envelope("hello.ok", 1, hello)), {}}).ok());
+  expect_incoming_error(envelope("hello.ok", 1, with(hello, "device_uuid", Bin{"short"})), {},
+                        E::kInvalidArgument, "body.device_uuid");
+  expect_incoming_error(envelope("hello.ok", 1, with(hello, "device_uuid", kUuid)), {},
+                        E::kWrongType, "body.device_uuid");
+  expect_incoming_error(envelope("hello.ok", 1, with(hello, "nccl_version", -1)), {},
+                        E::kOutOfRange, "body.nccl_version");
+  expect_incoming_error(envelope("init_weight_group.ok", 1,
+                                 Map{{"group", "g"}, {"nccl_version", 1}, {"rank", 1}, {"world_size", 2}}),
+                        {}, E::kMissingField, "body.duration_s");
+  expect_incoming_error(envelope("destroy_weight_group.ok", 1, Map{}), {}, E::kMissingField,
+                        "body.group");
+}
+
+TEST(Transports, NcclVersionString) {
+  EXPECT_EQ(nccl_version_string(22809), "2.28.9");
+  EXPECT_EQ(nccl_version_string(22803), "2.28.3");
+  EXPECT_EQ(nccl_version_string(21903), "2.19.3");
+  EXPECT_EQ(nccl_version_string(2708), "2.7.8");  // before 2.9: X*1000 + Y*100 + Z
 }
 
 }  // namespace

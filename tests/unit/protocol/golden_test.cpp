@@ -62,8 +62,9 @@ Golden load(const std::string& name) {
 
 // Every golden and the message type it holds. GoldenSet.NoneUntested keeps this
 // list and the directory in step. A golden with `upgrades_to` is what a daemon sent
-// before SPEC §11 added optional fields to its message: it must still decode, and
-// re-encoding it writes those fields at their defaults, giving that other golden.
+// before SPEC §11 (or §11.7) added optional fields to its message: it must still
+// decode, and re-encoding it writes those fields at their defaults, giving that other
+// golden.
 struct Case {
   const char* name;
   const char* type;
@@ -77,7 +78,7 @@ constexpr Case kGoldens[] = {
     {"abort", "abort"},
     {"abort_all", "abort"},
     {"shutdown", "shutdown"},
-    {"hello_ok", "hello.ok", "hello_ok_full"},
+    {"hello_ok", "hello.ok", "hello_ok_cpu"},
     {"status_ok", "status.ok", "status_ok_full"},
     {"generate_ok", "generate.ok"},
     {"abort_ok", "abort.ok"},
@@ -91,7 +92,7 @@ constexpr Case kGoldens[] = {
     {"finished_abort", "finished"},
     {"failed", "failed"},
     // weight updates and generation control (SPEC §11)
-    {"hello_ok_full", "hello.ok"},
+    {"hello_ok_full", "hello.ok", "hello_ok_cpu"},
     {"status_ok_full", "status.ok"},
     {"status_ok_paused", "status.ok"},
     {"begin_weight_update", "begin_weight_update"},
@@ -115,6 +116,15 @@ constexpr Case kGoldens[] = {
     {"continue_generation_ok", "continue_generation.ok"},
     {"retracted", "retracted"},
     {"finished_abort_weight_update", "finished"},
+    // GPU weight transports (SPEC §11.7)
+    {"hello_ok_cpu", "hello.ok"},
+    {"hello_ok_gpu", "hello.ok"},
+    {"init_weight_group", "init_weight_group"},
+    {"init_weight_group_ok", "init_weight_group.ok"},
+    {"destroy_weight_group", "destroy_weight_group"},
+    {"destroy_weight_group_ok", "destroy_weight_group.ok"},
+    {"update_weights_nccl", "update_weights"},
+    {"update_weights_cuda_ipc", "update_weights"},
 };
 
 bool is_request_type(std::string_view t) {
@@ -361,6 +371,93 @@ TEST(GoldenValues, WeightsAndGenerationControl) {
   const RequestDecodeResult a = decode_request(as_frame(begin.envelope), {}, Limits{});
   ASSERT_TRUE(a.status.ok()) << a.status.to_string();
   EXPECT_FALSE(std::get<BeginWeightUpdateRequest>(*a.request).selector.has_value());
+}
+
+// The made-up ids of make_golden.py: (i * 37 + 11) % 256, (255 - i * 3) % 256.
+std::string golden_unique_id() {
+  std::string id;
+  for (int i = 0; i < 128; ++i) id.push_back(static_cast<char>((i * 37 + 11) % 256));
+  return id;
+}
+std::string golden_ipc_handle() {
+  std::string h;
+  for (int i = 0; i < 64; ++i) h.push_back(static_cast<char>(((255 - i * 3) % 256 + 256) % 256));
+  return h;
+}
+const std::string kGoldenDeviceUuid =
+    "\xa1\xb2\xc3\xd4\xe5\xf6\x07\x18\x29\x3a\x4b\x5c\x6d\x7e\x8f\x90";
+
+TEST(GoldenValues, HelloOkAnnouncesNcclAndDevice) {
+  auto hello = [](const char* name) {
+    const Golden g = load(name);
+    auto r = decode_incoming(as_frame(g.envelope), {}, Limits{});
+    EXPECT_TRUE(r.ok()) << name << ": " << r.status().to_string();
+    return r.ok() ? std::get<HelloReply>(r->msg) : HelloReply{};
+  };
+  const HelloReply gpu = hello("hello_ok_gpu");
+  EXPECT_EQ(gpu.gpu, 1);
+  EXPECT_EQ(gpu.nccl_version, 22809u);
+  EXPECT_EQ(nccl_version_string(gpu.nccl_version), "2.28.9");
+  EXPECT_EQ(gpu.device_uuid, kGoldenDeviceUuid);
+  // A CPU daemon: no NCCL, no device; older daemons omit both and decode the same way.
+  for (const char* name : {"hello_ok_cpu", "hello_ok_full", "hello_ok"}) {
+    const HelloReply cpu = hello(name);
+    EXPECT_EQ(cpu.nccl_version, 0u) << name;
+    EXPECT_TRUE(cpu.device_uuid.empty()) << name;
+  }
+}
+
+TEST(GoldenValues, WeightGroupMessages) {
+  const Golden init = load("init_weight_group");
+  const RequestDecodeResult r = decode_request(as_frame(init.envelope), {}, Limits{});
+  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+  const auto& req = std::get<InitWeightGroupRequest>(*r.request);
+  EXPECT_EQ(req.group, "weights");
+  EXPECT_EQ(req.unique_id, golden_unique_id()) << "the id is raw bytes, high bytes included";
+  EXPECT_EQ(req.world_size, 3u);
+  EXPECT_EQ(req.rank, 2u);
+  EXPECT_EQ(req.root, 0u);
+  EXPECT_EQ(req.nccl_version, 22809u);
+  EXPECT_EQ(req.timeout_s, 120.0);
+
+  const Golden ok = load("init_weight_group_ok");
+  const auto reply = decode_incoming(as_frame(ok.envelope), {}, Limits{});
+  ASSERT_TRUE(reply.ok()) << reply.status().to_string();
+  const auto& joined = std::get<InitWeightGroupReply>(reply->msg);
+  EXPECT_EQ(joined.rank, 2u);
+  EXPECT_EQ(joined.world_size, 3u);
+  EXPECT_EQ(joined.duration_s, 0.75);
+
+  const Golden destroy = load("destroy_weight_group");
+  const RequestDecodeResult d = decode_request(as_frame(destroy.envelope), {}, Limits{});
+  ASSERT_TRUE(d.status.ok()) << d.status.to_string();
+  EXPECT_EQ(std::get<DestroyWeightGroupRequest>(*d.request).group, "weights");
+}
+
+TEST(GoldenValues, DeviceBucketSources) {
+  const Golden nccl = load("update_weights_nccl");
+  const RequestDecodeResult n = decode_request(as_frame(nccl.envelope), {}, Limits{});
+  ASSERT_TRUE(n.status.ok()) << n.status.to_string();
+  const auto& nu = std::get<UpdateWeightsRequest>(*n.request);
+  const auto& ns = std::get<NcclSource>(nu.source);
+  EXPECT_EQ(ns.group, "weights");
+  EXPECT_EQ(ns.root, 0u);
+  EXPECT_EQ(ns.size, 131072u + 4096u);
+  EXPECT_EQ(nu.entries[1].byte_offset % 256, 0u);
+  ASSERT_TRUE(nu.checksum.has_value());
+  EXPECT_EQ(nu.checksum->value, 0xDEADBEEFu);
+  EXPECT_TRUE(inline_bucket(nu, {}).empty());
+
+  const Golden ipc = load("update_weights_cuda_ipc");
+  const RequestDecodeResult i = decode_request(as_frame(ipc.envelope), {}, Limits{});
+  ASSERT_TRUE(i.status.ok()) << i.status.to_string();
+  const auto& iu = std::get<UpdateWeightsRequest>(*i.request);
+  const auto& is = std::get<CudaIpcSource>(iu.source);
+  EXPECT_EQ(is.handle, golden_ipc_handle());
+  EXPECT_EQ(is.offset, uint64_t{2} << 20);
+  EXPECT_EQ(is.size, 131072u + 4096u);
+  EXPECT_EQ(is.device_uuid, kGoldenDeviceUuid);
+  EXPECT_FALSE(iu.checksum.has_value());
 }
 
 TEST(GoldenValues, RoutedExpertsAreLittleEndianRows) {

@@ -18,9 +18,9 @@ SOURCE_ROOT = pathlib.Path(os.environ.get("ROLLOUTD_SOURCE_ROOT") or pathlib.Pat
 GOLDEN_DIR = SOURCE_ROOT / "protocol" / "golden"
 GOLDEN = sorted(p.name[:-len(".msgpack")] for p in GOLDEN_DIR.glob("*.msgpack") if not p.name.startswith("bad_"))
 BAD_CASES = json.loads((GOLDEN_DIR / "bad_cases.json").read_text()) if (GOLDEN_DIR / "bad_cases.json").exists() else []
-# What a daemon sent before SPEC §11 added optional fields to these messages: they must still
-# decode, and re-encoding writes the added fields at their defaults, giving the other golden.
-UPGRADES = {"hello_ok": "hello_ok_full", "status_ok": "status_ok_full"}
+# What a daemon sent before SPEC §11 (or §11.7) added optional fields to these messages: they must
+# still decode, and re-encoding writes the added fields at their defaults, giving the other golden.
+UPGRADES = {"hello_ok": "hello_ok_cpu", "hello_ok_full": "hello_ok_cpu", "status_ok": "status_ok_full"}
 
 
 def read_golden(name):
@@ -52,6 +52,8 @@ def test_upgraded_goldens_differ_only_by_the_added_fields():
     old = msgpack.unpackb(read_golden("hello_ok")[0])
     old["body"]["limits"]["max_bucket_entries"] = Limits().max_bucket_entries
     assert msgpack.packb(old) == read_golden("hello_ok_full")[0]
+    old["body"].update(nccl_version=0, device_uuid=b"")  # SPEC §11.7
+    assert msgpack.packb(old, use_bin_type=True) == read_golden("hello_ok_cpu")[0]
     old = msgpack.unpackb(read_golden("status_ok")[0])
     old["body"].update(paused=False, update_session=0)
     assert msgpack.packb(old) == read_golden("status_ok_full")[0]

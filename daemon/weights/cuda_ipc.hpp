@@ -1,0 +1,44 @@
+#pragma once
+// CUDA IPC buckets from a trainer on the same GPU (SPEC §12): the trainer sends a
+// cudaIpcMemHandle_t of the allocation holding its bucket, an offset and a size. The
+// daemon opens each allocation once per session (cached by handle), checks the range
+// against the allocation's real extent and the handle's device against its own, copies,
+// synchronizes before replying, and closes every handle when the session ends -- so no
+// mapping outlives a session and the producer may free its buffer after the reply.
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "kernels/status.hpp"
+
+namespace rolloutd::daemon {
+
+// 16-byte UUID of CUDA device `device` ("" when unavailable).
+std::string cuda_device_uuid(int device);
+
+class CudaIpcImporter {
+ public:
+  explicit CudaIpcImporter(int device) : device_(device) {}
+  ~CudaIpcImporter() { close_all(); }
+  CudaIpcImporter(const CudaIpcImporter&) = delete;
+  CudaIpcImporter& operator=(const CudaIpcImporter&) = delete;
+
+  // Device pointer to [offset, offset + size) of the allocation behind `handle`.
+  Result<const uint8_t*> map(const std::string& handle, uint64_t offset, uint64_t size,
+                             const std::string& device_uuid);
+  // Closes every handle opened so far (session end or abort). Returns how many.
+  size_t close_all();
+  size_t num_open() const { return open_.size(); }
+  uint64_t num_opened_total() const { return opened_total_; }
+
+ private:
+  struct Mapping {
+    void* base = nullptr;
+    uint64_t extent = 0;
+  };
+  int device_;
+  std::map<std::string, Mapping> open_;
+  uint64_t opened_total_ = 0;
+};
+
+}  // namespace rolloutd::daemon

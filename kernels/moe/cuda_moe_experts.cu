@@ -1,0 +1,600 @@
+// CUDA twin of cpu_moe_experts.cpp: the routed experts as
+//   permute (one CTA) -> activations to bf16 / MXFP8 -> grouped gate_up GEMM with bias and
+//   SwiGLU in the epilogue -> [h to MXFP8] -> grouped down GEMM with bias -> combine in k order.
+//
+// Permutation: every valid (token, k) pair gets its physical expert e = l2p[id] (a bad id or
+// map entry: the pair is dropped); a counting sort groups pairs by expert (order inside one
+// expert is whatever the atomics give: each GEMM row depends only on its own pair, and the
+// combine reads rows back by pair in k order, so results do not depend on it). The M tiles
+// of every expert (ceil(count / BM) each) are listed in a tile table; the GEMM grid is
+// (max_m_tiles(P, E, BM), N / 64) for P pairs, a bound known on the host without a sync (the
+// grid does not depend on the routing, which keeps the launch capturable in a CUDA graph), and
+// CTAs past the real tile count exit at once. Experts with no tokens cost nothing.
+//
+// GEMM (simple, no wgmma, no TMA): a CTA computes BM pair rows x 64 kernel rows of one expert,
+// K in steps of 256 (BM 16) or 128 (BM 64) through shared memory as bf16, WMMA m16n16k16 (bf16
+// in, fp32 accumulate), 4 warps. Global loads are 16-byte vectors, prefetched into registers one step ahead. Weights
+// and MXFP8 activations are dequantized on the way into shared memory with lookup tables
+// (exact: E2M1 and E4M3 values times a power of two are bf16 numbers), so the tensor cores see
+// exactly the dequantized operands the CPU reference multiplies in FP32.
+// - MXFP4 weights: the tiled kernel layout (kernels/quant/mxfp4.hpp): one 16-byte vector is one
+//   32-element block of one row, a 16 x 64 tile is 512 contiguous bytes; gate/up rows come in
+//   groups of 32 (16 gate then the 16 up rows of the same features), so a 64-row CTA holds 32
+//   complete (gate, up) pairs and applies SwiGLU in its epilogue.
+// - bf16 weights: checkpoint rows, read in that same kernel-row order
+//   (mxfp4_checkpoint_row), so the epilogue is shared.
+// H % 64 == 0 and I % 64 == 0 (host-checked); the last K step may be partly empty (zero-filled).
+#include <cuda_bf16.h>
+#include <mma.h>
+
+#include <climits>
+#include <cstring>
+#include <string>
+
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/moe/moe_math.hpp"
+#include "kernels/moe/moe_plan.hpp"
+#include "kernels/quant/mxfp4.hpp"
+#include "kernels/quant/quant_ops.hpp"
+
+namespace rolloutd::moe::detail {
+namespace {
+
+using cuda::DeviceGuard;
+using cuda::stream_of;
+namespace wmma = nvcuda::wmma;
+
+constexpr int kThreads = 128;
+constexpr int kBN = 64;        // kernel rows (output columns) per CTA
+constexpr int kLdC = kBN + 4;  // shared row stride of the fp32 tile
+constexpr int kPermuteThreads = 1024;
+
+struct GemmArgs {
+  const int32_t* expert_offsets;  // [E + 1]
+  const int32_t* tile_expert;     // [tiles]
+  const int32_t* tile_row0;       // [tiles]
+  const int32_t* meta;            // meta[0]: number of tiles
+  const int32_t* sorted_pair;     // [P]
+  int top_k;
+  // A operand: rows of K elements (gate_up: one row per token; down: one row per sorted pair).
+  const uint16_t* a_bf16;
+  const uint8_t* a_q;       // e4m3 [rows, K]
+  const uint8_t* a_scales;  // e8m0 [rows, K / 32]
+  // B operand: every expert's [N, K] matrix.
+  const uint16_t* w_bf16;   // [E, N, K] checkpoint rows
+  const uint8_t* w_blocks;  // MXFP4 kernel layout
+  const uint8_t* w_scales;  // kernel-layout scales
+  int row_order;            // quant::Mxfp4RowOrder of the checkpoint rows
+  int64_t n, k;
+  const float* bias;  // [E, N] checkpoint rows, nullable
+  // Epilogue.
+  int act_kind;
+  float limit, alpha;
+  int64_t inter;      // gate_up: I (h row length)
+  uint16_t* h_bf16;   // gate_up out, bf16 [P, I]
+  float* h_f32;       // gate_up out, fp32 [P, I] (quantized to MXFP8 afterwards)
+  float* y;           // down out, fp32 [P, N]
+};
+
+// BM pair rows x 64 kernel rows per CTA, K in steps of kBK. The decode tile (BM 16) takes
+// 256-wide K steps: twice the bytes in flight per CTA, which is what a bandwidth-bound
+// few-tokens-per-expert GEMM needs; the prefill tile (BM 64) keeps 128 to stay within 48 KiB of
+// static shared memory.
+template <int BM>
+struct TileShape {
+  static constexpr int kBK = BM == 16 ? 256 : 128;
+  static constexpr int kLdAB = kBK + 8;  // shared row stride in bf16 (16-aligned, skewed banks)
+  static constexpr int kWarpsM = BM >= 32 ? 2 : 1;
+  static constexpr int kWarpsN = 4 / kWarpsM;
+  static constexpr int kFragM = BM / 16 / kWarpsM;
+  static constexpr int kFragN = kBN / 16 / kWarpsN;
+  static constexpr int kABytes = BM * kLdAB * 2;  // a multiple of 32 bytes (WMMA alignment)
+  static constexpr int kBBytes = kBN * kLdAB * 2;
+  static constexpr int kCBytes = BM * kLdC * 4;
+  static constexpr int kSmem = (kABytes + kBBytes) > kCBytes ? (kABytes + kBBytes) : kCBytes;
+  static_assert(kFragM * kWarpsM * 16 == BM && kFragN * kWarpsN * 16 == kBN, "tile split");
+  static_assert(kSmem + BM * 8 + 256 * 6 <= 48 * 1024, "static shared memory");
+  static_assert(kABytes % 32 == 0 && (16 * kLdAB * 2) % 32 == 0, "WMMA pointer alignment");
+};
+
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  __nv_bfloat162 x, y;
+  memcpy(&x, &a, 4);
+  memcpy(&y, &b, 4);
+  const __nv_bfloat162 r = __hmul2(x, y);
+  uint32_t o;
+  memcpy(&o, &r, 4);
+  return o;
+}
+
+// 2^(s - 127) as a bf16 pair (s = 255: NaN). Every E8M0 value is a bf16 number.
+__device__ __forceinline__ uint32_t scale_bf16x2(uint8_t s) {
+  const uint32_t f = quant::e8m0_decode_bits(quant::E8M0{s});
+  const uint32_t b = f32_to_bf16_bits(quant::f32_from_bits(f));
+  return b | (b << 16);
+}
+
+// Occupancy: the MXFP4 kernels are held to 128 (decode) / 168 (prefill) registers so that 4 / 3
+// CTAs share an SM (a few bytes spill in the prefill tile); the bf16-weight kernels keep their
+// registers (their 16-vector prefetch would spill kilobytes).
+template <int BM, bool kBf16W, bool kMx8A, bool kGateUp>
+__global__ void __launch_bounds__(kThreads, kBf16W ? 1 : (BM == 16 ? 4 : 3)) gemm_kernel(const GemmArgs g) {
+  using S = TileShape<BM>;
+  constexpr int kBK = S::kBK, kLdAB = S::kLdAB;
+  __shared__ __align__(128) uint8_t smem[S::kSmem];
+  __shared__ int64_t row_src[BM];
+  __shared__ uint32_t lut_fp4x2[256];  // byte of two E2M1 codes -> two bf16 (scale 2^0)
+  __shared__ uint16_t lut_e4m3[256];   // E4M3 code -> bf16 (scale 2^0)
+
+  const int tile = blockIdx.x;
+  if (tile >= g.meta[0]) return;  // whole CTA
+  const int tid = threadIdx.x;
+  const int e = g.tile_expert[tile];
+  const int row0 = g.tile_row0[tile];
+  const int base = g.expert_offsets[e];
+  const int count = g.expert_offsets[e + 1] - base;
+  const int rows = count - row0 < BM ? count - row0 : BM;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.y) * kBN;
+  const int64_t kdim = g.k, ndim = g.n;
+
+  if (tid < BM) {
+    int64_t src = -1;
+    if (tid < rows) {
+      const int s = base + row0 + tid;
+      src = kGateUp ? g.sorted_pair[s] / g.top_k : s;
+    }
+    row_src[tid] = src;
+  }
+  for (int i = tid; i < 256; i += kThreads) {
+    if constexpr (!kBf16W) {
+      const uint32_t lo = f32_to_bf16_bits(quant::f32_from_bits(quant::e2m1_decode_bits(i & 15u, 0)));
+      const uint32_t hi = f32_to_bf16_bits(quant::f32_from_bits(quant::e2m1_decode_bits(i >> 4, 0)));
+      lut_fp4x2[i] = lo | (hi << 16);
+    }
+    if constexpr (kMx8A)
+      lut_e4m3[i] = f32_to_bf16_bits(quant::f32_from_bits(
+          quant::e4m3_decode_bits(quant::E4M3{static_cast<uint8_t>(i)}, 0)));
+  }
+  __syncthreads();
+
+  __nv_bfloat16* as = reinterpret_cast<__nv_bfloat16*>(smem);
+  __nv_bfloat16* bs = reinterpret_cast<__nv_bfloat16*>(smem + S::kABytes);
+  uint16_t* as_u = reinterpret_cast<uint16_t*>(as);
+  uint16_t* bs_u = reinterpret_cast<uint16_t*>(bs);
+
+  // ---- register prefetch of one K step ----
+  constexpr int kAChunks = kMx8A ? BM * (kBK / 16) / kThreads : BM * (kBK / 8) / kThreads;
+  constexpr int kBChunks = kBf16W ? kBN * (kBK / 8) / kThreads : kBN * (kBK / 32) / kThreads;
+  static_assert(kAChunks >= 1 && kBChunks >= 1, "chunks per thread");
+  uint4 a_reg[kAChunks];
+  uint8_t a_sc[kMx8A ? kAChunks : 1];
+  uint4 b_reg[kBChunks];
+  uint8_t b_sc[kBf16W ? 1 : kBChunks];
+  const uint4 zero4 = make_uint4(0, 0, 0, 0);
+
+  const int64_t k_tiles = kdim / 64;  // MXFP4 64-wide K tiles per row tile
+  const uint8_t* wblk = g.w_blocks + static_cast<int64_t>(e) * ndim * kdim / 2;
+  const uint8_t* wsc = g.w_scales + static_cast<int64_t>(e) * ndim * kdim / 32;
+
+  auto load = [&](int64_t k0) {
+#pragma unroll
+    for (int j = 0; j < kAChunks; ++j) {
+      const int c = tid + j * kThreads;
+      if constexpr (kMx8A) {
+        const int m = c / (kBK / 16), kc = (c % (kBK / 16)) * 16;
+        const int64_t src = row_src[m];
+        const bool ok = src >= 0 && k0 + kc < kdim;
+        a_reg[j] = ok ? __ldg(reinterpret_cast<const uint4*>(g.a_q + src * kdim + k0 + kc)) : zero4;
+        a_sc[j] = ok ? g.a_scales[src * (kdim / 32) + (k0 + kc) / 32] : 0;
+      } else {
+        const int m = c / (kBK / 8), kc = (c % (kBK / 8)) * 8;
+        const int64_t src = row_src[m];
+        const bool ok = src >= 0 && k0 + kc < kdim;
+        a_reg[j] = ok ? __ldg(reinterpret_cast<const uint4*>(g.a_bf16 + src * kdim + k0 + kc)) : zero4;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kBChunks; ++j) {
+      const int c = tid + j * kThreads;
+      if constexpr (kBf16W) {
+        const int r = c / (kBK / 8), kc = (c % (kBK / 8)) * 8;
+        const int64_t kr = n0 + r;
+        const int64_t cr =
+            quant::mxfp4_checkpoint_row(kr, ndim, static_cast<quant::Mxfp4RowOrder>(g.row_order));
+        const bool ok = k0 + kc < kdim;
+        b_reg[j] = ok ? __ldg(reinterpret_cast<const uint4*>(
+                            g.w_bf16 + (static_cast<int64_t>(e) * ndim + cr) * kdim + k0 + kc))
+                      : zero4;
+      } else {
+        const int ti = c >> 5, within = c & 31;  // 32 vectors per 16 x 64 tile
+        const int rt = ti / (kBK / 64), kt = ti % (kBK / 64);
+        const int row = within >> 1, half = within & 1;
+        const int64_t ktile = k0 / 64 + kt;
+        const int64_t tile_idx = (n0 / 16 + rt) * k_tiles + ktile;
+        const bool ok = ktile < k_tiles;
+        b_reg[j] = ok ? __ldg(reinterpret_cast<const uint4*>(wblk + tile_idx * 512 + row * 32 + half * 16))
+                      : zero4;
+        b_sc[j] = ok ? wsc[tile_idx * 32 + row * 2 + half] : 0;
+      }
+    }
+  };
+
+  auto store = [&]() {
+#pragma unroll
+    for (int j = 0; j < kAChunks; ++j) {
+      const int c = tid + j * kThreads;
+      if constexpr (kMx8A) {
+        const int m = c / (kBK / 16), kc = (c % (kBK / 16)) * 16;
+        const uint32_t sc = scale_bf16x2(a_sc[j]);
+        const uint32_t words[4] = {a_reg[j].x, a_reg[j].y, a_reg[j].z, a_reg[j].w};
+        uint32_t o[8];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const uint32_t wv = words[q];
+          const uint32_t p0 = static_cast<uint32_t>(lut_e4m3[wv & 0xffu]) |
+                              (static_cast<uint32_t>(lut_e4m3[(wv >> 8) & 0xffu]) << 16);
+          const uint32_t p1 = static_cast<uint32_t>(lut_e4m3[(wv >> 16) & 0xffu]) |
+                              (static_cast<uint32_t>(lut_e4m3[wv >> 24]) << 16);
+          o[2 * q] = bf16x2_mul(p0, sc);
+          o[2 * q + 1] = bf16x2_mul(p1, sc);
+        }
+        uint4* dst = reinterpret_cast<uint4*>(as_u + m * kLdAB + kc);
+        dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+        dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+      } else {
+        const int m = c / (kBK / 8), kc = (c % (kBK / 8)) * 8;
+        *reinterpret_cast<uint4*>(as_u + m * kLdAB + kc) = a_reg[j];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kBChunks; ++j) {
+      const int c = tid + j * kThreads;
+      if constexpr (kBf16W) {
+        const int r = c / (kBK / 8), kc = (c % (kBK / 8)) * 8;
+        *reinterpret_cast<uint4*>(bs_u + r * kLdAB + kc) = b_reg[j];
+      } else {
+        const int ti = c >> 5, within = c & 31;
+        const int rt = ti / (kBK / 64), kt = ti % (kBK / 64);
+        const int row = within >> 1, half = within & 1;
+        const uint32_t sc = scale_bf16x2(b_sc[j]);
+        const uint32_t words[4] = {b_reg[j].x, b_reg[j].y, b_reg[j].z, b_reg[j].w};
+        uint32_t o[16];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+#pragma unroll
+          for (int bb = 0; bb < 4; ++bb)
+            o[4 * q + bb] = bf16x2_mul(lut_fp4x2[(words[q] >> (8 * bb)) & 0xffu], sc);
+        }
+        uint4* dst = reinterpret_cast<uint4*>(bs_u + (rt * 16 + row) * kLdAB + kt * 64 + half * 32);
+        dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+        dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+        dst[2] = make_uint4(o[8], o[9], o[10], o[11]);
+        dst[3] = make_uint4(o[12], o[13], o[14], o[15]);
+      }
+    }
+  };
+
+  const int warp = tid >> 5;
+  const int wm = warp / S::kWarpsN, wn = warp % S::kWarpsN;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[S::kFragM][S::kFragN];
+#pragma unroll
+  for (int i = 0; i < S::kFragM; ++i)
+#pragma unroll
+    for (int j = 0; j < S::kFragN; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+
+  const int64_t steps = (kdim + kBK - 1) / kBK;
+  load(0);
+  for (int64_t st = 0; st < steps; ++st) {
+    store();
+    __syncthreads();
+    if (st + 1 < steps) load((st + 1) * kBK);
+#pragma unroll
+    for (int kk = 0; kk < kBK; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> af[S::kFragM];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> bf[S::kFragN];
+#pragma unroll
+      for (int i = 0; i < S::kFragM; ++i)
+        wmma::load_matrix_sync(af[i], as + ((wm * S::kFragM + i) * 16) * kLdAB + kk, kLdAB);
+#pragma unroll
+      for (int j = 0; j < S::kFragN; ++j)
+        wmma::load_matrix_sync(bf[j], bs + ((wn * S::kFragN + j) * 16) * kLdAB + kk, kLdAB);
+#pragma unroll
+      for (int i = 0; i < S::kFragM; ++i)
+#pragma unroll
+        for (int j = 0; j < S::kFragN; ++j) wmma::mma_sync(acc[i][j], af[i], bf[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+
+  // ---- epilogue through shared memory (the operand tiles are dead now) ----
+  float* cs = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int i = 0; i < S::kFragM; ++i)
+#pragma unroll
+    for (int j = 0; j < S::kFragN; ++j)
+      wmma::store_matrix_sync(cs + ((wm * S::kFragM + i) * 16) * kLdC + (wn * S::kFragN + j) * 16,
+                              acc[i][j], kLdC, wmma::mem_row_major);
+  __syncthreads();
+
+  const float* bias = g.bias ? g.bias + static_cast<int64_t>(e) * ndim : nullptr;
+  if constexpr (kGateUp) {
+    // Columns [32 gg, 32 gg + 16) are the gate rows of features (n0/32 + gg)*16 + i, the next
+    // 16 columns their up rows.
+    const auto order = static_cast<quant::Mxfp4RowOrder>(g.row_order);
+    for (int idx = tid; idx < BM * 32; idx += kThreads) {
+      const int m = idx >> 5, gg = (idx >> 4) & 1, i = idx & 15;
+      if (m >= rows) continue;
+      const int cg = gg * 32 + i, cu = cg + 16;
+      float gv = cs[m * kLdC + cg], uv = cs[m * kLdC + cu];
+      if (bias) {
+        gv = math::add(gv, bias[quant::mxfp4_checkpoint_row(n0 + cg, ndim, order)]);
+        uv = math::add(uv, bias[quant::mxfp4_checkpoint_row(n0 + cu, ndim, order)]);
+      }
+      const float hv = math::activate(g.act_kind, g.limit, g.alpha, gv, uv);
+      const int64_t j = (n0 / 32 + gg) * 16 + i;
+      const int64_t s = base + row0 + m;
+      if (g.h_bf16)
+        g.h_bf16[s * g.inter + j] = f32_to_bf16_bits(hv);
+      else
+        g.h_f32[s * g.inter + j] = hv;
+    }
+  } else {
+    for (int idx = tid; idx < BM * (kBN / 4); idx += kThreads) {
+      const int m = idx / (kBN / 4), c4 = (idx % (kBN / 4)) * 4;
+      if (m >= rows) continue;
+      float4 v = *reinterpret_cast<const float4*>(cs + m * kLdC + c4);
+      if (bias) {
+        v.x = math::add(v.x, bias[n0 + c4]);
+        v.y = math::add(v.y, bias[n0 + c4 + 1]);
+        v.z = math::add(v.z, bias[n0 + c4 + 2]);
+        v.w = math::add(v.w, bias[n0 + c4 + 3]);
+      }
+      const int64_t s = base + row0 + m;
+      *reinterpret_cast<float4*>(g.y + s * ndim + n0 + c4) = v;
+    }
+  }
+}
+
+struct PermuteArgs {
+  const int32_t* ids;
+  const int32_t* l2p;
+  int64_t pairs;  // num_valid * top_k
+  int num_logical, num_physical, bm;
+  int32_t* pair_expert;
+  int32_t* pair_pos;
+  int32_t* sorted_pair;
+  int32_t* expert_offsets;
+  int32_t* tile_expert;
+  int32_t* tile_row0;
+  int32_t* meta;
+};
+
+// One CTA: count pairs per expert, scan, scatter, list the M tiles.
+__global__ void __launch_bounds__(kPermuteThreads) permute_kernel(const PermuteArgs a) {
+  extern __shared__ int32_t sh[];
+  int32_t* cnt = sh;                      // [E]: counts, then scatter cursors
+  int32_t* toff = sh + a.num_physical;    // [E + 1]: first tile of each expert
+  const int tid = threadIdx.x;
+  for (int e = tid; e < a.num_physical; e += blockDim.x) cnt[e] = 0;
+  __syncthreads();
+  for (int64_t i = tid; i < a.pairs; i += blockDim.x) {
+    const int32_t id = a.ids[i];
+    int32_t e = -1;
+    if (id >= 0 && id < a.num_logical) {
+      const int32_t pe = a.l2p[id];
+      if (pe >= 0 && pe < a.num_physical) e = pe;
+    }
+    a.pair_expert[i] = e;
+    if (e >= 0) atomicAdd(&cnt[e], 1);
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int32_t off = 0, tiles = 0;
+    for (int e = 0; e < a.num_physical; ++e) {
+      const int32_t c = cnt[e];
+      a.expert_offsets[e] = off;
+      toff[e] = tiles;
+      cnt[e] = off;  // cursor
+      off += c;
+      tiles += (c + a.bm - 1) / a.bm;
+    }
+    a.expert_offsets[a.num_physical] = off;
+    toff[a.num_physical] = tiles;
+    a.meta[0] = tiles;
+    a.meta[1] = off;
+  }
+  __syncthreads();
+  for (int64_t i = tid; i < a.pairs; i += blockDim.x) {
+    const int32_t e = a.pair_expert[i];
+    if (e >= 0) {
+      const int32_t pos = atomicAdd(&cnt[e], 1);
+      a.sorted_pair[pos] = static_cast<int32_t>(i);
+      a.pair_pos[i] = pos;
+    } else {
+      a.pair_pos[i] = -1;
+    }
+  }
+  for (int e = tid; e < a.num_physical; e += blockDim.x)
+    for (int32_t j = toff[e]; j < toff[e + 1]; ++j) {
+      a.tile_expert[j] = e;
+      a.tile_row0[j] = (j - toff[e]) * a.bm;
+    }
+}
+
+__global__ void to_bf16_kernel(uint16_t* __restrict__ out, const float* __restrict__ in, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    out[i] = f32_to_bf16_bits(in[i]);
+}
+
+// out[t] = (accumulate ? out[t] : 0) + sum_k w[t,k] y[pos(t,k)], k in order; padding rows 0.
+__global__ void combine_kernel(float* __restrict__ out, const float* __restrict__ y,
+                               const int32_t* __restrict__ pair_pos, const float* __restrict__ w,
+                               int64_t num_valid, int64_t hidden, int top_k, bool accumulate) {
+  const int64_t t = blockIdx.x;
+  float* row = out + t * hidden;
+  for (int64_t c = static_cast<int64_t>(threadIdx.x) * 4; c < hidden; c += 4 * blockDim.x) {
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (t < num_valid) {
+      if (accumulate) acc = *reinterpret_cast<const float4*>(row + c);
+      for (int j = 0; j < top_k; ++j) {
+        const int32_t pos = pair_pos[t * top_k + j];
+        if (pos < 0) continue;
+        const float wk = w[t * top_k + j];
+        const float4 v = *reinterpret_cast<const float4*>(y + static_cast<int64_t>(pos) * hidden + c);
+        acc.x = math::add(acc.x, math::mul(wk, v.x));
+        acc.y = math::add(acc.y, math::mul(wk, v.y));
+        acc.z = math::add(acc.z, math::mul(wk, v.z));
+        acc.w = math::add(acc.w, math::mul(wk, v.w));
+      }
+    }
+    *reinterpret_cast<float4*>(row + c) = acc;
+  }
+}
+
+template <bool kGateUp>
+Status launch_gemm(const ExecContext& ctx, const GemmArgs& g, int bm, bool bf16_weights, bool mx8,
+                   int64_t max_tiles) {
+  if (max_tiles == 0) return Status::Ok();
+  const dim3 grid(static_cast<unsigned int>(max_tiles), static_cast<unsigned int>(g.n / kBN));
+  cudaStream_t s = stream_of(ctx);
+#define RD_MOE_GEMM(BM, W, A) gemm_kernel<BM, W, A, kGateUp><<<grid, kThreads, 0, s>>>(g)
+  if (bm == 16 && bf16_weights && mx8) RD_MOE_GEMM(16, true, true);
+  else if (bm == 16 && bf16_weights) RD_MOE_GEMM(16, true, false);
+  else if (bm == 16 && mx8) RD_MOE_GEMM(16, false, true);
+  else if (bm == 16) RD_MOE_GEMM(16, false, false);
+  else if (bf16_weights && mx8) RD_MOE_GEMM(64, true, true);
+  else if (bf16_weights) RD_MOE_GEMM(64, true, false);
+  else if (mx8) RD_MOE_GEMM(64, false, true);
+  else RD_MOE_GEMM(64, false, false);
+#undef RD_MOE_GEMM
+  RD_CUDA_CHECK_LAUNCH("moe gemm_kernel");
+  return Status::Ok();
+}
+
+TensorView dev_view(const ExecContext& ctx, void* data, DType dtype, Shape shape) {
+  return TensorView::contiguous(data, dtype, shape, ctx.device);
+}
+
+}  // namespace
+
+Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
+  if (p.num_tokens == 0) return Status::Ok();
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  cudaStream_t stream = stream_of(ctx);
+  const int64_t t = p.num_tokens, nv = p.num_valid, h = p.hidden, inter = p.inter, k = p.top_k;
+  const int64_t ep = p.num_physical, pairs = nv * k;
+  const ExpertsWorkspace ws = experts_workspace(t, k, h, inter, ep, p.precision);
+  uint8_t* w8 = p.workspace;
+  auto at = [&](size_t off) { return static_cast<void*>(w8 + off); };
+  int32_t* pair_pos = static_cast<int32_t*>(at(ws.pair_pos));
+  float* y = static_cast<float*>(at(ws.y));
+
+  if (pairs > 0) {
+    // Tile height: 16 rows when experts see few tokens each (decode), 64 otherwise.
+    const int64_t busy = pairs < ep ? pairs : ep;
+    const int bm = pairs / busy >= 48 ? 64 : 16;
+    const int64_t max_tiles = max_m_tiles(pairs, ep, bm);
+    if (max_tiles > INT_MAX)
+      return Status(ErrorCode::kUnimplemented, "too many rows for one MoE launch", "x");
+
+    PermuteArgs pa;
+    pa.ids = p.ids;
+    pa.l2p = p.l2p;
+    pa.pairs = pairs;
+    pa.num_logical = static_cast<int>(p.num_logical);
+    pa.num_physical = static_cast<int>(ep);
+    pa.bm = bm;
+    pa.pair_expert = static_cast<int32_t*>(at(ws.pair_expert));
+    pa.pair_pos = pair_pos;
+    pa.sorted_pair = static_cast<int32_t*>(at(ws.sorted_pair));
+    pa.expert_offsets = static_cast<int32_t*>(at(ws.expert_offsets));
+    pa.tile_expert = static_cast<int32_t*>(at(ws.tile_expert));
+    pa.tile_row0 = static_cast<int32_t*>(at(ws.tile_row0));
+    pa.meta = static_cast<int32_t*>(at(ws.meta));
+    const size_t psmem = static_cast<size_t>(2 * ep + 1) * sizeof(int32_t);
+    permute_kernel<<<1, kPermuteThreads, psmem, stream>>>(pa);
+    RD_CUDA_CHECK_LAUNCH("moe permute_kernel");
+
+    const bool mx8 = p.precision == ActPrecision::kMXFP8;
+    const bool bf16w = p.format == WeightFormat::kBF16;
+    GemmArgs g{};
+    g.expert_offsets = pa.expert_offsets;
+    g.tile_expert = pa.tile_expert;
+    g.tile_row0 = pa.tile_row0;
+    g.meta = pa.meta;
+    g.sorted_pair = pa.sorted_pair;
+    g.top_k = static_cast<int>(k);
+    g.act_kind = static_cast<int>(p.act.kind);
+    g.limit = p.act.limit;
+    g.alpha = p.act.alpha;
+    g.inter = inter;
+
+    // GEMM-1 operand: x as bf16 or MXFP8, one row per real token.
+    const TensorView x_rows = dev_view(ctx, const_cast<void*>(p.x),
+                                       p.x_bf16 ? DType::kBF16 : DType::kF32, Shape{nv, h});
+    if (mx8) {
+      RD_RETURN_IF_ERROR(quant::quantize_mxfp8(ctx, x_rows, dev_view(ctx, at(ws.xa), DType::kU8, Shape{nv, h}),
+                                               dev_view(ctx, at(ws.xa_scales), DType::kU8, Shape{nv, h / 32})));
+      g.a_q = static_cast<const uint8_t*>(at(ws.xa));
+      g.a_scales = static_cast<const uint8_t*>(at(ws.xa_scales));
+    } else if (p.x_bf16) {
+      g.a_bf16 = static_cast<const uint16_t*>(p.x);
+    } else {
+      to_bf16_kernel<<<cuda::blocks_for(nv * h, 256, 4096), 256, 0, stream>>>(
+          static_cast<uint16_t*>(at(ws.xa)), static_cast<const float*>(p.x), nv * h);
+      RD_CUDA_CHECK_LAUNCH("moe to_bf16_kernel");
+      g.a_bf16 = static_cast<const uint16_t*>(at(ws.xa));
+    }
+    g.n = 2 * inter;
+    g.k = h;
+    g.w_bf16 = p.gate_up_bf16;
+    g.w_blocks = p.gate_up_blocks;
+    g.w_scales = p.gate_up_scales;
+    g.row_order = static_cast<int>(p.order == GateUpOrder::kInterleaved
+                                       ? quant::Mxfp4RowOrder::kGateUpInterleaved
+                                       : quant::Mxfp4RowOrder::kGateUpConcatenated);
+    g.bias = p.gate_up_bias;
+    if (mx8)
+      g.h_f32 = static_cast<float*>(at(ws.h));
+    else
+      g.h_bf16 = static_cast<uint16_t*>(at(ws.h));
+    RD_RETURN_IF_ERROR(launch_gemm<true>(ctx, g, bm, bf16w, mx8, max_tiles));
+
+    // GEMM-2 operand: h (sorted rows), bf16 or MXFP8.
+    GemmArgs d = g;
+    d.a_bf16 = nullptr;
+    d.a_q = nullptr;
+    d.a_scales = nullptr;
+    if (mx8) {
+      RD_RETURN_IF_ERROR(quant::quantize_mxfp8(
+          ctx, dev_view(ctx, at(ws.h), DType::kF32, Shape{pairs, inter}),
+          dev_view(ctx, at(ws.h_q), DType::kU8, Shape{pairs, inter}),
+          dev_view(ctx, at(ws.h_scales), DType::kU8, Shape{pairs, inter / 32})));
+      d.a_q = static_cast<const uint8_t*>(at(ws.h_q));
+      d.a_scales = static_cast<const uint8_t*>(at(ws.h_scales));
+    } else {
+      d.a_bf16 = static_cast<const uint16_t*>(at(ws.h));
+    }
+    d.n = h;
+    d.k = inter;
+    d.w_bf16 = p.down_bf16;
+    d.w_blocks = p.down_blocks;
+    d.w_scales = p.down_scales;
+    d.row_order = static_cast<int>(quant::Mxfp4RowOrder::kPlain);
+    d.bias = p.down_bias;
+    d.h_bf16 = nullptr;
+    d.h_f32 = nullptr;
+    d.y = y;
+    RD_RETURN_IF_ERROR(launch_gemm<false>(ctx, d, bm, bf16w, mx8, max_tiles));
+  }
+
+  if (t > INT_MAX) return Status(ErrorCode::kUnimplemented, "too many tokens", "x");
+  combine_kernel<<<static_cast<unsigned int>(t), 128, 0, stream>>>(
+      p.out, y, pair_pos, p.topk_weights, nv, h, static_cast<int>(k), p.accumulate);
+  RD_CUDA_CHECK_LAUNCH("moe combine_kernel");
+  return Status::Ok();
+}
+
+}  // namespace rolloutd::moe::detail

@@ -1,0 +1,399 @@
+#!/usr/bin/env python3
+"""GPU weight transports against their same-run ceilings (issue 7's performance targets).
+
+On a host with two GPUs (the trainer is this process on GPU 0, one daemon runs on GPU 1):
+
+- NCCL push of 4 GiB and 16 GiB of BF16 (fewer when memory is short) in 256 MiB, 512 MiB and
+  1 GiB buckets, end to end (first bucket to the end_weight_update reply), against a raw CuPy
+  NCCL broadcast of the same bytes in the same bucket sizes between the same two GPUs (this
+  process and a receiver process), and against a per-tensor peer (4 MiB broadcasts one by one,
+  what a loop of torch.distributed.broadcast does). Target: >= 0.9 x raw.
+- CUDA IPC push of the same bytes into the same daemon (the trainer's tensors on GPU 1), against
+  a same-run device-to-device copy of them on GPU 1. Target: >= 0.8 x copy.
+- Per-tensor overhead: 10,000 small tensors in one bucket, per tensor. Target: <= 5 us.
+
+Each push runs with the tensors as separate allocations (buckets of several tensors are packed
+into staging) and as views of one flat buffer (every bucket goes straight from it).
+
+    tests/gpu/bench-transports.sh BUILD_DIR OUT_DIR      # sets the environment, writes the files
+    python3 tests/bench/transports/bench_push.py --out-json X.json [--sizes-gib 4,16] [--reps 3]
+
+The daemon needs parameters that large: it registers them with SYNTHETIC_FLAG (BF16 blocks of
+SYNTHETIC_BLOCK_BYTES named synthetic.{i}.weight), and the small-tensor part needs
+SMALL_PARAMS_FLAG; if the daemon does not know that flag, that part is reported as skipped.
+"""
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE_ROOT = os.environ.get("ROLLOUTD_SOURCE_ROOT") or os.path.abspath(os.path.join(HERE, "..", "..", ".."))
+sys.path.insert(0, os.path.join(SOURCE_ROOT, "tests", "gpu", "transports"))
+
+# ---- the daemon's benchmark flags (daemon/config.cpp) ----
+SYNTHETIC_FLAG = "--synthetic-params"        # N bytes of extra BF16 parameters ...
+SYNTHETIC_BLOCK_BYTES = 256 << 20            # ... in blocks of this size ...
+SYNTHETIC_NAME = "synthetic.{i}.weight"      # ... named so, shape [block bytes / 2]
+SMALL_PARAMS_FLAG = "--synthetic-small-params"  # N extra BF16 parameters of SMALL_PARAM_ELEMS each
+SMALL_PARAM_NAME = "synthetic_small.{i}.weight"
+SMALL_PARAM_ELEMS = 1024
+NUM_SMALL_TENSORS = 10000
+
+TRAINER_GPU, DAEMON_GPU = 0, 1
+BUCKETS = [256 << 20, 512 << 20, 1 << 30]
+PER_TENSOR_PEER_BYTES = 4 << 20
+GIB = 1 << 30
+# A daemon refuses an end_weight_update below the version it serves: one counter for every push.
+_VERSIONS = itertools.count(1)
+TARGETS = {"nccl_vs_raw": 0.9, "ipc_vs_copy": 0.8, "per_tensor_us": 5.0}
+
+
+# ------------------------------------------------------------------------ receiver process --
+def receiver(uid_hex, max_bytes):
+    """Rank 1 of a raw NCCL pair on DAEMON_GPU: on "bcast SIZE COUNT" it posts COUNT broadcasts of
+    SIZE bytes into its buffer, says "posted", waits for them and says "ok"; "quit" ends it."""
+    try:
+        import torch  # noqa: F401  (first: CuPy's NCCL then binds to PyTorch's, as the trainer's does)
+    except ImportError:
+        pass
+    import cupy
+    from cupy.cuda import nccl
+
+    cupy.cuda.Device(DAEMON_GPU).use()
+    buf = cupy.empty(max_bytes, dtype=cupy.uint8)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    uid = tuple(b - 256 if b > 127 else b for b in bytes.fromhex(uid_hex))
+    comm = nccl.NcclCommunicator(2, uid, 1)
+    print("joined", flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd[0] == "quit":
+            break
+        size, count = int(cmd[1]), int(cmd[2])
+        for _ in range(count):
+            comm.bcast(buf.data.ptr, size, nccl.NCCL_UINT8, 0, stream.ptr)
+        print("posted", flush=True)
+        stream.synchronize()
+        print("ok", flush=True)
+    comm.destroy()
+    return 0
+
+
+class RawPeer:
+    """This process as rank 0 and a receiver process as rank 1 of a plain CuPy NCCL communicator."""
+
+    def __init__(self, max_bytes):
+        import cupy
+        from cupy.cuda import nccl
+
+        from rolloutd.trainer import unique_id_bytes
+
+        self.nccl = nccl
+        uid = nccl.get_unique_id()
+        from rolloutd.trainer import daemon_env
+
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--receiver",
+                                      unique_id_bytes(uid).hex(), str(max_bytes)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=daemon_env())
+        with cupy.cuda.Device(TRAINER_GPU):
+            self.comm = nccl.NcclCommunicator(2, uid, 0)
+        self._expect("joined")
+
+    def _expect(self, word):
+        line = self.proc.stdout.readline().strip()
+        if line != word:
+            raise RuntimeError(f"receiver said {line!r}, expected {word!r}")
+
+    def broadcast(self, base_ptr, size, count, stream):
+        """Seconds for `count` broadcasts of `size` bytes from base_ptr, base_ptr + size, ... once
+        the receiver has posted its side (pure transfer time)."""
+        self.proc.stdin.write(f"bcast {size} {count}\n")
+        self.proc.stdin.flush()
+        self._expect("posted")
+        stream.synchronize()
+        t0 = time.perf_counter()
+        for k in range(count):
+            self.comm.bcast(base_ptr + k * size, size, self.nccl.NCCL_UINT8, 0, stream.cuda_stream)
+        stream.synchronize()
+        t = time.perf_counter() - t0
+        self._expect("ok")
+        return t
+
+    def close(self):
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass
+        self.comm.destroy()
+        self.proc.wait(timeout=60)
+
+
+# ------------------------------------------------------------------------------- the bench --
+def gbps(nbytes, seconds):
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def summarize(times, nbytes):
+    return {"best_s": min(times), "median_s": statistics.median(times), "gbps": gbps(nbytes, min(times)),
+            "median_gbps": gbps(nbytes, statistics.median(times)), "reps": len(times)}
+
+
+def fit_sizes(requested, free0, free1):
+    """The requested sizes, each capped by what both GPUs hold (same-run ceilings included)."""
+    def fits(s):
+        need0 = 2 * s + 2 * GIB + 2 * GIB                   # separate + flat, staging, slack
+        need1 = s + 2 * GIB + 2 * s + 2 * GIB + 2 * GIB + 2 * GIB  # daemon + staging, sources, ours, slack
+        return need0 <= free0 and need1 <= free1
+
+    out = []
+    for s in requested:
+        t = s
+        while t > GIB and not fits(t):
+            t //= 2
+        t -= t % SYNTHETIC_BLOCK_BYTES
+        if t < SYNTHETIC_BLOCK_BYTES or not fits(t):
+            continue
+        out.append({"requested_bytes": s, "bytes": t})
+    return out
+
+
+def make_tensors(nbytes, device):
+    """(separate, flat): nbytes of BF16 as SYNTHETIC_BLOCK_BYTES tensors, each its own allocation,
+    and the same values as views of one flat buffer."""
+    import torch
+
+    n = SYNTHETIC_BLOCK_BYTES // 2
+    separate = [(SYNTHETIC_NAME.format(i=i), torch.randn(n, dtype=torch.bfloat16, device=device))
+                for i in range(nbytes // SYNTHETIC_BLOCK_BYTES)]
+    flat = torch.cat([t for _, t in separate])
+    views = [(name, flat[i * n:(i + 1) * n]) for i, (name, _) in enumerate(separate)]
+    return separate, views, flat
+
+
+def bench(args):
+    import torch  # before CuPy: see the receiver
+    import cupy
+
+    import rdgpu
+    from rolloutd import trainer
+
+    assert torch.cuda.device_count() >= 2, "needs two GPUs"
+    free0, _ = torch.cuda.mem_get_info(TRAINER_GPU)
+    free1, _ = torch.cuda.mem_get_info(DAEMON_GPU)
+    sizes = fit_sizes([int(g * GIB) for g in args.sizes_gib], free0, free1)
+    assert sizes, f"not even {SYNTHETIC_BLOCK_BYTES >> 20} MiB fit (free: {free0 >> 30}, {free1 >> 30} GiB)"
+    max_bytes = max(s["bytes"] for s in sizes)
+    result = {"host": {"gpus": [torch.cuda.get_device_name(i) for i in range(2)], "torch": torch.__version__,
+                       "cupy": cupy.__version__, "nccl": cupy.cuda.nccl.get_version(),
+                       "daemon_nccl_dir": trainer.nccl_lib_dir()},
+              "targets": TARGETS, "sizes": sizes, "nccl": [], "ipc": [], "raw_nccl": [], "per_tensor_peer": [],
+              "d2d_copy": [], "small_tensors": {}}
+
+    daemon = rdgpu.Daemon(DAEMON_GPU, [SYNTHETIC_FLAG, str(max_bytes)], start_timeout_s=300)
+    try:
+        client = daemon.client(timeout_s=300)
+        hello = client.hello()
+        result["host"]["daemon_nccl"] = hello.nccl_version
+        probe = client.get_weights_by_name(SYNTHETIC_NAME.format(i=0), truncate=1)
+        assert probe.dtype == "bfloat16" and probe.shape == [SYNTHETIC_BLOCK_BYTES // 2], probe
+
+        separate0, views0, flat0 = make_tensors(max_bytes, f"cuda:{TRAINER_GPU}")
+        separate1, views1, flat1 = make_tensors(max_bytes, f"cuda:{DAEMON_GPU}")
+        torch.cuda.synchronize()
+
+        # ---- NCCL push ----
+        with trainer.NcclWeightGroup([client], device=TRAINER_GPU, timeout_s=120) as group:
+            result["host"]["group_init_s"] = group.init_s
+            for size in sizes:
+                blocks = size["bytes"] // SYNTHETIC_BLOCK_BYTES
+                for bucket in BUCKETS:
+                    for layout, tensors in (("separate", separate0), ("flat", views0)):
+                        times, stats = [], {}
+                        for rep in range(args.reps + 1):  # the first warms up (staging, NCCL channels)
+                            stats = {}
+                            trainer.push_weights([client], tensors[:blocks], next(_VERSIONS), via="nccl",
+                                                 group=group, bucket_bytes=bucket, stats=stats)
+                            if rep:
+                                times.append(stats["transfer_s"])
+                        result["nccl"].append({"bytes": size["bytes"], "bucket_bytes": bucket, "layout": layout,
+                                               "num_buckets": stats["num_buckets"],
+                                               "num_direct": stats["num_direct"], **summarize(times, size["bytes"])})
+                        print(f"nccl push {size['bytes'] / GIB:5.1f} GiB bucket {bucket >> 20:5d} MiB {layout:8s} "
+                              f"{result['nccl'][-1]['gbps']:7.1f} GB/s", flush=True)
+            got = client.get_weights_by_name(SYNTHETIC_NAME.format(i=0), truncate=8).values
+            sent = views0[0][1][:8].float().cpu().tolist()
+            assert got == sent, f"the daemon holds {got}, the trainer sent {sent}"
+
+        # ---- raw NCCL ceilings between the same GPUs ----
+        peer = RawPeer(max(BUCKETS))
+        stream = torch.cuda.Stream(TRAINER_GPU)
+        try:
+            for size in sizes:
+                for chunk, key in [(b, "raw_nccl") for b in BUCKETS] + [(PER_TENSOR_PEER_BYTES, "per_tensor_peer")]:
+                    count = size["bytes"] // chunk
+                    peer.broadcast(flat0.data_ptr(), chunk, min(count, 4), stream)  # warm-up
+                    times = [peer.broadcast(flat0.data_ptr(), chunk, count, stream) for _ in range(args.reps)]
+                    result[key].append({"bytes": size["bytes"], "chunk_bytes": chunk, **summarize(times, size["bytes"])})
+                    print(f"{key:15s} {size['bytes'] / GIB:5.1f} GiB chunk {chunk >> 20:5d} MiB "
+                          f"{result[key][-1]['gbps']:7.1f} GB/s", flush=True)
+        finally:
+            peer.close()
+
+        # ---- CUDA IPC push, and the device-to-device copy on the daemon's GPU ----
+        for size in sizes:
+            blocks = size["bytes"] // SYNTHETIC_BLOCK_BYTES
+            for bucket in BUCKETS:
+                for layout, tensors in (("separate", separate1), ("flat", views1)):
+                    times, stats = [], {}
+                    for rep in range(args.reps + 1):
+                        stats = {}
+                        trainer.push_weights([client], tensors[:blocks], next(_VERSIONS), via="cuda_ipc",
+                                             bucket_bytes=bucket, stats=stats)
+                        if rep:
+                            times.append(stats["transfer_s"])
+                    result["ipc"].append({"bytes": size["bytes"], "bucket_bytes": bucket, "layout": layout,
+                                          "num_buckets": stats["num_buckets"], "num_direct": stats["num_direct"],
+                                          **summarize(times, size["bytes"])})
+                    print(f"ipc push  {size['bytes'] / GIB:5.1f} GiB bucket {bucket >> 20:5d} MiB {layout:8s} "
+                          f"{result['ipc'][-1]['gbps']:7.1f} GB/s", flush=True)
+            src = flat1.view(torch.uint8)
+            for bucket in BUCKETS:
+                dst = torch.empty(bucket, dtype=torch.uint8, device=f"cuda:{DAEMON_GPU}")
+                times = []
+                for rep in range(args.reps + 1):
+                    torch.cuda.synchronize(DAEMON_GPU)
+                    t0 = time.perf_counter()
+                    for k in range(size["bytes"] // bucket):
+                        dst.copy_(src[k * bucket:(k + 1) * bucket])
+                    torch.cuda.synchronize(DAEMON_GPU)
+                    if rep:
+                        times.append(time.perf_counter() - t0)
+                result["d2d_copy"].append({"bytes": size["bytes"], "chunk_bytes": bucket,
+                                           **summarize(times, size["bytes"])})
+                print(f"d2d copy  {size['bytes'] / GIB:5.1f} GiB chunk {bucket >> 20:5d} MiB "
+                      f"{result['d2d_copy'][-1]['gbps']:7.1f} GB/s payload", flush=True)
+                del dst
+        client.close()
+    finally:
+        daemon.stop()
+    del separate0, views0, flat0, separate1, views1, flat1
+    torch.cuda.empty_cache()
+
+    result["small_tensors"] = bench_small(args)
+    return result
+
+
+def bench_small(args):
+    """NUM_SMALL_TENSORS tensors of SMALL_PARAM_ELEMS BF16 in one bucket: seconds per tensor, end to end
+    (NCCL and IPC), and the trainer's share alone (planning and packing)."""
+    import torch
+
+    import rdgpu
+    from rolloutd import trainer
+
+    out = {"num_tensors": NUM_SMALL_TENSORS, "tensor_bytes": SMALL_PARAM_ELEMS * 2}
+    tensors = [(SMALL_PARAM_NAME.format(i=i), torch.randn(SMALL_PARAM_ELEMS, dtype=torch.bfloat16,
+                                                          device=f"cuda:{TRAINER_GPU}"))
+               for i in range(NUM_SMALL_TENSORS)]
+    # The trainer's part: describe, plan, pack into staging (no daemon).
+    staging = torch.empty(NUM_SMALL_TENSORS * 2 * 1024 + (1 << 20), dtype=torch.uint8, device=f"cuda:{TRAINER_GPU}")
+    times = []
+    for _ in range(args.reps + 1):
+        torch.cuda.synchronize(TRAINER_GPU)
+        t0 = time.perf_counter()
+        trainer.pack_device_bucket(staging, tensors)
+        times.append(time.perf_counter() - t0)
+    out["trainer_pack_us_per_tensor"] = min(times[1:]) / NUM_SMALL_TENSORS * 1e6
+
+    try:
+        daemon = rdgpu.Daemon(DAEMON_GPU, [SMALL_PARAMS_FLAG, str(NUM_SMALL_TENSORS)], start_timeout_s=120)
+    except RuntimeError as e:
+        out["skipped"] = f"the daemon does not take {SMALL_PARAMS_FLAG}: {str(e).splitlines()[0]}"
+        print(f"small tensors: trainer side {out['trainer_pack_us_per_tensor']:.2f} us/tensor; "
+              f"end to end skipped ({out['skipped']})", flush=True)
+        return out
+    try:
+        with daemon.client(timeout_s=300) as client:
+            with trainer.NcclWeightGroup([client], device=TRAINER_GPU, timeout_s=120) as group:
+                times = []
+                for rep in range(args.reps + 1):
+                    stats = {}
+                    trainer.push_weights([client], tensors, next(_VERSIONS), via="nccl", group=group,
+                                         bucket_bytes=64 << 20, stats=stats)
+                    times.append(stats["transfer_s"])
+                out["nccl_us_per_tensor"] = min(times[1:]) / NUM_SMALL_TENSORS * 1e6
+            on_daemon_gpu = [(n, t.to(f"cuda:{DAEMON_GPU}")) for n, t in tensors]
+            times = []
+            for rep in range(args.reps + 1):
+                stats = {}
+                trainer.push_weights([client], on_daemon_gpu, next(_VERSIONS), via="cuda_ipc",
+                                     bucket_bytes=64 << 20, stats=stats)
+                times.append(stats["transfer_s"])
+            out["ipc_us_per_tensor"] = min(times[1:]) / NUM_SMALL_TENSORS * 1e6
+            out["num_buckets"] = stats["num_buckets"]
+    finally:
+        daemon.stop()
+    print(f"small tensors: nccl {out['nccl_us_per_tensor']:.2f} us/tensor, ipc {out['ipc_us_per_tensor']:.2f} "
+          f"us/tensor, trainer side {out['trainer_pack_us_per_tensor']:.2f} us/tensor", flush=True)
+    return out
+
+
+def ratios(result):
+    """Each push against its ceiling of the same size (and bucket size, for raw NCCL)."""
+    raw = {(r["bytes"], r["chunk_bytes"]): r["gbps"] for r in result["raw_nccl"]}
+    peer = {r["bytes"]: r["gbps"] for r in result["per_tensor_peer"]}
+    copy = {}
+    for r in result["d2d_copy"]:
+        copy[r["bytes"]] = max(copy.get(r["bytes"], 0.0), r["gbps"])
+    lines = []
+    for r in result["nccl"]:
+        r["vs_raw_nccl"] = r["gbps"] / raw[(r["bytes"], r["bucket_bytes"])]
+        r["vs_per_tensor_peer"] = r["gbps"] / peer[r["bytes"]]
+        ok = "ok " if r["vs_raw_nccl"] >= TARGETS["nccl_vs_raw"] else "LOW"
+        lines.append(f"{ok} nccl {r['bytes'] / GIB:5.1f} GiB bucket {r['bucket_bytes'] >> 20:5d} MiB {r['layout']:8s} "
+                     f"{r['gbps']:7.1f} GB/s = {r['vs_raw_nccl']:.3f} x raw NCCL "
+                     f"({raw[(r['bytes'], r['bucket_bytes'])]:.1f}), {r['vs_per_tensor_peer']:.2f} x per-tensor peer "
+                     f"({peer[r['bytes']]:.1f}); {r['num_direct']}/{r['num_buckets']} buckets direct")
+    for r in result["ipc"]:
+        r["vs_d2d_copy"] = r["gbps"] / copy[r["bytes"]]
+        ok = "ok " if r["vs_d2d_copy"] >= TARGETS["ipc_vs_copy"] else "LOW"
+        lines.append(f"{ok} ipc  {r['bytes'] / GIB:5.1f} GiB bucket {r['bucket_bytes'] >> 20:5d} MiB {r['layout']:8s} "
+                     f"{r['gbps']:7.1f} GB/s = {r['vs_d2d_copy']:.3f} x device copy ({copy[r['bytes']]:.1f}); "
+                     f"{r['num_direct']}/{r['num_buckets']} buckets direct")
+    s = result["small_tensors"]
+    for key in ("nccl_us_per_tensor", "ipc_us_per_tensor", "trainer_pack_us_per_tensor"):
+        if key in s:
+            ok = "ok " if s[key] <= TARGETS["per_tensor_us"] or key.startswith("trainer") else "LOW"
+            lines.append(f"{ok} {key} {s[key]:.2f} us ({s['num_tensors']} tensors of {s['tensor_bytes']} bytes)")
+    if "skipped" in s:
+        lines.append(f"--  small tensors end to end: {s['skipped']}")
+    return lines
+
+
+def main(argv):
+    if argv[:1] == ["--receiver"]:
+        return receiver(argv[1], int(argv[2]))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out-json", required=True)
+    ap.add_argument("--sizes-gib", type=lambda s: [float(x) for x in s.split(",")], default=[4, 16])
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args(argv)
+    t0 = time.monotonic()
+    result = bench(args)
+    lines = ratios(result)
+    result["summary"] = lines
+    result["wall_s"] = time.monotonic() - t0
+    with open(args.out_json, "w") as f:
+        json.dump(result, f, indent=1)
+    print("\n".join(["", "== transports against same-run ceilings =="] + lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

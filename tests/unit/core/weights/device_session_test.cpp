@@ -1,0 +1,108 @@
+// Buckets that arrive in device memory (NCCL staging, CUDA IPC) on a model on the GPU: the
+// same parameters as the host path, BF16 and FP32 alike, addresses unchanged. Label gpu.
+#include <cstring>
+#include <map>
+
+#include "../test_util.hpp"
+#include "core/weights/session.hpp"
+#include "kernels/bf16.hpp"
+
+namespace rolloutd::core {
+namespace {
+
+bool have_gpu() { return cuda_backend() != nullptr && cuda_device_count() > 0; }
+
+std::unique_ptr<MoeDecoder> model_on(const Backend& b, Device d, uint64_t seed) {
+  ExecContext ctx;
+  ctx.device = d;
+  auto m = MoeDecoder::create(embedded_model_config(), test::small_limits(), b, ctx);
+  EXPECT_TRUE(m.ok()) << m.status().to_string();
+  EXPECT_TRUE(init_random_weights(**m, seed).ok());
+  return std::move(*m);
+}
+
+std::map<std::string, std::vector<uint8_t>> checkpoint_of(const MoeDecoder& m) {
+  std::map<std::string, std::vector<uint8_t>> out;
+  for (size_t i = 0; i < m.weights().size(); ++i)
+    EXPECT_TRUE(m.weights().read_checkpoint(i, out[m.weights().parameters()[i].name]).ok());
+  return out;
+}
+
+TEST(DeviceBuckets, ConvertMatchesTheCpuBitForBit) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA backend or no visible GPU";
+  const Backend& g = *cuda_backend();
+  ExecContext gctx;
+  gctx.device = Device::cuda(0);
+  std::vector<uint16_t> bf(4099);
+  test::fill_bf16_values(bf, 3);
+  std::vector<float> f32(bf.size());
+  for (size_t i = 0; i < bf.size(); ++i) f32[i] = bf16_bits_to_f32(bf[i]) * 1.37f;  // not bf16-exact
+  void *d_in = nullptr, *d_out = nullptr;
+  ASSERT_TRUE(g.alloc(gctx, f32.size() * 4, &d_in).ok());
+  ASSERT_TRUE(g.alloc(gctx, f32.size() * 4, &d_out).ok());
+  ASSERT_TRUE(g.copy(gctx, d_in, f32.data(), f32.size() * 4, CopyKind::kHostToDevice).ok());
+  ASSERT_TRUE(g.convert(gctx, d_out, DType::kBF16, d_in, DType::kF32, f32.size()).ok());
+  std::vector<uint16_t> got(f32.size()), want(f32.size());
+  ASSERT_TRUE(g.copy(gctx, got.data(), d_out, got.size() * 2, CopyKind::kDeviceToHost).ok());
+  ASSERT_TRUE(g.synchronize(gctx).ok());
+  ASSERT_TRUE(cpu_backend().convert({}, want.data(), DType::kBF16, f32.data(), DType::kF32, f32.size()).ok());
+  EXPECT_EQ(got, want);
+  (void)g.free(gctx, d_in);
+  (void)g.free(gctx, d_out);
+}
+
+TEST(DeviceBuckets, DeviceResidentBucketEqualsTheHostPath) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA backend or no visible GPU";
+  const Backend& g = *cuda_backend();
+  auto source = model_on(cpu_backend(), Device::cpu(), 99);
+  const auto want = checkpoint_of(*source);
+  auto gpu_model = model_on(g, Device::cuda(0), 1);
+  std::map<std::string, const void*> addrs;
+  for (const auto& p : gpu_model->weights().parameters()) addrs[p.name] = p.storage.data;
+  // One bucket: half the tensors as FP32, the norms as BF16 (bf16-exact values, so equal).
+  std::vector<BucketEntry> entries;
+  std::vector<uint8_t> bytes;
+  std::map<std::string, std::vector<uint8_t>> expected = want;
+  for (const auto& [name, b] : want) {
+    const auto* p = gpu_model->weights().find(name);
+    std::vector<int64_t> shape(p->storage.shape.data(), p->storage.shape.data() + p->storage.rank());
+    if (name.find("norm") != std::string::npos) {
+      const size_t n = b.size() / 4;
+      std::vector<uint16_t> bf(n);
+      for (size_t i = 0; i < n; ++i) {
+        float f;
+        std::memcpy(&f, &b[4 * i], 4);
+        bf[i] = f32_to_bf16_bits(f);
+        const float back = bf16_bits_to_f32(bf[i]);
+        std::memcpy(&expected[name][4 * i], &back, 4);
+      }
+      entries.push_back({name, DType::kBF16, shape, bytes.size(), n * 2});
+      bytes.insert(bytes.end(), reinterpret_cast<uint8_t*>(bf.data()), reinterpret_cast<uint8_t*>(bf.data()) + n * 2);
+    } else {
+      entries.push_back({name, DType::kF32, shape, bytes.size(), b.size()});
+      bytes.insert(bytes.end(), b.begin(), b.end());
+    }
+  }
+  void* dev = nullptr;
+  const ExecContext& ctx = gpu_model->context();
+  ASSERT_TRUE(g.alloc(ctx, bytes.size(), &dev).ok());
+  ASSERT_TRUE(g.copy(ctx, dev, bytes.data(), bytes.size(), CopyKind::kHostToDevice).ok());
+  ASSERT_TRUE(g.synchronize(ctx).ok());
+  WeightUpdater u(gpu_model->weights());
+  const auto now = SteadyClock::now();
+  auto s = u.begin({}, 60, now);
+  ASSERT_TRUE(s.ok());
+  const std::span<const uint8_t> dbucket(static_cast<const uint8_t*>(dev), bytes.size());
+  // A wrong checksum is refused before anything is written (computed from a host copy).
+  auto bad = u.apply_bucket(s->session, entries, dbucket, crc32_of(bytes) ^ 1u, now, true);
+  EXPECT_EQ(bad.status().field(), "checksum");
+  auto r = u.apply_bucket(s->session, entries, dbucket, crc32_of(bytes), now, true);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  ASSERT_TRUE(u.end(s->session, 1, now).ok());
+  EXPECT_EQ(checkpoint_of(*gpu_model), expected);
+  for (const auto& p : gpu_model->weights().parameters()) EXPECT_EQ(addrs[p.name], p.storage.data) << p.name;
+  (void)g.free(ctx, dev);
+}
+
+}  // namespace
+}  // namespace rolloutd::core

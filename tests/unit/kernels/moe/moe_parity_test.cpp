@@ -1,0 +1,242 @@
+// CUDA against the CPU reference for every router and for every activation x weight format x
+// activation precision of the experts, on random sizes: a single token, empty experts,
+// padding rows (NaN activations, garbage ids), redundant replicas, K tails (hidden not a
+// multiple of the 128-wide K step), both tile heights (decode and prefill), accumulate. The
+// workspace starts poisoned, so reading anything the kernels did not write shows up.
+// Skips itself without a CUDA build or a visible GPU (label gpu).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "tests/unit/kernels/moe/moe_test_util.hpp"
+
+namespace rolloutd::moe {
+namespace {
+
+using test::Arena;
+using test::Rng;
+
+class MoeParity : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!test::have_gpu()) GTEST_SKIP() << "no CUDA device (or no CUDA build)";
+  }
+};
+
+struct RouterCase {
+  std::string name;
+  RouterParams p;
+  int64_t t, e, k;
+  bool bias = false, corr = false, ties = false;
+  int64_t vocab = 0;
+};
+
+TEST_F(MoeParity, Routers) {
+  std::vector<RouterCase> cs;
+  auto add = [&](std::string n, RouterKind kind, int64_t t, int64_t e, int64_t k) -> RouterCase& {
+    RouterCase c;
+    c.name = std::move(n);
+    c.p.kind = kind;
+    c.t = t;
+    c.e = e;
+    c.k = k;
+    cs.push_back(c);
+    return cs.back();
+  };
+  add("softmax_one_token", RouterKind::kSoftmaxTopK, 1, 8, 2);
+  add("softmax_qwen3", RouterKind::kSoftmaxTopK, 300, 128, 8);
+  add("softmax_ties_plain", RouterKind::kSoftmaxTopK, 64, 40, 6).ties = true;
+  cs.back().p.renormalize = false;
+  add("topk_softmax_gpt_oss", RouterKind::kTopKSoftmax, 77, 128, 4).bias = true;
+  add("topk_softmax_ties", RouterKind::kTopKSoftmax, 50, 33, 5).ties = true;
+  {
+    RouterCase& c = add("sigmoid_grouped_v3", RouterKind::kSigmoidGroupedTopK, 200, 256, 8);
+    c.corr = true;
+    c.p.n_group = 8;
+    c.p.topk_group = 4;
+    c.p.routed_scaling_factor = 2.5f;
+  }
+  {
+    RouterCase& c = add("sigmoid_grouped_ties", RouterKind::kSigmoidGroupedTopK, 40, 64, 6);
+    c.ties = true;
+    c.p.n_group = 8;
+    c.p.topk_group = 3;
+  }
+  add("sigmoid_flat_plain", RouterKind::kSigmoidGroupedTopK, 50, 64, 6).corr = true;
+  cs.back().p.renormalize = false;
+  {
+    RouterCase& c = add("sqrt_softplus_v4", RouterKind::kSqrtSoftplusTopK, 100, 256, 6);
+    c.corr = true;
+    c.p.routed_scaling_factor = 1.5f;
+  }
+  {
+    RouterCase& c = add("sqrt_softplus_grouped", RouterKind::kSqrtSoftplusTopK, 30, 64, 4);
+    c.corr = true;
+    c.p.n_group = 4;
+    c.p.topk_group = 2;
+  }
+  add("softmax_wide", RouterKind::kSoftmaxTopK, 5, 1000, 16);
+  for (const ScoreFunc f : {ScoreFunc::kSqrtSoftplus, ScoreFunc::kSigmoid, ScoreFunc::kSoftmax}) {
+    RouterCase& c = add("hash_" + std::to_string(static_cast<int>(f)), RouterKind::kHash, 64, 256, 6);
+    c.p.hash_score = f;
+    c.p.routed_scaling_factor = 1.5f;
+    c.vocab = 1000;
+  }
+  add("empty_batch", RouterKind::kSoftmaxTopK, 0, 16, 2);
+
+  Rng rng(99);
+  for (const RouterCase& c : cs) {
+    SCOPED_TRACE(c.name);
+    std::vector<float> logits = test::gauss_vec(rng, c.t * c.e, c.p.kind == RouterKind::kSqrtSoftplusTopK ? 8.0f : 2.0f);
+    if (c.ties)
+      for (float& v : logits) v = std::round(v);  // many exact ties
+    if (!logits.empty() && c.t > 2) logits[3] = NAN;
+    std::vector<float> bias = test::gauss_vec(rng, c.e, 0.5f), corr = test::gauss_vec(rng, c.e, 0.05f);
+    if (c.ties)
+      for (float& v : corr) v = 0.0f;
+    std::vector<int32_t> tokens(static_cast<size_t>(c.t)), table(static_cast<size_t>(c.vocab * c.k));
+    for (auto& tk : tokens) tk = static_cast<int32_t>(c.vocab > 0 ? rng.below(c.vocab) : 0);
+    for (int64_t v = 0; v < c.vocab; ++v)
+      for (int64_t j = 0; j < c.k; ++j) table[static_cast<size_t>(v * c.k + j)] = static_cast<int32_t>((v * 7 + j * 13) % c.e);
+    std::vector<int32_t> ids[2];
+    std::vector<float> w[2];
+    for (int g = 0; g < 2; ++g) {
+      Arena a(g == 1);
+      RouterArgs args;
+      args.logits = a.make(DType::kF32, Shape{c.t, c.e}, logits);
+      if (c.bias) args.logit_bias = a.make(DType::kF32, Shape{c.e}, bias);
+      if (c.corr) args.correction_bias = a.make(DType::kF32, Shape{c.e}, corr);
+      if (c.vocab > 0) {
+        args.token_ids = a.make(DType::kI32, Shape{c.t}, tokens);
+        args.tid2eid = a.make(DType::kI32, Shape{c.vocab, c.k}, table);
+      }
+      args.ids = a.make(DType::kI32, Shape{c.t, c.k});
+      args.weights = a.make(DType::kF32, Shape{c.t, c.k});
+      const Status st = route(a.ctx(), c.p, args);
+      ASSERT_TRUE(st.ok()) << st.to_string();
+      ids[g] = test::read_i32(a, args.ids);
+      w[g] = test::read_f32(a, args.weights);
+    }
+    EXPECT_EQ(ids[1], ids[0]);
+    for (size_t i = 0; i < w[0].size(); ++i) {
+      if (std::isnan(w[0][i])) {
+        EXPECT_TRUE(std::isnan(w[1][i])) << i;
+        continue;
+      }
+      EXPECT_NEAR(w[1][i], w[0][i], 2e-6 + 1e-5 * std::fabs(w[0][i])) << i;
+    }
+  }
+}
+
+struct ExpertCase {
+  std::string size;
+  int64_t t, nv, k, e_log, replicas, h, inter;
+};
+
+TEST_F(MoeParity, Experts) {
+  const ExpertCase sizes[] = {
+      {"decode_one_token", 1, 1, 4, 16, 0, 128, 64},        // 12 empty experts, BM 16
+      {"small_k_tail_replicas", 37, 33, 2, 8, 2, 192, 128},  // K step 128 + a 64 tail
+      {"prefill_tile64", 256, 250, 4, 8, 0, 256, 128},       // about 125 rows per expert: BM 64
+      {"empty_experts", 3, 3, 2, 64, 1, 320, 192},           // hidden and intermediate with tails
+  };
+  const ActivationParams acts[] = {{ActivationKind::kSwiGLU, 7.0f, 1.702f},
+                                   {ActivationKind::kGptOssSwiGLU, 7.0f, 1.702f},
+                                   {ActivationKind::kClampedSwiGLU, 10.0f, 1.702f}};
+  Rng rng(2026);
+  int variant = 0;
+  for (const ExpertCase& s : sizes) {
+    for (const ActivationParams& act : acts) {
+      const bool gpt_oss = act.kind == ActivationKind::kGptOssSwiGLU;
+      const GateUpOrder order = gpt_oss ? GateUpOrder::kInterleaved : GateUpOrder::kConcatenated;
+      const int64_t ep = s.e_log + s.replicas;
+      test::Mxfp4Host gu = test::random_mxfp4(rng, ep, 2 * s.inter, s.h), dn = test::random_mxfp4(rng, ep, s.h, s.inter);
+      std::vector<int32_t> l2p(static_cast<size_t>(s.e_log));
+      for (int64_t e = 0; e < s.e_log; ++e) l2p[static_cast<size_t>(e)] = static_cast<int32_t>(e);
+      for (int64_t r = 0; r < s.replicas; ++r) {  // logical r*3 served by replica slot e_log + r
+        test::replicate(gu, s.e_log + r, r * 3);
+        test::replicate(dn, s.e_log + r, r * 3);
+        l2p[static_cast<size_t>(r * 3)] = static_cast<int32_t>(s.e_log + r);
+      }
+      std::vector<float> gub = test::gauss_vec(rng, ep * 2 * s.inter, 0.5f), dnb = test::gauss_vec(rng, ep * s.h, 0.5f);
+      std::vector<float> x = test::gauss_vec(rng, s.t * s.h, gpt_oss ? 5.0f : 4.0f);
+      for (int64_t i = s.nv * s.h; i < s.t * s.h; ++i) x[static_cast<size_t>(i)] = NAN;
+      std::vector<int32_t> ids(static_cast<size_t>(s.t * s.k));
+      for (int64_t t = 0; t < s.t; ++t)
+        for (int64_t j = 0; j < s.k; ++j)
+          ids[static_cast<size_t>(t * s.k + j)] =
+              t < s.nv ? static_cast<int32_t>((rng.below(s.e_log) + j * (s.e_log / s.k)) % s.e_log) : 1 << 30;
+      std::vector<float> w = test::gauss_vec(rng, s.t * s.k, 0.5f);
+      std::vector<float> init = test::gauss_vec(rng, s.t * s.h, 1.0f);
+      for (const WeightFormat fmt : {WeightFormat::kBF16, WeightFormat::kMXFP4}) {
+        for (const ActPrecision prec : {ActPrecision::kBF16, ActPrecision::kMXFP8}) {
+          const bool accumulate = (variant % 3) == 1;
+          const bool x_bf16 = (variant % 4) == 2 && prec == ActPrecision::kBF16;
+          ++variant;
+          SCOPED_TRACE(s.size + " " + activation_kind_name(act.kind) + " " + weight_format_name(fmt) + " " +
+                       act_precision_name(prec) + (accumulate ? " accumulate" : "") + (x_bf16 ? " x_bf16" : ""));
+          std::vector<float> out[2];
+          for (int g = 0; g < 2; ++g) {
+            Arena a(g == 1);
+            ExpertsArgs args;
+            args.weights = test::upload_experts(a, fmt, order, gu, dn, gpt_oss ? &gub : nullptr, gpt_oss ? &dnb : nullptr);
+            if (x_bf16) {
+              std::vector<uint16_t> xb(x.size());
+              for (size_t i = 0; i < x.size(); ++i) xb[i] = f32_to_bf16_bits(x[i]);
+              args.x = a.make(DType::kBF16, Shape{s.t, s.h}, xb);
+            } else {
+              args.x = a.make(DType::kF32, Shape{s.t, s.h}, x);
+            }
+            args.topk_ids = a.make(DType::kI32, Shape{s.t, s.k}, ids);
+            args.topk_weights = a.make(DType::kF32, Shape{s.t, s.k}, w);
+            args.logical_to_physical = a.make(DType::kI32, Shape{s.e_log}, l2p);
+            args.num_valid_tokens = s.nv;
+            args.activation = act;
+            args.precision = prec;
+            args.accumulate = accumulate;
+            args.out = accumulate ? a.make(DType::kF32, Shape{s.t, s.h}, init) : a.make(DType::kF32, Shape{s.t, s.h});
+            args.workspace = test::experts_workspace(a, s.t, s.k, s.h, s.inter, ep, prec);
+            const Status st = experts(a.ctx(), args);
+            ASSERT_TRUE(st.ok()) << st.to_string();
+            out[g] = test::read_f32(a, args.out);
+            if (g == 1) {  // deterministic: a second run gives the same bits
+              if (accumulate) args.out = a.make(DType::kF32, Shape{s.t, s.h}, init);
+              ASSERT_TRUE(experts(a.ctx(), args).ok());
+              EXPECT_EQ(test::read_f32(a, args.out), out[1]);
+            }
+          }
+          const size_t valid = static_cast<size_t>(s.nv * s.h);
+          const std::vector<float> c(out[0].begin(), out[0].begin() + static_cast<int64_t>(valid)),
+              gp(out[1].begin(), out[1].begin() + static_cast<int64_t>(valid));
+          EXPECT_LE(test::rel_l2(gp, c), prec == ActPrecision::kBF16 ? 1e-3 : 5e-3);
+          for (size_t i = valid; i < out[1].size(); ++i) ASSERT_EQ(out[1][i], 0.0f) << "padding " << i;
+        }
+      }
+    }
+  }
+}
+
+TEST_F(MoeParity, RefusesFloat32PrecisionAndSmallWorkspace) {
+  Arena a(true);
+  Rng rng(5);
+  test::Mxfp4Host gu = test::random_mxfp4(rng, 2, 128, 64), dn = test::random_mxfp4(rng, 2, 64, 64);
+  ExpertsArgs args;
+  args.weights = test::upload_experts(a, WeightFormat::kMXFP4, GateUpOrder::kConcatenated, gu, dn);
+  args.x = a.make(DType::kF32, Shape{2, 64});
+  args.out = a.make(DType::kF32, Shape{2, 64});
+  args.topk_ids = a.make(DType::kI32, Shape{2, 1}, std::vector<int32_t>{0, 1});
+  args.topk_weights = a.make(DType::kF32, Shape{2, 1});
+  args.logical_to_physical = a.make(DType::kI32, Shape{2}, std::vector<int32_t>{0, 1});
+  args.precision = ActPrecision::kF32;
+  args.workspace = test::experts_workspace(a, 2, 1, 64, 64, 2, ActPrecision::kBF16);
+  MOE_EXPECT_STATUS(experts(a.ctx(), args), ErrorCode::kUnimplemented, "precision");
+  args.precision = ActPrecision::kMXFP8;  // needs more scratch than the bf16 workspace
+  const int64_t need = experts_workspace_bytes(2, 1, 64, 64, 2, ActPrecision::kMXFP8);
+  args.workspace = a.make(DType::kU8, Shape{need - 1});
+  MOE_EXPECT_STATUS(experts(a.ctx(), args), ErrorCode::kInvalidArgument, "workspace");
+}
+
+}  // namespace
+}  // namespace rolloutd::moe
