@@ -1,49 +1,65 @@
 #!/usr/bin/env bash
-# Everything the GPU host runs in one call: torch goldens, build (CUDA, sm_90a), the
-# `gpu`-labelled tests, optionally the rest of the suite on that host's toolchain and Python,
-# then the GPU benchmarks. Results go under $OUT in a few files (the device tool returns at
-# most 8): run.log (every step), ctest-gpu.log, ctest-rest.log, bench-*.json, torch_golden.rdqg.
+# Everything the GPU host runs, in stages (ROLLOUTD_GPU_STAGES, default all, comma-separated):
+#   goldens  torch goldens for the numeric formats, Hugging Face goldens for the MoE blocks
+#   build    configure + build (CUDA, sm_90a) into $ROLLOUTD_GPU_BUILD (default build/gpu)
+#   test     ctest -L gpu (and, with ROLLOUTD_GPU_ALL_TESTS=1, the rest of the suite)
+#   bench    every tests/gpu/bench-*.sh
+# Results go under $OUT in few files (the device tool returns at most 8): run.log (every step
+# and every bench's text table), ctest-gpu.log, ctest-rest.log, bench-*.json, *.rdqg goldens.
 #
 # On the device machine, from the repository root:
 #   source .deps/gpu/env.sh && tests/gpu/run.sh
-# The staged folder (.deps/gpu, made by ../shared/gpu/stage-deps.sh) supplies ZeroMQ,
-# msgpack-c, spdlog, prometheus-cpp, ... which that host lacks.
 set -uo pipefail
 OUT=${OUT:-/tmp/rolloutd-gpu-out}
 mkdir -p "$OUT"
 log=$OUT/run.log
+stages=",${ROLLOUTD_GPU_STAGES:-goldens,build,test,bench},"
 # NVLink multicast stays off on shared hosts (device README).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 py=$(command -v python3)
-build=build/gpu
+build=${ROLLOUTD_GPU_BUILD:-build/gpu}
 step() { echo "=== $* ($(date +%T))" | tee -a "$log"; }
+has() { [[ $stages == *",$1,"* ]]; }
+rc=0
 
 { nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; "$py" --version; } >>"$log" 2>&1
 
-step "torch goldens (tests/reference/quant/make_torch_golden.py)"
-timeout 300 "$py" tests/reference/quant/make_torch_golden.py >>"$log" 2>&1 && cp tests/reference/quant/torch_golden.rdqg "$OUT/" \
-  || echo "torch golden generation failed (see run.log)" | tee -a "$log"
-
-step "configure"
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DROLLOUTD_ENABLE_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90a -DPython3_EXECUTABLE="$py" >>"$log" 2>&1 \
-  || { tail -40 "$log"; exit 1; }
-step "build"
-timeout 1200 cmake --build "$build" -j "$(nproc)" >>"$log" 2>&1 \
-  || { grep -E "error|FAILED" "$log" | head -40; exit 1; }
-step "ctest -L gpu"
-timeout 900 ctest --test-dir "$build" -L gpu --output-on-failure >"$OUT/ctest-gpu.log" 2>&1
-rc=$?
-tail -25 "$OUT/ctest-gpu.log"
-if [ "${ROLLOUTD_GPU_ALL_TESTS:-0}" = 1 ]; then
-  step "ctest (everything else, on the GPU host's toolchain and Python)"
-  timeout 900 ctest --test-dir "$build" -LE gpu -j 16 --output-on-failure >"$OUT/ctest-rest.log" 2>&1
-  tail -12 "$OUT/ctest-rest.log"
+if has goldens; then
+  step "torch goldens (tests/reference/quant/make_torch_golden.py)"
+  timeout 300 "$py" tests/reference/quant/make_torch_golden.py >>"$log" 2>&1 && cp tests/reference/quant/torch_golden.rdqg "$OUT/" \
+    || echo "torch golden generation failed (see run.log)" | tee -a "$log"
+  step "Hugging Face MoE goldens (tests/reference/moe/make_hf_moe_golden.py)"
+  timeout 300 "$py" tests/reference/moe/make_hf_moe_golden.py >>"$log" 2>&1 && cp tests/reference/moe/hf_moe_golden.rdqg "$OUT/" \
+    || echo "HF MoE golden generation failed (see run.log)" | tee -a "$log"
 fi
-for b in tests/gpu/bench-*.sh; do
-  [ -e "$b" ] || continue
-  step "bench $b"
-  timeout 600 bash "$b" "$build" "$OUT" >>"$log" 2>&1
-  tail -30 "$OUT/$(basename "$b" .sh).txt" 2>/dev/null
-done
+if has build; then
+  step "configure"
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DROLLOUTD_ENABLE_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES=90a -DPython3_EXECUTABLE="$py" >>"$log" 2>&1 \
+    || { tail -40 "$log"; exit 1; }
+  step "build"
+  timeout 1200 cmake --build "$build" -j "$(nproc)" >>"$log" 2>&1 \
+    || { grep -E "error|FAILED" "$log" | head -40; exit 1; }
+fi
+if has test; then
+  step "ctest -L gpu"
+  timeout "${ROLLOUTD_GPU_TEST_TIMEOUT:-900}" ctest --test-dir "$build" -L gpu --output-on-failure >"$OUT/ctest-gpu.log" 2>&1
+  rc=$?
+  grep -E "Test +#|tests passed|FAILED|Failed" "$OUT/ctest-gpu.log" | tail -30
+  if [ "${ROLLOUTD_GPU_ALL_TESTS:-0}" = 1 ]; then
+    step "ctest (everything else, on the GPU host's toolchain and Python)"
+    timeout 900 ctest --test-dir "$build" -LE gpu -j 16 --output-on-failure >"$OUT/ctest-rest.log" 2>&1
+    tail -12 "$OUT/ctest-rest.log"
+  fi
+fi
+if has bench; then
+  for b in tests/gpu/bench-*.sh; do
+    [ -e "$b" ] || continue
+    step "bench $b"
+    timeout "${ROLLOUTD_GPU_BENCH_TIMEOUT:-600}" bash "$b" "$build" "$OUT" >>"$log" 2>&1
+    t="$OUT/$(basename "$b" .sh).txt"
+    if [ -f "$t" ]; then cat "$t" >>"$log"; tail -25 "$t"; rm -f "$t"; fi
+  done
+  rm -f "$OUT"/*-build.log
+fi
 exit $rc
