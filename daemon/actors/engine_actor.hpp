@@ -62,6 +62,7 @@ class EngineActor {
   struct PendingJoin {
     uint64_t client = 0, envelope_id = 0;
     std::string group;
+    uint32_t rank = 0, world_size = 0;
     std::chrono::steady_clock::time_point started;
   };
   struct PendingBucket {

@@ -82,6 +82,12 @@ void EngineActor::check_session_deadline() {
   if (!expired) return;
   metrics_.on_error(error_code_name(expired->code()));
   metrics_.on_weight_session("expired", 0);
+  // A broadcast still waiting for a trainer that let its session expire will not be applied:
+  // abort its group now rather than at the group's own deadline, so a new group can form.
+  if (pending_bucket_) {
+    auto it = groups_.find(std::get<protocol::NcclSource>(pending_bucket_->request.source).group);
+    if (it != groups_.end()) it->second->abort("its weight-update session expired");
+  }
   finish_session_resources();
   obs::log_error("weights", "weight-update session expired", {{"error", expired->to_string()}});
   if (!engine_->updater().whole() && !engine_->updater().broken_reason().empty()) on_model_broken(*expired);
@@ -176,6 +182,8 @@ void EngineActor::poll_device_work() {
         InitWeightGroupReply rep;
         rep.group = j.group;
         rep.nccl_version = static_cast<uint32_t>(NcclGroup::loaded_version());
+        rep.rank = j.rank;
+        rep.world_size = j.world_size;
         rep.duration_s = dt;
         reply(j.client, encode_reply(j.envelope_id, rep));
       }
@@ -294,7 +302,7 @@ void EngineActor::handle_weights(WeightCommand& cmd) {
                                    static_cast<int>(r->root), config_.gpu, r->timeout_s);
     if (!g.ok()) return reply_error(cmd.client, id, g.status());
     groups_.emplace(r->group, std::move(*g));
-    pending_join_ = PendingJoin{cmd.client, id, r->group, now};
+    pending_join_ = PendingJoin{cmd.client, id, r->group, r->rank, r->world_size, now};
     obs::log_info("nccl", "joining group", {{"group", r->group}, {"rank", r->rank}, {"world_size", r->world_size},
                                              {"nccl_version", mine}});
     return;  // replied from poll_device_work()

@@ -179,6 +179,7 @@ def make_tensors(nbytes, device):
 def bench(args):
     import torch  # before CuPy: see the receiver
     import cupy
+    import cupy.cuda.nccl  # noqa: F401  (a submodule: not loaded by `import cupy`)
 
     import rdgpu
     from rolloutd import trainer

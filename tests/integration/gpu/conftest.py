@@ -1,10 +1,22 @@
 """GPU integration tests skip themselves without a CUDA build or a visible GPU. The daemon
-fixtures come from tests/integration/conftest.py (pytest loads parent conftest files)."""
+fixtures come from tests/integration/conftest.py (loaded explicitly below)."""
 import os
 import shutil
 import subprocess
 
+import importlib.util
+
 import pytest
+
+# The daemon fixtures of tests/integration/conftest.py. pytest loads a parent conftest only
+# when its directory lies under the rootdir, which depends on where ctest runs from (the
+# build directory may be outside the checkout): load it explicitly.
+_spec = importlib.util.spec_from_file_location(
+    "rolloutd_integration_fixtures", os.path.join(os.path.dirname(__file__), "..", "conftest.py"))
+_fixtures = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_fixtures)
+daemon_factory = _fixtures.daemon_factory
+daemon = _fixtures.daemon
 
 
 def _gpu_visible():
