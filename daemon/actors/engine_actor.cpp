@@ -145,9 +145,10 @@ void EngineActor::run() {
     heartbeat_.beat();
     // Busy: only look at the mailbox between steps. Idle: sleep on it (bounded, so the
     // heartbeat keeps beating and drain deadlines are checked).
-    const auto timeout = engine_->has_work()              ? std::chrono::milliseconds(0)
-                         : has_pending_device_work()       ? std::chrono::milliseconds(1)
-                                                           : std::chrono::milliseconds(50);
+    // A join or broadcast in flight is polled without sleeping: a millisecond of latency per
+    // bucket is a measurable share of a 512 MiB broadcast (1.4 ms at link speed).
+    const auto timeout = engine_->has_work() || has_pending_device_work() ? std::chrono::milliseconds(0)
+                                                                          : std::chrono::milliseconds(50);
     zmq::pollitem_t items[] = {{mailbox_->socket().handle(), 0, ZMQ_POLLIN, 0}};
     try {
       zmq::poll(items, 1, timeout);

@@ -99,11 +99,8 @@ void EngineActor::finish_session_resources() {
     if (n) obs::log_debug("ipc", "closed handles", {{"count", n}});
     metrics_.set_ipc_handles_open(0);
   }
-  if (device_staging_) {
-    (void)engine_->model().backend().free(engine_->model().context(), device_staging_);
-    device_staging_ = nullptr;
-    device_staging_bytes_ = 0;
-  }
+  // The NCCL staging buffer stays allocated for the next session (a cudaMalloc/cudaFree of a
+  // GiB per session is milliseconds of the push); memory release (issue 8) will free it.
 }
 
 void EngineActor::apply_and_reply(uint64_t client, uint64_t envelope_id, const protocol::UpdateWeightsRequest& r,
@@ -190,7 +187,8 @@ void EngineActor::poll_device_work() {
     }
   }
   if (pending_bucket_) {
-    const auto& src = std::get<NcclSource>(pending_bucket_->request.source);
+    // Copies: pending_bucket_ is moved from and reset below.
+    const NcclSource src = std::get<NcclSource>(pending_bucket_->request.source);
     auto it = groups_.find(src.group);
     Result<bool> done = it == groups_.end()
                             ? Result<bool>(Status(ErrorCode::kUnavailable, "group vanished", "body.source.group"))

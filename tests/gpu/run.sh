@@ -55,6 +55,9 @@ fi
 if has bench; then
   for b in tests/gpu/bench-*.sh; do
     [ -e "$b" ] || continue
+    # ROLLOUTD_GPU_BENCHES="moe,transports" runs only those.
+    name=$(basename "$b" .sh); name=${name#bench-}
+    if [ -n "${ROLLOUTD_GPU_BENCHES:-}" ] && [[ ",$ROLLOUTD_GPU_BENCHES," != *",$name,"* ]]; then continue; fi
     step "bench $b"
     timeout "${ROLLOUTD_GPU_BENCH_TIMEOUT:-600}" bash "$b" "$build" "$OUT" >>"$log" 2>&1
     t="$OUT/$(basename "$b" .sh).txt"

@@ -67,7 +67,9 @@ def receiver(uid_hex, max_bytes):
     cupy.cuda.Device(DAEMON_GPU).use()
     buf = cupy.empty(max_bytes, dtype=cupy.uint8)
     stream = cupy.cuda.Stream(non_blocking=True)
-    uid = tuple(b - 256 if b > 127 else b for b in bytes.fromhex(uid_hex))
+    raw = bytes.fromhex(uid_hex)
+    # CuPy 14 takes the id as bytes; older CuPy took a tuple of signed chars: match get_unique_id().
+    uid = raw if isinstance(nccl.get_unique_id(), (bytes, bytearray)) else tuple(b - 256 if b > 127 else b for b in raw)
     comm = nccl.NcclCommunicator(2, uid, 1)
     print("joined", flush=True)
     for line in sys.stdin:
