@@ -266,9 +266,18 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
 
   EngineActor engine_actor(std::move(*engine), std::move(*engine_box), metrics, snapshot, engine_hb, config);
   std::thread engine_thread([&] { engine_actor.run(); });
+  // Announce only once the engine has published its first snapshot: a request sent the moment
+  // the endpoints file appears must not meet "not_ready: starting". Bounded: a wedged engine
+  // shows on /livez.
+  for (int i = 0; i < 1000 && !snapshot.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
 
   nlohmann::json endpoints{{"control", *control_ep}, {"http", http_ep}, {"pid", ::getpid()}, {"gpu", gpu}};
-  obs::log_info("daemon", "listening", endpoints);
+  {
+    // The log line carries the endpoints; its own `gpu` field already names the device.
+    nlohmann::json line = endpoints;
+    line.erase("gpu");
+    obs::log_info("daemon", "listening", line);
+  }
   if (!config.endpoints_file.empty()) {
     if (Status s = write_endpoints_file(config.endpoints_file, endpoints); !s.ok())
       obs::log_warn("daemon", "could not write the endpoints file", {{"error", s.to_string()}});

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <mutex>
@@ -133,9 +134,28 @@ Status append_routed_rows(std::optional<RoutedExperts>& acc, const RoutedExperts
 
 }  // namespace
 
+// Tracks whether the DEALER has a live connection (ZeroMQ's socket monitor), so that a call to
+// a daemon that is down fails fast with `unavailable` without ZMQ_IMMEDIATE (which would drop
+// messages already received when the daemon disconnects).
+class ConnectionMonitor : public zmq::monitor_t {
+ public:
+  bool connected = false;
+  void on_event_connected(const zmq_event_t&, const char*) override { connected = true; }
+  void on_event_disconnected(const zmq_event_t&, const char*) override { connected = false; }
+  void pump() {
+    while (check_event(0)) {
+    }
+  }
+};
+
+// How long a send waits for the first connection before calling the daemon unreachable.
+constexpr auto kConnectGrace = std::chrono::milliseconds(2000);
+
 struct Client::Impl {
   ClientOptions options;
   zmq::socket_t socket;
+  ConnectionMonitor monitor;
+  Clock::time_point connected_at = Clock::now();
   uint64_t next_id = 1;           // envelope ids: replies are matched by it
   std::deque<Event> events;       // events received while waiting for something else
   // Requests whose caller gave up (generate() timed out): their remaining events
@@ -171,10 +191,27 @@ struct Client::Impl {
 Status Client::Impl::send_frames(const std::vector<std::string_view>& parts,
                                  Clock::time_point deadline) {
   if (parts.empty()) return Status(ErrorCode::kInvalidArgument, "a message needs at least one frame");
-  // NOTES: the socket sets `immediate`, so POLLOUT means a connected daemon with
-  // room in its queue: a daemon that is down fails the send here, instead of the
-  // request waiting in a local queue and reaching a restarted daemon much later.
-  // Once the first part is accepted ZeroMQ accepts the rest (multipart is atomic).
+  // NOTES: POLLOUT means room in the socket's queue (the socket does not set
+  // `immediate`: see connect()). Once the first part is accepted ZeroMQ accepts the
+  // rest (multipart is atomic).
+  // No live connection: wait for one (a fresh socket needs a moment, a restarted daemon one
+  // reconnect interval), but not past the grace period or the deadline; a daemon that is
+  // down is then reported as such.
+  monitor.pump();
+  if (!monitor.connected) {
+    // A daemon that restarted on the same endpoint is reconnected to within one reconnect
+    // interval, so a short wait is enough to tell "down" from "coming back".
+    const auto give_up =
+        std::min(deadline, std::max(Clock::now() + std::chrono::milliseconds(kReconnectWaitMs),
+                                    connected_at + kConnectGrace));
+    while (!monitor.connected && Clock::now() < give_up) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - Clock::now()).count();
+      monitor.check_event(static_cast<int>(std::clamp<int64_t>(left, 1, 50)));
+    }
+    if (!monitor.connected)
+      return Status(ErrorCode::kUnavailable, "no daemon at " + options.endpoint +
+                                                 " is connected (not running or not reachable)");
+  }
   for (;;) {
     zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLOUT, 0};
     try {
@@ -311,26 +348,42 @@ Result<std::unique_ptr<Client>> Client::connect(const ClientOptions& options) {
     socket.set(zmq::sockopt::linger, kLingerMs);
     socket.set(zmq::sockopt::sndhwm, options.send_hwm);
     socket.set(zmq::sockopt::rcvhwm, options.recv_hwm);
-    socket.set(zmq::sockopt::immediate, true);
+    // Not ZMQ_IMMEDIATE: with it, libzmq discards messages already received but not yet read
+    // when the peer disconnects -- the final events of a daemon that drained and exited could
+    // vanish (seen: 3 of 8 runs). Without it a request to a daemon that is down waits in the
+    // local queue; the call's deadline still bounds the wait.
     // A peer that sends a frame beyond any limit is disconnected by ZeroMQ before
     // the frame is buffered (the pending call then times out).
     socket.set(zmq::sockopt::maxmsgsize,
                static_cast<int64_t>(std::max(options.limits.max_envelope_bytes,
                                              options.limits.max_frame_bytes)));
+    auto impl = std::make_unique<Impl>(options, std::move(socket));
+    // The monitor must watch before the socket connects: a CONNECTED event raised before
+    // it exists is never delivered, and the client would think the daemon is down.
+    // One inproc monitor endpoint per client (the address must be unique in the context).
+    static std::atomic<uint64_t> monitors{0};
+    impl->monitor.init(impl->socket, "inproc://rolloutd-client-monitor-" + std::to_string(::getpid()) + "-" +
+                                         std::to_string(monitors.fetch_add(1)),
+                       ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED);
     try {
-      socket.connect(options.endpoint);
+      impl->socket.connect(options.endpoint);
     } catch (const zmq::error_t& e) {
       return Status(ErrorCode::kInvalidArgument,
                     "cannot connect to '" + options.endpoint + "': " + e.what(), "endpoint");
     }
-    return std::unique_ptr<Client>(
-        new Client(std::make_unique<Impl>(options, std::move(socket))));
+    impl->connected_at = Clock::now();
+    return std::unique_ptr<Client>(new Client(std::move(impl)));
   } catch (const zmq::error_t& e) {
     return Status(ErrorCode::kUnavailable, std::string("ZeroMQ socket setup failed: ") + e.what());
   }
 }
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+bool Client::unreachable() {
+  impl_->monitor.pump();
+  return !impl_->monitor.connected && Clock::now() >= impl_->connected_at + kConnectGrace;
+}
 Client::~Client() = default;
 
 Result<HelloReply> Client::hello(const std::string& client_name) {

@@ -130,6 +130,11 @@ class Client {
   Status send_raw_views(const std::vector<std::string_view>& frames, int timeout_ms);
   // nullopt on timeout. Returns every frame of one message.
   Result<std::optional<std::vector<std::string>>> recv_raw(int timeout_ms);
+  // True when no connection to the daemon is up and the connect grace (2 s after
+  // connect()) has passed: a send then waits at most kReconnectWaitMs for a
+  // reconnection before failing with kUnavailable.
+  bool unreachable();
+  static constexpr int kReconnectWaitMs = 300;  // > 2 x ZeroMQ's reconnect interval (100 ms)
 
  private:
   struct Impl;

@@ -84,7 +84,8 @@ class Transport {
     std::vector<std::string_view> parts;
     parts.reserve(views.size());
     for (const auto& v : views) parts.push_back(v.bytes());
-    const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    const auto started = Clock::now();
+    const auto deadline = started + std::chrono::milliseconds(timeout_ms);
     for (;;) {
       const int slice = slice_ms(deadline);
       Status s = [&] {
@@ -93,8 +94,17 @@ class Transport {
         return live().send_raw_views(parts, slice);
       }();
       if (s.ok()) return;
-      // kUnavailable: no daemon took the message in this slice; nothing was sent.
+      // kUnavailable: no daemon took the message in this slice; nothing was sent. Retry while
+      // the queue is merely full or the first connection is still being made; a daemon that
+      // is down is reported at once.
       if (s.code() != ErrorCode::kUnavailable || Clock::now() >= deadline) throw_status(std::move(s));
+      const bool down = [&] {
+        py::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(mu_);
+        return live().unreachable();
+      }();
+      if (down && Clock::now() >= started + std::chrono::milliseconds(Client::kReconnectWaitMs))
+        throw_status(std::move(s));
       if (PyErr_CheckSignals() != 0) throw py::error_already_set();
     }
   }

@@ -169,7 +169,9 @@ TEST(WeightUpdater, PartialSessionsEqualAFullReloadWithTheSameFinalValues) {
     }
     auto s = u.begin({}, 60, kNow);
     ASSERT_TRUE(s.ok()) << c.what;
-    if (!b.entries.empty()) ASSERT_TRUE(u.apply_bucket(s->session, b.entries, b.bytes, std::nullopt, kNow).ok());
+    if (!b.entries.empty()) {
+      ASSERT_TRUE(u.apply_bucket(s->session, b.entries, b.bytes, std::nullopt, kNow).ok());
+    }
     ASSERT_TRUE(u.end(s->session, 1, kNow).ok());
     // Reference: a full reload of the same final values into a third model.
     auto ref = model_with_seed(3);
