@@ -330,7 +330,12 @@ class _Worker(threading.Thread):
     def note_launcher_pid(self, pid: Optional[int]) -> None:
         """The launcher's file names another pid for this daemon: it was restarted."""
         def check(_client):
-            if pid is not None and self._launcher_pid is not None and pid != self._launcher_pid:
+            with self.coord._lock:
+                seen = self.health.pid  # the process our heartbeats talk to (HTTP /v1/status)
+            # Not when already lost (the heartbeat saw it die), nor when the heartbeats already
+            # talk to the new process: its requests are the new incarnation's.
+            if pid is not None and self._launcher_pid is not None and pid != self._launcher_pid \
+                    and not self._lost_since_ok and pid != seen:
                 self._lose("restarted by its launcher")
             self._launcher_pid = pid
         self.call(check)

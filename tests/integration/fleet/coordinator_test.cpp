@@ -1,0 +1,350 @@
+// The C++ coordinator (protocol/coordinator.hpp) against real daemons on loopback: requests
+// spread by outstanding tokens with their events fanned into one stream, weight updates fanned
+// out with per-daemon results, and a daemon killed mid-rollout whose requests end failed (or
+// run again elsewhere when asked) — each with exactly one final event.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "protocol/client.hpp"
+#include "protocol/codec.hpp"
+#include "protocol/coordinator.hpp"
+
+namespace rolloutd::protocol {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
+
+std::string daemon_binary() {
+  if (const char* b = std::getenv("ROLLOUTD_BIN")) return b;
+  const char* build = std::getenv("ROLLOUTD_BUILD_DIR");
+  return std::string(build ? build : ".") + "/daemon/rolloutd";
+}
+
+// One rolloutd process on ephemeral loopback ports; killed at destruction if still running.
+class DaemonProcess {
+ public:
+  explicit DaemonProcess(const fs::path& dir, int n) {
+    fs::create_directories(dir);
+    ep_file_ = dir / ("d" + std::to_string(n) + ".json");
+    const std::string log = (dir / ("d" + std::to_string(n) + ".log")).string();
+    const std::string bin = daemon_binary();
+    pid_ = fork();
+    if (pid_ == 0) {
+      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (fd >= 0) {
+        dup2(fd, 1);
+        dup2(fd, 2);
+      }
+      const std::string ep = ep_file_.string();
+      execl(bin.c_str(), bin.c_str(), "--control-port", "0", "--http-port", "0", "--endpoints-file", ep.c_str(),
+            "--drain-timeout-s", "5", static_cast<char*>(nullptr));
+      _exit(127);
+    }
+  }
+  ~DaemonProcess() {
+    if (pid_ > 0 && !reaped_) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+  // The daemon's control endpoint once it listens (empty on timeout).
+  std::string wait_endpoint() {
+    const auto deadline = Clock::now() + std::chrono::seconds(30);
+    while (Clock::now() < deadline) {
+      if (fs::exists(ep_file_)) {
+        auto eps = load_endpoints_file(ep_file_.string());
+        if (eps.ok() && !eps->empty()) return (*eps)[0].control;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return {};
+  }
+  void kill_now() {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    reaped_ = true;
+  }
+  pid_t pid() const { return pid_; }
+
+ private:
+  fs::path ep_file_;
+  pid_t pid_ = -1;
+  bool reaped_ = false;
+};
+
+class Fleet : public ::testing::Test {
+ protected:
+  void start(int n, CoordinatorOptions options = {}) {
+    dir_ = fs::temp_directory_path() / ("rolloutd-coord-test-" + std::to_string(getpid()) + "-" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::vector<DaemonEndpoint> eps;
+    for (int i = 0; i < n; ++i) daemons_.push_back(std::make_unique<DaemonProcess>(dir_, i));
+    for (int i = 0; i < n; ++i) {
+      const std::string ep = daemons_[i]->wait_endpoint();
+      ASSERT_FALSE(ep.empty()) << "daemon " << i << " did not start";
+      eps.push_back({ep, "d" + std::to_string(i)});
+      endpoints_.push_back(ep);
+    }
+    options.heartbeat_interval_ms = 200;
+    options.heartbeat_timeout_ms = 500;
+    options.dead_after_ms = 1500;
+    options.request_timeout_ms = 10000;
+    auto c = Coordinator::create(eps, options);
+    ASSERT_TRUE(c.ok()) << c.status().to_string();
+    coord_ = std::move(c).value();
+    ASSERT_TRUE(coord_->wait_ready(0, 30000).ok());
+  }
+  void TearDown() override {
+    coord_.reset();
+    daemons_.clear();
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+
+  // Reads the fleet's events until every rid has its final one; fails on a second.
+  std::map<std::string, FleetEvent> finals(const std::set<std::string>& rids, int timeout_ms,
+                                           std::map<std::string, std::vector<FleetEvent>>* all = nullptr) {
+    std::map<std::string, FleetEvent> out;
+    const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    while (out.size() < rids.size() && Clock::now() < deadline) {
+      auto ev = coord_->next_event(200);
+      if (!ev) continue;
+      const std::string rid = std::visit([](const auto& e) { return e.rid; }, ev->event);
+      if (all) (*all)[rid].push_back(*ev);
+      if (std::holds_alternative<FinishedEvent>(ev->event) || std::holds_alternative<FailedEvent>(ev->event)) {
+        EXPECT_EQ(out.count(rid), 0u) << "two final events for " << rid;
+        out.emplace(rid, *ev);
+      }
+    }
+    return out;
+  }
+
+  static ClientOptions options_for(const std::string& endpoint) {
+    ClientOptions o;
+    o.endpoint = endpoint;
+    return o;
+  }
+
+  GenerateRequest request(int32_t first, uint32_t max_new_tokens) {
+    GenerateRequest r;
+    r.input_ids = {first, 2, 3};
+    r.max_new_tokens = max_new_tokens;
+    r.temperature = 1.0;
+    r.seed = static_cast<uint64_t>(first);
+    return r;
+  }
+
+  fs::path dir_;
+  std::vector<std::unique_ptr<DaemonProcess>> daemons_;
+  std::vector<std::string> endpoints_;
+  std::unique_ptr<Coordinator> coord_;
+};
+
+TEST_F(Fleet, SpreadsRequestsAndFansTheirEventsIntoOneStream) {
+  start(3);
+  std::set<std::string> rids;
+  for (int i = 0; i < 12; ++i) {
+    auto rid = coord_->submit(request(1 + i, 6));
+    ASSERT_TRUE(rid.ok()) << rid.status().to_string();
+    rids.insert(*rid);
+  }
+  std::map<std::string, std::vector<FleetEvent>> all;
+  auto done = finals(rids, 60000, &all);
+  ASSERT_EQ(done.size(), rids.size());
+  std::map<std::string, int> per_daemon;
+  for (const auto& [rid, ev] : done) {
+    const auto* f = std::get_if<FinishedEvent>(&ev.event);
+    ASSERT_NE(f, nullptr);
+    EXPECT_EQ(f->reason, "length");
+    size_t tokens = 0;
+    for (const auto& e : all[rid])
+      if (auto* t = std::get_if<TokensEvent>(&e.event)) tokens += t->token_ids.size();
+    EXPECT_EQ(tokens, 6u);
+    ++per_daemon[ev.daemon];
+  }
+  ASSERT_EQ(per_daemon.size(), 3u);
+  for (const auto& [d, n] : per_daemon) EXPECT_EQ(n, 4) << d;  // equal costs: an even spread
+  EXPECT_EQ(coord_->num_outstanding(), 0u);
+}
+
+TEST_F(Fleet, WeightUpdateFansOutAndReportsEachDaemon) {
+  start(3);
+  // Today's value of one float32 parameter, pushed back as version 7: every daemon takes it,
+  // and their checksums do not move.
+  auto probe = Client::connect(options_for(endpoints_[0]));
+  ASSERT_TRUE(probe.ok());
+  auto sums = (*probe)->weights_checksum();
+  ASSERT_TRUE(sums.ok());
+  const ParameterChecksum* param = nullptr;
+  for (const auto& p : sums->parameters)
+    if (p.dtype == "float32" && (!param || p.shape.size() < param->shape.size())) param = &p;
+  ASSERT_NE(param, nullptr);
+  uint64_t numel = 1;
+  for (auto d : param->shape) numel *= static_cast<uint64_t>(d);
+  auto values = (*probe)->get_weights_by_name(param->name, static_cast<uint32_t>(numel));
+  ASSERT_TRUE(values.ok());
+  auto bucket = std::make_shared<WeightBucket>();
+  bucket->payload.resize(numel * 4);
+  for (uint64_t i = 0; i < numel; ++i) {
+    const float f = static_cast<float>(values->values[i]);
+    std::memcpy(bucket->payload.data() + i * 4, &f, 4);
+  }
+  bucket->entries.push_back(BucketEntry{param->name, DType::kF32, param->shape, 0, numel * 4});
+  bucket->checksum = crc32(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(bucket->payload.data()),
+                                                    bucket->payload.size()));
+
+  auto update = coord_->push_weights({bucket}, 7, PauseMode::kRetract);
+  EXPECT_TRUE(update.ok());
+  EXPECT_EQ(update.completed.size(), 3u);
+  EXPECT_EQ(coord_->weight_version(), std::optional<uint64_t>(7));
+  for (const auto& ep : endpoints_) {
+    auto c = Client::connect(options_for(ep));
+    ASSERT_TRUE(c.ok());
+    auto s = (*c)->weights_checksum();
+    ASSERT_TRUE(s.ok());
+    EXPECT_EQ(s->model_checksum, sums->model_checksum);
+    EXPECT_EQ(s->weight_version, 7u);
+  }
+
+  // One daemon gone: the update completes on the others and names the missing one.
+  daemons_[1]->kill_now();
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  while (Clock::now() < deadline && coord_->daemons()[1].state != "lost") std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  auto second = coord_->push_weights({bucket}, 8);
+  EXPECT_FALSE(second.ok());
+  EXPECT_EQ(second.completed.size(), 2u);
+  EXPECT_EQ(second.completed.count("d1"), 0u);
+  EXPECT_TRUE(second.skipped.count("d1") || second.failed.count("d1"));
+}
+
+TEST_F(Fleet, KilledDaemonRequestsEndFailedEachExactlyOnce) {
+  start(2);
+  std::set<std::string> rids;
+  std::map<std::string, std::string> where;
+  for (int i = 0; i < 6; ++i) {
+    auto rid = coord_->submit(request(1 + i, 3000));
+    ASSERT_TRUE(rid.ok()) << rid.status().to_string();
+    rids.insert(*rid);
+    where[*rid] = coord_->daemon_of(*rid).value_or("?");
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  daemons_[0]->kill_now();
+  for (const auto& rid : rids) {
+    if (where[rid] != "d0") {
+      EXPECT_TRUE(coord_->abort(rid).ok());
+    }
+  }
+  auto done = finals(rids, 30000);
+  ASSERT_EQ(done.size(), rids.size());
+  int failed = 0;
+  for (const auto& [rid, ev] : done) {
+    if (where[rid] != "d0") {
+      ASSERT_TRUE(std::holds_alternative<FinishedEvent>(ev.event));
+      continue;
+    }
+    const auto* f = std::get_if<FailedEvent>(&ev.event);
+    ASSERT_NE(f, nullptr) << rid;
+    EXPECT_EQ(f->error.code, "unavailable");
+    ++failed;
+  }
+  EXPECT_EQ(failed, 3);
+  EXPECT_EQ(coord_->num_outstanding(), 0u);
+  // Nothing more for those requests.
+  auto more = coord_->next_event(1000);
+  EXPECT_FALSE(more.has_value());
+}
+
+TEST_F(Fleet, KilledDaemonRequestsAreResubmittedWhenAsked) {
+  CoordinatorOptions o;
+  o.resubmit = true;
+  start(2, o);
+  constexpr uint32_t kTokens = 2000;
+  std::set<std::string> rids;
+  std::map<std::string, std::string> where;
+  for (int i = 0; i < 4; ++i) {
+    auto rid = coord_->submit(request(1 + i, kTokens));
+    ASSERT_TRUE(rid.ok());
+    rids.insert(*rid);
+    where[*rid] = coord_->daemon_of(*rid).value_or("?");
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  daemons_[0]->kill_now();
+  std::map<std::string, std::vector<FleetEvent>> all;
+  auto done = finals(rids, 120000, &all);
+  ASSERT_EQ(done.size(), rids.size());
+  int resubmitted = 0;
+  for (const auto& [rid, ev] : done) {
+    const auto* f = std::get_if<FinishedEvent>(&ev.event);
+    ASSERT_NE(f, nullptr) << rid;
+    EXPECT_EQ(f->reason, "length");
+    bool retracted = false;
+    size_t tokens_after = 0;  // what stands: the tokens after the last retraction
+    for (const auto& e : all[rid]) {
+      if (auto* r = std::get_if<RetractedEvent>(&e.event)) {
+        EXPECT_EQ(r->reason, "daemon_lost");
+        retracted = true;
+        tokens_after = 0;
+      } else if (auto* t = std::get_if<TokensEvent>(&e.event)) {
+        tokens_after += t->token_ids.size();
+      }
+    }
+    EXPECT_EQ(tokens_after, kTokens) << rid;
+    if (retracted) {
+      EXPECT_EQ(where[rid], "d0");
+      EXPECT_EQ(ev.daemon, "d1");  // finished on the survivor
+      ++resubmitted;
+    } else {
+      // Not on the victim, or done before the kill.
+      EXPECT_TRUE(where[rid] == "d1" || ev.daemon == "d0") << rid;
+    }
+  }
+  EXPECT_GE(resubmitted, 1);
+  EXPECT_EQ(coord_->num_outstanding(), 0u);
+}
+
+TEST(CoordinatorEndpoints, ReadsLauncherAndDaemonFiles) {
+  const auto dir = fs::temp_directory_path() / ("rolloutd-ep-test-" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  {
+    std::FILE* f = std::fopen((dir / "node.json").c_str(), "w");
+    std::fputs(R"({"host":"10.0.0.2","launcher_pid":1,"device":"cpu","daemons":[)"
+               R"({"index":0,"state":"running","restarts":0,"pid":5,"gpu":-1,"control":"tcp://10.0.0.2:7600","http":"http://10.0.0.2:7700"},)"
+               R"({"index":1,"state":"failed","restarts":3,"pid":6,"gpu":-1,"control":"tcp://10.0.0.2:7601","http":"http://10.0.0.2:7701"},)"
+               R"({"index":2,"state":"starting","restarts":0,"pid":7,"gpu":-1}]})", f);
+    std::fclose(f);
+    f = std::fopen((dir / "d.json").c_str(), "w");
+    std::fputs(R"({"control":"tcp://127.0.0.1:7600","gpu":0,"http":"http://127.0.0.1:7700","pid":9})", f);
+    std::fclose(f);
+  }
+  auto node = load_endpoints_file((dir / "node.json").string());
+  ASSERT_TRUE(node.ok());
+  ASSERT_EQ(node->size(), 1u);
+  EXPECT_EQ((*node)[0].control, "tcp://10.0.0.2:7600");
+  EXPECT_EQ((*node)[0].name, "10.0.0.2/0");
+  auto one = load_endpoints_file((dir / "d.json").string());
+  ASSERT_TRUE(one.ok());
+  ASSERT_EQ(one->size(), 1u);
+  EXPECT_EQ((*one)[0].key(), "tcp://127.0.0.1:7600");
+  EXPECT_FALSE(load_endpoints_file((dir / "missing.json").string()).ok());
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace rolloutd::protocol

@@ -1,0 +1,106 @@
+"""rolloutd.Coordinator against daemons on loopback: runs where network namespaces cannot be
+made (test_fleet.py covers the same across simulated hosts). The coordinator's own
+bookkeeping: endpoints files, spreading, one final event per request, a daemon's death."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import rolloutd
+
+BIN = os.environ.get("ROLLOUTD_BIN", "rolloutd")
+sys.path.insert(0, os.path.join(os.environ.get("ROLLOUTD_SOURCE_ROOT", "."), "tests", "reference"))
+import tiny_moe_reference as ref  # noqa: E402
+
+
+@pytest.fixture
+def daemons(tmp_path):
+    procs, files = [], []
+    for i in range(2):
+        f = tmp_path / f"d{i}.json"
+        procs.append(subprocess.Popen([BIN, "--control-port", "0", "--http-port", "0", "--endpoints-file", str(f),
+                                       "--log-level", "warn"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        files.append(f)
+    deadline = time.monotonic() + 30
+    while not all(f.exists() for f in files):
+        assert time.monotonic() < deadline, "daemons did not start"
+        assert all(p.poll() is None for p in procs)
+        time.sleep(0.02)
+    yield procs, tmp_path
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
+
+
+def test_load_endpoints_reads_launcher_files_daemon_files_and_directories(tmp_path):
+    node = {"host": "n1", "launcher_pid": 1, "device": "cpu", "daemons": [
+        {"index": 0, "state": "running", "restarts": 0, "pid": 5, "gpu": -1, "control": "tcp://n1:7600",
+         "http": "http://n1:7700"},
+        {"index": 1, "state": "failed", "restarts": 3, "pid": 6, "gpu": -1, "control": "tcp://n1:7601",
+         "http": "http://n1:7701"},
+        {"index": 2, "state": "starting", "restarts": 0, "pid": 7, "gpu": -1}]}
+    (tmp_path / "n1.json").write_text(json.dumps(node))
+    (tmp_path / "d.json").write_text(json.dumps({"control": "tcp://n2:7600", "http": "http://n2:7700", "pid": 9,
+                                                 "gpu": 0}))
+    (tmp_path / "n1.json.tmp.123").write_text("{half")  # a launcher's rename in progress
+    eps = rolloutd.load_endpoints(str(tmp_path))
+    assert [(e.key, e.control, e.http, e.pid) for e in eps] == [
+        ("tcp://n2:7600", "tcp://n2:7600", "http://n2:7700", 9), ("n1/0", "tcp://n1:7600", "http://n1:7700", 5)]
+
+
+def test_spread_fan_in_and_a_dead_daemons_requests_fail_once(daemons):
+    procs, run_dir = daemons
+    with rolloutd.Coordinator.from_file(str(run_dir), heartbeat_interval_s=0.2, dead_after_s=2.0) as fleet:
+        health = fleet.wait_ready(2, timeout_s=30)
+        assert len(health) == 2
+        results = fleet.generate_many([[1 + i, 2, 3] for i in range(8)], max_new_tokens=5, seed=3, timeout_s=60)
+        assert [r.finish_reason for r in results] == ["length"] * 8
+        totals = {n: s.num_requests_total for n, s in fleet.status().items()}
+        assert sorted(totals.values()) == [4, 4], totals  # equal costs: an even spread
+
+        rids = fleet.submit_many([[7, 8, 9 + i] for i in range(6)], max_new_tokens=3000)
+        where = {r: fleet.daemon_of(r) for r in rids}
+        victim = where[rids[0]]
+        victim_pid = next(h.pid for h in fleet.daemons() if h.name == victim)
+        os.kill(victim_pid, signal.SIGKILL)
+        for r in rids:
+            if where[r] != victim:
+                fleet.abort(r)
+        finals = {}
+        deadline = time.monotonic() + 30
+        while len(finals) < len(rids):
+            assert time.monotonic() < deadline, (len(finals), fleet.daemons())
+            ev = fleet.next_event(0.5)
+            if isinstance(ev, (rolloutd.FinishedEvent, rolloutd.FailedEvent)):
+                assert ev.rid not in finals, "two final events"
+                finals[ev.rid] = ev
+        for r in rids:
+            if where[r] == victim:
+                assert isinstance(finals[r], rolloutd.FailedEvent) and finals[r].error.code == "unavailable"
+            else:
+                assert isinstance(finals[r], rolloutd.FinishedEvent)
+        assert fleet.num_outstanding == 0
+        lost = next(h for h in fleet.daemons() if h.name == victim)
+        assert lost.state == "lost" and not lost.routable and lost.num_lost == 1
+        # The survivor takes everything now.
+        assert all(r.ok for r in fleet.generate_many([[1, 2]] * 4, max_new_tokens=3, timeout_s=60))
+        # A weight update completes where it can and names the daemon it could not reach.
+        update = fleet.push_weights(list(ref.build_weights(ref.CONFIG).items()), weight_version=5,
+                                    bucket_bytes=512 << 10)
+        survivor = next(h.name for h in fleet.daemons() if h.name != victim)
+        assert list(update.completed) == [survivor] and update.completed[survivor].weight_version == 5
+        assert victim in update.skipped or victim in update.failed
+        assert not update.ok
+        with pytest.raises(rolloutd.RolloutdError):
+            update.raise_for_error()
+        assert fleet.weight_version == 5
