@@ -60,6 +60,10 @@ ParseOutcome parse_config(int argc, const char* const* argv) {
   add("--synthetic-params", c.synthetic_param_bytes, "ROLLOUTD_SYNTHETIC_PARAMS",
       "benchmarks: register this many bytes of extra BF16 parameters synthetic.{i}.weight (256 MiB each)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  add("--synthetic-mxfp4-params", c.synthetic_mxfp4_bytes, "ROLLOUTD_SYNTHETIC_MXFP4_PARAMS",
+      "benchmarks: register parameters synthetic_mx.{i}.weight [32768, 4096] quantized to MXFP4 on arrival, "
+      "this many bytes of BF16 in all")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   add("--synthetic-small-params", c.synthetic_small_params, "ROLLOUTD_SYNTHETIC_SMALL_PARAMS",
       "benchmarks: register this many BF16 parameters synthetic_small.{i}.weight of 1024 elements")
       ->check(CLI::Range(int64_t{0}, int64_t{1000000}));
@@ -205,6 +209,7 @@ nlohmann::json to_json(const DaemonConfig& c) {
       {"shm_prefix", c.shm_prefix},
       {"synthetic_param_bytes", c.synthetic_param_bytes},
       {"synthetic_small_params", c.synthetic_small_params},
+      {"synthetic_mxfp4_bytes", c.synthetic_mxfp4_bytes},
       {"outbox_limit", c.outbox_limit},
       {"drain_timeout_s", c.drain_timeout_s},
       {"flush_timeout_s", c.flush_timeout_s},

@@ -155,6 +155,7 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
   core::ModelConfig mc = core::embedded_model_config();
   mc.synthetic_param_bytes = config.synthetic_param_bytes;
   mc.synthetic_small_params = config.synthetic_small_params;
+  mc.synthetic_mxfp4_bytes = config.synthetic_mxfp4_bytes;
   core::StepLimits limits;
   limits.max_tokens = config.max_step_tokens;
   limits.max_seqs = config.max_running;

@@ -34,6 +34,10 @@ struct ModelConfig {
   // ... and this many small BF16 parameters `synthetic_small.{i}.weight` of 1024 elements
   // (per-tensor overhead of a bucket of many small tensors).
   int64_t synthetic_small_params = 0;
+  // ... and this many bytes (as the trainer sends them: BF16) of parameters quantized to MXFP4
+  // on arrival, `synthetic_mx.{i}.weight` [32768, 4096] (256 MiB of BF16 each), stored as
+  // `synthetic_mx.{i}.weight_blocks` / `_scales` (online quantization in the transport path).
+  int64_t synthetic_mxfp4_bytes = 0;
 
   int64_t num_moe_layers() const { return num_hidden_layers; }
   // Checks internal consistency (positive sizes, heads divisible, top_k <= experts, ...).

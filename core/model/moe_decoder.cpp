@@ -90,6 +90,16 @@ Status MoeDecoder::allocate() {
     RD_RETURN_IF_ERROR(weights_->add("synthetic." + std::to_string(i) + ".weight", t, nullptr));
     left -= bytes;
   }
+  for (int64_t left = c.synthetic_mxfp4_bytes, i = 0; left > 0; ++i) {
+    constexpr int64_t kCols = 4096, kFullRows = (int64_t{256} << 20) / 2 / kCols;
+    const int64_t rows = std::min<int64_t>(kFullRows, std::max<int64_t>(1, left / 2 / kCols));
+    TensorView blocks, scales;
+    RD_ASSIGN_OR_RETURN(blocks, weights_arena_->allocate(DType::kU8, Shape{rows, kCols / 32, 16}));
+    RD_ASSIGN_OR_RETURN(scales, weights_arena_->allocate(DType::kU8, Shape{rows, kCols / 32}));
+    const int64_t shape[] = {rows, kCols};
+    RD_RETURN_IF_ERROR(weights_->add_mxfp4("synthetic_mx." + std::to_string(i) + ".weight", shape, blocks, scales));
+    left -= rows * kCols * 2;
+  }
   for (int64_t i = 0; i < c.synthetic_small_params; ++i) {
     TensorView t;
     RD_ASSIGN_OR_RETURN(t, weights_arena_->allocate(DType::kBF16, Shape{1024}));

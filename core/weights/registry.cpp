@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "kernels/bf16.hpp"
+#include "kernels/quant/quant_ops.hpp"
 
 namespace rolloutd::core {
 namespace {
@@ -85,6 +86,40 @@ Status WeightRegistry::add(std::string name, TensorView storage, std::unique_ptr
   return Status::Ok();
 }
 
+std::vector<size_t> CheckpointTensor::targets() const {
+  std::vector<size_t> out;
+  for (const RowCopy& c : pieces) out.push_back(c.param);
+  if (mxfp4) {
+    out.push_back(mxfp4->blocks);
+    out.push_back(mxfp4->scales);
+  }
+  return out;
+}
+
+Status WeightRegistry::add_mxfp4(std::string name, std::span<const int64_t> shape, TensorView blocks,
+                                 TensorView scales) {
+  if (shape.empty() || shape.back() <= 0 || shape.back() % quant::kMxBlockSize != 0)
+    return Status(ErrorCode::kInternal, "an MXFP4 parameter needs a last dimension that is a multiple of 32", name);
+  if (tensors_.count(name) || param_index_.count(name))
+    return Status(ErrorCode::kInternal, "checkpoint name registered twice", name);
+  const int64_t kb = shape.back() / quant::kMxBlockSize;
+  const int r = static_cast<int>(shape.size());
+  bool ok = blocks.dtype == DType::kU8 && scales.dtype == DType::kU8 && blocks.rank() == r + 1 && scales.rank() == r &&
+            blocks.size(r - 1) == kb && blocks.size(r) == 16 && scales.size(r - 1) == kb;
+  for (int i = 0; ok && i + 1 < r; ++i) ok = blocks.size(i) == shape[i] && scales.size(i) == shape[i];
+  if (!ok) return Status(ErrorCode::kInternal, "MXFP4 blocks/scales storage does not match the shape", name);
+  const size_t b = params_.size();
+  RD_RETURN_IF_ERROR(add(name + "_blocks", blocks, nullptr));
+  RD_RETURN_IF_ERROR(add(name + "_scales", scales, nullptr));
+  CheckpointTensor t;
+  t.name = std::move(name);
+  t.shape.assign(shape.begin(), shape.end());
+  t.mxfp4 = CheckpointTensor::Mxfp4Target{b, b + 1};
+  std::string key = t.name;
+  tensors_.emplace(std::move(key), std::move(t));
+  return Status::Ok();
+}
+
 Status WeightRegistry::add_alias(CheckpointTensor alias) {
   if (tensors_.count(alias.name)) return Status(ErrorCode::kInternal, "checkpoint name registered twice", alias.name);
   int64_t src_rows = 1, cols = -1;
@@ -132,6 +167,19 @@ Status WeightRegistry::check_load(const CheckpointTensor& t, DType src_dtype, st
   for (int64_t d : shape) numel *= static_cast<uint64_t>(d);
   if (numel * dtype_size(src_dtype) != src_bytes)
     return Status(ErrorCode::kInvalidArgument, "byte count does not match shape and dtype", "nbytes");
+  if (t.mxfp4) {
+    if (src_dtype != DType::kBF16 && src_dtype != DType::kF32)
+      return Status(ErrorCode::kInvalidArgument,
+                    t.name + " is quantized to MXFP4 on arrival: send it as bfloat16 or float32, not " +
+                        std::string(dtype_name(src_dtype)),
+                    "dtype");
+    for (size_t i : t.targets())
+      if (params_[i].layout != Layout::kCheckpoint)
+        return Status(ErrorCode::kFailedPrecondition,
+                      "parameter " + params_[i].name + " is in kernel layout: it was not selected by begin_weight_update",
+                      "name");
+    return Status::Ok();
+  }
   for (const RowCopy& c : t.pieces) {
     const RegisteredParameter& p = params_[c.param];
     if (!convertible(p.storage.dtype, src_dtype))
@@ -152,6 +200,7 @@ Status WeightRegistry::load(const CheckpointTensor& t, DType src_dtype, std::spa
   RD_RETURN_IF_ERROR(check_load(t, src_dtype, shape, src.size()));
   if (src_on_device && ctx_.device.kind != DeviceKind::kCuda)
     return Status(ErrorCode::kInvalidArgument, "device-resident bytes for a model on the CPU", "source");
+  if (t.mxfp4) return load_mxfp4(t, src_dtype, shape, src, src_on_device);
   const size_t src_elem = dtype_size(src_dtype);
   for (const RowCopy& c : t.pieces) {
     RegisteredParameter& p = params_[c.param];
@@ -185,6 +234,38 @@ Status WeightRegistry::load(const CheckpointTensor& t, DType src_dtype, std::spa
   }
   // Device-to-device work stays queued: the caller synchronizes once per bucket.
   if (ctx_.device.kind != DeviceKind::kCpu && !src_on_device) RD_RETURN_IF_ERROR(backend_.synchronize(ctx_));
+  return Status::Ok();
+}
+
+Status WeightRegistry::load_mxfp4(const CheckpointTensor& t, DType src_dtype, std::span<const int64_t> shape,
+                                  std::span<const uint8_t> src, bool src_on_device) {
+  RegisteredParameter& blocks = params_[t.mxfp4->blocks];
+  RegisteredParameter& scales = params_[t.mxfp4->scales];
+  Shape sh = Shape::of(shape.data(), static_cast<int>(shape.size()));
+  const bool cuda = ctx_.device.kind == DeviceKind::kCuda;
+  // Host bytes for a model on the GPU go up first (into memory held for this call only).
+  void* dev = nullptr;
+  const void* x = src.data();
+  if (cuda && !src_on_device) {
+    RD_RETURN_IF_ERROR(backend_.alloc(ctx_, src.size(), &dev));
+    Status s = backend_.copy(ctx_, dev, src.data(), src.size(), CopyKind::kHostToDevice);
+    if (!s.ok()) {
+      (void)backend_.free(ctx_, dev);
+      return s;
+    }
+    x = dev;
+  }
+  TensorView xv = TensorView::contiguous(const_cast<void*>(x), src_dtype, sh, cuda ? ctx_.device : Device::cpu());
+  Status s = quant::quantize_mxfp4(ctx_, xv, blocks.storage, scales.storage);
+  if (dev) {
+    // The quantization reads `dev` asynchronously: wait before freeing it.
+    if (Status w = backend_.synchronize(ctx_); s.ok()) s = w;
+    (void)backend_.free(ctx_, dev);
+  }
+  RD_RETURN_IF_ERROR(s);
+  const RowGeometry gb = row_geometry(blocks.storage), gs = row_geometry(scales.storage);
+  blocks.loads += static_cast<uint64_t>(gb.rows * gb.experts);
+  scales.loads += static_cast<uint64_t>(gs.rows * gs.experts);
   return Status::Ok();
 }
 

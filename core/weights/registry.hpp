@@ -7,6 +7,7 @@
 // aliases that resolve to row copies.
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -32,6 +33,15 @@ struct CheckpointTensor {
   std::string name;
   std::vector<int64_t> shape;
   std::vector<RowCopy> pieces;
+  // Online quantization: instead of row copies, the tensor (BF16 or FP32, [.., K]) is quantized
+  // to MXFP4 on arrival, into these two parameters (blocks [.., K/32, 16], scales [.., K/32],
+  // the gpt-oss checkpoint layout) -- on the device when the model is on one.
+  struct Mxfp4Target {
+    size_t blocks = 0, scales = 0;
+  };
+  std::optional<Mxfp4Target> mxfp4 = std::nullopt;
+  // Every parameter a load of this tensor writes.
+  std::vector<size_t> targets() const;
 };
 
 struct RegistryCounters {
@@ -52,6 +62,10 @@ class WeightRegistry {
   bool all_kernel_layout() const;
   // Registers an extra checkpoint name (an alias) made of row copies into parameters.
   Status add_alias(CheckpointTensor alias);
+  // Registers `name` ([.., K] in BF16/FP32 from the trainer, K a multiple of 32) as quantized to
+  // MXFP4 on arrival into two stored uint8 parameters `<name>_blocks` [.., K/32, 16] and
+  // `<name>_scales` [.., K/32] (which also take MXFP4 bytes directly, as gpt-oss ships them).
+  Status add_mxfp4(std::string name, std::span<const int64_t> shape, TensorView blocks, TensorView scales);
 
   const CheckpointTensor* resolve(std::string_view checkpoint_name) const;
   const RegisteredParameter* find(std::string_view param_name) const;
@@ -59,7 +73,7 @@ class WeightRegistry {
   const std::vector<RegisteredParameter>& parameters() const { return params_; }
   size_t size() const { return params_.size(); }
 
-  // Writes checkpoint-layout data for one checkpoint tensor. `src` holds the tensor in
+  // Writes checkpoint-layout data for one checkpoint tensor (or quantizes it: CheckpointTensor::mxfp4). `src` holds the tensor in
   // `src_dtype`, row-major, `shape` must equal the tensor's shape. Conversions allowed: FP32
   // storage <- BF16/FP32, BF16 storage <- FP32 (round to nearest even)/BF16; other dtypes
   // must match. Every target parameter must be in checkpoint layout (restored).
@@ -85,6 +99,9 @@ class WeightRegistry {
   const ExecContext& context() const { return ctx_; }
 
  private:
+  Status load_mxfp4(const CheckpointTensor& t, DType src_dtype, std::span<const int64_t> shape,
+                    std::span<const uint8_t> src, bool src_on_device);
+
   const Backend& backend_;
   ExecContext ctx_;
   std::vector<RegisteredParameter> params_;

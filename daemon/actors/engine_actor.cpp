@@ -85,9 +85,10 @@ void EngineActor::handle(EngineCommand& cmd) {
                     {{"deadline_s", drain->deadline_s}, {"running", st.num_running}, {"waiting", st.num_waiting}});
     }
   } else if (auto* w = std::get_if<WeightCommand>(&cmd)) {
-    // Weight commands are ordered: while a join or an NCCL bucket is in flight, later ones wait.
-    if (has_pending_device_work() || !deferred_.empty()) deferred_.push_back(std::move(*w));
-    else handle_weights(*w);
+    // Weight commands are ordered: while a join or an NCCL bucket is in flight, later ones wait,
+    // except the group's next NCCL bucket, which may start while the previous one is received.
+    if (deferred_.empty() && (!has_pending_device_work() || can_pipeline(*w))) handle_weights(*w);
+    else deferred_.push_back(std::move(*w));
   } else if (std::holds_alternative<StopCommand>(cmd)) {
     // Anything still in flight gets its final event before the loop ends.
     engine_->abort_all("shutdown", events);

@@ -43,7 +43,12 @@ class EngineActor {
   void check_session_deadline();
   // Device transports (engine_weights.cpp): joins and NCCL buckets complete asynchronously;
   // weight commands that arrive meanwhile wait in order behind them.
-  bool has_pending_device_work() const { return pending_join_.has_value() || pending_bucket_.has_value(); }
+  bool has_pending_device_work() const { return pending_join_.has_value() || !pending_buckets_.empty(); }
+  // An NCCL bucket that may start while the previous bucket of its group is still being
+  // received (double-buffered staging): nothing else waits before it.
+  bool can_pipeline(const WeightCommand& cmd) const;
+  // Fails every bucket in flight (the group is gone): the session fails closed.
+  void fail_pending_buckets(const Status& why);
   void poll_device_work();
   void start_nccl_bucket(WeightCommand& cmd);
   void finish_session_resources();
@@ -68,12 +73,16 @@ class EngineActor {
   struct PendingBucket {
     uint64_t client = 0, envelope_id = 0;
     protocol::UpdateWeightsRequest request;
+    int slot = 0;  // which staging buffer receives it
   };
   std::optional<PendingJoin> pending_join_;
-  std::optional<PendingBucket> pending_bucket_;
+  std::deque<PendingBucket> pending_buckets_;  // oldest first, all of one group, at most 2
   std::deque<WeightCommand> deferred_;
-  void* device_staging_ = nullptr;     // NCCL receive buffer (device), grown on demand
-  uint64_t device_staging_bytes_ = 0;
+  struct Staging {
+    void* ptr = nullptr;  // NCCL receive buffer (device), grown on demand, kept across sessions
+    uint64_t bytes = 0;
+  };
+  Staging staging_[NcclGroup::kMaxInFlight];
   std::unique_ptr<CudaIpcImporter> ipc_;
   bool stop_ = false;
   bool draining_ = false;

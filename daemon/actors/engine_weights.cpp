@@ -84,8 +84,8 @@ void EngineActor::check_session_deadline() {
   metrics_.on_weight_session("expired", 0);
   // A broadcast still waiting for a trainer that let its session expire will not be applied:
   // abort its group now rather than at the group's own deadline, so a new group can form.
-  if (pending_bucket_) {
-    auto it = groups_.find(std::get<protocol::NcclSource>(pending_bucket_->request.source).group);
+  if (!pending_buckets_.empty()) {
+    auto it = groups_.find(std::get<protocol::NcclSource>(pending_buckets_.front().request.source).group);
     if (it != groups_.end()) it->second->abort("its weight-update session expired");
   }
   finish_session_resources();
@@ -140,24 +140,62 @@ void EngineActor::start_nccl_bucket(WeightCommand& cmd) {
                               "root " + std::to_string(src.root) + " is not the group's root " +
                                   std::to_string(it->second->root()),
                               "body.source.root"));
+  if (!it->second->can_start_broadcast())
+    return reply_error(cmd.client, cmd.envelope_id,
+                       Status(ErrorCode::kInternal, "group '" + src.group + "' cannot take another broadcast now",
+                              "body.source.group"));
+  // The staging buffer no bucket in flight uses (at most kMaxInFlight are).
+  int slot = 0;
+  while (std::any_of(pending_buckets_.begin(), pending_buckets_.end(),
+                     [&](const PendingBucket& b) { return b.slot == slot; }))
+    ++slot;
+  Staging& st = staging_[slot];
   const auto& ctx = engine_->model().context();
   const auto& backend = engine_->model().backend();
-  if (src.size > device_staging_bytes_) {
-    if (device_staging_) (void)backend.free(ctx, device_staging_);
-    device_staging_ = nullptr;
-    device_staging_bytes_ = 0;
-    if (Status s = backend.alloc(ctx, src.size, &device_staging_); !s.ok())
+  if (src.size > st.bytes) {
+    if (st.ptr) (void)backend.free(ctx, st.ptr);
+    st.ptr = nullptr;
+    st.bytes = 0;
+    if (Status s = backend.alloc(ctx, src.size, &st.ptr); !s.ok())
       return reply_error(cmd.client, cmd.envelope_id,
                          Status(ErrorCode::kResourceExhausted, "cannot allocate a " + std::to_string(src.size) +
                                                                    "-byte staging buffer: " + s.message(),
                                 "body.source.size"));
-    device_staging_bytes_ = src.size;
+    st.bytes = src.size;
   }
   // The broadcast must match the trainer's: post it even if the table will be refused, then
   // refuse after it completes (otherwise the trainer's collective would wait forever).
-  if (Status s = it->second->start_broadcast(device_staging_, src.size); !s.ok())
+  if (Status s = it->second->start_broadcast(st.ptr, src.size); !s.ok())
     return reply_error(cmd.client, cmd.envelope_id, s);
-  pending_bucket_ = PendingBucket{cmd.client, cmd.envelope_id, std::move(r)};
+  pending_buckets_.push_back(PendingBucket{cmd.client, cmd.envelope_id, std::move(r), slot});
+}
+
+bool EngineActor::can_pipeline(const WeightCommand& cmd) const {
+  using namespace protocol;
+  if (pending_join_ || pending_buckets_.empty()) return false;
+  const auto* r = std::get_if<UpdateWeightsRequest>(&cmd.request);
+  if (!r) return false;
+  const auto* src = std::get_if<NcclSource>(&r->source);
+  if (!src || src->group != std::get<NcclSource>(pending_buckets_.front().request.source).group) return false;
+  auto it = groups_.find(src->group);
+  return it != groups_.end() && it->second->can_start_broadcast();
+}
+
+void EngineActor::fail_pending_buckets(const Status& why) {
+  const std::string group = std::get<protocol::NcclSource>(pending_buckets_.front().request.source).group;
+  std::deque<PendingBucket> lost;
+  lost.swap(pending_buckets_);
+  // The trainer is gone or too slow: the communicator is aborted and the session fails
+  // closed; the group must be re-initialised.
+  groups_.erase(group);
+  auto& u = engine_->updater();
+  if (u.session_open()) {
+    auto a = u.abort(u.session_id(), "NCCL broadcast failed: " + why.message());
+    metrics_.on_weight_session("failed", 0);
+    finish_session_resources();
+    if (a.ok() && !*a) on_model_broken(why);
+  }
+  for (const auto& b : lost) reply_error(b.client, b.envelope_id, why);
 }
 
 void EngineActor::poll_device_work() {
@@ -186,36 +224,27 @@ void EngineActor::poll_device_work() {
       }
     }
   }
-  if (pending_bucket_) {
-    // Copies: pending_bucket_ is moved from and reset below.
-    const NcclSource src = std::get<NcclSource>(pending_bucket_->request.source);
-    auto it = groups_.find(src.group);
+  // Buckets complete in the order they were posted; each is applied as soon as its bytes are
+  // in, while the next one is still being received into the other staging buffer.
+  while (!pending_buckets_.empty()) {
+    const std::string group = std::get<NcclSource>(pending_buckets_.front().request.source).group;
+    auto it = groups_.find(group);
     Result<bool> done = it == groups_.end()
                             ? Result<bool>(Status(ErrorCode::kUnavailable, "group vanished", "body.source.group"))
                             : it->second->poll_broadcast();
-    if (!done.ok() || *done) {
-      PendingBucket b = std::move(*pending_bucket_);
-      pending_bucket_.reset();
-      metrics_.set_ipc_handles_open(ipc_ ? ipc_->num_open() : 0);
-      if (!done.ok()) {
-        // The trainer is gone or too slow: the communicator is aborted and the session fails
-        // closed; the group must be re-initialised.
-        groups_.erase(src.group);
-        auto& u = engine_->updater();
-        if (u.session_open()) {
-          auto a = u.abort(u.session_id(), "NCCL broadcast failed: " + done.status().message());
-          metrics_.on_weight_session("failed", 0);
-          finish_session_resources();
-          if (a.ok() && !*a) on_model_broken(done.status());
-        }
-        reply_error(b.client, b.envelope_id, done.status());
-      } else {
-        apply_and_reply(b.client, b.envelope_id, b.request,
-                        {static_cast<const uint8_t*>(device_staging_), src.size}, true);
-      }
+    if (!done.ok()) {
+      fail_pending_buckets(done.status());
+      break;
     }
+    if (!*done) break;
+    PendingBucket b = std::move(pending_buckets_.front());
+    pending_buckets_.pop_front();
+    metrics_.set_ipc_handles_open(ipc_ ? ipc_->num_open() : 0);
+    const uint64_t size = std::get<NcclSource>(b.request.source).size;
+    apply_and_reply(b.client, b.envelope_id, b.request, {static_cast<const uint8_t*>(staging_[b.slot].ptr), size},
+                    true);
   }
-  while (!has_pending_device_work() && !deferred_.empty()) {
+  while (!deferred_.empty() && (!has_pending_device_work() || can_pipeline(deferred_.front()))) {
     WeightCommand next = std::move(deferred_.front());
     deferred_.pop_front();
     handle_weights(next);
@@ -316,7 +345,7 @@ void EngineActor::handle_weights(WeightCommand& cmd) {
                   Status(ErrorCode::kAborted, "group '" + r->group + "' was destroyed while joining", "body.group"));
       pending_join_.reset();
     }
-    if (pending_bucket_ && std::get<NcclSource>(pending_bucket_->request.source).group == r->group)
+    if (!pending_buckets_.empty() && std::get<NcclSource>(pending_buckets_.front().request.source).group == r->group)
       it->second->abort("destroy_weight_group during a broadcast");  // poll_device_work() fails it
     else
       groups_.erase(it);

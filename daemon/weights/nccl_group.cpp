@@ -7,6 +7,7 @@
 #endif
 
 #include <cstring>
+#include <deque>
 #include <type_traits>
 
 #include "daemon/obs/log.hpp"
@@ -73,14 +74,19 @@ Clock::time_point deadline_after(double s) {
 struct NcclGroup::Impl {
   ncclComm_t comm = nullptr;
   cudaStream_t stream = nullptr;
-  cudaEvent_t done = nullptr;
-  Clock::time_point join_deadline, bcast_deadline;
+  Clock::time_point join_deadline;
   bool joined = false;
-  bool bcast_posted = false;  // ncclBroadcast returned (possibly in progress)
-  bool bcast_enqueued = false;
-  void* dst = nullptr;
-  uint64_t bytes = 0;
-  int root = 0;
+  // Broadcasts posted and not yet seen complete, oldest first; completion events are used
+  // round robin (at most kMaxInFlight are in the queue).
+  struct Bcast {
+    cudaEvent_t done = nullptr;
+    Clock::time_point deadline;
+    uint64_t bytes = 0;
+    bool enqueued = false;  // ncclBroadcast finished enqueueing (ncclSuccess, not ncclInProgress)
+  };
+  std::deque<Bcast> in_flight;
+  cudaEvent_t events[kMaxInFlight] = {};
+  int next_event = 0;
 };
 
 int NcclGroup::loaded_version() {
@@ -100,7 +106,8 @@ NcclGroup::~NcclGroup() {
     // a hang (ncclCommDestroy waits for them): abort it.
     nccl().CommAbort(impl_->comm);
   }
-  if (impl_->done) cudaEventDestroy(impl_->done);
+  for (cudaEvent_t e : impl_->events)
+    if (e) cudaEventDestroy(e);
   if (impl_->stream) cudaStreamDestroy(impl_->stream);
 }
 
@@ -116,8 +123,9 @@ Result<std::unique_ptr<NcclGroup>> NcclGroup::start_join(const std::string& name
   if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) return cuda_status(e, "cudaSetDevice");
   if (cudaError_t e = cudaStreamCreateWithFlags(&g->impl_->stream, cudaStreamNonBlocking); e != cudaSuccess)
     return cuda_status(e, "cudaStreamCreate");
-  if (cudaError_t e = cudaEventCreateWithFlags(&g->impl_->done, cudaEventDisableTiming); e != cudaSuccess)
-    return cuda_status(e, "cudaEventCreate");
+  for (cudaEvent_t& ev : g->impl_->events)
+    if (cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming); e != cudaSuccess)
+      return cuda_status(e, "cudaEventCreate");
   ncclUniqueId id;
   std::memcpy(&id, unique_id.data(), sizeof id);
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -156,37 +164,45 @@ Result<bool> NcclGroup::poll_join() {
   return false;
 }
 
-bool NcclGroup::broadcast_in_flight() const { return impl_ && impl_->bcast_posted; }
+bool NcclGroup::broadcast_in_flight() const { return impl_ && !impl_->in_flight.empty(); }
+
+int NcclGroup::broadcasts_in_flight() const { return impl_ ? static_cast<int>(impl_->in_flight.size()) : 0; }
+
+bool NcclGroup::can_start_broadcast() const {
+  return impl_ && !aborted_ && impl_->joined && static_cast<int>(impl_->in_flight.size()) < kMaxInFlight &&
+         (impl_->in_flight.empty() || impl_->in_flight.back().enqueued);
+}
 
 Status NcclGroup::start_broadcast(void* dst, uint64_t bytes) {
-  const int root = root_;
-  const double timeout_s = timeout_s_;
   if (aborted_ || !impl_->joined)
     return Status(ErrorCode::kFailedPrecondition, "group '" + name_ + "' is not joined", "body.source.group");
-  if (impl_->bcast_posted && !impl_->bcast_enqueued)
-    return Status(ErrorCode::kInternal, "a broadcast is already in flight", "body.source.group");
-  impl_->dst = dst;
-  impl_->bytes = bytes;
-  impl_->root = root;
-  impl_->bcast_deadline = deadline_after(timeout_s);
+  if (!can_start_broadcast())
+    return Status(ErrorCode::kInternal, "group '" + name_ + "' cannot take another broadcast now", "body.source.group");
+  Impl::Bcast b;
+  b.done = impl_->events[impl_->next_event];
+  b.bytes = bytes;
+  b.deadline = deadline_after(timeout_s_);
   cudaSetDevice(device_);
-  const ncclResult_t r = nccl().Broadcast(dst, dst, bytes, ncclUint8, root, impl_->comm, impl_->stream);
+  const ncclResult_t r = nccl().Broadcast(dst, dst, bytes, ncclUint8, root_, impl_->comm, impl_->stream);
   if (r != ncclSuccess && r != ncclInProgress) {
     abort("ncclBroadcast failed");
     return nccl_status(r, "ncclBroadcast");
   }
-  impl_->bcast_posted = true;
-  impl_->bcast_enqueued = r == ncclSuccess;
-  if (impl_->bcast_enqueued) {
-    if (cudaError_t e = cudaEventRecord(impl_->done, impl_->stream); e != cudaSuccess)
+  impl_->next_event = (impl_->next_event + 1) % kMaxInFlight;
+  b.enqueued = r == ncclSuccess;
+  if (b.enqueued) {
+    if (cudaError_t e = cudaEventRecord(b.done, impl_->stream); e != cudaSuccess) {
+      abort("cudaEventRecord failed");
       return cuda_status(e, "cudaEventRecord");
+    }
   }
+  impl_->in_flight.push_back(b);
   return Status::Ok();
 }
 
 Result<bool> NcclGroup::poll_broadcast() {
   if (aborted_) return Status(ErrorCode::kUnavailable, "group '" + name_ + "' was aborted", "body.source");
-  if (!impl_->bcast_posted) return Status(ErrorCode::kInternal, "no broadcast posted", "group");
+  if (impl_->in_flight.empty()) return Status(ErrorCode::kInternal, "no broadcast posted", "group");
   cudaSetDevice(device_);
   // The watchdog: a peer failure surfaces here, not as a hang.
   ncclResult_t state = ncclSuccess;
@@ -199,23 +215,32 @@ Result<bool> NcclGroup::poll_broadcast() {
     return Status(ErrorCode::kUnavailable,
                   "broadcast in group '" + name_ + "': " + nccl().GetErrorString(state) + " (peer gone?)", "body.source");
   }
-  if (!impl_->bcast_enqueued && state == ncclSuccess) {
-    impl_->bcast_enqueued = true;
-    if (cudaError_t e = cudaEventRecord(impl_->done, impl_->stream); e != cudaSuccess)
+  // Only the newest can still be enqueueing (start_broadcast waits for the previous one).
+  Impl::Bcast& last = impl_->in_flight.back();
+  if (!last.enqueued && state == ncclSuccess) {
+    last.enqueued = true;
+    if (cudaError_t e = cudaEventRecord(last.done, impl_->stream); e != cudaSuccess) {
+      abort("cudaEventRecord failed");
       return cuda_status(e, "cudaEventRecord");
+    }
   }
-  if (impl_->bcast_enqueued) {
-    const cudaError_t q = cudaEventQuery(impl_->done);
+  Impl::Bcast& first = impl_->in_flight.front();
+  if (first.enqueued) {
+    const cudaError_t q = cudaEventQuery(first.done);
     if (q == cudaSuccess) {
-      impl_->bcast_posted = impl_->bcast_enqueued = false;
+      impl_->in_flight.pop_front();
       return true;
     }
-    if (q != cudaErrorNotReady) return cuda_status(q, "broadcast completion");
+    if (q != cudaErrorNotReady) {
+      abort("broadcast completion failed");
+      return cuda_status(q, "broadcast completion");
+    }
   }
-  if (Clock::now() > impl_->bcast_deadline) {
+  if (Clock::now() > first.deadline) {
+    const uint64_t bytes = first.bytes;
     abort("broadcast deadline");
     return Status(ErrorCode::kDeadlineExceeded,
-                  "broadcast of " + std::to_string(impl_->bytes) + " bytes in group '" + name_ +
+                  "broadcast of " + std::to_string(bytes) + " bytes in group '" + name_ +
                       "' did not complete in time (trainer gone?)",
                   "body.source");
   }
@@ -231,6 +256,7 @@ void NcclGroup::abort(const std::string& why) {
     nccl().CommAbort(impl_->comm);
     impl_->comm = nullptr;
   }
+  impl_->in_flight.clear();
 }
 
 #else  // no NCCL
@@ -244,6 +270,8 @@ Result<std::unique_ptr<NcclGroup>> NcclGroup::start_join(const std::string&, con
   return Status(ErrorCode::kUnimplemented, "this daemon was built without CUDA/NCCL", "");
 }
 bool NcclGroup::broadcast_in_flight() const { return false; }
+int NcclGroup::broadcasts_in_flight() const { return 0; }
+bool NcclGroup::can_start_broadcast() const { return false; }
 Result<bool> NcclGroup::poll_join() { return Status(ErrorCode::kUnimplemented, "no NCCL", "type"); }
 Status NcclGroup::start_broadcast(void*, uint64_t) {
   return Status(ErrorCode::kUnimplemented, "no NCCL", "type");

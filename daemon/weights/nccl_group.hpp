@@ -31,10 +31,19 @@ class NcclGroup {
 
   // true: joined; false: still joining; error: failed or past the deadline (aborted).
   Result<bool> poll_join();
-  // Receives `bytes` from `root` into device memory `dst` (posted on the group's stream).
+  // Up to this many broadcasts may be posted at once (the daemon's staging is double-buffered):
+  // bucket i+1 is received while bucket i is applied.
+  static constexpr int kMaxInFlight = 2;
+  // Receives `bytes` from `root` into device memory `dst` (posted on the group's stream, after
+  // any broadcast still in flight). Needs can_start_broadcast().
   Status start_broadcast(void* dst, uint64_t bytes);
+  // Joined, not aborted, fewer than kMaxInFlight posted, and the last one enqueued (NCCL's rule
+  // for non-blocking communicators: no new call while one is still in progress).
+  bool can_start_broadcast() const;
   bool broadcast_in_flight() const;
-  // true: the broadcast completed; false: in flight; error: peer failure or deadline (aborted).
+  int broadcasts_in_flight() const;
+  // For the OLDEST broadcast in flight: true when it completed (it leaves the queue); false:
+  // in flight; error: peer failure or deadline (the group is aborted, every broadcast lost).
   Result<bool> poll_broadcast();
   // Aborts the communicator (a peer is gone or a deadline passed): the group is unusable.
   void abort(const std::string& why);

@@ -1093,8 +1093,11 @@ def push_weights(clients: Sequence[Client], named_tensors: Any, weight_version: 
             _send_nccl(clients, sessions, buckets, backend, group, checksum)
         else:
             _send_ipc(clients, sessions, buckets, backend, handle_uuid, checksum)
+        buckets_done_t = time.monotonic()
+        stats["buckets_s"] = buckets_done_t - stats["first_bucket_t"]
         ends = _fan_out(clients, [EndWeightUpdateRequest(s, weight_version) for s in sessions], EndWeightUpdateReply)
         stats["end_t"] = time.monotonic()
+        stats["end_s"] = stats["end_t"] - buckets_done_t
         stats["transfer_s"] = stats["end_t"] - stats["first_bucket_t"]
         return ends
     except BaseException:

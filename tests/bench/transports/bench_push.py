@@ -39,6 +39,9 @@ sys.path.insert(0, os.path.join(SOURCE_ROOT, "tests", "gpu", "transports"))
 SYNTHETIC_FLAG = "--synthetic-params"        # N bytes of extra BF16 parameters ...
 SYNTHETIC_BLOCK_BYTES = 256 << 20            # ... in blocks of this size ...
 SYNTHETIC_NAME = "synthetic.{i}.weight"      # ... named so, shape [block bytes / 2]
+MX_FLAG = "--synthetic-mxfp4-params"         # N bytes (BF16 as sent) quantized to MXFP4 on arrival ...
+MX_NAME = "synthetic_mx.{i}.weight"          # ... named so, [MX_ROWS, MX_COLS] per 256 MiB block
+MX_ROWS, MX_COLS = 32768, 4096
 SMALL_PARAMS_FLAG = "--synthetic-small-params"  # N extra BF16 parameters of SMALL_PARAM_ELEMS each
 SMALL_PARAM_NAME = "synthetic_small.{i}.weight"
 SMALL_PARAM_ELEMS = 1024
@@ -50,7 +53,7 @@ PER_TENSOR_PEER_BYTES = 4 << 20
 GIB = 1 << 30
 # A daemon refuses an end_weight_update below the version it serves: one counter for every push.
 _VERSIONS = itertools.count(1)
-TARGETS = {"nccl_vs_raw": 0.9, "ipc_vs_copy": 0.8, "per_tensor_us": 5.0}
+TARGETS = {"nccl_vs_raw": 0.9, "nccl_mxfp4_vs_raw": 0.8, "ipc_vs_copy": 0.8, "per_tensor_us": 5.0}
 
 
 # ------------------------------------------------------------------------ receiver process --
@@ -137,6 +140,18 @@ class RawPeer:
 
 
 # ------------------------------------------------------------------------------- the bench --
+def breakdown(stats):
+    """Where one push's time went (ms): session begin, buckets (first sent to last answered), end."""
+    keys = ("begin_s", "buckets_s", "end_s")
+    return {k.replace("_s", "_ms"): round(stats[k] * 1e3, 3) for k in keys if k in stats}
+
+
+def checkpoint(args, result):
+    """Writes what is measured so far: a bench stopped by its time limit still leaves figures."""
+    with open(args.out_json, "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def gbps(nbytes, seconds):
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
@@ -195,10 +210,30 @@ def bench(args):
     result = {"host": {"gpus": [torch.cuda.get_device_name(i) for i in range(2)], "torch": torch.__version__,
                        "cupy": cupy.__version__, "nccl": cupy.cuda.nccl.get_version(),
                        "daemon_nccl_dir": trainer.nccl_lib_dir()},
-              "targets": TARGETS, "sizes": sizes, "nccl": [], "ipc": [], "raw_nccl": [], "per_tensor_peer": [],
+              "targets": TARGETS, "sizes": sizes, "nccl": [], "nccl_mxfp4": [], "ipc": [], "raw_nccl": [], "per_tensor_peer": [],
               "d2d_copy": [], "small_tensors": {}}
 
-    daemon = rdgpu.Daemon(DAEMON_GPU, [SYNTHETIC_FLAG, str(max_bytes)], start_timeout_s=300)
+    # The ceilings first (METHOD: the floor, then the same-run ceiling), from the same tensors.
+    separate0, views0, flat0 = make_tensors(max_bytes, f"cuda:{TRAINER_GPU}")
+    torch.cuda.synchronize()
+    # ---- raw NCCL ceilings between the same GPUs ----
+    peer = RawPeer(max(args.buckets))
+    stream = torch.cuda.Stream(TRAINER_GPU)
+    try:
+        for size in sizes:
+            for chunk, key in [(b, "raw_nccl") for b in args.buckets] + [(PER_TENSOR_PEER_BYTES, "per_tensor_peer")]:
+                count = size["bytes"] // chunk
+                peer.broadcast(flat0.data_ptr(), chunk, min(count, 4), stream)  # warm-up
+                times = [peer.broadcast(flat0.data_ptr(), chunk, count, stream) for _ in range(args.reps)]
+                result[key].append({"bytes": size["bytes"], "chunk_bytes": chunk, **summarize(times, size["bytes"])})
+                print(f"{key:15s} {size['bytes'] / GIB:5.1f} GiB chunk {chunk >> 20:5d} MiB "
+                      f"{result[key][-1]['gbps']:7.1f} GB/s", flush=True)
+    finally:
+        peer.close()
+    checkpoint(args, result)
+
+
+    daemon = rdgpu.Daemon(DAEMON_GPU, [SYNTHETIC_FLAG, str(max_bytes), MX_FLAG, str(max_bytes)], start_timeout_s=300)
     try:
         client = daemon.client(timeout_s=300)
         hello = client.hello()
@@ -206,7 +241,6 @@ def bench(args):
         probe = client.get_weights_by_name(SYNTHETIC_NAME.format(i=0), truncate=1)
         assert probe.dtype == "bfloat16" and probe.shape == [SYNTHETIC_BLOCK_BYTES // 2], probe
 
-        separate0, views0, flat0 = make_tensors(max_bytes, f"cuda:{TRAINER_GPU}")
         separate1, views1, flat1 = make_tensors(max_bytes, f"cuda:{DAEMON_GPU}")
         torch.cuda.synchronize()
 
@@ -215,8 +249,9 @@ def bench(args):
             result["host"]["group_init_s"] = group.init_s
             for size in sizes:
                 blocks = size["bytes"] // SYNTHETIC_BLOCK_BYTES
-                for bucket in BUCKETS:
-                    for layout, tensors in (("separate", separate0), ("flat", views0)):
+                for bucket in args.buckets:
+                    for layout, tensors in [x for x in (("separate", separate0), ("flat", views0))
+                                            if x[0] in args.layouts]:
                         times, stats = [], {}
                         for rep in range(args.reps + 1):  # the first warms up (staging, NCCL channels)
                             stats = {}
@@ -226,33 +261,47 @@ def bench(args):
                                 times.append(stats["transfer_s"])
                         result["nccl"].append({"bytes": size["bytes"], "bucket_bytes": bucket, "layout": layout,
                                                "num_buckets": stats["num_buckets"],
-                                               "num_direct": stats["num_direct"], **summarize(times, size["bytes"])})
+                                               "num_direct": stats["num_direct"], **summarize(times, size["bytes"]),
+                                               "last_rep": breakdown(stats)})
                         print(f"nccl push {size['bytes'] / GIB:5.1f} GiB bucket {bucket >> 20:5d} MiB {layout:8s} "
-                              f"{result['nccl'][-1]['gbps']:7.1f} GB/s", flush=True)
+                              f"{result['nccl'][-1]['gbps']:7.1f} GB/s  {result['nccl'][-1]['last_rep']}", flush=True)
+                        checkpoint(args, result)
             got = client.get_weights_by_name(SYNTHETIC_NAME.format(i=0), truncate=8).values
             sent = views0[0][1][:8].float().cpu().tolist()
             assert got == sent, f"the daemon holds {got}, the trainer sent {sent}"
 
-        # ---- raw NCCL ceilings between the same GPUs ----
-        peer = RawPeer(max(BUCKETS))
-        stream = torch.cuda.Stream(TRAINER_GPU)
-        try:
+            # ---- the same with online MXFP4 quantization of every tensor (routed experts) ----
             for size in sizes:
-                for chunk, key in [(b, "raw_nccl") for b in BUCKETS] + [(PER_TENSOR_PEER_BYTES, "per_tensor_peer")]:
-                    count = size["bytes"] // chunk
-                    peer.broadcast(flat0.data_ptr(), chunk, min(count, 4), stream)  # warm-up
-                    times = [peer.broadcast(flat0.data_ptr(), chunk, count, stream) for _ in range(args.reps)]
-                    result[key].append({"bytes": size["bytes"], "chunk_bytes": chunk, **summarize(times, size["bytes"])})
-                    print(f"{key:15s} {size['bytes'] / GIB:5.1f} GiB chunk {chunk >> 20:5d} MiB "
-                          f"{result[key][-1]['gbps']:7.1f} GB/s", flush=True)
-        finally:
-            peer.close()
+                blocks = size["bytes"] // SYNTHETIC_BLOCK_BYTES
+                mx = [(MX_NAME.format(i=i), t.view(MX_ROWS, MX_COLS)) for i, (_, t) in enumerate(views0[:blocks])]
+                for bucket in args.buckets:
+                    times, stats = [], {}
+                    for rep in range(args.reps + 1):
+                        stats = {}
+                        trainer.push_weights([client], mx, next(_VERSIONS), via="nccl", group=group,
+                                             bucket_bytes=bucket, stats=stats)
+                        if rep:
+                            times.append(stats["transfer_s"])
+                    result["nccl_mxfp4"].append({"bytes": size["bytes"], "bucket_bytes": bucket, "layout": "flat",
+                                                 "num_buckets": stats["num_buckets"],
+                                                 "num_direct": stats["num_direct"],
+                                                 **summarize(times, size["bytes"]), "last_rep": breakdown(stats)})
+                    print(f"nccl push {size['bytes'] / GIB:5.1f} GiB bucket {bucket >> 20:5d} MiB mxfp4    "
+                          f"{result['nccl_mxfp4'][-1]['gbps']:7.1f} GB/s  {result['nccl_mxfp4'][-1]['last_rep']}",
+                          flush=True)
+                    checkpoint(args, result)
+            # Not timing zeros: the first scales are the OCP MX rule applied by torch to what was sent
+            # (E8M0 = floor(log2(amax of 32)) - 2 + 127; randn data has no zero block).
+            first = views0[0][1][:8 * 32].float().view(8, 32).abs().amax(dim=1)
+            want = (torch.floor(torch.log2(first)) - 2 + 127).cpu().tolist()
+            got = client.get_weights_by_name(MX_NAME.format(i=0) + "_scales", truncate=8).values
+            assert got == want, f"the daemon's MXFP4 scales {got}, the OCP rule gives {want}"
 
         # ---- CUDA IPC push, and the device-to-device copy on the daemon's GPU ----
         for size in sizes:
             blocks = size["bytes"] // SYNTHETIC_BLOCK_BYTES
-            for bucket in BUCKETS:
-                for layout, tensors in (("separate", separate1), ("flat", views1)):
+            for bucket in args.buckets:
+                for layout, tensors in [x for x in (("separate", separate1), ("flat", views1)) if x[0] in args.layouts]:
                     times, stats = [], {}
                     for rep in range(args.reps + 1):
                         stats = {}
@@ -262,11 +311,12 @@ def bench(args):
                             times.append(stats["transfer_s"])
                     result["ipc"].append({"bytes": size["bytes"], "bucket_bytes": bucket, "layout": layout,
                                           "num_buckets": stats["num_buckets"], "num_direct": stats["num_direct"],
-                                          **summarize(times, size["bytes"])})
+                                          **summarize(times, size["bytes"]), "last_rep": breakdown(stats)})
+                    checkpoint(args, result)
                     print(f"ipc push  {size['bytes'] / GIB:5.1f} GiB bucket {bucket >> 20:5d} MiB {layout:8s} "
                           f"{result['ipc'][-1]['gbps']:7.1f} GB/s", flush=True)
             src = flat1.view(torch.uint8)
-            for bucket in BUCKETS:
+            for bucket in args.buckets:
                 dst = torch.empty(bucket, dtype=torch.uint8, device=f"cuda:{DAEMON_GPU}")
                 times = []
                 for rep in range(args.reps + 1):
@@ -363,6 +413,11 @@ def ratios(result):
                      f"{r['gbps']:7.1f} GB/s = {r['vs_raw_nccl']:.3f} x raw NCCL "
                      f"({raw[(r['bytes'], r['bucket_bytes'])]:.1f}), {r['vs_per_tensor_peer']:.2f} x per-tensor peer "
                      f"({peer[r['bytes']]:.1f}); {r['num_direct']}/{r['num_buckets']} buckets direct")
+    for r in result["nccl_mxfp4"]:
+        r["vs_raw_nccl"] = r["gbps"] / raw[(r["bytes"], r["bucket_bytes"])]
+        ok = "ok " if r["vs_raw_nccl"] >= TARGETS["nccl_mxfp4_vs_raw"] else "LOW"
+        lines.append(f"{ok} nccl+mxfp4 {r['bytes'] / GIB:5.1f} GiB bucket {r['bucket_bytes'] >> 20:5d} MiB "
+                     f"{r['gbps']:7.1f} GB/s = {r['vs_raw_nccl']:.3f} x raw NCCL (target {TARGETS['nccl_mxfp4_vs_raw']})")
     for r in result["ipc"]:
         r["vs_d2d_copy"] = r["gbps"] / copy[r["bytes"]]
         ok = "ok " if r["vs_d2d_copy"] >= TARGETS["ipc_vs_copy"] else "LOW"
@@ -386,6 +441,9 @@ def main(argv):
     ap.add_argument("--out-json", required=True)
     ap.add_argument("--sizes-gib", type=lambda s: [float(x) for x in s.split(",")], default=[4, 16])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--buckets-mib", dest="buckets", type=lambda s: [int(x) << 20 for x in s.split(",")],
+                    default=BUCKETS)
+    ap.add_argument("--layouts", type=lambda s: s.split(","), default=["separate", "flat"])
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     result = bench(args)

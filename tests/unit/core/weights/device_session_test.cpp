@@ -104,5 +104,68 @@ TEST(DeviceBuckets, DeviceResidentBucketEqualsTheHostPath) {
   (void)g.free(ctx, dev);
 }
 
+// Online MXFP4 quantization on the GPU: a BF16 tensor that arrives in device memory (NCCL
+// staging, an IPC mapping) or in host memory is quantized by the CUDA kernel into the same
+// blocks and scales the CPU reference makes of it, bit for bit, at unchanged addresses.
+TEST(DeviceBuckets, OnlineMxfp4QuantizationEqualsTheCpuPath) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA backend or no visible GPU";
+  const Backend& g = *cuda_backend();
+  auto cfg = embedded_model_config();
+  constexpr int64_t kRows = 64, kCols = 4096;
+  cfg.synthetic_mxfp4_bytes = kRows * kCols * 2;
+  auto make = [&](const Backend& b, Device d) {
+    ExecContext ctx;
+    ctx.device = d;
+    auto m = MoeDecoder::create(cfg, test::small_limits(), b, ctx);
+    EXPECT_TRUE(m.ok()) << m.status().to_string();
+    EXPECT_TRUE(init_random_weights(**m, 3).ok());
+    return std::move(*m);
+  };
+  auto cpu = make(cpu_backend(), Device::cpu());
+  auto gpu = make(g, Device::cuda(0));
+  std::vector<uint16_t> bf(kRows * kCols);
+  test::fill_bf16_values(bf, 11);
+  const std::vector<BucketEntry> entries{{"synthetic_mx.0.weight", DType::kBF16, {kRows, kCols}, 0, bf.size() * 2}};
+  const std::span<const uint8_t> host(reinterpret_cast<const uint8_t*>(bf.data()), bf.size() * 2);
+  const auto now = SteadyClock::now();
+  auto push = [&](MoeDecoder& m, std::span<const uint8_t> bytes, bool on_device, uint64_t version) {
+    WeightUpdater u(m.weights());
+    auto s = u.begin({}, 60, now);
+    ASSERT_TRUE(s.ok());
+    auto r = u.apply_bucket(s->session, entries, bytes, std::nullopt, now, on_device);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    ASSERT_TRUE(u.end(s->session, version, now).ok());
+  };
+  push(*cpu, host, false, 1);
+  const auto want = checkpoint_of(*cpu);
+  ASSERT_EQ(want.count("synthetic_mx.0.weight_blocks"), 1u);
+  std::map<std::string, const void*> addrs;
+  for (const auto& p : gpu->weights().parameters()) addrs[p.name] = p.storage.data;
+
+  push(*gpu, host, false, 1);  // host bytes: uploaded, then quantized on the device
+  auto got = checkpoint_of(*gpu);
+  EXPECT_EQ(got.at("synthetic_mx.0.weight_blocks"), want.at("synthetic_mx.0.weight_blocks"));
+  EXPECT_EQ(got.at("synthetic_mx.0.weight_scales"), want.at("synthetic_mx.0.weight_scales"));
+
+  // Scramble, then a device-resident bucket.
+  std::vector<uint16_t> other(bf.size());
+  test::fill_bf16_values(other, 12);
+  const std::vector<uint8_t> other_bytes(reinterpret_cast<const uint8_t*>(other.data()),
+                                         reinterpret_cast<const uint8_t*>(other.data()) + other.size() * 2);
+  push(*gpu, other_bytes, false, 2);
+  ASSERT_NE(checkpoint_of(*gpu).at("synthetic_mx.0.weight_blocks"), want.at("synthetic_mx.0.weight_blocks"));
+  void* dev = nullptr;
+  const ExecContext& ctx = gpu->context();
+  ASSERT_TRUE(g.alloc(ctx, host.size(), &dev).ok());
+  ASSERT_TRUE(g.copy(ctx, dev, host.data(), host.size(), CopyKind::kHostToDevice).ok());
+  ASSERT_TRUE(g.synchronize(ctx).ok());
+  push(*gpu, {static_cast<const uint8_t*>(dev), host.size()}, true, 3);
+  got = checkpoint_of(*gpu);
+  EXPECT_EQ(got.at("synthetic_mx.0.weight_blocks"), want.at("synthetic_mx.0.weight_blocks"));
+  EXPECT_EQ(got.at("synthetic_mx.0.weight_scales"), want.at("synthetic_mx.0.weight_scales"));
+  for (const auto& p : gpu->weights().parameters()) EXPECT_EQ(addrs[p.name], p.storage.data) << p.name;
+  (void)g.free(ctx, dev);
+}
+
 }  // namespace
 }  // namespace rolloutd::core

@@ -3,11 +3,13 @@
 // dtype conversions, fail-closed errors, pause modes.
 #include "core/weights/session.hpp"
 
+#include <cmath>
 #include <cstring>
 #include <map>
 
 #include "../test_util.hpp"
 #include "kernels/bf16.hpp"
+#include "kernels/quant/quant_ops.hpp"
 
 namespace rolloutd::core {
 namespace {
@@ -463,6 +465,101 @@ TEST(EnginePause, InPlaceKeepsGoingAndVersionsShowTheSwitch) {
   for (const auto& x : ev)
     if (x.rid == "a") versions.insert(versions.end(), x.weight_versions.begin(), x.weight_versions.end());
   EXPECT_EQ(versions, (std::vector<uint64_t>{0, 0, 0, 1, 1, 1, 1, 1}));
+}
+
+// Online quantization: a BF16 or FP32 tensor registered with add_mxfp4 is quantized to MXFP4 on
+// arrival into its `_blocks` / `_scales` parameters -- the bytes quant::quantize_mxfp4 (checked
+// against NumPy and PyTorch goldens in tests/unit/kernels/quant) makes of the same input, at the
+// same addresses; other dtypes are refused before anything is written; the blocks and scales also
+// take MXFP4 bytes directly (how gpt-oss ships its experts).
+TEST(OnlineQuantization, Mxfp4OnArrivalEqualsTheQuantizerAtStableAddresses) {
+  auto cfg = embedded_model_config();
+  cfg.synthetic_mxfp4_bytes = 3 * 4096 * 2;  // one parameter [3, 4096]
+  auto made = MoeDecoder::create(cfg, small_limits(), cpu_backend(), ExecContext{});
+  ASSERT_TRUE(made.ok()) << made.status().to_string();
+  MoeDecoder& m = **made;
+  ASSERT_TRUE(init_random_weights(m, 5).ok());
+  const auto* blocks = m.weights().find("synthetic_mx.0.weight_blocks");
+  const auto* scales = m.weights().find("synthetic_mx.0.weight_scales");
+  ASSERT_NE(blocks, nullptr);
+  ASSERT_NE(scales, nullptr);
+  EXPECT_EQ(shape_of(blocks->storage), (std::vector<int64_t>{3, 128, 16}));
+  EXPECT_EQ(shape_of(scales->storage), (std::vector<int64_t>{3, 128}));
+  const void* addr_b = blocks->storage.data;
+  const void* addr_s = scales->storage.data;
+
+  // Values over several binades, zeros and a negative zero, so every scale differs.
+  std::vector<float> x(3 * 4096);
+  for (size_t i = 0; i < x.size(); ++i)
+    x[i] = std::ldexp(static_cast<float>((i * 2654435761u) % 1000) / 250.0f - 2.0f, static_cast<int>(i / 512) % 9 - 4);
+  x[7] = 0.0f;
+  x[8] = -0.0f;
+  auto expect_quantized = [&](const std::vector<float>& in) {
+    std::vector<uint8_t> wb(3 * 128 * 16), ws(3 * 128);
+    ASSERT_TRUE(quant::quantize_mxfp4({}, TensorView::contiguous(const_cast<float*>(in.data()), DType::kF32, Shape{3, 4096}),
+                                      TensorView::contiguous(wb.data(), DType::kU8, Shape{3, 128, 16}),
+                                      TensorView::contiguous(ws.data(), DType::kU8, Shape{3, 128}))
+                    .ok());
+    std::vector<uint8_t> gb, gs;
+    ASSERT_TRUE(m.weights().read_checkpoint(m.weights().index_of("synthetic_mx.0.weight_blocks"), gb).ok());
+    ASSERT_TRUE(m.weights().read_checkpoint(m.weights().index_of("synthetic_mx.0.weight_scales"), gs).ok());
+    EXPECT_EQ(gb, wb);
+    EXPECT_EQ(gs, ws);
+  };
+
+  WeightUpdater u(m.weights());
+  {  // FP32
+    Bucket b;
+    b.add("synthetic_mx.0.weight", DType::kF32, {3, 4096}, x.data(), x.size() * 4);
+    ASSERT_TRUE(push(u, b, 1).ok());
+    expect_quantized(x);
+  }
+  {  // BF16 (the quantizer sees the same BF16 values, widened)
+    std::vector<uint16_t> bf(x.size());
+    std::vector<float> widened(x.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      bf[i] = f32_to_bf16_bits(x[i] * 3.0f);
+      widened[i] = bf16_bits_to_f32(bf[i]);
+    }
+    Bucket b;
+    b.add("synthetic_mx.0.weight", DType::kBF16, {3, 4096}, bf.data(), bf.size() * 2);
+    ASSERT_TRUE(push(u, b, 2).ok());
+    expect_quantized(widened);
+  }
+  EXPECT_EQ(blocks->storage.data, addr_b);
+  EXPECT_EQ(scales->storage.data, addr_s);
+
+  std::vector<uint8_t> before_b, before_s;
+  ASSERT_TRUE(m.weights().read_checkpoint(m.weights().index_of("synthetic_mx.0.weight_blocks"), before_b).ok());
+  {  // Already-quantized bytes are refused for the BF16 name, and nothing changes.
+    std::vector<uint8_t> junk(3 * 4096, 0x11);
+    Bucket b;
+    b.add("synthetic_mx.0.weight", DType::kU8, {3, 4096}, junk.data(), junk.size());
+    auto st = u.begin({}, 60, kNow);
+    ASSERT_TRUE(st.ok());
+    auto r = u.apply_bucket(st->session, b.entries, b.bytes, std::nullopt, kNow);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("bfloat16 or float32"), std::string::npos) << r.status().message();
+    ASSERT_TRUE(u.abort(st->session, "test").ok());
+    std::vector<uint8_t> after_b;
+    ASSERT_TRUE(m.weights().read_checkpoint(m.weights().index_of("synthetic_mx.0.weight_blocks"), after_b).ok());
+    EXPECT_EQ(after_b, before_b);
+  }
+  {  // MXFP4 bytes straight into blocks and scales.
+    std::vector<uint8_t> raw_b(3 * 128 * 16), raw_s(3 * 128);
+    for (size_t i = 0; i < raw_b.size(); ++i) raw_b[i] = static_cast<uint8_t>(i * 7);
+    for (size_t i = 0; i < raw_s.size(); ++i) raw_s[i] = static_cast<uint8_t>(120 + i % 10);
+    Bucket b;
+    b.add("synthetic_mx.0.weight_blocks", DType::kU8, {3, 128, 16}, raw_b.data(), raw_b.size());
+    b.add("synthetic_mx.0.weight_scales", DType::kU8, {3, 128}, raw_s.data(), raw_s.size());
+    ASSERT_TRUE(push(u, b, 3).ok());
+    std::vector<uint8_t> gb, gs;
+    ASSERT_TRUE(m.weights().read_checkpoint(m.weights().index_of("synthetic_mx.0.weight_blocks"), gb).ok());
+    ASSERT_TRUE(m.weights().read_checkpoint(m.weights().index_of("synthetic_mx.0.weight_scales"), gs).ok());
+    EXPECT_EQ(gb, raw_b);
+    EXPECT_EQ(gs, raw_s);
+  }
 }
 
 }  // namespace
