@@ -56,10 +56,15 @@ _VERSIONS = itertools.count(1)
 TARGETS = {"nccl_vs_raw": 0.9, "nccl_mxfp4_vs_raw": 0.8, "ipc_vs_copy": 0.8, "per_tensor_us": 5.0}
 
 
-# ------------------------------------------------------------------------ receiver process --
-def receiver(uid_hex, max_bytes):
-    """Rank 1 of a raw NCCL pair on DAEMON_GPU: on "bcast SIZE COUNT" it posts COUNT broadcasts of
-    SIZE bytes into its buffer, says "posted", waits for them and says "ok"; "quit" ends it."""
+# ------------------------------------------------------------------- raw NCCL ceiling --
+def raw_rank(rank, uid_hex, plan_json, reps):
+    """One rank of a plain CuPy NCCL pair (rank 0 on TRAINER_GPU sends, rank 1 on DAEMON_GPU
+    receives). Both run the same plan [[size, chunk], ...] in lockstep: per entry a warm-up of up to
+    4 chunks, then `reps` timed runs of size/chunk broadcasts; at most 256 are enqueued before the
+    stream is drained (a full launch queue would otherwise block the host). Rank 0 prints one JSON
+    line per entry: {"size", "chunk", "times"}."""
+    import faulthandler
+    faulthandler.dump_traceback_later(240, exit=True)  # a hang says where, then ends the process
     try:
         import torch  # noqa: F401  (first: CuPy's NCCL then binds to PyTorch's, as the trainer's does)
     except ImportError:
@@ -67,76 +72,66 @@ def receiver(uid_hex, max_bytes):
     import cupy
     from cupy.cuda import nccl
 
-    cupy.cuda.Device(DAEMON_GPU).use()
-    buf = cupy.empty(max_bytes, dtype=cupy.uint8)
+    plan = json.loads(plan_json)
+    cupy.cuda.Device(TRAINER_GPU if rank == 0 else DAEMON_GPU).use()
+    max_chunk = max(c for _, c in plan)
+    buf = cupy.random.random(max_chunk // 4, dtype=cupy.float32).view(cupy.uint8)  # not zeros
     stream = cupy.cuda.Stream(non_blocking=True)
     raw = bytes.fromhex(uid_hex)
     # CuPy 14 takes the id as bytes; older CuPy took a tuple of signed chars: match get_unique_id().
     uid = raw if isinstance(nccl.get_unique_id(), (bytes, bytearray)) else tuple(b - 256 if b > 127 else b for b in raw)
-    comm = nccl.NcclCommunicator(2, uid, 1)
-    print("joined", flush=True)
-    for line in sys.stdin:
-        cmd = line.split()
-        if cmd[0] == "quit":
-            break
-        size, count = int(cmd[1]), int(cmd[2])
-        for _ in range(count):
-            comm.bcast(buf.data.ptr, size, nccl.NCCL_UINT8, 0, stream.ptr)
-        print("posted", flush=True)
+    comm = nccl.NcclCommunicator(2, uid, rank)
+
+    def run(size, chunk, count):
+        for k in range(count):
+            comm.bcast(buf.data.ptr, chunk, nccl.NCCL_UINT8, 0, stream.ptr)
+            if k % 256 == 255:
+                stream.synchronize()
         stream.synchronize()
-        print("ok", flush=True)
+
+    for size, chunk in plan:
+        count = size // chunk
+        run(size, chunk, min(count, 4))
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            run(size, chunk, count)
+            times.append(time.perf_counter() - t0)
+        if rank == 0:
+            print(json.dumps({"size": size, "chunk": chunk, "times": times}), flush=True)
     comm.destroy()
     return 0
 
 
-class RawPeer:
-    """This process as rank 0 and a receiver process as rank 1 of a plain CuPy NCCL communicator."""
+def raw_ceilings(plan, reps, timeout_s):
+    """Runs raw_rank as two processes; {(size, chunk): [seconds, ...]} of what completed in time.
+    Times are the sender's: each run starts when the receiver has (nearly) posted its side, since
+    both ranks drain their streams between runs."""
+    from cupy.cuda import nccl
 
-    def __init__(self, max_bytes):
-        import cupy
-        from cupy.cuda import nccl
+    from rolloutd.trainer import daemon_env, unique_id_bytes
 
-        from rolloutd.trainer import unique_id_bytes
-
-        self.nccl = nccl
-        uid = nccl.get_unique_id()
-        from rolloutd.trainer import daemon_env
-
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--receiver",
-                                      unique_id_bytes(uid).hex(), str(max_bytes)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=daemon_env())
-        with cupy.cuda.Device(TRAINER_GPU):
-            self.comm = nccl.NcclCommunicator(2, uid, 0)
-        self._expect("joined")
-
-    def _expect(self, word):
-        line = self.proc.stdout.readline().strip()
-        if line != word:
-            raise RuntimeError(f"receiver said {line!r}, expected {word!r}")
-
-    def broadcast(self, base_ptr, size, count, stream):
-        """Seconds for `count` broadcasts of `size` bytes from base_ptr, base_ptr + size, ... once
-        the receiver has posted its side (pure transfer time)."""
-        self.proc.stdin.write(f"bcast {size} {count}\n")
-        self.proc.stdin.flush()
-        self._expect("posted")
-        stream.synchronize()
-        t0 = time.perf_counter()
-        for k in range(count):
-            self.comm.bcast(base_ptr + k * size, size, self.nccl.NCCL_UINT8, 0, stream.cuda_stream)
-        stream.synchronize()
-        t = time.perf_counter() - t0
-        self._expect("ok")
-        return t
-
-    def close(self):
-        try:
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            pass
-        self.comm.destroy()
-        self.proc.wait(timeout=60)
+    uid = unique_id_bytes(nccl.get_unique_id()).hex()
+    args = [json.dumps(plan), str(reps)]
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--raw-rank", str(r), uid, *args],
+                              stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, text=True, env=daemon_env())
+             for r in (0, 1)]
+    out = {}
+    try:
+        stdout, _ = procs[0].communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"raw NCCL ceiling: timed out after {timeout_s} s", flush=True)
+        stdout = ""
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    for line in stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            out[(r["size"], r["chunk"])] = r["times"]
+    return out
 
 
 # ------------------------------------------------------------------------------- the bench --
@@ -216,20 +211,18 @@ def bench(args):
     # The ceilings first (METHOD: the floor, then the same-run ceiling), from the same tensors.
     separate0, views0, flat0 = make_tensors(max_bytes, f"cuda:{TRAINER_GPU}")
     torch.cuda.synchronize()
-    # ---- raw NCCL ceilings between the same GPUs ----
-    peer = RawPeer(max(args.buckets))
-    stream = torch.cuda.Stream(TRAINER_GPU)
-    try:
-        for size in sizes:
-            for chunk, key in [(b, "raw_nccl") for b in args.buckets] + [(PER_TENSOR_PEER_BYTES, "per_tensor_peer")]:
-                count = size["bytes"] // chunk
-                peer.broadcast(flat0.data_ptr(), chunk, min(count, 4), stream)  # warm-up
-                times = [peer.broadcast(flat0.data_ptr(), chunk, count, stream) for _ in range(args.reps)]
-                result[key].append({"bytes": size["bytes"], "chunk_bytes": chunk, **summarize(times, size["bytes"])})
-                print(f"{key:15s} {size['bytes'] / GIB:5.1f} GiB chunk {chunk >> 20:5d} MiB "
-                      f"{result[key][-1]['gbps']:7.1f} GB/s", flush=True)
-    finally:
-        peer.close()
+    # ---- raw NCCL ceilings between the same GPUs (two processes of their own) ----
+    plan = [[size["bytes"], chunk] for size in sizes for chunk in args.buckets + [PER_TENSOR_PEER_BYTES]]
+    got = raw_ceilings(plan, args.reps, timeout_s=240)
+    for size in sizes:
+        for chunk in args.buckets + [PER_TENSOR_PEER_BYTES]:
+            key = "per_tensor_peer" if chunk == PER_TENSOR_PEER_BYTES else "raw_nccl"
+            times = got.get((size["bytes"], chunk))
+            if not times:
+                continue
+            result[key].append({"bytes": size["bytes"], "chunk_bytes": chunk, **summarize(times, size["bytes"])})
+            print(f"{key:15s} {size['bytes'] / GIB:5.1f} GiB chunk {chunk >> 20:5d} MiB "
+                  f"{result[key][-1]['gbps']:7.1f} GB/s", flush=True)
     checkpoint(args, result)
 
 
@@ -406,6 +399,10 @@ def ratios(result):
         copy[r["bytes"]] = max(copy.get(r["bytes"], 0.0), r["gbps"])
     lines = []
     for r in result["nccl"]:
+        if (r["bytes"], r["bucket_bytes"]) not in raw or r["bytes"] not in peer:
+            lines.append(f"--  nccl {r['bytes'] / GIB:5.1f} GiB bucket {r['bucket_bytes'] >> 20} MiB {r['layout']}: "
+                         f"{r['gbps']:.1f} GB/s, no same-run ceiling")
+            continue
         r["vs_raw_nccl"] = r["gbps"] / raw[(r["bytes"], r["bucket_bytes"])]
         r["vs_per_tensor_peer"] = r["gbps"] / peer[r["bytes"]]
         ok = "ok " if r["vs_raw_nccl"] >= TARGETS["nccl_vs_raw"] else "LOW"
@@ -414,6 +411,8 @@ def ratios(result):
                      f"({raw[(r['bytes'], r['bucket_bytes'])]:.1f}), {r['vs_per_tensor_peer']:.2f} x per-tensor peer "
                      f"({peer[r['bytes']]:.1f}); {r['num_direct']}/{r['num_buckets']} buckets direct")
     for r in result["nccl_mxfp4"]:
+        if (r["bytes"], r["bucket_bytes"]) not in raw:
+            continue
         r["vs_raw_nccl"] = r["gbps"] / raw[(r["bytes"], r["bucket_bytes"])]
         ok = "ok " if r["vs_raw_nccl"] >= TARGETS["nccl_mxfp4_vs_raw"] else "LOW"
         lines.append(f"{ok} nccl+mxfp4 {r['bytes'] / GIB:5.1f} GiB bucket {r['bucket_bytes'] >> 20:5d} MiB "
@@ -435,8 +434,8 @@ def ratios(result):
 
 
 def main(argv):
-    if argv[:1] == ["--receiver"]:
-        return receiver(argv[1], int(argv[2]))
+    if argv[:1] == ["--raw-rank"]:
+        return raw_rank(int(argv[1]), argv[2], argv[3], int(argv[4]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out-json", required=True)
     ap.add_argument("--sizes-gib", type=lambda s: [float(x) for x in s.split(",")], default=[4, 16])
@@ -444,7 +443,10 @@ def main(argv):
     ap.add_argument("--buckets-mib", dest="buckets", type=lambda s: [int(x) << 20 for x in s.split(",")],
                     default=BUCKETS)
     ap.add_argument("--layouts", type=lambda s: s.split(","), default=["separate", "flat"])
+    ap.add_argument("--hang-s", type=float, default=480, help="print every thread's stack if still running then")
     args = ap.parse_args(argv)
+    import faulthandler
+    faulthandler.dump_traceback_later(args.hang_s, exit=False)
     t0 = time.monotonic()
     result = bench(args)
     lines = ratios(result)
