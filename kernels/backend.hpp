@@ -105,6 +105,13 @@ struct Backend {
   // tensors that arrive on the device (NCCL, CUDA IPC) in another dtype than the parameter.
   Status (*convert)(const ExecContext&, void* dst, DType dst_dtype, const void* src, DType src_dtype,
                     size_t n);
+
+  // ---- memory, strided ----
+  // `height` rows of `width` bytes: row i from src + i * src_pitch to dst + i * dst_pitch
+  // (pitches >= width). Asynchronous on CUDA like copy(). Used by layout permutations that
+  // move every other row (gate/up interleaving) in one call instead of one copy per row.
+  Status (*copy_2d)(const ExecContext&, void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
+                    size_t width, size_t height, CopyKind kind);
 };
 
 const Backend& cpu_backend();

@@ -60,8 +60,9 @@ class IdentityMethod final : public QuantMethod {
 // Stacked expert gate/up weights [E, 2I, H]: the checkpoint concatenates gate rows [0, I)
 // and up rows [I, 2I); the kernel layout interleaves them (gate j at row 2j, up j at 2j + 1)
 // so one pass over an expert reads each gate/up pair together -- the layout the fused
-// MXFP4 expert GEMM will want. The permutation is applied in place, cycle by cycle, with a
-// one-row temporary: no tensor-sized second buffer.
+// MXFP4 expert GEMM will want. The permutation is applied in place, one expert at a time:
+// the expert is staged in a buffer of one expert's size, then written back by two strided
+// copies (Backend::copy_2d) -- three asynchronous calls per expert, no tensor-sized buffer.
 class InterleaveGateUpMethod final : public QuantMethod {
  public:
   explicit InterleaveGateUpMethod(int64_t intermediate);
@@ -75,14 +76,12 @@ class InterleaveGateUpMethod final : public QuantMethod {
   std::vector<int32_t> static_state() const override { return kernel_of_checkpoint_; }
 
  private:
-  // Moves row src_of[k] to row k for every k, in place.
-  Status permute(const Backend& b, const ExecContext& ctx, TensorView storage,
-                 const std::vector<int32_t>& src_of, const std::vector<std::vector<int32_t>>& cycles);
+  enum class Direction { kToKernel, kToCheckpoint };
+  Status permute(const Backend& b, const ExecContext& ctx, TensorView storage, Direction to);
   int64_t inter_;
   std::vector<int32_t> kernel_of_checkpoint_;      // checkpoint row -> kernel row
   std::vector<int32_t> checkpoint_of_kernel_;      // kernel row -> checkpoint row
-  std::vector<std::vector<int32_t>> to_kernel_cycles_, to_checkpoint_cycles_;
-  std::vector<char> row_tmp_;
+  std::vector<char> expert_tmp_;                   // host staging (CPU storage)
 };
 
 }  // namespace rolloutd::core

@@ -207,6 +207,16 @@ Status convert(const ExecContext& ctx, void* dst, DType dt, const void* src, DTy
   }
   return Status::Ok();
 }
+Status copy_2d(const ExecContext& ctx, void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+               size_t height, CopyKind kind) {
+  if (width == 0 || height == 0) return Status::Ok();
+  if (dst_pitch < width || src_pitch < width)
+    return Status(ErrorCode::kInvalidArgument, "a pitch is smaller than the row width", "pitch");
+  for (size_t i = 0; i < height; ++i)
+    RD_RETURN_IF_ERROR(copy(ctx, static_cast<char*>(dst) + i * dst_pitch,
+                            static_cast<const char*>(src) + i * src_pitch, width, kind));
+  return Status::Ok();
+}
 }  // namespace cpu
 
 const Backend& cpu_backend() {
@@ -227,6 +237,7 @@ const Backend& cpu_backend() {
       cpu::router_softmax_topk,
       cpu::moe_experts,
       cpu::convert,
+      cpu::copy_2d,
   };
   return kCpuBackend;
 }

@@ -112,6 +112,28 @@ Status copy(const ExecContext& ctx, void* dst, const void* src, size_t bytes, Co
   return Status::Ok();
 }
 
+Status copy_2d(const ExecContext& ctx, void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+               size_t height, CopyKind kind) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  if (width == 0 || height == 0) return Status::Ok();
+  if (dst_pitch < width || src_pitch < width)
+    return Status(ErrorCode::kInvalidArgument, "a pitch is smaller than the row width", "pitch");
+  if (dst == nullptr || src == nullptr)
+    return Status(ErrorCode::kInvalidArgument, "null pointer in a 2D copy", dst == nullptr ? "dst" : "src");
+  cudaMemcpyKind k = cudaMemcpyDefault;
+  switch (kind) {
+    case CopyKind::kHostToDevice: k = cudaMemcpyHostToDevice; break;
+    case CopyKind::kDeviceToHost: k = cudaMemcpyDeviceToHost; break;
+    case CopyKind::kDeviceToDevice: k = cudaMemcpyDeviceToDevice; break;
+    case CopyKind::kHostToHost: k = cudaMemcpyHostToHost; break;
+    default: return Status(ErrorCode::kInvalidArgument, "unknown copy kind", "kind");
+  }
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  RD_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height, k, stream_of(ctx)));
+  return Status::Ok();
+}
+
 Status synchronize(const ExecContext& ctx) {
   RD_RETURN_IF_ERROR(check_ctx(ctx));
   DeviceGuard guard;
@@ -188,6 +210,7 @@ const Backend* cuda_backend() {
       cuda::router_softmax_topk,
       cuda::moe_experts,
       cuda::convert,
+      cuda::copy_2d,
   };
   return &kCudaBackend;
 }
