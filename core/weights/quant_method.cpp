@@ -1,8 +1,39 @@
 #include "core/weights/quant_method.hpp"
 
 #include <cstring>
+#include <map>
+#include <mutex>
 
 namespace rolloutd::core {
+
+namespace {
+// One staging buffer per device for every layout permutation of the process, grown on demand
+// and kept: a cudaMalloc/cudaFree pair per parameter per session cost more than the copies.
+// Permutations run on the engine thread; the mutex covers tests that build several models.
+struct DeviceStaging {
+  const Backend* backend = nullptr;
+  ExecContext ctx;
+  void* ptr = nullptr;
+  size_t bytes = 0;
+};
+std::mutex g_staging_mu;
+std::map<int, DeviceStaging> g_staging;
+}  // namespace
+
+Result<void*> device_staging(const Backend& b, const ExecContext& ctx, size_t bytes) {
+  std::lock_guard<std::mutex> lock(g_staging_mu);
+  DeviceStaging& s = g_staging[ctx.device.index];
+  if (s.bytes >= bytes && s.backend == &b) return s.ptr;
+  if (s.ptr) {
+    RD_RETURN_IF_ERROR(s.backend->synchronize(s.ctx));
+    (void)s.backend->free(s.ctx, s.ptr);
+    s = DeviceStaging{};
+  }
+  void* p = nullptr;
+  RD_RETURN_IF_ERROR(b.alloc(ctx, bytes, &p));
+  s = DeviceStaging{&b, ctx, p, bytes};
+  return p;
+}
 
 InterleaveGateUpMethod::InterleaveGateUpMethod(int64_t intermediate) : inter_(intermediate) {
   const size_t rows = static_cast<size_t>(2 * intermediate);
@@ -28,7 +59,7 @@ Status InterleaveGateUpMethod::permute(const Backend& b, const ExecContext& ctx,
     expert_tmp_.resize(expert_bytes);
     tmp = expert_tmp_.data();
   } else {
-    RD_RETURN_IF_ERROR(b.alloc(ctx, expert_bytes, &tmp));
+    RD_ASSIGN_OR_RETURN(tmp, device_staging(b, ctx, expert_bytes));
   }
   auto* t = static_cast<char*>(tmp);
   Status st;
@@ -48,9 +79,8 @@ Status InterleaveGateUpMethod::permute(const Backend& b, const ExecContext& ctx,
     }
   }
   if (!host) {
-    // The staging buffer is read asynchronously: wait before freeing it.
+    // The staging buffer is read asynchronously: wait before anyone reuses it.
     Status sync = b.synchronize(ctx);
-    (void)b.free(ctx, tmp);
     if (st.ok()) st = sync;
   }
   return st;

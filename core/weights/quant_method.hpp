@@ -48,6 +48,11 @@ class QuantMethod {
   virtual std::vector<int32_t> static_state() const { return {}; }
 };
 
+// A device buffer of at least `bytes` for in-place layout permutations on ctx's device, shared
+// by every method of the process (the engine thread uses it; callers synchronize before the
+// next use). Kept until the process ends (memory release will have to give it back).
+Result<void*> device_staging(const Backend& b, const ExecContext& ctx, size_t bytes);
+
 // Unquantized parameters: both layouts are the same bytes.
 class IdentityMethod final : public QuantMethod {
  public:
