@@ -8,7 +8,7 @@ struct CodeName {
   ErrorCode code;
   std::string_view name;
 };
-constexpr std::array<CodeName, 23> kNames{{
+constexpr std::array<CodeName, 24> kNames{{
     {ErrorCode::kOk, "ok"},
     {ErrorCode::kBadMessage, "bad_message"},
     {ErrorCode::kUnsupportedVersion, "unsupported_version"},
@@ -32,6 +32,7 @@ constexpr std::array<CodeName, 23> kNames{{
     {ErrorCode::kUnimplemented, "unimplemented"},
     {ErrorCode::kCudaError, "cuda_error"},
     {ErrorCode::kInternal, "internal"},
+    {ErrorCode::kUnauthenticated, "unauthenticated"},
 }};
 }  // namespace
 

@@ -41,6 +41,9 @@ enum class ErrorCode : uint8_t {
   kUnimplemented,       // valid request for a feature not built in
   kCudaError,           // CUDA runtime/driver reported an error
   kInternal,            // invariant violated (a bug)
+  // Reported by clients, never sent by a daemon: the security handshake (CURVE) failed, so
+  // no message could be exchanged (SPEC §1.2).
+  kUnauthenticated,
 };
 
 // Stable wire name, e.g. "out_of_range".

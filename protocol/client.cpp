@@ -6,6 +6,8 @@
 #include <atomic>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <mutex>
 #include <random>
 #include <unordered_set>
@@ -136,20 +138,82 @@ Status append_routed_rows(std::optional<RoutedExperts>& acc, const RoutedExperts
 
 // Tracks whether the DEALER has a live connection (ZeroMQ's socket monitor), so that a call to
 // a daemon that is down fails fast with `unavailable` without ZMQ_IMMEDIATE (which would drop
-// messages already received when the daemon disconnects).
+// messages already received when the daemon disconnects). It also sees the security
+// handshake: a daemon that refuses it (a key not in its allowlist, CURVE on one side only) is
+// reported at once as `unauthenticated`, instead of every call waiting out its deadline while
+// ZeroMQ reconnects and is refused again in the background.
 class ConnectionMonitor : public zmq::monitor_t {
  public:
+  explicit ConnectionMonitor(bool curve) : curve_(curve) {}
+
   bool connected = false;
-  void on_event_connected(const zmq_event_t&, const char*) override { connected = true; }
+  // Why the last handshake failed; cleared by a handshake that succeeds.
+  std::optional<std::string> handshake_error;
+
+  // With CURVE a connection is usable once its handshake succeeded, not when TCP connects.
+  void on_event_connected(const zmq_event_t&, const char*) override {
+    if (!curve_) connected = true;
+  }
   void on_event_disconnected(const zmq_event_t&, const char*) override { connected = false; }
+  void on_event_handshake_succeeded(const zmq_event_t&, const char*) override {
+    connected = true;
+    handshake_error.reset();
+    aborted_in_a_row_ = 0;
+  }
+  void on_event_handshake_failed_auth(const zmq_event_t& e, const char*) override {
+    connected = false;
+    handshake_error = "the daemon refused this client's CURVE key (ZAP status " + std::to_string(e.value) +
+                      "): its public key is not in the daemon's --curve-allow list";
+  }
+  void on_event_handshake_failed_protocol(const zmq_event_t& e, const char*) override {
+    connected = false;
+    if (e.value == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH) {
+      handshake_error = curve_ ? "the daemon does not use CURVE (it runs without keys) but this client was "
+                                 "given a server key"
+                               : "the daemon requires CURVE: give this client the daemon's public key and a "
+                                 "client key pair whose public key the daemon allows";
+    } else {
+      char code[16];
+      std::snprintf(code, sizeof code, "0x%08x", static_cast<unsigned>(e.value));
+      handshake_error = std::string("the CURVE handshake failed (ZMTP protocol error ") + code +
+                        "): is the server key this daemon's public key?";
+    }
+  }
+  void on_event_handshake_failed_no_detail(const zmq_event_t& e, const char*) override {
+    connected = false;
+    ++aborted_in_a_row_;
+    // One connection dropped mid-greeting is a daemon going away (killed during a
+    // handshake). Several in a row, each reconnection dropped again, are a refusal: a daemon
+    // that cannot decrypt our CURVE hello (another server key), or a CURVE daemon resetting a
+    // plain connection before this client read the mechanism it asks for (libzmq reports that
+    // mismatch only sometimes). A more precise reason already recorded is kept.
+    if (handshake_error || aborted_in_a_row_ < kAbortedHandshakesToRefusal) return;
+    handshake_error = "the daemon closed " + std::to_string(aborted_in_a_row_) +
+                      " connections in a row during the handshake (" + std::string(std::strerror(e.value)) + "): " +
+                      (curve_ ? "it does not use CURVE, or the server key is not its public key"
+                              : "it requires CURVE (give this client the daemon's public key and a client key pair), "
+                                "or the port is not a rolloutd control socket");
+  }
   void pump() {
     while (check_event(0)) {
     }
   }
+  static constexpr int kAbortedHandshakesToRefusal = 3;
+  // kUnauthenticated when the last handshake failed and none has succeeded since.
+  Status refusal(const std::string& endpoint) const {
+    if (connected || !handshake_error) return Status::Ok();
+    return Status(ErrorCode::kUnauthenticated, endpoint + ": " + *handshake_error);
+  }
+
+ private:
+  const bool curve_;
+  int aborted_in_a_row_ = 0;  // handshakes dropped mid-greeting since the last one that succeeded
 };
 
 // How long a send waits for the first connection before calling the daemon unreachable.
 constexpr auto kConnectGrace = std::chrono::milliseconds(2000);
+// How often a receive that waits looks at the monitor for a refused handshake.
+constexpr auto kHandshakeCheckInterval = std::chrono::milliseconds(100);
 
 struct Client::Impl {
   ClientOptions options;
@@ -162,7 +226,8 @@ struct Client::Impl {
   // are dropped until the final one, so they never surface in next_event().
   std::unordered_set<std::string> abandoned;
 
-  Impl(ClientOptions opts, zmq::socket_t sock) : options(std::move(opts)), socket(std::move(sock)) {}
+  Impl(ClientOptions opts, zmq::socket_t sock)
+      : options(std::move(opts)), socket(std::move(sock)), monitor(options.curve.enabled()) {}
 
   Status send_frames(const std::vector<std::string_view>& parts, Clock::time_point deadline);
   Result<std::optional<std::vector<std::string>>> recv_frames(Clock::time_point deadline);
@@ -205,9 +270,11 @@ Status Client::Impl::send_frames(const std::vector<std::string_view>& parts,
         std::min(deadline, std::max(Clock::now() + std::chrono::milliseconds(kReconnectWaitMs),
                                     connected_at + kConnectGrace));
     while (!monitor.connected && Clock::now() < give_up) {
+      RD_RETURN_IF_ERROR(monitor.refusal(options.endpoint));
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - Clock::now()).count();
       monitor.check_event(static_cast<int>(std::clamp<int64_t>(left, 1, 50)));
     }
+    RD_RETURN_IF_ERROR(monitor.refusal(options.endpoint));
     if (!monitor.connected)
       return Status(ErrorCode::kUnavailable, "no daemon at " + options.endpoint +
                                                  " is connected (not running or not reachable)");
@@ -246,9 +313,14 @@ Result<std::optional<std::vector<std::string>>> Client::Impl::recv_frames(
   for (;;) {
     zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLIN, 0};
     try {
-      zmq::poll(&item, 1, remaining(deadline));
+      // In slices, so that a refused handshake (nothing will ever arrive) ends the wait early.
+      zmq::poll(&item, 1, std::min(remaining(deadline), kHandshakeCheckInterval));
     } catch (const zmq::error_t& e) {
       if (e.num() != EINTR) return Status(ErrorCode::kUnavailable, std::string("poll: ") + e.what());
+    }
+    if (!(item.revents & ZMQ_POLLIN)) {
+      monitor.pump();
+      RD_RETURN_IF_ERROR(monitor.refusal(options.endpoint));
     }
     if (item.revents & ZMQ_POLLIN) {
       std::vector<std::string> frames;
@@ -343,6 +415,7 @@ Result<std::unique_ptr<Client>> Client::connect(const ClientOptions& options) {
   if (options.request_timeout_ms <= 0)
     return Status(ErrorCode::kInvalidArgument, "request_timeout_ms must be positive",
                   "request_timeout_ms");
+  RD_RETURN_IF_ERROR(validate_curve_client_keys(options.curve));
   try {
     zmq::socket_t socket(process_context(), zmq::socket_type::dealer);
     socket.set(zmq::sockopt::linger, kLingerMs);
@@ -357,6 +430,17 @@ Result<std::unique_ptr<Client>> Client::connect(const ClientOptions& options) {
     socket.set(zmq::sockopt::maxmsgsize,
                static_cast<int64_t>(std::max(options.limits.max_envelope_bytes,
                                              options.limits.max_frame_bytes)));
+    if (options.curve.enabled()) {
+      // The client side of CURVE: it knows the daemon's public key, so it talks only to the
+      // daemon holding the matching secret, and proves its own key pair to the daemon's ZAP
+      // handler. Keys go in as raw bytes (checked above), never as text libzmq reinterprets.
+      auto server = z85_key_bytes(options.curve.server_public_key, "server public key");
+      auto pub = z85_key_bytes(options.curve.client.public_key, "client public key");
+      auto sec = z85_key_bytes(options.curve.client.secret_key, "client secret key");
+      socket.set(zmq::sockopt::curve_serverkey, zmq::buffer(server->data(), server->size()));
+      socket.set(zmq::sockopt::curve_publickey, zmq::buffer(pub->data(), pub->size()));
+      socket.set(zmq::sockopt::curve_secretkey, zmq::buffer(sec->data(), sec->size()));
+    }
     auto impl = std::make_unique<Impl>(options, std::move(socket));
     // The monitor must watch before the socket connects: a CONNECTED event raised before
     // it exists is never delivered, and the client would think the daemon is down.
@@ -364,7 +448,9 @@ Result<std::unique_ptr<Client>> Client::connect(const ClientOptions& options) {
     static std::atomic<uint64_t> monitors{0};
     impl->monitor.init(impl->socket, "inproc://rolloutd-client-monitor-" + std::to_string(::getpid()) + "-" +
                                          std::to_string(monitors.fetch_add(1)),
-                       ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED);
+                       ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED |
+                           ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                           ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL);
     try {
       impl->socket.connect(options.endpoint);
     } catch (const zmq::error_t& e) {

@@ -17,6 +17,7 @@
 
 #include "kernels/status.hpp"
 #include "protocol/codec.hpp"
+#include "protocol/curve.hpp"
 #include "protocol/messages.hpp"
 
 namespace rolloutd::protocol {
@@ -27,6 +28,10 @@ struct ClientOptions {
   int send_hwm = 1000;
   int recv_hwm = 100000;
   Limits limits;                    // applied to what the daemon sends
+  // CURVE (SPEC §1.2): the daemon's public key and this client's key pair, for a daemon
+  // started with keys. Empty: a plain connection, which such a daemon refuses. A refused
+  // handshake fails calls with kUnauthenticated instead of waiting for their deadline.
+  CurveClientKeys curve;
 };
 
 // Everything one generate produced, collected by Client::generate().

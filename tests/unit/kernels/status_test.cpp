@@ -12,7 +12,7 @@
 namespace rolloutd {
 namespace {
 
-constexpr ErrorCode kLastCode = ErrorCode::kInternal;
+constexpr ErrorCode kLastCode = ErrorCode::kUnauthenticated;
 
 TEST(ErrorCodeName, EveryCodeRoundTripsThroughItsUniqueName) {
   std::set<std::string> seen;
@@ -32,6 +32,7 @@ TEST(ErrorCodeName, NamesOnTheWireAreTheDocumentedOnes) {
   EXPECT_EQ(error_code_name(ErrorCode::kOutOfRange), "out_of_range");
   EXPECT_EQ(error_code_name(ErrorCode::kInvalidArgument), "invalid_argument");
   EXPECT_EQ(error_code_name(ErrorCode::kCudaError), "cuda_error");
+  EXPECT_EQ(error_code_name(ErrorCode::kUnauthenticated), "unauthenticated");
 }
 
 TEST(ErrorCodeName, UnknownNameIsNullopt) {
