@@ -48,6 +48,7 @@ bool retry_elsewhere(ErrorCode c) {
     case ErrorCode::kDeadlineExceeded:
     case ErrorCode::kResourceExhausted:
     case ErrorCode::kFailedPrecondition:
+    case ErrorCode::kUnauthenticated:  // this daemon refuses our key; another may not
       return true;
     default:
       return false;
@@ -182,6 +183,7 @@ struct Worker {
   void connect() {
     ClientOptions o;
     o.endpoint = endpoint.control;
+    o.curve = owner.options.curve;
     o.request_timeout_ms = owner.options.request_timeout_ms;
     auto c = Client::connect(o);
     o.request_timeout_ms = owner.options.heartbeat_timeout_ms;
@@ -480,7 +482,8 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(std::vector<DaemonEndpo
   for (const auto& ep : endpoints) {
     ClientOptions o;
     o.endpoint = ep.control;
-    RD_RETURN_IF_ERROR(Client::connect(o).status());  // a malformed endpoint fails here
+    o.curve = options.curve;
+    RD_RETURN_IF_ERROR(Client::connect(o).status());  // a malformed endpoint or key fails here
   }
   auto impl = std::make_unique<Impl>();
   impl->options = std::move(options);

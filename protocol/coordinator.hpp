@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "kernels/status.hpp"
+#include "protocol/curve.hpp"
 #include "protocol/messages.hpp"
 
 namespace rolloutd::protocol {
@@ -52,6 +53,10 @@ struct CoordinatorOptions {
   int poll_interval_ms = 20;          // how long a worker waits for events between commands
   double restart_slack_s = 0.5;       // start-time jitter tolerated before calling it a restart
   std::string client_name = "rolloutd-cpp-coordinator";
+  // CURVE keys for every daemon's control socket (SPEC §1.2): one fleet key pair is the usual
+  // setup. A daemon that refuses them is reported with state "unreachable" and an
+  // `unauthenticated` reason.
+  CurveClientKeys curve;
 };
 
 struct DaemonHealth {

@@ -21,6 +21,7 @@
 #include "build_info.hpp"
 #include "kernels/status.hpp"
 #include "protocol/client.hpp"
+#include "protocol/curve.hpp"
 
 namespace {
 
@@ -39,6 +40,9 @@ constexpr const char* kDefaultEndpoint = "tcp://127.0.0.1:7600";
 struct GlobalOptions {
   std::string endpoint = kDefaultEndpoint;
   double timeout_s = 30.0;
+  // CURVE (a daemon started with --curve-key-file): its public key, and our secret certificate.
+  std::string server_key;
+  std::string client_key_file;
 };
 
 // A parsed subcommand's work; returns the exit status.
@@ -128,6 +132,7 @@ Result<std::unique_ptr<proto::Client>> connect(const GlobalOptions& g) {
   proto::ClientOptions options;
   options.endpoint = g.endpoint;
   options.request_timeout_ms = to_ms(g.timeout_s);
+  RD_ASSIGN_OR_RETURN(options.curve, proto::load_curve_client_keys(g.server_key, g.client_key_file));
   return proto::Client::connect(options);
 }
 
@@ -349,6 +354,31 @@ Command add_pause(CLI::App& root) {
           }};
 }
 
+// Needs no daemon: writes <out>.key (public, for daemons' --curve-allow or clients'
+// --server-key) and <out>.key_secret (mode 0600, for its owner's --curve-key-file or
+// --client-key-file).
+Command add_keygen(CLI::App& root) {
+  auto* app = root.add_subcommand(
+      "keygen", "Write a new CURVE key pair: <out>.key (public) and <out>.key_secret (secret, mode 0600)");
+  struct Options {
+    std::string out;
+    bool force = false;
+  };
+  auto opts = std::make_shared<Options>();
+  app->add_option("--out", opts->out, "Path and base name of the two files, e.g. /etc/rolloutd/daemon")
+      ->required();
+  app->add_flag("--force", opts->force, "Replace existing files");
+  return {app, [opts](const GlobalOptions&) {
+            auto keys = proto::generate_curve_keypair();
+            if (!keys.ok()) return print_error(keys.status());
+            auto files = proto::write_curve_keypair_files(opts->out, *keys, opts->force);
+            if (!files.ok()) return print_error(files.status());
+            return print_result({{"public_key", keys->public_key},
+                                 {"public_file", files->public_path},
+                                 {"secret_file", files->secret_path}});
+          }};
+}
+
 Command add_continue(CLI::App& root) {
   auto* app = root.add_subcommand("continue", "Resume forward steps after pause");
   return {app, [](const GlobalOptions& g) {
@@ -374,11 +404,18 @@ int main(int argc, char** argv) {
   app.add_option("--timeout-s", global.timeout_s, "Bound on each reply")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  app.add_option("--server-key", global.server_key,
+                 "The daemon's CURVE public key: Z85 text, or its certificate file (<name>.key)")
+      ->envname("ROLLOUTD_CURVE_SERVER_KEY");
+  app.add_option("--client-key-file", global.client_key_file,
+                 "This client's CURVE secret certificate (<name>.key_secret), whose public key the daemon allows")
+      ->envname("ROLLOUTD_CURVE_CLIENT_KEY_FILE");
 
   const std::vector<Command> commands = {
       add_hello(app),         add_status(app),        add_generate(app),
       add_abort(app),         add_shutdown(app),      add_weights_checksum(app),
       add_get_weights(app),   add_pause(app),         add_continue(app),
+      add_keygen(app),
   };
 
   try {

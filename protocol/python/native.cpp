@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "protocol/client.hpp"
+#include "protocol/curve.hpp"
 
 namespace py = pybind11;
 using rolloutd::ErrorCode;
@@ -65,11 +66,15 @@ class FrameView {
 
 class Transport {
  public:
-  Transport(std::string endpoint, int send_hwm, int recv_hwm) : endpoint_(std::move(endpoint)) {
+  Transport(std::string endpoint, int send_hwm, int recv_hwm, std::string curve_server_key,
+            std::string curve_public_key, std::string curve_secret_key)
+      : endpoint_(std::move(endpoint)) {
     ClientOptions options;
     options.endpoint = endpoint_;
     options.send_hwm = send_hwm;
     options.recv_hwm = recv_hwm;
+    options.curve.server_public_key = std::move(curve_server_key);
+    options.curve.client = {std::move(curve_public_key), std::move(curve_secret_key)};
     auto client = Client::connect(options);
     if (!client.ok()) throw_status(client.status());
     client_ = std::move(client).value();
@@ -189,8 +194,11 @@ PYBIND11_MODULE(_native, m) {
   py::class_<Transport>(m, "Transport",
                         "One DEALER socket connected to `endpoint`. Frames are bytes; "
                         "every call is bounded by its timeout.")
-      .def(py::init<std::string, int, int>(), py::arg("endpoint"), py::arg("send_hwm") = 1000,
-           py::arg("recv_hwm") = 100000)
+      .def(py::init<std::string, int, int, std::string, std::string, std::string>(), py::arg("endpoint"),
+           py::arg("send_hwm") = 1000, py::arg("recv_hwm") = 100000, py::kw_only(),
+           py::arg("curve_server_key") = "", py::arg("curve_public_key") = "", py::arg("curve_secret_key") = "",
+           "CURVE (SPEC 1.2): the daemon's public key and this client's key pair, Z85 text; all empty for a "
+           "plain connection. A refused handshake raises TransportError 'unauthenticated'.")
       .def("send", &Transport::send, py::arg("frames"), py::arg("timeout_ms") = 30000,
            "Sends one message (envelope frame, then payload frames). Raises TransportError "
            "'unavailable' if no daemon takes it within timeout_ms.")
@@ -201,4 +209,34 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("endpoint", &Transport::endpoint)
       .def("__enter__", [](Transport& t) -> Transport& { return t; }, py::return_value_policy::reference)
       .def("__exit__", [](Transport& t, const py::args&) { t.close(); });
+
+  // CURVE keys (protocol/curve.hpp), for rolloutd.security. Errors raise TransportError.
+  auto value = [](auto result) {
+    if (!result.ok()) throw_status(result.status());
+    return std::move(result).value();
+  };
+  m.def("curve_available", &rolloutd::protocol::curve_available,
+        "Whether this libzmq supports CURVE (zmq_has(\"curve\")).");
+  m.def("curve_keypair", [value] {
+    auto k = value(rolloutd::protocol::generate_curve_keypair());
+    return py::make_tuple(k.public_key, k.secret_key);
+  }, "A new key pair (public, secret), Z85 text.");
+  m.def("curve_keypair_from_secret", [value](const std::string& secret) {
+    auto k = value(rolloutd::protocol::curve_keypair_from_secret(secret));
+    return py::make_tuple(k.public_key, k.secret_key);
+  }, py::arg("secret_key"), "(public, secret) from a Z85 secret key.");
+  m.def("load_curve_keypair", [value](const std::string& path) {
+    auto k = value(rolloutd::protocol::load_curve_keypair_file(path));
+    return py::make_tuple(k.public_key, k.secret_key);
+  }, py::arg("path"), "(public, secret) from a secret certificate (<name>.key_secret).");
+  m.def("load_curve_public_key", [value](const std::string& key_or_path) {
+    return value(rolloutd::protocol::load_curve_public_key(key_or_path));
+  }, py::arg("key_or_path"), "A public key given as Z85 text or as a certificate path.");
+  m.def("write_curve_keypair", [value](const std::string& base, bool overwrite) {
+    auto k = value(rolloutd::protocol::generate_curve_keypair());
+    auto f = value(rolloutd::protocol::write_curve_keypair_files(base, k, overwrite));
+    return py::make_tuple(k.public_key, f.public_path, f.secret_path);
+  }, py::arg("base"), py::arg("overwrite") = false,
+     "Writes a new key pair to <base>.key and <base>.key_secret (mode 0600); returns (public_key, public_path, "
+     "secret_path).");
 }

@@ -43,3 +43,8 @@ from .messages import (CudaIpcSource, DestroyWeightGroupReply, InitWeightGroupRe
 
 __all__ += ["PendingReply", "NcclSource", "CudaIpcSource", "InitWeightGroupReply", "DestroyWeightGroupReply",
             "nccl_version_string"]
+
+# Control-plane security (SPEC §1.2): keys for daemons started with --curve-key-file.
+from .security import CurveKeys, curve_available, keygen  # noqa: E402
+
+__all__ += ["CurveKeys", "curve_available", "keygen"]

@@ -27,6 +27,7 @@ from .messages import (PROTOCOL_VERSION, AbortReply, AbortRequest, AbortWeightUp
                        RetractedEvent, RolloutdError, RoutedExperts, ShmSource, ShutdownReply, ShutdownRequest,
                        StatusReply, StatusRequest, TokensEvent, UpdateWeightsReply, UpdateWeightsRequest,
                        WeightsChecksumReply, WeightsChecksumRequest)
+from . import security as _security
 from . import weights as _weights
 
 try:
@@ -167,10 +168,14 @@ class Client:
     """Connects to one daemon, e.g. ``Client("tcp://127.0.0.1:7600")``.
 
     ``timeout_s`` bounds every reply; generate calls take their own overall timeout.
+    ``curve``: a rolloutd.CurveKeys for a daemon that requires CURVE (rolloutd.security); None
+    (default) takes them from ROLLOUTD_CURVE_SERVER_KEY / ROLLOUTD_CURVE_CLIENT_KEY_FILE when
+    set; False forces a plain connection.
     """
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 30.0, *,
-                 client_name: str = "rolloutd-py", send_hwm: int = 1000, recv_hwm: int = 100000):
+                 client_name: str = "rolloutd-py", send_hwm: int = 1000, recv_hwm: int = 100000,
+                 curve: Union["_security.CurveKeys", None, bool] = None):
         if _native is None:
             raise ImportError(f"rolloutd._native is not built: {_native_import_error}")
         if timeout_s <= 0:
@@ -178,7 +183,13 @@ class Client:
         self.endpoint = endpoint
         self.timeout_s = float(timeout_s)
         self.client_name = client_name
-        self._transport = self._native_call(_native.Transport, endpoint, send_hwm, recv_hwm)
+        keys = _security.resolve(curve)
+        self.curve = keys
+        self._transport = self._native_call(
+            lambda: _native.Transport(endpoint, send_hwm, recv_hwm,
+                                      curve_server_key=keys.server_key if keys else "",
+                                      curve_public_key=keys.public_key if keys else "",
+                                      curve_secret_key=keys.secret_key if keys else ""))
         self._next_id = 1
         # The daemon's limits from its last hello reply (defaults until then); push_weights
         # sizes buckets by them.

@@ -38,6 +38,8 @@ from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optiona
 
 from . import weights as _weights
 from .client import Client, GenerateResult, _Collector, _is_final, _make_request
+from .security import CurveKeys
+from .security import resolve as resolve_curve
 from .messages import (EndWeightUpdateReply, ErrorInfo, Event, FailedEvent, GenerateReply, GenerateRequest, Limits,
                        RetractedEvent, RolloutdError, TokensEvent, UpdateWeightsReply)
 
@@ -46,7 +48,7 @@ __all__ = ["Coordinator", "DaemonEndpoint", "DaemonHealth", "FleetWeightSession"
 
 # Errors of a submit that say "not this daemon, now": another daemon may take the request.
 _RETRY_ELSEWHERE = {"draining", "not_ready", "overloaded", "unavailable", "deadline_exceeded",
-                    "resource_exhausted", "failed_precondition"}
+                    "resource_exhausted", "failed_precondition", "unauthenticated"}
 
 
 # ------------------------------------------------------------------ endpoints --
@@ -216,7 +218,7 @@ class _Worker(threading.Thread):
         if self.client is not None:
             self.client.close()
         self.client = Client(self.endpoint.control, timeout_s=self.coord.timeout_s,
-                             client_name=self.coord.client_name)
+                             client_name=self.coord.client_name, curve=self.coord.curve or False)
         self._need_hello = True
         self._start_estimate = None
 
@@ -520,6 +522,9 @@ class Coordinator:
       request_timeout_s     a request with no event for this long is aborted and failed (None: never)
       resubmit              send the requests of a lost daemon to another one (max_resubmits times)
       exclude_stale         do not route to daemons whose weights are older than the fleet's
+      curve                 rolloutd.CurveKeys for daemons that require CURVE (one fleet key pair);
+                            None: from ROLLOUTD_CURVE_SERVER_KEY / ROLLOUTD_CURVE_CLIENT_KEY_FILE
+                            when set; False: plain. HTTP health checks need no key.
     """
 
     def __init__(self, endpoints: Iterable[Union[str, DaemonEndpoint, Dict[str, Any]]], *,
@@ -527,7 +532,10 @@ class Coordinator:
                  dead_after_s: float = 5.0, request_timeout_s: Optional[float] = 600.0, resubmit: bool = False,
                  max_resubmits: int = 2, exclude_stale: bool = True, poll_interval_s: float = 0.02,
                  restart_slack_s: float = 0.5, client_name: str = "rolloutd-coordinator",
-                 endpoints_file: Optional[str] = None, log: Optional[Callable[[str], None]] = None):
+                 endpoints_file: Optional[str] = None, log: Optional[Callable[[str], None]] = None,
+                 curve: Union[CurveKeys, None, bool] = None):
+        # Resolved once: every worker's Client uses the same keys (and a bad key file fails here).
+        self.curve: Optional[CurveKeys] = resolve_curve(curve)
         eps = [_as_endpoint(e) for e in endpoints]
         if not eps and endpoints_file is None:
             raise ValueError("a coordinator needs at least one daemon endpoint")
