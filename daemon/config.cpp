@@ -1,5 +1,8 @@
 #include "daemon/config.hpp"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include <charconv>
 #include <cstdlib>
 #include <iostream>
@@ -21,7 +24,8 @@ ParseOutcome parse_config(int argc, const char* const* argv) {
   auto add = [&](const std::string& flag, auto& value, const std::string& env, const std::string& help) {
     return app.add_option(flag, value, help)->envname(env);
   };
-  add("--bind", c.bind_address, "ROLLOUTD_BIND", "address the control socket binds (loopback by default)");
+  add("--bind", c.bind_address, "ROLLOUTD_BIND",
+      "address the control socket binds (loopback by default; any other needs CURVE keys or --insecure-bind-any)");
   add("--control-port", c.control_port, "ROLLOUTD_CONTROL_PORT",
       "control socket port (0: ephemeral); the local index is added to it")
       ->check(CLI::Range(0, 65535));
@@ -30,6 +34,16 @@ ParseOutcome parse_config(int argc, const char* const* argv) {
       ->check(CLI::Range(0, 65535));
   add("--endpoints-file", c.endpoints_file, "ROLLOUTD_ENDPOINTS_FILE",
       "write the bound endpoints as JSON to this file once listening");
+  add("--curve-key-file", c.curve_key_file, "ROLLOUTD_CURVE_KEY_FILE",
+      "the daemon's CURVE secret certificate (rolloutctl keygen's <name>.key_secret); the control socket "
+      "then accepts only clients in --curve-allow. Or put the Z85 secret key in ROLLOUTD_CURVE_SECRET_KEY");
+  add("--curve-allow", c.curve_allow, "ROLLOUTD_CURVE_ALLOW",
+      "client public keys allowed on the control socket: a file (one Z85 key or public-key line each) or a "
+      "directory of <name>.key certificates");
+  app.add_flag("--insecure-bind-any", c.insecure_bind_any,
+               "without CURVE keys, let --bind name a non-loopback address: anyone who reaches the port "
+               "controls the daemon")
+      ->envname("ROLLOUTD_INSECURE_BIND_ANY");
   add("--model", c.model, "ROLLOUTD_MODEL", "model to serve (embedded:tiny-moe)");
   add("--model-seed", c.model_seed, "ROLLOUTD_MODEL_SEED", "seed of the embedded model's weights");
   add("--device", c.device, "ROLLOUTD_DEVICE", "compute backend (auto: cuda when a GPU is visible, else cpu)")
@@ -86,6 +100,8 @@ ParseOutcome parse_config(int argc, const char* const* argv) {
     out.exit_code = rc == 0 ? 0 : 64;
     return out;
   }
+  // A secret has no flag: command lines are visible to every user of the host.
+  if (const char* key = std::getenv("ROLLOUTD_CURVE_SECRET_KEY"); key != nullptr) c.curve_secret_key = key;
   // Only "auto" asks the CUDA runtime anything: a CPU daemon never initialises it.
   const int visible_gpus = c.device == "auto" ? cuda_device_count() : 0;
   if (Status s = resolve_placement(c, visible_gpus, process_env()); !s.ok()) {
@@ -178,6 +194,25 @@ Status validate(const DaemonConfig& c) {
   if (c.max_blocks_per_seq > c.kv_blocks)
     return Status(ErrorCode::kInvalidArgument, "max_blocks_per_seq exceeds kv_blocks",
                   "max_blocks_per_seq");
+  const bool has_key = !c.curve_key_file.empty() || !c.curve_secret_key.empty();
+  if (!c.curve_key_file.empty() && !c.curve_secret_key.empty())
+    return Status(ErrorCode::kInvalidArgument,
+                  "give the daemon's CURVE key either as --curve-key-file or in ROLLOUTD_CURVE_SECRET_KEY, not both",
+                  "curve_key_file");
+  if (has_key && c.curve_allow.empty())
+    return Status(ErrorCode::kInvalidArgument,
+                  "CURVE keys need --curve-allow: the client public keys allowed to connect", "curve_allow");
+  if (!has_key && !c.curve_allow.empty())
+    return Status(ErrorCode::kInvalidArgument,
+                  "--curve-allow needs the daemon's own key pair (--curve-key-file or ROLLOUTD_CURVE_SECRET_KEY)",
+                  "curve_allow");
+  if (!has_key && !c.insecure_bind_any && !is_loopback_address(c.bind_address))
+    return Status(ErrorCode::kInvalidArgument,
+                  "refusing to bind the control socket to '" + c.bind_address +
+                      "' without authentication: whoever reaches it can replace the weights or stop the daemon. "
+                      "Give the daemon CURVE keys (--curve-key-file and --curve-allow; `rolloutctl keygen` makes "
+                      "them), bind loopback, or pass --insecure-bind-any on a network you trust",
+                  "bind");
   if (c.shm_prefix.size() < 2 || c.shm_prefix[0] != '/')
     return Status(ErrorCode::kInvalidArgument, "shm prefix must start with '/' and name something", "shm_prefix");
   if (c.model.rfind("embedded:", 0) != 0 || c.model != "embedded:tiny-moe")
@@ -193,6 +228,10 @@ nlohmann::json to_json(const DaemonConfig& c) {
       {"http_bind", c.http_bind_address},
       {"http_port", c.http_port},
       {"endpoints_file", c.endpoints_file},
+      {"curve_key_file", c.curve_key_file},
+      {"curve_secret_key", c.curve_secret_key.empty() ? "" : "(set in ROLLOUTD_CURVE_SECRET_KEY)"},
+      {"curve_allow", c.curve_allow},
+      {"insecure_bind_any", c.insecure_bind_any},
       {"model", c.model},
       {"model_seed", c.model_seed},
       {"device", c.device},
@@ -216,6 +255,20 @@ nlohmann::json to_json(const DaemonConfig& c) {
       {"stale_heartbeat_s", c.stale_heartbeat_s},
       {"log_level", c.log_level},
   };
+}
+
+bool is_loopback_address(std::string_view address) {
+  std::string a(address);
+  if (a == "localhost") return true;
+  if (a.size() >= 2 && a.front() == '[' && a.back() == ']') a = a.substr(1, a.size() - 2);
+  in_addr v4{};
+  if (inet_pton(AF_INET, a.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6{};
+  if (inet_pton(AF_INET6, a.c_str(), &v6) == 1) {
+    if (IN6_IS_ADDR_LOOPBACK(&v6)) return true;
+    return IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127;
+  }
+  return false;  // "*", "0.0.0.0", interface names, host names: not provably this host only
 }
 
 }  // namespace rolloutd::daemon

@@ -25,6 +25,14 @@ struct DaemonConfig {
   int http_port = 7700;               // 0: ephemeral; else base + local_index
   std::string endpoints_file;         // JSON {control, http, pid, gpu} written once bound
 
+  // Control-plane security (SPEC §1.2, daemon/security/control_auth.hpp). With a key pair the
+  // control socket is a CURVE server that accepts only the client keys in curve_allow; without
+  // one it binds loopback only, unless insecure_bind_any.
+  std::string curve_key_file;         // the daemon's secret certificate (rolloutctl keygen)
+  std::string curve_secret_key;       // or the Z85 secret itself, from ROLLOUTD_CURVE_SECRET_KEY only; never logged
+  std::string curve_allow;            // client public keys: a file, or a directory of *.key certificates
+  bool insecure_bind_any = false;     // without keys, allow a non-loopback --bind
+
   // Model and device.
   std::string model = "embedded:tiny-moe";
   uint64_t model_seed = 20261130;
@@ -84,5 +92,7 @@ Status resolve_placement(DaemonConfig& c, int num_visible_gpus, const EnvLookup&
 // Semantic checks beyond what the parser enforces (port ranges, device/gpu agreement, ...).
 Status validate(const DaemonConfig& c);
 nlohmann::json to_json(const DaemonConfig& c);
+// 127.0.0.0/8, ::1 (bracketed or not) and "localhost": addresses only this host can reach.
+bool is_loopback_address(std::string_view address);
 
 }  // namespace rolloutd::daemon

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -25,6 +26,7 @@
 #include "daemon/obs/metrics.hpp"
 #include "daemon/state.hpp"
 #include "daemon/weights/cuda_ipc.hpp"
+#include "daemon/security/control_auth.hpp"
 #include "daemon/weights/nccl_group.hpp"
 
 namespace rolloutd::daemon {
@@ -134,6 +136,14 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
   obs::log_info("daemon", "configuration", to_json(config));
   if (Status s = validate(config); !s.ok()) {
     obs::log_error("daemon", "invalid configuration", {{"error", s.to_string()}});
+    std::cerr << "rolloutd: " << s.message() << "\n";
+    return kExitUsage;
+  }
+  // Keys and allowlist before anything slow: a bad key file is a usage error, found at once.
+  auto security = load_control_security(config);
+  if (!security.ok()) {
+    obs::log_error("daemon", "invalid security configuration", {{"error", security.status().to_string()}});
+    std::cerr << "rolloutd: " << security.status().message() << "\n";
     return kExitUsage;
   }
   Heartbeat control_hb, engine_hb;
@@ -198,6 +208,16 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
   metrics.set_build_info(build::kVersion, build::kCudaEnabled);
   SnapshotCell<EngineSnapshot> snapshot;
   zmq::context_t zctx(1);
+  // Declared before the control actor, so it is destroyed after the socket it authenticates.
+  std::unique_ptr<CurveAuthenticator> auth;
+  if (security->curve) {
+    auto a = CurveAuthenticator::create(zctx, *security, metrics);
+    if (!a.ok()) {
+      obs::log_error("daemon", "authentication setup failed", {{"error", a.status().to_string()}});
+      return kExitStartupFailure;
+    }
+    auth = std::move(*a);
+  }
 
   auto control_box = MailboxEnd::bind(zctx, "engine");
   auto engine_box = control_box.ok() ? MailboxEnd::connect(zctx, "engine") : control_box.status();
@@ -208,6 +228,7 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
   const int32_t gpu = config.device == "cuda" ? config.gpu : -1;
   ControlActor control(zctx, config, std::move(*control_box), metrics, snapshot, control_hb, info, gpu,
                        drain_requested);
+  control.set_authenticator(auth.get());
   if (config.device == "cuda")
     control.set_device_facts(static_cast<uint32_t>(NcclGroup::loaded_version()), cuda_device_uuid(config.gpu));
   auto control_ep = control.bind();
@@ -251,6 +272,9 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
     j["device"] = ctx.device.to_string();
     j["draining"] = drain_requested.load() || (s && s->state == "draining");
     j["pid"] = ::getpid();
+    j["security"] = security->describe();
+    j["security"]["auth_accepted_total"] = auth ? auth->num_accepted() : 0;
+    j["security"]["auth_denied_total"] = auth ? auth->num_denied() : 0;
     return http::HttpResponse{200, "application/json", j.dump()};
   };
   http::HttpServerOptions hopts;
@@ -273,11 +297,21 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
   for (int i = 0; i < 1000 && !snapshot.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
 
   nlohmann::json endpoints{{"control", *control_ep}, {"http", http_ep}, {"pid", ::getpid()}, {"gpu", gpu}};
+  // A client needs the daemon's public key to connect; it is no secret.
+  if (security->curve) endpoints["curve_public_key"] = security->server.public_key;
   {
     // The log line carries the endpoints; its own `gpu` field already names the device.
     nlohmann::json line = endpoints;
     line.erase("gpu");
+    line["security"] = security->describe();
     obs::log_info("daemon", "listening", line);
+    if (!security->curve)
+      obs::log(is_loopback_address(config.bind_address) ? obs::LogLevel::kInfo : obs::LogLevel::kWarn, "daemon",
+               is_loopback_address(config.bind_address)
+                   ? "control socket without authentication, on loopback only (give CURVE keys to bind others)"
+                   : "control socket WITHOUT AUTHENTICATION on a non-loopback address (--insecure-bind-any): "
+                     "whoever reaches it controls this daemon",
+               {{"bind", config.bind_address}});
   }
   if (!config.endpoints_file.empty()) {
     if (Status s = write_endpoints_file(config.endpoints_file, endpoints); !s.ok())

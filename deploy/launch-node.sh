@@ -5,13 +5,19 @@
 # their drains, restarts a daemon that crashes (exponential back-off), and gives up, stopping
 # the others and exiting non-zero, when one crashes --max-crashes times in a row.
 #
-#   deploy/launch-node.sh --bind 0.0.0.0 --advertise "$(hostname -f)" -- --drain-timeout-s 60
+#   deploy/launch-node.sh --bind 0.0.0.0 --advertise "$(hostname -f)" -- --drain-timeout-s 60 \
+#       --curve-key-file /etc/rolloutd/daemon.key_secret --curve-allow /etc/rolloutd/clients
 #
 # Options (each has an environment twin; the flag wins):
 #   --num-daemons N      ROLLOUTD_NUM_DAEMONS  default: the GPUs CUDA_VISIBLE_DEVICES names, else
 #                                              nvidia-smi -L's GPUs, else ROLLOUTD_CPU_SLOTS (1)
 #   --device D           ROLLOUTD_DEVICE       cpu | cuda | auto; default cuda when GPUs were found
-#   --bind ADDR          ROLLOUTD_BIND         both sockets of every daemon (default 127.0.0.1)
+#   --bind ADDR          ROLLOUTD_BIND         both sockets of every daemon (default 127.0.0.1). A
+#                                              daemon binds another address only with CURVE keys
+#                                              (ROLLOUTD_CURVE_KEY_FILE + ROLLOUTD_CURVE_ALLOW, or the
+#                                              flags after --) or --insecure-bind-any; else it exits
+#                                              64 and so does this script (README "Securing the
+#                                              control plane")
 #   --advertise HOST     ROLLOUTD_ADVERTISE    host written to the endpoints file when ADDR is
 #                                              0.0.0.0 (default: hostname -f)
 #   --control-port BASE  ROLLOUTD_CONTROL_PORT daemon i listens on BASE+i (default 7600; 0: ephemeral)

@@ -7,6 +7,7 @@
 #include "build_info.hpp"
 #include "core/model/config.hpp"
 #include "daemon/obs/log.hpp"
+#include "daemon/security/control_auth.hpp"
 
 namespace rolloutd::daemon {
 
@@ -84,6 +85,9 @@ Result<std::string> ControlActor::bind() {
     router_.set(zmq::sockopt::maxmsgsize,
                 static_cast<int64_t>(std::max(config_.limits.max_frame_bytes,
                                               config_.limits.max_envelope_bytes) + 1024));
+    // Before the bind: no connection may be accepted on a socket that is not yet a CURVE server.
+    if (auth_ != nullptr)
+      if (Status s = auth_->secure(router_); !s.ok()) return s;
     const std::string port = config_.control_port == 0 ? "*" : std::to_string(config_.control_port);
     router_.bind("tcp://" + config_.bind_address + ":" + port);
     return router_.get(zmq::sockopt::last_endpoint);

@@ -31,6 +31,8 @@
 
 namespace rolloutd::daemon {
 
+class CurveAuthenticator;
+
 class ControlActor {
  public:
   ControlActor(zmq::context_t& ctx, const DaemonConfig& config, std::unique_ptr<MailboxEnd> engine,
@@ -42,6 +44,9 @@ class ControlActor {
     nccl_version_ = nccl_version;
     device_uuid_ = std::move(device_uuid);
   }
+  // With CURVE keys configured: bind() makes the ROUTER a CURVE server checked by `auth`,
+  // which must outlive this actor (daemon/security/control_auth.hpp).
+  void set_authenticator(CurveAuthenticator* auth) { auth_ = auth; }
   // Binds the ROUTER; returns the bound endpoint ("tcp://127.0.0.1:7600").
   Result<std::string> bind();
   // Thread body. Returns the process exit code: 0 after a clean drain, 3 after an engine fault.
@@ -91,6 +96,7 @@ class ControlActor {
   std::string device_uuid_;     // 16 bytes on a GPU: a trainer on the same device may use IPC
   std::atomic<bool>& drain_requested_;
   zmq::socket_t router_;
+  CurveAuthenticator* auth_ = nullptr;  // null: a plain socket (loopback unless --insecure-bind-any)
 
   std::unordered_map<std::string, uint64_t> client_ids_;
   std::unordered_map<uint64_t, ClientState> clients_;

@@ -2,6 +2,8 @@
 # One Slurm task = one rolloutd on the task's GPU (deploy/slurm/rolloutd.sbatch runs it).
 # Binds to the node's address so other nodes' coordinators can reach it; writes its
 # endpoints to $ROLLOUTD_RUN_DIR/<node>-<localid>.json. Arguments after -- go to the daemon.
+# A non-loopback address needs CURVE keys: ROLLOUTD_CURVE_KEY_FILE and ROLLOUTD_CURVE_ALLOW
+# (rolloutd.sbatch exports them) reach the daemon through the environment.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 bin=${ROLLOUTD_BIN:-$here/rolloutd}

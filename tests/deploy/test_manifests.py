@@ -94,6 +94,26 @@ def test_k8s_one_gpu_per_container_and_grace_covers_the_drain(k8s):
     assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= drain + flush
 
 
+def test_k8s_control_port_requires_curve_with_mounted_keys(k8s):
+    """Reachable from other pods, so the control socket requires CURVE: the key file lies in a
+    mounted Secret (owner-only mode), the allowlist in a mounted volume; no --insecure-bind-any."""
+    sts = k8s["StatefulSet"]
+    c = container_of(sts)
+    flags = flag_values(c["args"])
+    assert "--insecure-bind-any" not in flags
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+
+    def volume_of(path):
+        (mount,) = [m for m in mounts if path.startswith(m.rstrip("/") + "/") or path == m]
+        return volumes[mounts[mount]]
+
+    key = volume_of(flags["--curve-key-file"])
+    assert "secret" in key and key["secret"]["defaultMode"] & 0o077 == 0, key
+    assert flags["--curve-key-file"].endswith(".key_secret")
+    assert volume_of(flags["--curve-allow"])
+
+
 def test_k8s_headless_service_selects_the_pods(k8s):
     svc, sts = k8s["Service"], k8s["StatefulSet"]
     assert svc["spec"]["clusterIP"] == "None"
@@ -108,13 +128,22 @@ def test_k8s_headless_service_selects_the_pods(k8s):
 
 
 def test_k8s_container_arguments_really_serve_the_probe_paths(k8s, netns):
-    """The manifest's arguments, unchanged but for --device cpu, in a namespace of their own
-    (the fixed ports cannot collide): every probe path answers 200 on the probe's port."""
+    """The manifest's arguments, unchanged but for --device cpu and the key paths (keys made here),
+    in a namespace of their own (the fixed ports cannot collide): every probe path answers 200 on
+    the probe's port."""
     c = container_of(k8s["StatefulSet"])
-    args = ["--device=cpu" if a.startswith("--device") else a for a in c["args"]]
     env = {e["name"]: e["value"] for e in c.get("env", [])}
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     with tempfile.TemporaryDirectory() as d:
+        # The mounted Secret and ConfigMap, made here with rolloutctl keygen.
+        rolloutctl = os.environ.get("ROLLOUTCTL_BIN", "rolloutctl")
+        os.mkdir(os.path.join(d, "clients"))
+        for base in (os.path.join(d, "daemon"), os.path.join(d, "clients", "trainer")):
+            subprocess.run([rolloutctl, "keygen", "--out", base], check=True, capture_output=True, timeout=30)
+        local = {"--device": "cpu", "--curve-key-file": os.path.join(d, "daemon.key_secret"),
+                 "--curve-allow": os.path.join(d, "clients")}
+        args = [f"{a.split('=', 1)[0]}={local[a.split('=', 1)[0]]}" if a.split("=", 1)[0] in local else a
+                for a in c["args"]]
         ep_file = os.path.join(d, "ep.json")
         log = open(os.path.join(d, "log"), "wb")
         proc = subprocess.Popen(["ip", "netns", "exec", netns, BIN, *args, "--endpoints-file", ep_file],

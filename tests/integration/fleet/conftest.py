@@ -6,8 +6,11 @@
             10.77.2.1/24 ── veth ── 10.77.2.2/24  <tag>h2
 
 Each daemon binds only its host's address, so the coordinator reaches it the way it would
-reach another machine. The test creates and removes everything itself and skips, saying
-why, where it cannot create namespaces (it needs root and iproute2).
+reach another machine, and, as a fleet on a real network should, requires CURVE: the daemons
+share one key pair and allow one trainer key (made by `rolloutctl keygen`), and the scenarios'
+coordinator finds its keys in ROLLOUTD_CURVE_SERVER_KEY / ROLLOUTD_CURVE_CLIENT_KEY_FILE. The
+test creates and removes everything itself and skips, saying why, where it cannot create
+namespaces (it needs root and iproute2).
 """
 import importlib.util
 import json
@@ -40,8 +43,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def make_fleet_keys(directory):
+    """One daemon key pair for the fleet and one allowed trainer key, as `rolloutctl keygen` makes them."""
+    directory.mkdir()
+    (directory / "clients").mkdir()
+    rolloutctl = os.environ.get("ROLLOUTCTL_BIN", "rolloutctl")
+    for base in (directory / "daemon", directory / "clients" / "trainer"):
+        subprocess.run([rolloutctl, "keygen", "--out", str(base)], check=True, capture_output=True, timeout=60)
+    return {"daemon_env": {"ROLLOUTD_CURVE_KEY_FILE": str(directory / "daemon.key_secret"),
+                           "ROLLOUTD_CURVE_ALLOW": str(directory / "clients")},
+            "client_env": {"ROLLOUTD_CURVE_SERVER_KEY": str(directory / "daemon.key"),
+                           "ROLLOUTD_CURVE_CLIENT_KEY_FILE": str(directory / "clients" / "trainer.key_secret")}}
+
+
 class Fleet:
     def __init__(self, tmp_path, num_hosts):
+        self.keys = make_fleet_keys(tmp_path / "keys")
         tag = f"rdf{os.getpid() % 100000}"
         self.coord_ns = f"{tag}c"
         self.host_ns = [f"{tag}h{i}" for i in range(num_hosts)]
@@ -73,7 +90,8 @@ class Fleet:
                     self.addresses[i], "--control-port", "7600", "--http-port", "7700", "--backoff-s", "0.3",
                     "--stop-timeout-s", "30", "--", "--drain-timeout-s", "5", *extra_daemon_args]
             self.launchers.append(helpers.Launcher(self.tmp_path, args, netns=ns, name=f"host{i}",
-                                                   node_file=self.nodes_dir / f"host{i}.json"))
+                                                   node_file=self.nodes_dir / f"host{i}.json",
+                                                   env=self.keys["daemon_env"]))
         for launcher in self.launchers:
             launcher.wait_running(1, timeout=90)
 
@@ -81,7 +99,8 @@ class Fleet:
         """Runs fleet_scenarios.py <name> in the coordinator's namespace; returns its JSON report."""
         cmd = ["ip", "netns", "exec", self.coord_ns, sys.executable, os.path.join(HERE, "fleet_scenarios.py"), name,
                json.dumps({"nodes_dir": str(self.nodes_dir), **params})]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                           env={**os.environ, **self.keys["client_env"]})
         if r.returncode != 0:
             logs = "\n".join(f"--- host{i} launcher ---\n{l.read_log()[-3000:]}" for i, l in enumerate(self.launchers))
             pytest.fail(f"scenario {name} failed (exit {r.returncode}):\n{r.stdout[-5000:]}\n{r.stderr[-8000:]}\n{logs}")

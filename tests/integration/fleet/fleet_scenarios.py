@@ -238,6 +238,34 @@ def resubmit(params):
                 "retractions": {r: results[r].num_retractions for r in resubmitted}}
 
 
+def curve_required(params):
+    """Every daemon requires CURVE across the simulated network: the coordinator's keys (from the
+    environment) work, a plain client and a client with an unknown key are refused at once."""
+    docs = [json.load(open(os.path.join(params["nodes_dir"], f))) for f in sorted(os.listdir(params["nodes_dir"]))
+            if f.endswith(".json")]
+    controls = [d["control"] for doc in docs for d in doc["daemons"] if d.get("control")]
+    assert len(controls) == 3, docs
+    keys = rolloutd.CurveKeys.from_env()
+    assert keys is not None, "the fleet test sets ROLLOUTD_CURVE_SERVER_KEY / ROLLOUTD_CURVE_CLIENT_KEY_FILE"
+    stranger_pub, _, stranger_secret = rolloutd.keygen(os.path.join(params["nodes_dir"], "..", "stranger"),
+                                                       overwrite=True)
+    stranger = rolloutd.CurveKeys.load(keys.server_key, stranger_secret)
+    refused = {}
+    for control in controls:
+        with rolloutd.Client(control, timeout_s=20) as c:
+            assert c.status().ready
+        for label, curve in (("plain", False), ("stranger", stranger)):
+            t0 = time.monotonic()
+            with rolloutd.Client(control, timeout_s=20, curve=curve) as c:
+                try:
+                    c.status()
+                    raise AssertionError(f"{label} client was served by {control}")
+                except rolloutd.RolloutdError as e:
+                    assert e.code == "unauthenticated", (label, control, e)
+            refused[f"{control} {label}"] = round(time.monotonic() - t0, 3)
+    return {"daemons": controls, "refused_s": refused}
+
+
 if __name__ == "__main__":
     name, params = sys.argv[1], json.loads(sys.argv[2])
     report = globals()[name](params)

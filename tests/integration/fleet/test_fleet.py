@@ -11,6 +11,12 @@ def test_weight_session_fans_out_and_rollouts_spread_across_hosts(fleet):
     assert all(n >= 4 for n in report["spread"].values()), report
 
 
+def test_every_host_requires_curve(fleet):
+    report = fleet.run_scenario("curve_required")
+    assert all(a in " ".join(report["daemons"]) for a in fleet.addresses), report
+    assert len(report["refused_s"]) == 6 and max(report["refused_s"].values()) < 5, report
+
+
 def test_killed_daemon_requests_fail_it_restarts_and_rejoins_after_a_push(fleet):
     report = fleet.run_scenario("daemon_lost")
     victim_host = fleet.addresses.index(report["victim"].split("/")[0])
