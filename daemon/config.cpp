@@ -71,6 +71,9 @@ ParseOutcome parse_config(int argc, const char* const* argv) {
       "longest prompt accepted")->check(CLI::Range(1u, 1u << 24));
   add("--shm-prefix", c.shm_prefix, "ROLLOUTD_SHM_PREFIX",
       "shared-memory buckets must be named with this prefix (e.g. /rolloutd_trainer0)");
+  add("--max-shm-bucket-bytes", c.max_shm_bucket_bytes, "ROLLOUTD_MAX_SHM_BUCKET_BYTES",
+      "largest shared-memory bucket accepted (the daemon stages it in host memory)")
+      ->check(CLI::Range(uint64_t{1} << 20, uint64_t{1} << 40));
   add("--synthetic-params", c.synthetic_param_bytes, "ROLLOUTD_SYNTHETIC_PARAMS",
       "benchmarks: register this many bytes of extra BF16 parameters synthetic.{i}.weight (256 MiB each)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
@@ -246,6 +249,7 @@ nlohmann::json to_json(const DaemonConfig& c) {
       {"max_new_tokens_limit", c.limits.max_new_tokens},
       {"max_input_tokens", c.limits.max_input_tokens},
       {"shm_prefix", c.shm_prefix},
+      {"max_shm_bucket_bytes", c.max_shm_bucket_bytes},
       {"synthetic_param_bytes", c.synthetic_param_bytes},
       {"synthetic_small_params", c.synthetic_small_params},
       {"synthetic_mxfp4_bytes", c.synthetic_mxfp4_bytes},

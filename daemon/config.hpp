@@ -55,6 +55,7 @@ struct DaemonConfig {
 
   // Weight updates.
   std::string shm_prefix = "/rolloutd";  // update_weights reads only shm objects named so
+  uint64_t max_shm_bucket_bytes = uint64_t{8} << 30;  // largest shm bucket staged (bounded before allocating)
   int64_t synthetic_param_bytes = 0;      // benchmarks: extra BF16 `synthetic.{i}.weight` parameters
   int64_t synthetic_small_params = 0;     // benchmarks: BF16 `synthetic_small.{i}.weight` of 1024 elements
   int64_t synthetic_mxfp4_bytes = 0;      // benchmarks: BF16 bytes of `synthetic_mx.{i}.weight`, quantized to MXFP4

@@ -42,6 +42,21 @@ Result<const uint8_t*> CudaIpcImporter::map(const std::string& handle, uint64_t 
       return Status(ErrorCode::kInvalidArgument, std::string("cudaIpcOpenMemHandle: ") + cudaGetErrorString(e),
                     "body.source.handle");
     }
+    // device_uuid is the sender's claim; the allocation's own device is the fact. A handle of
+    // another GPU opens too (through peer access), so check where the memory really lives:
+    // the daemon reads only its own device's memory.
+    cudaPointerAttributes attr{};
+    if (cudaError_t e = cudaPointerGetAttributes(&attr, base); e != cudaSuccess || attr.device != device_) {
+      (void)cudaGetLastError();
+      cudaIpcCloseMemHandle(base);
+      return Status(ErrorCode::kInvalidArgument,
+                    e != cudaSuccess ? std::string("cannot tell which GPU the handle's memory is on: ") +
+                                           cudaGetErrorString(e)
+                                     : "the handle's memory is on GPU " + std::to_string(attr.device) +
+                                           ", not this daemon's GPU " + std::to_string(device_) +
+                                           " (device_uuid does not match the handle)",
+                    "body.source.device_uuid");
+    }
     // The allocation's real extent bounds every range read through this handle. The driver
     // entry point is looked up through the runtime, so the daemon does not link libcuda and
     // still starts on a machine without a driver.

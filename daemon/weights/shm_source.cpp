@@ -28,7 +28,13 @@ Status check_shm_name(const std::string& name, const std::string& prefix) {
   return Status::Ok();
 }
 
-Status read_shm(const std::string& name, uint64_t offset, uint64_t size, std::vector<uint8_t>& out) {
+Status read_shm(const std::string& name, uint64_t offset, uint64_t size, std::vector<uint8_t>& out,
+                uint64_t max_bytes) {
+  if (size > max_bytes)
+    return Status(ErrorCode::kTooLarge,
+                  "a shared-memory bucket of " + std::to_string(size) + " bytes is above this daemon's bound of " +
+                      std::to_string(max_bytes) + " (--max-shm-bucket-bytes); send smaller buckets",
+                  "body.source.size");
   const int fd = shm_open(name.c_str(), O_RDONLY, 0);
   if (fd < 0)
     return Status(errno == ENOENT ? ErrorCode::kNotFound : ErrorCode::kUnavailable,

@@ -18,7 +18,14 @@ namespace rolloutd::daemon {
 // objects meant for it) and the shm name grammar.
 Status check_shm_name(const std::string& name, const std::string& prefix);
 
+// The largest shm bucket the daemon stages by default (--max-shm-bucket-bytes).
+inline constexpr uint64_t kDefaultMaxShmBucketBytes = uint64_t{8} << 30;
+
 // Reads [offset, offset + size) of the shared-memory object `name` into `out` (resized).
-Status read_shm(const std::string& name, uint64_t offset, uint64_t size, std::vector<uint8_t>& out);
+// `size` is bounded by `max_bytes` before anything is opened or allocated: the object's own
+// size is no bound, since a sparse object of any size costs its producer nothing (too_large,
+// field body.source.size).
+Status read_shm(const std::string& name, uint64_t offset, uint64_t size, std::vector<uint8_t>& out,
+                uint64_t max_bytes = kDefaultMaxShmBucketBytes);
 
 }  // namespace rolloutd::daemon

@@ -1,0 +1,62 @@
+// daemon/weights/shm_source.cpp: names confined to the configured prefix, sizes bounded
+// before anything is opened or allocated, ranges checked against the object.
+#include "daemon/weights/shm_source.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+namespace rolloutd::daemon {
+namespace {
+
+TEST(ShmSource, NamesMustCarryThePrefixAndTheGrammar) {
+  const std::string prefix = "/rolloutd_tenant_a";
+  EXPECT_TRUE(check_shm_name("/rolloutd_tenant_a", prefix).ok());
+  EXPECT_TRUE(check_shm_name("/rolloutd_tenant_a.bucket-1", prefix).ok());
+  for (const char* bad : {"/rolloutd_tenant_b_x", "/rolloutd", "/other", "rolloutd_tenant_a", "/",
+                          "/rolloutd_tenant_a/../x", "/rolloutd_tenant_a x", "/rolloutd_tenant_a\n"}) {
+    const Status s = check_shm_name(bad, prefix);
+    EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument) << bad;
+    EXPECT_EQ(s.field(), "body.source.name") << bad;
+  }
+  EXPECT_FALSE(check_shm_name("/" + std::string(251, 'a'), "/a").ok());  // > 250 characters
+}
+
+TEST(ShmSource, SizeIsBoundedBeforeTheObjectIsOpened) {
+  std::vector<uint8_t> out;
+  // No such object: the bound answers first, so nothing was opened, let alone allocated.
+  const Status s = read_shm("/rolloutd-test-no-such-object", 0, (uint64_t{1} << 40), out, uint64_t{1} << 20);
+  EXPECT_EQ(s.code(), ErrorCode::kTooLarge);
+  EXPECT_EQ(s.field(), "body.source.size");
+  EXPECT_TRUE(out.empty());
+  // The default bound applies to callers that pass none.
+  EXPECT_EQ(read_shm("/rolloutd-test-no-such-object", 0, kDefaultMaxShmBucketBytes + 1, out).code(),
+            ErrorCode::kTooLarge);
+  EXPECT_EQ(read_shm("/rolloutd-test-no-such-object", 0, 16, out).code(), ErrorCode::kNotFound);
+}
+
+TEST(ShmSource, ASparseObjectIsNoLicenceToAllocate) {
+  // Growing an object costs its maker nothing until pages are written: its size bounds nothing.
+  const std::string name = "/rolloutd-test-sparse-" + std::to_string(::getpid());
+  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, off_t{1} << 32), 0);
+  ::close(fd);
+  std::vector<uint8_t> out;
+  EXPECT_EQ(read_shm(name, 0, uint64_t{1} << 32, out, uint64_t{1} << 20).code(), ErrorCode::kTooLarge);
+  EXPECT_TRUE(out.empty());
+  // In bounds, the range is still checked against the object.
+  EXPECT_EQ(read_shm(name, (uint64_t{1} << 32) - 8, 16, out, uint64_t{1} << 20).code(), ErrorCode::kOutOfRange);
+  EXPECT_EQ(read_shm(name, ~uint64_t{0}, 16, out, uint64_t{1} << 20).code(), ErrorCode::kOutOfRange);
+  ASSERT_TRUE(read_shm(name, 4096, 64, out, uint64_t{1} << 20).ok());
+  EXPECT_EQ(out, std::vector<uint8_t>(64, 0));
+  shm_unlink(name.c_str());
+}
+
+}  // namespace
+}  // namespace rolloutd::daemon
