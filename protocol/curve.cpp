@@ -7,8 +7,6 @@
 #include <array>
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <optional>
 #include <zmq.h>
 
@@ -44,6 +42,14 @@ std::optional<std::string_view> value_of(std::string_view line, std::string_view
 
 std::string errno_text() { return std::strerror(errno); }
 
+// NOTES: plain POSIX calls, not <filesystem>/<fstream>: this file is linked into the Python
+// extension, and there <filesystem> pulled a static copy of libstdc++'s runtime into the module
+// on the GPU host, which then crashed torch imported after it ("free(): invalid pointer").
+bool path_exists(const std::string& path) {
+  struct stat st {};
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
 Status write_all(int fd, const std::string& text, const std::string& path) {
   size_t done = 0;
   while (done < text.size()) {
@@ -61,8 +67,7 @@ Status write_all(int fd, const std::string& text, const std::string& path) {
 // for a moment (the mode is set at creation, and again explicitly against a permissive umask's
 // opposite: a restrictive umask only removes bits).
 Status write_key_file(const std::string& path, const std::string& text, mode_t mode, bool overwrite) {
-  std::error_code ec;
-  if (!overwrite && std::filesystem::exists(std::filesystem::symlink_status(path, ec)))
+  if (!overwrite && path_exists(path))
     return Status(ErrorCode::kFailedPrecondition, path + " exists (pass --force to replace it)", "path");
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode);
@@ -180,11 +185,26 @@ Result<CurveKeyText> parse_curve_key_text(std::string_view text, bool bare_is_se
 }
 
 Result<CurveKeyText> read_curve_key_file(const std::string& path, bool bare_is_secret) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return Status(ErrorCode::kNotFound, "cannot read key file " + path + ": " + errno_text(), "path");
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return Status(errno == ENOENT ? ErrorCode::kNotFound : ErrorCode::kUnavailable,
+                  "cannot read key file " + path + ": " + errno_text(), "path");
+  // One byte more than the bound tells a file that is too large from one that just fits.
   std::string text(kMaxCurveKeyFileBytes + 1, '\0');
-  f.read(text.data(), static_cast<std::streamsize>(text.size()));
-  text.resize(static_cast<size_t>(f.gcount()));
+  size_t got = 0;
+  while (got < text.size()) {
+    const ssize_t n = ::read(fd, text.data() + got, text.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const std::string why = errno_text();
+      ::close(fd);
+      return Status(ErrorCode::kUnavailable, "cannot read key file " + path + ": " + why, "path");
+    }
+    if (n == 0) break;
+    got += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  text.resize(got);
   if (text.size() > kMaxCurveKeyFileBytes)
     return Status(ErrorCode::kTooLarge,
                   "key file " + path + " is larger than " + std::to_string(kMaxCurveKeyFileBytes) + " bytes", "path");
@@ -240,10 +260,9 @@ Result<CurveKeyFiles> write_curve_keypair_files(const std::string& base, const C
                                                 bool overwrite) {
   if (base.empty()) return Status(ErrorCode::kInvalidArgument, "an output path is needed", "path");
   CurveKeyFiles files{base + ".key", base + ".key_secret"};
-  std::error_code ec;
   if (!overwrite)
     for (const auto* p : {&files.public_path, &files.secret_path})
-      if (std::filesystem::exists(std::filesystem::symlink_status(*p, ec)))
+      if (path_exists(*p))
         return Status(ErrorCode::kFailedPrecondition, *p + " exists (pass --force to replace it)", "path");
   // The secret first: a public file without its secret would be an orphan.
   RD_RETURN_IF_ERROR(write_key_file(files.secret_path, format_curve_certificate(keys, true), 0600, overwrite));

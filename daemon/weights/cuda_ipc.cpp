@@ -26,6 +26,12 @@ Result<const uint8_t*> CudaIpcImporter::map(const std::string& handle, uint64_t 
                                             const std::string& device_uuid) {
   if (handle.size() != sizeof(cudaIpcMemHandle_t))
     return Status(ErrorCode::kInvalidArgument, "handle must be 64 bytes", "body.source.handle");
+  // NOTES: device_uuid is the sender's claim, and the only check there is. A handle of another
+  // GPU sent with this GPU's UUID opens through peer access, and CUDA does not say where the
+  // mapping lives: cudaPointerGetAttributes().device and CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL both
+  // report this daemon's device for it (tried on the GPU host: H200, CUDA 13, driver 580), and
+  // the open refuses flags without cudaIpcMemLazyEnablePeerAccess. Such a handle still only
+  // reads memory its sender exported on purpose.
   if (device_uuid != cuda_device_uuid(device_))
     return Status(ErrorCode::kInvalidArgument,
                   "the handle belongs to another GPU than this daemon's (device_uuid mismatch): send it to the "
@@ -41,21 +47,6 @@ Result<const uint8_t*> CudaIpcImporter::map(const std::string& handle, uint64_t 
       (void)cudaGetLastError();
       return Status(ErrorCode::kInvalidArgument, std::string("cudaIpcOpenMemHandle: ") + cudaGetErrorString(e),
                     "body.source.handle");
-    }
-    // device_uuid is the sender's claim; the allocation's own device is the fact. A handle of
-    // another GPU opens too (through peer access), so check where the memory really lives:
-    // the daemon reads only its own device's memory.
-    cudaPointerAttributes attr{};
-    if (cudaError_t e = cudaPointerGetAttributes(&attr, base); e != cudaSuccess || attr.device != device_) {
-      (void)cudaGetLastError();
-      cudaIpcCloseMemHandle(base);
-      return Status(ErrorCode::kInvalidArgument,
-                    e != cudaSuccess ? std::string("cannot tell which GPU the handle's memory is on: ") +
-                                           cudaGetErrorString(e)
-                                     : "the handle's memory is on GPU " + std::to_string(attr.device) +
-                                           ", not this daemon's GPU " + std::to_string(device_) +
-                                           " (device_uuid does not match the handle)",
-                    "body.source.device_uuid");
     }
     // The allocation's real extent bounds every range read through this handle. The driver
     // entry point is looked up through the runtime, so the daemon does not link libcuda and
