@@ -128,25 +128,30 @@ void ControlActor::gc_clients() {
   }
 }
 
-void ControlActor::enqueue(uint64_t client, protocol::WireMessage msg, bool is_final) {
+bool ControlActor::enqueue(uint64_t client, protocol::WireMessage msg, bool is_final) {
   auto it = clients_.find(client);
   if (it == clients_.end()) {
     // Every path that can produce a message for a client keeps its state alive (routes,
     // pending replies), so this is a bug: report it rather than lose the message quietly.
     obs::log_error("control", "message for a client without state", {{"client", client}});
     metrics_.on_error("internal");
-    return;
+    return false;
   }
   ClientState& c = it->second;
-  if (c.gone) return;  // its requests were aborted with reason client_gone; nothing to deliver to
-  if (c.over_limit && !is_final) return;  // only final events still go to a client past its bound
+  if (c.gone) return false;  // its requests were aborted with reason client_gone; nothing to deliver to
+  if (c.over_limit && !is_final) return false;  // only final events still go to a client past its bound
   c.outbox.push_back(std::move(msg));
-  if (!c.over_limit && static_cast<int64_t>(c.outbox.size()) > config_.outbox_limit) {
+  // The bound counts what the socket refused, not what one engine step produced (a step
+  // can emit more events than the bound for a client that reads promptly): with nothing
+  // queued ahead, offer the message now; it stays only if the socket says EAGAIN.
+  if (c.outbox.size() == 1) flush_client(client, c);
+  if (!c.gone && !c.over_limit && static_cast<int64_t>(c.outbox.size()) > config_.outbox_limit) {
     c.over_limit = true;
     obs::log_warn("control", "client outbox over its bound; aborting its requests",
                   {{"client", client}, {"outbox_messages", c.outbox.size()}});
     send_engine(AbortClientCommand{client, "backpressure"});
   }
+  return true;
 }
 
 void ControlActor::reply_error(uint64_t client, uint64_t id, const Status& s) {
@@ -243,6 +248,12 @@ void ControlActor::on_request(const std::string& identity, std::vector<zmq::mess
       // faulted engine refuses it.
       reply_error(client, id, Status(ErrorCode::kNotReady,
                                      "daemon is not ready: " + (snap ? snap->reason : std::string("starting"))));
+    } else if (clients_[client].over_limit) {
+      // Its earlier requests were aborted for backpressure and it has not caught up: a new
+      // request's events would be withheld too (SPEC 1.1).
+      reply_error(client, id, Status(ErrorCode::kOverloaded,
+                                     "this connection is over its outbox bound (backpressure): read its "
+                                     "pending events, then resubmit"));
     } else if (routes_.count(gen->rid)) {
       reply_error(client, id, Status(ErrorCode::kDuplicateRid,
                                      "request id '" + gen->rid + "' is already in flight", "body.rid"));
@@ -348,7 +359,9 @@ void ControlActor::on_event(core::EngineEvent& ev) {
     case core::EngineEvent::Kind::kTokens: {
       protocol::TokensEvent t = to_tokens(ev);
       if (route.stream) {
-        enqueue(route.client, protocol::encode_event(route.envelope_id, protocol::Event{std::move(t)}), false);
+        const auto n = static_cast<uint32_t>(t.token_ids.size());
+        if (!enqueue(route.client, protocol::encode_event(route.envelope_id, protocol::Event{std::move(t)}), false))
+          route.num_tokens_withheld += n;
       } else {
         // stream=false: one tokens event with everything, right before the final event.
         auto& p = route.pending;
@@ -370,6 +383,7 @@ void ControlActor::on_event(core::EngineEvent& ev) {
       // Nothing delivered for a stream=false request yet: just forget what was gathered.
       route.pending = protocol::TokensEvent{};
       route.pending.rid = ev.rid;
+      route.num_tokens_withheld = 0;
       if (route.stream) {
         protocol::RetractedEvent r{ev.rid, ev.num_tokens_discarded, "weight_update"};
         enqueue(route.client, protocol::encode_event(route.envelope_id, protocol::Event{std::move(r)}), false);
@@ -398,7 +412,7 @@ void ControlActor::on_event(core::EngineEvent& ev) {
         f.reason = ev.finish_reason;
         f.abort_reason = ev.abort_reason;
         f.prompt_tokens = ev.prompt_tokens;
-        f.completion_tokens = ev.completion_tokens;
+        f.completion_tokens = ev.completion_tokens - std::min(ev.completion_tokens, route.num_tokens_withheld);
         final_ev = std::move(f);
       } else {
         protocol::FailedEvent f;
@@ -483,8 +497,15 @@ void ControlActor::flush_client(uint64_t id, ClientState& c) {
 }
 
 void ControlActor::flush() {
-  for (auto& [id, c] : clients_)
+  for (auto& [id, c] : clients_) {
     if (!c.gone && !c.outbox.empty()) flush_client(id, c);
+    // Caught up, and every request the backpressure abort ended has had its final event:
+    // the client may submit again.
+    if (c.over_limit && c.outbox.empty() && c.num_routes == 0) {
+      c.over_limit = false;
+      obs::log_info("control", "client caught up with its outbox; accepting its requests again", {{"client", id}});
+    }
+  }
 }
 
 void ControlActor::begin_drain(double deadline_s, const std::string& why) {

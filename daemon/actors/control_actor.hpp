@@ -55,10 +55,16 @@ class ControlActor {
  private:
   struct ClientState {
     std::string identity;
+    // Messages the socket refused (EAGAIN at its high-water mark) and those queued behind
+    // them, in order. A message with nothing ahead of it is offered to the socket at once,
+    // so only a client that does not read can fill this (SPEC 1.1).
     std::deque<protocol::WireMessage> outbox;
     uint32_t num_routes = 0;
     uint32_t num_pending_replies = 0;  // commands sent to the engine whose reply goes here
     bool gone = false;
+    // Set when the outbox passes --outbox-limit: its requests are aborted (backpressure),
+    // their non-final events withheld, and new generate requests refused (overloaded) until
+    // the outbox is empty and every aborted request has had its final event.
     bool over_limit = false;
   };
   struct Route {
@@ -67,12 +73,17 @@ class ControlActor {
     bool stream = true;
     bool accepted = false;
     protocol::TokensEvent pending;  // stream=false: everything so far
+    // Tokens of this attempt withheld because the client was over its bound: the final
+    // event's completion_tokens counts only what was delivered (SPEC 4.3).
+    uint32_t num_tokens_withheld = 0;
   };
 
   void on_request(const std::string& identity, std::vector<zmq::message_t>& parts);
   void on_engine_output(EngineOutput& out);
   void on_event(core::EngineEvent& ev);
-  void enqueue(uint64_t client, protocol::WireMessage msg, bool is_final);
+  // Queues (and, with nothing queued ahead, sends) one message; false when it was withheld
+  // (the client is gone, or over its bound and the message is not final).
+  bool enqueue(uint64_t client, protocol::WireMessage msg, bool is_final);
   void reply_error(uint64_t client, uint64_t id, const Status& s);
   void flush();
   void flush_client(uint64_t id, ClientState& c);

@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include <pthread.h>
+
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
@@ -314,6 +316,9 @@ Result<std::unique_ptr<HttpServer>> HttpServer::start(const HttpServerOptions& o
   Impl* raw = impl.get();
   try {
     impl->thread = std::thread([raw, finished = std::move(finished)]() mutable {
+      // Named, so tools (top -H, the reliability tests' /livez probe, which reads this
+      // thread's scheduler statistics) can tell it from the actors.
+      pthread_setname_np(pthread_self(), "rolloutd-http");
       for (;;) {
         try {
           raw->ioc.run();
