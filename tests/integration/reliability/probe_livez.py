@@ -62,7 +62,8 @@ own = "/proc/thread-self/schedstat" if os.path.exists("/proc/thread-self/schedst
 daemon_thread = http_thread_schedstat(daemon_pid) if daemon_pid else None
 latencies, host_waits, failures = [], [], []
 print(json.dumps({"started": True, "schedstat": own is not None and daemon_thread is not None}), flush=True)
-while not stop:
+give_up = time.monotonic() + 600  # bounded even if the test that should stop it is gone
+while not stop and time.monotonic() < give_up:
     w0 = wait_ns(own) + wait_ns(daemon_thread)
     t0 = time.perf_counter()
     try:
