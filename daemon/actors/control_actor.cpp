@@ -128,7 +128,7 @@ void ControlActor::gc_clients() {
   }
 }
 
-bool ControlActor::enqueue(uint64_t client, protocol::WireMessage msg, bool is_final) {
+bool ControlActor::enqueue(uint64_t client, protocol::WireMessage msg, Delivery kind) {
   auto it = clients_.find(client);
   if (it == clients_.end()) {
     // Every path that can produce a message for a client keeps its state alive (routes,
@@ -139,7 +139,14 @@ bool ControlActor::enqueue(uint64_t client, protocol::WireMessage msg, bool is_f
   }
   ClientState& c = it->second;
   if (c.gone) return false;  // its requests were aborted with reason client_gone; nothing to deliver to
-  if (c.over_limit && !is_final) return false;  // only final events still go to a client past its bound
+  if (c.over_limit && kind == Delivery::kEvent) return false;  // withheld past the bound (SPEC 1.1)
+  if (c.over_limit && kind == Delivery::kReply && static_cast<int64_t>(c.outbox.size()) >= config_.outbox_limit) {
+    // A client that sends requests but does not read would otherwise grow this outbox
+    // without limit (replies are not events: nothing to abort). Counted, never silent.
+    ++c.num_replies_dropped;
+    metrics_.on_reply_dropped();
+    return false;
+  }
   c.outbox.push_back(std::move(msg));
   // The bound counts what the socket refused, not what one engine step produced (a step
   // can emit more events than the bound for a client that reads promptly): with nothing
@@ -156,7 +163,7 @@ bool ControlActor::enqueue(uint64_t client, protocol::WireMessage msg, bool is_f
 
 void ControlActor::reply_error(uint64_t client, uint64_t id, const Status& s) {
   metrics_.on_error(error_code_name(s.code()));
-  enqueue(client, protocol::encode_error(id, protocol::to_error_info(s)), true);
+  enqueue(client, protocol::encode_error(id, protocol::to_error_info(s)), Delivery::kReply);
 }
 
 protocol::StatusReply ControlActor::status_reply() const {
@@ -235,10 +242,10 @@ void ControlActor::on_request(const std::string& identity, std::vector<zmq::mess
       r.limits = config_.limits;
       r.nccl_version = nccl_version_;
       r.device_uuid = device_uuid_;
-      enqueue(client, protocol::encode_reply(id, r), true);
+      enqueue(client, protocol::encode_reply(id, r), Delivery::kReply);
     }
   } else if (std::holds_alternative<protocol::StatusRequest>(req)) {
-    enqueue(client, protocol::encode_reply(id, status_reply()), true);
+    enqueue(client, protocol::encode_reply(id, status_reply()), Delivery::kReply);
   } else if (auto* gen = std::get_if<protocol::GenerateRequest>(&req)) {
     auto snap = snapshot_.load();
     if (draining_) {
@@ -312,7 +319,7 @@ void ControlActor::on_request(const std::string& identity, std::vector<zmq::mess
     send_engine(std::move(cmd));
   } else if (auto* shut = std::get_if<protocol::ShutdownRequest>(&req)) {
     // accepted=false tells the caller a shutdown (or SIGTERM drain) was already under way.
-    enqueue(client, protocol::encode_reply(id, protocol::ShutdownReply{!draining_}), true);
+    enqueue(client, protocol::encode_reply(id, protocol::ShutdownReply{!draining_}), Delivery::kReply);
     begin_drain(shut->drain ? shut->deadline_s : 0.0, "shutdown request");
   }
   metrics_.observe_control_seconds(std::chrono::duration<double>(Clock::now() - t0).count());
@@ -360,7 +367,7 @@ void ControlActor::on_event(core::EngineEvent& ev) {
       protocol::TokensEvent t = to_tokens(ev);
       if (route.stream) {
         const auto n = static_cast<uint32_t>(t.token_ids.size());
-        if (!enqueue(route.client, protocol::encode_event(route.envelope_id, protocol::Event{std::move(t)}), false))
+        if (!enqueue(route.client, protocol::encode_event(route.envelope_id, protocol::Event{std::move(t)}), Delivery::kEvent))
           route.num_tokens_withheld += n;
       } else {
         // stream=false: one tokens event with everything, right before the final event.
@@ -386,7 +393,7 @@ void ControlActor::on_event(core::EngineEvent& ev) {
       route.num_tokens_withheld = 0;
       if (route.stream) {
         protocol::RetractedEvent r{ev.rid, ev.num_tokens_discarded, "weight_update"};
-        enqueue(route.client, protocol::encode_event(route.envelope_id, protocol::Event{std::move(r)}), false);
+        enqueue(route.client, protocol::encode_event(route.envelope_id, protocol::Event{std::move(r)}), Delivery::kEvent);
       }
       return;
     }
@@ -403,7 +410,8 @@ void ControlActor::on_event(core::EngineEvent& ev) {
       // stream=false: exactly one tokens event precedes the final one, even when empty.
       if (!route.stream) {
         enqueue(route.client,
-                protocol::encode_event(route.envelope_id, protocol::Event{std::move(route.pending)}), true);
+                protocol::encode_event(route.envelope_id, protocol::Event{std::move(route.pending)}),
+                Delivery::kRequestEnd);
       }
       protocol::Event final_ev;
       if (ev.kind == core::EngineEvent::Kind::kFinished) {
@@ -420,7 +428,7 @@ void ControlActor::on_event(core::EngineEvent& ev) {
         f.error = protocol::to_error_info(ev.error);
         final_ev = std::move(f);
       }
-      enqueue(route.client, protocol::encode_event(route.envelope_id, final_ev), true);
+      enqueue(route.client, protocol::encode_event(route.envelope_id, final_ev), Delivery::kRequestEnd);
       drop_route(ev.rid);
       return;
     }
@@ -433,7 +441,7 @@ void ControlActor::on_engine_output(EngineOutput& out) {
     if (it == routes_.end()) return;
     if (r->status.ok()) {
       it->second.accepted = true;
-      enqueue(r->client, protocol::encode_reply(it->second.envelope_id, protocol::GenerateReply{r->rid}), true);
+      enqueue(r->client, protocol::encode_reply(it->second.envelope_id, protocol::GenerateReply{r->rid}), Delivery::kRequestEnd);
     } else {
       // The engine's field names are relative to the generate body.
       const uint64_t env_id = it->second.envelope_id;
@@ -444,7 +452,7 @@ void ControlActor::on_engine_output(EngineOutput& out) {
     if (auto c = clients_.find(a->client); c != clients_.end() && c->second.num_pending_replies > 0)
       --c->second.num_pending_replies;
     if (a->status.ok()) {
-      enqueue(a->client, protocol::encode_reply(a->envelope_id, protocol::AbortReply{a->num_aborted}), true);
+      enqueue(a->client, protocol::encode_reply(a->envelope_id, protocol::AbortReply{a->num_aborted}), Delivery::kReply);
     } else {
       reply_error(a->client, a->envelope_id, a->status);
     }
@@ -454,7 +462,7 @@ void ControlActor::on_engine_output(EngineOutput& out) {
     if (auto c = clients_.find(e->client); c != clients_.end() && c->second.num_pending_replies > 0)
       --c->second.num_pending_replies;
     if (!e->error_code.empty()) metrics_.on_error(e->error_code);
-    enqueue(e->client, std::move(e->message), true);
+    enqueue(e->client, std::move(e->message), Delivery::kReply);
   } else if (std::holds_alternative<DrainDone>(out)) {
     drain_done_ = true;
     flush_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
@@ -503,7 +511,9 @@ void ControlActor::flush() {
     // the client may submit again.
     if (c.over_limit && c.outbox.empty() && c.num_routes == 0) {
       c.over_limit = false;
-      obs::log_info("control", "client caught up with its outbox; accepting its requests again", {{"client", id}});
+      obs::log_info("control", "client caught up with its outbox; accepting its requests again",
+                    {{"client", id}, {"replies_dropped", c.num_replies_dropped}});
+      c.num_replies_dropped = 0;
     }
   }
 }

@@ -66,6 +66,7 @@ class ControlActor {
     // their non-final events withheld, and new generate requests refused (overloaded) until
     // the outbox is empty and every aborted request has had its final event.
     bool over_limit = false;
+    uint64_t num_replies_dropped = 0;  // since over_limit was last set (logged when it clears)
   };
   struct Route {
     uint64_t client = 0;
@@ -81,9 +82,16 @@ class ControlActor {
   void on_request(const std::string& identity, std::vector<zmq::message_t>& parts);
   void on_engine_output(EngineOutput& out);
   void on_event(core::EngineEvent& ev);
+  // What a message is to the per-client bound (SPEC 1.1).
+  enum class Delivery {
+    kEvent,       // tokens, retracted: withheld while the client is over its bound
+    kRequestEnd,  // generate.ok, a stream=false request's tokens, final events: never dropped
+                  // (a few per request in flight, so bounded by the scheduler's queues)
+    kReply,       // every other reply: dropped and counted once an over-bound outbox is full
+  };
   // Queues (and, with nothing queued ahead, sends) one message; false when it was withheld
-  // (the client is gone, or over its bound and the message is not final).
-  bool enqueue(uint64_t client, protocol::WireMessage msg, bool is_final);
+  // or dropped (the client is gone, or over its bound).
+  bool enqueue(uint64_t client, protocol::WireMessage msg, Delivery kind);
   void reply_error(uint64_t client, uint64_t id, const Status& s);
   void flush();
   void flush_client(uint64_t id, ClientState& c);

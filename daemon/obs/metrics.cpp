@@ -109,6 +109,12 @@ struct Metrics::Impl {
                                .Help("Bucket bytes applied to parameters.")
                                .Register(registry)
                                .Add({});
+    replies_dropped = &prometheus::BuildCounter()
+                           .Name("rolloutd_replies_dropped_total")
+                           .Help("Replies not queued for a client whose outbox was over its bound "
+                                 "(it sent requests without reading).")
+                           .Register(registry)
+                           .Add({});
     prompt_tokens = &prometheus::BuildCounter()
                          .Name("rolloutd_prompt_tokens_total")
                          .Help("Prompt tokens accepted for prefill.")
@@ -174,6 +180,7 @@ struct Metrics::Impl {
   prometheus::Histogram* weight_update_seconds = nullptr;
   prometheus::Counter* weight_update_bytes = nullptr;
   prometheus::Gauge* ipc_handles_open = nullptr;
+  prometheus::Counter* replies_dropped = nullptr;
   prometheus::Counter* prompt_tokens = nullptr;
   prometheus::Counter* generated_tokens = nullptr;
   prometheus::Gauge* queue_waiting = nullptr;
@@ -203,6 +210,7 @@ void Metrics::add_prompt_tokens(uint64_t n) { impl_->prompt_tokens->Increment(st
 void Metrics::add_generated_tokens(uint64_t n) { impl_->generated_tokens->Increment(static_cast<double>(n)); }
 void Metrics::on_finished(std::string_view reason) { impl_->finished.get(reason).Increment(); }
 void Metrics::on_stream_abort(std::string_view reason) { impl_->stream_aborts.get(reason).Increment(); }
+void Metrics::on_reply_dropped() { impl_->replies_dropped->Increment(); }
 
 void Metrics::set_queue_depth(uint64_t waiting, uint64_t running) {
   impl_->queue_waiting->Set(static_cast<double>(waiting));

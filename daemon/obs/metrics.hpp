@@ -40,6 +40,7 @@ class Metrics {
   void add_generated_tokens(uint64_t n);           // rolloutd_tokens_generated_total
   void on_finished(std::string_view reason);       // rolloutd_requests_finished_total{reason}
   void on_stream_abort(std::string_view reason);   // rolloutd_stream_aborts_total{reason}
+  void on_reply_dropped();                         // rolloutd_replies_dropped_total
   void set_queue_depth(uint64_t waiting, uint64_t running);  // rolloutd_queue_depth{state}
   void observe_step_seconds(double s);             // rolloutd_engine_step_duration_seconds
   void observe_control_seconds(double s);          // rolloutd_control_handle_duration_seconds

@@ -46,6 +46,10 @@ class RawDealer:
         self.sock.close()
 
     def send(self, frames):
+        self.sock.sendall(self._encode(frames))
+
+    @staticmethod
+    def _encode(frames):
         out = []
         for i, f in enumerate(frames):
             more = FLAG_MORE if i + 1 < len(frames) else 0
@@ -54,7 +58,11 @@ class RawDealer:
             else:
                 out.append(bytes([more | FLAG_LONG]) + struct.pack(">Q", len(f)))
             out.append(bytes(f))
-        self.sock.sendall(b"".join(out))
+        return b"".join(out)
+
+    def send_many(self, messages):
+        """Several messages (each a list of frames) in one write."""
+        self.sock.sendall(b"".join(self._encode(m) for m in messages))
 
     def keepalive(self):
         """Sends a heartbeat PING (ZMTP 3.1 command; libzmq takes it from any peer). The

@@ -11,7 +11,7 @@ import pytest
 
 import rolloutd
 from rolloutd import wire
-from rolloutd.messages import GenerateRequest
+from rolloutd.messages import GenerateRequest, StatusRequest
 from rel_common import numpy_weights
 from rel_zmtp import RawDealer
 from rel_harness import (SANITIZER, SLOW, LivezProbe, assert_livez_bound, free_port, livez_less_host_wait, percentile,
@@ -234,8 +234,9 @@ def test_slow_consumer_is_aborted_with_backpressure_and_others_are_served(daemon
 def test_request_after_a_backpressure_abort_is_refused_then_accepted_when_caught_up(daemon_factory):
     """SPEC §1.1 "nothing is dropped without being counted", §4.3 completion_tokens = tokens
     delivered: a client that was aborted for back-pressure and submits again before it has
-    caught up gets `overloaded` (its events would be withheld); once it has read everything
-    and every aborted request has ended, a new request is delivered whole."""
+    caught up is refused (its events would be withheld): `overloaded`, or, as its outbox is
+    full, that reply dropped and counted; once it has read everything and every aborted
+    request has ended, a new request is delivered whole."""
     d = daemon_factory(args=["--outbox-limit", "1024"])
     slow = RawDealer(d.control, rcvbuf=4096)
     try:
@@ -248,12 +249,16 @@ def test_request_after_a_backpressure_abort_is_refused_then_accepted_when_caught
             time.sleep(0.2)
         slow.send(wire.encode(1000, GenerateRequest(rid="after", input_ids=[1, 2, 3], max_new_tokens=20,
                                                     temperature=0.0)))
-        # Catch up: the answer to "after" is `overloaded` (its events would be withheld), and
-        # every aborted request ends with one final event whose completion_tokens counts
-        # exactly the tokens delivered (the withheld ones are not claimed).
+        # Catch up: "after" is refused, never run (`overloaded`, or that reply dropped and
+        # counted: the outbox is past its bound), and every aborted request ends with one
+        # final event whose completion_tokens counts exactly the tokens delivered (the
+        # withheld ones are not claimed).
+        wait_until(lambda: d.metric("rolloutd_requests_total", type="generate") == 401, 10 * SLOW,
+                   "the daemon to read the request sent after the abort")
+        dropped = d.metric("rolloutd_replies_dropped_total")
         rids = [f"slow-{i}" for i in range(400)]
-        finals, events, errors = _catch_up(slow, rids, 120 * SLOW, error_ids={1000})
-        assert errors == {1000: "overloaded"} and "after" not in events
+        finals, events, errors = _catch_up(slow, rids, 120 * SLOW, error_ids=set() if dropped else {1000})
+        assert "after" not in events and (errors, dropped) in (({1000: "overloaded"}, 0), ({}, 1)), (errors, dropped)
         for rid, ev in finals.items():
             assert ev.completion_tokens == _delivered_tokens(events[rid]), rid
         # Caught up: accepted again, and every token arrives.
@@ -263,6 +268,7 @@ def test_request_after_a_backpressure_abort_is_refused_then_accepted_when_caught
         assert errors == {} and finals["again"].reason == "length"
         assert _delivered_tokens(events["again"]) == finals["again"].completion_tokens == 20
         assert d.metric("rolloutd_errors_total", code="overloaded") == 1
+        assert d.metric("rolloutd_replies_dropped_total") == dropped
     finally:
         slow.close()
     assert d.terminate() == 0
@@ -280,6 +286,51 @@ def test_outbox_bound_counts_only_what_the_socket_refused(daemon_factory):
         results = [c.collect(r, timeout_s=60 * SLOW) for r in rids]
     reasons = sorted({(r.finish_reason, r.abort_reason) for r in results})
     assert d.metric("rolloutd_stream_aborts_total", reason="backpressure") == 0 and reasons == [("length", "")], reasons
+
+
+@pytest.mark.skipif(bool(SANITIZER), reason="a logic check with an RSS bound, run by the plain build")
+def test_client_that_sends_without_reading_cannot_grow_the_daemon(daemon_factory):
+    """SPEC §1.1: replies to a client over its outbox bound are queued only up to the bound;
+    the rest are dropped and counted, never silently: replies read + replies dropped =
+    requests sent. Without the bound, 300k unread `status` replies grew the daemon by 136 MiB."""
+    d = daemon_factory(args=["--outbox-limit", "1024"])
+    n = 300_000
+    slow = RawDealer(d.control, rcvbuf=4096)
+    try:
+        rss_before = vm_rss_bytes(d.proc.pid)
+        batch = [wire.encode(0, StatusRequest())] * 1000
+        for k in range(n // len(batch)):
+            slow.send_many(batch)
+            if k % 50 == 0:
+                slow.keepalive()
+        # Wait until the daemon has read them all (it counts each request as it decodes it).
+        wait_until(lambda: d.metric("rolloutd_requests_total", type="status") >= n, 60 * SLOW,
+                   "the daemon to read every request")
+        grown = vm_rss_bytes(d.proc.pid) - rss_before
+        dropped = d.metric("rolloutd_replies_dropped_total")
+        # Meanwhile others are served.
+        with d.client(timeout_s=10 * SLOW) as other:
+            assert other.status().ready
+        # Catch up: every reply not dropped arrives, then the client is served again.
+        replies, deadline = 0, time.monotonic() + 120 * SLOW
+        while replies + dropped < n:
+            assert time.monotonic() < deadline, f"{replies} read + {dropped} dropped < {n} sent"
+            frames = slow.recv(2.0)
+            if frames is not None:
+                assert wire.decode(frames).type == "status.ok"
+                replies += 1
+        assert slow.recv(0.5) is None, "more replies than requests not dropped"
+        slow.send(wire.encode(7, StatusRequest()))
+        frames = slow.recv(10 * SLOW)
+        assert frames is not None and wire.decode(frames).type == "status.ok"
+        assert d.metric("rolloutd_replies_dropped_total") == dropped
+    finally:
+        slow.close()
+    assert dropped > 0 and replies + dropped == n
+    assert grown < 48 << 20, f"RSS grew {grown >> 20} MiB while {n} replies went unread"
+    assert d.terminate() == 0
+    report("client_sends_without_reading", requests=n, replies_read=replies, replies_dropped=int(dropped),
+           rss_growth_mib=round(grown / 2**20, 1), faults_injected=1, faults_survived=1, requests_lost=0)
 
 
 def test_half_open_garbage_and_hello_flood_keep_livez_fast(daemon_factory, children):

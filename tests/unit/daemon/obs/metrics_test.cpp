@@ -48,6 +48,8 @@ TEST(MetricsTest, ExposesExactNamesAfterUpdates) {
   m.on_finished("stop");
   m.on_finished("length");
   m.on_stream_abort("client_gone");
+  m.on_reply_dropped();
+  m.on_reply_dropped();
   m.set_queue_depth(4, 2);
   m.observe_step_seconds(0.003);
   m.observe_control_seconds(0.00002);
@@ -66,6 +68,7 @@ TEST(MetricsTest, ExposesExactNamesAfterUpdates) {
   EXPECT_EQ(s[R"(rolloutd_requests_finished_total{reason="stop"})"], 1);
   EXPECT_EQ(s[R"(rolloutd_requests_finished_total{reason="length"})"], 1);
   EXPECT_EQ(s[R"(rolloutd_stream_aborts_total{reason="client_gone"})"], 1);
+  EXPECT_EQ(s["rolloutd_replies_dropped_total"], 2);
   EXPECT_EQ(s[R"(rolloutd_queue_depth{state="waiting"})"], 4);
   EXPECT_EQ(s[R"(rolloutd_queue_depth{state="running"})"], 2);
   EXPECT_EQ(s["rolloutd_engine_step_duration_seconds_count"], 1);
@@ -117,6 +120,7 @@ TEST(MetricsTest, ClosedLabelSetsStartAtZero) {
     EXPECT_EQ(s[key], 0);
   }
   EXPECT_TRUE(s.count(R"(rolloutd_stream_aborts_total{reason="backpressure"})"));
+  EXPECT_EQ(s.count("rolloutd_replies_dropped_total"), 1u);
   EXPECT_TRUE(s.count(R"(rolloutd_errors_total{code="internal"})"));
   EXPECT_TRUE(s.count(R"(rolloutd_errors_total{code="bad_message"})"));
   EXPECT_FALSE(s.count(R"(rolloutd_errors_total{code="ok"})"));
