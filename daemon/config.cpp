@@ -86,6 +86,10 @@ ParseOutcome parse_config(int argc, const char* const* argv) {
       ->check(CLI::Range(int64_t{0}, int64_t{1000000}));
   add("--outbox-limit", c.outbox_limit, "ROLLOUTD_OUTBOX_LIMIT",
       "undelivered messages per client before its requests are aborted")->check(CLI::Range(16, 1 << 24));
+  add("--stream-interval", c.stream_interval, "ROLLOUTD_STREAM_INTERVAL",
+      "a streamed request's tokens are sent in events of this many (the last one may be shorter; a "
+      "retraction or the final event flushes what is held): fewer events for a coordinator to handle")
+      ->check(CLI::Range(1, 4096));
   add("--drain-timeout-s", c.drain_timeout_s, "ROLLOUTD_DRAIN_TIMEOUT_S",
       "on SIGTERM, let in-flight requests finish for at most this long")->check(CLI::Range(0.0, 3600.0));
   add("--flush-timeout-s", c.flush_timeout_s, "ROLLOUTD_FLUSH_TIMEOUT_S",
@@ -254,6 +258,7 @@ nlohmann::json to_json(const DaemonConfig& c) {
       {"synthetic_small_params", c.synthetic_small_params},
       {"synthetic_mxfp4_bytes", c.synthetic_mxfp4_bytes},
       {"outbox_limit", c.outbox_limit},
+      {"stream_interval", c.stream_interval},
       {"drain_timeout_s", c.drain_timeout_s},
       {"flush_timeout_s", c.flush_timeout_s},
       {"stale_heartbeat_s", c.stale_heartbeat_s},

@@ -62,6 +62,7 @@ struct DaemonConfig {
 
   // Streams and lifecycle.
   int outbox_limit = 65536;           // undelivered messages per client before its requests abort
+  int stream_interval = 1;            // tokens per streamed `tokens` event (fewer events for the client)
   double drain_timeout_s = 30.0;      // SIGTERM: finish in-flight requests for at most this long
   double flush_timeout_s = 5.0;       // then deliver their final events for at most this long
   double stale_heartbeat_s = 10.0;    // /livez fails when an actor loop stalls this long

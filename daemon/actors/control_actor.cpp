@@ -14,6 +14,21 @@ namespace rolloutd::daemon {
 using Clock = std::chrono::steady_clock;
 
 namespace {
+
+// Appends one engine step's tokens of a request to what is held for it (routed rows are
+// consecutive positions of the same request, so their bytes concatenate).
+void append_tokens(protocol::TokensEvent& into, protocol::TokensEvent&& t) {
+  into.token_ids.insert(into.token_ids.end(), t.token_ids.begin(), t.token_ids.end());
+  into.logprobs.insert(into.logprobs.end(), t.logprobs.begin(), t.logprobs.end());
+  into.weight_versions.insert(into.weight_versions.end(), t.weight_versions.begin(), t.weight_versions.end());
+  if (!t.routed_experts) return;
+  if (!into.routed_experts) {
+    into.routed_experts = std::move(t.routed_experts);
+  } else {
+    into.routed_experts->num_tokens += t.routed_experts->num_tokens;
+    into.routed_experts->data += t.routed_experts->data;
+  }
+}
 // How many requests to take off the socket per loop turn before looking at the mailbox
 // again: keeps engine output flowing under a request flood.
 constexpr int kMaxRequestsPerTurn = 256;
@@ -352,6 +367,17 @@ void ControlActor::drop_route(const std::string& rid) {
   routes_.erase(it);
 }
 
+void ControlActor::flush_pending_tokens(Route& route) {
+  if (route.pending.token_ids.empty() && !route.pending.routed_experts) return;
+  const std::string rid = route.pending.rid;
+  const auto n = static_cast<uint32_t>(route.pending.token_ids.size());
+  if (!enqueue(route.client, protocol::encode_event(route.envelope_id, protocol::Event{std::move(route.pending)}),
+               Delivery::kEvent))
+    route.num_tokens_withheld += n;
+  route.pending = protocol::TokensEvent{};
+  route.pending.rid = rid;
+}
+
 void ControlActor::on_event(core::EngineEvent& ev) {
   auto it = routes_.find(ev.rid);
   if (it == routes_.end()) {
@@ -364,30 +390,20 @@ void ControlActor::on_event(core::EngineEvent& ev) {
   const bool client_gone = client_it == clients_.end() || client_it->second.gone;
   switch (ev.kind) {
     case core::EngineEvent::Kind::kTokens: {
-      protocol::TokensEvent t = to_tokens(ev);
-      if (route.stream) {
-        const auto n = static_cast<uint32_t>(t.token_ids.size());
-        if (!enqueue(route.client, protocol::encode_event(route.envelope_id, protocol::Event{std::move(t)}), Delivery::kEvent))
-          route.num_tokens_withheld += n;
-      } else {
-        // stream=false: one tokens event with everything, right before the final event.
-        auto& p = route.pending;
-        p.token_ids.insert(p.token_ids.end(), t.token_ids.begin(), t.token_ids.end());
-        p.logprobs.insert(p.logprobs.end(), t.logprobs.begin(), t.logprobs.end());
-        p.weight_versions.insert(p.weight_versions.end(), t.weight_versions.begin(), t.weight_versions.end());
-        if (t.routed_experts) {
-          if (!p.routed_experts) {
-            p.routed_experts = std::move(t.routed_experts);
-          } else {
-            p.routed_experts->num_tokens += t.routed_experts->num_tokens;
-            p.routed_experts->data += t.routed_experts->data;
-          }
-        }
-      }
+      append_tokens(route.pending, to_tokens(ev));
+      // stream=false: one tokens event with everything, right before the final event.
+      // (--stream-interval 1 sends every engine event as it comes, routed rows of a prompt
+      // chunk without a token included.)
+      if (route.stream && (config_.stream_interval == 1 ||
+                           route.pending.token_ids.size() >= static_cast<size_t>(config_.stream_interval)))
+        flush_pending_tokens(route);
       return;
     }
     case core::EngineEvent::Kind::kRetracted: {
-      // Nothing delivered for a stream=false request yet: just forget what was gathered.
+      // A streamed request's held tokens go out first, so the client discards exactly
+      // num_tokens_discarded of what it received; a stream=false request has delivered
+      // nothing yet: just forget what was gathered.
+      if (route.stream) flush_pending_tokens(route);
       route.pending = protocol::TokensEvent{};
       route.pending.rid = ev.rid;
       route.num_tokens_withheld = 0;
@@ -408,7 +424,9 @@ void ControlActor::on_event(core::EngineEvent& ev) {
         return;
       }
       // stream=false: exactly one tokens event precedes the final one, even when empty.
-      if (!route.stream) {
+      if (route.stream) {
+        flush_pending_tokens(route);
+      } else {
         enqueue(route.client,
                 protocol::encode_event(route.envelope_id, protocol::Event{std::move(route.pending)}),
                 Delivery::kRequestEnd);

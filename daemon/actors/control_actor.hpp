@@ -73,7 +73,9 @@ class ControlActor {
     uint64_t envelope_id = 0;
     bool stream = true;
     bool accepted = false;
-    protocol::TokensEvent pending;  // stream=false: everything so far
+    // Tokens not yet sent: stream=false, everything so far; stream=true, fewer than
+    // --stream-interval (flushed when it reaches it, before a retraction and before the end).
+    protocol::TokensEvent pending;
     // Tokens of this attempt withheld because the client was over its bound: the final
     // event's completion_tokens counts only what was delivered (SPEC 4.3).
     uint32_t num_tokens_withheld = 0;
@@ -82,6 +84,8 @@ class ControlActor {
   void on_request(const std::string& identity, std::vector<zmq::message_t>& parts);
   void on_engine_output(EngineOutput& out);
   void on_event(core::EngineEvent& ev);
+  // Sends a streamed route's held tokens as one event (nothing when none are held).
+  void flush_pending_tokens(Route& route);
   // What a message is to the per-client bound (SPEC 1.1).
   enum class Delivery {
     kEvent,       // tokens, retracted: withheld while the client is over its bound

@@ -76,6 +76,26 @@ def test_streaming_yields_tokens_then_one_final_event(daemon):
         assert sum(len(e.token_ids) for e in events[:-1]) == 5
 
 
+def test_stream_interval_batches_tokens_without_changing_the_result(daemon, daemon_factory):
+    """--stream-interval N: a streamed request's tokens come in events of N (the last may be
+    shorter), and what the client ends up with -- tokens, log-probs, versions, routed rows --
+    equals the one-event-per-step stream of a default daemon."""
+    batched = daemon_factory(args=["--stream-interval", "5"])
+    kw = dict(max_new_tokens=23, temperature=0.0, return_logprob=True, return_routed_experts=True)
+    with daemon.client() as c1, batched.client() as c2:
+        ref = c1.generate([7, 8, 9], **kw)
+        events = list(c2.generate_stream([7, 8, 9], **kw))
+        got = c2.generate([7, 8, 9], **kw)
+    assert isinstance(events[-1], rolloutd.FinishedEvent) and events[-1].completion_tokens == 23
+    sizes = [len(e.token_ids) for e in events[:-1]]
+    assert sizes == [5, 5, 5, 5, 3], sizes
+    rows = sum(e.routed_experts.shape[0] for e in events[:-1])
+    assert rows == 3 + 23 - 1
+    assert got.token_ids == ref.token_ids and got.logprobs == ref.logprobs
+    assert got.weight_versions == ref.weight_versions
+    assert got.routed_experts.data == ref.routed_experts.data and got.routed_experts.start_pos == 0
+
+
 def test_determinism_by_seed_across_daemons_and_batches(daemon_factory):
     d1, d2 = daemon_factory(), daemon_factory()
     kw = dict(max_new_tokens=20, temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, seed=777, return_logprob=True)

@@ -170,8 +170,12 @@ def test_idle_session_expires_and_a_half_written_model_is_refused(daemon, new_we
         assert c.generate([1], max_new_tokens=2, temperature=0.0).weight_versions == [2, 2]
 
 
-def test_pause_retract_restarts_under_the_new_weights(daemon_factory, new_weights):
-    d, fresh = daemon_factory(), daemon_factory(args=["--model-seed", str(NEW_SEED)])
+@pytest.mark.parametrize("stream_interval", [1, 7])
+def test_pause_retract_restarts_under_the_new_weights(daemon_factory, new_weights, stream_interval):
+    # With --stream-interval 7 the daemon holds up to 6 tokens; they go out before the
+    # retraction, so num_tokens_discarded still counts exactly what the client received.
+    d = daemon_factory(args=["--stream-interval", str(stream_interval)])
+    fresh = daemon_factory(args=["--model-seed", str(NEW_SEED)])
     with d.client() as c, fresh.client() as f:
         c.hello()
         want = f.generate([9, 8, 7], max_new_tokens=2000, temperature=0.0).token_ids
@@ -187,6 +191,10 @@ def test_pause_retract_restarts_under_the_new_weights(daemon_factory, new_weight
         events = [first] + list(stream)
         kinds = [type(e).__name__ for e in events]
         assert "RetractedEvent" in kinds and kinds[-1] == "FinishedEvent"
+        retracted = events[kinds.index("RetractedEvent")]
+        before = events[:kinds.index("RetractedEvent")]
+        assert retracted.num_tokens_discarded == sum(len(e.token_ids) for e in before) > 0
+        assert all(len(e.token_ids) == stream_interval for e in before[:-1])
         after = events[kinds.index("RetractedEvent") + 1:-1]
         tokens = [t for e in after for t in e.token_ids]
         versions = [v for e in after for v in e.weight_versions]

@@ -575,7 +575,8 @@ def run(args):
     # A daemon aborts the requests of a client that leaves --outbox-limit events undelivered: one
     # daemon alone streams ~num_requests x max_new_tokens events, faster than Python may read them.
     fleet_flags = ["--max-running", str(args.max_running), "--max-waiting", str(max(4096, 2 * args.num_requests)),
-                   "--outbox-limit", str(min(1 << 24, max(65536, 4 * args.num_requests * (args.max_new_tokens + 2))))]
+                   "--outbox-limit", str(min(1 << 24, max(65536, 4 * args.num_requests * (args.max_new_tokens + 2)))),
+                   "--stream-interval", str(args.stream_interval)]
     daemons = []
     try:
         if args.cpu_daemons:
@@ -642,6 +643,8 @@ def main(argv):
     ap.add_argument("--vocab", type=int, default=256, help="prompt token ids are drawn from [1, vocab)")
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--max-running", type=int, default=256, help="each daemon's --max-running")
+    ap.add_argument("--stream-interval", type=int, default=16,
+                    help="each daemon's --stream-interval: tokens per streamed event (the coordinator pays per event)")
     ap.add_argument("--skip", type=lambda s: set(s.split(",")) - {""}, default=set(),
                     help="phases to leave out: raw,nccl,mxfp4,ipc,fleet")
     ap.add_argument("--cpu-daemons", type=int, default=0,
