@@ -112,6 +112,14 @@ struct Backend {
   // move every other row (gate/up interleaving) in one call instead of one copy per row.
   Status (*copy_2d)(const ExecContext&, void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
                     size_t width, size_t height, CopyKind kind);
+  // `depth` slices of `height` rows of `width` bytes: row i of slice k from
+  // src + k * src_slice_pitch + i * src_pitch to dst + k * dst_slice_pitch + i * dst_pitch.
+  // Each slice pitch must be a multiple of its row pitch and hold `height` rows (CUDA's pitched
+  // 3D copy has that shape). One call moves a row permutation of every expert of a stacked
+  // tensor (cudaMemcpy3DAsync), where copy_2d needs one call per expert.
+  Status (*copy_3d)(const ExecContext&, void* dst, size_t dst_pitch, size_t dst_slice_pitch, const void* src,
+                    size_t src_pitch, size_t src_slice_pitch, size_t width, size_t height, size_t depth,
+                    CopyKind kind);
 };
 
 const Backend& cpu_backend();

@@ -1,5 +1,6 @@
 #include "core/weights/quant_method.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -35,7 +36,8 @@ Result<void*> device_staging(const Backend& b, const ExecContext& ctx, size_t by
   return p;
 }
 
-InterleaveGateUpMethod::InterleaveGateUpMethod(int64_t intermediate) : inter_(intermediate) {
+InterleaveGateUpMethod::InterleaveGateUpMethod(int64_t intermediate, size_t max_staging_bytes)
+    : inter_(intermediate), max_staging_bytes_(max_staging_bytes) {
   const size_t rows = static_cast<size_t>(2 * intermediate);
   kernel_of_checkpoint_.resize(rows);
   checkpoint_of_kernel_.resize(rows);
@@ -52,30 +54,33 @@ Status InterleaveGateUpMethod::permute(const Backend& b, const ExecContext& ctx,
   const size_t rb = static_cast<size_t>(s.size(2)) * dtype_size(s.dtype);
   const size_t half = static_cast<size_t>(inter_);
   const size_t expert_bytes = rb * 2 * half;
+  const size_t num_experts = static_cast<size_t>(s.size(0));
+  const size_t group = std::max<size_t>(1, std::min(num_experts, max_staging_bytes_ / std::max<size_t>(expert_bytes, 1)));
+  const size_t staging_bytes = expert_bytes * group;
   const bool host = s.device.kind == DeviceKind::kCpu;
   const CopyKind d2d = host ? CopyKind::kHostToHost : CopyKind::kDeviceToDevice;
   void* tmp = nullptr;
   if (host) {
-    expert_tmp_.resize(expert_bytes);
+    expert_tmp_.resize(staging_bytes);
     tmp = expert_tmp_.data();
   } else {
-    RD_ASSIGN_OR_RETURN(tmp, device_staging(b, ctx, expert_bytes));
+    RD_ASSIGN_OR_RETURN(tmp, device_staging(b, ctx, staging_bytes));
   }
   auto* t = static_cast<char*>(tmp);
   Status st;
-  // Per expert: stage it, then two strided copies back -- three calls, whatever I is (a copy
-  // per row cost ~20 ms a session on the GPU for the tiny model alone).
-  for (int64_t e = 0; e < s.size(0) && st.ok(); ++e) {
-    char* base = static_cast<char*>(s.data) + expert_bytes * static_cast<size_t>(e);
-    st = b.copy(ctx, t, base, expert_bytes, d2d);
+  // Per group of experts (each a slice of 2I rows): stage it, then two strided copies back.
+  for (size_t e0 = 0; e0 < num_experts && st.ok(); e0 += group) {
+    const size_t n = std::min(group, num_experts - e0);
+    char* base = static_cast<char*>(s.data) + expert_bytes * e0;
+    st = b.copy(ctx, t, base, expert_bytes * n, d2d);
     if (!st.ok()) break;
     if (to == Direction::kToKernel) {
       // kernel row 2j <- checkpoint row j (gate), kernel row 2j+1 <- checkpoint row I+j (up).
-      st = b.copy_2d(ctx, base, 2 * rb, t, rb, rb, half, d2d);
-      if (st.ok()) st = b.copy_2d(ctx, base + rb, 2 * rb, t + half * rb, rb, rb, half, d2d);
+      st = b.copy_3d(ctx, base, 2 * rb, expert_bytes, t, rb, expert_bytes, rb, half, n, d2d);
+      if (st.ok()) st = b.copy_3d(ctx, base + rb, 2 * rb, expert_bytes, t + half * rb, rb, expert_bytes, rb, half, n, d2d);
     } else {
-      st = b.copy_2d(ctx, base, rb, t, 2 * rb, rb, half, d2d);
-      if (st.ok()) st = b.copy_2d(ctx, base + half * rb, rb, t + rb, 2 * rb, rb, half, d2d);
+      st = b.copy_3d(ctx, base, rb, expert_bytes, t, 2 * rb, expert_bytes, rb, half, n, d2d);
+      if (st.ok()) st = b.copy_3d(ctx, base + half * rb, rb, expert_bytes, t + rb, 2 * rb, expert_bytes, rb, half, n, d2d);
     }
   }
   if (!host) {

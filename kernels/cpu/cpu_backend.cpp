@@ -217,6 +217,14 @@ Status copy_2d(const ExecContext& ctx, void* dst, size_t dst_pitch, const void* 
                             static_cast<const char*>(src) + i * src_pitch, width, kind));
   return Status::Ok();
 }
+Status copy_3d(const ExecContext& ctx, void* dst, size_t dst_pitch, size_t dst_slice_pitch, const void* src,
+               size_t src_pitch, size_t src_slice_pitch, size_t width, size_t height, size_t depth, CopyKind kind) {
+  RD_RETURN_IF_ERROR(op_checks::copy_3d_shape(dst_pitch, dst_slice_pitch, src_pitch, src_slice_pitch, width, height));
+  for (size_t k = 0; k < depth && width && height; ++k)
+    RD_RETURN_IF_ERROR(copy_2d(ctx, static_cast<char*>(dst) + k * dst_slice_pitch, dst_pitch,
+                               static_cast<const char*>(src) + k * src_slice_pitch, src_pitch, width, height, kind));
+  return Status::Ok();
+}
 }  // namespace cpu
 
 const Backend& cpu_backend() {
@@ -238,6 +246,7 @@ const Backend& cpu_backend() {
       cpu::moe_experts,
       cpu::convert,
       cpu::copy_2d,
+      cpu::copy_3d,
   };
   return kCpuBackend;
 }

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <string>
 #include <string_view>
+#include <tuple>
 
 namespace rolloutd::op_checks {
 namespace {
@@ -238,6 +239,19 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
 
 int64_t moe_valid_rows(const MoeExpertsArgs& a) {
   return a.num_valid_tokens < 0 ? a.x.size(0) : a.num_valid_tokens;
+}
+
+Status copy_3d_shape(size_t dst_pitch, size_t dst_slice_pitch, size_t src_pitch, size_t src_slice_pitch,
+                     size_t width, size_t height) {
+  if (dst_pitch < width || src_pitch < width)
+    return Status(ErrorCode::kInvalidArgument, "a pitch is smaller than the row width", "pitch");
+  for (auto [pitch, slice, field] : {std::tuple{dst_pitch, dst_slice_pitch, "dst_slice_pitch"},
+                                     std::tuple{src_pitch, src_slice_pitch, "src_slice_pitch"}}) {
+    if (pitch == 0 || slice % pitch != 0 || slice / pitch < height)
+      return Status(ErrorCode::kInvalidArgument,
+                    "a slice pitch must be a multiple of its row pitch holding every row of the slice", field);
+  }
+  return Status::Ok();
 }
 
 }  // namespace rolloutd::op_checks

@@ -134,6 +134,30 @@ Status copy_2d(const ExecContext& ctx, void* dst, size_t dst_pitch, const void* 
   return Status::Ok();
 }
 
+Status copy_3d(const ExecContext& ctx, void* dst, size_t dst_pitch, size_t dst_slice_pitch, const void* src,
+               size_t src_pitch, size_t src_slice_pitch, size_t width, size_t height, size_t depth, CopyKind kind) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  RD_RETURN_IF_ERROR(op_checks::copy_3d_shape(dst_pitch, dst_slice_pitch, src_pitch, src_slice_pitch, width, height));
+  if (width == 0 || height == 0 || depth == 0) return Status::Ok();
+  if (dst == nullptr || src == nullptr)
+    return Status(ErrorCode::kInvalidArgument, "null pointer in a 3D copy", dst == nullptr ? "dst" : "src");
+  cudaMemcpy3DParms p{};
+  p.srcPtr = make_cudaPitchedPtr(const_cast<void*>(src), src_pitch, width, src_slice_pitch / src_pitch);
+  p.dstPtr = make_cudaPitchedPtr(dst, dst_pitch, width, dst_slice_pitch / dst_pitch);
+  p.extent = make_cudaExtent(width, height, depth);
+  switch (kind) {
+    case CopyKind::kHostToDevice: p.kind = cudaMemcpyHostToDevice; break;
+    case CopyKind::kDeviceToHost: p.kind = cudaMemcpyDeviceToHost; break;
+    case CopyKind::kDeviceToDevice: p.kind = cudaMemcpyDeviceToDevice; break;
+    case CopyKind::kHostToHost: p.kind = cudaMemcpyHostToHost; break;
+    default: return Status(ErrorCode::kInvalidArgument, "unknown copy kind", "kind");
+  }
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  RD_CUDA_CHECK(cudaMemcpy3DAsync(&p, stream_of(ctx)));
+  return Status::Ok();
+}
+
 Status synchronize(const ExecContext& ctx) {
   RD_RETURN_IF_ERROR(check_ctx(ctx));
   DeviceGuard guard;
@@ -211,6 +235,7 @@ const Backend* cuda_backend() {
       cuda::moe_experts,
       cuda::convert,
       cuda::copy_2d,
+      cuda::copy_3d,
   };
   return &kCudaBackend;
 }
