@@ -81,6 +81,10 @@ ParseOutcome parse_config(int argc, const char* const* argv) {
       "benchmarks: register parameters synthetic_mx.{i}.weight [32768, 4096] quantized to MXFP4 on arrival, "
       "this many bytes of BF16 in all")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  add("--synthetic-fp8-params", c.synthetic_fp8_bytes, "ROLLOUTD_SYNTHETIC_FP8_PARAMS",
+      "benchmarks: register parameters synthetic_fp8.{i}.weight [32768, 4096] quantized to blockwise FP8 "
+      "(UE8M0 scales in synthetic_fp8.{i}.weight_scale_inv) on arrival, this many bytes of BF16 in all")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   add("--synthetic-small-params", c.synthetic_small_params, "ROLLOUTD_SYNTHETIC_SMALL_PARAMS",
       "benchmarks: register this many BF16 parameters synthetic_small.{i}.weight of 1024 elements")
       ->check(CLI::Range(int64_t{0}, int64_t{1000000}));
@@ -257,6 +261,7 @@ nlohmann::json to_json(const DaemonConfig& c) {
       {"synthetic_param_bytes", c.synthetic_param_bytes},
       {"synthetic_small_params", c.synthetic_small_params},
       {"synthetic_mxfp4_bytes", c.synthetic_mxfp4_bytes},
+      {"synthetic_fp8_bytes", c.synthetic_fp8_bytes},
       {"outbox_limit", c.outbox_limit},
       {"stream_interval", c.stream_interval},
       {"drain_timeout_s", c.drain_timeout_s},

@@ -59,6 +59,7 @@ struct DaemonConfig {
   int64_t synthetic_param_bytes = 0;      // benchmarks: extra BF16 `synthetic.{i}.weight` parameters
   int64_t synthetic_small_params = 0;     // benchmarks: BF16 `synthetic_small.{i}.weight` of 1024 elements
   int64_t synthetic_mxfp4_bytes = 0;      // benchmarks: BF16 bytes of `synthetic_mx.{i}.weight`, quantized to MXFP4
+  int64_t synthetic_fp8_bytes = 0;        // benchmarks: BF16 bytes of `synthetic_fp8.{i}.weight`, quantized to FP8
 
   // Streams and lifecycle.
   int outbox_limit = 65536;           // undelivered messages per client before its requests abort

@@ -166,6 +166,7 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
   mc.synthetic_param_bytes = config.synthetic_param_bytes;
   mc.synthetic_small_params = config.synthetic_small_params;
   mc.synthetic_mxfp4_bytes = config.synthetic_mxfp4_bytes;
+  mc.synthetic_fp8_bytes = config.synthetic_fp8_bytes;
   core::StepLimits limits;
   limits.max_tokens = config.max_step_tokens;
   limits.max_seqs = config.max_running;

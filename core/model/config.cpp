@@ -32,6 +32,8 @@ Status ModelConfig::validate() const {
     return Status(ErrorCode::kInvalidArgument, "must be in [0, 1 TiB]", "synthetic_param_bytes");
   if (synthetic_mxfp4_bytes < 0 || synthetic_mxfp4_bytes > (int64_t{1} << 40))
     return Status(ErrorCode::kInvalidArgument, "must be in [0, 1 TiB]", "synthetic_mxfp4_bytes");
+  if (synthetic_fp8_bytes < 0 || synthetic_fp8_bytes > (int64_t{1} << 40))
+    return Status(ErrorCode::kInvalidArgument, "must be in [0, 1 TiB]", "synthetic_fp8_bytes");
   if (synthetic_small_params < 0 || synthetic_small_params > 1000000)
     return Status(ErrorCode::kInvalidArgument, "must be in [0, 1e6]", "synthetic_small_params");
   if (!(rope_theta > 0.0)) return Status(ErrorCode::kInvalidArgument, "must be positive", "rope_theta");

@@ -38,6 +38,10 @@ struct ModelConfig {
   // on arrival, `synthetic_mx.{i}.weight` [32768, 4096] (256 MiB of BF16 each), stored as
   // `synthetic_mx.{i}.weight_blocks` / `_scales` (online quantization in the transport path).
   int64_t synthetic_mxfp4_bytes = 0;
+  // ... and this many bytes (BF16, as sent) of parameters quantized to blockwise FP8 on arrival,
+  // `synthetic_fp8.{i}.weight` [32768, 4096] stored as float8_e4m3fn plus
+  // `synthetic_fp8.{i}.weight_scale_inv` [256, 32] FP32 (UE8M0 scales, DeepSeek-V3 layout).
+  int64_t synthetic_fp8_bytes = 0;
 
   int64_t num_moe_layers() const { return num_hidden_layers; }
   // Checks internal consistency (positive sizes, heads divisible, top_k <= experts, ...).

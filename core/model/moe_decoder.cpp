@@ -100,6 +100,15 @@ Status MoeDecoder::allocate() {
     RD_RETURN_IF_ERROR(weights_->add_mxfp4("synthetic_mx." + std::to_string(i) + ".weight", shape, blocks, scales));
     left -= rows * kCols * 2;
   }
+  for (int64_t left = c.synthetic_fp8_bytes, i = 0; left > 0; ++i) {
+    constexpr int64_t kCols = 4096, kFullRows = (int64_t{256} << 20) / 2 / kCols;
+    const int64_t rows = std::min<int64_t>(kFullRows, std::max<int64_t>(1, left / 2 / kCols));
+    TensorView q, scale_inv;
+    RD_ASSIGN_OR_RETURN(q, weights_arena_->allocate(DType::kF8E4M3, Shape{rows, kCols}));
+    RD_ASSIGN_OR_RETURN(scale_inv, weights_arena_->allocate(DType::kF32, Shape{(rows + 127) / 128, kCols / 128}));
+    RD_RETURN_IF_ERROR(weights_->add_fp8_blockwise("synthetic_fp8." + std::to_string(i) + ".weight", q, scale_inv));
+    left -= rows * kCols * 2;
+  }
   for (int64_t i = 0; i < c.synthetic_small_params; ++i) {
     TensorView t;
     RD_ASSIGN_OR_RETURN(t, weights_arena_->allocate(DType::kBF16, Shape{1024}));

@@ -86,13 +86,15 @@ Status WeightRegistry::add(std::string name, TensorView storage, std::unique_ptr
   return Status::Ok();
 }
 
-std::vector<size_t> CheckpointTensor::targets() const {
+bool CheckpointTensor::quantizes_from(DType src_dtype) const {
+  return mxfp4 || (fp8 && (src_dtype == DType::kBF16 || src_dtype == DType::kF32));
+}
+
+std::vector<size_t> CheckpointTensor::targets(DType src_dtype) const {
+  if (mxfp4) return {mxfp4->blocks, mxfp4->scales};
+  if (fp8 && quantizes_from(src_dtype)) return {fp8->q, fp8->scale_inv};
   std::vector<size_t> out;
   for (const RowCopy& c : pieces) out.push_back(c.param);
-  if (mxfp4) {
-    out.push_back(mxfp4->blocks);
-    out.push_back(mxfp4->scales);
-  }
   return out;
 }
 
@@ -117,6 +119,24 @@ Status WeightRegistry::add_mxfp4(std::string name, std::span<const int64_t> shap
   t.mxfp4 = CheckpointTensor::Mxfp4Target{b, b + 1};
   std::string key = t.name;
   tensors_.emplace(std::move(key), std::move(t));
+  return Status::Ok();
+}
+
+Status WeightRegistry::add_fp8_blockwise(std::string name, TensorView q, TensorView scale_inv) {
+  const int r = q.rank();
+  bool ok = q.dtype == DType::kF8E4M3 && scale_inv.dtype == DType::kF32 && r >= 2 && scale_inv.rank() == r &&
+            q.is_contiguous() && scale_inv.is_contiguous();
+  for (int i = 0; ok && i < r; ++i) {
+    const int64_t want = i + 2 < r ? q.size(i) : (q.size(i) + quant::kFp8BlockK - 1) / quant::kFp8BlockK;
+    ok = scale_inv.size(i) == want;
+  }
+  if (!ok)
+    return Status(ErrorCode::kInternal,
+                  "an FP8 parameter needs float8_e4m3fn storage [.., N, K] and float32 scales [.., N/128, K/128]", name);
+  const size_t qi = params_.size();
+  RD_RETURN_IF_ERROR(add(name, q, nullptr));
+  RD_RETURN_IF_ERROR(add(name + "_scale_inv", scale_inv, nullptr));
+  tensors_.at(name).fp8 = CheckpointTensor::Fp8Target{qi, qi + 1};
   return Status::Ok();
 }
 
@@ -167,13 +187,18 @@ Status WeightRegistry::check_load(const CheckpointTensor& t, DType src_dtype, st
   for (int64_t d : shape) numel *= static_cast<uint64_t>(d);
   if (numel * dtype_size(src_dtype) != src_bytes)
     return Status(ErrorCode::kInvalidArgument, "byte count does not match shape and dtype", "nbytes");
-  if (t.mxfp4) {
+  if (t.fp8 && !t.quantizes_from(src_dtype) && src_dtype != DType::kF8E4M3)
+    return Status(ErrorCode::kInvalidArgument,
+                  t.name + " is stored in FP8: send it as bfloat16 or float32 (quantized on arrival) or as "
+                           "float8_e4m3fn with its _scale_inv, not " + std::string(dtype_name(src_dtype)),
+                  "dtype");
+  if (t.quantizes_from(src_dtype)) {
     if (src_dtype != DType::kBF16 && src_dtype != DType::kF32)
       return Status(ErrorCode::kInvalidArgument,
                     t.name + " is quantized to MXFP4 on arrival: send it as bfloat16 or float32, not " +
                         std::string(dtype_name(src_dtype)),
                     "dtype");
-    for (size_t i : t.targets())
+    for (size_t i : t.targets(src_dtype))
       if (params_[i].layout != Layout::kCheckpoint)
         return Status(ErrorCode::kFailedPrecondition,
                       "parameter " + params_[i].name + " is in kernel layout: it was not selected by begin_weight_update",
@@ -200,7 +225,7 @@ Status WeightRegistry::load(const CheckpointTensor& t, DType src_dtype, std::spa
   RD_RETURN_IF_ERROR(check_load(t, src_dtype, shape, src.size()));
   if (src_on_device && ctx_.device.kind != DeviceKind::kCuda)
     return Status(ErrorCode::kInvalidArgument, "device-resident bytes for a model on the CPU", "source");
-  if (t.mxfp4) return load_mxfp4(t, src_dtype, shape, src, src_on_device);
+  if (t.quantizes_from(src_dtype)) return load_quantized(t, src_dtype, shape, src, src_on_device);
   const size_t src_elem = dtype_size(src_dtype);
   for (const RowCopy& c : t.pieces) {
     RegisteredParameter& p = params_[c.param];
@@ -237,10 +262,10 @@ Status WeightRegistry::load(const CheckpointTensor& t, DType src_dtype, std::spa
   return Status::Ok();
 }
 
-Status WeightRegistry::load_mxfp4(const CheckpointTensor& t, DType src_dtype, std::span<const int64_t> shape,
-                                  std::span<const uint8_t> src, bool src_on_device) {
-  RegisteredParameter& blocks = params_[t.mxfp4->blocks];
-  RegisteredParameter& scales = params_[t.mxfp4->scales];
+Status WeightRegistry::load_quantized(const CheckpointTensor& t, DType src_dtype, std::span<const int64_t> shape,
+                                      std::span<const uint8_t> src, bool src_on_device) {
+  RegisteredParameter& out0 = params_[t.mxfp4 ? t.mxfp4->blocks : t.fp8->q];
+  RegisteredParameter& out1 = params_[t.mxfp4 ? t.mxfp4->scales : t.fp8->scale_inv];
   Shape sh = Shape::of(shape.data(), static_cast<int>(shape.size()));
   const bool cuda = ctx_.device.kind == DeviceKind::kCuda;
   // Host bytes for a model on the GPU go up first (into memory held for this call only).
@@ -256,16 +281,18 @@ Status WeightRegistry::load_mxfp4(const CheckpointTensor& t, DType src_dtype, st
     x = dev;
   }
   TensorView xv = TensorView::contiguous(const_cast<void*>(x), src_dtype, sh, cuda ? ctx_.device : Device::cpu());
-  Status s = quant::quantize_mxfp4(ctx_, xv, blocks.storage, scales.storage);
+  Status s = t.mxfp4 ? quant::quantize_mxfp4(ctx_, xv, out0.storage, out1.storage)
+                    : quant::quantize_fp8_blockwise(ctx_, xv, quant::Fp8ScaleBlock::k128x128, out0.storage,
+                                                    out1.storage, TensorView{});
   if (dev) {
     // The quantization reads `dev` asynchronously: wait before freeing it.
     if (Status w = backend_.synchronize(ctx_); s.ok()) s = w;
     (void)backend_.free(ctx_, dev);
   }
   RD_RETURN_IF_ERROR(s);
-  const RowGeometry gb = row_geometry(blocks.storage), gs = row_geometry(scales.storage);
-  blocks.loads += static_cast<uint64_t>(gb.rows * gb.experts);
-  scales.loads += static_cast<uint64_t>(gs.rows * gs.experts);
+  const RowGeometry g0 = row_geometry(out0.storage), g1 = row_geometry(out1.storage);
+  out0.loads += static_cast<uint64_t>(g0.rows * g0.experts);
+  out1.loads += static_cast<uint64_t>(g1.rows * g1.experts);
   return Status::Ok();
 }
 

@@ -40,8 +40,18 @@ struct CheckpointTensor {
     size_t blocks = 0, scales = 0;
   };
   std::optional<Mxfp4Target> mxfp4 = std::nullopt;
-  // Every parameter a load of this tensor writes.
-  std::vector<size_t> targets() const;
+  // Online FP8: the tensor ([.., N, K]) arrives in BF16/FP32 and is quantized to E4M3 with one
+  // power-of-two (UE8M0) scale per 128 x 128 block into the stored parameter of its own name
+  // and `<name>_scale_inv` (FP32 [.., ceil(N/128), ceil(K/128)]: the DeepSeek-V3 checkpoint
+  // layout); float8_e4m3fn bytes go straight into the stored parameter (`pieces`).
+  struct Fp8Target {
+    size_t q = 0, scale_inv = 0;
+  };
+  std::optional<Fp8Target> fp8 = std::nullopt;
+  // True when a load from `src_dtype` quantizes (MXFP4 or FP8 on arrival).
+  bool quantizes_from(DType src_dtype) const;
+  // Every parameter a load of this tensor from `src_dtype` writes.
+  std::vector<size_t> targets(DType src_dtype) const;
 };
 
 struct RegistryCounters {
@@ -66,6 +76,10 @@ class WeightRegistry {
   // MXFP4 on arrival into two stored uint8 parameters `<name>_blocks` [.., K/32, 16] and
   // `<name>_scales` [.., K/32] (which also take MXFP4 bytes directly, as gpt-oss ships them).
   Status add_mxfp4(std::string name, std::span<const int64_t> shape, TensorView blocks, TensorView scales);
+  // Registers `name` as a stored float8_e4m3fn parameter `q` [.., N, K] quantized on arrival
+  // from BF16/FP32 (blockwise 128 x 128, UE8M0 scales into `scale_inv` [.., ceil(N/128),
+  // ceil(K/128)] FP32, registered as `<name>_scale_inv`); FP8 bytes and scales load directly.
+  Status add_fp8_blockwise(std::string name, TensorView q, TensorView scale_inv);
 
   const CheckpointTensor* resolve(std::string_view checkpoint_name) const;
   const RegisteredParameter* find(std::string_view param_name) const;
@@ -99,8 +113,10 @@ class WeightRegistry {
   const ExecContext& context() const { return ctx_; }
 
  private:
-  Status load_mxfp4(const CheckpointTensor& t, DType src_dtype, std::span<const int64_t> shape,
-                    std::span<const uint8_t> src, bool src_on_device);
+  // Quantizes one checkpoint tensor (MXFP4 or FP8 on arrival), host bytes uploaded first for a
+  // model on the GPU.
+  Status load_quantized(const CheckpointTensor& t, DType src_dtype, std::span<const int64_t> shape,
+                        std::span<const uint8_t> src, bool src_on_device);
 
   const Backend& backend_;
   ExecContext ctx_;

@@ -129,7 +129,7 @@ Result<BucketResult> WeightUpdater::apply_bucket(uint64_t session, std::span<con
   for (size_t i = 0; i < entries.size(); ++i) {
     const BucketEntry& e = entries[i];
     Status s = reg_.load(*targets[i], e.dtype, e.shape, bucket.subspan(e.byte_offset, e.nbytes), on_device);
-    for (size_t p : targets[i]->targets()) written_.insert(p);
+    for (size_t p : targets[i]->targets(e.dtype)) written_.insert(p);
     if (!s.ok()) {
       (void)finish_failed("bucket write failed at " + e.name + ": " + s.message());
       return Status(s.code(), s.message(), entry_field(i, ""));

@@ -42,6 +42,8 @@ SYNTHETIC_NAME = "synthetic.{i}.weight"      # ... named so, shape [block bytes 
 MX_FLAG = "--synthetic-mxfp4-params"         # N bytes (BF16 as sent) quantized to MXFP4 on arrival ...
 MX_NAME = "synthetic_mx.{i}.weight"          # ... named so, [MX_ROWS, MX_COLS] per 256 MiB block
 MX_ROWS, MX_COLS = 32768, 4096
+FP8_FLAG = "--synthetic-fp8-params"          # N bytes (BF16 as sent) quantized to blockwise FP8 on arrival ...
+FP8_NAME = "synthetic_fp8.{i}.weight"        # ... named so, [MX_ROWS, MX_COLS], scales in <name>_scale_inv
 SMALL_PARAMS_FLAG = "--synthetic-small-params"  # N extra BF16 parameters of SMALL_PARAM_ELEMS each
 SMALL_PARAM_NAME = "synthetic_small.{i}.weight"
 SMALL_PARAM_ELEMS = 1024
@@ -53,7 +55,8 @@ PER_TENSOR_PEER_BYTES = 4 << 20
 GIB = 1 << 30
 # A daemon refuses an end_weight_update below the version it serves: one counter for every push.
 _VERSIONS = itertools.count(1)
-TARGETS = {"nccl_vs_raw": 0.9, "nccl_mxfp4_vs_raw": 0.8, "ipc_vs_copy": 0.8, "per_tensor_us": 5.0}
+TARGETS = {"nccl_vs_raw": 0.9, "nccl_mxfp4_vs_raw": 0.8, "nccl_fp8_vs_raw": 0.8, "ipc_vs_copy": 0.8,
+           "per_tensor_us": 5.0}
 
 
 # ------------------------------------------------------------------- raw NCCL ceiling --
@@ -205,7 +208,7 @@ def bench(args):
     result = {"host": {"gpus": [torch.cuda.get_device_name(i) for i in range(2)], "torch": torch.__version__,
                        "cupy": cupy.__version__, "nccl": cupy.cuda.nccl.get_version(),
                        "daemon_nccl_dir": trainer.nccl_lib_dir()},
-              "targets": TARGETS, "sizes": sizes, "nccl": [], "nccl_mxfp4": [], "ipc": [], "raw_nccl": [], "per_tensor_peer": [],
+              "targets": TARGETS, "sizes": sizes, "nccl": [], "nccl_mxfp4": [], "nccl_fp8": [], "ipc": [], "raw_nccl": [], "per_tensor_peer": [],
               "d2d_copy": [], "small_tensors": {}}
 
     # The ceilings first (METHOD: the floor, then the same-run ceiling), from the same tensors.
@@ -226,7 +229,8 @@ def bench(args):
     checkpoint(args, result)
 
 
-    daemon = rdgpu.Daemon(DAEMON_GPU, [SYNTHETIC_FLAG, str(max_bytes), MX_FLAG, str(max_bytes)], start_timeout_s=300)
+    daemon = rdgpu.Daemon(DAEMON_GPU, [SYNTHETIC_FLAG, str(max_bytes), MX_FLAG, str(max_bytes), FP8_FLAG,
+                                       str(max_bytes)], start_timeout_s=300)
     try:
         client = daemon.client(timeout_s=300)
         hello = client.hello()
@@ -263,32 +267,42 @@ def bench(args):
             sent = views0[0][1][:8].float().cpu().tolist()
             assert got == sent, f"the daemon holds {got}, the trainer sent {sent}"
 
-            # ---- the same with online MXFP4 quantization of every tensor (routed experts) ----
-            for size in sizes:
-                blocks = size["bytes"] // SYNTHETIC_BLOCK_BYTES
-                mx = [(MX_NAME.format(i=i), t.view(MX_ROWS, MX_COLS)) for i, (_, t) in enumerate(views0[:blocks])]
-                for bucket in args.buckets:
-                    times, stats = [], {}
-                    for rep in range(args.reps + 1):
-                        stats = {}
-                        trainer.push_weights([client], mx, next(_VERSIONS), via="nccl", group=group,
-                                             bucket_bytes=bucket, stats=stats)
-                        if rep:
-                            times.append(stats["transfer_s"])
-                    result["nccl_mxfp4"].append({"bytes": size["bytes"], "bucket_bytes": bucket, "layout": "flat",
-                                                 "num_buckets": stats["num_buckets"],
-                                                 "num_direct": stats["num_direct"],
-                                                 **summarize(times, size["bytes"]), "last_rep": breakdown(stats)})
-                    print(f"nccl push {size['bytes'] / GIB:5.1f} GiB bucket {bucket >> 20:5d} MiB mxfp4    "
-                          f"{result['nccl_mxfp4'][-1]['gbps']:7.1f} GB/s  {result['nccl_mxfp4'][-1]['last_rep']}",
-                          flush=True)
-                    checkpoint(args, result)
-            # Not timing zeros: the first scales are the OCP MX rule applied by torch to what was sent
-            # (E8M0 = floor(log2(amax of 32)) - 2 + 127; randn data has no zero block).
-            first = views0[0][1][:8 * 32].float().view(8, 32).abs().amax(dim=1)
-            want = (torch.floor(torch.log2(first)) - 2 + 127).cpu().tolist()
-            got = client.get_weights_by_name(MX_NAME.format(i=0) + "_scales", truncate=8).values
-            assert got == want, f"the daemon's MXFP4 scales {got}, the OCP rule gives {want}"
+            # ---- the same with online quantization of every tensor: MXFP4 (routed experts) and
+            # blockwise FP8 with UE8M0 scales (DeepSeek-V3-style linears) ----
+            for fmt, name in (("mxfp4", MX_NAME), ("fp8", FP8_NAME)):
+                if fmt not in args.online:
+                    continue
+                key = "nccl_" + fmt
+                for size in sizes:
+                    blocks = size["bytes"] // SYNTHETIC_BLOCK_BYTES
+                    qt = [(name.format(i=i), t.view(MX_ROWS, MX_COLS)) for i, (_, t) in enumerate(views0[:blocks])]
+                    for bucket in args.buckets:
+                        times, stats = [], {}
+                        for rep in range(args.reps + 1):
+                            stats = {}
+                            trainer.push_weights([client], qt, next(_VERSIONS), via="nccl", group=group,
+                                                 bucket_bytes=bucket, stats=stats)
+                            if rep:
+                                times.append(stats["transfer_s"])
+                        result[key].append({"bytes": size["bytes"], "bucket_bytes": bucket, "layout": "flat",
+                                            "num_buckets": stats["num_buckets"], "num_direct": stats["num_direct"],
+                                            **summarize(times, size["bytes"]), "last_rep": breakdown(stats)})
+                        print(f"nccl push {size['bytes'] / GIB:5.1f} GiB bucket {bucket >> 20:5d} MiB {fmt:8s} "
+                              f"{result[key][-1]['gbps']:7.1f} GB/s  {result[key][-1]['last_rep']}", flush=True)
+                        checkpoint(args, result)
+                # Not timing zeros: the first scales follow each format's rule applied by torch to what was sent.
+                if fmt == "mxfp4":
+                    # OCP MX: E8M0 = floor(log2(amax of 32)) - 2 + 127; randn data has no zero block.
+                    first = views0[0][1][:8 * 32].float().view(8, 32).abs().amax(dim=1)
+                    want = (torch.floor(torch.log2(first)) - 2 + 127).cpu().tolist()
+                    got = client.get_weights_by_name(MX_NAME.format(i=0) + "_scales", truncate=8).values
+                else:
+                    # UE8M0 blockwise: 2^ceil(log2(amax of a 128 x 128 block / 448)), first row of blocks.
+                    w = views0[0][1].view(MX_ROWS, MX_COLS)[:128].float().abs().view(128, MX_COLS // 128, 128)
+                    q = w.amax(dim=2).amax(dim=0) / 448.0
+                    want = torch.exp2(torch.ceil(torch.log2(q)))[:8].cpu().tolist()
+                    got = client.get_weights_by_name(FP8_NAME.format(i=0) + "_scale_inv", truncate=8).values
+                assert got == want, f"the daemon's {fmt} scales {got}, the rule gives {want}"
 
         # ---- CUDA IPC push, and the device-to-device copy on the daemon's GPU ----
         for size in sizes:
@@ -410,13 +424,15 @@ def ratios(result):
                      f"{r['gbps']:7.1f} GB/s = {r['vs_raw_nccl']:.3f} x raw NCCL "
                      f"({raw[(r['bytes'], r['bucket_bytes'])]:.1f}), {r['vs_per_tensor_peer']:.2f} x per-tensor peer "
                      f"({peer[r['bytes']]:.1f}); {r['num_direct']}/{r['num_buckets']} buckets direct")
-    for r in result["nccl_mxfp4"]:
-        if (r["bytes"], r["bucket_bytes"]) not in raw:
-            continue
-        r["vs_raw_nccl"] = r["gbps"] / raw[(r["bytes"], r["bucket_bytes"])]
-        ok = "ok " if r["vs_raw_nccl"] >= TARGETS["nccl_mxfp4_vs_raw"] else "LOW"
-        lines.append(f"{ok} nccl+mxfp4 {r['bytes'] / GIB:5.1f} GiB bucket {r['bucket_bytes'] >> 20:5d} MiB "
-                     f"{r['gbps']:7.1f} GB/s = {r['vs_raw_nccl']:.3f} x raw NCCL (target {TARGETS['nccl_mxfp4_vs_raw']})")
+    for fmt in ("mxfp4", "fp8"):
+        for r in result["nccl_" + fmt]:
+            if (r["bytes"], r["bucket_bytes"]) not in raw:
+                continue
+            r["vs_raw_nccl"] = r["gbps"] / raw[(r["bytes"], r["bucket_bytes"])]
+            target = TARGETS[f"nccl_{fmt}_vs_raw"]
+            ok = "ok " if r["vs_raw_nccl"] >= target else "LOW"
+            lines.append(f"{ok} nccl+{fmt:5s} {r['bytes'] / GIB:5.1f} GiB bucket {r['bucket_bytes'] >> 20:5d} MiB "
+                         f"{r['gbps']:7.1f} GB/s = {r['vs_raw_nccl']:.3f} x raw NCCL (target {target})")
     for r in result["ipc"]:
         r["vs_d2d_copy"] = r["gbps"] / copy[r["bytes"]]
         ok = "ok " if r["vs_d2d_copy"] >= TARGETS["ipc_vs_copy"] else "LOW"
@@ -443,6 +459,8 @@ def main(argv):
     ap.add_argument("--buckets-mib", dest="buckets", type=lambda s: [int(x) << 20 for x in s.split(",")],
                     default=BUCKETS)
     ap.add_argument("--layouts", type=lambda s: s.split(","), default=["separate", "flat"])
+    ap.add_argument("--online", type=lambda s: [x for x in s.split(",") if x], default=["mxfp4", "fp8"],
+                    help="online quantization formats to push (mxfp4,fp8; empty: none)")
     ap.add_argument("--hang-s", type=float, default=480, help="print every thread's stack if still running then")
     args = ap.parse_args(argv)
     import faulthandler

@@ -107,12 +107,13 @@ TEST(DeviceBuckets, DeviceResidentBucketEqualsTheHostPath) {
 // Online MXFP4 quantization on the GPU: a BF16 tensor that arrives in device memory (NCCL
 // staging, an IPC mapping) or in host memory is quantized by the CUDA kernel into the same
 // blocks and scales the CPU reference makes of it, bit for bit, at unchanged addresses.
-TEST(DeviceBuckets, OnlineMxfp4QuantizationEqualsTheCpuPath) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA backend or no visible GPU";
+// A parameter quantized on arrival (`name`, BF16 [kRows, 4096] as sent, stored as `outputs`):
+// the GPU path (host bytes uploaded, and a device-resident bucket) writes the same bytes as
+// the CPU reference path, at unchanged addresses.
+void expect_online_quantization_equals_the_cpu_path(ModelConfig cfg, const std::string& name,
+                                                    const std::vector<std::string>& outputs, int64_t rows) {
   const Backend& g = *cuda_backend();
-  auto cfg = embedded_model_config();
-  constexpr int64_t kRows = 64, kCols = 4096;
-  cfg.synthetic_mxfp4_bytes = kRows * kCols * 2;
+  constexpr int64_t kCols = 4096;
   auto make = [&](const Backend& b, Device d) {
     ExecContext ctx;
     ctx.device = d;
@@ -123,9 +124,9 @@ TEST(DeviceBuckets, OnlineMxfp4QuantizationEqualsTheCpuPath) {
   };
   auto cpu = make(cpu_backend(), Device::cpu());
   auto gpu = make(g, Device::cuda(0));
-  std::vector<uint16_t> bf(kRows * kCols);
+  std::vector<uint16_t> bf(static_cast<size_t>(rows * kCols));
   test::fill_bf16_values(bf, 11);
-  const std::vector<BucketEntry> entries{{"synthetic_mx.0.weight", DType::kBF16, {kRows, kCols}, 0, bf.size() * 2}};
+  const std::vector<BucketEntry> entries{{name, DType::kBF16, {rows, kCols}, 0, bf.size() * 2}};
   const std::span<const uint8_t> host(reinterpret_cast<const uint8_t*>(bf.data()), bf.size() * 2);
   const auto now = SteadyClock::now();
   auto push = [&](MoeDecoder& m, std::span<const uint8_t> bytes, bool on_device, uint64_t version) {
@@ -136,16 +137,18 @@ TEST(DeviceBuckets, OnlineMxfp4QuantizationEqualsTheCpuPath) {
     ASSERT_TRUE(r.ok()) << r.status().to_string();
     ASSERT_TRUE(u.end(s->session, version, now).ok());
   };
+  auto expect_outputs_equal = [&](const std::map<std::string, std::vector<uint8_t>>& got,
+                                  const std::map<std::string, std::vector<uint8_t>>& want) {
+    for (const auto& o : outputs) EXPECT_EQ(got.at(o), want.at(o)) << o;
+  };
   push(*cpu, host, false, 1);
   const auto want = checkpoint_of(*cpu);
-  ASSERT_EQ(want.count("synthetic_mx.0.weight_blocks"), 1u);
+  for (const auto& o : outputs) ASSERT_EQ(want.count(o), 1u) << o;
   std::map<std::string, const void*> addrs;
   for (const auto& p : gpu->weights().parameters()) addrs[p.name] = p.storage.data;
 
   push(*gpu, host, false, 1);  // host bytes: uploaded, then quantized on the device
-  auto got = checkpoint_of(*gpu);
-  EXPECT_EQ(got.at("synthetic_mx.0.weight_blocks"), want.at("synthetic_mx.0.weight_blocks"));
-  EXPECT_EQ(got.at("synthetic_mx.0.weight_scales"), want.at("synthetic_mx.0.weight_scales"));
+  expect_outputs_equal(checkpoint_of(*gpu), want);
 
   // Scramble, then a device-resident bucket.
   std::vector<uint16_t> other(bf.size());
@@ -153,18 +156,32 @@ TEST(DeviceBuckets, OnlineMxfp4QuantizationEqualsTheCpuPath) {
   const std::vector<uint8_t> other_bytes(reinterpret_cast<const uint8_t*>(other.data()),
                                          reinterpret_cast<const uint8_t*>(other.data()) + other.size() * 2);
   push(*gpu, other_bytes, false, 2);
-  ASSERT_NE(checkpoint_of(*gpu).at("synthetic_mx.0.weight_blocks"), want.at("synthetic_mx.0.weight_blocks"));
+  ASSERT_NE(checkpoint_of(*gpu).at(outputs[0]), want.at(outputs[0]));
   void* dev = nullptr;
   const ExecContext& ctx = gpu->context();
   ASSERT_TRUE(g.alloc(ctx, host.size(), &dev).ok());
   ASSERT_TRUE(g.copy(ctx, dev, host.data(), host.size(), CopyKind::kHostToDevice).ok());
   ASSERT_TRUE(g.synchronize(ctx).ok());
   push(*gpu, {static_cast<const uint8_t*>(dev), host.size()}, true, 3);
-  got = checkpoint_of(*gpu);
-  EXPECT_EQ(got.at("synthetic_mx.0.weight_blocks"), want.at("synthetic_mx.0.weight_blocks"));
-  EXPECT_EQ(got.at("synthetic_mx.0.weight_scales"), want.at("synthetic_mx.0.weight_scales"));
+  expect_outputs_equal(checkpoint_of(*gpu), want);
   for (const auto& p : gpu->weights().parameters()) EXPECT_EQ(addrs[p.name], p.storage.data) << p.name;
   (void)g.free(ctx, dev);
+}
+
+TEST(DeviceBuckets, OnlineMxfp4QuantizationEqualsTheCpuPath) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA backend or no visible GPU";
+  auto cfg = embedded_model_config();
+  cfg.synthetic_mxfp4_bytes = 64 * 4096 * 2;
+  expect_online_quantization_equals_the_cpu_path(
+      cfg, "synthetic_mx.0.weight", {"synthetic_mx.0.weight_blocks", "synthetic_mx.0.weight_scales"}, 64);
+}
+
+TEST(DeviceBuckets, OnlineFp8BlockwiseQuantizationEqualsTheCpuPath) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA backend or no visible GPU";
+  auto cfg = embedded_model_config();
+  cfg.synthetic_fp8_bytes = 200 * 4096 * 2;  // two row blocks, the second partial
+  expect_online_quantization_equals_the_cpu_path(
+      cfg, "synthetic_fp8.0.weight", {"synthetic_fp8.0.weight", "synthetic_fp8.0.weight_scale_inv"}, 200);
 }
 
 }  // namespace

@@ -562,5 +562,100 @@ TEST(OnlineQuantization, Mxfp4OnArrivalEqualsTheQuantizerAtStableAddresses) {
   }
 }
 
+TEST(OnlineQuantization, Fp8BlockwiseOnArrivalEqualsTheQuantizerAtStableAddresses) {
+  constexpr int64_t kRows = 130, kCols = 4096;  // two row blocks, the second partial
+  auto cfg = embedded_model_config();
+  cfg.synthetic_fp8_bytes = kRows * kCols * 2;
+  auto made = MoeDecoder::create(cfg, small_limits(), cpu_backend(), ExecContext{});
+  ASSERT_TRUE(made.ok()) << made.status().to_string();
+  MoeDecoder& m = **made;
+  ASSERT_TRUE(init_random_weights(m, 5).ok());
+  WeightRegistry& reg = m.weights();
+  const size_t qi = reg.index_of("synthetic_fp8.0.weight"), si = reg.index_of("synthetic_fp8.0.weight_scale_inv");
+  ASSERT_NE(qi, SIZE_MAX);
+  ASSERT_NE(si, SIZE_MAX);
+  EXPECT_EQ(reg.parameters()[qi].storage.dtype, DType::kF8E4M3);
+  EXPECT_EQ(shape_of(reg.parameters()[qi].storage), (std::vector<int64_t>{kRows, kCols}));
+  EXPECT_EQ(shape_of(reg.parameters()[si].storage), (std::vector<int64_t>{2, 32}));
+  const void* addr_q = reg.parameters()[qi].storage.data;
+  const void* addr_s = reg.parameters()[si].storage.data;
+
+  // Values over several binades per 128 x 128 block, so the blocks' scales differ.
+  std::vector<float> x(static_cast<size_t>(kRows * kCols));
+  for (size_t i = 0; i < x.size(); ++i)
+    x[i] = std::ldexp(static_cast<float>((i * 2654435761u) % 1000) / 250.0f - 2.0f,
+                      static_cast<int>((i / kCols) / 16 + (i % kCols) / 128) % 11 - 5);
+  auto stored = [&](size_t param) {
+    std::vector<uint8_t> out;
+    EXPECT_TRUE(reg.read_checkpoint(param, out).ok());
+    return out;
+  };
+  auto expect_quantized = [&](const std::vector<float>& in) {
+    std::vector<uint8_t> q(in.size());
+    std::vector<float> sc(2 * 32);
+    ASSERT_TRUE(quant::quantize_fp8_blockwise(
+                    {}, TensorView::contiguous(const_cast<float*>(in.data()), DType::kF32, Shape{kRows, kCols}),
+                    quant::Fp8ScaleBlock::k128x128, TensorView::contiguous(q.data(), DType::kF8E4M3, Shape{kRows, kCols}),
+                    TensorView::contiguous(sc.data(), DType::kF32, Shape{2, 32}), TensorView{})
+                    .ok());
+    EXPECT_EQ(stored(qi), q);
+    std::vector<uint8_t> sb(sc.size() * 4);
+    std::memcpy(sb.data(), sc.data(), sb.size());
+    EXPECT_EQ(stored(si), sb);
+  };
+
+  WeightUpdater u(reg);
+  {  // FP32
+    Bucket b;
+    b.add("synthetic_fp8.0.weight", DType::kF32, {kRows, kCols}, x.data(), x.size() * 4);
+    ASSERT_TRUE(push(u, b, 1).ok());
+    expect_quantized(x);
+  }
+  {  // BF16: the quantizer sees the same BF16 values, widened
+    std::vector<uint16_t> bf(x.size());
+    std::vector<float> widened(x.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      bf[i] = f32_to_bf16_bits(-x[i] * 0.37f);
+      widened[i] = bf16_bits_to_f32(bf[i]);
+    }
+    Bucket b;
+    b.add("synthetic_fp8.0.weight", DType::kBF16, {kRows, kCols}, bf.data(), bf.size() * 2);
+    ASSERT_TRUE(push(u, b, 2).ok());
+    expect_quantized(widened);
+  }
+  EXPECT_EQ(reg.parameters()[qi].storage.data, addr_q);
+  EXPECT_EQ(reg.parameters()[si].storage.data, addr_s);
+
+  const auto before_q = stored(qi), before_s = stored(si);
+  {  // float16 is neither quantized nor stored: refused with the accepted dtypes, nothing changes.
+    std::vector<uint16_t> h(x.size(), 0x3c00);
+    Bucket b;
+    b.add("synthetic_fp8.0.weight", DType::kF16, {kRows, kCols}, h.data(), h.size() * 2);
+    auto st = u.begin({}, 60, kNow);
+    ASSERT_TRUE(st.ok());
+    auto r = u.apply_bucket(st->session, b.entries, b.bytes, std::nullopt, kNow);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("float8_e4m3fn"), std::string::npos) << r.status().message();
+    ASSERT_TRUE(u.abort(st->session, "test").ok());
+    EXPECT_EQ(stored(qi), before_q);
+    EXPECT_EQ(stored(si), before_s);
+  }
+  {  // An FP8 checkpoint (DeepSeek-V3 style): E4M3 bytes and scales go in as they are.
+    std::vector<uint8_t> raw_q(x.size());
+    std::vector<float> raw_s(2 * 32);
+    for (size_t i = 0; i < raw_q.size(); ++i) raw_q[i] = static_cast<uint8_t>((i * 7) & 0x7e);
+    for (size_t i = 0; i < raw_s.size(); ++i) raw_s[i] = std::ldexp(1.0f, static_cast<int>(i % 9) - 4);
+    Bucket b;
+    b.add("synthetic_fp8.0.weight", DType::kF8E4M3, {kRows, kCols}, raw_q.data(), raw_q.size());
+    b.add("synthetic_fp8.0.weight_scale_inv", DType::kF32, {2, 32}, raw_s.data(), raw_s.size() * 4);
+    ASSERT_TRUE(push(u, b, 3).ok());
+    EXPECT_EQ(stored(qi), raw_q);
+    std::vector<uint8_t> sb(raw_s.size() * 4);
+    std::memcpy(sb.data(), raw_s.data(), sb.size());
+    EXPECT_EQ(stored(si), sb);
+  }
+}
+
 }  // namespace
 }  // namespace rolloutd::core
