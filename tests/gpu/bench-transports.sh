@@ -2,7 +2,8 @@
 # GPU weight transports (issue 7) against their same-run ceilings: NCCL push vs raw NCCL broadcast
 # and a per-tensor peer, CUDA IPC push vs a device-to-device copy, per-tensor overhead of 10,000
 # small tensors. tests/gpu/run.sh calls every bench-*.sh with BUILD_DIR OUT_DIR; results:
-# OUT_DIR/bench-transports.json and OUT_DIR/bench-transports.txt. Needs two GPUs, torch and CuPy.
+# OUT_DIR/bench-transports.json and OUT_DIR/bench-transports.txt. Needs torch and CuPy; with one GPU
+# the NCCL parts are skipped and the online quantization formats go by CUDA IPC.
 #
 # The daemon must load the NCCL that ships with PyTorch (the trainer's): bench_push.py starts it
 # with LD_LIBRARY_PATH=$(python3 -m rolloutd.trainer --nccl-lib-dir), printed below.

@@ -23,6 +23,7 @@ SYNTHETIC_BLOCK_BYTES named synthetic.{i}.weight), and the small-tensor part nee
 SMALL_PARAMS_FLAG; if the daemon does not know that flag, that part is reported as skipped.
 """
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -192,6 +193,7 @@ def make_tensors(nbytes, device):
 
 
 def bench(args):
+    global DAEMON_GPU
     import torch  # before CuPy: see the receiver
     import cupy
     import cupy.cuda.nccl  # noqa: F401  (a submodule: not loaded by `import cupy`)
@@ -199,16 +201,22 @@ def bench(args):
     import rdgpu
     from rolloutd import trainer
 
-    assert torch.cuda.device_count() >= 2, "needs two GPUs"
+    # One GPU: the daemon shares the trainer's GPU; the NCCL parts are skipped and the online
+    # quantization formats are pushed by CUDA IPC instead (against the device copy).
+    two = torch.cuda.device_count() >= 2
+    if not two:
+        DAEMON_GPU = TRAINER_GPU
+        print("one GPU: NCCL parts skipped, online quantization pushed by CUDA IPC", flush=True)
     free0, _ = torch.cuda.mem_get_info(TRAINER_GPU)
     free1, _ = torch.cuda.mem_get_info(DAEMON_GPU)
-    sizes = fit_sizes([int(g * GIB) for g in args.sizes_gib], free0, free1)
+    # One GPU holds both sides: half of it for each.
+    sizes = fit_sizes([int(g * GIB) for g in args.sizes_gib], free0 if two else free0 // 2, free1 if two else free0 // 2)
     assert sizes, f"not even {SYNTHETIC_BLOCK_BYTES >> 20} MiB fit (free: {free0 >> 30}, {free1 >> 30} GiB)"
     max_bytes = max(s["bytes"] for s in sizes)
-    result = {"host": {"gpus": [torch.cuda.get_device_name(i) for i in range(2)], "torch": torch.__version__,
+    result = {"host": {"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())], "torch": torch.__version__,
                        "cupy": cupy.__version__, "nccl": cupy.cuda.nccl.get_version(),
                        "daemon_nccl_dir": trainer.nccl_lib_dir()},
-              "targets": TARGETS, "sizes": sizes, "nccl": [], "nccl_mxfp4": [], "nccl_fp8": [], "ipc": [], "raw_nccl": [], "per_tensor_peer": [],
+              "targets": TARGETS, "sizes": sizes, "nccl": [], "nccl_mxfp4": [], "nccl_fp8": [], "ipc_mxfp4": [], "ipc_fp8": [], "ipc": [], "raw_nccl": [], "per_tensor_peer": [],
               "d2d_copy": [], "small_tensors": {}}
 
     # The ceilings first (METHOD: the floor, then the same-run ceiling), from the same tensors.
@@ -216,7 +224,7 @@ def bench(args):
     torch.cuda.synchronize()
     # ---- raw NCCL ceilings between the same GPUs (two processes of their own) ----
     plan = [[size["bytes"], chunk] for size in sizes for chunk in args.buckets + [PER_TENSOR_PEER_BYTES]]
-    got = raw_ceilings(plan, args.reps, timeout_s=240)
+    got = raw_ceilings(plan, args.reps, timeout_s=240) if two else {}
     for size in sizes:
         for chunk in args.buckets + [PER_TENSOR_PEER_BYTES]:
             key = "per_tensor_peer" if chunk == PER_TENSOR_PEER_BYTES else "raw_nccl"
@@ -242,9 +250,11 @@ def bench(args):
         torch.cuda.synchronize()
 
         # ---- NCCL push ----
-        with trainer.NcclWeightGroup([client], device=TRAINER_GPU, timeout_s=120) as group:
-            result["host"]["group_init_s"] = group.init_s
-            for size in sizes:
+        with (trainer.NcclWeightGroup([client], device=TRAINER_GPU, timeout_s=120) if two
+              else contextlib.nullcontext()) as group:
+            if two:
+                result["host"]["group_init_s"] = group.init_s
+            for size in (sizes if two else []):
                 blocks = size["bytes"] // SYNTHETIC_BLOCK_BYTES
                 for bucket in args.buckets:
                     for layout, tensors in [x for x in (("separate", separate0), ("flat", views0))
@@ -263,16 +273,18 @@ def bench(args):
                         print(f"nccl push {size['bytes'] / GIB:5.1f} GiB bucket {bucket >> 20:5d} MiB {layout:8s} "
                               f"{result['nccl'][-1]['gbps']:7.1f} GB/s  {result['nccl'][-1]['last_rep']}", flush=True)
                         checkpoint(args, result)
-            got = client.get_weights_by_name(SYNTHETIC_NAME.format(i=0), truncate=8).values
-            sent = views0[0][1][:8].float().cpu().tolist()
-            assert got == sent, f"the daemon holds {got}, the trainer sent {sent}"
+            if two:
+                got = client.get_weights_by_name(SYNTHETIC_NAME.format(i=0), truncate=8).values
+                sent = views0[0][1][:8].float().cpu().tolist()
+                assert got == sent, f"the daemon holds {got}, the trainer sent {sent}"
 
             # ---- the same with online quantization of every tensor: MXFP4 (routed experts) and
             # blockwise FP8 with UE8M0 scales (DeepSeek-V3-style linears) ----
             for fmt, name in (("mxfp4", MX_NAME), ("fp8", FP8_NAME)):
                 if fmt not in args.online:
                     continue
-                key = "nccl_" + fmt
+                via = "nccl" if two else "cuda_ipc"
+                key = ("nccl_" if two else "ipc_") + fmt
                 for size in sizes:
                     blocks = size["bytes"] // SYNTHETIC_BLOCK_BYTES
                     qt = [(name.format(i=i), t.view(MX_ROWS, MX_COLS)) for i, (_, t) in enumerate(views0[:blocks])]
@@ -280,14 +292,14 @@ def bench(args):
                         times, stats = [], {}
                         for rep in range(args.reps + 1):
                             stats = {}
-                            trainer.push_weights([client], qt, next(_VERSIONS), via="nccl", group=group,
+                            trainer.push_weights([client], qt, next(_VERSIONS), via=via, group=group,
                                                  bucket_bytes=bucket, stats=stats)
                             if rep:
                                 times.append(stats["transfer_s"])
                         result[key].append({"bytes": size["bytes"], "bucket_bytes": bucket, "layout": "flat",
                                             "num_buckets": stats["num_buckets"], "num_direct": stats["num_direct"],
                                             **summarize(times, size["bytes"]), "last_rep": breakdown(stats)})
-                        print(f"nccl push {size['bytes'] / GIB:5.1f} GiB bucket {bucket >> 20:5d} MiB {fmt:8s} "
+                        print(f"{via:4s} push {size['bytes'] / GIB:5.1f} GiB bucket {bucket >> 20:5d} MiB {fmt:8s} "
                               f"{result[key][-1]['gbps']:7.1f} GB/s  {result[key][-1]['last_rep']}", flush=True)
                         checkpoint(args, result)
                 # Not timing zeros: the first scales follow each format's rule applied by torch to what was sent.
@@ -380,14 +392,15 @@ def bench_small(args):
         return out
     try:
         with daemon.client(timeout_s=300) as client:
-            with trainer.NcclWeightGroup([client], device=TRAINER_GPU, timeout_s=120) as group:
-                times = []
-                for rep in range(args.reps + 1):
+            with (trainer.NcclWeightGroup([client], device=TRAINER_GPU, timeout_s=120)
+                  if TRAINER_GPU != DAEMON_GPU else contextlib.nullcontext()) as group:
+                for rep in range(args.reps + 1 if group is not None else 0):
                     stats = {}
                     trainer.push_weights([client], tensors, next(_VERSIONS), via="nccl", group=group,
                                          bucket_bytes=64 << 20, stats=stats)
-                    times.append(stats["transfer_s"])
-                out["nccl_us_per_tensor"] = min(times[1:]) / NUM_SMALL_TENSORS * 1e6
+                    out.setdefault("nccl_times", []).append(stats["transfer_s"])
+                if group is not None:
+                    out["nccl_us_per_tensor"] = min(out.pop("nccl_times")[1:]) / NUM_SMALL_TENSORS * 1e6
             on_daemon_gpu = [(n, t.to(f"cuda:{DAEMON_GPU}")) for n, t in tensors]
             times = []
             for rep in range(args.reps + 1):
@@ -399,7 +412,7 @@ def bench_small(args):
             out["num_buckets"] = stats["num_buckets"]
     finally:
         daemon.stop()
-    print(f"small tensors: nccl {out['nccl_us_per_tensor']:.2f} us/tensor, ipc {out['ipc_us_per_tensor']:.2f} "
+    print(f"small tensors: nccl {out.get('nccl_us_per_tensor', float('nan')):.2f} us/tensor, ipc {out['ipc_us_per_tensor']:.2f} "
           f"us/tensor, trainer side {out['trainer_pack_us_per_tensor']:.2f} us/tensor", flush=True)
     return out
 
@@ -433,6 +446,13 @@ def ratios(result):
             ok = "ok " if r["vs_raw_nccl"] >= target else "LOW"
             lines.append(f"{ok} nccl+{fmt:5s} {r['bytes'] / GIB:5.1f} GiB bucket {r['bucket_bytes'] >> 20:5d} MiB "
                          f"{r['gbps']:7.1f} GB/s = {r['vs_raw_nccl']:.3f} x raw NCCL (target {target})")
+    for fmt in ("mxfp4", "fp8"):
+        for r in result["ipc_" + fmt]:
+            if r["bytes"] not in copy:
+                continue
+            r["vs_d2d_copy"] = r["gbps"] / copy[r["bytes"]]
+            lines.append(f"    ipc+{fmt:5s} {r['bytes'] / GIB:5.1f} GiB bucket {r['bucket_bytes'] >> 20:5d} MiB "
+                         f"{r['gbps']:7.1f} GB/s (BF16 sent) = {r['vs_d2d_copy']:.3f} x device copy")
     for r in result["ipc"]:
         r["vs_d2d_copy"] = r["gbps"] / copy[r["bytes"]]
         ok = "ok " if r["vs_d2d_copy"] >= TARGETS["ipc_vs_copy"] else "LOW"
