@@ -27,6 +27,7 @@
 #include <cuda_bf16.h>
 #include <mma.h>
 
+#include <atomic>
 #include <climits>
 #include <cstring>
 #include <string>
@@ -452,6 +453,417 @@ __global__ void combine_kernel(float* __restrict__ out, const float* __restrict_
   }
 }
 
+// ---- decode path: MXFP4 weights x few tokens per expert ----------------------------------------
+//
+// NOTES (why this kernel exists): with a few tokens per expert the layer is a stream of MXFP4
+// weights (0.53 bytes per weight) past a handful of activation rows, so the whole game is to keep
+// enough bytes in flight on every SM (Little's law: ~16 B/cycle/SM at the HBM rate times ~1 us of
+// latency, ~20-30 KB per SM) and to spend few instructions per weight. The tiled WMMA kernel above
+// stages dequantized bf16 weights through shared memory and keeps ~8.5 KB per CTA in flight; here:
+// - "Swap AB": weights are the MMA's A operand (16 kernel rows = M), tokens its B operand (N = 8
+//   per n-tile), mma.sync m16n8k16 bf16 with FP32 accumulation, so a single token wastes nothing
+//   on the weight side.
+// - Each lane loads its A fragments straight from global memory as 16-byte vectors of the tiled
+//   layout (row r and r + 8 of a 16-row tile, one 32-element block each, lanes 4r..4r+3 covering
+//   a 128-wide K chunk: two 256-byte runs per load instruction, whole sectors) and dequantizes in
+//   registers: E2M1 nibbles are moved into bf16 bit positions (value * 2^-126, subnormal for
+//   +-0.5) and multiplied by the block scale 2^(s-127) * 2^126 (exact: every E2M1 value times a
+//   power of two is a bf16 number; scales above 2^1 take a second multiply).
+// - The K order inside a chunk is permuted (nibbles i and i + 4 of a 32-bit word form one bf16
+//   pair, Marlin's trick: one shift per pair), so the activations are staged in shared memory once
+//   per CTA in the same permuted order, as bf16 (rounded exactly as the other path rounds them).
+// - A warp owns 32 kernel rows (for gate_up: 16 gate and the 16 up rows of the same features, so
+//   SwiGLU runs in registers); the CTA's 4 warps split K (kKSplit ways, reduced through shared
+//   memory in a fixed order: deterministic) or take more rows, whichever gives enough CTAs.
+// - Weights stream through a 3-deep register ring: chunk i + 2 is loaded while chunk i is used.
+constexpr int kDecThreads = 128;
+constexpr int kDecMaxTok = 16;  // tokens per pass (two n-tiles); more tokens: more passes
+constexpr int kDecStages = 4;
+
+enum DecSrc : int { kSrcF32 = 0, kSrcBf16 = 1, kSrcMx8 = 2 };
+
+struct DecodeArgs {
+  const int32_t* expert_offsets;  // [E + 1]
+  const int32_t* active;          // [>= bound]: physical ids of the experts with pairs, in order
+  const int32_t* meta;            // meta[0]: number of active experts
+  const int32_t* sorted_pair;     // [P]
+  int top_k;
+  int src;                        // DecSrc of the B operand
+  const void* b;                  // gate_up: x [T, K] (f32 / bf16); down: h [P, K] bf16
+  const uint8_t* b_q;             // MXFP8 codes [rows, K]
+  const uint8_t* b_scales;        // MXFP8 scales [rows, K / 32]
+  const uint8_t* w_blocks;        // MXFP4 kernel layout, every expert
+  const uint8_t* w_scales;
+  int row_order;                  // quant::Mxfp4RowOrder of the checkpoint rows (bias lookup)
+  int n, k;                       // kernel rows, K
+  int ksplit;                     // 1, 2 or 4 warps along K
+  int tok_cap;                    // staged rows per pass (<= kDecMaxTok; the smem size)
+  const float* bias;              // [E, N] checkpoint rows, nullable
+  int act_kind;
+  float limit, alpha;
+  int inter;
+  uint16_t* h_bf16;  // gate_up out [P, I] (sorted rows)
+  float* h_f32;      // gate_up out for MXFP8 (quantized afterwards)
+  float* y;          // down out [P, N] fp32 (sorted rows)
+};
+
+__device__ __forceinline__ uint32_t bf16x2_mul_rn(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                               uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Nibbles i and i + 4 of w (i = 3 - j/4... see callers) as bf16 bits of E2M1 * 2^-126:
+// sign to bit 15 / 31, exponent and mantissa to bits 6..8 / 22..24.
+template <int kShl>
+__device__ __forceinline__ uint32_t e2m1_pair_raw(uint32_t w) {
+  const uint32_t t = w << kShl;
+  return (t & 0x80008000u) | ((t >> 6) & 0x01C001C0u);
+}
+
+// One 16-byte block (32 E2M1) with its scale as 16 bf16 pairs in MMA order: for word q,
+// pairs (3,7), (2,6), (1,5), (0,4).
+struct DecScale {
+  uint32_t s1, s2;  // multiply by s1, then (big scales only) by s2
+  bool big;
+};
+__device__ __forceinline__ DecScale dec_scale(uint32_t s) {
+  DecScale d;
+  if (s == 255u) {
+    d.s1 = 0x7FC07FC0u;  // NaN
+    d.big = false;
+  } else if (s <= 128u) {
+    const uint32_t b = (s + 126u) << 7;  // 2^(s - 1) = 2^(s - 127) * 2^126
+    d.s1 = b | (b << 16);
+    d.big = false;
+  } else {
+    d.s1 = 0x7E807E80u;  // 2^126
+    const uint32_t b = s << 7;  // 2^(s - 127)
+    d.s2 = b | (b << 16);
+    d.big = true;
+  }
+  if (!d.big) d.s2 = d.s1;
+  return d;
+}
+__device__ __forceinline__ uint32_t dec_apply(uint32_t raw, const DecScale& sc) {
+  uint32_t v = bf16x2_mul_rn(raw, sc.s1);
+  if (sc.big) v = bf16x2_mul_rn(v, sc.s2);
+  return v;
+}
+
+// Stage `nrows` B rows (sorted positions base + g0 + n) of K elements into shared memory as bf16,
+// permuted: the 16 bytes at n*stride + kc*256 + wi*64 + c*16 hold the pairs (3,7), (2,6), (1,5),
+// (0,4) of elements kc*128 + 32c + 8wi + 0..7; zeros past K.
+__device__ __forceinline__ void dec_stage(const DecodeArgs& g, uint8_t* smem, int stride, int kpad,
+                                          int base, int g0, int nrows) {
+  const int groups = kpad / 8;
+  for (int idx = threadIdx.x; idx < nrows * groups; idx += kDecThreads) {
+    const int n = idx / groups, grp = idx - n * groups, k8 = grp * 8;
+    uint32_t v[8];
+    if (k8 >= g.k) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = 0;
+    } else {
+      const int s = base + g0 + n;
+      const int64_t row = g.sorted_pair != nullptr ? g.sorted_pair[s] / g.top_k : s;
+      if (g.src == kSrcF32) {
+        const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(g.b) + row * g.k + k8);
+        const float4 a = __ldg(p), b = __ldg(p + 1);
+        const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = f32_to_bf16_bits(f[i]);
+      } else if (g.src == kSrcBf16) {
+        const uint4 a = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(g.b) + row * g.k + k8));
+        const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          v[2 * i] = w[i] & 0xffffu;
+          v[2 * i + 1] = w[i] >> 16;
+        }
+      } else {
+        const uint2 q = __ldg(reinterpret_cast<const uint2*>(g.b_q + row * g.k + k8));
+        const uint32_t s = g.b_scales[row * (g.k / 32) + k8 / 32];
+        const uint32_t w[2] = {q.x, q.y};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const uint8_t code = static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4)));
+          const uint32_t f = s == 255u ? quant::kF32CanonicalNan
+                                       : quant::e4m3_decode_bits(quant::E4M3{code}, static_cast<int>(s) - 127);
+          v[i] = f32_to_bf16_bits(quant::f32_from_bits(f));
+        }
+      }
+    }
+    const int kc = k8 >> 7, c = (k8 >> 5) & 3, wi = (k8 >> 3) & 3;
+    *reinterpret_cast<uint4*>(smem + n * stride + kc * 256 + wi * 64 + c * 16) =
+        make_uint4(v[3] | (v[7] << 16), v[2] | (v[6] << 16), v[1] | (v[5] << 16), v[0] | (v[4] << 16));
+  }
+}
+
+struct DecChunk {
+  uint4 v[2][2];     // [tile][half]
+  uint32_t s[2][2];  // scale codes
+};
+
+// acc[tile][nt][4]; one K chunk (128 wide) of 2 row tiles against NT n-tiles.
+template <int NT>
+__device__ __forceinline__ void dec_compute(float (&acc)[2][2][4], const DecChunk& ch, const uint8_t* bsm,
+                                            int stride, int kc, int lane) {
+  const int c = lane & 3, nrow = lane >> 2;
+#pragma unroll
+  for (int wi = 0; wi < 4; ++wi) {
+    uint4 bq[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      bq[nt] = *reinterpret_cast<const uint4*>(bsm + (nt * 8 + nrow) * stride + kc * 256 + wi * 64 + c * 16);
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      uint32_t p[2][4];  // [half][pair (3,7) (2,6) (1,5) (0,4)]
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const uint32_t w = wi == 0 ? ch.v[t][hh].x : wi == 1 ? ch.v[t][hh].y : wi == 2 ? ch.v[t][hh].z : ch.v[t][hh].w;
+        const DecScale sc = dec_scale(ch.s[t][hh]);
+        p[hh][0] = dec_apply(e2m1_pair_raw<0>(w), sc);
+        p[hh][1] = dec_apply(e2m1_pair_raw<4>(w), sc);
+        p[hh][2] = dec_apply(e2m1_pair_raw<8>(w), sc);
+        p[hh][3] = dec_apply(e2m1_pair_raw<12>(w), sc);
+      }
+      const uint32_t a0[4] = {p[0][0], p[1][0], p[0][1], p[1][1]};
+      const uint32_t a1[4] = {p[0][2], p[1][2], p[0][3], p[1][3]};
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        mma_bf16_16816(acc[t][nt], a0, bq[nt].x, bq[nt].y);
+        mma_bf16_16816(acc[t][nt], a1, bq[nt].z, bq[nt].w);
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;"); }
+
+// One warp's ring of K chunks in shared memory: per stage 4 vectors (16 B) and 4 scale words
+// (4 B, the aligned word holding the lane's scale byte) per lane. Every lane reads back only what
+// it copied itself, so the per-thread cp.async.wait_group is the only synchronisation.
+constexpr int kDecStageBytes = 4 * 16 * 32 + 4 * 4 * 32;  // 2.5 KiB
+constexpr int kDecWarpRing = kDecStages * kDecStageBytes;
+
+// The weights of one warp (2 row tiles from rt0, K chunks [kc_begin, kc_end)) against the staged
+// B rows; acc[tile][nt][4].
+template <int NT>
+__device__ __forceinline__ void dec_pass(float (&acc)[2][2][4], const uint8_t* wblk, const uint8_t* wsc,
+                                         int rt0, int k_tiles, int kc_begin, int kc_end, const uint8_t* bsm,
+                                         int stride, uint8_t* ring, int lane) {
+  const int r = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[t][nt][i] = 0.0f;
+  // The lane's vector of (tile t, half hh) at chunk 0; chunk kc is 2 K tiles on (1024 value
+  // bytes, 64 scale bytes). Scales are fetched as the aligned 4-byte word that holds them.
+  const int64_t t0 = static_cast<int64_t>(rt0) * k_tiles + (c >> 1);
+  const uint8_t* pv = wblk + t0 * 512 + r * 32 + (c & 1) * 16;
+  const uint8_t* ps = wsc + t0 * 32 + ((r * 2) & ~3);
+  const int64_t tstride_v = static_cast<int64_t>(k_tiles) * 512, tstride_s = static_cast<int64_t>(k_tiles) * 32;
+  const int sshift = 8 * ((r & 1) * 2 + (c & 1));
+  auto issue = [&](int kc) {
+    if (kc >= kc_end) return;
+    uint8_t* st = ring + ((kc - kc_begin) % kDecStages) * kDecStageBytes;
+    if (kc * 2 + (c >> 1) < k_tiles) {
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int v = t * 2 + hh;
+          cp_async16(st + (v * 32 + lane) * 16, pv + t * tstride_v + hh * 256 + kc * 1024);
+          cp_async4(st + 2048 + (v * 32 + lane) * 4, ps + t * tstride_s + hh * 16 + kc * 64);
+        }
+    } else {  // the upper half of a last 64-wide chunk: zero weights
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        *reinterpret_cast<uint4*>(st + (v * 32 + lane) * 16) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint32_t*>(st + 2048 + (v * 32 + lane) * 4) = 0x7f7f7f7fu;
+      }
+    }
+  };
+#pragma unroll
+  for (int d = 0; d < kDecStages - 1; ++d) {
+    issue(kc_begin + d);
+    cp_async_commit();
+  }
+  for (int kc = kc_begin; kc < kc_end; ++kc) {
+    issue(kc + kDecStages - 1);
+    cp_async_commit();
+    cp_async_wait<kDecStages - 1>();
+    const uint8_t* st = ring + ((kc - kc_begin) % kDecStages) * kDecStageBytes;
+    DecChunk ch;
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int v = t * 2 + hh;
+        ch.v[t][hh] = *reinterpret_cast<const uint4*>(st + (v * 32 + lane) * 16);
+        ch.s[t][hh] = (*reinterpret_cast<const uint32_t*>(st + 2048 + (v * 32 + lane) * 4) >> sshift) & 0xffu;
+      }
+    dec_compute<NT>(acc, ch, bsm, stride, kc, lane);
+  }
+  cp_async_wait_all();
+}
+
+template <bool kGateUp>
+__global__ void __launch_bounds__(kDecThreads, 4) decode_gemm_kernel(const DecodeArgs g) {
+  extern __shared__ __align__(16) uint8_t dsm[];
+  const int j = blockIdx.y;
+  if (j >= g.meta[0]) return;  // whole CTA: fewer active experts than the bound
+  const int e = g.active[j];
+  const int base = g.expert_offsets[e];
+  const int count = g.expert_offsets[e + 1] - base;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int ks = g.ksplit, wk = warp % ks, wr = warp / ks;
+  const int groups_per_cta = 4 / ks;
+  const int grp = blockIdx.x * groups_per_cta + wr;  // 32-row group of this warp
+  const bool has_rows = grp * 32 < g.n;
+  const int k_tiles = g.k / 64;
+  const int chunks = (g.k + 127) / 128;
+  const int kc_begin = chunks * wk / ks, kc_end = has_rows ? chunks * (wk + 1) / ks : kc_begin;
+  const int kpad = chunks * 128;
+  const int stride = kpad * 2 + 64;
+  const uint8_t* wblk = g.w_blocks + static_cast<int64_t>(e) * g.n * g.k / 2;
+  const uint8_t* wsc = g.w_scales + static_cast<int64_t>(e) * g.n * g.k / 32;
+  // [4 warps][kDecWarpRing] weight rings after the staged rows; a warp's split-K partials
+  // ([16][32] floats) go into its own ring once its pass is done.
+  uint8_t* rings = dsm + g.tok_cap * stride;
+  uint8_t* ring = rings + warp * kDecWarpRing;
+  const int r = lane >> 2, c = lane & 3;
+  const float* bias = g.bias ? g.bias + static_cast<int64_t>(e) * g.n : nullptr;
+  const auto order = static_cast<quant::Mxfp4RowOrder>(g.row_order);
+
+  for (int g0 = 0; g0 < count; g0 += g.tok_cap) {
+    const int nrows = count - g0 < g.tok_cap ? count - g0 : g.tok_cap;
+    if (g0 > 0) __syncthreads();  // the previous pass is done with the staged rows
+    dec_stage(g, dsm, stride, kpad, base, g0, nrows);
+    __syncthreads();
+    float acc[2][2][4];
+    if (nrows <= 8)
+      dec_pass<1>(acc, wblk, wsc, grp * 2, k_tiles, kc_begin, kc_end, dsm, stride, ring, lane);
+    else
+      dec_pass<2>(acc, wblk, wsc, grp * 2, k_tiles, kc_begin, kc_end, dsm, stride, ring, lane);
+    if (ks > 1) {
+      // Fixed-order reduction over the K slices: slice 0 adds slices 1.. in order.
+      if (wk > 0) {
+        float* dst = reinterpret_cast<float*>(ring) + lane;
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) dst[((t * 2 + nt) * 4 + i) * 32] = acc[t][nt][i];
+      }
+      __syncthreads();
+      if (wk == 0) {
+        for (int q = 1; q < ks; ++q) {
+          const float* src = reinterpret_cast<const float*>(rings + (warp + q) * kDecWarpRing) + lane;
+#pragma unroll
+          for (int t = 0; t < 2; ++t)
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+              for (int i = 0; i < 4; ++i) acc[t][nt][i] += src[((t * 2 + nt) * 4 + i) * 32];
+        }
+      }
+    }
+    if (wk != 0 || !has_rows) continue;
+    // acc[t][nt][i]: row r + 8 (i >> 1) of tile t, token column nt*8 + 2c + (i & 1).
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int col = nt * 8 + 2 * c + (i & 1);
+        if (col >= nrows) continue;
+        const int64_t s = base + g0 + col;
+        const int row = r + 8 * (i >> 1);
+        if constexpr (kGateUp) {
+          const int kg = grp * 32 + row, ku = kg + 16;
+          float gv = acc[0][nt][i], uv = acc[1][nt][i];
+          if (bias) {
+            gv = math::add(gv, bias[quant::mxfp4_checkpoint_row(kg, g.n, order)]);
+            uv = math::add(uv, bias[quant::mxfp4_checkpoint_row(ku, g.n, order)]);
+          }
+          const float hv = math::activate(g.act_kind, g.limit, g.alpha, gv, uv);
+          const int64_t jf = static_cast<int64_t>(grp) * 16 + row;
+          if (g.h_bf16)
+            g.h_bf16[s * g.inter + jf] = f32_to_bf16_bits(hv);
+          else
+            g.h_f32[s * g.inter + jf] = hv;
+        } else {
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            const int kr = grp * 32 + t * 16 + row;
+            float v = acc[t][nt][i];
+            if (bias) v = math::add(v, bias[kr]);
+            g.y[s * g.n + kr] = v;
+          }
+        }
+      }
+  }
+}
+
+// Shared memory of the decode kernel: up to kDecMaxTok staged rows plus the split-K partials.
+size_t decode_smem_bytes(int64_t k, int tok_cap) {
+  const int64_t kpad = (k + 127) / 128 * 128;
+  return static_cast<size_t>(tok_cap * (kpad * 2 + 64) + 4 * kDecWarpRing);
+}
+
+// K slices per CTA: enough CTAs (bound * row groups / (4 / ks)) for ~4 waves of the SMs.
+int decode_ksplit(int64_t bound_experts, int64_t n, int num_sms) {
+  const int64_t groups = n / 32;
+  for (int ks = 1; ks < 4; ks *= 2) {
+    const int64_t ctas = bound_experts * ((groups + (4 / ks) - 1) / (4 / ks));
+    if (ctas >= 4 * num_sms) return ks;
+  }
+  return 4;
+}
+
+template <bool kGateUp>
+Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound, int num_sms) {
+  DecodeArgs a = g;
+  a.ksplit = decode_ksplit(bound, a.n, num_sms);
+  const int64_t groups = a.n / 32, per_cta = 4 / a.ksplit;
+  const dim3 grid(static_cast<unsigned int>((groups + per_cta - 1) / per_cta), static_cast<unsigned int>(bound));
+  const size_t smem = decode_smem_bytes(a.k, a.tok_cap);
+  // Opt in to more than 48 KiB once per process (the largest the decode path can ask for).
+  static std::atomic<bool> opted{false};
+  if (!opted.load(std::memory_order_relaxed)) {
+    RD_CUDA_CHECK(cudaFuncSetAttribute(decode_gemm_kernel<kGateUp>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    opted.store(true, std::memory_order_relaxed);
+  }
+  if (smem > 200 * 1024) return Status(ErrorCode::kUnimplemented, "hidden size too large for the decode kernel", "x");
+  decode_gemm_kernel<kGateUp><<<grid, kDecThreads, smem, stream_of(ctx)>>>(a);
+  RD_CUDA_CHECK_LAUNCH("moe decode_gemm_kernel");
+  return Status::Ok();
+}
+
 template <bool kGateUp>
 Status launch_gemm(const ExecContext& ctx, const GemmArgs& g, int bm, bool bf16_weights, bool mx8,
                    int64_t max_tiles) {
@@ -495,6 +907,9 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
     // Tile height: 16 rows when experts see few tokens each (decode), 64 otherwise.
     const int64_t busy = pairs < ep ? pairs : ep;
     const int bm = pairs / busy >= 48 ? 64 : 16;
+    // MXFP4 weights with few tokens per expert take the decode kernel (one "tile" per active
+    // expert: the permutation lists the active experts in order).
+    const bool decode = p.format == WeightFormat::kMXFP4 && bm == 16;
     const int64_t max_tiles = max_m_tiles(pairs, ep, bm);
     if (max_tiles > INT_MAX)
       return Status(ErrorCode::kUnimplemented, "too many rows for one MoE launch", "x");
@@ -505,7 +920,7 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
     pa.pairs = pairs;
     pa.num_logical = static_cast<int>(p.num_logical);
     pa.num_physical = static_cast<int>(ep);
-    pa.bm = bm;
+    pa.bm = decode ? (1 << 30) : bm;
     pa.pair_expert = static_cast<int32_t*>(at(ws.pair_expert));
     pa.pair_pos = pair_pos;
     pa.sorted_pair = static_cast<int32_t*>(at(ws.sorted_pair));
@@ -519,6 +934,74 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
 
     const bool mx8 = p.precision == ActPrecision::kMXFP8;
     const bool bf16w = p.format == WeightFormat::kBF16;
+    if (decode) {
+      int num_sms = 0;
+      RD_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, ctx.device.index));
+      const int64_t bound = busy;  // active experts <= min(pairs, E): a grid bound without a sync
+      DecodeArgs dg{};
+      dg.expert_offsets = pa.expert_offsets;
+      dg.active = pa.tile_expert;
+      dg.meta = pa.meta;
+      dg.top_k = static_cast<int>(k);
+      dg.tok_cap = static_cast<int>(pairs < kDecMaxTok ? pairs : kDecMaxTok);
+      dg.act_kind = static_cast<int>(p.act.kind);
+      dg.limit = p.act.limit;
+      dg.alpha = p.act.alpha;
+      dg.inter = static_cast<int>(inter);
+      // gate_up: B = x rows (f32 rounded to bf16 while staging, bf16, or MXFP8).
+      dg.sorted_pair = pa.sorted_pair;
+      if (mx8) {
+        const TensorView x_rows = dev_view(ctx, const_cast<void*>(p.x),
+                                           p.x_bf16 ? DType::kBF16 : DType::kF32, Shape{nv, h});
+        RD_RETURN_IF_ERROR(quant::quantize_mxfp8(ctx, x_rows, dev_view(ctx, at(ws.xa), DType::kU8, Shape{nv, h}),
+                                                 dev_view(ctx, at(ws.xa_scales), DType::kU8, Shape{nv, h / 32})));
+        dg.src = kSrcMx8;
+        dg.b_q = static_cast<const uint8_t*>(at(ws.xa));
+        dg.b_scales = static_cast<const uint8_t*>(at(ws.xa_scales));
+        dg.h_f32 = static_cast<float*>(at(ws.h));
+      } else {
+        dg.src = p.x_bf16 ? kSrcBf16 : kSrcF32;
+        dg.b = p.x;
+        dg.h_bf16 = static_cast<uint16_t*>(at(ws.h));
+      }
+      dg.w_blocks = p.gate_up_blocks;
+      dg.w_scales = p.gate_up_scales;
+      dg.row_order = static_cast<int>(p.order == GateUpOrder::kInterleaved
+                                          ? quant::Mxfp4RowOrder::kGateUpInterleaved
+                                          : quant::Mxfp4RowOrder::kGateUpConcatenated);
+      dg.n = static_cast<int>(2 * inter);
+      dg.k = static_cast<int>(h);
+      dg.bias = p.gate_up_bias;
+      RD_RETURN_IF_ERROR(launch_decode<true>(ctx, dg, bound, num_sms));
+      // down: B = h rows in sorted order.
+      DecodeArgs dd = dg;
+      dd.sorted_pair = nullptr;
+      dd.b = nullptr;
+      dd.b_q = nullptr;
+      dd.b_scales = nullptr;
+      if (mx8) {
+        RD_RETURN_IF_ERROR(quant::quantize_mxfp8(
+            ctx, dev_view(ctx, at(ws.h), DType::kF32, Shape{pairs, inter}),
+            dev_view(ctx, at(ws.h_q), DType::kU8, Shape{pairs, inter}),
+            dev_view(ctx, at(ws.h_scales), DType::kU8, Shape{pairs, inter / 32})));
+        dd.src = kSrcMx8;
+        dd.b_q = static_cast<const uint8_t*>(at(ws.h_q));
+        dd.b_scales = static_cast<const uint8_t*>(at(ws.h_scales));
+      } else {
+        dd.src = kSrcBf16;
+        dd.b = at(ws.h);
+      }
+      dd.h_bf16 = nullptr;
+      dd.h_f32 = nullptr;
+      dd.y = y;
+      dd.w_blocks = p.down_blocks;
+      dd.w_scales = p.down_scales;
+      dd.row_order = static_cast<int>(quant::Mxfp4RowOrder::kPlain);
+      dd.n = static_cast<int>(h);
+      dd.k = static_cast<int>(inter);
+      dd.bias = p.down_bias;
+      RD_RETURN_IF_ERROR(launch_decode<false>(ctx, dd, bound, num_sms));
+    } else {
     GemmArgs g{};
     g.expert_offsets = pa.expert_offsets;
     g.tile_expert = pa.tile_expert;
@@ -588,6 +1071,7 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
     d.h_f32 = nullptr;
     d.y = y;
     RD_RETURN_IF_ERROR(launch_gemm<false>(ctx, d, bm, bf16w, mx8, max_tiles));
+    }
   }
 
   if (t > INT_MAX) return Status(ErrorCode::kUnimplemented, "too many tokens", "x");

@@ -1,5 +1,6 @@
 // The MoE layer (core/moe/layer: FP32 gate GEMM, router, routed experts) with MXFP4 expert
-// weights and bf16 or MXFP8 activations, against
+// weights and bf16 or MXFP8 activations, timed as issued (eager) and replayed from a CUDA graph,
+// against
 // - the HBM floor: the bytes of the experts this batch activates (MXFP4 values + E8M0 scales of
 //   gate_up and down, read once) over the device-to-device copy bandwidth of the same run
 //   (read + write, the HBM's total rate);
@@ -127,7 +128,7 @@ struct ShapeSpec {
 struct Row {
   std::string shape, precision;
   int64_t tokens;
-  double ms, floor_ms, active, tflops, peer_ms;
+  double ms, graph_ms, floor_ms, active, tflops, peer_ms;
   std::string note;
 };
 
@@ -261,6 +262,26 @@ int main(int argc, char** argv) {
         auto run = [&] { CHECK_OK(layer.forward(ov, xv, TensorView{}, t, nullptr)); };
         const int iters = t >= 4096 ? 5 : 20;
         const double ms = timer.median_ms(run, 3, iters);
+        // The same forward captured once in a CUDA graph and replayed (how the daemon runs decode
+        // steps): what is left is the kernels without the host's launch cost. NaN if capture fails.
+        double graph_ms = NAN;
+        {
+          cudaGraph_t graph = nullptr;
+          cudaGraphExec_t exec = nullptr;
+          if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess) {
+            const Status st = layer.forward(ov, xv, TensorView{}, t, nullptr);
+            const cudaError_t ce = cudaStreamEndCapture(stream, &graph);
+            if (st.ok() && ce == cudaSuccess && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
+              graph_ms = timer.median_ms([&] { CHECK_CUDA(cudaGraphLaunch(exec, stream)); }, 3, iters);
+              CHECK_CUDA(cudaGraphExecDestroy(exec));
+            } else {
+              std::fprintf(stderr, "  graph capture failed: %s / %s\n", st.to_string().c_str(), cudaGetErrorString(ce));
+            }
+            if (graph != nullptr) CHECK_CUDA(cudaGraphDestroy(graph));
+          }
+          (void)cudaGetLastError();
+          CHECK_CUDA(cudaStreamSynchronize(stream));
+        }
         // Experts this batch activates, and a sanity look at the output.
         std::vector<int32_t> ids(static_cast<size_t>(t * k));
         CHECK_CUDA(cudaMemcpy(ids.data(), layer.topk_ids().data, ids.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
@@ -273,6 +294,7 @@ int main(int argc, char** argv) {
         r.precision = moe::act_precision_name(prec);
         r.tokens = t;
         r.ms = ms;
+        r.graph_ms = graph_ms;
         r.active = static_cast<double>(active.size());
         r.floor_ms = r.active * expert_bytes / (copy_rw_gbps * 1e9) * 1e3;
         r.tflops = 2.0 * static_cast<double>(t * k) * static_cast<double>(3 * i * h) / (ms * 1e-3) / 1e12;
@@ -287,12 +309,14 @@ int main(int argc, char** argv) {
   }
 
   std::printf("device: %s (%d SMs); copy (read + write) %.0f GB/s\n", prop.name, prop.multiProcessorCount, copy_rw_gbps);
-  std::printf("%-14s %-6s %6s %10s %7s %10s %8s %8s %10s %9s %s\n", "shape", "act", "tokens", "time ms",
-              "experts", "floor ms", "floor/t", "TFLOP/s", "peer ms", "peer/t", "note");
+  std::printf("%-14s %-6s %6s %10s %10s %7s %10s %8s %8s %8s %10s %9s %9s %s\n", "shape", "act", "tokens",
+              "time ms", "graph ms", "experts", "floor ms", "floor/t", "floor/g", "TFLOP/s", "peer ms", "peer/t",
+              "peer/g", "note");
   for (const Row& r : rows)
-    std::printf("%-14s %-6s %6lld %10.4f %7.0f %10.4f %8.3f %8.1f %10.4f %9.2f %s\n", r.shape.c_str(),
-                r.precision.c_str(), static_cast<long long>(r.tokens), r.ms, r.active, r.floor_ms,
-                r.floor_ms / r.ms, r.tflops, r.peer_ms, r.peer_ms / r.ms, r.note.c_str());
+    std::printf("%-14s %-6s %6lld %10.4f %10.4f %7.0f %10.4f %8.3f %8.3f %8.1f %10.4f %9.2f %9.2f %s\n",
+                r.shape.c_str(), r.precision.c_str(), static_cast<long long>(r.tokens), r.ms, r.graph_ms, r.active,
+                r.floor_ms, r.floor_ms / r.ms, r.floor_ms / r.graph_ms, r.tflops, r.peer_ms, r.peer_ms / r.ms,
+                r.peer_ms / r.graph_ms, r.note.c_str());
 
   FILE* f = std::fopen(json_path.c_str(), "w");
   if (!f) {
@@ -306,9 +330,10 @@ int main(int argc, char** argv) {
     const Row& r = rows[n];
     std::fprintf(f,
                  "    {\"shape\": \"%s\", \"activations\": \"%s\", \"weights\": \"mxfp4\", \"tokens\": %lld, "
-                 "\"ms\": %.5f, \"active_experts\": %.0f, \"floor_ms\": %.5f, \"floor_ratio\": %.4f, "
+                 "\"ms\": %.5f, \"graph_ms\": %s, \"active_experts\": %.0f, \"floor_ms\": %.5f, \"floor_ratio\": %.4f, "
                  "\"tflops\": %.2f, \"peer_ms\": %s, \"speedup_vs_peer\": %s, \"note\": \"%s\"}%s\n",
-                 r.shape.c_str(), r.precision.c_str(), static_cast<long long>(r.tokens), r.ms, r.active,
+                 r.shape.c_str(), r.precision.c_str(), static_cast<long long>(r.tokens), r.ms,
+                 std::isnan(r.graph_ms) ? "null" : std::to_string(r.graph_ms).c_str(), r.active,
                  r.floor_ms, r.floor_ms / r.ms, r.tflops,
                  std::isnan(r.peer_ms) ? "null" : std::to_string(r.peer_ms).c_str(),
                  std::isnan(r.peer_ms) ? "null" : std::to_string(r.peer_ms / r.ms).c_str(), json_escape(r.note).c_str(),
