@@ -9,7 +9,8 @@
 // Shapes: gpt-oss-120b (128 experts, hidden 2880, intermediate 2880, top-4) and Qwen3-30B-A3B
 // (128 experts, hidden 2048, intermediate 768, top-8), at 1, 8, 64, 256, 1024 and 8192 tokens.
 //
-//   moe_bench OUT.json [--peer PEER.tsv] [--quick]
+//   moe_bench OUT.json [--peer PEER.tsv] [--quick] [--only SHAPE:TOKENS:ACT]
+// (--only runs one case, e.g. gpt-oss-120b:64:bf16: for a profiler)
 //
 // tests/bench/moe/NOTES.md has the floor arithmetic; tests/gpu/bench-moe.sh runs this.
 #include <cuda_runtime.h>
@@ -163,8 +164,10 @@ int main(int argc, char** argv) {
   const std::string json_path = argv[1];
   std::string peer_path;
   bool quick = false;
+  std::string only;
   for (int i = 2; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+    if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc) only = argv[++i];
     if (std::strcmp(argv[i], "--peer") == 0 && i + 1 < argc) peer_path = argv[++i];
   }
   const auto peer = peer_path.empty() ? std::map<std::pair<std::string, int64_t>, double>{} : read_peer(peer_path);
@@ -257,6 +260,7 @@ int main(int argc, char** argv) {
       CHECK_OK(made.status());
       core::MoeLayer& layer = *made.value();
       for (const int64_t t : token_counts) {
+        if (!only.empty() && only != s.name + ":" + std::to_string(t) + ":" + moe::act_precision_name(prec)) continue;
         const TensorView xv = TensorView::contiguous(xin.data, DType::kF32, Shape{t, h}, xin.device);
         const TensorView ov = TensorView::contiguous(out.data, DType::kF32, Shape{t, h}, out.device);
         auto run = [&] { CHECK_OK(layer.forward(ov, xv, TensorView{}, t, nullptr)); };
