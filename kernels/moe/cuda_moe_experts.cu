@@ -476,9 +476,10 @@ __global__ void combine_kernel(float* __restrict__ out, const float* __restrict_
 //   SwiGLU runs in registers); the CTA's 4 warps split K (kKSplit ways, reduced through shared
 //   memory in a fixed order: deterministic) or take more rows, whichever gives enough CTAs.
 // - Weights stream through a 3-deep register ring: chunk i + 2 is loaded while chunk i is used.
-constexpr int kDecThreads = 128;
-constexpr int kDecMaxTok = 16;  // tokens per pass (two n-tiles); more tokens: more passes
-constexpr int kDecStages = 4;
+constexpr int kDecWarps = 8;
+constexpr int kDecThreads = kDecWarps * 32;
+constexpr int kDecMaxTok = 8;  // tokens per pass (one n-tile); more tokens: more passes
+constexpr int kDecStages = 3;
 
 enum DecSrc : int { kSrcF32 = 0, kSrcBf16 = 1, kSrcMx8 = 2 };
 
@@ -530,35 +531,19 @@ __device__ __forceinline__ uint32_t e2m1_pair_raw(uint32_t w) {
   return (t & 0x80008000u) | ((t >> 6) & 0x01C001C0u);
 }
 
-// One 16-byte block (32 E2M1) with its scale as 16 bf16 pairs in MMA order: for word q,
-// pairs (3,7), (2,6), (1,5), (0,4).
-struct DecScale {
-  uint32_t s1, s2;  // multiply by s1, then (big scales only) by s2
-  bool big;
-};
-__device__ __forceinline__ DecScale dec_scale(uint32_t s) {
-  DecScale d;
-  if (s == 255u) {
-    d.s1 = 0x7FC07FC0u;  // NaN
-    d.big = false;
-  } else if (s <= 128u) {
-    const uint32_t b = (s + 126u) << 7;  // 2^(s - 1) = 2^(s - 127) * 2^126
-    d.s1 = b | (b << 16);
-    d.big = false;
-  } else {
-    d.s1 = 0x7E807E80u;  // 2^126
-    const uint32_t b = s << 7;  // 2^(s - 127)
-    d.s2 = b | (b << 16);
-    d.big = true;
-  }
-  if (!d.big) d.s2 = d.s1;
-  return d;
+// The bf16x2 factor that turns e2m1_pair_raw() into E2M1 * 2^(s - 127): 2^(s - 1) for scale
+// codes s <= 128; for 128 < s < 255 that overflows bf16, so such codes take 2^126 here and
+// dec_big_factor() afterwards (a warp takes that slower path only when one of its lanes needs
+// it: real expert weights never do); s = 255 (NaN) gives NaN.
+__device__ __forceinline__ uint32_t dec_factor(uint32_t s) {
+  const uint32_t b = s == 255u ? 0x7FC0u : (s <= 128u ? (s + 126u) << 7 : 0x7E80u);
+  return b | (b << 16);
 }
-__device__ __forceinline__ uint32_t dec_apply(uint32_t raw, const DecScale& sc) {
-  uint32_t v = bf16x2_mul_rn(raw, sc.s1);
-  if (sc.big) v = bf16x2_mul_rn(v, sc.s2);
-  return v;
+__device__ __forceinline__ uint32_t dec_big_factor(uint32_t s) {
+  const uint32_t b = (s > 128u && s < 255u) ? s << 7 : 0x3F80u;  // 2^(s - 127), else 1
+  return b | (b << 16);
 }
+__device__ __forceinline__ bool dec_is_big(uint32_t s) { return s > 128u && s < 255u; }
 
 // Stage `nrows` B rows (sorted positions base + g0 + n) of K elements into shared memory as bf16,
 // permuted: the 16 bytes at n*stride + kc*256 + wi*64 + c*16 hold the pairs (3,7), (2,6), (1,5),
@@ -610,39 +595,37 @@ __device__ __forceinline__ void dec_stage(const DecodeArgs& g, uint8_t* smem, in
 
 struct DecChunk {
   uint4 v[2][2];     // [tile][half]
-  uint32_t s[2][2];  // scale codes
+  uint32_t f[2][2];  // dec_factor of the block's scale
+  uint32_t g[2][2];  // dec_big_factor (kBig only)
 };
 
-// acc[tile][nt][4]; one K chunk (128 wide) of 2 row tiles against NT n-tiles.
-template <int NT>
-__device__ __forceinline__ void dec_compute(float (&acc)[2][2][4], const DecChunk& ch, const uint8_t* bsm,
+// acc[tile][4] += one K chunk (128 wide) of 2 row tiles times the staged n-tile of 8 tokens.
+template <bool kBig>
+__device__ __forceinline__ void dec_compute(float (&acc)[2][4], const DecChunk& ch, const uint8_t* bsm,
                                             int stride, int kc, int lane) {
   const int c = lane & 3, nrow = lane >> 2;
 #pragma unroll
   for (int wi = 0; wi < 4; ++wi) {
-    uint4 bq[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-      bq[nt] = *reinterpret_cast<const uint4*>(bsm + (nt * 8 + nrow) * stride + kc * 256 + wi * 64 + c * 16);
+    const uint4 bq = *reinterpret_cast<const uint4*>(bsm + nrow * stride + kc * 256 + wi * 64 + c * 16);
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
       uint32_t p[2][4];  // [half][pair (3,7) (2,6) (1,5) (0,4)]
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const uint32_t w = wi == 0 ? ch.v[t][hh].x : wi == 1 ? ch.v[t][hh].y : wi == 2 ? ch.v[t][hh].z : ch.v[t][hh].w;
-        const DecScale sc = dec_scale(ch.s[t][hh]);
-        p[hh][0] = dec_apply(e2m1_pair_raw<0>(w), sc);
-        p[hh][1] = dec_apply(e2m1_pair_raw<4>(w), sc);
-        p[hh][2] = dec_apply(e2m1_pair_raw<8>(w), sc);
-        p[hh][3] = dec_apply(e2m1_pair_raw<12>(w), sc);
+        p[hh][0] = bf16x2_mul_rn(e2m1_pair_raw<0>(w), ch.f[t][hh]);
+        p[hh][1] = bf16x2_mul_rn(e2m1_pair_raw<4>(w), ch.f[t][hh]);
+        p[hh][2] = bf16x2_mul_rn(e2m1_pair_raw<8>(w), ch.f[t][hh]);
+        p[hh][3] = bf16x2_mul_rn(e2m1_pair_raw<12>(w), ch.f[t][hh]);
+        if constexpr (kBig) {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) p[hh][q] = bf16x2_mul_rn(p[hh][q], ch.g[t][hh]);
+        }
       }
       const uint32_t a0[4] = {p[0][0], p[1][0], p[0][1], p[1][1]};
       const uint32_t a1[4] = {p[0][2], p[1][2], p[0][3], p[1][3]};
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        mma_bf16_16816(acc[t][nt], a0, bq[nt].x, bq[nt].y);
-        mma_bf16_16816(acc[t][nt], a1, bq[nt].z, bq[nt].w);
-      }
+      mma_bf16_16816(acc[t], a0, bq.x, bq.y);
+      mma_bf16_16816(acc[t], a1, bq.z, bq.w);
     }
   }
 }
@@ -668,17 +651,14 @@ constexpr int kDecWarpRing = kDecStages * kDecStageBytes;
 
 // The weights of one warp (2 row tiles from rt0, K chunks [kc_begin, kc_end)) against the staged
 // B rows; acc[tile][nt][4].
-template <int NT>
-__device__ __forceinline__ void dec_pass(float (&acc)[2][2][4], const uint8_t* wblk, const uint8_t* wsc,
+__device__ __forceinline__ void dec_pass(float (&acc)[2][4], const uint8_t* wblk, const uint8_t* wsc,
                                          int rt0, int k_tiles, int kc_begin, int kc_end, const uint8_t* bsm,
                                          int stride, uint8_t* ring, int lane) {
   const int r = lane >> 2, c = lane & 3;
 #pragma unroll
   for (int t = 0; t < 2; ++t)
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[t][nt][i] = 0.0f;
+    for (int i = 0; i < 4; ++i) acc[t][i] = 0.0f;
   // The lane's vector of (tile t, half hh) at chunk 0; chunk kc is 2 K tiles on (1024 value
   // bytes, 64 scale bytes). Scales are fetched as the aligned 4-byte word that holds them.
   const int64_t t0 = static_cast<int64_t>(rt0) * k_tiles + (c >> 1);
@@ -717,21 +697,28 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][2][4], const uint8_t* w
     cp_async_wait<kDecStages - 1>();
     const uint8_t* st = ring + ((kc - kc_begin) % kDecStages) * kDecStageBytes;
     DecChunk ch;
+    bool big = false;
 #pragma unroll
     for (int t = 0; t < 2; ++t)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int v = t * 2 + hh;
         ch.v[t][hh] = *reinterpret_cast<const uint4*>(st + (v * 32 + lane) * 16);
-        ch.s[t][hh] = (*reinterpret_cast<const uint32_t*>(st + 2048 + (v * 32 + lane) * 4) >> sshift) & 0xffu;
+        const uint32_t sc = (*reinterpret_cast<const uint32_t*>(st + 2048 + (v * 32 + lane) * 4) >> sshift) & 0xffu;
+        ch.f[t][hh] = dec_factor(sc);
+        ch.g[t][hh] = dec_big_factor(sc);
+        big |= dec_is_big(sc);
       }
-    dec_compute<NT>(acc, ch, bsm, stride, kc, lane);
+    if (__any_sync(0xffffffffu, big))
+      dec_compute<true>(acc, ch, bsm, stride, kc, lane);
+    else
+      dec_compute<false>(acc, ch, bsm, stride, kc, lane);
   }
   cp_async_wait_all();
 }
 
 template <bool kGateUp>
-__global__ void __launch_bounds__(kDecThreads, 4) decode_gemm_kernel(const DecodeArgs g) {
+__global__ void __launch_bounds__(kDecThreads, 2) decode_gemm_kernel(const DecodeArgs g) {
   extern __shared__ __align__(16) uint8_t dsm[];
   const int j = blockIdx.y;
   if (j >= g.meta[0]) return;  // whole CTA: fewer active experts than the bound
@@ -740,7 +727,7 @@ __global__ void __launch_bounds__(kDecThreads, 4) decode_gemm_kernel(const Decod
   const int count = g.expert_offsets[e + 1] - base;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int ks = g.ksplit, wk = warp % ks, wr = warp / ks;
-  const int groups_per_cta = 4 / ks;
+  const int groups_per_cta = kDecWarps / ks;
   const int grp = blockIdx.x * groups_per_cta + wr;  // 32-row group of this warp
   const bool has_rows = grp * 32 < g.n;
   const int k_tiles = g.k / 64;
@@ -750,8 +737,8 @@ __global__ void __launch_bounds__(kDecThreads, 4) decode_gemm_kernel(const Decod
   const int stride = kpad * 2 + 64;
   const uint8_t* wblk = g.w_blocks + static_cast<int64_t>(e) * g.n * g.k / 2;
   const uint8_t* wsc = g.w_scales + static_cast<int64_t>(e) * g.n * g.k / 32;
-  // [4 warps][kDecWarpRing] weight rings after the staged rows; a warp's split-K partials
-  // ([16][32] floats) go into its own ring once its pass is done.
+  // [kDecWarps][kDecWarpRing] weight rings after the staged rows; a warp's split-K partials
+  // ([8][32] floats) go into its own ring once its pass is done.
   uint8_t* rings = dsm + g.tok_cap * stride;
   uint8_t* ring = rings + warp * kDecWarpRing;
   const int r = lane >> 2, c = lane & 3;
@@ -763,11 +750,8 @@ __global__ void __launch_bounds__(kDecThreads, 4) decode_gemm_kernel(const Decod
     if (g0 > 0) __syncthreads();  // the previous pass is done with the staged rows
     dec_stage(g, dsm, stride, kpad, base, g0, nrows);
     __syncthreads();
-    float acc[2][2][4];
-    if (nrows <= 8)
-      dec_pass<1>(acc, wblk, wsc, grp * 2, k_tiles, kc_begin, kc_end, dsm, stride, ring, lane);
-    else
-      dec_pass<2>(acc, wblk, wsc, grp * 2, k_tiles, kc_begin, kc_end, dsm, stride, ring, lane);
+    float acc[2][4];
+    dec_pass(acc, wblk, wsc, grp * 2, k_tiles, kc_begin, kc_end, dsm, stride, ring, lane);
     if (ks > 1) {
       // Fixed-order reduction over the K slices: slice 0 adds slices 1.. in order.
       if (wk > 0) {
@@ -775,9 +759,7 @@ __global__ void __launch_bounds__(kDecThreads, 4) decode_gemm_kernel(const Decod
 #pragma unroll
         for (int t = 0; t < 2; ++t)
 #pragma unroll
-          for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) dst[((t * 2 + nt) * 4 + i) * 32] = acc[t][nt][i];
+          for (int i = 0; i < 4; ++i) dst[(t * 4 + i) * 32] = acc[t][i];
       }
       __syncthreads();
       if (wk == 0) {
@@ -786,25 +768,22 @@ __global__ void __launch_bounds__(kDecThreads, 4) decode_gemm_kernel(const Decod
 #pragma unroll
           for (int t = 0; t < 2; ++t)
 #pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-              for (int i = 0; i < 4; ++i) acc[t][nt][i] += src[((t * 2 + nt) * 4 + i) * 32];
+            for (int i = 0; i < 4; ++i) acc[t][i] += src[(t * 4 + i) * 32];
         }
       }
     }
     if (wk != 0 || !has_rows) continue;
-    // acc[t][nt][i]: row r + 8 (i >> 1) of tile t, token column nt*8 + 2c + (i & 1).
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+    // acc[t][i]: row r + 8 (i >> 1) of tile t, token column 2c + (i & 1).
+    {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int col = nt * 8 + 2 * c + (i & 1);
+        const int col = 2 * c + (i & 1);
         if (col >= nrows) continue;
         const int64_t s = base + g0 + col;
         const int row = r + 8 * (i >> 1);
         if constexpr (kGateUp) {
           const int kg = grp * 32 + row, ku = kg + 16;
-          float gv = acc[0][nt][i], uv = acc[1][nt][i];
+          float gv = acc[0][i], uv = acc[1][i];
           if (bias) {
             gv = math::add(gv, bias[quant::mxfp4_checkpoint_row(kg, g.n, order)]);
             uv = math::add(uv, bias[quant::mxfp4_checkpoint_row(ku, g.n, order)]);
@@ -819,36 +798,38 @@ __global__ void __launch_bounds__(kDecThreads, 4) decode_gemm_kernel(const Decod
 #pragma unroll
           for (int t = 0; t < 2; ++t) {
             const int kr = grp * 32 + t * 16 + row;
-            float v = acc[t][nt][i];
+            float v = acc[t][i];
             if (bias) v = math::add(v, bias[kr]);
             g.y[s * g.n + kr] = v;
           }
         }
       }
+    }
   }
 }
 
 // Shared memory of the decode kernel: up to kDecMaxTok staged rows plus the split-K partials.
 size_t decode_smem_bytes(int64_t k, int tok_cap) {
   const int64_t kpad = (k + 127) / 128 * 128;
-  return static_cast<size_t>(tok_cap * (kpad * 2 + 64) + 4 * kDecWarpRing);
+  return static_cast<size_t>(tok_cap * (kpad * 2 + 64) + kDecWarps * kDecWarpRing);
 }
 
-// K slices per CTA: enough CTAs (bound * row groups / (4 / ks)) for ~4 waves of the SMs.
+// K slices per CTA (1, 2, 4 or 8 warps along K; the rest of the CTA's warps take more rows):
+// the fewest that still give about four CTAs per SM.
 int decode_ksplit(int64_t bound_experts, int64_t n, int num_sms) {
   const int64_t groups = n / 32;
-  for (int ks = 1; ks < 4; ks *= 2) {
-    const int64_t ctas = bound_experts * ((groups + (4 / ks) - 1) / (4 / ks));
-    if (ctas >= 4 * num_sms) return ks;
+  for (int ks = 1; ks < kDecWarps; ks *= 2) {
+    const int64_t per_cta = kDecWarps / ks;
+    if (bound_experts * ((groups + per_cta - 1) / per_cta) >= 4 * num_sms) return ks;
   }
-  return 4;
+  return kDecWarps;
 }
 
 template <bool kGateUp>
 Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound, int num_sms) {
   DecodeArgs a = g;
   a.ksplit = decode_ksplit(bound, a.n, num_sms);
-  const int64_t groups = a.n / 32, per_cta = 4 / a.ksplit;
+  const int64_t groups = a.n / 32, per_cta = kDecWarps / a.ksplit;
   const dim3 grid(static_cast<unsigned int>((groups + per_cta - 1) / per_cta), static_cast<unsigned int>(bound));
   const size_t smem = decode_smem_bytes(a.k, a.tok_cap);
   // Opt in to more than 48 KiB once per process (the largest the decode path can ask for).

@@ -2,7 +2,7 @@
 // activation precision of the experts, on random sizes: a single token, empty experts,
 // padding rows (NaN activations, garbage ids), redundant replicas, K tails (hidden not a
 // multiple of the 128-wide K step), both tile heights (decode and prefill), the MXFP4 decode
-// kernel (several passes of 16 tokens per expert, every K split), accumulate. The
+// kernel (several passes of 8 tokens per expert, K split 1, 2 and 8), accumulate. The
 // workspace starts poisoned, so reading anything the kernels did not write shows up.
 // Skips itself without a CUDA build or a visible GPU (label gpu).
 #include <gtest/gtest.h>
@@ -142,10 +142,10 @@ TEST_F(MoeParity, Experts) {
       {"small_k_tail_replicas", 37, 33, 2, 8, 2, 192, 128},  // K step 128 + a 64 tail
       {"prefill_tile64", 256, 250, 4, 8, 0, 256, 128},       // about 125 rows per expert: BM 64
       {"empty_experts", 3, 3, 2, 64, 1, 320, 192},           // hidden and intermediate with tails
-      // MXFP4 decode kernel: ~30 pairs per expert (several 16-row passes, one and two n-tiles)
+      // MXFP4 decode kernel: ~30 pairs per expert (several passes of 8 tokens), K split 8
       {"decode_hot_experts", 64, 60, 8, 16, 0, 256, 128},
-      // decode kernel with K split 1 (gate_up, hidden 576 = 4.5 chunks of 128) and 2 (down)
-      {"decode_ksplit", 40, 40, 4, 64, 0, 576, 1024},
+      // decode kernel with K split 1 (gate_up) and 2 (down); 1088 = 8.5 chunks of 128
+      {"decode_ksplit", 40, 40, 4, 64, 0, 1088, 1088},
   };
   const ActivationParams acts[] = {{ActivationKind::kSwiGLU, 7.0f, 1.702f},
                                    {ActivationKind::kGptOssSwiGLU, 7.0f, 1.702f},
