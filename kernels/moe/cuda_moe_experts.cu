@@ -651,9 +651,12 @@ constexpr int kDecWarpRing = kDecStages * kDecStageBytes;
 
 // The weights of one warp (2 row tiles from rt0, K chunks [kc_begin, kc_end)) against the staged
 // B rows; acc[tile][nt][4].
+// before_loop() runs between issuing the first chunks and waiting for them (the caller stages
+// the B rows there, so their latency overlaps the first weight loads).
+template <typename BeforeLoop>
 __device__ __forceinline__ void dec_pass(float (&acc)[2][4], const uint8_t* wblk, const uint8_t* wsc,
                                          int rt0, int k_tiles, int kc_begin, int kc_end, const uint8_t* bsm,
-                                         int stride, uint8_t* ring, int lane) {
+                                         int stride, uint8_t* ring, int lane, BeforeLoop&& before_loop) {
   const int r = lane >> 2, c = lane & 3;
 #pragma unroll
   for (int t = 0; t < 2; ++t)
@@ -691,6 +694,7 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][4], const uint8_t* wblk
     issue(kc_begin + d);
     cp_async_commit();
   }
+  before_loop();
   for (int kc = kc_begin; kc < kc_end; ++kc) {
     issue(kc + kDecStages - 1);
     cp_async_commit();
@@ -745,13 +749,27 @@ __global__ void __launch_bounds__(kDecThreads, 2) decode_gemm_kernel(const Decod
   const float* bias = g.bias ? g.bias + static_cast<int64_t>(e) * g.n : nullptr;
   const auto order = static_cast<quant::Mxfp4RowOrder>(g.row_order);
 
+  // Programmatic dependent launch: the down kernel may start while gate_up's last CTAs run;
+  // everything it does before griddepcontrol.wait reads only the permutation (complete before
+  // gate_up started) and the weights, so its first weight loads overlap gate_up's tail.
+  if constexpr (kGateUp) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+
   for (int g0 = 0; g0 < count; g0 += g.tok_cap) {
     const int nrows = count - g0 < g.tok_cap ? count - g0 : g.tok_cap;
-    if (g0 > 0) __syncthreads();  // the previous pass is done with the staged rows
-    dec_stage(g, dsm, stride, kpad, base, g0, nrows);
-    __syncthreads();
     float acc[2][4];
-    dec_pass(acc, wblk, wsc, grp * 2, k_tiles, kc_begin, kc_end, dsm, stride, ring, lane);
+    if (g0 == 0) {
+      dec_pass(acc, wblk, wsc, grp * 2, k_tiles, kc_begin, kc_end, dsm, stride, ring, lane, [&] {
+        if constexpr (!kGateUp) asm volatile("griddepcontrol.wait;" ::: "memory");  // h is written
+        dec_stage(g, dsm, stride, kpad, base, g0, nrows);
+        __syncthreads();
+      });
+    } else {
+      // The previous pass is done with the staged rows and (split K) with every warp's ring.
+      __syncthreads();
+      dec_stage(g, dsm, stride, kpad, base, g0, nrows);
+      __syncthreads();
+      dec_pass(acc, wblk, wsc, grp * 2, k_tiles, kc_begin, kc_end, dsm, stride, ring, lane, [] {});
+    }
     if (ks > 1) {
       // Fixed-order reduction over the K slices: slice 0 adds slices 1.. in order.
       if (wk > 0) {
@@ -840,7 +858,19 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
     opted.store(true, std::memory_order_relaxed);
   }
   if (smem > 200 * 1024) return Status(ErrorCode::kUnimplemented, "hidden size too large for the decode kernel", "x");
-  decode_gemm_kernel<kGateUp><<<grid, kDecThreads, smem, stream_of(ctx)>>>(a);
+  // The down kernel is launched as a programmatic dependent of whatever precedes it (gate_up,
+  // which triggers early; the MXFP8 quantization of h, which does not, so down then waits for it).
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kDecThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream_of(ctx);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = kGateUp ? 0 : 1;
+  RD_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_gemm_kernel<kGateUp>, a));
   RD_CUDA_CHECK_LAUNCH("moe decode_gemm_kernel");
   return Status::Ok();
 }
