@@ -1,6 +1,9 @@
 // CUDA twin of cpu_moe_experts.cpp: the routed experts as
 //   permute (one CTA) -> activations to bf16 / MXFP8 -> grouped gate_up GEMM with bias and
 //   SwiGLU in the epilogue -> [h to MXFP8] -> grouped down GEMM with bias -> combine in k order.
+// MXFP4 weights with few tokens per expert (pairs / active experts < 48) take the decode kernels
+// further down (decode_gemm_kernel: mma.sync with the weights as A, see its NOTES); the tiled
+// WMMA GEMM below serves bf16 weights and the prefill sizes.
 //
 // Permutation: every valid (token, k) pair gets its physical expert e = l2p[id] (a bad id or
 // map entry: the pair is dropped); a counting sort groups pairs by expert (order inside one
@@ -463,19 +466,22 @@ __global__ void combine_kernel(float* __restrict__ out, const float* __restrict_
 // - "Swap AB": weights are the MMA's A operand (16 kernel rows = M), tokens its B operand (N = 8
 //   per n-tile), mma.sync m16n8k16 bf16 with FP32 accumulation, so a single token wastes nothing
 //   on the weight side.
-// - Each lane loads its A fragments straight from global memory as 16-byte vectors of the tiled
-//   layout (row r and r + 8 of a 16-row tile, one 32-element block each, lanes 4r..4r+3 covering
-//   a 128-wide K chunk: two 256-byte runs per load instruction, whole sectors) and dequantizes in
-//   registers: E2M1 nibbles are moved into bf16 bit positions (value * 2^-126, subnormal for
+// - Each lane fetches its own A fragments as 16-byte vectors of the tiled layout (row r and
+//   r + 8 of a 16-row tile, one 32-element block each, lanes 4r..4r+3 covering a 128-wide K
+//   chunk: two 256-byte runs per copy instruction, whole sectors) through a per-warp cp.async
+//   ring in shared memory (3 stages: chunks i + 1 and i + 2 in flight while chunk i is used, no
+//   register cost; every lane reads back only its own bytes), and dequantizes in registers: E2M1 nibbles are moved into bf16 bit positions (value * 2^-126, subnormal for
 //   +-0.5) and multiplied by the block scale 2^(s-127) * 2^126 (exact: every E2M1 value times a
 //   power of two is a bf16 number; scales above 2^1 take a second multiply).
 // - The K order inside a chunk is permuted (nibbles i and i + 4 of a 32-bit word form one bf16
 //   pair, Marlin's trick: one shift per pair), so the activations are staged in shared memory once
 //   per CTA in the same permuted order, as bf16 (rounded exactly as the other path rounds them).
 // - A warp owns 32 kernel rows (for gate_up: 16 gate and the 16 up rows of the same features, so
-//   SwiGLU runs in registers); the CTA's 4 warps split K (kKSplit ways, reduced through shared
+//   SwiGLU runs in registers); the CTA's 8 warps split K (1-8 ways, reduced through shared
 //   memory in a fixed order: deterministic) or take more rows, whichever gives enough CTAs.
-// - Weights stream through a 3-deep register ring: chunk i + 2 is loaded while chunk i is used.
+// - Tokens are staged 8 at a time (one n-tile); an expert with more takes several passes.
+// - 8 warps x 2 CTAs per SM (registers, shared memory): ncu showed the first version (4 warps,
+//   16 staged tokens, one CTA per SM) issue-starved at 6 % occupancy.
 constexpr int kDecWarps = 8;
 constexpr int kDecThreads = kDecWarps * 32;
 constexpr int kDecMaxTok = 8;  // tokens per pass (one n-tile); more tokens: more passes
