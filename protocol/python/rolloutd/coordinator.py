@@ -723,6 +723,43 @@ class Coordinator:
             return req.rid
         return run
 
+    def _submit_batch_command(self, w: _Worker, items: List[Tuple[GenerateRequest, int]]):
+        """The command that submits several requests on w's thread: every request is registered,
+        then all are sent, then their replies collected (one round trip for the batch instead of
+        one per request). Returns, per item, its rid or the RolloutdError that refused it."""
+        def run(client: Client):
+            out: List[Any] = [None] * len(items)
+            now = time.monotonic()
+            with self._lock:
+                for k, (req, cost) in enumerate(items):
+                    if req.rid in self._pending:
+                        out[k] = RolloutdError("duplicate_rid", f"request '{req.rid}' is already in flight here", "rid")
+                    else:
+                        self._pending[req.rid] = _Pending(req, w, w.incarnation, cost, now, now)
+            sent = []
+            for k, (req, _) in enumerate(items):
+                if out[k] is not None:
+                    continue
+                try:
+                    sent.append((k, client.send_request(req, GenerateReply)))
+                except RolloutdError as e:  # the daemon is unreachable: this one and the rest
+                    out[k] = e
+            for k, pending in sent:
+                rid = items[k][0].rid
+                try:
+                    pending.result()
+                    out[k] = rid
+                except RolloutdError as e:
+                    if e.code == "deadline_exceeded":
+                        client._abandon(rid)  # it may have been accepted: abort it
+                    out[k] = e
+            with self._lock:
+                for k, (req, _) in enumerate(items):
+                    if isinstance(out[k], RolloutdError) and out[k].code != "duplicate_rid":
+                        self._pending.pop(req.rid, None)
+            return out
+        return run
+
     def submit(self, input_ids: Sequence[int], *, rid: Optional[str] = None, daemon: Optional[str] = None,
                **sampling: Any) -> str:
         """Submits one generate request (fields as GenerateRequest) to the routable daemon with the
@@ -779,23 +816,37 @@ class Coordinator:
             if seed is not None:
                 s["seed"] = seed + i
             reqs.append(_make_request(p, None, s))
-        calls = []
+        # Each daemon gets its share as one batch (sent back to back, replies collected after),
+        # so a submission costs one round trip per daemon, not one per request.
+        batches: Dict[int, Tuple[_Worker, List[Tuple[GenerateRequest, int]], List[int]]] = {}
+        unplaced: List[int] = []
         with self._lock:
-            for req in reqs:
+            for k, req in enumerate(reqs):
                 cost = len(req.input_ids) + req.max_new_tokens
                 w = self._pick(cost)
-                calls.append((req, w, cost, None if w is None else w.call(self._submit_command(w, req, cost))))
-        rids = []
-        for req, w, cost, fut in calls:
-            if fut is not None:
-                try:
-                    rids.append(fut.result(timeout=self.timeout_s + 1))
+                if w is None:
+                    unplaced.append(k)
                     continue
-                except (RolloutdError, FutureTimeout) as e:
-                    self._unreserve(w, cost)
-                    if isinstance(e, RolloutdError) and e.code not in _RETRY_ELSEWHERE:
-                        raise
-            rids.append(self._submit_one(req))  # one by one, skipping daemons that refuse
+                batch = batches.setdefault(id(w), (w, [], []))
+                batch[1].append((req, cost))
+                batch[2].append(k)
+        futures = [(w, items, idx, w.call(self._submit_batch_command(w, items))) for w, items, idx in batches.values()]
+        rids: List[Optional[str]] = [None] * len(reqs)
+        for w, items, idx, fut in futures:
+            try:
+                results = fut.result(timeout=self.timeout_s * 2 + 1)
+            except (RolloutdError, FutureTimeout) as e:
+                results = [e] * len(items)
+            for (req, cost), k, r in zip(items, idx, results):
+                if isinstance(r, str):
+                    rids[k] = r
+                    continue
+                self._unreserve(w, cost)
+                if isinstance(r, RolloutdError) and r.code not in _RETRY_ELSEWHERE:
+                    raise r
+                unplaced.append(k)
+        for k in sorted(unplaced):
+            rids[k] = self._submit_one(reqs[k])  # one by one, skipping daemons that refuse
         return rids
 
     def abort(self, rid: str) -> int:
