@@ -120,6 +120,23 @@ struct Backend {
   Status (*copy_3d)(const ExecContext&, void* dst, size_t dst_pitch, size_t dst_slice_pitch, const void* src,
                     size_t src_pitch, size_t src_slice_pitch, size_t width, size_t height, size_t depth,
                     CopyKind kind);
+
+  // ---- virtual memory (stable arenas, memory release/resume) ----
+  // A reserved range has addresses but no memory behind them. vm_map backs [addr, addr + bytes)
+  // of a reserved range with fresh physical memory, readable and writable (CPU: zero-filled;
+  // CUDA: contents undefined); vm_unmap gives that physical memory back and leaves the
+  // addresses reserved and inaccessible, so a later vm_map puts memory at the same addresses.
+  // Addresses and sizes are multiples of vm_granularity (kInvalidArgument otherwise); vm_unmap
+  // takes exactly a range one vm_map mapped; vm_free takes a whole reservation, unmapped.
+  // CPU: mmap(PROT_NONE) reservations. CUDA: cuMemAddressReserve / cuMemCreate + cuMemMap +
+  // cuMemSetAccess / cuMemUnmap (the driver entry points, found through the runtime: nothing
+  // links libcuda, so a machine without a driver still loads the library). vm_unmap waits for
+  // the device first: nothing may still read the range.
+  Status (*vm_granularity)(const ExecContext&, size_t* out);
+  Status (*vm_reserve)(const ExecContext&, size_t bytes, void** out);
+  Status (*vm_free)(const ExecContext&, void* base, size_t bytes);
+  Status (*vm_map)(const ExecContext&, void* addr, size_t bytes);
+  Status (*vm_unmap)(const ExecContext&, void* addr, size_t bytes);
 };
 
 const Backend& cpu_backend();

@@ -1,5 +1,9 @@
 // The CPU backend: FP32 reference for every op, and the memory ops of the host.
 // Elementwise ops and `linear` live here; attention and the MoE ops in their own files.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -225,6 +229,64 @@ Status copy_3d(const ExecContext& ctx, void* dst, size_t dst_pitch, size_t dst_s
                                static_cast<const char*>(src) + k * src_slice_pitch, src_pitch, width, height, kind));
   return Status::Ok();
 }
+
+// Virtual memory on the host: a reservation is an anonymous PROT_NONE mapping (no memory, no
+// swap reserved); map makes pages accessible (the kernel supplies zero pages on first touch);
+// unmap replaces the range with a fresh PROT_NONE mapping in one call (MAP_FIXED), which
+// discards the pages -- their memory goes back to the system -- and keeps the addresses.
+namespace {
+size_t page_size() {
+  static const size_t p = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  return p;
+}
+Status check_vm_range(const void* addr, size_t bytes) {
+  const size_t g = page_size();
+  if (addr == nullptr || bytes == 0) return Status(ErrorCode::kInvalidArgument, "empty virtual range", "addr");
+  if (reinterpret_cast<uintptr_t>(addr) % g != 0 || bytes % g != 0)
+    return Status(ErrorCode::kInvalidArgument, "virtual range not aligned to the page size", "addr");
+  return Status::Ok();
+}
+Status errno_status(const char* what, size_t bytes) {
+  const int e = errno;
+  return Status(e == ENOMEM ? ErrorCode::kResourceExhausted : ErrorCode::kInternal,
+                std::string(what) + " of " + std::to_string(bytes) + " bytes failed: " + std::strerror(e), "bytes");
+}
+}  // namespace
+
+Status vm_granularity(const ExecContext& ctx, size_t* out) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  *out = page_size();
+  return Status::Ok();
+}
+Status vm_reserve(const ExecContext& ctx, size_t bytes, void** out) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  *out = nullptr;
+  if (bytes == 0 || bytes % page_size() != 0)
+    return Status(ErrorCode::kInvalidArgument, "reservation size not a positive multiple of the page size", "bytes");
+  void* p = ::mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) return errno_status("address reservation", bytes);
+  *out = p;
+  return Status::Ok();
+}
+Status vm_free(const ExecContext& ctx, void* base, size_t bytes) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  RD_RETURN_IF_ERROR(check_vm_range(base, bytes));
+  if (::munmap(base, bytes) != 0) return errno_status("munmap", bytes);
+  return Status::Ok();
+}
+Status vm_map(const ExecContext& ctx, void* addr, size_t bytes) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  RD_RETURN_IF_ERROR(check_vm_range(addr, bytes));
+  if (::mprotect(addr, bytes, PROT_READ | PROT_WRITE) != 0) return errno_status("mprotect", bytes);
+  return Status::Ok();
+}
+Status vm_unmap(const ExecContext& ctx, void* addr, size_t bytes) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  RD_RETURN_IF_ERROR(check_vm_range(addr, bytes));
+  void* p = ::mmap(addr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+  if (p == MAP_FAILED) return errno_status("mmap(MAP_FIXED, PROT_NONE)", bytes);
+  return Status::Ok();
+}
 }  // namespace cpu
 
 const Backend& cpu_backend() {
@@ -247,6 +309,11 @@ const Backend& cpu_backend() {
       cpu::convert,
       cpu::copy_2d,
       cpu::copy_3d,
+      cpu::vm_granularity,
+      cpu::vm_reserve,
+      cpu::vm_free,
+      cpu::vm_map,
+      cpu::vm_unmap,
   };
   return kCpuBackend;
 }

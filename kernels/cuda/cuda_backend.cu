@@ -1,5 +1,7 @@
 // The CUDA backend: memory ops, `linear` through cuBLAS, error plumbing and the op table.
 #include <cublas_v2.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
 
 #include <climits>
 #include <mutex>
@@ -166,6 +168,141 @@ Status synchronize(const ExecContext& ctx) {
   return Status::Ok();
 }
 
+// ---- virtual memory management ----
+// The driver's cuMem* entry points, looked up once through the runtime
+// (cudaGetDriverEntryPointByVersion): the library never links libcuda, so it still loads on a
+// machine without a driver (CI), where every call below reports kUnavailable.
+struct VmApi {
+  PFN_cuMemAddressReserve_v10020 reserve = nullptr;
+  PFN_cuMemAddressFree_v10020 address_free = nullptr;
+  PFN_cuMemCreate_v10020 create = nullptr;
+  PFN_cuMemRelease_v10020 release = nullptr;
+  PFN_cuMemMap_v10020 map = nullptr;
+  PFN_cuMemUnmap_v10020 unmap = nullptr;
+  PFN_cuMemSetAccess_v10020 set_access = nullptr;
+  PFN_cuMemGetAllocationGranularity_v10020 granularity = nullptr;
+  PFN_cuGetErrorName_v6000 error_name = nullptr;
+  std::string missing;  // the first entry point that could not be found
+};
+
+const VmApi& vm_api() {
+  static const VmApi api = [] {
+    VmApi a;
+    auto get = [&](const char* name, void** fn, unsigned version) {
+      cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+      if (cudaGetDriverEntryPointByVersion(name, fn, version, cudaEnableDefault, &q) != cudaSuccess ||
+          q != cudaDriverEntryPointSuccess || *fn == nullptr) {
+        (void)cudaGetLastError();
+        *fn = nullptr;
+        if (a.missing.empty()) a.missing = name;
+      }
+    };
+    get("cuMemAddressReserve", reinterpret_cast<void**>(&a.reserve), 10020);
+    get("cuMemAddressFree", reinterpret_cast<void**>(&a.address_free), 10020);
+    get("cuMemCreate", reinterpret_cast<void**>(&a.create), 10020);
+    get("cuMemRelease", reinterpret_cast<void**>(&a.release), 10020);
+    get("cuMemMap", reinterpret_cast<void**>(&a.map), 10020);
+    get("cuMemUnmap", reinterpret_cast<void**>(&a.unmap), 10020);
+    get("cuMemSetAccess", reinterpret_cast<void**>(&a.set_access), 10020);
+    get("cuMemGetAllocationGranularity", reinterpret_cast<void**>(&a.granularity), 10020);
+    get("cuGetErrorName", reinterpret_cast<void**>(&a.error_name), 6000);
+    return a;
+  }();
+  return api;
+}
+
+Status driver_status(CUresult r, const char* what, size_t bytes) {
+  const char* name = "?";
+  if (vm_api().error_name) (void)vm_api().error_name(r, &name);
+  const ErrorCode code = r == CUDA_ERROR_OUT_OF_MEMORY ? ErrorCode::kResourceExhausted : ErrorCode::kCudaError;
+  return Status(code, std::string(what) + " of " + std::to_string(bytes) + " bytes failed: " + name, "bytes");
+}
+
+// Sets the device and makes its primary context current (the driver calls need one).
+Status vm_enter(const ExecContext& ctx, DeviceGuard& guard) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  if (!vm_api().missing.empty())
+    return Status(ErrorCode::kUnavailable,
+                  "CUDA virtual memory management is not available (driver entry point " + vm_api().missing +
+                      " not found)");
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  RD_CUDA_CHECK(cudaFree(nullptr));  // initializes the primary context if nothing did yet
+  return Status::Ok();
+}
+
+CUmemAllocationProp device_prop(int device) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  return prop;
+}
+
+Status vm_granularity(const ExecContext& ctx, size_t* out) {
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(vm_enter(ctx, guard));
+  const CUmemAllocationProp prop = device_prop(ctx.device.index);
+  size_t g = 0;
+  if (CUresult r = vm_api().granularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM); r != CUDA_SUCCESS)
+    return driver_status(r, "cuMemGetAllocationGranularity", 0);
+  *out = g;
+  return Status::Ok();
+}
+
+Status vm_reserve(const ExecContext& ctx, size_t bytes, void** out) {
+  *out = nullptr;
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(vm_enter(ctx, guard));
+  CUdeviceptr p = 0;
+  if (CUresult r = vm_api().reserve(&p, bytes, 0, 0, 0); r != CUDA_SUCCESS)
+    return driver_status(r, "cuMemAddressReserve", bytes);
+  *out = reinterpret_cast<void*>(p);
+  return Status::Ok();
+}
+
+Status vm_free(const ExecContext& ctx, void* base, size_t bytes) {
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(vm_enter(ctx, guard));
+  if (CUresult r = vm_api().address_free(reinterpret_cast<CUdeviceptr>(base), bytes); r != CUDA_SUCCESS)
+    return driver_status(r, "cuMemAddressFree", bytes);
+  return Status::Ok();
+}
+
+// One physical allocation per call. Its handle is released as soon as it is mapped: the
+// mapping keeps the memory alive, and cuMemUnmap then frees it, so nothing else is tracked.
+Status vm_map(const ExecContext& ctx, void* addr, size_t bytes) {
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(vm_enter(ctx, guard));
+  const VmApi& api = vm_api();
+  const CUmemAllocationProp prop = device_prop(ctx.device.index);
+  const auto ptr = reinterpret_cast<CUdeviceptr>(addr);
+  CUmemGenericAllocationHandle handle = 0;
+  if (CUresult r = api.create(&handle, bytes, &prop, 0); r != CUDA_SUCCESS) return driver_status(r, "cuMemCreate", bytes);
+  if (CUresult r = api.map(ptr, bytes, 0, handle, 0); r != CUDA_SUCCESS) {
+    (void)api.release(handle);
+    return driver_status(r, "cuMemMap", bytes);
+  }
+  (void)api.release(handle);
+  CUmemAccessDesc access{};
+  access.location = prop.location;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  if (CUresult r = api.set_access(ptr, bytes, &access, 1); r != CUDA_SUCCESS) {
+    (void)api.unmap(ptr, bytes);
+    return driver_status(r, "cuMemSetAccess", bytes);
+  }
+  return Status::Ok();
+}
+
+Status vm_unmap(const ExecContext& ctx, void* addr, size_t bytes) {
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(vm_enter(ctx, guard));
+  // Work queued on any stream may still read the range.
+  RD_CUDA_CHECK(cudaDeviceSynchronize());
+  if (CUresult r = vm_api().unmap(reinterpret_cast<CUdeviceptr>(addr), bytes); r != CUDA_SUCCESS)
+    return driver_status(r, "cuMemUnmap", bytes);
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status error_status(cudaError_t err, const char* expr, const char* file, int line) {
@@ -236,6 +373,11 @@ const Backend* cuda_backend() {
       cuda::convert,
       cuda::copy_2d,
       cuda::copy_3d,
+      cuda::vm_granularity,
+      cuda::vm_reserve,
+      cuda::vm_free,
+      cuda::vm_map,
+      cuda::vm_unmap,
   };
   return &kCudaBackend;
 }
