@@ -11,7 +11,59 @@ Engine::Engine(std::unique_ptr<MoeDecoder> model, const EngineOptions& options)
       kv_(options.step.num_kv_blocks, options.step.kv_block_size),
       recorder_(model_->config().num_moe_layers(), model_->config().num_experts_per_tok,
                 options.step.max_tokens),
-      updater_(model_->weights()) {}
+      updater_(model_->weights()) {
+  memory_.add_arena(&model_->arena(MemoryTag::kWeights));
+  memory_.add_arena(&model_->arena(MemoryTag::kKvCache));
+  memory_.add_static_state(&model_->weights().static_state());
+  // The layout-permutation staging buffer holds nothing between sessions: give it back with
+  // the weights, the next session allocates it again.
+  const ExecContext ctx = model_->context();
+  memory_.add_release_hook(MemoryTag::kWeights, [ctx]() -> Result<size_t> {
+    if (ctx.device.kind == DeviceKind::kCpu) return size_t{0};
+    return release_device_staging(ctx);
+  });
+}
+
+std::string Engine::memory_blocked_reason() const {
+  if (memory_.released(MemoryTag::kWeights))
+    return "the weights memory is released (release_memory): resume_memory, then push weights";
+  if (memory_.released(MemoryTag::kKvCache))
+    return "the kv_cache memory is released (release_memory): resume_memory{kv_cache} first";
+  return "";
+}
+
+Result<std::vector<Engine::MemoryTagResult>> Engine::release_memory(const std::vector<MemoryTag>& tags) {
+  if (has_requests())
+    return Status(ErrorCode::kFailedPrecondition,
+                  std::to_string(by_rid_.size()) +
+                      " requests are in flight: finish or abort them (pause_generation{abort}) before release_memory");
+  if (updater_.session_open())
+    return Status(ErrorCode::kFailedPrecondition,
+                  "weight-update session " + std::to_string(updater_.session_id()) +
+                      " is open: end or abort it before release_memory");
+  std::vector<MemoryTagResult> out;
+  for (MemoryTag t : tags) {
+    RD_ASSIGN_OR_RETURN(MemoryOpResult r, memory_.release(t));
+    if (t == MemoryTag::kWeights && r.changed) {
+      model_->weights().set_resident(false);
+      updater_.mark_all_lost(
+          "the weights memory was released (release_memory): resume_memory{weights}, then push weights "
+          "(a completed weight-update session that writes every parameter)");
+    }
+    out.push_back({t, r});
+  }
+  return out;
+}
+
+Result<std::vector<Engine::MemoryTagResult>> Engine::resume_memory(const std::vector<MemoryTag>& tags) {
+  std::vector<MemoryTagResult> out;
+  for (MemoryTag t : tags) {
+    RD_ASSIGN_OR_RETURN(MemoryOpResult r, memory_.resume(t));
+    if (t == MemoryTag::kWeights && r.changed) model_->weights().set_resident(true);
+    out.push_back({t, r});
+  }
+  return out;
+}
 
 Result<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<MoeDecoder> model,
                                                const EngineOptions& options) {
@@ -35,6 +87,7 @@ Status Engine::submit(RequestSpec spec) {
   if (spec.rid.empty()) return Status(ErrorCode::kInvalidArgument, "empty request id", "rid");
   if (!updater_.broken_reason().empty())
     return Status(ErrorCode::kNotReady, "the model is not whole: " + updater_.broken_reason());
+  if (const std::string why = memory_blocked_reason(); !why.empty()) return Status(ErrorCode::kNotReady, why);
   if (by_rid_.count(spec.rid))
     return Status(ErrorCode::kDuplicateRid, "request id '" + spec.rid + "' is already in flight", "rid");
   if (spec.input_ids.empty())

@@ -18,6 +18,7 @@
 #include "core/model/moe_decoder.hpp"
 #include "core/moe/routed_experts.hpp"
 #include "core/sampling/sampler.hpp"
+#include "core/storage/memory_manager.hpp"
 #include "core/weights/session.hpp"
 
 namespace rolloutd::core {
@@ -94,7 +95,26 @@ class Engine {
   // Requests that step() would advance: none while paused, while a weight-update session is
   // open, or while the model is not whole after a failed session.
   bool has_work() const { return has_requests() && can_step(); }
-  bool can_step() const { return !paused_ && updater_.whole(); }
+  bool can_step() const { return !paused_ && updater_.whole() && memory_blocked_reason().empty(); }
+
+  // ---- memory release/resume (colocated training) ----
+  // Releases the memory of each tag (weights, kv_cache, cuda_graph; scratch stays): only while
+  // idle -- no request in flight, no weight-update session open (kFailedPrecondition
+  // otherwise, nothing released). Releasing weights loses every parameter's value (static
+  // state is kept): the model is not whole until sessions have rewritten every parameter
+  // after resume. Releasing kv_cache drops every cached block (none is cached while idle).
+  struct MemoryTagResult {
+    MemoryTag tag = MemoryTag::kWeights;
+    MemoryOpResult op;
+  };
+  Result<std::vector<MemoryTagResult>> release_memory(const std::vector<MemoryTag>& tags);
+  // Maps memory again under every released tag given, at the same addresses, and writes the
+  // static state back. kResourceExhausted when the device is still full (retry later).
+  Result<std::vector<MemoryTagResult>> resume_memory(const std::vector<MemoryTag>& tags);
+  MemoryManager& memory() { return memory_; }
+  const MemoryManager& memory() const { return memory_; }
+  // Why generation cannot run because memory is released ("" when it can).
+  std::string memory_blocked_reason() const;
 
   // ---- weight updates and pause modes ----
   enum class PauseMode : uint8_t { kAbort, kRetract, kInPlace };
@@ -149,6 +169,7 @@ class Engine {
   std::deque<Sequence*> waiting_;
   std::vector<Sequence*> running_;
   WeightUpdater updater_;
+  MemoryManager memory_;
   bool paused_ = false;
   uint64_t weight_version_ = 0;
   uint64_t requests_total_ = 0;

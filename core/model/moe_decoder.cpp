@@ -81,6 +81,9 @@ Status MoeDecoder::allocate() {
                                      static_cast<size_t>(E) * sizeof(int32_t),
                                      ctx_.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost
                                                                           : CopyKind::kHostToDevice));
+    // Not a checkpoint tensor, yet in weights memory: kept across a release of the weights.
+    RD_RETURN_IF_ERROR(weights_->static_state().add(p + "mlp.experts.logical_to_physical", MemoryTag::kWeights,
+                                                    L.logical_to_physical));
   }
   for (int64_t left = c.synthetic_param_bytes, i = 0; left > 0; ++i) {
     const int64_t bytes = std::min<int64_t>(left, int64_t{256} << 20) & ~int64_t{1};
@@ -144,6 +147,14 @@ Status MoeDecoder::allocate() {
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{S, H}, ws_.final_normed));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{S, c.vocab_size}, ws_.logits));
   return Status::Ok();
+}
+
+StableArena& MoeDecoder::arena(MemoryTag tag) {
+  switch (tag) {
+    case MemoryTag::kWeights: return *weights_arena_;
+    case MemoryTag::kKvCache: return *kv_arena_;
+    default: return *scratch_arena_;
+  }
 }
 
 Status MoeDecoder::add_loader_aliases(int64_t l) {

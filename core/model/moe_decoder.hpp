@@ -65,6 +65,9 @@ class MoeDecoder {
   const Backend& backend() const { return backend_; }
   const ExecContext& context() const { return ctx_; }
   const ExpertMap& expert_map(int64_t layer) const { return layers_[static_cast<size_t>(layer)].expert_map; }
+  // The arenas behind parameters (weights), the KV cache (kv_cache) and step workspaces
+  // (scratch), for memory release/resume (core/storage/memory_manager.hpp).
+  StableArena& arena(MemoryTag tag);
 
  private:
   struct Layer {

@@ -36,6 +36,17 @@ Result<void*> device_staging(const Backend& b, const ExecContext& ctx, size_t by
   return p;
 }
 
+Result<size_t> release_device_staging(const ExecContext& ctx) {
+  std::lock_guard<std::mutex> lock(g_staging_mu);
+  auto it = g_staging.find(ctx.device.index);
+  if (it == g_staging.end() || it->second.ptr == nullptr) return size_t{0};
+  DeviceStaging s = it->second;
+  g_staging.erase(it);
+  RD_RETURN_IF_ERROR(s.backend->synchronize(s.ctx));
+  RD_RETURN_IF_ERROR(s.backend->free(s.ctx, s.ptr));
+  return s.bytes;
+}
+
 InterleaveGateUpMethod::InterleaveGateUpMethod(int64_t intermediate, size_t max_staging_bytes)
     : inter_(intermediate), max_staging_bytes_(max_staging_bytes) {
   const size_t rows = static_cast<size_t>(2 * intermediate);

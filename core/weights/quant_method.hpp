@@ -50,8 +50,11 @@ class QuantMethod {
 
 // A device buffer of at least `bytes` for in-place layout permutations on ctx's device, shared
 // by every method of the process (the engine thread uses it; callers synchronize before the
-// next use). Kept until the process ends (memory release will have to give it back).
+// next use). Kept across sessions; release_device_staging gives it back (memory release of
+// the weights), and the next permutation allocates it again.
 Result<void*> device_staging(const Backend& b, const ExecContext& ctx, size_t bytes);
+// Frees the staging buffer of ctx's device, if any; returns its size.
+Result<size_t> release_device_staging(const ExecContext& ctx);
 
 // Unquantized parameters: both layouts are the same bytes.
 class IdentityMethod final : public QuantMethod {

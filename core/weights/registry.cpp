@@ -296,8 +296,16 @@ Status WeightRegistry::load_quantized(const CheckpointTensor& t, DType src_dtype
   return Status::Ok();
 }
 
+namespace {
+Status released_status(const std::string& name) {
+  return Status(ErrorCode::kFailedPrecondition,
+                "the weights memory is released (release_memory): resume_memory{weights} before touching " + name);
+}
+}  // namespace
+
 Status WeightRegistry::restore(size_t i) {
   RegisteredParameter& p = params_[i];
+  if (!resident_) return released_status(p.name);
   if (p.layout == Layout::kCheckpoint) {
     ++counters_.refused_restores;
     return Status::Ok();
@@ -309,6 +317,7 @@ Status WeightRegistry::restore(size_t i) {
 
 Status WeightRegistry::postprocess(size_t i) {
   RegisteredParameter& p = params_[i];
+  if (!resident_) return released_status(p.name);
   if (p.layout == Layout::kKernel) {
     ++counters_.refused_postprocesses;
     return Status::Ok();
@@ -327,6 +336,7 @@ Status WeightRegistry::postprocess_all() {
 
 Status WeightRegistry::read_checkpoint(size_t i, std::vector<uint8_t>& out) const {
   const RegisteredParameter& p = params_[i];
+  if (!resident_) return released_status(p.name);
   const RowGeometry g = row_geometry(p.storage);
   const size_t row_bytes = static_cast<size_t>(g.cols) * dtype_size(p.storage.dtype);
   out.resize(row_bytes * static_cast<size_t>(g.rows * g.experts));

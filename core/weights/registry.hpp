@@ -14,6 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/storage/static_state.hpp"
 #include "core/weights/quant_method.hpp"
 #include "kernels/backend.hpp"
 #include "kernels/status.hpp"
@@ -61,7 +62,7 @@ struct RegistryCounters {
 
 class WeightRegistry {
  public:
-  WeightRegistry(const Backend& backend, ExecContext ctx) : backend_(backend), ctx_(ctx) {}
+  WeightRegistry(const Backend& backend, ExecContext ctx) : backend_(backend), ctx_(ctx), static_state_(backend, ctx) {}
 
   // Registers a stored parameter (and its own name as a whole-tensor checkpoint name).
   // `whole_name_alias` = false leaves the name free for an add_alias() with another row
@@ -108,6 +109,15 @@ class WeightRegistry {
   // layout: kernel-layout rows are read back through the method's row map).
   Status read_checkpoint(size_t param, std::vector<uint8_t>& out) const;
 
+  // Device state of the model that is not a checkpoint tensor (expert maps' device copies,
+  // constants): backed up across a release of its memory, never written by a session.
+  StaticState& static_state() { return static_state_; }
+  const StaticState& static_state() const { return static_state_; }
+  // False while the weights memory is released: parameter storage is unmapped, so reads
+  // (read_checkpoint) and layout moves are refused with kFailedPrecondition.
+  void set_resident(bool resident) { resident_ = resident; }
+  bool resident() const { return resident_; }
+
   const RegistryCounters& counters() const { return counters_; }
   const Backend& backend() const { return backend_; }
   const ExecContext& context() const { return ctx_; }
@@ -125,6 +135,8 @@ class WeightRegistry {
   std::unordered_map<std::string, CheckpointTensor> tensors_;
   RegistryCounters counters_;
   std::vector<uint8_t> scratch_;
+  StaticState static_state_;
+  bool resident_ = true;
 };
 
 // Rows and row width of a stored parameter as the row copies see it: [E, R, C] -> (E, R, C);

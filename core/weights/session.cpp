@@ -42,6 +42,9 @@ Result<BeginResult> WeightUpdater::begin(const std::vector<std::string>& selecto
     return Status(ErrorCode::kFailedPrecondition, "session " + std::to_string(id_) + " is already open", "session");
   if (!(timeout_s > 0 && timeout_s <= 3600))
     return Status(ErrorCode::kOutOfRange, "timeout_s must be in (0, 3600]", "timeout_s");
+  if (!reg_.resident())
+    return Status(ErrorCode::kFailedPrecondition,
+                  "the weights memory is released: resume_memory{weights} before a weight-update session");
   BeginResult r;
   const auto& params = reg_.parameters();
   for (size_t i = 0; i < params.size(); ++i) {
@@ -174,13 +177,19 @@ Result<EndResult> WeightUpdater::end(uint64_t session, uint64_t weight_version, 
   for (size_t p : written_) broken_.erase(p);
   if (broken_.empty()) broken_reason_.clear();
   else
-    broken_reason_ = std::to_string(broken_.size()) +
-                     " parameters written by a failed weight-update session have not been rewritten (e.g. " +
-                     reg_.parameters()[*broken_.begin()].name + ")";
+    broken_reason_ = std::to_string(broken_.size()) + " parameters " + broken_cause_ +
+                     " have not been rewritten (e.g. " + reg_.parameters()[*broken_.begin()].name + ")";
+  if (broken_.empty()) broken_cause_ = "written by a failed weight-update session";
   r.whole = broken_.empty();
   open_ = false;
   written_.clear();
   return r;
+}
+
+void WeightUpdater::mark_all_lost(const std::string& reason) {
+  for (size_t i = 0; i < reg_.size(); ++i) broken_.insert(i);
+  broken_reason_ = reason;
+  broken_cause_ = "lost when the weights memory was released";
 }
 
 Status WeightUpdater::finish_failed(const std::string& why) {

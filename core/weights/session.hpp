@@ -80,6 +80,9 @@ class WeightUpdater {
   bool whole() const { return !open_ && broken_.empty(); }
   // Why the model is not whole after a failed session ("" otherwise).
   const std::string& broken_reason() const { return broken_reason_; }
+  // Every parameter's values are gone (the weights memory was released): the model is not
+  // whole, with `reason`, until completed sessions have rewritten every parameter.
+  void mark_all_lost(const std::string& reason);
 
  private:
   Status check_session(uint64_t session) const;
@@ -94,6 +97,7 @@ class WeightUpdater {
   std::set<size_t> written_;  // parameters this session wrote
   std::set<size_t> broken_;   // parameters written by failed sessions, not yet rewritten
   std::string broken_reason_;
+  std::string broken_cause_ = "written by a failed weight-update session";  // for end()'s reason
   uint32_t buckets_ = 0;
   uint64_t entries_ = 0, bytes_ = 0;
 };
