@@ -572,6 +572,14 @@ Result<ContinueGenerationReply> Client::continue_generation() {
   return impl_->call<ContinueGenerationReply>(ContinueGenerationRequest{});
 }
 
+Result<ReleaseMemoryReply> Client::release_memory(std::optional<std::vector<std::string>> tags) {
+  return impl_->call<ReleaseMemoryReply>(ReleaseMemoryRequest{std::move(tags)});
+}
+
+Result<ResumeMemoryReply> Client::resume_memory(std::optional<std::vector<std::string>> tags) {
+  return impl_->call<ResumeMemoryReply>(ResumeMemoryRequest{std::move(tags)});
+}
+
 Result<InitWeightGroupReply> Client::init_weight_group(const std::string& group,
                                                        const std::string& unique_id,
                                                        uint32_t world_size, uint32_t rank,

@@ -89,6 +89,13 @@ class Client {
   Result<PauseGenerationReply> pause_generation(PauseMode mode);
   Result<ContinueGenerationReply> continue_generation();
 
+  // ---- memory release and resume (SPEC §12) ----
+  // Tags from kMemoryTags ("weights", "kv_cache", "cuda_graph"); nullopt = every tag. The
+  // daemon must be idle (no request in flight, no weight session open): failed_precondition
+  // otherwise. After releasing weights, resume and push weights before generating.
+  Result<ReleaseMemoryReply> release_memory(std::optional<std::vector<std::string>> tags = std::nullopt);
+  Result<ResumeMemoryReply> resume_memory(std::optional<std::vector<std::string>> tags = std::nullopt);
+
   // ---- GPU weight transports (SPEC §11.7) ----
   // Joins the daemon to the NCCL group `group` as `rank` of `world_size`; the trainer
   // (`root`) created `unique_id` (128 bytes) and joins at the same time. The daemon

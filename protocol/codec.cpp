@@ -54,6 +54,12 @@ constexpr std::string_view kInitWeightGroup = "init_weight_group";
 constexpr std::string_view kDestroyWeightGroup = "destroy_weight_group";
 constexpr std::string_view kInitWeightGroupOk = "init_weight_group.ok";
 constexpr std::string_view kDestroyWeightGroupOk = "destroy_weight_group.ok";
+// Memory release and resume (SPEC §12).
+constexpr std::string_view kReleaseMemory = "release_memory";
+constexpr std::string_view kResumeMemory = "resume_memory";
+constexpr std::string_view kReleaseMemoryOk = "release_memory.ok";
+constexpr std::string_view kResumeMemoryOk = "resume_memory.ok";
+constexpr size_t kMaxMemoryTags = std::size(kMemoryTags);
 
 constexpr std::string_view kFlattenedBucket = "flattened_bucket";
 constexpr std::string_view kCrc32 = "crc32";
@@ -1017,6 +1023,25 @@ Status decode_body(const MapReader& b, const Limits& l, DestroyWeightGroupReques
   return check_group_name(b.path("group"), r.group);
 }
 
+// tags: nil (every tag) or 1..3 distinct names from kMemoryTags.
+Status read_memory_tags(const MapReader& b, const Limits& l, std::optional<std::vector<std::string>>& out) {
+  RD_RETURN_IF_ERROR(read_name_list(b, "tags", l, out, /*distinct=*/true));
+  if (!out) return Status::Ok();
+  for (size_t i = 0; i < out->size(); ++i)
+    if (!is_memory_tag((*out)[i]))
+      return error_at(ErrorCode::kInvalidArgument, b.path("tags").at(i),
+                      "unknown memory tag '" + (*out)[i] + "'; expected weights, kv_cache or cuda_graph");
+  return Status::Ok();
+}
+
+Status decode_body(const MapReader& b, const Limits& l, ReleaseMemoryRequest& r) {
+  return read_memory_tags(b, l, r.tags);
+}
+
+Status decode_body(const MapReader& b, const Limits& l, ResumeMemoryRequest& r) {
+  return read_memory_tags(b, l, r.tags);
+}
+
 template <class T>
 Result<Request> decode_request_as(const MapReader& body, const RequestContext& c) {
   T r;
@@ -1041,6 +1066,8 @@ constexpr std::pair<std::string_view, RequestDecoder> kRequestDecoders[] = {
     {kContinueGeneration, &decode_request_as<ContinueGenerationRequest>},
     {kInitWeightGroup, &decode_request_as<InitWeightGroupRequest>},
     {kDestroyWeightGroup, &decode_request_as<DestroyWeightGroupRequest>},
+    {kReleaseMemory, &decode_request_as<ReleaseMemoryRequest>},
+    {kResumeMemory, &decode_request_as<ResumeMemoryRequest>},
 };
 
 // ---- replies and events ----
@@ -1330,6 +1357,25 @@ Status decode_body(const MapReader& b, const IncomingContext& c, DestroyWeightGr
 }
 
 template <class T>
+Status decode_memory_reply(const MapReader& b, const IncomingContext& c, T& r) {
+  RD_RETURN_IF_ERROR(b.field("tags", Need::kRequired, [&](const msgpack::object& o, const Path& p) {
+    return read_array(o, p, kMaxMemoryTags, r.tags, [&](const msgpack::object& e, const Path& ep, std::string& t) {
+      return read_str(e, ep, c.limits.max_string_bytes, t);
+    });
+  }));
+  RD_RETURN_IF_ERROR(b.integer("num_bytes", Need::kRequired, r.num_bytes));
+  return b.number("duration_s", Need::kRequired, {}, r.duration_s);
+}
+
+Status decode_body(const MapReader& b, const IncomingContext& c, ReleaseMemoryReply& r) {
+  return decode_memory_reply(b, c, r);
+}
+
+Status decode_body(const MapReader& b, const IncomingContext& c, ResumeMemoryReply& r) {
+  return decode_memory_reply(b, c, r);
+}
+
+template <class T>
 Result<Incoming> decode_incoming_as(const MapReader& body, const IncomingContext& c) {
   T r;
   RD_RETURN_IF_ERROR(decode_body(body, c, r));
@@ -1358,6 +1404,8 @@ constexpr std::pair<std::string_view, IncomingDecoder> kIncomingDecoders[] = {
     {kRetracted, &decode_incoming_as<RetractedEvent>},
     {kInitWeightGroupOk, &decode_incoming_as<InitWeightGroupReply>},
     {kDestroyWeightGroupOk, &decode_incoming_as<DestroyWeightGroupReply>},
+    {kReleaseMemoryOk, &decode_incoming_as<ReleaseMemoryReply>},
+    {kResumeMemoryOk, &decode_incoming_as<ResumeMemoryReply>},
 };
 
 template <class Decoder, size_t N>
@@ -1610,6 +1658,8 @@ void write_body(Packer& pk, const InitWeightGroupRequest& r) {
 void write_body(Packer& pk, const DestroyWeightGroupRequest& r) {
   MapWriter(pk, 1).put("group", r.group);
 }
+void write_body(Packer& pk, const ReleaseMemoryRequest& r) { MapWriter(pk, 1).put("tags", r.tags); }
+void write_body(Packer& pk, const ResumeMemoryRequest& r) { MapWriter(pk, 1).put("tags", r.tags); }
 
 void write_model(Packer& pk, const ModelInfo& m) {
   MapWriter(pk, 8)
@@ -1720,6 +1770,8 @@ std::string_view request_name(const PauseGenerationRequest&) { return kPauseGene
 std::string_view request_name(const ContinueGenerationRequest&) { return kContinueGeneration; }
 std::string_view request_name(const InitWeightGroupRequest&) { return kInitWeightGroup; }
 std::string_view request_name(const DestroyWeightGroupRequest&) { return kDestroyWeightGroup; }
+std::string_view request_name(const ReleaseMemoryRequest&) { return kReleaseMemory; }
+std::string_view request_name(const ResumeMemoryRequest&) { return kResumeMemory; }
 
 // CRC-32 (zlib's: reflected polynomial 0xEDB88320), slice-by-8: eight table
 // lookups per 8 input bytes, several times the byte-at-a-time rate.
@@ -2011,6 +2063,24 @@ WireMessage encode_reply(uint64_t id, const DestroyWeightGroupReply& r) {
   return encode_message(kDestroyWeightGroupOk, id, [&](Packer& pk, std::vector<std::string>&) {
     MapWriter(pk, 1).put("group", r.group);
   });
+}
+
+WireMessage encode_reply(uint64_t id, const ReleaseMemoryReply& r) {
+  return encode_message(kReleaseMemoryOk, id, [&](Packer& pk, std::vector<std::string>&) {
+    MapWriter(pk, 3).put("tags", r.tags).put("num_bytes", r.num_bytes).put("duration_s", r.duration_s);
+  });
+}
+
+WireMessage encode_reply(uint64_t id, const ResumeMemoryReply& r) {
+  return encode_message(kResumeMemoryOk, id, [&](Packer& pk, std::vector<std::string>&) {
+    MapWriter(pk, 3).put("tags", r.tags).put("num_bytes", r.num_bytes).put("duration_s", r.duration_s);
+  });
+}
+
+bool is_memory_tag(std::string_view tag) {
+  for (std::string_view t : kMemoryTags)
+    if (t == tag) return true;
+  return false;
 }
 
 WireMessage encode_error(uint64_t id, const ErrorInfo& e) {

@@ -48,6 +48,8 @@ WireMessage encode_reply(uint64_t id, const PauseGenerationReply& r);
 WireMessage encode_reply(uint64_t id, const ContinueGenerationReply& r);
 WireMessage encode_reply(uint64_t id, const InitWeightGroupReply& r);
 WireMessage encode_reply(uint64_t id, const DestroyWeightGroupReply& r);
+WireMessage encode_reply(uint64_t id, const ReleaseMemoryReply& r);
+WireMessage encode_reply(uint64_t id, const ResumeMemoryReply& r);
 WireMessage encode_error(uint64_t id, const ErrorInfo& e);
 // Events echo the id of the generate request that created them.
 WireMessage encode_event(uint64_t id, const Event& e);
@@ -67,7 +69,8 @@ using Incoming = std::variant<HelloReply, StatusReply, GenerateReply, AbortReply
                               BeginWeightUpdateReply, UpdateWeightsReply, EndWeightUpdateReply,
                               AbortWeightUpdateReply, GetWeightsByNameReply, WeightsChecksumReply,
                               PauseGenerationReply, ContinueGenerationReply, RetractedEvent,
-                              InitWeightGroupReply, DestroyWeightGroupReply>;
+                              InitWeightGroupReply, DestroyWeightGroupReply, ReleaseMemoryReply,
+                              ResumeMemoryReply>;
 struct DecodedIncoming {
   Envelope env;
   Incoming msg;

@@ -198,12 +198,26 @@ struct DestroyWeightGroupRequest {
   std::string group;
 };
 
+// ---- memory release and resume (SPEC §12) ----
+// The memory tags a client names, in canonical order: what `tags: nil` means.
+inline constexpr std::string_view kMemoryTags[] = {"weights", "kv_cache", "cuda_graph"};
+bool is_memory_tag(std::string_view tag);
+
+// Give the GPU memory of each tag back (addresses stay reserved); only while idle.
+struct ReleaseMemoryRequest {
+  std::optional<std::vector<std::string>> tags;  // absent = every tag; distinct kMemoryTags
+};
+// Map memory again under each tag, at the same addresses.
+struct ResumeMemoryRequest {
+  std::optional<std::vector<std::string>> tags;
+};
+
 using Request =
     std::variant<HelloRequest, StatusRequest, GenerateRequest, AbortRequest, ShutdownRequest,
                  BeginWeightUpdateRequest, UpdateWeightsRequest, EndWeightUpdateRequest,
                  AbortWeightUpdateRequest, GetWeightsByNameRequest, WeightsChecksumRequest,
                  PauseGenerationRequest, ContinueGenerationRequest, InitWeightGroupRequest,
-                 DestroyWeightGroupRequest>;
+                 DestroyWeightGroupRequest, ReleaseMemoryRequest, ResumeMemoryRequest>;
 
 // ----------------------------------------------------------------- replies --
 struct ModelInfo {
@@ -328,6 +342,18 @@ struct InitWeightGroupReply {
 
 struct DestroyWeightGroupReply {
   std::string group;
+};
+
+struct ReleaseMemoryReply {
+  std::vector<std::string> tags;      // tags this call released (canonical order); already released ones are not listed
+  uint64_t num_bytes = 0;             // physical bytes given back by this call
+  double duration_s = 0.0;
+};
+
+struct ResumeMemoryReply {
+  std::vector<std::string> tags;      // tags this call resumed (canonical order)
+  uint64_t num_bytes = 0;             // physical bytes mapped by this call
+  double duration_s = 0.0;
 };
 
 // ------------------------------------------------------------------ events --

@@ -470,6 +470,20 @@ GOLDEN = {
         NCCL_SOURCE, checksum={"algo": "crc32", "value": 0xDEADBEEF})), []),
     # Offset 2 MiB into the exported allocation (a caching allocator's segment).
     "update_weights_cuda_ipc": (envelope("update_weights", 53, device_update_body(IPC_SOURCE)), []),
+    # Memory release and resume (SPEC §12).
+    "release_memory": (envelope("release_memory", 54, {"tags": ["weights", "kv_cache"]}), []),
+    "release_memory_all": (envelope("release_memory", 55, {"tags": None}), []),
+    "release_memory_ok": (envelope("release_memory.ok", 54, {
+        "tags": ["weights", "kv_cache"],
+        "num_bytes": 17179869184 + 2147483648,
+        "duration_s": 0.125,
+    }), []),
+    "resume_memory": (envelope("resume_memory", 56, {"tags": ["weights"]}), []),
+    "resume_memory_ok": (envelope("resume_memory.ok", 56, {
+        "tags": [],
+        "num_bytes": 0,
+        "duration_s": 0.5,
+    }), []),
 }
 
 
@@ -590,6 +604,14 @@ BAD = {
     "update_weights_cuda_ipc_end_overflows": (
         pack(envelope("update_weights", 73, device_update_body(dict(IPC_SOURCE, offset=2**64 - 4096)))),
         "out_of_range", "body.source.size", 73),
+    "release_memory_unknown_tag": (
+        pack(envelope("release_memory", 74, {"tags": ["weights", "activations"]})),
+        "invalid_argument", "body.tags[1]", 74),
+    "release_memory_empty_tags": (
+        pack(envelope("release_memory", 75, {"tags": []})), "invalid_argument", "body.tags", 75),
+    "resume_memory_tag_twice": (
+        pack(envelope("resume_memory", 76, {"tags": ["kv_cache", "kv_cache"]})),
+        "invalid_argument", "body.tags[1]", 76),
 }
 
 

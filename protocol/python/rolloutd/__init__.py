@@ -48,3 +48,8 @@ __all__ += ["PendingReply", "NcclSource", "CudaIpcSource", "InitWeightGroupReply
 from .security import CurveKeys, curve_available, keygen  # noqa: E402
 
 __all__ += ["CurveKeys", "curve_available", "keygen"]
+
+# Memory release and resume (SPEC §12).
+from .messages import MEMORY_TAGS, ReleaseMemoryReply, ResumeMemoryReply  # noqa: E402
+
+__all__ += ["MEMORY_TAGS", "ReleaseMemoryReply", "ResumeMemoryReply"]

@@ -24,6 +24,7 @@ from .messages import (PROTOCOL_VERSION, AbortReply, AbortRequest, AbortWeightUp
                        GenerateRequest, GetWeightsByNameReply, GetWeightsByNameRequest, HelloReply, HelloRequest,
                        InitWeightGroupReply, InitWeightGroupRequest, InlineSource, Limits, NcclSource,
                        ParameterChecksum, PauseGenerationReply, PauseGenerationRequest,
+                       ReleaseMemoryReply, ReleaseMemoryRequest, ResumeMemoryReply, ResumeMemoryRequest,
                        RetractedEvent, RolloutdError, RoutedExperts, ShmSource, ShutdownReply, ShutdownRequest,
                        StatusReply, StatusRequest, TokensEvent, UpdateWeightsReply, UpdateWeightsRequest,
                        WeightsChecksumReply, WeightsChecksumRequest)
@@ -287,6 +288,19 @@ class Client:
 
     def continue_generation(self) -> ContinueGenerationReply:
         return self._call(ContinueGenerationRequest(), ContinueGenerationReply)
+
+    # ---- memory release and resume (SPEC §12) ----
+    def release_memory(self, tags: Optional[Sequence[str]] = None) -> ReleaseMemoryReply:
+        """Gives the GPU memory of `tags` ("weights", "kv_cache", "cuda_graph"; None = all) back to
+        the device, for a colocated trainer. The daemon must be idle (no request in flight, no weight
+        session open): failed_precondition otherwise. After releasing weights: resume_memory, then
+        push weights (a full weight-update session) before generating."""
+        return self._call(ReleaseMemoryRequest(None if tags is None else list(tags)), ReleaseMemoryReply)
+
+    def resume_memory(self, tags: Optional[Sequence[str]] = None) -> ResumeMemoryReply:
+        """Maps memory again under `tags` (None = all), at the same addresses; static state comes
+        back bit for bit. resource_exhausted while the device is still full (retry later)."""
+        return self._call(ResumeMemoryRequest(None if tags is None else list(tags)), ResumeMemoryReply)
 
     # ---- GPU weight transports (SPEC §11.7) ----
     def init_weight_group(self, group: str, unique_id: bytes, world_size: int, rank: int, root: int = 0,

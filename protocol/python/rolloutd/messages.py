@@ -26,6 +26,8 @@ WEIGHT_DTYPES = {
 _DTYPE_ALIASES = {**{st: name for name, (_, st) in WEIGHT_DTYPES.items()}, "float": "float32", "half": "float16"}
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+# Memory tags of release_memory / resume_memory (SPEC §12), in canonical order; None = all.
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 # GPU weight transports (SPEC §11.7): sizes fixed by NCCL and CUDA.
 NCCL_UNIQUE_ID_BYTES = 128  # ncclUniqueId
@@ -264,6 +266,20 @@ class DestroyWeightGroupRequest:
     group: str
 
 
+@dataclass
+class ReleaseMemoryRequest:
+    """Give the GPU memory of these tags back (addresses stay reserved); the daemon must be idle."""
+
+    tags: Optional[List[str]] = None  # subset of MEMORY_TAGS; None = every tag
+
+
+@dataclass
+class ResumeMemoryRequest:
+    """Map memory again under these tags, at the same addresses (static state written back)."""
+
+    tags: Optional[List[str]] = None
+
+
 # ------------------------------------------------------------------ replies --
 @dataclass
 class HelloReply:
@@ -393,6 +409,20 @@ class DestroyWeightGroupReply:
     group: str = ""
 
 
+@dataclass
+class ReleaseMemoryReply:
+    tags: List[str] = field(default_factory=list)  # tags this call released (already released ones not listed)
+    num_bytes: int = 0  # physical bytes given back
+    duration_s: float = 0.0
+
+
+@dataclass
+class ResumeMemoryReply:
+    tags: List[str] = field(default_factory=list)  # tags this call resumed
+    num_bytes: int = 0  # physical bytes mapped
+    duration_s: float = 0.0
+
+
 # ------------------------------------------------------------------- events --
 @dataclass
 class RoutedExperts:
@@ -468,9 +498,9 @@ class RetractedEvent:
 Request = Union[HelloRequest, StatusRequest, GenerateRequest, AbortRequest, ShutdownRequest,
                 BeginWeightUpdateRequest, UpdateWeightsRequest, EndWeightUpdateRequest, AbortWeightUpdateRequest,
                 GetWeightsByNameRequest, WeightsChecksumRequest, PauseGenerationRequest, ContinueGenerationRequest,
-                InitWeightGroupRequest, DestroyWeightGroupRequest]
+                InitWeightGroupRequest, DestroyWeightGroupRequest, ReleaseMemoryRequest, ResumeMemoryRequest]
 Reply = Union[HelloReply, StatusReply, GenerateReply, AbortReply, ShutdownReply, ErrorInfo, BeginWeightUpdateReply,
               UpdateWeightsReply, EndWeightUpdateReply, AbortWeightUpdateReply, GetWeightsByNameReply,
               WeightsChecksumReply, PauseGenerationReply, ContinueGenerationReply, InitWeightGroupReply,
-              DestroyWeightGroupReply]
+              DestroyWeightGroupReply, ReleaseMemoryReply, ResumeMemoryReply]
 Event = Union[TokensEvent, FinishedEvent, FailedEvent, RetractedEvent]

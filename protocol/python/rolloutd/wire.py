@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import msgpack
 
 from .messages import (CUDA_IPC_HANDLE_BYTES, DEVICE_UUID_BYTES, MAX_DEVICE_BUCKET_BYTES, MAX_WEIGHT_GROUP_SIZE,
-                       MIN_WEIGHT_GROUP_SIZE, NCCL_UNIQUE_ID_BYTES, PAUSE_MODES, PROTOCOL_VERSION,
+                       MEMORY_TAGS, MIN_WEIGHT_GROUP_SIZE, NCCL_UNIQUE_ID_BYTES, PAUSE_MODES, PROTOCOL_VERSION,
                        ROUTED_EXPERTS_DTYPES, WEIGHT_DTYPES, AbortReply, AbortRequest, AbortWeightUpdateReply,
                        AbortWeightUpdateRequest, BeginWeightUpdateReply, BeginWeightUpdateRequest, BucketChecksum,
                        BucketEntry, ContinueGenerationReply, ContinueGenerationRequest, CudaIpcSource,
@@ -25,7 +25,8 @@ from .messages import (CUDA_IPC_HANDLE_BYTES, DEVICE_UUID_BYTES, MAX_DEVICE_BUCK
                        EndWeightUpdateRequest, ErrorInfo, FailedEvent, FinishedEvent, GenerateReply, GenerateRequest,
                        GetWeightsByNameReply, GetWeightsByNameRequest, HelloReply, HelloRequest, InitWeightGroupReply,
                        InitWeightGroupRequest, InlineSource, Limits, ModelInfo, NcclSource, ParameterChecksum,
-                       PauseGenerationReply, PauseGenerationRequest, RetractedEvent, RolloutdError, RoutedExperts,
+                       PauseGenerationReply, PauseGenerationRequest, ReleaseMemoryReply, ReleaseMemoryRequest,
+                       ResumeMemoryReply, ResumeMemoryRequest, RetractedEvent, RolloutdError, RoutedExperts,
                        ShmSource, ShutdownReply, ShutdownRequest, StatusReply, StatusRequest, TokensEvent,
                        UpdateWeightsReply, UpdateWeightsRequest, WeightsChecksumReply, WeightsChecksumRequest,
                        weight_dtype)
@@ -535,6 +536,20 @@ class _DistinctNames(_List):
 _NAMES = _Nullable(_List(_Str(non_empty=True), limit="max_bucket_entries", non_empty=True))
 _DISTINCT_NAMES = _Nullable(_DistinctNames(_Str(non_empty=True), limit="max_bucket_entries", non_empty=True))
 
+class _MemoryTags(_DistinctNames):
+    """release_memory/resume_memory.tags: distinct (checked first, as the C++ decoder does), then known."""
+
+    def decode(self, v, path, ctx):
+        tags = super().decode(v, path, ctx)
+        for i, tag in enumerate(tags):
+            if tag not in MEMORY_TAGS:
+                raise RolloutdError("invalid_argument", f"unknown memory tag '{tag}'; expected weights, kv_cache or "
+                                    "cuda_graph", f"{path}[{i}]")
+        return tags
+
+
+_MEMORY_TAGS = _Nullable(_MemoryTags(_Str(non_empty=True), limit="max_bucket_entries", non_empty=True))
+
 # Wire type name -> body kind, by direction.
 REQUEST_TYPES: Dict[str, _Kind] = {
     "hello": _Struct(HelloRequest, [("client", _STR),
@@ -578,6 +593,8 @@ REQUEST_TYPES: Dict[str, _Kind] = {
         ("rank", _U32), ("root", _U32), ("nccl_version", _U32), ("timeout_s", _Float(0.0, 3600.0, lo_open=True))],
         optional=("root", "timeout_s")),
     "destroy_weight_group": _Struct(DestroyWeightGroupRequest, [("group", _GroupName())]),
+    "release_memory": _Struct(ReleaseMemoryRequest, [("tags", _MEMORY_TAGS)]),
+    "resume_memory": _Struct(ResumeMemoryRequest, [("tags", _MEMORY_TAGS)]),
 }
 REPLY_TYPES: Dict[str, _Kind] = {
     # nccl_version and device_uuid came with the GPU weight transports (SPEC §11.7): optional.
@@ -615,6 +632,10 @@ REPLY_TYPES: Dict[str, _Kind] = {
     "init_weight_group.ok": _Struct(InitWeightGroupReply, [
         ("group", _STR), ("nccl_version", _U32), ("rank", _U32), ("world_size", _U32), ("duration_s", _F64)]),
     "destroy_weight_group.ok": _Struct(DestroyWeightGroupReply, [("group", _STR)]),
+    "release_memory.ok": _Struct(ReleaseMemoryReply, [
+        ("tags", _List(_STR, max_len=len(MEMORY_TAGS))), ("num_bytes", _U64), ("duration_s", _F64)]),
+    "resume_memory.ok": _Struct(ResumeMemoryReply, [
+        ("tags", _List(_STR, max_len=len(MEMORY_TAGS))), ("num_bytes", _U64), ("duration_s", _F64)]),
 }
 EVENT_TYPES: Dict[str, _Kind] = {
     "tokens": _TokensBody(TokensEvent, [

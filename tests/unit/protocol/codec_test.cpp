@@ -514,6 +514,16 @@ std::vector<BadCase> transport_bad_cases() {
       bad_body("DestroyGroupMissing", "destroy_weight_group", Map{}, E::kMissingField, "body.group"),
       bad_body("DestroyGroupInvalid", "destroy_weight_group", Map{{"group", "/x"}},
                E::kInvalidArgument, "body.group"),
+      // ---- release_memory / resume_memory (SPEC §12) ----
+      bad_body("ReleaseTagsEmpty", "release_memory", Map{{"tags", Array{}}}, E::kInvalidArgument, "body.tags"),
+      bad_body("ReleaseTagUnknown", "release_memory", Map{{"tags", Array{"weights", "activations"}}},
+               E::kInvalidArgument, "body.tags[1]"),
+      bad_body("ReleaseTagTwice", "release_memory", Map{{"tags", Array{"kv_cache", "kv_cache"}}},
+               E::kInvalidArgument, "body.tags[1]"),
+      bad_body("ReleaseTagNotString", "release_memory", Map{{"tags", Array{1}}}, E::kWrongType, "body.tags[0]"),
+      bad_body("ResumeTagEmptyString", "resume_memory", Map{{"tags", Array{""}}}, E::kInvalidArgument,
+               "body.tags[0]"),
+      bad_body("ResumeTagsNotArray", "resume_memory", Map{{"tags", "weights"}}, E::kWrongType, "body.tags"),
       // ---- update_weights with an nccl source ----
       bad_update("NcclGroupMissing", with(update, "source", with(nccl_source(), "group", std::nullopt)),
                  E::kMissingField, "body.source.group", {}),
@@ -1905,6 +1915,25 @@ TEST(Transports, RepliesRoundTrip) {
   EXPECT_EQ(encode_reply(2, g).envelope, m.envelope);
   m = encode_reply(3, DestroyWeightGroupReply{"weights"});
   EXPECT_EQ(incoming_round_trip<DestroyWeightGroupReply>(m).group, "weights");
+}
+
+TEST(Memory, RequestsAndRepliesRoundTrip) {
+  EXPECT_FALSE(request_round_trip(ReleaseMemoryRequest{}).tags.has_value());
+  const auto r = request_round_trip(ReleaseMemoryRequest{std::vector<std::string>{"cuda_graph", "weights"}});
+  EXPECT_EQ(*r.tags, (std::vector<std::string>{"cuda_graph", "weights"}));
+  EXPECT_EQ(*request_round_trip(ResumeMemoryRequest{std::vector<std::string>{"kv_cache"}}).tags,
+            std::vector<std::string>{"kv_cache"});
+  EXPECT_EQ(request_type_name(Request(ReleaseMemoryRequest{})), "release_memory");
+  EXPECT_EQ(request_type_name(Request(ResumeMemoryRequest{})), "resume_memory");
+  WireMessage m = encode_reply(4, ReleaseMemoryReply{{"weights"}, 1ull << 34, 0.25});
+  const auto rel = incoming_round_trip<ReleaseMemoryReply>(m);
+  EXPECT_EQ(rel.tags, std::vector<std::string>{"weights"});
+  EXPECT_EQ(rel.num_bytes, 1ull << 34);
+  EXPECT_EQ(rel.duration_s, 0.25);
+  m = encode_reply(5, ResumeMemoryReply{{}, 0, 1.0});
+  EXPECT_TRUE(incoming_round_trip<ResumeMemoryReply>(m).tags.empty());
+  EXPECT_TRUE(is_memory_tag("kv_cache"));
+  EXPECT_FALSE(is_memory_tag("scratch")) << "scratch is never released through the protocol";
 }
 
 TEST(Transports, RefusedReplies) {

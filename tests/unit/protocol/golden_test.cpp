@@ -125,6 +125,12 @@ constexpr Case kGoldens[] = {
     {"destroy_weight_group_ok", "destroy_weight_group.ok"},
     {"update_weights_nccl", "update_weights"},
     {"update_weights_cuda_ipc", "update_weights"},
+    // memory release and resume (SPEC §12)
+    {"release_memory", "release_memory"},
+    {"release_memory_all", "release_memory"},
+    {"release_memory_ok", "release_memory.ok"},
+    {"resume_memory", "resume_memory"},
+    {"resume_memory_ok", "resume_memory.ok"},
 };
 
 bool is_request_type(std::string_view t) {
@@ -458,6 +464,37 @@ TEST(GoldenValues, DeviceBucketSources) {
   EXPECT_EQ(is.size, 131072u + 4096u);
   EXPECT_EQ(is.device_uuid, kGoldenDeviceUuid);
   EXPECT_FALSE(iu.checksum.has_value());
+}
+
+TEST(GoldenValues, MemoryReleaseAndResume) {
+  const Golden rel = load("release_memory");
+  const RequestDecodeResult r = decode_request(as_frame(rel.envelope), {}, Limits{});
+  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+  const auto& tags = std::get<ReleaseMemoryRequest>(*r.request).tags;
+  ASSERT_TRUE(tags.has_value());
+  EXPECT_EQ(*tags, (std::vector<std::string>{"weights", "kv_cache"}));
+
+  const Golden all = load("release_memory_all");
+  const RequestDecodeResult a = decode_request(as_frame(all.envelope), {}, Limits{});
+  ASSERT_TRUE(a.status.ok()) << a.status.to_string();
+  EXPECT_FALSE(std::get<ReleaseMemoryRequest>(*a.request).tags.has_value());
+
+  const Golden ok = load("release_memory_ok");
+  auto reply = decode_incoming(as_frame(ok.envelope), {}, Limits{});
+  ASSERT_TRUE(reply.ok()) << reply.status().to_string();
+  const auto& rr = std::get<ReleaseMemoryReply>(reply->msg);
+  EXPECT_EQ(rr.tags, (std::vector<std::string>{"weights", "kv_cache"}));
+  EXPECT_EQ(rr.num_bytes, 17179869184ull + 2147483648ull);
+  EXPECT_EQ(rr.duration_s, 0.125);
+
+  const Golden res = load("resume_memory");
+  const RequestDecodeResult q = decode_request(as_frame(res.envelope), {}, Limits{});
+  ASSERT_TRUE(q.status.ok()) << q.status.to_string();
+  EXPECT_EQ(*std::get<ResumeMemoryRequest>(*q.request).tags, (std::vector<std::string>{"weights"}));
+  const Golden rok = load("resume_memory_ok");
+  auto resumed = decode_incoming(as_frame(rok.envelope), {}, Limits{});
+  ASSERT_TRUE(resumed.ok()) << resumed.status().to_string();
+  EXPECT_TRUE(std::get<ResumeMemoryReply>(resumed->msg).tags.empty());
 }
 
 TEST(GoldenValues, RoutedExpertsAreLittleEndianRows) {
