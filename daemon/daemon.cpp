@@ -114,9 +114,39 @@ Status write_endpoints_file(const std::string& path, const nlohmann::json& j) {
   return Status::Ok();
 }
 
+std::string hex_address(uint64_t v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+nlohmann::json memory_json(const EngineSnapshot& s) {
+  nlohmann::json tags = nlohmann::json::object();
+  for (const MemoryTagSnapshot& m : s.memory) {
+    nlohmann::json ranges = nlohmann::json::array();
+    for (const auto& [base, size] : m.ranges) ranges.push_back({{"base", hex_address(base)}, {"size_bytes", size}});
+    tags[m.tag] = {{"state", m.state},
+                   {"resident_bytes", m.resident_bytes},
+                   {"backed_bytes", m.backed_bytes},
+                   {"reserved_bytes", m.reserved_bytes},
+                   {"used_bytes", m.used_bytes},
+                   {"static_state", {{"entries", m.static_state_entries},
+                                     {"bytes", m.static_state_bytes},
+                                     {"crc32", m.static_state_crc32}}},
+                   {"releases", m.num_releases},
+                   {"resumes", m.num_resumes},
+                   {"last_release", {{"size_bytes", m.last_release_bytes}, {"duration_s", m.last_release_s}}},
+                   {"last_resume", {{"size_bytes", m.last_resume_bytes}, {"duration_s", m.last_resume_s}}},
+                   {"ranges", ranges}};
+  }
+  tags["parameters_address_digest"] = hex_address(s.parameters_address_digest);
+  return tags;
+}
+
 nlohmann::json snapshot_json(const EngineSnapshot* s) {
   if (!s) return {{"state", "starting"}};
-  return {{"state", s->state},
+  return {{"memory", memory_json(*s)},
+          {"state", s->state},
           {"reason", s->reason},
           {"weight_version", s->weight_version},
           {"queue", {{"waiting", s->num_waiting}, {"running", s->num_running}}},

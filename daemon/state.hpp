@@ -8,6 +8,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "protocol/messages.hpp"
 
@@ -49,6 +51,23 @@ class Heartbeat {
   std::atomic<int64_t> ns_{0};
 };
 
+// One memory tag as /v1/status shows it (memory release/resume).
+struct MemoryTagSnapshot {
+  std::string tag;                    // weights | kv_cache | cuda_graph | scratch
+  std::string state;                  // resident | released
+  uint64_t resident_bytes = 0;        // physical memory mapped now
+  uint64_t backed_bytes = 0;          // physical memory when resident
+  uint64_t reserved_bytes = 0;        // virtual address space held (never given back)
+  uint64_t used_bytes = 0;            // handed out to tensors
+  uint64_t static_state_bytes = 0;
+  uint64_t static_state_entries = 0;
+  uint32_t static_state_crc32 = 0;    // equal across a release/resume: the state came back bit for bit
+  uint64_t num_releases = 0, num_resumes = 0;
+  uint64_t last_release_bytes = 0, last_resume_bytes = 0;
+  double last_release_s = 0, last_resume_s = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;  // reserved virtual ranges {base, size}
+};
+
 // What /v1/status, /readyz and the status reply show.
 struct EngineSnapshot {
   std::string state = "starting";    // starting | ready | updating | not_ready | draining
@@ -64,6 +83,9 @@ struct EngineSnapshot {
   uint64_t num_steps_total = 0;
   bool paused = false;
   uint64_t update_session = 0;
+  std::vector<MemoryTagSnapshot> memory;
+  // FNV-1a over every parameter's (name, address): equal values mean no parameter moved.
+  uint64_t parameters_address_digest = 0;
 };
 
 }  // namespace rolloutd::daemon

@@ -32,7 +32,7 @@ StableArena::StableArena(const Backend& backend, ExecContext ctx, MemoryTag tag,
                          size_t reserve_bytes)
     : backend_(backend), ctx_(ctx), tag_(tag), chunk_bytes_(chunk_bytes), reserve_bytes_(reserve_bytes) {
   if (reserve_bytes_ == 0)
-    reserve_bytes_ = backend.kind == DeviceKind::kCuda ? size_t{64} << 30 : size_t{1} << 30;
+    reserve_bytes_ = backend.kind == DeviceKind::kCuda ? size_t{8} << 30 : size_t{1} << 30;
   reserve_bytes_ = std::max(reserve_bytes_, chunk_bytes_);
 }
 

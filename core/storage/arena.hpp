@@ -36,8 +36,10 @@ bool memory_tag_from_name(std::string_view name, MemoryTag& out);
 class StableArena {
  public:
   // `chunk_bytes`: physical memory is mapped in pieces of at least this size. `reserve_bytes`:
-  // the size of each virtual range (0: a default of 64 GiB on CUDA, 1 GiB on the host; a
-  // tensor larger than that gets a range of its own).
+  // the size of each virtual range (0: a default of 8 GiB on CUDA, 1 GiB on the host; a
+  // tensor larger than that gets a range of its own). Virtual space is cheap but not free on
+  // the device (unified addressing shares it with the host): many small arenas must not
+  // each reserve a model's worth.
   StableArena(const Backend& backend, ExecContext ctx, MemoryTag tag, size_t chunk_bytes = size_t{64} << 20,
               size_t reserve_bytes = 0);
   ~StableArena();

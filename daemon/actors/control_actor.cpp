@@ -323,7 +323,9 @@ void ControlActor::on_request(const std::string& identity, std::vector<zmq::mess
              std::holds_alternative<protocol::PauseGenerationRequest>(req) ||
              std::holds_alternative<protocol::ContinueGenerationRequest>(req) ||
              std::holds_alternative<protocol::InitWeightGroupRequest>(req) ||
-             std::holds_alternative<protocol::DestroyWeightGroupRequest>(req)) {
+             std::holds_alternative<protocol::DestroyWeightGroupRequest>(req) ||
+             std::holds_alternative<protocol::ReleaseMemoryRequest>(req) ||
+             std::holds_alternative<protocol::ResumeMemoryRequest>(req)) {
     WeightCommand cmd;
     cmd.client = client;
     cmd.envelope_id = id;

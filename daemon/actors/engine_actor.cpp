@@ -14,7 +14,9 @@ EngineActor::EngineActor(std::unique_ptr<core::Engine> engine, std::unique_ptr<M
       metrics_(metrics),
       snapshot_(snapshot),
       heartbeat_(heartbeat),
-      config_(config) {}
+      config_(config) {
+  refresh_memory_digests();
+}
 
 void EngineActor::send(EngineOutput out) {
   // A client that got a reply and then asks for status must see the state the reply
@@ -111,6 +113,9 @@ void EngineActor::publish() {
   } else if (!u.broken_reason().empty()) {
     s->state = "not_ready";
     s->reason = u.broken_reason();
+  } else if (const std::string why = engine_->memory_blocked_reason(); !why.empty()) {
+    s->state = "not_ready";
+    s->reason = why;
   } else if (u.session_open()) {
     // Not servable (layouts restored, buckets arriving) but healthy: generate requests queue.
     s->state = "updating";
@@ -129,6 +134,7 @@ void EngineActor::publish() {
   s->kv_blocks_free = st.kv_blocks_free;
   s->kv_blocks_total = st.kv_blocks_total;
   s->num_steps_total = steps_;
+  fill_memory_snapshot(*s);
   metrics_.set_queue_depth(st.num_waiting, st.num_running);
   metrics_.set_ready(s->state == "ready");
   metrics_.set_weight_version(s->weight_version);

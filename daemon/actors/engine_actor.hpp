@@ -52,6 +52,14 @@ class EngineActor {
   void poll_device_work();
   void start_nccl_bucket(WeightCommand& cmd);
   void finish_session_resources();
+  // Memory release/resume (engine_memory.cpp): only while idle; the reply comes after the
+  // memory is unmapped (or mapped and its static state written back).
+  void handle_memory(WeightCommand& cmd);
+  // Frees the NCCL receive buffers (they hold nothing between buckets); returns their bytes.
+  size_t free_nccl_staging();
+  // Recomputes what publish() cannot afford every loop: static-state digests (a device read).
+  void refresh_memory_digests();
+  void fill_memory_snapshot(EngineSnapshot& s);
   // Applies a bucket already in host or device memory and replies.
   void apply_and_reply(uint64_t client, uint64_t envelope_id, const protocol::UpdateWeightsRequest& r,
                        std::span<const uint8_t> bucket, bool on_device);
@@ -90,6 +98,8 @@ class EngineActor {
   bool faulted_ = false;
   std::string fault_reason_;
   std::chrono::steady_clock::time_point drain_deadline_;
+  uint32_t static_state_crc_[4] = {0, 0, 0, 0};  // by core::MemoryTag
+  uint64_t parameters_address_digest_ = 0;
   uint64_t steps_ = 0;
   uint64_t prompt_tokens_seen_ = 0;
 };

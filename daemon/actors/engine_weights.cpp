@@ -100,7 +100,7 @@ void EngineActor::finish_session_resources() {
     metrics_.set_ipc_handles_open(0);
   }
   // The NCCL staging buffer stays allocated for the next session (a cudaMalloc/cudaFree of a
-  // GiB per session is milliseconds of the push); memory release (issue 8) will free it.
+  // GiB per session is milliseconds of the push); release_memory{weights} frees it.
 }
 
 void EngineActor::apply_and_reply(uint64_t client, uint64_t envelope_id, const protocol::UpdateWeightsRequest& r,
@@ -257,6 +257,9 @@ void EngineActor::handle_weights(WeightCommand& cmd) {
   const uint64_t id = cmd.envelope_id;
   const auto now = Clock::now();
 
+  if (std::holds_alternative<ReleaseMemoryRequest>(cmd.request) ||
+      std::holds_alternative<ResumeMemoryRequest>(cmd.request))
+    return handle_memory(cmd);
   if (auto* r = std::get_if<BeginWeightUpdateRequest>(&cmd.request)) {
     auto b = u.begin(r->selector.value_or(std::vector<std::string>{}), r->timeout_s, now);
     if (!b.ok()) return reply_error(cmd.client, id, in_body(b.status()));

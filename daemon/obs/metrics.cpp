@@ -161,6 +161,29 @@ struct Metrics::Impl {
                              .Help("Always 1; the labels describe the build.")
                              .Register(registry);
 
+    auto& resident_family = prometheus::BuildGauge()
+                                .Name("rolloutd_memory_resident_bytes")
+                                .Help("Physical memory the daemon's arenas hold now, by memory tag.")
+                                .Register(registry);
+    auto& released_family = prometheus::BuildGauge()
+                                .Name("rolloutd_memory_released_bytes")
+                                .Help("Physical memory given back by release_memory and not yet resumed, by memory tag.")
+                                .Register(registry);
+    auto& release_family = prometheus::BuildHistogram()
+                               .Name("rolloutd_memory_release_duration_seconds")
+                               .Help("Wall time of releasing one memory tag (static-state backup, unmap).")
+                               .Register(registry);
+    auto& resume_family = prometheus::BuildHistogram()
+                              .Name("rolloutd_memory_resume_duration_seconds")
+                              .Help("Wall time of resuming one memory tag (map, static-state restore).")
+                              .Register(registry);
+    for (const char* tag : {"weights", "kv_cache", "cuda_graph", "scratch"}) {
+      memory_resident[tag] = &resident_family.Add({{"tag", tag}});
+      memory_released[tag] = &released_family.Add({{"tag", tag}});
+      memory_release_seconds[tag] = &release_family.Add({{"tag", tag}}, step_buckets());
+      memory_resume_seconds[tag] = &resume_family.Add({{"tag", tag}}, step_buckets());
+    }
+
     // Series that exist from the start read 0 rather than absent, so rate() and
     // alerts see the first event. Only the closed sets are declared here; request
     // types belong to the protocol and appear on first use.
@@ -190,6 +213,9 @@ struct Metrics::Impl {
   prometheus::Gauge* ready = nullptr;
   prometheus::Gauge* weight_version = nullptr;
   prometheus::Gauge* uptime = nullptr;
+  // Fixed label sets, made at start: lookups need no lock.
+  std::map<std::string, prometheus::Gauge*, std::less<>> memory_resident, memory_released;
+  std::map<std::string, prometheus::Histogram*, std::less<>> memory_release_seconds, memory_resume_seconds;
 
   std::mutex build_info_mu;
   prometheus::Family<prometheus::Gauge>* build_info_family = nullptr;
@@ -227,6 +253,17 @@ void Metrics::add_weight_update_bytes(uint64_t n) {
   impl_->weight_update_bytes->Increment(static_cast<double>(n));
 }
 void Metrics::observe_control_seconds(double s) { impl_->control_seconds->Observe(s); }
+void Metrics::set_memory_bytes(std::string_view tag, uint64_t resident, uint64_t released) {
+  auto r = impl_->memory_resident.find(tag);
+  auto g = impl_->memory_released.find(tag);
+  if (r == impl_->memory_resident.end() || g == impl_->memory_released.end()) return;
+  r->second->Set(static_cast<double>(resident));
+  g->second->Set(static_cast<double>(released));
+}
+void Metrics::observe_memory_op(std::string_view op, std::string_view tag, double seconds) {
+  auto& m = op == "release" ? impl_->memory_release_seconds : impl_->memory_resume_seconds;
+  if (auto it = m.find(tag); it != m.end()) it->second->Observe(seconds);
+}
 void Metrics::set_ready(bool ready) { impl_->ready->Set(ready ? 1.0 : 0.0); }
 void Metrics::set_weight_version(uint64_t version) {
   impl_->weight_version->Set(static_cast<double>(version));

@@ -49,6 +49,13 @@ class Metrics {
   void on_weight_session(std::string_view result, double seconds);
   void add_weight_update_bytes(uint64_t n);        // rolloutd_weight_update_bytes_total
   void set_ipc_handles_open(uint64_t n);           // rolloutd_weight_ipc_handles_open
+  // Memory by tag ("weights" | "kv_cache" | "cuda_graph" | "scratch"; others are ignored):
+  // rolloutd_memory_resident_bytes{tag} (physical memory mapped now) and
+  // rolloutd_memory_released_bytes{tag} (physical memory given back by release_memory).
+  void set_memory_bytes(std::string_view tag, uint64_t resident, uint64_t released);
+  // rolloutd_memory_release_duration_seconds{tag} / rolloutd_memory_resume_duration_seconds{tag}
+  // (op "release" | "resume"), one observation per tag whose state changed.
+  void observe_memory_op(std::string_view op, std::string_view tag, double seconds);
   void set_ready(bool ready);                      // rolloutd_ready
   void set_weight_version(uint64_t version);       // rolloutd_weight_version
   void set_uptime_seconds(double s);               // rolloutd_uptime_seconds

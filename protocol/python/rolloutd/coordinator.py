@@ -1160,6 +1160,17 @@ class Coordinator:
         return {w.key: v for w, (_, v) in self._fan_out(self._reachable(), lambda c: c.continue_generation(),
                                                             self.timeout_s).items()}
 
+    def release_memory(self, tags: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+        """Per daemon: its ReleaseMemoryReply (or the error: failed_precondition while busy)."""
+        return {w.key: v for w, (_, v) in self._fan_out(self._reachable(), lambda c: c.release_memory(tags),
+                                                            self.timeout_s).items()}
+
+    def resume_memory(self, tags: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+        """Per daemon: its ResumeMemoryReply (or the error: resource_exhausted while the GPU is full).
+        Weights must be pushed again afterwards (FleetWeightUpdate) before the daemons are ready."""
+        return {w.key: v for w, (_, v) in self._fan_out(self._reachable(), lambda c: c.resume_memory(tags),
+                                                            self.timeout_s).items()}
+
     def weights_checksum(self, names: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         """Per daemon: its WeightsChecksums (or the error)."""
         return {w.key: v for w, (_, v) in self._fan_out(self._reachable(), lambda c: c.weights_checksum(names),
