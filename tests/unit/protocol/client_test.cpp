@@ -499,6 +499,32 @@ TEST(ClientTest, WeightSessionCalls) {
   EXPECT_EQ(resumed->num_resumed, 3u);
 }
 
+TEST(ClientTest, ReleaseAndResumeMemory) {
+  FakeDaemon daemon;
+  daemon.run([](FakeDaemon& d) {
+    Received r = d.recv();
+    EXPECT_EQ(*std::get<ReleaseMemoryRequest>(r.request).tags, (std::vector<std::string>{"weights", "kv_cache"}));
+    d.send(r.identity, encode_reply(r.env.id, ReleaseMemoryReply{{"weights", "kv_cache"}, 1ull << 33, 0.002}));
+    r = d.recv();
+    EXPECT_FALSE(std::get<ReleaseMemoryRequest>(r.request).tags.has_value());
+    d.send(r.identity, encode_error(r.env.id, ErrorInfo{"failed_precondition", "2 requests are in flight", ""}));
+    r = d.recv();
+    EXPECT_FALSE(std::get<ResumeMemoryRequest>(r.request).tags.has_value());
+    d.send(r.identity, encode_reply(r.env.id, ResumeMemoryReply{{"weights", "kv_cache"}, 1ull << 33, 0.003}));
+  });
+  auto client = connect_to(daemon.endpoint());
+  auto rel = client->release_memory(std::vector<std::string>{"weights", "kv_cache"});
+  ASSERT_TRUE(rel.ok()) << rel.status().to_string();
+  EXPECT_EQ(rel->num_bytes, 1ull << 33);
+  auto busy = client->release_memory();
+  ASSERT_FALSE(busy.ok());
+  EXPECT_EQ(busy.status().code(), ErrorCode::kFailedPrecondition);
+  auto res = client->resume_memory();
+  ASSERT_TRUE(res.ok()) << res.status().to_string();
+  EXPECT_EQ(res->tags, (std::vector<std::string>{"weights", "kv_cache"}));
+  EXPECT_EQ(res->duration_s, 0.003);
+}
+
 TEST(ClientTest, GenerateDiscardsWhatARetractedRequestHadReceived) {
   FakeDaemon daemon;
   daemon.run([](FakeDaemon& d) {
