@@ -38,6 +38,11 @@ Status ModelConfig::validate() const {
     return Status(ErrorCode::kInvalidArgument, "must be in [0, 1e6]", "synthetic_small_params");
   if (!(rope_theta > 0.0)) return Status(ErrorCode::kInvalidArgument, "must be positive", "rope_theta");
   if (!(rms_norm_eps > 0.0)) return Status(ErrorCode::kInvalidArgument, "must be positive", "rms_norm_eps");
+  if (decoder_sparse_step < 1)
+    return Status(ErrorCode::kInvalidArgument, "must be at least 1", "decoder_sparse_step");
+  if (intermediate_size < 0) return Status(ErrorCode::kInvalidArgument, "must not be negative", "intermediate_size");
+  if (!layer_types.empty() && static_cast<int64_t>(layer_types.size()) != num_hidden_layers)
+    return Status(ErrorCode::kInvalidArgument, "must list one type per layer", "layer_types");
   return Status::Ok();
 }
 

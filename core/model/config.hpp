@@ -3,6 +3,7 @@
 // Hugging Face config.json keys where one exists.
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "kernels/status.hpp"
 
@@ -24,6 +25,28 @@ struct ModelConfig {
   double rms_norm_eps = 1e-6;
   int64_t max_position_embeddings = 4096;
   bool norm_topk_prob = true;
+  // Qwen3: per-head RMSNorm of q and k (weights `self_attn.{q,k}_norm.weight` [head_dim]) after
+  // the projections, before rotary. Off for the embedded model (its NumPy goldens have none).
+  bool qk_norm = false;
+  bool tie_word_embeddings = false;   // lm_head shares embed_tokens (not supported yet)
+  bool attention_bias = false;        // q/k/v/o projections carry biases (gpt-oss)
+  // Which layers are MoE: layer l is sparse unless l is in mlp_only_layers or
+  // (l + 1) % decoder_sparse_step != 0 (Qwen2/3-MoE); dense layers use intermediate_size.
+  // The decoder serves all-sparse models only for now (hf_config.cpp refuses the rest).
+  int64_t decoder_sparse_step = 1;
+  std::vector<int64_t> mlp_only_layers;
+  int64_t intermediate_size = 0;
+  // Rotary scaling: "default" (none) or "yarn" (gpt-oss) with its parameters.
+  std::string rope_type = "default";
+  double rope_factor = 1.0;
+  int64_t rope_original_max_position_embeddings = 0;
+  double rope_beta_fast = 32.0, rope_beta_slow = 1.0;
+  // gpt-oss: per-layer "sliding_attention" | "full_attention", the window, the SwiGLU clamp.
+  std::vector<std::string> layer_types;
+  int64_t sliding_window = 0;
+  double swiglu_limit = 0.0;
+  // The checkpoint's dtype as config.json names it ("bfloat16", "float32").
+  std::string checkpoint_dtype = "bfloat16";
   // How a checkpoint's fused `mlp.experts.gate_up_proj` orders its rows: concatenated
   // (gate rows, then up rows: transformers 5) or interleaved (gate j, up j, ...: gpt-oss).
   bool gate_up_checkpoint_interleaved = false;

@@ -63,6 +63,10 @@ Status MoeDecoder::allocate() {
     RD_RETURN_IF_ERROR(param(p + "self_attn.v_proj.weight", Shape{KVH * D, H}, L.v_proj));
     RD_RETURN_IF_ERROR(param(p + "self_attn.o_proj.weight", Shape{H, QH * D}, L.o_proj));
     RD_RETURN_IF_ERROR(param(p + "post_attention_layernorm.weight", Shape{H}, L.post_attention_layernorm));
+    if (c.qk_norm) {
+      RD_RETURN_IF_ERROR(param(p + "self_attn.q_norm.weight", Shape{D}, L.q_norm));
+      RD_RETURN_IF_ERROR(param(p + "self_attn.k_norm.weight", Shape{D}, L.k_norm));
+    }
     RD_RETURN_IF_ERROR(param(p + "mlp.gate.weight", Shape{E, H}, L.router));
     // Stacked expert tensors as transformers 5 stores them (gate rows, then up rows); the
     // kernel layout interleaves gate/up rows (InterleaveGateUpMethod).
@@ -265,6 +269,11 @@ Status MoeDecoder::forward(const StepBatch& b, std::vector<float>& logits,
     RD_RETURN_IF_ERROR(backend_.linear(ctx_, q, x, L.q_proj));
     RD_RETURN_IF_ERROR(backend_.linear(ctx_, k, x, L.k_proj));
     RD_RETURN_IF_ERROR(backend_.linear(ctx_, v, x, L.v_proj));
+    if (c.qk_norm) {
+      // Qwen3: RMSNorm over each head's D values (weight shared by the heads), before rotary.
+      RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx_, as_heads(q, QH, D), as_heads(q, QH, D), L.q_norm, eps));
+      RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx_, as_heads(k, KVH, D), as_heads(k, KVH, D), L.k_norm, eps));
+    }
     RD_RETURN_IF_ERROR(backend_.rope(ctx_, as_heads(q, QH, D), pos, theta));
     RD_RETURN_IF_ERROR(backend_.rope(ctx_, as_heads(k, KVH, D), pos, theta));
     RD_RETURN_IF_ERROR(backend_.kv_store(ctx_, L.k_cache, L.v_cache, as_heads(k, KVH, D),

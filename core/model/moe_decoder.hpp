@@ -1,6 +1,7 @@
 #pragma once
-// A MoE decoder (the Qwen3-MoE shape without QK-norm): token embedding;
-// per layer RMSNorm -> rotary GQA attention over a paged KV cache -> residual
+// A MoE decoder (the Qwen3-MoE shape): token embedding;
+// per layer RMSNorm -> rotary GQA attention (optionally QK-norm: per-head RMSNorm of q and k
+// before rotary, as Qwen3 does) over a paged KV cache -> residual
 // -> RMSNorm -> MoE FFN (softmax top-k router, SwiGLU experts) -> residual;
 // final RMSNorm; LM head. FP32 everywhere for now. All compute goes through the
 // Backend op table, so the same code runs on the CPU reference and on CUDA.
@@ -72,6 +73,7 @@ class MoeDecoder {
  private:
   struct Layer {
     TensorView input_layernorm, q_proj, k_proj, v_proj, o_proj, post_attention_layernorm;
+    TensorView q_norm, k_norm;    // [D], only with config.qk_norm
     TensorView router;            // [E, H]
     TensorView experts_gate_up;   // [E, 2I, H]
     TensorView experts_down;      // [E, H, I]

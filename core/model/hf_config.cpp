@@ -1,0 +1,317 @@
+#include "core/model/hf_config.hpp"
+
+#include <algorithm>
+#include <fstream>
+
+namespace rolloutd::core {
+namespace {
+
+using nlohmann::json;
+
+Status bad(const std::string& key, std::string message) {
+  return Status(ErrorCode::kInvalidArgument, key + ": " + message, key);
+}
+
+// Reads config[key] as an integer in [lo, hi]; `def` when absent (or null) and not required.
+Status get_int(const json& j, const std::string& key, int64_t& out, int64_t lo, int64_t hi, bool required) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) {
+    if (required) return bad(key, "missing (required for " + j.value("model_type", std::string("?")) + ")");
+    return Status::Ok();
+  }
+  if (!it->is_number_integer()) return bad(key, "must be an integer, got " + it->dump());
+  const int64_t v = it->get<int64_t>();
+  if (v < lo || v > hi) return bad(key, "must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got " + std::to_string(v));
+  out = v;
+  return Status::Ok();
+}
+
+Status get_double(const json& j, const std::string& key, double& out, bool positive) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return Status::Ok();
+  if (!it->is_number()) return bad(key, "must be a number, got " + it->dump());
+  const double v = it->get<double>();
+  if (!(v == v) || (positive && !(v > 0)) || v > 1e30) return bad(key, "must be a positive finite number");
+  out = v;
+  return Status::Ok();
+}
+
+Status get_bool(const json& j, const std::string& key, bool& out) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return Status::Ok();
+  if (!it->is_boolean()) return bad(key, "must be true or false, got " + it->dump());
+  out = it->get<bool>();
+  return Status::Ok();
+}
+
+Status get_string(const json& j, const std::string& key, std::string& out) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return Status::Ok();
+  if (!it->is_string()) return bad(key, "must be a string, got " + it->dump());
+  out = it->get<std::string>();
+  return Status::Ok();
+}
+
+constexpr int64_t kMaxDim = int64_t{1} << 20;    // hidden, intermediate, heads x head_dim
+constexpr int64_t kMaxVocab = (int64_t{1} << 31) - 1;
+constexpr int64_t kMaxLayers = 4096;
+constexpr int64_t kMaxExperts = 1 << 16;
+
+// Rotary settings: transformers 5 writes `rope_parameters` {rope_type, rope_theta, ...};
+// earlier versions `rope_theta` at the top and `rope_scaling` (null or {rope_type|type, ...}).
+Status parse_rope(const json& j, ModelConfig& c) {
+  RD_RETURN_IF_ERROR(get_double(j, "rope_theta", c.rope_theta, true));
+  const json* scaling = nullptr;
+  std::string key;
+  for (const char* k : {"rope_parameters", "rope_scaling"}) {
+    const auto it = j.find(k);
+    if (it != j.end() && !it->is_null()) {
+      if (!it->is_object()) return bad(k, "must be an object or null");
+      scaling = &*it;
+      key = k;
+      break;
+    }
+  }
+  if (!scaling) return Status::Ok();
+  RD_RETURN_IF_ERROR(get_double(*scaling, "rope_theta", c.rope_theta, true).with_field_prefix(key));
+  std::string type = "default";
+  for (const char* k : {"rope_type", "type"})
+    if (scaling->contains(k)) RD_RETURN_IF_ERROR(get_string(*scaling, k, type).with_field_prefix(key));
+  if (type == "default") {
+    c.rope_type = type;
+    return Status::Ok();
+  }
+  if (type != "yarn")
+    return Status(ErrorCode::kUnimplemented, key + ".rope_type '" + type + "' is not supported (default, yarn)",
+                  key + ".rope_type");
+  c.rope_type = type;
+  RD_RETURN_IF_ERROR(get_double(*scaling, "factor", c.rope_factor, true).with_field_prefix(key));
+  RD_RETURN_IF_ERROR(get_double(*scaling, "beta_fast", c.rope_beta_fast, true).with_field_prefix(key));
+  RD_RETURN_IF_ERROR(get_double(*scaling, "beta_slow", c.rope_beta_slow, true).with_field_prefix(key));
+  RD_RETURN_IF_ERROR(get_int(*scaling, "original_max_position_embeddings", c.rope_original_max_position_embeddings,
+                             1, kMaxVocab, false)
+                         .with_field_prefix(key));
+  return Status::Ok();
+}
+
+Status parse_dtype(const json& j, ModelConfig& c) {
+  // transformers 5 writes "dtype", earlier versions "torch_dtype".
+  for (const char* k : {"dtype", "torch_dtype"}) {
+    if (!j.contains(k) || j[k].is_null()) continue;
+    RD_RETURN_IF_ERROR(get_string(j, k, c.checkpoint_dtype));
+    if (c.checkpoint_dtype != "bfloat16" && c.checkpoint_dtype != "float32" && c.checkpoint_dtype != "float16")
+      return bad(k, "'" + c.checkpoint_dtype + "' is not a checkpoint dtype (bfloat16, float16, float32)");
+    return Status::Ok();
+  }
+  return Status::Ok();
+}
+
+Status parse_common(const json& j, ModelConfig& c) {
+  RD_RETURN_IF_ERROR(get_int(j, "vocab_size", c.vocab_size, 1, kMaxVocab, true));
+  RD_RETURN_IF_ERROR(get_int(j, "hidden_size", c.hidden_size, 1, kMaxDim, true));
+  RD_RETURN_IF_ERROR(get_int(j, "num_hidden_layers", c.num_hidden_layers, 1, kMaxLayers, true));
+  RD_RETURN_IF_ERROR(get_int(j, "num_attention_heads", c.num_attention_heads, 1, 4096, true));
+  c.num_key_value_heads = c.num_attention_heads;
+  RD_RETURN_IF_ERROR(get_int(j, "num_key_value_heads", c.num_key_value_heads, 1, 4096, false));
+  c.head_dim = c.hidden_size / c.num_attention_heads;
+  RD_RETURN_IF_ERROR(get_int(j, "head_dim", c.head_dim, 1, 4096, false));
+  if (c.head_dim <= 0) return bad("head_dim", "hidden_size / num_attention_heads is 0; give head_dim");
+  RD_RETURN_IF_ERROR(get_int(j, "max_position_embeddings", c.max_position_embeddings, 1, kMaxVocab, false));
+  RD_RETURN_IF_ERROR(get_double(j, "rms_norm_eps", c.rms_norm_eps, true));
+  RD_RETURN_IF_ERROR(get_bool(j, "tie_word_embeddings", c.tie_word_embeddings));
+  RD_RETURN_IF_ERROR(get_bool(j, "attention_bias", c.attention_bias));
+  std::string act = "silu";
+  RD_RETURN_IF_ERROR(get_string(j, "hidden_act", act));
+  if (act != "silu") return Status(ErrorCode::kUnimplemented, "hidden_act '" + act + "' is not supported (silu)", "hidden_act");
+  RD_RETURN_IF_ERROR(parse_rope(j, c));
+  RD_RETURN_IF_ERROR(parse_dtype(j, c));
+  if (c.num_attention_heads * c.head_dim > kMaxDim) return bad("head_dim", "num_attention_heads x head_dim is too large");
+  return Status::Ok();
+}
+
+Status parse_qwen3_moe(const json& j, ModelConfig& c) {
+  // Qwen3MoeConfig defaults where a key may be absent.
+  c.norm_topk_prob = false;
+  c.rms_norm_eps = 1e-6;
+  c.qk_norm = true;
+  RD_RETURN_IF_ERROR(parse_common(j, c));
+  RD_RETURN_IF_ERROR(get_int(j, "num_experts", c.num_experts, 1, kMaxExperts, true));
+  RD_RETURN_IF_ERROR(get_int(j, "num_experts_per_tok", c.num_experts_per_tok, 1, kMaxExperts, true));
+  RD_RETURN_IF_ERROR(get_int(j, "moe_intermediate_size", c.moe_intermediate_size, 1, kMaxDim, true));
+  RD_RETURN_IF_ERROR(get_int(j, "intermediate_size", c.intermediate_size, 1, kMaxDim, false));
+  RD_RETURN_IF_ERROR(get_bool(j, "norm_topk_prob", c.norm_topk_prob));
+  RD_RETURN_IF_ERROR(get_int(j, "decoder_sparse_step", c.decoder_sparse_step, 1, kMaxLayers, false));
+  if (j.contains("mlp_only_layers") && !j["mlp_only_layers"].is_null()) {
+    const json& m = j["mlp_only_layers"];
+    if (!m.is_array()) return bad("mlp_only_layers", "must be a list of layer indices");
+    for (const auto& v : m) {
+      if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= c.num_hidden_layers)
+        return bad("mlp_only_layers", "entries must be layer indices in [0, num_hidden_layers)");
+      c.mlp_only_layers.push_back(v.get<int64_t>());
+    }
+  }
+  bool sliding = false;
+  RD_RETURN_IF_ERROR(get_bool(j, "use_sliding_window", sliding));
+  if (sliding)
+    return Status(ErrorCode::kUnimplemented, "use_sliding_window: sliding-window attention is not supported for qwen3_moe yet",
+                  "use_sliding_window");
+  return Status::Ok();
+}
+
+Status parse_gpt_oss(const json& j, ModelConfig& c) {
+  // GptOssConfig defaults where a key may be absent.
+  c.rms_norm_eps = 1e-5;
+  c.rope_theta = 150000.0;
+  c.attention_bias = true;
+  c.norm_topk_prob = true;  // softmax over the top-k logits
+  c.sliding_window = 128;
+  c.swiglu_limit = 7.0;
+  c.gate_up_checkpoint_interleaved = true;
+  RD_RETURN_IF_ERROR(parse_common(j, c));
+  RD_RETURN_IF_ERROR(get_int(j, "num_local_experts", c.num_experts, 1, kMaxExperts, true));
+  RD_RETURN_IF_ERROR(get_int(j, "num_experts_per_tok", c.num_experts_per_tok, 1, kMaxExperts, false));
+  if (!j.contains("num_experts_per_tok"))
+    RD_RETURN_IF_ERROR(get_int(j, "experts_per_token", c.num_experts_per_tok, 1, kMaxExperts, true));
+  RD_RETURN_IF_ERROR(get_int(j, "intermediate_size", c.moe_intermediate_size, 1, kMaxDim, true));
+  c.intermediate_size = c.moe_intermediate_size;
+  RD_RETURN_IF_ERROR(get_int(j, "sliding_window", c.sliding_window, 1, kMaxVocab, false));
+  RD_RETURN_IF_ERROR(get_double(j, "swiglu_limit", c.swiglu_limit, true));
+  if (j.contains("layer_types") && !j["layer_types"].is_null()) {
+    const json& t = j["layer_types"];
+    if (!t.is_array() || static_cast<int64_t>(t.size()) != c.num_hidden_layers)
+      return bad("layer_types", "must list one type per layer (num_hidden_layers)");
+    for (const auto& v : t) {
+      if (!v.is_string() || (v != "sliding_attention" && v != "full_attention"))
+        return bad("layer_types", "entries must be \"sliding_attention\" or \"full_attention\"");
+      c.layer_types.push_back(v.get<std::string>());
+    }
+  } else {
+    // GptOssConfig: sliding on even layers, full on odd ones.
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+      c.layer_types.push_back(l % 2 == 0 ? "sliding_attention" : "full_attention");
+  }
+  if (c.moe_intermediate_size % 32 != 0 || c.hidden_size % 32 != 0)
+    return bad("intermediate_size", "gpt_oss MXFP4 experts need hidden_size and intermediate_size multiples of 32");
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<ModelConfig> model_config_from_hf(const json& j) {
+  if (!j.is_object()) return bad("config", "config.json is not a JSON object");
+  std::string type;
+  RD_RETURN_IF_ERROR(get_string(j, "model_type", type));
+  ModelConfig c;
+  c.family = type;
+  c.synthetic_param_bytes = 0;
+  if (type == "qwen3_moe") {
+    RD_RETURN_IF_ERROR(parse_qwen3_moe(j, c));
+  } else if (type == "gpt_oss") {
+    RD_RETURN_IF_ERROR(parse_gpt_oss(j, c));
+  } else {
+    return Status(ErrorCode::kUnimplemented,
+                  "model_type '" + type + "' is not supported (qwen3_moe; gpt_oss is parsed but not served yet)",
+                  "model_type");
+  }
+  c.name = type;
+  if (j.contains("_name_or_path") && j["_name_or_path"].is_string() && !j["_name_or_path"].get<std::string>().empty())
+    c.name = j["_name_or_path"].get<std::string>();
+  RD_RETURN_IF_ERROR(c.validate());
+  return c;
+}
+
+Result<ModelConfig> load_hf_config(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return Status(ErrorCode::kNotFound, "cannot open " + path, path);
+  json j;
+  try {
+    j = json::parse(f);
+  } catch (const json::exception& e) {
+    return Status(ErrorCode::kInvalidArgument, path + " is not valid JSON: " + e.what(), path);
+  }
+  auto c = model_config_from_hf(j);
+  if (!c.ok()) return Status(c.status().code(), path + ": " + c.status().message(), c.status().field());
+  return c;
+}
+
+json model_config_to_hf(const ModelConfig& c) {
+  json j = {
+      {"model_type", c.family},
+      {"vocab_size", c.vocab_size},
+      {"hidden_size", c.hidden_size},
+      {"num_hidden_layers", c.num_hidden_layers},
+      {"num_attention_heads", c.num_attention_heads},
+      {"num_key_value_heads", c.num_key_value_heads},
+      {"head_dim", c.head_dim},
+      {"max_position_embeddings", c.max_position_embeddings},
+      {"rms_norm_eps", c.rms_norm_eps},
+      {"tie_word_embeddings", c.tie_word_embeddings},
+      {"attention_bias", c.attention_bias},
+      {"attention_dropout", 0.0},
+      {"hidden_act", "silu"},
+      {"initializer_range", 0.02},
+      {"use_cache", true},
+      {"dtype", c.checkpoint_dtype},
+      {"bos_token_id", nullptr},
+      {"eos_token_id", nullptr},
+      {"pad_token_id", nullptr},
+  };
+  json rope = {{"rope_type", c.rope_type}, {"rope_theta", c.rope_theta}};
+  if (c.rope_type == "yarn") {
+    rope["factor"] = c.rope_factor;
+    rope["beta_fast"] = c.rope_beta_fast;
+    rope["beta_slow"] = c.rope_beta_slow;
+    rope["original_max_position_embeddings"] = c.rope_original_max_position_embeddings;
+    rope["truncate"] = false;
+  }
+  j["rope_parameters"] = rope;
+  if (c.family == "qwen3_moe") {
+    j["architectures"] = {"Qwen3MoeForCausalLM"};
+    j["num_experts"] = c.num_experts;
+    j["num_experts_per_tok"] = c.num_experts_per_tok;
+    j["moe_intermediate_size"] = c.moe_intermediate_size;
+    j["intermediate_size"] = c.intermediate_size > 0 ? c.intermediate_size : c.moe_intermediate_size * 3;
+    j["norm_topk_prob"] = c.norm_topk_prob;
+    j["decoder_sparse_step"] = c.decoder_sparse_step;
+    j["mlp_only_layers"] = c.mlp_only_layers;
+    j["use_sliding_window"] = false;
+    j["sliding_window"] = nullptr;
+    j["max_window_layers"] = c.num_hidden_layers;
+    j["output_router_logits"] = false;
+    j["router_aux_loss_coef"] = 0.001;
+  } else if (c.family == "gpt_oss") {
+    j["architectures"] = {"GptOssForCausalLM"};
+    j["num_local_experts"] = c.num_experts;
+    j["num_experts_per_tok"] = c.num_experts_per_tok;
+    j["experts_per_token"] = c.num_experts_per_tok;
+    j["intermediate_size"] = c.moe_intermediate_size;
+    j["sliding_window"] = c.sliding_window;
+    j["layer_types"] = c.layer_types;
+    j["swiglu_limit"] = c.swiglu_limit;
+    j["output_router_logits"] = false;
+    j["router_aux_loss_coef"] = 0.9;
+  }
+  return j;
+}
+
+Status check_decoder_supports(const ModelConfig& c) {
+  auto no = [&](const std::string& what, const std::string& field) {
+    return Status(ErrorCode::kUnimplemented,
+                  "model family " + c.family + " is not supported yet by the decoder: " + what, field);
+  };
+  if (c.family == "gpt_oss")
+    return no("it needs attention sinks, sliding-window layers, YaRN rotary scaling, attention and router "
+              "biases and the clamped SwiGLU (issue 6)",
+              "model_type");
+  if (c.family != "qwen3_moe") return no("unknown family", "model_type");
+  if (c.tie_word_embeddings) return no("tie_word_embeddings = true (lm_head shared with embed_tokens)", "tie_word_embeddings");
+  if (c.attention_bias) return no("attention_bias = true", "attention_bias");
+  if (c.rope_type != "default") return no("rope_type '" + c.rope_type + "'", "rope_parameters");
+  if (!c.mlp_only_layers.empty())
+    return no("dense layers (mlp_only_layers non-empty): every layer must be MoE", "mlp_only_layers");
+  if (c.decoder_sparse_step != 1)
+    return no("dense layers (decoder_sparse_step != 1): every layer must be MoE", "decoder_sparse_step");
+  return Status::Ok();
+}
+
+}  // namespace rolloutd::core

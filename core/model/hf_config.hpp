@@ -1,0 +1,30 @@
+#pragma once
+// Hugging Face `config.json` <-> ModelConfig, per model family (`model_type`).
+//
+//  - qwen3_moe: served by MoeDecoder (QK-norm, softmax top-k with norm_topk_prob).
+//  - gpt_oss: parsed and validated, refused by check_decoder_supports() until the decoder
+//    has attention sinks, sliding windows, YaRN and the clamped SwiGLU.
+//
+// Absent keys take the transformers defaults of that family's config class; present keys
+// must have the right JSON type and a sane range. Errors are kInvalidArgument (kUnimplemented
+// for a valid setting the decoder cannot run) with the config key as the field.
+// Adding a family is one function here (its keys), one in make-test-model's writer, and the
+// decoder options it needs.
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "core/model/config.hpp"
+#include "kernels/status.hpp"
+
+namespace rolloutd::core {
+
+Result<ModelConfig> model_config_from_hf(const nlohmann::json& config);
+// Reads and parses `path` (a config.json); messages name the file.
+Result<ModelConfig> load_hf_config(const std::string& path);
+// The config.json transformers writes for `c` (make-test-model).
+nlohmann::json model_config_to_hf(const ModelConfig& c);
+// Ok when MoeDecoder can run `c`; kUnimplemented naming what it lacks otherwise.
+Status check_decoder_supports(const ModelConfig& c);
+
+}  // namespace rolloutd::core

@@ -1,0 +1,292 @@
+// core/model/hf_checkpoint + test_model: a make-test-model checkpoint loads into the decoder;
+// an update_weights session with the checkpoint's own tensors gives bit-identical
+// parameters; missing, extra, mis-shaped and doubly-written tensors are refused by name.
+#include "core/model/hf_checkpoint.hpp"
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <unistd.h>
+#include <map>
+
+#include <gtest/gtest.h>
+
+#include "core/model/embedded_model.hpp"
+#include "core/model/hf_config.hpp"
+#include "core/model/test_model.hpp"
+#include "core/weights/session.hpp"
+
+namespace rolloutd {
+namespace {
+
+core::TestModelSpec small_spec(uint64_t seed = 7) {
+  core::TestModelSpec s;
+  s.layers = 2;
+  s.hidden = 32;
+  s.experts = 4;
+  s.top_k = 2;
+  s.heads = 4;
+  s.kv_heads = 2;
+  s.head_dim = 8;
+  s.intermediate = 16;
+  s.vocab = 64;
+  s.seed = seed;
+  return s;
+}
+
+core::StepLimits limits() {
+  core::StepLimits l;
+  l.max_tokens = 32;
+  l.max_seqs = 16;
+  l.num_kv_blocks = 32;
+  l.kv_block_size = 4;
+  l.max_blocks_per_seq = 16;
+  return l;
+}
+
+std::vector<float> prompt_logits(core::MoeDecoder& m, const std::vector<int32_t>& tokens) {
+  core::StepBatch b;
+  const int32_t T = static_cast<int32_t>(tokens.size());
+  b.max_blocks_per_seq = (T + 3) / 4;
+  for (int32_t i = 0; i < b.max_blocks_per_seq; ++i) b.block_tables.push_back(i);
+  for (int32_t t = 0; t < T; ++t) {
+    b.token_ids.push_back(tokens[static_cast<size_t>(t)]);
+    b.positions.push_back(t);
+    b.seq_of.push_back(0);
+    b.slot_mapping.push_back(t);
+    b.ctx_len.push_back(t + 1);
+    b.logits_rows.push_back(t);
+  }
+  std::vector<float> logits;
+  const Status s = m.forward(b, logits, nullptr);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  return logits;
+}
+
+class HfCheckpoint : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("rolloutd-hf-" + std::to_string(::getpid()) + "-" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string dir() const { return dir_.string(); }
+
+  // A test model's tensors, edited, written as DIR/model.safetensors with its config.json.
+  void write_edited(const std::function<void(std::vector<core::TestTensor>&)>& edit) {
+    ASSERT_TRUE(core::write_test_model(small_spec(), dir()).ok());
+    auto c = core::test_model_config(small_spec());
+    auto t = core::make_test_tensors(*c, small_spec().seed);
+    ASSERT_TRUE(t.ok());
+    edit(*t);
+    std::vector<core::SafetensorsTensorIn> in;
+    for (const auto& x : *t) in.push_back({x.name, x.dtype, x.shape, x.bytes});
+    ASSERT_TRUE(core::write_safetensors(dir() + "/model.safetensors", in).ok());
+  }
+
+  Status try_load() {
+    auto m = core::open_hf_model(dir());
+    if (!m.ok()) return m.status();
+    auto model = core::MoeDecoder::create(m->config, limits(), cpu_backend(), ExecContext{});
+    if (!model.ok()) return model.status();
+    return core::load_checkpoint(**model, *m->checkpoint);
+  }
+
+  std::filesystem::path dir_;
+};
+
+TEST_F(HfCheckpoint, MakeTestModelIsDeterministicForASeed) {
+  ASSERT_TRUE(core::write_test_model(small_spec(7), dir() + "/a").ok());
+  ASSERT_TRUE(core::write_test_model(small_spec(7), dir() + "/b").ok());
+  ASSERT_TRUE(core::write_test_model(small_spec(8), dir() + "/c").ok());
+  auto read = [](const std::string& p) {
+    std::ifstream f(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  };
+  EXPECT_EQ(read(dir() + "/a/model.safetensors"), read(dir() + "/b/model.safetensors"));
+  EXPECT_EQ(read(dir() + "/a/config.json"), read(dir() + "/b/config.json"));
+  EXPECT_NE(read(dir() + "/a/model.safetensors"), read(dir() + "/c/model.safetensors"));
+  // Hugging Face names: per-expert tensors and QK-norm weights, BF16.
+  auto c = core::SafetensorsCheckpoint::open(dir() + "/a");
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  const auto* t = (*c)->find("model.layers.1.mlp.experts.3.down_proj.weight");
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(t->entry->dtype, DType::kBF16);
+  EXPECT_EQ(t->entry->shape, (std::vector<int64_t>{32, 16}));
+  EXPECT_NE((*c)->find("model.layers.0.self_attn.k_norm.weight"), nullptr);
+  EXPECT_EQ((*c)->tensors().size(), 1u + 2u * (9u + 4u * 3u) + 2u);
+}
+
+TEST_F(HfCheckpoint, LoadsAndAnUpdateWithItsOwnTensorsIsBitIdentical) {
+  ASSERT_TRUE(core::write_test_model(small_spec(), dir()).ok());
+  auto hf = core::open_hf_model(dir());
+  ASSERT_TRUE(hf.ok()) << hf.status().to_string();
+  EXPECT_TRUE(hf->config.qk_norm);
+  auto loaded = core::MoeDecoder::create(hf->config, limits(), cpu_backend(), ExecContext{});
+  ASSERT_TRUE(loaded.ok()) << loaded.status().to_string();
+  Status s = core::load_checkpoint(**loaded, *hf->checkpoint);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+
+  // Another model of the same shape, random weights from another seed, then one session
+  // writing every checkpoint tensor (as a trainer would: BF16, checkpoint names).
+  auto updated = core::MoeDecoder::create(hf->config, limits(), cpu_backend(), ExecContext{});
+  ASSERT_TRUE(updated.ok());
+  ASSERT_TRUE(core::init_random_weights(**updated, 99).ok());
+  std::vector<core::BucketEntry> entries;
+  std::vector<uint8_t> bucket;
+  for (const auto& [name, t] : hf->checkpoint->tensors()) {
+    const auto bytes = hf->checkpoint->data(t);
+    entries.push_back({name, t.entry->dtype, t.entry->shape, bucket.size(), bytes.size()});
+    bucket.insert(bucket.end(), bytes.begin(), bytes.end());
+  }
+  core::WeightUpdater u((*updated)->weights());
+  const auto now = core::SteadyClock::now();
+  auto begin = u.begin({}, 60, now);
+  ASSERT_TRUE(begin.ok()) << begin.status().to_string();
+  auto applied = u.apply_bucket(begin->session, entries, bucket, std::nullopt, now);
+  ASSERT_TRUE(applied.ok()) << applied.status().to_string();
+  ASSERT_TRUE(u.end(begin->session, 1, now).ok());
+
+  const auto& a = (*loaded)->weights().parameters();
+  const auto& b = (*updated)->weights().parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(a[i].name, b[i].name);
+    EXPECT_EQ(a[i].layout, b[i].layout) << a[i].name;
+    ASSERT_EQ(a[i].storage.nbytes(), b[i].storage.nbytes());
+    EXPECT_EQ(std::memcmp(a[i].storage.data, b[i].storage.data, a[i].storage.nbytes()), 0)
+        << a[i].name << " differs between loading and updating";
+  }
+  const std::vector<int32_t> prompt = {1, 5, 9, 33, 2, 63, 17};
+  const auto la = prompt_logits(**loaded, prompt);
+  const auto lb = prompt_logits(**updated, prompt);
+  ASSERT_EQ(la.size(), prompt.size() * 64);
+  EXPECT_EQ(la, lb);
+}
+
+TEST_F(HfCheckpoint, QkNormChangesTheOutput) {
+  // The decoder reads the q/k norm weights: scaling them changes the logits.
+  ASSERT_TRUE(core::write_test_model(small_spec(), dir()).ok());
+  auto hf = core::open_hf_model(dir());
+  ASSERT_TRUE(hf.ok());
+  auto m = core::MoeDecoder::create(hf->config, limits(), cpu_backend(), ExecContext{});
+  ASSERT_TRUE(core::load_checkpoint(**m, *hf->checkpoint).ok());
+  const auto before = prompt_logits(**m, {3, 4, 5});
+  auto* p = (*m)->weights().find("model.layers.0.self_attn.q_norm.weight");
+  ASSERT_NE(p, nullptr);
+  for (int64_t i = 0; i < p->storage.numel(); ++i) p->storage.as<float>()[i] *= 3.0f;
+  EXPECT_NE(prompt_logits(**m, {3, 4, 5}), before);
+}
+
+TEST_F(HfCheckpoint, MissingTensorIsNamed) {
+  write_edited([](auto& t) {
+    std::erase_if(t, [](const core::TestTensor& x) { return x.name == "model.layers.1.mlp.experts.2.up_proj.weight"; });
+  });
+  Status s = try_load();
+  EXPECT_EQ(s.code(), ErrorCode::kNotFound) << s.to_string();
+  EXPECT_EQ(s.field(), "model.layers.1.mlp.experts.2.up_proj.weight") << s.to_string();
+  write_edited([](auto& t) {
+    std::erase_if(t, [](const core::TestTensor& x) { return x.name == "model.layers.0.self_attn.q_norm.weight"; });
+  });
+  s = try_load();
+  EXPECT_EQ(s.field(), "model.layers.0.self_attn.q_norm.weight") << s.to_string();
+}
+
+TEST_F(HfCheckpoint, ExtraTensorIsNamed) {
+  write_edited([](auto& t) {
+    t.push_back({"model.layers.0.mlp.shared_expert.gate_proj.weight", {16, 32}, DType::kBF16,
+                 std::vector<uint8_t>(16 * 32 * 2)});
+  });
+  Status s = try_load();
+  EXPECT_EQ(s.code(), ErrorCode::kNotFound) << s.to_string();
+  EXPECT_EQ(s.field(), "model.layers.0.mlp.shared_expert.gate_proj.weight");
+}
+
+TEST_F(HfCheckpoint, MisShapedOrMistypedTensorIsNamed) {
+  write_edited([](auto& t) {
+    for (auto& x : t)
+      if (x.name == "model.layers.1.self_attn.o_proj.weight") x.shape = {16, 64};  // same bytes, wrong shape
+  });
+  Status s = try_load();
+  EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument) << s.to_string();
+  EXPECT_EQ(s.field(), "model.layers.1.self_attn.o_proj.weight");
+  EXPECT_NE(s.message().find("expected shape [32, 32]"), std::string::npos) << s.to_string();
+  write_edited([](auto& t) {
+    for (auto& x : t)
+      if (x.name == "model.norm.weight") x.dtype = DType::kI16;
+  });
+  s = try_load();
+  EXPECT_EQ(s.field(), "model.norm.weight") << s.to_string();
+}
+
+TEST_F(HfCheckpoint, FusedAndSplitCopiesOfOneParameterAreRefused) {
+  write_edited([](auto& t) {
+    t.push_back({"model.layers.0.mlp.experts.down_proj", {4, 32, 16}, DType::kBF16,
+                 std::vector<uint8_t>(4 * 32 * 16 * 2)});
+  });
+  Status s = try_load();
+  EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find("both write"), std::string::npos) << s.to_string();
+}
+
+TEST_F(HfCheckpoint, FusedExpertTensorsLoadToo) {
+  // transformers 5's in-memory names (mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]).
+  write_edited([](auto& t) {
+    std::map<std::string, core::TestTensor> by;
+    for (auto& x : t) by[x.name] = x;
+    std::vector<core::TestTensor> out;
+    for (auto& x : t)
+      if (x.name.find(".mlp.experts.") == std::string::npos) out.push_back(x);
+    for (int l = 0; l < 2; ++l) {
+      const std::string p = "model.layers." + std::to_string(l) + ".mlp.experts.";
+      core::TestTensor gu{p + "gate_up_proj", {4, 32, 32}, DType::kBF16, {}}, dn{p + "down_proj", {4, 32, 16}, DType::kBF16, {}};
+      for (int e = 0; e < 4; ++e) {
+        const std::string x = p + std::to_string(e) + ".";
+        for (const char* part : {"gate_proj.weight", "up_proj.weight"})
+          gu.bytes.insert(gu.bytes.end(), by[x + part].bytes.begin(), by[x + part].bytes.end());
+        dn.bytes.insert(dn.bytes.end(), by[x + "down_proj.weight"].bytes.begin(), by[x + "down_proj.weight"].bytes.end());
+      }
+      out.push_back(gu);
+      out.push_back(dn);
+    }
+    t = out;
+  });
+  auto hf = core::open_hf_model(dir());
+  ASSERT_TRUE(hf.ok());
+  auto fused = core::MoeDecoder::create(hf->config, limits(), cpu_backend(), ExecContext{});
+  ASSERT_TRUE(core::load_checkpoint(**fused, *hf->checkpoint).ok());
+  const std::string split_dir = dir() + "/split";
+  ASSERT_TRUE(core::write_test_model(small_spec(), split_dir).ok());
+  auto hs = core::open_hf_model(split_dir);
+  auto split = core::MoeDecoder::create(hs->config, limits(), cpu_backend(), ExecContext{});
+  ASSERT_TRUE(core::load_checkpoint(**split, *hs->checkpoint).ok());
+  EXPECT_EQ(prompt_logits(**fused, {1, 2, 3}), prompt_logits(**split, {1, 2, 3}));
+}
+
+TEST_F(HfCheckpoint, GptOssIsRefusedAsNotSupportedYet) {
+  auto spec = small_spec();
+  spec.family = "gpt_oss";
+  spec.intermediate = 32;  // MXFP4 experts: multiples of 32
+  ASSERT_TRUE(core::write_test_model(spec, dir()).ok());
+  auto c = core::SafetensorsCheckpoint::open(dir());
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_NE((*c)->find("model.layers.1.self_attn.sinks"), nullptr);
+  EXPECT_NE((*c)->find("model.layers.0.mlp.experts.gate_up_proj_bias"), nullptr);
+  auto m = core::open_hf_model(dir());
+  EXPECT_EQ(m.status().code(), ErrorCode::kUnimplemented);
+  EXPECT_NE(m.status().message().find("gpt_oss is not supported yet"), std::string::npos) << m.status().to_string();
+}
+
+TEST_F(HfCheckpoint, ConfigErrorsNameTheFile) {
+  std::filesystem::create_directories(dir_);
+  EXPECT_EQ(core::open_hf_model(dir()).status().code(), ErrorCode::kNotFound);
+  std::ofstream(dir() + "/config.json") << "{not json";
+  auto r = core::open_hf_model(dir());
+  EXPECT_NE(r.status().message().find("config.json"), std::string::npos) << r.status().to_string();
+}
+
+}  // namespace
+}  // namespace rolloutd
