@@ -41,6 +41,12 @@ Status ModelConfig::validate() const {
   if (decoder_sparse_step < 1)
     return Status(ErrorCode::kInvalidArgument, "must be at least 1", "decoder_sparse_step");
   if (intermediate_size < 0) return Status(ErrorCode::kInvalidArgument, "must not be negative", "intermediate_size");
+  if (num_moe_layers() < num_hidden_layers && intermediate_size <= 0)
+    return Status(ErrorCode::kInvalidArgument, "dense layers (mlp_only_layers, decoder_sparse_step) need it",
+                  "intermediate_size");
+  if (num_moe_layers() == 0)
+    return Status(ErrorCode::kInvalidArgument, "no layer is MoE (mlp_only_layers, decoder_sparse_step)",
+                  "decoder_sparse_step");
   if (!layer_types.empty() && static_cast<int64_t>(layer_types.size()) != num_hidden_layers)
     return Status(ErrorCode::kInvalidArgument, "must list one type per layer", "layer_types");
   return Status::Ok();

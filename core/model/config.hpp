@@ -31,8 +31,8 @@ struct ModelConfig {
   bool tie_word_embeddings = false;   // lm_head shares embed_tokens (not supported yet)
   bool attention_bias = false;        // q/k/v/o projections carry biases (gpt-oss)
   // Which layers are MoE: layer l is sparse unless l is in mlp_only_layers or
-  // (l + 1) % decoder_sparse_step != 0 (Qwen2/3-MoE); dense layers use intermediate_size.
-  // The decoder serves all-sparse models only for now (hf_config.cpp refuses the rest).
+  // (l + 1) % decoder_sparse_step != 0 (Qwen2/3-MoE); dense layers are SwiGLU MLPs of
+  // intermediate_size (mlp.{gate,up,down}_proj.weight).
   int64_t decoder_sparse_step = 1;
   std::vector<int64_t> mlp_only_layers;
   int64_t intermediate_size = 0;
@@ -66,7 +66,18 @@ struct ModelConfig {
   // `synthetic_fp8.{i}.weight_scale_inv` [256, 32] FP32 (UE8M0 scales, DeepSeek-V3 layout).
   int64_t synthetic_fp8_bytes = 0;
 
-  int64_t num_moe_layers() const { return num_hidden_layers; }
+  // Qwen3MoeDecoderLayer's rule: MoE unless listed in mlp_only_layers, and only every
+  // decoder_sparse_step-th layer.
+  bool is_moe_layer(int64_t layer) const {
+    for (int64_t d : mlp_only_layers)
+      if (d == layer) return false;
+    return (layer + 1) % decoder_sparse_step == 0;
+  }
+  int64_t num_moe_layers() const {
+    int64_t n = 0;
+    for (int64_t l = 0; l < num_hidden_layers; ++l) n += is_moe_layer(l) ? 1 : 0;
+    return n;
+  }
   // Checks internal consistency (positive sizes, heads divisible, top_k <= experts, ...).
   Status validate() const;
 };

@@ -138,6 +138,7 @@ Status parse_qwen3_moe(const json& j, ModelConfig& c) {
   RD_RETURN_IF_ERROR(get_int(j, "num_experts", c.num_experts, 1, kMaxExperts, true));
   RD_RETURN_IF_ERROR(get_int(j, "num_experts_per_tok", c.num_experts_per_tok, 1, kMaxExperts, true));
   RD_RETURN_IF_ERROR(get_int(j, "moe_intermediate_size", c.moe_intermediate_size, 1, kMaxDim, true));
+  c.intermediate_size = 6144;  // Qwen3MoeConfig's default: only dense layers use it
   RD_RETURN_IF_ERROR(get_int(j, "intermediate_size", c.intermediate_size, 1, kMaxDim, false));
   RD_RETURN_IF_ERROR(get_bool(j, "norm_topk_prob", c.norm_topk_prob));
   RD_RETURN_IF_ERROR(get_int(j, "decoder_sparse_step", c.decoder_sparse_step, 1, kMaxLayers, false));
@@ -307,10 +308,6 @@ Status check_decoder_supports(const ModelConfig& c) {
   if (c.tie_word_embeddings) return no("tie_word_embeddings = true (lm_head shared with embed_tokens)", "tie_word_embeddings");
   if (c.attention_bias) return no("attention_bias = true", "attention_bias");
   if (c.rope_type != "default") return no("rope_type '" + c.rope_type + "'", "rope_parameters");
-  if (!c.mlp_only_layers.empty())
-    return no("dense layers (mlp_only_layers non-empty): every layer must be MoE", "mlp_only_layers");
-  if (c.decoder_sparse_step != 1)
-    return no("dense layers (decoder_sparse_step != 1): every layer must be MoE", "decoder_sparse_step");
   return Status::Ok();
 }
 

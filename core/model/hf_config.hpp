@@ -1,7 +1,8 @@
 #pragma once
 // Hugging Face `config.json` <-> ModelConfig, per model family (`model_type`).
 //
-//  - qwen3_moe: served by MoeDecoder (QK-norm, softmax top-k with norm_topk_prob).
+//  - qwen3_moe: served by MoeDecoder (QK-norm, softmax top-k with norm_topk_prob, dense layers
+//    from mlp_only_layers / decoder_sparse_step).
 //  - gpt_oss: parsed and validated, refused by check_decoder_supports() until the decoder
 //    has attention sinks, sliding windows, YaRN and the clamped SwiGLU.
 //

@@ -67,22 +67,50 @@ Status MoeDecoder::allocate() {
       RD_RETURN_IF_ERROR(param(p + "self_attn.q_norm.weight", Shape{D}, L.q_norm));
       RD_RETURN_IF_ERROR(param(p + "self_attn.k_norm.weight", Shape{D}, L.k_norm));
     }
-    RD_RETURN_IF_ERROR(param(p + "mlp.gate.weight", Shape{E, H}, L.router));
-    // Stacked expert tensors as transformers 5 stores them (gate rows, then up rows); the
-    // kernel layout interleaves gate/up rows (InterleaveGateUpMethod).
-    RD_RETURN_IF_ERROR(param(p + "mlp.experts.gate_up_proj", Shape{E, 2 * I, H}, L.experts_gate_up,
-                             std::make_unique<InterleaveGateUpMethod>(I), !c.gate_up_checkpoint_interleaved));
-    RD_RETURN_IF_ERROR(param(p + "mlp.experts.down_proj", Shape{E, H, I}, L.experts_down));
-    RD_RETURN_IF_ERROR(add_loader_aliases(l));
-
     const Shape cache{limits_.num_kv_blocks, limits_.kv_block_size, KVH, D};
     RD_ASSIGN_OR_RETURN(L.k_cache, kv_arena_->allocate(DType::kF32, cache));
     RD_ASSIGN_OR_RETURN(L.v_cache, kv_arena_->allocate(DType::kF32, cache));
 
-    L.expert_map = ExpertMap::identity(E);
-    RD_ASSIGN_OR_RETURN(L.logical_to_physical, weights_arena_->allocate(DType::kI32, Shape{E}));
+    L.moe = c.is_moe_layer(l);
+    if (!L.moe) {
+      // Dense SwiGLU MLP ([1, 2Id, H] fused gate/up so the expert op runs it; checkpoint names
+      // mlp.{gate,up,down}_proj.weight).
+      const int64_t Id = c.intermediate_size;
+      RD_RETURN_IF_ERROR(param(p + "mlp.gate_up_proj", Shape{1, 2 * Id, H}, L.experts_gate_up,
+                               std::make_unique<InterleaveGateUpMethod>(Id)));
+      RD_RETURN_IF_ERROR(param(p + "mlp.down_proj.weight", Shape{H, Id}, L.experts_down));
+      L.experts_down = TensorView::contiguous(L.experts_down.data, DType::kF32, Shape{1, H, Id}, L.experts_down.device);
+      const size_t gu = weights_->index_of(p + "mlp.gate_up_proj");
+      RD_RETURN_IF_ERROR(weights_->add_alias({p + "mlp.gate_proj.weight", {Id, H}, {RowCopy{gu, 0, 0, 1, 0, 1, Id}}}));
+      RD_RETURN_IF_ERROR(weights_->add_alias({p + "mlp.up_proj.weight", {Id, H}, {RowCopy{gu, 0, 0, 1, Id, 1, Id}}}));
+      RD_RETURN_IF_ERROR(add_loader_aliases(l));
+      if (dense_ids_.data == nullptr) {
+        // Constant inputs of the dense layers' expert op (not checkpoint tensors).
+        const int64_t T = limits_.max_tokens;
+        RD_ASSIGN_OR_RETURN(dense_ids_, weights_arena_->allocate(DType::kI32, Shape{T, 1}));
+        RD_ASSIGN_OR_RETURN(dense_weights_, weights_arena_->allocate(DType::kF32, Shape{T, 1}));
+        const std::vector<int32_t> zeros(static_cast<size_t>(T), 0);
+        const std::vector<float> ones(static_cast<size_t>(T), 1.0f);
+        const CopyKind k = ctx_.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost : CopyKind::kHostToDevice;
+        RD_RETURN_IF_ERROR(backend_.copy(ctx_, dense_ids_.data, zeros.data(), zeros.size() * sizeof(int32_t), k));
+        RD_RETURN_IF_ERROR(backend_.copy(ctx_, dense_weights_.data, ones.data(), ones.size() * sizeof(float), k));
+      }
+      L.expert_map = ExpertMap::identity(1);
+    } else {
+      L.moe_index = moe_layers_++;
+      RD_RETURN_IF_ERROR(param(p + "mlp.gate.weight", Shape{E, H}, L.router));
+      // Stacked expert tensors as transformers 5 stores them (gate rows, then up rows); the
+      // kernel layout interleaves gate/up rows (InterleaveGateUpMethod).
+      RD_RETURN_IF_ERROR(param(p + "mlp.experts.gate_up_proj", Shape{E, 2 * I, H}, L.experts_gate_up,
+                               std::make_unique<InterleaveGateUpMethod>(I), !c.gate_up_checkpoint_interleaved));
+      RD_RETURN_IF_ERROR(param(p + "mlp.experts.down_proj", Shape{E, H, I}, L.experts_down));
+      RD_RETURN_IF_ERROR(add_loader_aliases(l));
+      L.expert_map = ExpertMap::identity(E);
+    }
+    const int64_t num_slots = static_cast<int64_t>(L.expert_map.table().size());
+    RD_ASSIGN_OR_RETURN(L.logical_to_physical, weights_arena_->allocate(DType::kI32, Shape{num_slots}));
     RD_RETURN_IF_ERROR(backend_.copy(ctx_, L.logical_to_physical.data, L.expert_map.table().data(),
-                                     static_cast<size_t>(E) * sizeof(int32_t),
+                                     static_cast<size_t>(num_slots) * sizeof(int32_t),
                                      ctx_.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost
                                                                           : CopyKind::kHostToDevice));
     // Not a checkpoint tensor, yet in weights memory: kept across a release of the weights.
@@ -163,8 +191,22 @@ StableArena& MoeDecoder::arena(MemoryTag tag) {
 
 Status MoeDecoder::add_loader_aliases(int64_t l) {
   const auto& c = config_;
-  const int64_t H = c.hidden_size, D = c.head_dim, QH = c.num_attention_heads,
-                KVH = c.num_key_value_heads, E = c.num_experts, I = c.moe_intermediate_size;
+  const int64_t H = c.hidden_size, D = c.head_dim, QH = c.num_attention_heads, KVH = c.num_key_value_heads;
+  const std::string p = "model.layers." + std::to_string(l) + ".";
+  if (layers_[static_cast<size_t>(l)].moe) RD_RETURN_IF_ERROR(add_expert_aliases(l));
+  // Fused QKV (rows q, then k, then v).
+  const size_t q = weights_->index_of(p + "self_attn.q_proj.weight");
+  const size_t k = weights_->index_of(p + "self_attn.k_proj.weight");
+  const size_t v = weights_->index_of(p + "self_attn.v_proj.weight");
+  return weights_->add_alias({p + "self_attn.qkv_proj.weight",
+                              {(QH + 2 * KVH) * D, H},
+                              {RowCopy{q, -1, 0, 1, 0, 1, QH * D}, RowCopy{k, -1, QH * D, 1, 0, 1, KVH * D},
+                               RowCopy{v, -1, (QH + KVH) * D, 1, 0, 1, KVH * D}}});
+}
+
+Status MoeDecoder::add_expert_aliases(int64_t l) {
+  const auto& c = config_;
+  const int64_t H = c.hidden_size, E = c.num_experts, I = c.moe_intermediate_size;
   const std::string p = "model.layers." + std::to_string(l) + ".";
   const size_t gate_up = weights_->index_of(p + "mlp.experts.gate_up_proj");
   const size_t down = weights_->index_of(p + "mlp.experts.down_proj");
@@ -184,14 +226,7 @@ Status MoeDecoder::add_loader_aliases(int64_t l) {
     }
     RD_RETURN_IF_ERROR(weights_->add_alias(std::move(t)));
   }
-  // Fused QKV (rows q, then k, then v).
-  const size_t q = weights_->index_of(p + "self_attn.q_proj.weight");
-  const size_t k = weights_->index_of(p + "self_attn.k_proj.weight");
-  const size_t v = weights_->index_of(p + "self_attn.v_proj.weight");
-  return weights_->add_alias({p + "self_attn.qkv_proj.weight",
-                              {(QH + 2 * KVH) * D, H},
-                              {RowCopy{q, -1, 0, 1, 0, 1, QH * D}, RowCopy{k, -1, QH * D, 1, 0, 1, KVH * D},
-                               RowCopy{v, -1, (QH + KVH) * D, 1, 0, 1, KVH * D}}});
+  return Status::Ok();
 }
 
 Status MoeDecoder::forward(const StepBatch& b, std::vector<float>& logits,
@@ -282,20 +317,22 @@ Status MoeDecoder::forward(const StepBatch& b, std::vector<float>& logits,
                                                 L.k_cache, L.v_cache, tables, seq_of, ctx_len, scale));
     RD_RETURN_IF_ERROR(backend_.linear(ctx_, o, attn, L.o_proj));
     RD_RETURN_IF_ERROR(backend_.add(ctx_, h, h, o));
-    // MoE block.
+    // MoE block (or the dense MLP as one expert every token takes with weight 1).
     RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx_, x, h, L.post_attention_layernorm, eps));
-    RD_RETURN_IF_ERROR(backend_.linear(ctx_, router_logits, x, L.router));
-    RD_RETURN_IF_ERROR(
-        backend_.router_softmax_topk(ctx_, topk_ids, topk_w, router_logits, c.norm_topk_prob));
-    // The single capture point: logical ids straight from the router, real rows only.
-    if (recorder) RD_RETURN_IF_ERROR(recorder->capture(backend_, ctx_, l, topk_ids));
+    if (L.moe) {
+      RD_RETURN_IF_ERROR(backend_.linear(ctx_, router_logits, x, L.router));
+      RD_RETURN_IF_ERROR(
+          backend_.router_softmax_topk(ctx_, topk_ids, topk_w, router_logits, c.norm_topk_prob));
+      // The single capture point: logical ids straight from the router, real rows only.
+      if (recorder) RD_RETURN_IF_ERROR(recorder->capture(backend_, ctx_, L.moe_index, topk_ids));
+    }
     MoeExpertsArgs args;
     args.out = moe_out;
     args.x = x;
     args.w_gate_up = L.experts_gate_up;
     args.w_down = L.experts_down;
-    args.topk_ids = topk_ids;
-    args.topk_weights = topk_w;
+    args.topk_ids = L.moe ? topk_ids : rows_of(dense_ids_, T);
+    args.topk_weights = L.moe ? topk_w : rows_of(dense_weights_, T);
     args.logical_to_physical = L.logical_to_physical;
     args.num_valid_tokens = T;
     args.gate_up_interleaved = true;  // kernel layout of InterleaveGateUpMethod

@@ -65,6 +65,7 @@ class MoeDecoder {
   WeightRegistry& weights() { return *weights_; }
   const Backend& backend() const { return backend_; }
   const ExecContext& context() const { return ctx_; }
+  // The layer's logical->physical map (empty for a dense layer).
   const ExpertMap& expert_map(int64_t layer) const { return layers_[static_cast<size_t>(layer)].expert_map; }
   // The arenas behind parameters (weights), the KV cache (kv_cache) and step workspaces
   // (scratch), for memory release/resume (core/storage/memory_manager.hpp).
@@ -74,6 +75,10 @@ class MoeDecoder {
   struct Layer {
     TensorView input_layernorm, q_proj, k_proj, v_proj, o_proj, post_attention_layernorm;
     TensorView q_norm, k_norm;    // [D], only with config.qk_norm
+    // A dense layer (mlp_only_layers, decoder_sparse_step) is a SwiGLU MLP: the expert op with
+    // one expert that every token takes with weight 1 (dense_ids / dense_weights).
+    bool moe = true;
+    int64_t moe_index = -1;       // index among the MoE layers (routed-expert records)
     TensorView router;            // [E, H]
     TensorView experts_gate_up;   // [E, 2I, H]
     TensorView experts_down;      // [E, H, I]
@@ -90,6 +95,7 @@ class MoeDecoder {
   MoeDecoder(const ModelConfig& c, const StepLimits& l, const Backend& b, ExecContext ctx);
   Status allocate();
   Status add_loader_aliases(int64_t layer);
+  Status add_expert_aliases(int64_t layer);
 
   ModelConfig config_;
   StepLimits limits_;
@@ -98,7 +104,9 @@ class MoeDecoder {
   std::unique_ptr<StableArena> weights_arena_, kv_arena_, scratch_arena_;
   std::unique_ptr<WeightRegistry> weights_;
   TensorView embed_tokens_, final_norm_, lm_head_;
+  TensorView dense_ids_, dense_weights_;  // [max_tokens, 1]: expert 0, weight 1 (dense layers)
   std::vector<Layer> layers_;
+  int64_t moe_layers_ = 0;
   Workspace ws_;
 };
 

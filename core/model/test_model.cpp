@@ -36,6 +36,13 @@ std::vector<Spec> qwen3_moe_tensors(const ModelConfig& c) {
     t.push_back({p + "self_attn.q_norm.weight", {D}, Init::kNorm});
     t.push_back({p + "self_attn.k_norm.weight", {D}, Init::kNorm});
     t.push_back({p + "post_attention_layernorm.weight", {H}, Init::kNorm});
+    if (!c.is_moe_layer(l)) {
+      const int64_t Id = c.intermediate_size;
+      t.push_back({p + "mlp.gate_proj.weight", {Id, H}, Init::kMatrix});
+      t.push_back({p + "mlp.up_proj.weight", {Id, H}, Init::kMatrix});
+      t.push_back({p + "mlp.down_proj.weight", {H, Id}, Init::kMatrix});
+      continue;
+    }
     t.push_back({p + "mlp.gate.weight", {E, H}, Init::kRouter});
     // Per-expert tensors: what transformers 5 saves (it fuses them into
     // mlp.experts.gate_up_proj / down_proj in memory and splits them again on save), and what
@@ -103,6 +110,8 @@ Result<ModelConfig> test_model_config(const TestModelSpec& s) {
   if (s.dtype != "bfloat16" && s.dtype != "float32")
     return Status(ErrorCode::kInvalidArgument, "dtype must be bfloat16 or float32", "dtype");
   if (s.family == "qwen3_moe") {
+    c.mlp_only_layers = s.mlp_only_layers;
+    c.decoder_sparse_step = s.decoder_sparse_step;
     c.qk_norm = true;
     c.norm_topk_prob = true;
     c.rope_theta = 1000000.0;

@@ -29,6 +29,9 @@ struct TestModelSpec {
   int64_t intermediate = 32;          // per expert
   int64_t vocab = 256;
   std::string dtype = "bfloat16";     // bfloat16 | float32
+  // qwen3_moe dense layers: these indices, and all but every decoder_sparse_step-th layer.
+  std::vector<int64_t> mlp_only_layers;
+  int64_t decoder_sparse_step = 1;
   uint64_t seed = 0;
 };
 

@@ -3,6 +3,7 @@
 // parameters; missing, extra, mis-shaped and doubly-written tensors are refused by name.
 #include "core/model/hf_checkpoint.hpp"
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -264,6 +265,57 @@ TEST_F(HfCheckpoint, FusedExpertTensorsLoadToo) {
   auto split = core::MoeDecoder::create(hs->config, limits(), cpu_backend(), ExecContext{});
   ASSERT_TRUE(core::load_checkpoint(**split, *hs->checkpoint).ok());
   EXPECT_EQ(prompt_logits(**fused, {1, 2, 3}), prompt_logits(**split, {1, 2, 3}));
+}
+
+TEST_F(HfCheckpoint, DenseLayersLoadRecordOnlyMoeLayersAndUpdateBitIdentically) {
+  auto spec = small_spec();
+  spec.layers = 4;
+  spec.mlp_only_layers = {0};
+  spec.decoder_sparse_step = 2;  // MoE layers: 1 and 3; dense: 0 and 2
+  ASSERT_TRUE(core::write_test_model(spec, dir()).ok());
+  auto hf = core::open_hf_model(dir());
+  ASSERT_TRUE(hf.ok()) << hf.status().to_string();
+  EXPECT_EQ(hf->config.num_moe_layers(), 2);
+  EXPECT_NE(hf->checkpoint->find("model.layers.2.mlp.down_proj.weight"), nullptr);
+  EXPECT_EQ(hf->checkpoint->find("model.layers.2.mlp.gate.weight"), nullptr);
+  auto m = core::MoeDecoder::create(hf->config, limits(), cpu_backend(), ExecContext{});
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  Status s = core::load_checkpoint(**m, *hf->checkpoint);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  core::StepBatch b;
+  b.max_blocks_per_seq = 1;
+  b.block_tables = {0};
+  b.token_ids = {5, 6, 7};
+  b.positions = {0, 1, 2};
+  b.seq_of = {0, 0, 0};
+  b.slot_mapping = {0, 1, 2};
+  b.ctx_len = {1, 2, 3};
+  b.logits_rows = {2};
+  std::vector<float> logits;
+  core::RoutedExpertRecorder rec(2, hf->config.num_experts_per_tok, 32);
+  ASSERT_TRUE((*m)->forward(b, logits, &rec).ok());
+  EXPECT_EQ(rec.rows().size(), 3u * 2u * 2u) << "[tokens, MoE layers, top_k]";
+  for (float v : logits) ASSERT_TRUE(std::isfinite(v));
+
+  // The dense MLP's checkpoint names go through update_weights too, bit-identically.
+  auto u2 = core::MoeDecoder::create(hf->config, limits(), cpu_backend(), ExecContext{});
+  ASSERT_TRUE(core::init_random_weights(**u2, 5).ok());
+  std::vector<core::BucketEntry> entries;
+  std::vector<uint8_t> bucket;
+  for (const auto& [name, t] : hf->checkpoint->tensors()) {
+    const auto bytes = hf->checkpoint->data(t);
+    entries.push_back({name, t.entry->dtype, t.entry->shape, bucket.size(), bytes.size()});
+    bucket.insert(bucket.end(), bytes.begin(), bytes.end());
+  }
+  core::WeightUpdater u((*u2)->weights());
+  const auto now = core::SteadyClock::now();
+  auto begin = u.begin({}, 60, now);
+  ASSERT_TRUE(u.apply_bucket(begin->session, entries, bucket, std::nullopt, now).ok());
+  ASSERT_TRUE(u.end(begin->session, 1, now).ok());
+  const auto& pa = (*m)->weights().parameters();
+  const auto& pb = (*u2)->weights().parameters();
+  for (size_t i = 0; i < pa.size(); ++i)
+    EXPECT_EQ(std::memcmp(pa[i].storage.data, pb[i].storage.data, pa[i].storage.nbytes()), 0) << pa[i].name;
 }
 
 TEST_F(HfCheckpoint, GptOssIsRefusedAsNotSupportedYet) {

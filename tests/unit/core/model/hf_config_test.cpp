@@ -116,21 +116,32 @@ TEST(HfConfig, RefusalsNameTheKey) {
   EXPECT_FALSE(core::model_config_from_hf(json::array()).ok());
 }
 
-TEST(HfConfig, DenseLayersAndTiedEmbeddingsAreRefusedByTheDecoder) {
+TEST(HfConfig, DenseLayers) {
   json j = qwen3_30b();
   j["mlp_only_layers"] = {0, 3};
+  j["decoder_sparse_step"] = 2;
   auto c = core::model_config_from_hf(j);
   ASSERT_TRUE(c.ok()) << c.status().to_string();
   EXPECT_EQ(c->mlp_only_layers, (std::vector<int64_t>{0, 3}));
-  Status s = core::check_decoder_supports(*c);
-  EXPECT_EQ(s.code(), ErrorCode::kUnimplemented);
-  EXPECT_EQ(s.field(), "mlp_only_layers");
-  j = qwen3_30b();
-  j["decoder_sparse_step"] = 2;
-  EXPECT_EQ(core::check_decoder_supports(*core::model_config_from_hf(j)).field(), "decoder_sparse_step");
-  j = qwen3_30b();
+  // Qwen3MoeDecoderLayer: MoE iff not in mlp_only_layers and (l + 1) % step == 0.
+  EXPECT_FALSE(c->is_moe_layer(0));
+  EXPECT_TRUE(c->is_moe_layer(1));
+  EXPECT_FALSE(c->is_moe_layer(2));
+  EXPECT_FALSE(c->is_moe_layer(3));
+  EXPECT_TRUE(c->is_moe_layer(5));
+  EXPECT_EQ(c->num_moe_layers(), 23);
+  EXPECT_TRUE(core::check_decoder_supports(*c).ok());
+  j["mlp_only_layers"] = json::array();
+  j["decoder_sparse_step"] = 49;
+  EXPECT_EQ(core::model_config_from_hf(j).status().field(), "decoder_sparse_step") << "no MoE layer left";
+}
+
+TEST(HfConfig, TiedEmbeddingsAreRefusedByTheDecoder) {
+  json j = qwen3_30b();
   j["tie_word_embeddings"] = true;
-  EXPECT_EQ(core::check_decoder_supports(*core::model_config_from_hf(j)).field(), "tie_word_embeddings");
+  Status s = core::check_decoder_supports(*core::model_config_from_hf(j));
+  EXPECT_EQ(s.code(), ErrorCode::kUnimplemented);
+  EXPECT_EQ(s.field(), "tie_word_embeddings");
 }
 
 TEST(HfConfig, GptOssIsParsedThenRefusedByTheDecoder) {
