@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "build_info.hpp"
+#include "core/model/test_model.hpp"
 #include "kernels/status.hpp"
 #include "protocol/client.hpp"
 #include "protocol/curve.hpp"
@@ -379,6 +380,46 @@ Command add_keygen(CLI::App& root) {
           }};
 }
 
+// Needs no daemon: a small random checkpoint in the Hugging Face format (core/model/test_model.hpp).
+Command add_make_test_model(CLI::App& root) {
+  auto* app = root.add_subcommand(
+      "make-test-model",
+      "Write a small random Hugging Face checkpoint (config.json + model.safetensors), deterministic for a seed");
+  auto spec = std::make_shared<rolloutd::core::TestModelSpec>();
+  auto out = std::make_shared<std::string>();
+  app->add_option("--family", spec->family, "Model family")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"qwen3_moe", "gpt_oss"}));
+  app->add_option("--layers", spec->layers, "Decoder layers")->capture_default_str()->check(CLI::Range(1, 256));
+  app->add_option("--hidden", spec->hidden, "Hidden size")->capture_default_str()->check(CLI::Range(1, 16384));
+  app->add_option("--experts", spec->experts, "Routed experts per layer")->capture_default_str()->check(CLI::Range(1, 1024));
+  app->add_option("--top-k", spec->top_k, "Experts per token")->capture_default_str()->check(CLI::Range(1, 1024));
+  app->add_option("--heads", spec->heads, "Query heads")->capture_default_str()->check(CLI::Range(1, 256));
+  app->add_option("--kv-heads", spec->kv_heads, "Key/value heads")->capture_default_str()->check(CLI::Range(1, 256));
+  app->add_option("--head-dim", spec->head_dim, "Head dimension")->capture_default_str()->check(CLI::Range(2, 512));
+  app->add_option("--intermediate", spec->intermediate, "Expert intermediate size")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 65536));
+  app->add_option("--vocab", spec->vocab, "Vocabulary size")->capture_default_str()->check(CLI::Range(2, 1 << 20));
+  app->add_option("--dtype", spec->dtype, "Checkpoint dtype")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"bfloat16", "float32"}));
+  app->add_option("--mlp-only-layers", spec->mlp_only_layers, "qwen3_moe: dense layers, e.g. 0,3")->delimiter(',');
+  app->add_option("--decoder-sparse-step", spec->decoder_sparse_step, "qwen3_moe: every n-th layer is MoE")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 256));
+  app->add_option("--seed", spec->seed, "Seed of the weights")->capture_default_str();
+  app->add_option("--out", *out, "Directory to write (created if missing)")->required();
+  return {app, [spec, out](const GlobalOptions&) {
+            if (Status s = rolloutd::core::write_test_model(*spec, *out); !s.ok()) return print_error(s);
+            return print_result({{"out", *out},
+                                 {"family", spec->family},
+                                 {"config", *out + "/config.json"},
+                                 {"weights", *out + "/model.safetensors"},
+                                 {"seed", spec->seed}});
+          }};
+}
+
 Command add_continue(CLI::App& root) {
   auto* app = root.add_subcommand("continue", "Resume forward steps after pause");
   return {app, [](const GlobalOptions& g) {
@@ -415,7 +456,7 @@ int main(int argc, char** argv) {
       add_hello(app),         add_status(app),        add_generate(app),
       add_abort(app),         add_shutdown(app),      add_weights_checksum(app),
       add_get_weights(app),   add_pause(app),         add_continue(app),
-      add_keygen(app),
+      add_keygen(app),        add_make_test_model(app),
   };
 
   try {
