@@ -1,5 +1,7 @@
 #include "daemon/config.hpp"
 
+#include <filesystem>
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 
@@ -44,7 +46,9 @@ ParseOutcome parse_config(int argc, const char* const* argv) {
                "without CURVE keys, let --bind name a non-loopback address: anyone who reaches the port "
                "controls the daemon")
       ->envname("ROLLOUTD_INSECURE_BIND_ANY");
-  add("--model", c.model, "ROLLOUTD_MODEL", "model to serve (embedded:tiny-moe)");
+  add("--model", c.model, "ROLLOUTD_MODEL",
+      "model to serve: embedded:tiny-moe, or a Hugging Face checkpoint directory (config.json + "
+      "model.safetensors or model.safetensors.index.json; qwen3_moe)");
   add("--model-seed", c.model_seed, "ROLLOUTD_MODEL_SEED", "seed of the embedded model's weights");
   add("--device", c.device, "ROLLOUTD_DEVICE", "compute backend (auto: cuda when a GPU is visible, else cpu)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
@@ -226,9 +230,19 @@ Status validate(const DaemonConfig& c) {
                   "bind");
   if (c.shm_prefix.size() < 2 || c.shm_prefix[0] != '/')
     return Status(ErrorCode::kInvalidArgument, "shm prefix must start with '/' and name something", "shm_prefix");
-  if (c.model.rfind("embedded:", 0) != 0 || c.model != "embedded:tiny-moe")
-    return Status(ErrorCode::kUnimplemented,
-                  "only the embedded model 'embedded:tiny-moe' is served by this build", "model");
+  if (c.model.rfind("embedded:", 0) == 0) {
+    if (c.model != "embedded:tiny-moe")
+      return Status(ErrorCode::kInvalidArgument, "the only embedded model is 'embedded:tiny-moe'", "model");
+  } else {
+    // A checkpoint directory: its existence is a usage matter (exit 64, found at once); its
+    // contents are checked while loading (exit 2, naming the file or tensor).
+    std::error_code ec;
+    if (c.model.empty() || !std::filesystem::is_directory(c.model, ec))
+      return Status(ErrorCode::kInvalidArgument,
+                    "--model '" + c.model + "' is neither 'embedded:tiny-moe' nor a checkpoint directory", "model");
+    if (!std::filesystem::is_regular_file(std::filesystem::path(c.model) / "config.json", ec))
+      return Status(ErrorCode::kInvalidArgument, "--model '" + c.model + "' has no config.json", "model");
+  }
   return Status::Ok();
 }
 

@@ -19,6 +19,7 @@
 #include "build_info.hpp"
 #include "core/engine/engine.hpp"
 #include "core/model/embedded_model.hpp"
+#include "core/model/hf_checkpoint.hpp"
 #include "daemon/actors/control_actor.hpp"
 #include "daemon/actors/engine_actor.hpp"
 #include "daemon/http/http_server.hpp"
@@ -192,7 +193,24 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
     }
     ctx.device = Device::cuda(config.gpu);
   }
+  // The embedded model (weights from a seed), or a Hugging Face checkpoint directory: its
+  // config.json is parsed and its safetensors headers validated before anything is built.
+  const auto load_started = std::chrono::steady_clock::now();
+  const bool embedded = config.model.rfind("embedded:", 0) == 0;
   core::ModelConfig mc = core::embedded_model_config();
+  core::HfModel hf;
+  if (!embedded) {
+    auto opened = core::open_hf_model(config.model);
+    if (!opened.ok()) {
+      obs::log_error("daemon", "model load failed",
+                     {{"model", config.model}, {"error", opened.status().to_string()},
+                      {"tensor", opened.status().field()}});
+      return kExitStartupFailure;
+    }
+    hf = std::move(*opened);
+    mc = hf.config;
+    mc.name = config.model;
+  }
   mc.synthetic_param_bytes = config.synthetic_param_bytes;
   mc.synthetic_small_params = config.synthetic_small_params;
   mc.synthetic_mxfp4_bytes = config.synthetic_mxfp4_bytes;
@@ -208,10 +226,20 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
     obs::log_error("daemon", "model build failed", {{"error", model.status().to_string()}});
     return kExitStartupFailure;
   }
-  if (Status s = core::init_random_weights(**model, config.model_seed); !s.ok()) {
-    obs::log_error("daemon", "model init failed", {{"error", s.to_string()}});
+  if (embedded) {
+    if (Status s = core::init_random_weights(**model, config.model_seed); !s.ok()) {
+      obs::log_error("daemon", "model init failed", {{"error", s.to_string()}});
+      return kExitStartupFailure;
+    }
+  } else if (Status s = core::load_checkpoint(**model, *hf.checkpoint); !s.ok()) {
+    obs::log_error("daemon", "model load failed",
+                   {{"model", config.model}, {"error", s.to_string()}, {"tensor", s.field()}});
     return kExitStartupFailure;
   }
+  const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - load_started).count();
+  const uint64_t checkpoint_bytes = hf.checkpoint ? hf.checkpoint->total_bytes() : 0;
+  const size_t checkpoint_files = hf.checkpoint ? hf.checkpoint->num_files() : 0;
+  hf.checkpoint.reset();  // unmap the files: every byte now lives in parameter storage
   core::EngineOptions eo;
   eo.max_running = config.max_running;
   eo.max_waiting = config.max_waiting;
@@ -231,8 +259,10 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
   info.top_k = static_cast<uint32_t>(mc.num_experts_per_tok);
   info.routed_experts_dtype = core::routed_experts_dtype_for(mc.num_experts);
   obs::log_info("daemon", "model ready",
-                {{"model", mc.name}, {"device", ctx.device.to_string()}, {"seed", config.model_seed},
-                 {"parameters", (*engine)->model().weights().size()}});
+                {{"model", mc.name}, {"family", mc.family}, {"device", ctx.device.to_string()},
+                 {"seed", embedded ? nlohmann::json(config.model_seed) : nlohmann::json(nullptr)},
+                 {"parameters", (*engine)->model().weights().size()}, {"checkpoint_files", checkpoint_files},
+                 {"checkpoint_size_bytes", checkpoint_bytes}, {"load_duration_s", load_s}});
 
   // ---- actors ----
   obs::Metrics metrics;

@@ -59,8 +59,11 @@ TEST(DaemonConfig, SemanticChecks) {
   c.http_port = c.control_port;
   EXPECT_EQ(validate(c).field(), "http_port");
   c = {};
-  c.model = "/models/foo";
-  EXPECT_EQ(validate(c).code(), ErrorCode::kUnimplemented);
+  c.model = "/models/foo";  // no such checkpoint directory: a usage error naming --model
+  EXPECT_EQ(validate(c).code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(validate(c).field(), "model");
+  c.model = "embedded:other";
+  EXPECT_EQ(validate(c).field(), "model");
   c = {};
   c.max_blocks_per_seq = c.kv_blocks + 1;
   EXPECT_EQ(validate(c).field(), "max_blocks_per_seq");

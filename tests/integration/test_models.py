@@ -1,0 +1,170 @@
+"""`--model DIR`: daemons serving Hugging Face checkpoints written by `rolloutctl make-test-model`.
+
+The contract from issue 6: the names a checkpoint holds are the names update_weights takes, and
+an update with the checkpoint's own tensors leaves bit-identical parameters (equal CRC-32s, equal
+greedy tokens and routed experts). Bad checkpoints stop the daemon at start-up (exit 2) with a
+log line naming the tensor; a --model that is not a directory is a usage error (exit 64).
+"""
+import json
+import os
+import struct
+import subprocess
+import tempfile
+
+import pytest
+
+from conftest import BIN
+
+ROLLOUTCTL = os.environ.get("ROLLOUTCTL_BIN", "rolloutctl")
+SMALL = ["--layers", "2", "--hidden", "64", "--experts", "8", "--top-k", "2", "--heads", "4",
+         "--kv-heads", "2", "--head-dim", "16", "--intermediate", "32", "--vocab", "128"]
+DTYPES = {"BF16": "bfloat16", "F32": "float32"}
+
+
+def make_model(out, seed, family="qwen3_moe"):
+    r = subprocess.run([ROLLOUTCTL, "make-test-model", "--family", family, *SMALL, "--seed", str(seed),
+                        "--out", out], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["out"] == out
+    return out
+
+
+def read_safetensors(path):
+    """{name: (dtype, shape, bytes)} -- a reader independent of the daemon's."""
+    with open(path, "rb") as f:
+        data = f.read()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    header.pop("__metadata__", None)
+    base = 8 + n
+    return {name: (DTYPES[e["dtype"]], e["shape"], data[base + e["data_offsets"][0]:base + e["data_offsets"][1]])
+            for name, e in header.items()}
+
+
+def write_safetensors(path, tensors):
+    header, blobs, off = {}, [], 0
+    for name, (dtype, shape, b) in tensors.items():
+        st = {v: k for k, v in DTYPES.items()}[dtype]
+        header[name] = {"dtype": st, "shape": shape, "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header).encode()
+    h += b" " * ((8 - len(h) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+@pytest.fixture(scope="module")
+def models():
+    d = tempfile.mkdtemp(prefix="rolloutd-models-")
+    return {"a": make_model(os.path.join(d, "a"), 1), "b": make_model(os.path.join(d, "b"), 2), "root": d}
+
+
+def greedy(c, prompt=(3, 1, 4, 1, 5, 9, 2, 6), n=12):
+    r = c.generate(list(prompt), max_new_tokens=n, temperature=0.0, return_logprob=True,
+                   return_routed_experts=True)
+    return r.token_ids, r.routed_experts.data
+
+
+def test_serves_a_checkpoint_and_an_update_with_its_tensors_is_bit_identical(daemon_factory, models):
+    a = daemon_factory(["--model", models["a"]])
+    b = daemon_factory(["--model", models["b"]])
+    with a.client() as ca, b.client() as cb:
+        hello = ca.hello()
+        assert hello.model.family == "qwen3_moe"
+        assert hello.model.num_experts == 8 and hello.model.top_k == 2 and hello.model.num_layers == 2
+        tokens_a, experts_a = greedy(ca)
+        assert len(tokens_a) == 12
+        sums_a = ca.weights_checksum()
+        assert greedy(cb) != (tokens_a, experts_a)  # another seed: other weights
+        tensors = read_safetensors(os.path.join(models["a"], "model.safetensors"))
+        reply = cb.push_weights([(name, dtype, shape, data) for name, (dtype, shape, data) in tensors.items()],
+                                weight_version=3, bucket_bytes=64 << 10)
+        assert reply.num_entries == len(tensors)
+        sums_b = cb.weights_checksum()
+        assert sums_b.model_checksum == sums_a.model_checksum
+        assert dict((p.name, p.checksum) for p in sums_b.parameters) == \
+            dict((p.name, p.checksum) for p in sums_a.parameters)
+        assert greedy(cb) == (tokens_a, experts_a)
+    assert a.terminate() == 0
+    assert b.terminate() == 0
+    ready = [l for l in a.log_lines() if l.get("msg") == "model ready"]
+    assert ready and ready[0]["family"] == "qwen3_moe" and ready[0]["checkpoint_size_bytes"] > 0
+
+
+def test_sharded_checkpoint_serves_the_same_model(daemon_factory, models):
+    tensors = read_safetensors(os.path.join(models["a"], "model.safetensors"))
+    d = os.path.join(models["root"], "sharded")
+    os.makedirs(d)
+    names = sorted(tensors)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    weight_map = {}
+    for shard, part in shards.items():
+        write_safetensors(os.path.join(d, shard), {n: tensors[n] for n in part})
+        weight_map.update({n: shard for n in part})
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": sum(len(t[2]) for t in tensors.values())}, "weight_map": weight_map}, f)
+    with open(os.path.join(models["a"], "config.json")) as src, open(os.path.join(d, "config.json"), "w") as dst:
+        dst.write(src.read())
+    a = daemon_factory(["--model", models["a"]])
+    s = daemon_factory(["--model", d])
+    with a.client() as ca, s.client() as cs:
+        assert cs.weights_checksum().model_checksum == ca.weights_checksum().model_checksum
+        assert greedy(cs) == greedy(ca)
+
+
+def start_fails(args):
+    r = subprocess.run([BIN, "--control-port", "0", "--http-port", "0", *args],
+                       capture_output=True, text=True, timeout=60)
+    return r.returncode, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("edit,tensor", [
+    ("drop", "model.layers.1.mlp.experts.5.up_proj.weight"),
+    ("extra", "model.layers.0.mlp.shared_expert.down_proj.weight"),
+    ("reshape", "model.layers.0.self_attn.k_norm.weight"),
+])
+def test_bad_checkpoint_exits_2_naming_the_tensor(models, edit, tensor):
+    tensors = read_safetensors(os.path.join(models["a"], "model.safetensors"))
+    if edit == "drop":
+        del tensors[tensor]
+    elif edit == "extra":
+        tensors[tensor] = ("bfloat16", [64, 32], bytes(64 * 32 * 2))
+    else:
+        dtype, shape, data = tensors[tensor]
+        tensors[tensor] = (dtype, [shape[0] // 2, 2], data)
+    d = os.path.join(models["root"], "bad-" + edit)
+    os.makedirs(d)
+    write_safetensors(os.path.join(d, "model.safetensors"), tensors)
+    with open(os.path.join(models["a"], "config.json")) as src, open(os.path.join(d, "config.json"), "w") as dst:
+        dst.write(src.read())
+    rc, out = start_fails(["--model", d])
+    assert rc == 2, out
+    lines = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+    failed = [l for l in lines if l.get("msg") == "model load failed"]
+    assert failed and failed[0]["tensor"] == tensor, out
+    assert tensor in failed[0]["error"]
+
+
+def test_truncated_file_and_unsupported_family_exit_2(models):
+    d = os.path.join(models["root"], "truncated")
+    os.makedirs(d)
+    with open(os.path.join(models["a"], "model.safetensors"), "rb") as f:
+        data = f.read()
+    with open(os.path.join(d, "model.safetensors"), "wb") as f:
+        f.write(data[:-10])
+    with open(os.path.join(models["a"], "config.json")) as src, open(os.path.join(d, "config.json"), "w") as dst:
+        dst.write(src.read())
+    rc, out = start_fails(["--model", d])
+    assert rc == 2 and "past the data section" in out, out
+
+    g = make_model(os.path.join(models["root"], "gpt-oss"), 1, family="gpt_oss")
+    rc, out = start_fails(["--model", g])
+    assert rc == 2 and "gpt_oss is not supported yet" in out, out
+
+
+def test_model_that_is_not_a_directory_is_a_usage_error(models):
+    rc, out = start_fails(["--model", os.path.join(models["root"], "nope")])
+    assert rc == 64, out
+    assert "checkpoint directory" in out
