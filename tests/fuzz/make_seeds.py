@@ -3,7 +3,8 @@
 
     make_seeds.py OUT_DIR [--dicts]
 
-writes OUT_DIR/<target>/seed-* for the targets request, incoming, bucket and config, and
+writes OUT_DIR/<target>/seed-* for the targets request, incoming, bucket, config and
+safetensors, and
 with --dicts OUT_DIR/<target>.dict (libFuzzer dictionaries: msgpack keys and enum values
 of the goldens, the flags and variables of daemon/config.cpp). tests/fuzz/run.sh calls it before every
 run, so the seeds follow the golden files; the committed tests/fuzz/corpus/<target>/ holds
@@ -15,6 +16,7 @@ Protocol seeds are protocol/golden/<name>.msgpack with its payload frames
 the bad cases go to `request`, replies and events to `incoming`.
 """
 import glob
+import json
 import os
 import re
 import struct
@@ -163,6 +165,59 @@ def config_seeds(out):
     DICTS["config"] = lines
 
 
+# ---- safetensors: whole files (8-byte length, JSON header, data section) ----
+def st_file(header, data=b"", declared=None, pad=True):
+    h = header if isinstance(header, bytes) else json.dumps(header, separators=(",", ":")).encode()
+    if pad:
+        h += b" " * ((8 - len(h) % 8) % 8)
+    return struct.pack("<Q", len(h) if declared is None else declared) + h + data
+
+
+def st_entry(dtype, shape, begin, end):
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+def safetensors_seeds(out):
+    d = os.path.join(out, "safetensors")
+    # A tiny Qwen3-MoE-shaped checkpoint: what make-test-model writes, smaller.
+    model, off = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in [("model.embed_tokens.weight", [8, 4]), ("model.layers.0.self_attn.q_norm.weight", [4]),
+                        ("model.layers.0.mlp.gate.weight", [2, 4]),
+                        ("model.layers.0.mlp.experts.0.gate_proj.weight", [2, 4]),
+                        ("model.layers.0.mlp.experts.1.down_proj.weight", [4, 2]), ("lm_head.weight", [8, 4])]:
+        n = 2
+        for x in shape:
+            n *= x
+        model[name] = st_entry("BF16", shape, off, off + n)
+        off += n
+    cases = {
+        "model": st_file(model, bytes(range(256)) * (off // 256 + 1)),
+        "dtypes": st_file({"a": st_entry("F32", [2], 0, 8), "b": st_entry("U8", [3], 8, 11),
+                           "c": st_entry("I64", [], 11, 19), "d": st_entry("F8_E4M3", [1, 1], 19, 20),
+                           "e": st_entry("BOOL", [0, 7], 20, 20), "f": st_entry("F8_E8M0", [2], 20, 22)},
+                          bytes(22)),
+        "empty": st_file({}),
+        "metadata-only": st_file({"__metadata__": {"format": "pt", "k": "v"}}),
+        "bad-overlap": st_file({"a": st_entry("F32", [2], 0, 8), "b": st_entry("F32", [2], 4, 12)}, bytes(12)),
+        "bad-size": st_file({"a": st_entry("BF16", [3], 0, 4)}, bytes(4)),
+        "bad-past-end": st_file({"a": st_entry("F32", [4], 0, 16)}, bytes(15)),
+        "bad-dtype": st_file({"a": st_entry("F64", [1], 0, 8)}, bytes(8)),
+        "bad-length": st_file({"a": st_entry("U8", [1], 0, 1)}, b"x", declared=1 << 40),
+        "bad-json": st_file(b'{"a":{"dtype":"U8","shape":[1],', b"x"),
+        "bad-duplicate": st_file(b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},'
+                                 b'"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"x"),
+        "bad-overflow": st_file({"a": st_entry("F32", [1 << 40, 1 << 40, 1 << 40], 0, 0)}),
+    }
+    for name, data in cases.items():
+        write(os.path.join(d, "seed-" + name), data)
+    words = ["dtype", "shape", "data_offsets", "__metadata__", "format", "pt"] + \
+        ["BOOL", "U8", "I8", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "I64", "F64", "U64",
+         "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4"]
+    lines = [dict_line(('"%s"' % w).encode()) for w in words]
+    lines += [dict_line(b) for b in (b"[0,", b"]}", b'":{', b"18446744073709551615", b"1099511627776", b" ")]
+    DICTS["safetensors"] = lines
+
+
 def main():
     args = [a for a in sys.argv[1:] if a != "--dicts"]
     if len(args) != 1:
@@ -171,6 +226,7 @@ def main():
     protocol_seeds(out)
     bucket_seeds(out)
     config_seeds(out)
+    safetensors_seeds(out)
     if "--dicts" in sys.argv[1:]:
         for target, lines in DICTS.items():
             write(os.path.join(out, target + ".dict"), ("\n".join(lines) + "\n").encode())

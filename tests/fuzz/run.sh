@@ -22,7 +22,7 @@ seconds=${1:?usage: run.sh SECONDS [BUILD_DIR]}
 build=${2:-$root/build/fuzz}
 bin=$build/tests/fuzz
 work=$build/fuzz-work
-targets=${ROLLOUTD_FUZZ_TARGETS:-request incoming bucket config}
+targets=${ROLLOUTD_FUZZ_TARGETS:-request incoming bucket config safetensors}
 python=${PYTHON:-/usr/bin/python3}
 
 rm -rf "$work/seeds" "$work/artifacts" "$work/logs"
@@ -33,7 +33,7 @@ mkdir -p "$work/seeds" "$work/artifacts" "$work/logs"
 max_len() {
   case $1 in
     request|incoming) echo 65536 ;;
-    bucket) echo 8192 ;;
+    bucket|safetensors) echo 8192 ;;
     *) echo 1024 ;;
   esac
 }
