@@ -71,8 +71,8 @@ Status load_checkpoint(MoeDecoder& model, const SafetensorsCheckpoint& ckpt) {
                         s.message() + " (expected shape [" + shape + "])",
                     name);
     }
-    if (ct->mxfp4)
-      return Status(ErrorCode::kUnimplemented, "online MXFP4 quantization while loading is not supported yet", name);
+    if (ct->quantizes_from(e.dtype))
+      return Status(ErrorCode::kUnimplemented, "quantizing on load (MXFP4, FP8) is not supported yet", name);
     const int32_t me = static_cast<int32_t>(names.size());
     for (const RowCopy& c : ct->pieces) {
       const RowGeometry g = row_geometry(params[c.param].storage);
