@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Golden outputs of Hugging Face transformers for a `rolloutctl make-test-model` qwen3_moe checkpoint.
+"""Golden outputs of Hugging Face transformers for `rolloutctl make-test-model` checkpoints
+(qwen3_moe, gpt_oss).
 
-    hf_qwen3_moe_golden.py CHECKPOINT_DIR OUT.json [CHECKPOINT_DIR OUT.json ...]
+    hf_golden.py CHECKPOINT_DIR OUT.json [CHECKPOINT_DIR OUT.json ...]
 
 Runs on the GPU host (transformers 5.17, torch 2.11; see ../shared/gpu/NOTES.md), on its CPU in
 float32 with eager attention, so the numbers are the reference for rolloutd's FP32 CPU path:
@@ -9,9 +10,13 @@ float32 with eager attention, so the numbers are the reference for rolloutd's FP
   - prompt_logits: the logits of every prompt position, [T, vocab];
   - greedy: the greedy continuation of 32 tokens (generate, do_sample=False);
   - routed_experts: each prompt token's top-k expert ids per MoE layer (from the routers'
-    logits, ascending ids per token), [T, layers, top_k];
+    logits, bias included for gpt_oss, ascending ids per token), [T, layers, top_k];
   - checkpoint_crc32: zlib.crc32 of model.safetensors, so the C++ test (hf_fidelity_test.cpp)
     can regenerate the checkpoint with make-test-model and know it is the same file.
+
+Goldens here: hf_qwen3_moe_golden.json, hf_qwen3_moe_dense_golden.json (checked by
+tests/unit/core/model/hf_fidelity_test.cpp) and hf_gpt_oss_golden.json (its checkpoint is
+checked; its logits wait for a decoder that runs gpt_oss).
 
 The checkpoint is loaded with from_pretrained (transformers fuses the per-expert tensors on
 load). If transformers reports missing or unexpected keys, the script stops: the golden is only
@@ -44,11 +49,13 @@ def golden(ckpt, out):
     # Router logits from the routers' inputs (a hook on each `mlp.gate`), whatever the router
     # module returns in this transformers version.
     captured = []
-    gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
-    # One per MoE layer (dense layers have mlp.gate_proj, not mlp.gate).
-    assert gates, [n for n, _ in model.named_modules() if "gate" in n]
+    gates = [m for n, m in model.named_modules()
+             if n.endswith("mlp.gate") or n.endswith("mlp.router") or type(m).__name__.endswith("Router")]
+    assert gates, [(n, type(m).__name__) for n, m in model.named_modules() if "mlp" in n]
+    print("routers:", [(n, type(m).__name__) for n, m in model.named_modules() if any(m is g for g in gates)])
     hooks = [g.register_forward_hook(lambda mod, inp, out: captured.append(
-        torch.nn.functional.linear(inp[0].reshape(-1, inp[0].shape[-1]).float(), mod.weight.float()))) for g in gates]
+        torch.nn.functional.linear(inp[0].reshape(-1, inp[0].shape[-1]).float(), mod.weight.float(),
+                                   None if getattr(mod, "bias", None) is None else mod.bias.float()))) for g in gates]
     with torch.no_grad():
         o = model(ids)
         for h in hooks:
@@ -68,14 +75,15 @@ def golden(ckpt, out):
     with open(os.path.join(ckpt, "config.json")) as f:
         config = json.load(f)
     golden = {
-        "generator": "tests/reference/hf_qwen3_moe_golden.py",
+        "generator": "tests/reference/hf_golden.py",
+        "model_type": config["model_type"],
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "make_test_model": config.get("rolloutd_test_model", {}),
-        "spec": {k: config[k] for k in ("num_hidden_layers", "hidden_size", "num_experts", "num_experts_per_tok",
-                                        "num_attention_heads", "num_key_value_heads", "head_dim",
-                                        "moe_intermediate_size", "vocab_size", "dtype", "mlp_only_layers",
-                                        "decoder_sparse_step")},
+        "spec": {k: config[k] for k in ("num_hidden_layers", "hidden_size", "num_experts", "num_local_experts",
+                                        "num_experts_per_tok", "num_attention_heads", "num_key_value_heads",
+                                        "head_dim", "moe_intermediate_size", "intermediate_size", "vocab_size",
+                                        "dtype", "mlp_only_layers", "decoder_sparse_step") if k in config},
         "checkpoint_crc32": crc,
         "prompt": PROMPT,
         "prompt_logits": [[float(x) for x in row] for row in logits.tolist()],

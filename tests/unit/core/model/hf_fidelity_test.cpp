@@ -1,4 +1,4 @@
-// Fidelity against Hugging Face transformers: the golden of tests/reference/hf_qwen3_moe_golden.py
+// Fidelity against Hugging Face transformers: the golden of tests/reference/hf_golden.py
 // (transformers 5.17 on the GPU host's CPU, float32, eager attention) for a make-test-model
 // qwen3_moe checkpoint. The checkpoint is regenerated here with make-test-model's writer and must
 // be the very file transformers read (CRC-32); then the decoder on the CPU backend must give the
@@ -131,6 +131,37 @@ TEST_P(HfFidelity, Qwen3MoeMatchesTransformers) {
     seq.push_back(static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin()));
   }
   EXPECT_EQ(std::vector<int32_t>(seq.begin() + static_cast<long>(prompt.size()), seq.end()), want);
+}
+
+// gpt_oss: transformers read every tensor of make-test-model's gpt_oss checkpoint (the golden
+// is only written then); the decoder cannot run it yet, so only the checkpoint is pinned: the
+// writer must keep producing the file the golden's logits belong to.
+TEST(HfFidelityGptOss, CheckpointIsTheOneTransformersRead) {
+  const nlohmann::json g = golden("hf_gpt_oss_golden.json");
+  ASSERT_FALSE(g.is_null());
+  const auto& s = g["spec"];
+  core::TestModelSpec spec;
+  spec.family = "gpt_oss";
+  spec.layers = s["num_hidden_layers"];
+  spec.hidden = s["hidden_size"];
+  spec.experts = s["num_local_experts"];
+  spec.top_k = s["num_experts_per_tok"];
+  spec.heads = s["num_attention_heads"];
+  spec.kv_heads = s["num_key_value_heads"];
+  spec.head_dim = s["head_dim"];
+  spec.intermediate = s["intermediate_size"];
+  spec.vocab = s["vocab_size"];
+  spec.dtype = s["dtype"];
+  spec.seed = g["make_test_model"]["seed"];
+  const std::string dir = (std::filesystem::temp_directory_path() /
+                           ("rolloutd-fid-gptoss-" + std::to_string(::getpid()))).string();
+  ASSERT_TRUE(core::write_test_model(spec, dir).ok());
+  std::ifstream f(dir + "/model.safetensors", std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(f)), {});
+  EXPECT_EQ(core::crc32_of({reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()}),
+            g["checkpoint_crc32"].get<uint32_t>());
+  EXPECT_EQ(core::open_hf_model(dir).status().code(), ErrorCode::kUnimplemented);
+  std::filesystem::remove_all(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(Goldens, HfFidelity,
