@@ -85,7 +85,8 @@ Status MoeDecoder::allocate() {
       RD_RETURN_IF_ERROR(weights_->add_alias({p + "mlp.up_proj.weight", {Id, H}, {RowCopy{gu, 0, 0, 1, Id, 1, Id}}}));
       RD_RETURN_IF_ERROR(add_loader_aliases(l));
       if (dense_ids_.data == nullptr) {
-        // Constant inputs of the dense layers' expert op (not checkpoint tensors).
+        // Constant inputs of the dense layers' expert op: not checkpoint tensors, so (like the
+        // logical_to_physical tables) static state a memory release must back up and restore.
         const int64_t T = limits_.max_tokens;
         RD_ASSIGN_OR_RETURN(dense_ids_, weights_arena_->allocate(DType::kI32, Shape{T, 1}));
         RD_ASSIGN_OR_RETURN(dense_weights_, weights_arena_->allocate(DType::kF32, Shape{T, 1}));
