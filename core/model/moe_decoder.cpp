@@ -95,6 +95,9 @@ Status MoeDecoder::allocate() {
         const CopyKind k = ctx_.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost : CopyKind::kHostToDevice;
         RD_RETURN_IF_ERROR(backend_.copy(ctx_, dense_ids_.data, zeros.data(), zeros.size() * sizeof(int32_t), k));
         RD_RETURN_IF_ERROR(backend_.copy(ctx_, dense_weights_.data, ones.data(), ones.size() * sizeof(float), k));
+        RD_RETURN_IF_ERROR(weights_->static_state().add("model.dense_mlp.expert_ids", MemoryTag::kWeights, dense_ids_));
+        RD_RETURN_IF_ERROR(
+            weights_->static_state().add("model.dense_mlp.expert_weights", MemoryTag::kWeights, dense_weights_));
       }
       L.expert_map = ExpertMap::identity(1);
     } else {

@@ -16,6 +16,7 @@
 #include "core/model/embedded_model.hpp"
 #include "core/model/hf_config.hpp"
 #include "core/model/test_model.hpp"
+#include "core/storage/memory_manager.hpp"
 #include "core/weights/session.hpp"
 
 namespace rolloutd {
@@ -316,6 +317,27 @@ TEST_F(HfCheckpoint, DenseLayersLoadRecordOnlyMoeLayersAndUpdateBitIdentically) 
   const auto& pb = (*u2)->weights().parameters();
   for (size_t i = 0; i < pa.size(); ++i)
     EXPECT_EQ(std::memcmp(pa[i].storage.data, pb[i].storage.data, pa[i].storage.nbytes()), 0) << pa[i].name;
+
+  // The dense layers' constant expert inputs live in weights memory but are no checkpoint
+  // tensor: a release of the weights keeps them (static state), so after resume and a push of
+  // the checkpoint the model computes what it did before.
+  const auto& st = (*m)->weights().static_state();
+  size_t dense_entries = 0;
+  for (const auto& e : st.entries()) dense_entries += e.name.rfind("model.dense_mlp.", 0) == 0;
+  EXPECT_EQ(dense_entries, 2u);
+  core::MemoryManager mm;
+  mm.add_arena(&(*m)->arena(core::MemoryTag::kWeights));
+  mm.add_static_state(&(*m)->weights().static_state());
+  ASSERT_TRUE(mm.release(core::MemoryTag::kWeights).ok());
+  ASSERT_TRUE(mm.resume(core::MemoryTag::kWeights).ok());
+  core::WeightUpdater um((*m)->weights());
+  auto bm = um.begin({}, 60, now);
+  ASSERT_TRUE(bm.ok()) << bm.status().to_string();
+  ASSERT_TRUE(um.apply_bucket(bm->session, entries, bucket, std::nullopt, now).ok());
+  ASSERT_TRUE(um.end(bm->session, 2, now).ok());
+  std::vector<float> again;
+  ASSERT_TRUE((*m)->forward(b, again, nullptr).ok());
+  EXPECT_EQ(again, logits);
 }
 
 TEST_F(HfCheckpoint, GptOssIsRefusedAsNotSupportedYet) {
