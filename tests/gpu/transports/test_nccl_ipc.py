@@ -221,6 +221,52 @@ def test_trainer_killed_mid_broadcast_fails_the_session_closed(daemon_factory, w
         assert dict(c.weights_checksum()) == crcs(w)
 
 
+def test_trainer_killed_mid_ipc_session_expires_closes_its_handle_and_fails_closed(daemon_factory, weights):
+    """A colocated trainer SIGKILLed after one CUDA IPC bucket was applied: the session expires at
+    its deadline, the daemon closes the dead process's handle (the open-handle gauge returns to
+    0), fails closed (not ready, generation refused), and the next IPC session makes it whole."""
+    session_timeout_s = 3.0
+    d = daemon_factory(TRAINER_GPU)  # colocated
+    err = open(os.path.join(d.dir, "child-ipc.stderr"), "w")
+    child = subprocess.Popen([sys.executable, os.path.join(HERE, "trainer_child.py"), d.control, str(TRAINER_GPU),
+                              str(session_timeout_s), "ipc"], stdout=subprocess.PIPE, stderr=err, text=True, cwd=HERE)
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line.strip()) for line in child.stdout], daemon=True).start()
+    try:
+        said = lines.get(timeout=180)
+    except queue.Empty:
+        said = None
+    if said != "SENT":
+        child.kill()
+        err.close()
+        raise AssertionError(f"the trainer child did not push its bucket ({said!r}):\n" + open(err.name).read()[-5000:])
+    assert d.metric(IPC_HANDLES_METRIC) == 1, "the daemon holds the handle while the session is open"
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait(timeout=30)
+    err.close()
+    killed = time.monotonic()
+
+    with d.client() as c:
+        status = c.status()
+        while status.state != "not_ready":
+            assert time.monotonic() - killed < session_timeout_s + 30, (
+                f"still {status.state!r} {time.monotonic() - killed:.0f} s after the trainer died:\n{d.read_log(5000)}")
+            time.sleep(0.25)
+            status = c.status()
+        assert not status.ready and status.reason and status.update_session == 0, status
+        assert d.metric(IPC_HANDLES_METRIC) == 0, "the dead trainer's handle was closed with its session"
+        with pytest.raises(RolloutdError) as e:
+            c.generate([1, 2, 3], max_new_tokens=2, temperature=0.0)
+        assert e.value.code == "not_ready"
+
+        _, w = weights["B"]
+        push_weights([c], rdgpu.to_torch(w, f"cuda:{TRAINER_GPU}"), 22, via="cuda_ipc")
+        status = c.status()
+        assert status.ready and status.weight_version == 22
+        assert dict(c.weights_checksum()) == crcs(w)
+        assert d.metric(IPC_HANDLES_METRIC) == 0
+
+
 def test_corrupted_checksums_are_rejected_and_nothing_breaks(daemon_factory, weights):
     import torch
 
