@@ -726,37 +726,56 @@ class Coordinator:
     def _submit_batch_command(self, w: _Worker, items: List[Tuple[GenerateRequest, int]]):
         """The command that submits several requests on w's thread: every request is registered,
         then all are sent, then their replies collected (one round trip for the batch instead of
-        one per request). Returns, per item, its rid or the RolloutdError that refused it."""
+        one per request), within one deadline of timeout_s for the whole batch. Returns, per item,
+        its rid or the error that refused it; whatever is not accepted is unregistered, and a
+        request sent but not settled (an unexpected error) is abandoned, on every path."""
         def run(client: Client):
             out: List[Any] = [None] * len(items)
-            now = time.monotonic()
-            with self._lock:
-                for k, (req, cost) in enumerate(items):
-                    if req.rid in self._pending:
-                        out[k] = RolloutdError("duplicate_rid", f"request '{req.rid}' is already in flight here", "rid")
-                    else:
-                        self._pending[req.rid] = _Pending(req, w, w.incarnation, cost, now, now)
-            sent = []
-            for k, (req, _) in enumerate(items):
-                if out[k] is not None:
-                    continue
-                try:
-                    sent.append((k, client.send_request(req, GenerateReply)))
-                except RolloutdError as e:  # the daemon is unreachable: this one and the rest
-                    out[k] = e
-            for k, pending in sent:
-                rid = items[k][0].rid
-                try:
-                    pending.result()
-                    out[k] = rid
-                except RolloutdError as e:
-                    if e.code == "deadline_exceeded":
-                        client._abandon(rid)  # it may have been accepted: abort it
-                    out[k] = e
-            with self._lock:
-                for k, (req, _) in enumerate(items):
-                    if isinstance(out[k], RolloutdError) and out[k].code != "duplicate_rid":
-                        self._pending.pop(req.rid, None)
+            deadline = time.monotonic() + self.timeout_s
+            registered = []
+            sent: List[Tuple[int, Any]] = []
+            try:
+                with self._lock:
+                    now = time.monotonic()
+                    for k, (req, cost) in enumerate(items):
+                        if req.rid in self._pending:
+                            out[k] = RolloutdError("duplicate_rid", f"request '{req.rid}' is already in flight here",
+                                                   "rid")
+                        else:
+                            self._pending[req.rid] = _Pending(req, w, w.incarnation, cost, now, now)
+                            registered.append(k)
+                down: Optional[RolloutdError] = None  # the daemon cannot be reached: send no more
+                for k in registered:
+                    left = deadline - time.monotonic()
+                    if down is None and left <= 0:
+                        down = RolloutdError("deadline_exceeded", "the batch's deadline passed before this request "
+                                             "was sent", "")
+                    if down is not None:
+                        out[k] = down
+                        continue
+                    try:
+                        sent.append((k, client.send_request(items[k][0], GenerateReply, timeout_s=left)))
+                    except RolloutdError as e:
+                        out[k] = e
+                        if e.code in ("unavailable", "unauthenticated", "deadline_exceeded"):
+                            down = e
+                for k, pending in sent:
+                    try:
+                        pending.result()
+                        out[k] = items[k][0].rid
+                    except RolloutdError as e:
+                        if e.code == "deadline_exceeded":
+                            client._abandon(items[k][0].rid)  # it may have been accepted: abort it
+                        out[k] = e
+            finally:
+                settled = {k for k, _ in sent if isinstance(out[k], (str, RolloutdError))}
+                for k, _ in sent:
+                    if k not in settled:  # an unexpected error while collecting: may run unseen
+                        client._abandon(items[k][0].rid)
+                with self._lock:
+                    for k in registered:
+                        if not isinstance(out[k], str):
+                            self._pending.pop(items[k][0].rid, None)
             return out
         return run
 
@@ -832,19 +851,40 @@ class Coordinator:
                 batch[2].append(k)
         futures = [(w, items, idx, w.call(self._submit_batch_command(w, items))) for w, items, idx in batches.values()]
         rids: List[Optional[str]] = [None] * len(reqs)
+        fatal: Optional[BaseException] = None
+        # Settle every batch (each is bounded by its own deadline once it runs) before acting on
+        # any failure, so no reservation is left behind and no accepted request is lost.
         for w, items, idx, fut in futures:
             try:
-                results = fut.result(timeout=self.timeout_s * 2 + 1)
-            except (RolloutdError, FutureTimeout) as e:
+                results = fut.result(timeout=self.timeout_s + 5)
+            except FutureTimeout:
+                if fut.cancel():  # never started (the worker is busy): nothing was registered
+                    results = [RolloutdError("deadline_exceeded", f"{w.key} did not take the batch in time", "")] \
+                        * len(items)
+                else:  # running: its own deadline bounds it
+                    try:
+                        results = fut.result()
+                    except BaseException as e:  # noqa: BLE001 - settled below like any refusal
+                        results = [e] * len(items)
+            except BaseException as e:  # noqa: BLE001 - the batch cleaned its registrations up
                 results = [e] * len(items)
             for (req, cost), k, r in zip(items, idx, results):
                 if isinstance(r, str):
                     rids[k] = r
                     continue
                 self._unreserve(w, cost)
-                if isinstance(r, RolloutdError) and r.code not in _RETRY_ELSEWHERE:
-                    raise r
-                unplaced.append(k)
+                if isinstance(r, RolloutdError) and r.code in _RETRY_ELSEWHERE:
+                    unplaced.append(k)
+                elif fatal is None:
+                    fatal = r
+        if fatal is not None:
+            for rid in rids:  # accepted by some daemon, but the caller gets no rid list: abort them
+                if rid is not None:
+                    try:
+                        self.abort(rid)
+                    except (RolloutdError, FutureTimeout):
+                        pass  # its daemon is gone, and the request with it
+            raise fatal
         for k in sorted(unplaced):
             rids[k] = self._submit_one(reqs[k])  # one by one, skipping daemons that refuse
         return rids

@@ -104,3 +104,25 @@ def test_spread_fan_in_and_a_dead_daemons_requests_fail_once(daemons):
         with pytest.raises(rolloutd.RolloutdError):
             update.raise_for_error()
         assert fleet.weight_version == 5
+
+
+def test_submit_many_when_a_daemon_died_unnoticed_places_every_request_once(daemons):
+    """submit_many batches each daemon's share; a daemon SIGKILLed just before (its heartbeat has
+    not noticed yet) refuses its whole batch, which is retried on the survivor: every prompt gets
+    a rid, every rid exactly one final event, and the outstanding counters come back to 0."""
+    procs, run_dir = daemons
+    with rolloutd.Coordinator.from_file(str(run_dir), heartbeat_interval_s=5.0, dead_after_s=30.0) as fleet:
+        assert len(fleet.wait_ready(2, timeout_s=30)) == 2
+        victim = fleet.daemons()[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        procs[[p.pid for p in procs].index(victim.pid)].wait(timeout=10)
+        t0 = time.monotonic()
+        rids = fleet.submit_many([[3, 4, 5 + i] for i in range(40)], max_new_tokens=4, temperature=0.0)
+        took = time.monotonic() - t0
+        assert len(rids) == len(set(rids)) == 40 and all(rids)
+        assert took < fleet.timeout_s, f"submit_many took {took:.1f} s"
+        results = fleet.collect(rids, timeout_s=60)
+        assert all(results[r].ok and len(results[r].token_ids) == 4 for r in rids)
+        assert fleet.num_outstanding == 0
+        for h in fleet.daemons():
+            assert (h.outstanding_requests, h.outstanding_tokens) == (0, 0), h
