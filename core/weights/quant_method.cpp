@@ -19,7 +19,14 @@ struct DeviceStaging {
 };
 std::mutex g_staging_mu;
 std::map<int, DeviceStaging> g_staging;
+std::vector<char> g_host_staging;  // the same for CPU storage (one buffer, not one per layer)
 }  // namespace
+
+char* host_staging(size_t bytes) {
+  std::lock_guard<std::mutex> lock(g_staging_mu);
+  if (g_host_staging.size() < bytes) g_host_staging.resize(bytes);
+  return g_host_staging.data();
+}
 
 Result<void*> device_staging(const Backend& b, const ExecContext& ctx, size_t bytes) {
   std::lock_guard<std::mutex> lock(g_staging_mu);
@@ -38,6 +45,11 @@ Result<void*> device_staging(const Backend& b, const ExecContext& ctx, size_t by
 
 Result<size_t> release_device_staging(const ExecContext& ctx) {
   std::lock_guard<std::mutex> lock(g_staging_mu);
+  if (ctx.device.kind == DeviceKind::kCpu) {  // the host buffer of CPU-backend permutations
+    const size_t n = g_host_staging.size();
+    std::vector<char>().swap(g_host_staging);
+    return n;
+  }
   auto it = g_staging.find(ctx.device.index);
   if (it == g_staging.end() || it->second.ptr == nullptr) return size_t{0};
   DeviceStaging s = it->second;
@@ -72,8 +84,7 @@ Status InterleaveGateUpMethod::permute(const Backend& b, const ExecContext& ctx,
   const CopyKind d2d = host ? CopyKind::kHostToHost : CopyKind::kDeviceToDevice;
   void* tmp = nullptr;
   if (host) {
-    expert_tmp_.resize(staging_bytes);
-    tmp = expert_tmp_.data();
+    tmp = host_staging(staging_bytes);
   } else {
     RD_ASSIGN_OR_RETURN(tmp, device_staging(b, ctx, staging_bytes));
   }

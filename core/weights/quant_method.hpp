@@ -53,7 +53,8 @@ class QuantMethod {
 // next use). Kept across sessions; release_device_staging gives it back (memory release of
 // the weights), and the next permutation allocates it again.
 Result<void*> device_staging(const Backend& b, const ExecContext& ctx, size_t bytes);
-// Frees the staging buffer of ctx's device, if any; returns its size.
+// Frees the staging buffer of ctx's device (the host buffer for a CPU context), if any; returns
+// its size.
 Result<size_t> release_device_staging(const ExecContext& ctx);
 
 // Unquantized parameters: both layouts are the same bytes.
@@ -94,7 +95,6 @@ class InterleaveGateUpMethod final : public QuantMethod {
   size_t max_staging_bytes_;
   std::vector<int32_t> kernel_of_checkpoint_;      // checkpoint row -> kernel row
   std::vector<int32_t> checkpoint_of_kernel_;      // kernel row -> checkpoint row
-  std::vector<char> expert_tmp_;                   // host staging (CPU storage)
 };
 
 }  // namespace rolloutd::core

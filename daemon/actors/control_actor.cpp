@@ -392,10 +392,10 @@ void ControlActor::on_event(core::EngineEvent& ev) {
   const bool client_gone = client_it == clients_.end() || client_it->second.gone;
   switch (ev.kind) {
     case core::EngineEvent::Kind::kTokens: {
+      // Held until --stream-interval tokens are there (--stream-interval 1: every engine event
+      // as it comes, routed rows of a prompt chunk without a token included); stream=false
+      // holds everything for one tokens event right before the final event.
       append_tokens(route.pending, to_tokens(ev));
-      // stream=false: one tokens event with everything, right before the final event.
-      // (--stream-interval 1 sends every engine event as it comes, routed rows of a prompt
-      // chunk without a token included.)
       if (route.stream && (config_.stream_interval == 1 ||
                            route.pending.token_ids.size() >= static_cast<size_t>(config_.stream_interval)))
         flush_pending_tokens(route);

@@ -655,6 +655,21 @@ TEST(OnlineQuantization, Fp8BlockwiseOnArrivalEqualsTheQuantizerAtStableAddresse
     std::memcpy(sb.data(), raw_s.data(), sb.size());
     EXPECT_EQ(stored(si), sb);
   }
+  // What a session counts as written: a quantized arrival writes the weight and its scales; FP8
+  // bytes alone write the weight only.
+  auto updated_by = [&](DType dtype, const void* data, size_t nbytes, uint64_t version) -> uint32_t {
+    Bucket b;
+    b.add("synthetic_fp8.0.weight", dtype, {kRows, kCols}, data, nbytes);
+    auto st = u.begin({}, 60, kNow);
+    EXPECT_TRUE(st.ok());
+    EXPECT_TRUE(u.apply_bucket(st->session, b.entries, b.bytes, std::nullopt, kNow).ok());
+    auto end = u.end(st->session, version, kNow);
+    EXPECT_TRUE(end.ok());
+    return end.ok() ? end->num_parameters_updated : 0;
+  };
+  EXPECT_EQ(updated_by(DType::kF32, x.data(), x.size() * 4, 4), 2u);
+  std::vector<uint8_t> fp8(x.size(), 0x38);
+  EXPECT_EQ(updated_by(DType::kF8E4M3, fp8.data(), fp8.size(), 5), 1u);
 }
 
 }  // namespace
