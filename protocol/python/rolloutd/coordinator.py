@@ -875,6 +875,8 @@ class Coordinator:
                 self._unreserve(w, cost)
                 if isinstance(r, RolloutdError) and r.code in _RETRY_ELSEWHERE:
                     unplaced.append(k)
+                    with self._lock:  # as _submit_one does: until its next heartbeat says otherwise
+                        w.health.routable = w.health.ready = False
                 elif fatal is None:
                     fatal = r
         if fatal is not None:
