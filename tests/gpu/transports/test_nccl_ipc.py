@@ -174,15 +174,12 @@ def test_fifty_alternating_sessions_keep_checksums_and_memory(daemon_factory, we
         assert c.status().ready
 
 
-def test_trainer_killed_mid_broadcast_fails_the_session_closed(daemon_factory, weights):
-    """A trainer SIGKILLed after it sent a bucket's update_weights but before it broadcast: the daemon's
-    broadcast never completes, so within the group's timeout it aborts the communicator and the
-    session fails closed (a bucket had been applied); a new group and a full session then work."""
-    child_timeout_s = 10.0
-    d = daemon_factory(DAEMON_GPU)
-    err = open(os.path.join(d.dir, "child.stderr"), "w")
-    child = subprocess.Popen([sys.executable, os.path.join(HERE, "trainer_child.py"), d.control, str(TRAINER_GPU),
-                              str(child_timeout_s)], stdout=subprocess.PIPE, stderr=err, text=True, cwd=HERE)
+def kill_trainer_child_after_sent(d, args, what):
+    """Starts trainer_child.py ARGS against daemon d and waits (bounded) for it to print "SENT";
+    returns (child, its stderr file) for kill(). `what` names the step in errors."""
+    err = open(os.path.join(d.dir, f"child-{args[-1]}.stderr"), "w")
+    child = subprocess.Popen([sys.executable, os.path.join(HERE, "trainer_child.py"), d.control, *map(str, args)],
+                             stdout=subprocess.PIPE, stderr=err, text=True, cwd=HERE)
     lines = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line.strip()) for line in child.stdout], daemon=True).start()
     try:
@@ -192,25 +189,45 @@ def test_trainer_killed_mid_broadcast_fails_the_session_closed(daemon_factory, w
     if said != "SENT":
         child.kill()
         err.close()
-        raise AssertionError(f"the trainer child did not get to its second bucket ({said!r}):\n"
-                             + open(err.name).read()[-5000:])
+        raise AssertionError(f"the trainer child did not get to {what} ({said!r}):\n" + open(err.name).read()[-5000:])
+    return child, err
+
+
+def wait_failed_closed(d, c, killed, within_s):
+    """After a trainer died mid-session: the daemon reaches not_ready (bounded), with a reason,
+    no session open, /readyz failing and generation refused."""
+    status = c.status()
+    while status.state != "not_ready":
+        assert time.monotonic() - killed < within_s, (
+            f"still {status.state!r} {time.monotonic() - killed:.0f} s after the trainer died:\n{d.read_log(5000)}")
+        time.sleep(0.25)
+        status = c.status()
+    assert not status.ready and status.reason and status.update_session == 0, status
+    assert d.get("/readyz")[0] != 200
+    with pytest.raises(RolloutdError) as e:
+        c.generate([1, 2, 3], max_new_tokens=2, temperature=0.0)
+    assert e.value.code == "not_ready"
+
+
+def kill(child, err):
+    """SIGKILLs the trainer child; returns the monotonic time of the kill."""
     os.kill(child.pid, signal.SIGKILL)
     child.wait(timeout=30)
     err.close()
-    killed = time.monotonic()
+    return time.monotonic()
+
+
+def test_trainer_killed_mid_broadcast_fails_the_session_closed(daemon_factory, weights):
+    """A trainer SIGKILLed after it sent a bucket's update_weights but before it broadcast: the daemon's
+    broadcast never completes, so within the group's timeout it aborts the communicator and the
+    session fails closed (a bucket had been applied); a new group and a full session then work."""
+    child_timeout_s = 10.0
+    d = daemon_factory(DAEMON_GPU)
+    child, err = kill_trainer_child_after_sent(d, [TRAINER_GPU, child_timeout_s], "its second bucket")
+    killed = kill(child, err)
 
     with d.client() as c:
-        status = c.status()
-        while status.state != "not_ready":
-            assert time.monotonic() - killed < child_timeout_s + 30, (
-                f"still {status.state!r} {time.monotonic() - killed:.0f} s after the trainer died:\n{d.read_log(5000)}")
-            time.sleep(0.25)
-            status = c.status()
-        assert not status.ready and status.reason and status.update_session == 0, status
-        assert d.get("/readyz")[0] != 200
-        with pytest.raises(RolloutdError) as e:
-            c.generate([1, 2, 3], max_new_tokens=2, temperature=0.0)
-        assert e.value.code == "not_ready"
+        wait_failed_closed(d, c, killed, child_timeout_s + 30)
 
         # The same group name again, a whole session: serving again, with exactly those weights.
         _, w = weights["B"]
@@ -227,37 +244,13 @@ def test_trainer_killed_mid_ipc_session_expires_closes_its_handle_and_fails_clos
     0), fails closed (not ready, generation refused), and the next IPC session makes it whole."""
     session_timeout_s = 3.0
     d = daemon_factory(TRAINER_GPU)  # colocated
-    err = open(os.path.join(d.dir, "child-ipc.stderr"), "w")
-    child = subprocess.Popen([sys.executable, os.path.join(HERE, "trainer_child.py"), d.control, str(TRAINER_GPU),
-                              str(session_timeout_s), "ipc"], stdout=subprocess.PIPE, stderr=err, text=True, cwd=HERE)
-    lines = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line.strip()) for line in child.stdout], daemon=True).start()
-    try:
-        said = lines.get(timeout=180)
-    except queue.Empty:
-        said = None
-    if said != "SENT":
-        child.kill()
-        err.close()
-        raise AssertionError(f"the trainer child did not push its bucket ({said!r}):\n" + open(err.name).read()[-5000:])
+    child, err = kill_trainer_child_after_sent(d, [TRAINER_GPU, session_timeout_s, "ipc"], "its bucket")
     assert d.metric(IPC_HANDLES_METRIC) == 1, "the daemon holds the handle while the session is open"
-    os.kill(child.pid, signal.SIGKILL)
-    child.wait(timeout=30)
-    err.close()
-    killed = time.monotonic()
+    killed = kill(child, err)
 
     with d.client() as c:
-        status = c.status()
-        while status.state != "not_ready":
-            assert time.monotonic() - killed < session_timeout_s + 30, (
-                f"still {status.state!r} {time.monotonic() - killed:.0f} s after the trainer died:\n{d.read_log(5000)}")
-            time.sleep(0.25)
-            status = c.status()
-        assert not status.ready and status.reason and status.update_session == 0, status
+        wait_failed_closed(d, c, killed, session_timeout_s + 30)
         assert d.metric(IPC_HANDLES_METRIC) == 0, "the dead trainer's handle was closed with its session"
-        with pytest.raises(RolloutdError) as e:
-            c.generate([1, 2, 3], max_new_tokens=2, temperature=0.0)
-        assert e.value.code == "not_ready"
 
         _, w = weights["B"]
         push_weights([c], rdgpu.to_torch(w, f"cuda:{TRAINER_GPU}"), 22, via="cuda_ipc")
