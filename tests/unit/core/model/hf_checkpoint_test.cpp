@@ -18,6 +18,7 @@
 #include "core/model/test_model.hpp"
 #include "core/storage/memory_manager.hpp"
 #include "core/weights/session.hpp"
+#include "hf_test_util.hpp"
 
 namespace rolloutd {
 namespace {
@@ -48,18 +49,8 @@ core::StepLimits limits() {
 }
 
 std::vector<float> prompt_logits(core::MoeDecoder& m, const std::vector<int32_t>& tokens) {
-  core::StepBatch b;
-  const int32_t T = static_cast<int32_t>(tokens.size());
-  b.max_blocks_per_seq = (T + 3) / 4;
-  for (int32_t i = 0; i < b.max_blocks_per_seq; ++i) b.block_tables.push_back(i);
-  for (int32_t t = 0; t < T; ++t) {
-    b.token_ids.push_back(tokens[static_cast<size_t>(t)]);
-    b.positions.push_back(t);
-    b.seq_of.push_back(0);
-    b.slot_mapping.push_back(t);
-    b.ctx_len.push_back(t + 1);
-    b.logits_rows.push_back(t);
-  }
+  core::StepBatch b = test::single_sequence_prefill(tokens, 4);
+  for (int32_t t = 0; t < static_cast<int32_t>(tokens.size()); ++t) b.logits_rows.push_back(t);
   std::vector<float> logits;
   const Status s = m.forward(b, logits, nullptr);
   EXPECT_TRUE(s.ok()) << s.to_string();
@@ -137,13 +128,7 @@ TEST_F(HfCheckpoint, LoadsAndAnUpdateWithItsOwnTensorsIsBitIdentical) {
   auto updated = core::MoeDecoder::create(hf->config, limits(), cpu_backend(), ExecContext{});
   ASSERT_TRUE(updated.ok());
   ASSERT_TRUE(core::init_random_weights(**updated, 99).ok());
-  std::vector<core::BucketEntry> entries;
-  std::vector<uint8_t> bucket;
-  for (const auto& [name, t] : hf->checkpoint->tensors()) {
-    const auto bytes = hf->checkpoint->data(t);
-    entries.push_back({name, t.entry->dtype, t.entry->shape, bucket.size(), bytes.size()});
-    bucket.insert(bucket.end(), bytes.begin(), bytes.end());
-  }
+  const auto [entries, bucket] = test::checkpoint_bucket(*hf->checkpoint);
   core::WeightUpdater u((*updated)->weights());
   const auto now = core::SteadyClock::now();
   auto begin = u.begin({}, 60, now);
@@ -301,13 +286,7 @@ TEST_F(HfCheckpoint, DenseLayersLoadRecordOnlyMoeLayersAndUpdateBitIdentically) 
   // The dense MLP's checkpoint names go through update_weights too, bit-identically.
   auto u2 = core::MoeDecoder::create(hf->config, limits(), cpu_backend(), ExecContext{});
   ASSERT_TRUE(core::init_random_weights(**u2, 5).ok());
-  std::vector<core::BucketEntry> entries;
-  std::vector<uint8_t> bucket;
-  for (const auto& [name, t] : hf->checkpoint->tensors()) {
-    const auto bytes = hf->checkpoint->data(t);
-    entries.push_back({name, t.entry->dtype, t.entry->shape, bucket.size(), bytes.size()});
-    bucket.insert(bucket.end(), bytes.begin(), bytes.end());
-  }
+  const auto [entries, bucket] = test::checkpoint_bucket(*hf->checkpoint);
   core::WeightUpdater u((*u2)->weights());
   const auto now = core::SteadyClock::now();
   auto begin = u.begin({}, 60, now);

@@ -17,6 +17,7 @@
 #include "core/model/test_model.hpp"
 #include "core/moe/routed_experts.hpp"
 #include "core/weights/session.hpp"
+#include "hf_test_util.hpp"
 
 namespace rolloutd {
 namespace {
@@ -26,21 +27,6 @@ nlohmann::json golden(const std::string& file) {
   std::ifstream f(std::string(root ? root : ".") + "/tests/reference/" + file);
   if (!f) return nullptr;
   return nlohmann::json::parse(f);
-}
-
-core::StepBatch prefill(const std::vector<int32_t>& tokens, int64_t block_size) {
-  core::StepBatch b;
-  const int32_t T = static_cast<int32_t>(tokens.size());
-  b.max_blocks_per_seq = static_cast<int32_t>((T + block_size - 1) / block_size);
-  for (int32_t i = 0; i < b.max_blocks_per_seq; ++i) b.block_tables.push_back(i);
-  for (int32_t t = 0; t < T; ++t) {
-    b.token_ids.push_back(tokens[static_cast<size_t>(t)]);
-    b.positions.push_back(t);
-    b.seq_of.push_back(0);
-    b.slot_mapping.push_back(t);
-    b.ctx_len.push_back(t + 1);
-  }
-  return b;
 }
 
 // hf_qwen3_moe_golden.json: 2 MoE layers; hf_qwen3_moe_dense_golden.json: 3 layers, the middle
@@ -92,7 +78,7 @@ TEST_P(HfFidelity, Qwen3MoeMatchesTransformers) {
 
   // Prompt logits and router ids.
   const auto prompt = g["prompt"].get<std::vector<int32_t>>();
-  core::StepBatch b = prefill(prompt, limits.kv_block_size);
+  core::StepBatch b = test::single_sequence_prefill(prompt, limits.kv_block_size);
   for (int32_t t = 0; t < static_cast<int32_t>(prompt.size()); ++t) b.logits_rows.push_back(t);
   std::vector<float> logits;
   core::RoutedExpertRecorder rec(c.num_moe_layers(), c.num_experts_per_tok, limits.max_tokens);
@@ -125,7 +111,7 @@ TEST_P(HfFidelity, Qwen3MoeMatchesTransformers) {
   std::vector<int32_t> seq = prompt;
   const auto want = g["greedy"].get<std::vector<int32_t>>();
   for (size_t i = 0; i < want.size(); ++i) {
-    core::StepBatch s = prefill(seq, limits.kv_block_size);
+    core::StepBatch s = test::single_sequence_prefill(seq, limits.kv_block_size);
     s.logits_rows.push_back(static_cast<int32_t>(seq.size()) - 1);
     ASSERT_TRUE((*m)->forward(s, logits, nullptr).ok());
     seq.push_back(static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin()));
