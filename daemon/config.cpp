@@ -64,6 +64,10 @@ ParseOutcome parse_config(int argc, const char* const* argv) {
       ->check(CLI::Range(1, 1 << 20));
   add("--max-step-tokens", c.max_step_tokens, "ROLLOUTD_MAX_STEP_TOKENS",
       "tokens per forward step (chunked-prefill budget)")->check(CLI::Range(1, 1 << 20));
+  add("--cuda-graph-max-batch", c.cuda_graph_max_batch, "ROLLOUTD_CUDA_GRAPH_MAX_BATCH",
+      "decode steps of up to this many requests replay CUDA graphs, padded to 1, 2, 4, ... this "
+      "(0: off; -1: --max-running on CUDA, off on the CPU, where a value > 0 pads without graphs)")
+      ->check(CLI::Range(-1, 4096));
   add("--kv-blocks", c.kv_blocks, "ROLLOUTD_KV_BLOCKS", "KV cache blocks")->check(CLI::Range(1, 1 << 24));
   add("--kv-block-size", c.kv_block_size, "ROLLOUTD_KV_BLOCK_SIZE", "tokens per KV block")
       ->check(CLI::Range(1, 1024));
@@ -265,6 +269,7 @@ nlohmann::json to_json(const DaemonConfig& c) {
       {"max_running", c.max_running},
       {"max_waiting", c.max_waiting},
       {"max_step_tokens", c.max_step_tokens},
+      {"cuda_graph_max_batch", c.cuda_graph_max_batch},
       {"kv_blocks", c.kv_blocks},
       {"kv_block_size", c.kv_block_size},
       {"max_blocks_per_seq", c.max_blocks_per_seq},

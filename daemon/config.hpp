@@ -46,6 +46,9 @@ struct DaemonConfig {
   int max_running = 64;
   int max_waiting = 4096;
   int max_step_tokens = 512;
+  // Decode steps of up to this many requests replay CUDA graphs (padded to 1, 2, 4, ... this);
+  // 0: off; -1: max_running on CUDA, off on the CPU.
+  int cuda_graph_max_batch = -1;
   int kv_blocks = 2048;
   int kv_block_size = 16;
   int max_blocks_per_seq = 256;

@@ -156,6 +156,13 @@ nlohmann::json snapshot_json(const EngineSnapshot* s) {
           {"prompt_tokens_total", s->num_prompt_tokens_total},
           {"generated_tokens_total", s->num_generated_tokens_total},
           {"steps_total", s->num_steps_total},
+          {"cuda_graphs",
+           {{"max_batch", s->graph_max_batch},
+            {"buckets", s->graph_buckets},
+            {"graphs", s->num_graphs},
+            {"graph_steps_total", s->graph_steps},
+            {"eager_steps_total", s->eager_steps},
+            {"capture_duration_s", s->graph_capture_s}}},
           {"paused", s->paused},
           {"update_session", s->update_session}};
 }
@@ -221,6 +228,11 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
   limits.num_kv_blocks = config.kv_blocks;
   limits.kv_block_size = config.kv_block_size;
   limits.max_blocks_per_seq = config.max_blocks_per_seq;
+  // -1 (default): decode graphs up to max_running on CUDA, none on the CPU (padding buys
+  // nothing without graphs there); an explicit value applies to either backend.
+  limits.graph_max_batch = config.cuda_graph_max_batch >= 0 ? config.cuda_graph_max_batch
+                           : config.device == "cuda"        ? config.max_running
+                                                            : 0;
   auto model = core::MoeDecoder::create(mc, limits, *backend, ctx);
   if (!model.ok()) {
     obs::log_error("daemon", "model build failed", {{"error", model.status().to_string()}});

@@ -81,6 +81,11 @@ struct EngineSnapshot {
   int64_t kv_blocks_free = 0;
   int64_t kv_blocks_total = 0;
   uint64_t num_steps_total = 0;
+  // Decode graphs: buckets up to graph_max_batch (0: off), executable graphs held, steps run
+  // from a graph (padded) or eagerly, capture wall time at start.
+  int64_t graph_max_batch = 0, graph_buckets = 0, num_graphs = 0;
+  uint64_t graph_steps = 0, eager_steps = 0;
+  double graph_capture_s = 0;
   bool paused = false;
   uint64_t update_session = 0;
   std::vector<MemoryTagSnapshot> memory;

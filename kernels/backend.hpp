@@ -42,6 +42,11 @@ struct MoeExpertsArgs {
   TensorView topk_weights;    // [T, K] f32
   TensorView logical_to_physical;  // [E_logical] int32: compute slot of each logical expert
   int64_t num_valid_tokens = -1;   // rows >= this are padding: output zero, never read ids
+  // Optional int32 [1] on the context's device: the real row count read at run time, so a
+  // captured CUDA graph padded to a bucket masks its padding rows by the count of each replay.
+  // Rows >= min(num_valid_tokens, *num_valid_device) are padding. CPU: a count outside [0, T]
+  // is kOutOfRange; CUDA: clamped to [0, T].
+  TensorView num_valid_device;
   // Row layout of each expert's w_gate_up: false = concatenated (gate rows [0, I), up rows
   // [I, 2I)); true = interleaved (gate j at row 2j, up j at row 2j + 1), the kernel layout the
   // weight registry's expert quant method keeps between sessions.
@@ -120,6 +125,27 @@ struct Backend {
   Status (*copy_3d)(const ExecContext&, void* dst, size_t dst_pitch, size_t dst_slice_pitch, const void* src,
                     size_t src_pitch, size_t src_slice_pitch, size_t width, size_t height, size_t depth,
                     CopyKind kind);
+
+  // ---- rows by a device-held count ----
+  // dst[t, :] = src[t, :] for t < count[0], `fill` for the rest; dst and src int32 [T, C]
+  // (distinct), count int32 [1] on the context's device, read where the op runs (a captured
+  // graph replays it with each step's count). CPU: a count outside [0, T] is kOutOfRange,
+  // dst untouched; CUDA: clamped to [0, T]. Routed-expert capture uses it so rows that only
+  // pad a batch are never recorded.
+  Status (*copy_valid_rows)(const ExecContext&, TensorView dst, TensorView src, TensorView count, int32_t fill);
+
+  // ---- CUDA graphs ----
+  // graph_capture records the work `body` issues on the ExecContext it is handed (a private
+  // stream on the context's device, in thread-local capture mode) into an executable graph;
+  // nothing runs. The body may issue asynchronous work only: no synchronisation, no
+  // allocation, no host read of device memory (a violation fails the capture with kCudaError,
+  // and no graph is made). graph_launch replays the graph on the context's stream; every
+  // address it was captured with must still be mapped (stable arenas keep them so across
+  // weight updates and memory release/resume). graph_destroy frees it. CPU: kUnimplemented.
+  using GraphBody = Status (*)(void* arg, const ExecContext& capture_ctx);
+  Status (*graph_capture)(const ExecContext&, GraphBody body, void* arg, void** graph);
+  Status (*graph_launch)(const ExecContext&, void* graph);
+  Status (*graph_destroy)(const ExecContext&, void* graph);
 
   // ---- virtual memory (stable arenas, memory release/resume) ----
   // A reserved range has addresses but no memory behind them. vm_map backs [addr, addr + bytes)

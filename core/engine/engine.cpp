@@ -72,13 +72,16 @@ Result<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<MoeDecoder> model
   const StepLimits& o = options.step;
   if (m.max_tokens != o.max_tokens || m.max_seqs != o.max_seqs ||
       m.num_kv_blocks != o.num_kv_blocks || m.kv_block_size != o.kv_block_size ||
-      m.max_blocks_per_seq != o.max_blocks_per_seq)
+      m.max_blocks_per_seq != o.max_blocks_per_seq || m.graph_max_batch != o.graph_max_batch)
     return Status(ErrorCode::kInvalidArgument, "engine and model were built with different limits",
                   "step");
   if (options.max_running <= 0 || options.max_running > o.max_seqs)
     return Status(ErrorCode::kInvalidArgument, "max_running must be in [1, max_seqs]", "max_running");
   if (options.max_waiting <= 0)
     return Status(ErrorCode::kInvalidArgument, "max_waiting must be positive", "max_waiting");
+  // Decode graphs are captured once, here, before anything else runs on the model; weight
+  // updates and memory release/resume keep every address they use.
+  RD_RETURN_IF_ERROR(model->capture_graphs());
   return std::unique_ptr<Engine>(new Engine(std::move(model), options));
 }
 
@@ -386,6 +389,13 @@ EngineStats Engine::stats() const {
   st.num_generated_tokens_total = generated_tokens_total_;
   st.kv_blocks_free = kv_.num_free();
   st.kv_blocks_total = kv_.num_blocks();
+  const GraphStats& g = model_->graph_stats();
+  st.graph_buckets = static_cast<int64_t>(g.buckets.size());
+  st.graph_max_batch = g.buckets.empty() ? 0 : g.buckets.back();
+  st.num_graphs = g.num_graphs;
+  st.graph_steps = g.graph_steps;
+  st.eager_steps = g.eager_steps;
+  st.graph_capture_s = g.capture_s;
   return st;
 }
 

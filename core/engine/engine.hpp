@@ -74,6 +74,10 @@ struct EngineStats {
   uint64_t num_generated_tokens_total = 0;
   int64_t kv_blocks_free = 0;
   int64_t kv_blocks_total = 0;
+  // Decode graphs (StepLimits::graph_max_batch; MoeDecoder::graph_stats).
+  int64_t graph_buckets = 0, graph_max_batch = 0, num_graphs = 0;
+  uint64_t graph_steps = 0, eager_steps = 0;
+  double graph_capture_s = 0;
 };
 
 class Engine {

@@ -1,6 +1,8 @@
 #include "core/model/moe_decoder.hpp"
 
 #include <algorithm>
+#include <chrono>
+#include <utility>
 #include <cmath>
 #include <string>
 
@@ -161,13 +163,31 @@ Status MoeDecoder::allocate() {
     RD_ASSIGN_OR_RETURN(out, scratch_arena_->allocate(t, s));
     return Status::Ok();
   };
-  RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{T}, ws_.token_ids));
-  RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{T}, ws_.positions));
-  RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{T}, ws_.seq_of));
-  RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{T}, ws_.slot_mapping));
-  RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{T}, ws_.ctx_len));
-  RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{S, limits_.max_blocks_per_seq}, ws_.block_tables));
-  RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{S}, ws_.logits_rows));
+  {
+    // The step inputs in one buffer (layout in moe_decoder.hpp): one upload per step.
+    const int64_t W = limits_.max_blocks_per_seq;
+    tables_offset_ = static_cast<size_t>(5 * T + S + 1);
+    const int64_t total = static_cast<int64_t>(tables_offset_) + S * W;
+    RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{total}, ws_.inputs));
+    inputs_host_.assign(static_cast<size_t>(total), 0);
+    auto part = [&](int64_t offset, Shape shape) {
+      return TensorView::contiguous(static_cast<int32_t*>(ws_.inputs.data) + offset, DType::kI32, shape,
+                                    ws_.inputs.device);
+    };
+    ws_.token_ids = part(0, Shape{T});
+    ws_.positions = part(T, Shape{T});
+    ws_.seq_of = part(2 * T, Shape{T});
+    ws_.slot_mapping = part(3 * T, Shape{T});
+    ws_.ctx_len = part(4 * T, Shape{T});
+    ws_.logits_rows = part(5 * T, Shape{S});
+    ws_.num_valid = part(5 * T + S, Shape{1});
+    ws_.block_tables = part(static_cast<int64_t>(tables_offset_), Shape{S, W});
+  }
+  if (moe_layers_ > 0) RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{moe_layers_, T, K}, routed_table_));
+  // Decode buckets: powers of two below the maximum, then the maximum.
+  const int64_t max_bucket = std::min({limits_.graph_max_batch, S, T});
+  for (int64_t b = 1; b < max_bucket; b *= 2) graph_stats_.buckets.push_back(b);
+  if (max_bucket > 0) graph_stats_.buckets.push_back(max_bucket);
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, H}, ws_.h));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, H}, ws_.x));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, QH * D}, ws_.q));
@@ -233,6 +253,52 @@ Status MoeDecoder::add_expert_aliases(int64_t l) {
   return Status::Ok();
 }
 
+MoeDecoder::~MoeDecoder() {
+  for (void* g : graphs_)
+    if (g) (void)backend_.graph_destroy(ctx_, g);
+}
+
+int64_t MoeDecoder::bucket_for(int64_t num_seqs) const {
+  for (int64_t b : graph_stats_.buckets)
+    if (b >= num_seqs) return b;
+  return 0;
+}
+
+Status MoeDecoder::stage_inputs(const StepBatch& b, int64_t rows, int64_t seqs) {
+  const int64_t maxT = limits_.max_tokens, maxS = limits_.max_seqs, W = limits_.max_blocks_per_seq;
+  const int64_t n = b.num_tokens(), given_seqs = b.num_seqs(), R = static_cast<int64_t>(b.logits_rows.size());
+  int32_t* in = inputs_host_.data();
+  // Rows past the batch are padding: token 0 at position 0 of its own (empty) sequence, no KV
+  // slot (kv_store skips -1), no visible context (attention gives a zero row).
+  for (int64_t t = 0; t < rows; ++t) {
+    const bool real = t < n;
+    const size_t i = static_cast<size_t>(t);
+    in[t] = real ? b.token_ids[i] : 0;
+    in[maxT + t] = real ? b.positions[i] : 0;
+    in[2 * maxT + t] = real ? b.seq_of[i] : static_cast<int32_t>(t);
+    in[3 * maxT + t] = real ? b.slot_mapping[i] : -1;
+    in[4 * maxT + t] = real ? b.ctx_len[i] : 0;
+  }
+  int32_t* tail = in + 5 * maxT;
+  for (int64_t r = 0; r < maxS; ++r) tail[r] = r < R ? b.logits_rows[static_cast<size_t>(r)] : static_cast<int32_t>(r);
+  tail[maxS] = static_cast<int32_t>(n);
+  int32_t* tables = in + tables_offset_;
+  const int64_t width = b.max_blocks_per_seq;
+  for (int64_t s = 0; s < seqs; ++s)
+    for (int64_t c = 0; c < W; ++c)
+      tables[s * W + c] = s < given_seqs && c < width ? b.block_tables[static_cast<size_t>(s * width + c)] : 0;
+
+  const CopyKind h2d = ctx_.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost : CopyKind::kHostToDevice;
+  // Two copies: the five per-token arrays (their first `rows` entries), then logits rows,
+  // count and the first `seqs` block-table rows, which are contiguous.
+  const size_t pitch = static_cast<size_t>(maxT) * sizeof(int32_t);
+  RD_RETURN_IF_ERROR(backend_.copy_2d(ctx_, ws_.inputs.data, pitch, in, pitch,
+                                      static_cast<size_t>(rows) * sizeof(int32_t), 5, h2d));
+  const size_t tail_elems = tables_offset_ - static_cast<size_t>(5 * maxT) + static_cast<size_t>(seqs * W);
+  return backend_.copy(ctx_, static_cast<int32_t*>(ws_.inputs.data) + 5 * maxT, tail, tail_elems * sizeof(int32_t),
+                       h2d);
+}
+
 Status MoeDecoder::forward(const StepBatch& b, std::vector<float>& logits,
                            RoutedExpertRecorder* recorder) {
   const auto& c = config_;
@@ -247,7 +313,8 @@ Status MoeDecoder::forward(const StepBatch& b, std::vector<float>& logits,
                   "weights");
   if (T <= 0 || T > limits_.max_tokens)
     return Status(ErrorCode::kInternal, "step token count outside [1, max_tokens]", "token_ids");
-  if (S <= 0 || S > limits_.max_seqs || b.max_blocks_per_seq > limits_.max_blocks_per_seq)
+  if (S <= 0 || S > limits_.max_seqs || b.max_blocks_per_seq > limits_.max_blocks_per_seq ||
+      static_cast<int64_t>(b.block_tables.size()) != S * b.max_blocks_per_seq)
     return Status(ErrorCode::kInternal, "step sequence count or block table width out of range",
                   "block_tables");
   if (static_cast<int64_t>(b.positions.size()) != T || static_cast<int64_t>(b.seq_of.size()) != T ||
@@ -257,39 +324,101 @@ Status MoeDecoder::forward(const StepBatch& b, std::vector<float>& logits,
   if (R > limits_.max_seqs)
     return Status(ErrorCode::kInternal, "more logits rows than the step's sequence capacity",
                   "logits_rows");
+  bool decode = T == S && R == T;  // one token per sequence, each sampled, in order
   for (int64_t t = 0; t < T; ++t) {
     const int32_t id = b.token_ids[static_cast<size_t>(t)];
     if (id < 0 || id >= c.vocab_size)
       return Status(ErrorCode::kOutOfRange, "token id outside the vocabulary", "token_ids");
     if (b.seq_of[static_cast<size_t>(t)] < 0 || b.seq_of[static_cast<size_t>(t)] >= S)
       return Status(ErrorCode::kInternal, "seq_of out of range", "seq_of");
+    decode = decode && b.seq_of[static_cast<size_t>(t)] == t;
   }
-  for (int32_t r : b.logits_rows)
-    if (r < 0 || r >= T) return Status(ErrorCode::kInternal, "logits row out of range", "logits_rows");
+  for (int64_t r = 0; r < R; ++r) {
+    const int32_t row = b.logits_rows[static_cast<size_t>(r)];
+    if (row < 0 || row >= T) return Status(ErrorCode::kInternal, "logits row out of range", "logits_rows");
+    decode = decode && row == r;
+  }
 
-  const CopyKind h2d =
-      ctx_.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost : CopyKind::kHostToDevice;
-  const CopyKind d2h =
-      ctx_.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost : CopyKind::kDeviceToHost;
-  auto upload = [&](const TensorView& dst, const std::vector<int32_t>& src) {
-    return backend_.copy(ctx_, dst.data, src.data(), src.size() * sizeof(int32_t), h2d);
+  // A decode step that fits a bucket runs padded to it (from its graph on CUDA).
+  const int64_t bucket = decode ? bucket_for(T) : 0;
+  const int64_t rows = bucket ? bucket : T, seqs = bucket ? bucket : S, run_r = bucket ? bucket : R;
+  const bool record = recorder != nullptr && moe_layers_ > 0;
+  if (recorder) RD_RETURN_IF_ERROR(recorder->begin_step(T));
+  RD_RETURN_IF_ERROR(stage_inputs(b, rows, seqs));
+  if (bucket && graphs_ready_) {
+    const size_t at = static_cast<size_t>(
+        std::find(graph_stats_.buckets.begin(), graph_stats_.buckets.end(), bucket) - graph_stats_.buckets.begin());
+    RD_RETURN_IF_ERROR(backend_.graph_launch(ctx_, graphs_[at * 2 + (record ? 1 : 0)]));
+  } else {
+    RD_RETURN_IF_ERROR(run_device(ctx_, rows, seqs, run_r, record));
+  }
+  ++(bucket ? graph_stats_.graph_steps : graph_stats_.eager_steps);
+
+  const CopyKind d2h = ctx_.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost : CopyKind::kDeviceToHost;
+  logits.resize(static_cast<size_t>(R * c.vocab_size));
+  if (R > 0)
+    RD_RETURN_IF_ERROR(
+        backend_.copy(ctx_, logits.data(), ws_.logits.data, logits.size() * sizeof(float), d2h));
+  if (recorder) {
+    if (record) {
+      RD_RETURN_IF_ERROR(recorder->capture_table(backend_, ctx_, routed_table_));
+    } else {
+      RD_RETURN_IF_ERROR(recorder->capture_table(backend_, ctx_, TensorView{}));
+    }
+  }
+  return backend_.synchronize(ctx_);
+}
+
+Status MoeDecoder::capture_body(void* arg, const ExecContext& ctx) {
+  auto* job = static_cast<std::pair<MoeDecoder*, std::pair<int64_t, bool>>*>(arg);
+  const int64_t bucket = job->second.first;
+  return job->first->run_device(ctx, bucket, bucket, bucket, job->second.second);
+}
+
+Status MoeDecoder::capture_graphs() {
+  if (graphs_ready_ || graph_stats_.buckets.empty() || ctx_.device.kind != DeviceKind::kCuda) return Status::Ok();
+  const auto started = std::chrono::steady_clock::now();
+  std::vector<void*> graphs;
+  auto discard = [&] {
+    for (void* g : graphs) (void)backend_.graph_destroy(ctx_, g);
   };
-  RD_RETURN_IF_ERROR(upload(ws_.token_ids, b.token_ids));
-  RD_RETURN_IF_ERROR(upload(ws_.positions, b.positions));
-  RD_RETURN_IF_ERROR(upload(ws_.seq_of, b.seq_of));
-  RD_RETURN_IF_ERROR(upload(ws_.slot_mapping, b.slot_mapping));
-  RD_RETURN_IF_ERROR(upload(ws_.ctx_len, b.ctx_len));
-  RD_RETURN_IF_ERROR(upload(ws_.block_tables, b.block_tables));
-  RD_RETURN_IF_ERROR(upload(ws_.logits_rows, b.logits_rows));
+  for (int64_t bucket : graph_stats_.buckets) {
+    // Inputs of an all-padding step: no KV written, no records (count 0). One eager run first
+    // makes every lazy initialisation (the cuBLAS handle, kernel attributes) happen outside
+    // the capture, where allocation is not allowed.
+    StepBatch empty;
+    Status st = stage_inputs(empty, bucket, bucket);
+    if (st.ok()) st = run_device(ctx_, bucket, bucket, bucket, moe_layers_ > 0);
+    if (st.ok()) st = backend_.synchronize(ctx_);
+    for (bool record : {false, true}) {
+      std::pair<MoeDecoder*, std::pair<int64_t, bool>> job{this, {bucket, record && moe_layers_ > 0}};
+      void* g = nullptr;
+      if (st.ok()) st = backend_.graph_capture(ctx_, &MoeDecoder::capture_body, &job, &g);
+      if (g) graphs.push_back(g);
+    }
+    if (!st.ok()) {
+      discard();
+      return Status(st.code(), "capturing the decode graph of bucket " + std::to_string(bucket) + ": " + st.message(),
+                    st.field());
+    }
+  }
+  RD_RETURN_IF_ERROR(backend_.synchronize(ctx_));
+  graphs_ = std::move(graphs);
+  graphs_ready_ = true;
+  graph_stats_.num_graphs = static_cast<int64_t>(graphs_.size());
+  graph_stats_.capture_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  return Status::Ok();
+}
 
-  const int64_t D = c.head_dim, QH = c.num_attention_heads, KVH = c.num_key_value_heads;
+Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int64_t R, bool record) {
+  const auto& c = config_;
+  const int64_t D = c.head_dim, QH = c.num_attention_heads, KVH = c.num_key_value_heads, K = c.num_experts_per_tok;
   const TensorView ids = rows_of(ws_.token_ids, T);
   const TensorView pos = rows_of(ws_.positions, T);
   const TensorView seq_of = rows_of(ws_.seq_of, T);
   const TensorView slots = rows_of(ws_.slot_mapping, T);
   const TensorView ctx_len = rows_of(ws_.ctx_len, T);
-  const TensorView tables = TensorView::contiguous(ws_.block_tables.data, DType::kI32,
-                                                   Shape{S, b.max_blocks_per_seq}, ws_.block_tables.device);
+  const TensorView tables = rows_of(ws_.block_tables, S);
   const TensorView h = rows_of(ws_.h, T), x = rows_of(ws_.x, T), q = rows_of(ws_.q, T),
                    k = rows_of(ws_.k, T), v = rows_of(ws_.v, T), attn = rows_of(ws_.attn, T),
                    o = rows_of(ws_.o, T), router_logits = rows_of(ws_.router_logits, T),
@@ -299,36 +428,42 @@ Status MoeDecoder::forward(const StepBatch& b, std::vector<float>& logits,
   const float theta = static_cast<float>(c.rope_theta);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
 
-  if (recorder) RD_RETURN_IF_ERROR(recorder->begin_step(T));
-  RD_RETURN_IF_ERROR(backend_.embedding(ctx_, h, embed_tokens_, ids));
+  RD_RETURN_IF_ERROR(backend_.embedding(ctx, h, embed_tokens_, ids));
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     Layer& L = layers_[static_cast<size_t>(l)];
     // Attention block.
-    RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx_, x, h, L.input_layernorm, eps));
-    RD_RETURN_IF_ERROR(backend_.linear(ctx_, q, x, L.q_proj));
-    RD_RETURN_IF_ERROR(backend_.linear(ctx_, k, x, L.k_proj));
-    RD_RETURN_IF_ERROR(backend_.linear(ctx_, v, x, L.v_proj));
+    RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx, x, h, L.input_layernorm, eps));
+    RD_RETURN_IF_ERROR(backend_.linear(ctx, q, x, L.q_proj));
+    RD_RETURN_IF_ERROR(backend_.linear(ctx, k, x, L.k_proj));
+    RD_RETURN_IF_ERROR(backend_.linear(ctx, v, x, L.v_proj));
     if (c.qk_norm) {
       // Qwen3: RMSNorm over each head's D values (weight shared by the heads), before rotary.
-      RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx_, as_heads(q, QH, D), as_heads(q, QH, D), L.q_norm, eps));
-      RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx_, as_heads(k, KVH, D), as_heads(k, KVH, D), L.k_norm, eps));
+      RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx, as_heads(q, QH, D), as_heads(q, QH, D), L.q_norm, eps));
+      RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx, as_heads(k, KVH, D), as_heads(k, KVH, D), L.k_norm, eps));
     }
-    RD_RETURN_IF_ERROR(backend_.rope(ctx_, as_heads(q, QH, D), pos, theta));
-    RD_RETURN_IF_ERROR(backend_.rope(ctx_, as_heads(k, KVH, D), pos, theta));
-    RD_RETURN_IF_ERROR(backend_.kv_store(ctx_, L.k_cache, L.v_cache, as_heads(k, KVH, D),
+    RD_RETURN_IF_ERROR(backend_.rope(ctx, as_heads(q, QH, D), pos, theta));
+    RD_RETURN_IF_ERROR(backend_.rope(ctx, as_heads(k, KVH, D), pos, theta));
+    RD_RETURN_IF_ERROR(backend_.kv_store(ctx, L.k_cache, L.v_cache, as_heads(k, KVH, D),
                                          as_heads(v, KVH, D), slots));
-    RD_RETURN_IF_ERROR(backend_.paged_attention(ctx_, as_heads(attn, QH, D), as_heads(q, QH, D),
+    RD_RETURN_IF_ERROR(backend_.paged_attention(ctx, as_heads(attn, QH, D), as_heads(q, QH, D),
                                                 L.k_cache, L.v_cache, tables, seq_of, ctx_len, scale));
-    RD_RETURN_IF_ERROR(backend_.linear(ctx_, o, attn, L.o_proj));
-    RD_RETURN_IF_ERROR(backend_.add(ctx_, h, h, o));
+    RD_RETURN_IF_ERROR(backend_.linear(ctx, o, attn, L.o_proj));
+    RD_RETURN_IF_ERROR(backend_.add(ctx, h, h, o));
     // MoE block (or the dense MLP as one expert every token takes with weight 1).
-    RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx_, x, h, L.post_attention_layernorm, eps));
+    RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx, x, h, L.post_attention_layernorm, eps));
     if (L.moe) {
-      RD_RETURN_IF_ERROR(backend_.linear(ctx_, router_logits, x, L.router));
+      RD_RETURN_IF_ERROR(backend_.linear(ctx, router_logits, x, L.router));
       RD_RETURN_IF_ERROR(
-          backend_.router_softmax_topk(ctx_, topk_ids, topk_w, router_logits, c.norm_topk_prob));
-      // The single capture point: logical ids straight from the router, real rows only.
-      if (recorder) RD_RETURN_IF_ERROR(recorder->capture(backend_, ctx_, L.moe_index, topk_ids));
+          backend_.router_softmax_topk(ctx, topk_ids, topk_w, router_logits, c.norm_topk_prob));
+      // The single capture point: logical ids straight from the router, into this layer's rows
+      // of the record table; rows at or past the step's real count (read on the device) are
+      // written -1, so padding is never recorded.
+      if (record) {
+        const TensorView layer_rows = TensorView::contiguous(
+            static_cast<int32_t*>(routed_table_.data) + L.moe_index * limits_.max_tokens * K, DType::kI32,
+            Shape{T, K}, routed_table_.device);
+        RD_RETURN_IF_ERROR(backend_.copy_valid_rows(ctx, layer_rows, topk_ids, ws_.num_valid, -1));
+      }
     }
     MoeExpertsArgs args;
     args.out = moe_out;
@@ -339,27 +474,21 @@ Status MoeDecoder::forward(const StepBatch& b, std::vector<float>& logits,
     args.topk_weights = L.moe ? topk_w : rows_of(dense_weights_, T);
     args.logical_to_physical = L.logical_to_physical;
     args.num_valid_tokens = T;
+    args.num_valid_device = ws_.num_valid;  // padding rows of a bucket: no expert work
     args.gate_up_interleaved = true;  // kernel layout of InterleaveGateUpMethod
-    RD_RETURN_IF_ERROR(backend_.moe_experts(ctx_, args));
-    RD_RETURN_IF_ERROR(backend_.add(ctx_, h, h, moe_out));
+    RD_RETURN_IF_ERROR(backend_.moe_experts(ctx, args));
+    RD_RETURN_IF_ERROR(backend_.add(ctx, h, h, moe_out));
   }
-  if (R == 0) {
-    logits.clear();
-    return backend_.synchronize(ctx_);
-  }
+  if (R == 0) return Status::Ok();
   // Only the rows that sample need the final norm and the LM head: gather them first
   // (embedding is a row gather).
   const TensorView rows_idx = rows_of(ws_.logits_rows, R);
   const TensorView final_rows = rows_of(ws_.final_rows, R);
   const TensorView final_normed = rows_of(ws_.final_normed, R);
   const TensorView out_logits = rows_of(ws_.logits, R);
-  RD_RETURN_IF_ERROR(backend_.embedding(ctx_, final_rows, h, rows_idx));
-  RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx_, final_normed, final_rows, final_norm_, eps));
-  RD_RETURN_IF_ERROR(backend_.linear(ctx_, out_logits, final_normed, lm_head_));
-  logits.resize(static_cast<size_t>(R * c.vocab_size));
-  RD_RETURN_IF_ERROR(backend_.copy(ctx_, logits.data(), out_logits.data,
-                                   logits.size() * sizeof(float), d2h));
-  return backend_.synchronize(ctx_);
+  RD_RETURN_IF_ERROR(backend_.embedding(ctx, final_rows, h, rows_idx));
+  RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx, final_normed, final_rows, final_norm_, eps));
+  return backend_.linear(ctx, out_logits, final_normed, lm_head_);
 }
 
 }  // namespace rolloutd::core

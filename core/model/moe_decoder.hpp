@@ -41,6 +41,21 @@ struct StepLimits {
   int64_t max_blocks_per_seq = 256;  // block-table width
   int64_t num_kv_blocks = 1024;
   int64_t kv_block_size = 16;
+  // Decode steps (one token per sequence, every row sampled) of up to this many sequences run
+  // padded to a bucket (1, 2, 4, ... and this maximum) with the real row count read from
+  // device memory, from one CUDA graph per bucket on CUDA; 0: every step runs eagerly at its
+  // own size. The CPU backend has no graphs and runs the same padded steps eagerly (what the
+  // CPU tests use to check the padding). Capped at max_seqs and max_tokens.
+  int64_t graph_max_batch = 0;
+};
+
+// What the graph path did (MoeDecoder::graph_stats).
+struct GraphStats {
+  std::vector<int64_t> buckets;   // decode bucket sizes, ascending
+  int64_t num_graphs = 0;         // captured executable graphs (CUDA), per bucket x records on/off
+  uint64_t graph_steps = 0;       // decode steps replayed from a graph (or padded eagerly on CPU)
+  uint64_t eager_steps = 0;       // steps run at their own size
+  double capture_s = 0;           // wall time of capture_graphs()
 };
 
 class MoeDecoder {
@@ -56,7 +71,22 @@ class MoeDecoder {
 
   // Runs one step. On return `logits` holds [logits_rows.size(), vocab] FP32 on the host and,
   // when `recorder` is given, it holds the step's routed-expert rows (logical ids).
+  // Decode steps that fit a bucket (StepLimits::graph_max_batch) run padded, from the bucket's
+  // graph on CUDA; other steps run eagerly.
   Status forward(const StepBatch& batch, std::vector<float>& logits, RoutedExpertRecorder* recorder);
+
+  // Captures one graph per decode bucket, with and without routed-expert capture (CUDA; the
+  // CPU backend only fixes the buckets). Capture executes nothing; it reads no weight values,
+  // only addresses, which weight updates and memory release/resume keep, so the graphs are
+  // never re-captured. Call once, while nothing else runs on the model; idempotent.
+  Status capture_graphs();
+  const GraphStats& graph_stats() const { return graph_stats_; }
+  // The bucket a decode step of n sequences runs in; 0 when it runs eagerly.
+  int64_t bucket_for(int64_t num_seqs) const;
+  // Device table of the last step's routed-expert ids: [num_moe_layers, max_tokens, top_k] int32
+  // (rows past the step's real count hold -1). For tests.
+  TensorView routed_table() const { return routed_table_; }
+  ~MoeDecoder();
 
   const ModelConfig& config() const { return config_; }
   const StepLimits& limits() const { return limits_; }
@@ -87,7 +117,11 @@ class MoeDecoder {
     TensorView logical_to_physical;  // device copy of expert_map
   };
   struct Workspace {
-    TensorView token_ids, positions, seq_of, slot_mapping, ctx_len, block_tables, logits_rows;
+    // Step inputs, packed in one buffer (`inputs`) so a step uploads them with one copy:
+    // [token_ids | positions | seq_of | slot_mapping | ctx_len : max_tokens each]
+    // [logits_rows : max_seqs][num_valid : 1][block_tables : max_seqs x max_blocks_per_seq].
+    TensorView inputs;
+    TensorView token_ids, positions, seq_of, slot_mapping, ctx_len, block_tables, logits_rows, num_valid;
     TensorView h, x, q, k, v, attn, o, router_logits, topk_ids, topk_weights, moe_out;
     TensorView final_rows, final_normed, logits;
   };
@@ -96,6 +130,13 @@ class MoeDecoder {
   Status allocate();
   Status add_loader_aliases(int64_t layer);
   Status add_expert_aliases(int64_t layer);
+  // Fills the host mirror of the inputs for T rows (`num_valid` real, the rest padding) and
+  // uploads the used prefix.
+  Status stage_inputs(const StepBatch& b, int64_t rows, int64_t seqs);
+  // Every device op of a step of T rows, S sequences and R logits rows, issued on `ctx` (the
+  // model's, or a capture stream's): no host reads, no synchronisation, so it can be captured.
+  Status run_device(const ExecContext& ctx, int64_t T, int64_t S, int64_t R, bool record);
+  static Status capture_body(void* arg, const ExecContext& ctx);
 
   ModelConfig config_;
   StepLimits limits_;
@@ -108,6 +149,12 @@ class MoeDecoder {
   std::vector<Layer> layers_;
   int64_t moe_layers_ = 0;
   Workspace ws_;
+  std::vector<int32_t> inputs_host_;
+  size_t tables_offset_ = 0;      // int32 elements before block_tables in `inputs`
+  TensorView routed_table_;       // [num_moe_layers, max_tokens, top_k] int32 (scratch)
+  GraphStats graph_stats_;
+  bool graphs_ready_ = false;
+  std::vector<void*> graphs_;     // [bucket index * 2 + record], CUDA only
 };
 
 }  // namespace rolloutd::core

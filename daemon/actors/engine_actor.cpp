@@ -134,6 +134,15 @@ void EngineActor::publish() {
   s->kv_blocks_free = st.kv_blocks_free;
   s->kv_blocks_total = st.kv_blocks_total;
   s->num_steps_total = steps_;
+  s->graph_max_batch = st.graph_max_batch;
+  s->graph_buckets = st.graph_buckets;
+  s->num_graphs = st.num_graphs;
+  s->graph_steps = st.graph_steps;
+  s->eager_steps = st.eager_steps;
+  s->graph_capture_s = st.graph_capture_s;
+  metrics_.add_forward_steps(st.graph_steps - graph_steps_seen_, st.eager_steps - eager_steps_seen_);
+  graph_steps_seen_ = st.graph_steps;
+  eager_steps_seen_ = st.eager_steps;
   fill_memory_snapshot(*s);
   metrics_.set_queue_depth(st.num_waiting, st.num_running);
   metrics_.set_ready(s->state == "ready");

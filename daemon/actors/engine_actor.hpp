@@ -102,6 +102,7 @@ class EngineActor {
   uint64_t parameters_address_digest_ = 0;
   uint64_t steps_ = 0;
   uint64_t prompt_tokens_seen_ = 0;
+  uint64_t graph_steps_seen_ = 0, eager_steps_seen_ = 0;
 };
 
 }  // namespace rolloutd::daemon

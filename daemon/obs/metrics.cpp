@@ -125,6 +125,13 @@ struct Metrics::Impl {
                             .Help("Tokens sampled and emitted.")
                             .Register(registry)
                             .Add({});
+    auto& steps = prometheus::BuildCounter()
+                      .Name("rolloutd_forward_steps_total")
+                      .Help("Forward steps by how they ran: graph (a decode step padded to its bucket and "
+                            "replayed from a CUDA graph; padded eagerly on the CPU) or eager.")
+                      .Register(registry);
+    graph_steps = &steps.Add({{"mode", "graph"}});
+    eager_steps = &steps.Add({{"mode", "eager"}});
     auto& queue = prometheus::BuildGauge()
                       .Name("rolloutd_queue_depth")
                       .Help("Generate requests in the scheduler, by state.")
@@ -206,6 +213,8 @@ struct Metrics::Impl {
   prometheus::Counter* replies_dropped = nullptr;
   prometheus::Counter* prompt_tokens = nullptr;
   prometheus::Counter* generated_tokens = nullptr;
+  prometheus::Counter* graph_steps = nullptr;
+  prometheus::Counter* eager_steps = nullptr;
   prometheus::Gauge* queue_waiting = nullptr;
   prometheus::Gauge* queue_running = nullptr;
   prometheus::Histogram* step_seconds = nullptr;
@@ -237,6 +246,10 @@ void Metrics::add_generated_tokens(uint64_t n) { impl_->generated_tokens->Increm
 void Metrics::on_finished(std::string_view reason) { impl_->finished.get(reason).Increment(); }
 void Metrics::on_stream_abort(std::string_view reason) { impl_->stream_aborts.get(reason).Increment(); }
 void Metrics::on_reply_dropped() { impl_->replies_dropped->Increment(); }
+void Metrics::add_forward_steps(uint64_t graph, uint64_t eager) {
+  impl_->graph_steps->Increment(static_cast<double>(graph));
+  impl_->eager_steps->Increment(static_cast<double>(eager));
+}
 
 void Metrics::set_queue_depth(uint64_t waiting, uint64_t running) {
   impl_->queue_waiting->Set(static_cast<double>(waiting));

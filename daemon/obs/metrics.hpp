@@ -41,6 +41,7 @@ class Metrics {
   void on_finished(std::string_view reason);       // rolloutd_requests_finished_total{reason}
   void on_stream_abort(std::string_view reason);   // rolloutd_stream_aborts_total{reason}
   void on_reply_dropped();                         // rolloutd_replies_dropped_total
+  void add_forward_steps(uint64_t graph, uint64_t eager);  // rolloutd_forward_steps_total{mode}
   void set_queue_depth(uint64_t waiting, uint64_t running);  // rolloutd_queue_depth{state}
   void observe_step_seconds(double s);             // rolloutd_engine_step_duration_seconds
   void observe_control_seconds(double s);          // rolloutd_control_handle_duration_seconds

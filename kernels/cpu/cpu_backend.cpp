@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -287,6 +288,36 @@ Status vm_unmap(const ExecContext& ctx, void* addr, size_t bytes) {
   if (p == MAP_FAILED) return errno_status("mmap(MAP_FIXED, PROT_NONE)", bytes);
   return Status::Ok();
 }
+
+Status copy_valid_rows(const ExecContext& ctx, TensorView dst, TensorView src, TensorView count, int32_t fill) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  RD_RETURN_IF_ERROR(op_checks::copy_valid_rows(ctx, dst, src, count));
+  const int64_t rows = src.size(0), cols = src.size(1);
+  const int32_t n = *count.as<const int32_t>();
+  if (n < 0 || n > rows)
+    return Status(ErrorCode::kOutOfRange,
+                  "row count " + std::to_string(n) + " outside [0, " + std::to_string(rows) + "]", "count");
+  const int32_t* s = src.as<const int32_t>();
+  int32_t* d = dst.as<int32_t>();
+  std::memcpy(d, s, static_cast<size_t>(n * cols) * sizeof(int32_t));
+  std::fill(d + n * cols, d + rows * cols, fill);
+  return Status::Ok();
+}
+
+// No graphs on the host: callers run the body directly.
+Status graph_capture(const ExecContext& ctx, Backend::GraphBody, void*, void** graph) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  if (graph) *graph = nullptr;
+  return Status(ErrorCode::kUnimplemented, "the CPU backend has no graphs", "graph");
+}
+Status graph_launch(const ExecContext& ctx, void*) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  return Status(ErrorCode::kUnimplemented, "the CPU backend has no graphs", "graph");
+}
+Status graph_destroy(const ExecContext& ctx, void*) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  return Status(ErrorCode::kUnimplemented, "the CPU backend has no graphs", "graph");
+}
 }  // namespace cpu
 
 const Backend& cpu_backend() {
@@ -309,6 +340,10 @@ const Backend& cpu_backend() {
       cpu::convert,
       cpu::copy_2d,
       cpu::copy_3d,
+      cpu::copy_valid_rows,
+      cpu::graph_capture,
+      cpu::graph_launch,
+      cpu::graph_destroy,
       cpu::vm_granularity,
       cpu::vm_reserve,
       cpu::vm_free,

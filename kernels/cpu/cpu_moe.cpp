@@ -63,7 +63,15 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
   RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCpu));
   RD_RETURN_IF_ERROR(op_checks::moe_experts(ctx, a));
   const int64_t num_tokens = a.x.size(0), hidden = a.x.size(1);
-  const int64_t num_valid = op_checks::moe_valid_rows(a);
+  int64_t num_valid = op_checks::moe_valid_rows(a);
+  if (a.num_valid_device.data != nullptr) {
+    const int32_t dev = *a.num_valid_device.as<const int32_t>();
+    if (dev < 0 || dev > num_tokens)
+      return Status(ErrorCode::kOutOfRange,
+                    "device row count " + std::to_string(dev) + " outside [0, " + std::to_string(num_tokens) + "]",
+                    "num_valid_device");
+    num_valid = std::min<int64_t>(num_valid, dev);
+  }
   const int64_t top_k = a.topk_ids.size(1);
   const int64_t inter = a.w_gate_up.size(1) / 2;
   const int64_t num_phys = a.w_gate_up.size(0);

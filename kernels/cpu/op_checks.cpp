@@ -234,6 +234,21 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
                   "num_valid_tokens " + std::to_string(a.num_valid_tokens) +
                       " outside [-1, " + std::to_string(a.x.size(0)) + "]",
                   "num_valid_tokens");
+  if (a.num_valid_device.data != nullptr) {
+    RD_RETURN_IF_ERROR(view(ctx, a.num_valid_device, "num_valid_device", DType::kI32, 1, "[1]"));
+    RD_RETURN_IF_ERROR(dim(a.num_valid_device, 0, 1, "num_valid_device", "count", "its contract"));
+  }
+  return Status::Ok();
+}
+
+Status copy_valid_rows(const ExecContext& ctx, const TensorView& dst, const TensorView& src,
+                       const TensorView& count) {
+  RD_RETURN_IF_ERROR(view(ctx, src, "src", DType::kI32, 2, "[T, C]"));
+  RD_RETURN_IF_ERROR(view(ctx, dst, "dst", DType::kI32, 2, "[T, C]"));
+  RD_RETURN_IF_ERROR(same_shape(dst, src, "dst", "src"));
+  RD_RETURN_IF_ERROR(view(ctx, count, "count", DType::kI32, 1, "[1]"));
+  RD_RETURN_IF_ERROR(dim(count, 0, 1, "count", "count", "its contract"));
+  if (dst.data != nullptr && dst.data == src.data) return invalid("dst", "dst: aliases src");
   return Status::Ok();
 }
 

@@ -32,12 +32,15 @@ Status paged_attention(const ExecContext& ctx, const TensorView& out, const Tens
 Status router_softmax_topk(const ExecContext& ctx, const TensorView& ids,
                            const TensorView& weights, const TensorView& logits);
 Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& args);
+Status copy_valid_rows(const ExecContext& ctx, const TensorView& dst, const TensorView& src,
+                       const TensorView& count);
 // Backend::copy_3d's shape: row pitches >= width, each slice pitch a multiple of its row
 // pitch holding `height` rows.
 Status copy_3d_shape(size_t dst_pitch, size_t dst_slice_pitch, size_t src_pitch, size_t src_slice_pitch,
                      size_t width, size_t height);
 
-// Rows of `args.x` that are real tokens: num_valid_tokens, or every row when it is -1.
+// Rows of `args.x` that are real tokens: num_valid_tokens, or every row when it is -1 (the
+// device count, when given, is read by each backend on top of this).
 // Only meaningful after moe_experts() accepted the arguments.
 int64_t moe_valid_rows(const MoeExpertsArgs& args);
 

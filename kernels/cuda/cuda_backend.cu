@@ -168,6 +168,67 @@ Status synchronize(const ExecContext& ctx) {
   return Status::Ok();
 }
 
+// ---- CUDA graphs ----
+// The body issues its work on a private non-blocking stream in thread-local capture mode:
+// capture cannot happen on the legacy default stream the daemon's context may use, and
+// thread-local mode keeps other threads' unrelated CUDA calls (a transfer thread's
+// allocation) from invalidating it. Replays go to the context's stream.
+Status graph_capture(const ExecContext& ctx, Backend::GraphBody body, void* arg, void** graph) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  if (graph == nullptr || body == nullptr)
+    return Status(ErrorCode::kInvalidArgument, "null graph output or body", graph ? "body" : "graph");
+  *graph = nullptr;
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  cudaStream_t stream = nullptr;
+  RD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  struct StreamOwner {
+    cudaStream_t s;
+    ~StreamOwner() { (void)cudaStreamDestroy(s); }
+  } owner{stream};
+  RD_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const ExecContext capture_ctx{ctx.device, stream};
+  const Status body_status = body(arg, capture_ctx);
+  cudaGraph_t g = nullptr;
+  // End the capture whatever the body did: a stream left capturing poisons later calls.
+  const cudaError_t end_err = cudaStreamEndCapture(stream, &g);
+  struct GraphOwner {
+    cudaGraph_t g;
+    ~GraphOwner() {
+      if (g) (void)cudaGraphDestroy(g);
+    }
+  } graph_owner{g};
+  if (!body_status.ok()) {
+    (void)cudaGetLastError();
+    return body_status;
+  }
+  RD_CUDA_CHECK(end_err);
+  cudaGraphExec_t exec = nullptr;
+  RD_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+  // Uploading now moves the one-time setup cost out of the first replay.
+  RD_CUDA_CHECK(cudaGraphUpload(exec, stream_of(ctx)));
+  *graph = exec;
+  return Status::Ok();
+}
+
+Status graph_launch(const ExecContext& ctx, void* graph) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  if (graph == nullptr) return Status(ErrorCode::kInvalidArgument, "null graph", "graph");
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  RD_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph), stream_of(ctx)));
+  return Status::Ok();
+}
+
+Status graph_destroy(const ExecContext& ctx, void* graph) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  if (graph == nullptr) return Status::Ok();
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  RD_CUDA_CHECK(cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(graph)));
+  return Status::Ok();
+}
+
 // ---- virtual memory management ----
 // The driver's cuMem* entry points, looked up once through the runtime
 // (cudaGetDriverEntryPointByVersion): the library never links libcuda, so it still loads on a
@@ -373,6 +434,10 @@ const Backend* cuda_backend() {
       cuda::convert,
       cuda::copy_2d,
       cuda::copy_3d,
+      cuda::copy_valid_rows,
+      cuda::graph_capture,
+      cuda::graph_launch,
+      cuda::graph_destroy,
       cuda::vm_granularity,
       cuda::vm_reserve,
       cuda::vm_free,

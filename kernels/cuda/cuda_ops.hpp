@@ -25,6 +25,7 @@ Status router_softmax_topk(const ExecContext&, TensorView ids, TensorView weight
                            TensorView logits, bool renormalize);
 Status moe_experts(const ExecContext&, const MoeExpertsArgs& args);
 // elementwise.cu
+Status copy_valid_rows(const ExecContext&, TensorView dst, TensorView src, TensorView count, int32_t fill);
 Status convert(const ExecContext&, void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t n);
 
 }  // namespace rolloutd::cuda

@@ -93,6 +93,31 @@ __global__ void kv_store_kernel(float* __restrict__ k_cache, float* __restrict__
 
 }  // namespace
 
+// dst[t, c] = t < *count ? src[t, c] : fill; the count is clamped to [0, rows] on the device.
+__global__ void copy_valid_rows_kernel(int32_t* __restrict__ dst, const int32_t* __restrict__ src,
+                                       const int32_t* __restrict__ count, int64_t rows, int64_t cols,
+                                       int32_t fill) {
+  int64_t n = *count;
+  n = n < 0 ? 0 : (n > rows ? rows : n);
+  const int64_t total = rows * cols;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dst[i] = i / cols < n ? src[i] : fill;
+}
+
+Status copy_valid_rows(const ExecContext& ctx, TensorView dst, TensorView src, TensorView count, int32_t fill) {
+  RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCuda));
+  RD_RETURN_IF_ERROR(op_checks::copy_valid_rows(ctx, dst, src, count));
+  const int64_t total = src.numel();
+  if (total == 0) return Status::Ok();
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  copy_valid_rows_kernel<<<blocks_for(total, kThreads, 1024), kThreads, 0, stream_of(ctx)>>>(
+      dst.as<int32_t>(), src.as<const int32_t>(), count.as<const int32_t>(), src.size(0), src.size(1), fill);
+  RD_CUDA_CHECK_LAUNCH("copy_valid_rows_kernel");
+  return Status::Ok();
+}
+
 Status embedding(const ExecContext& ctx, TensorView out, TensorView table, TensorView ids) {
   RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCuda));
   RD_RETURN_IF_ERROR(op_checks::embedding(ctx, out, table, ids));

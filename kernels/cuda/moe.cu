@@ -93,7 +93,8 @@ __global__ void __launch_bounds__(kMoeThreads)
     moe_experts_kernel(float* __restrict__ out, const float* __restrict__ x,
                        const float* __restrict__ w_gate_up, const float* __restrict__ w_down,
                        const int32_t* __restrict__ topk_ids, const float* __restrict__ topk_w,
-                       const int32_t* __restrict__ l2p, int64_t num_valid, int64_t hidden,
+                       const int32_t* __restrict__ l2p, int64_t num_valid,
+                       const int32_t* __restrict__ num_valid_device, int64_t hidden,
                        int64_t inter, int top_k, int num_logical, int num_phys, bool interleaved) {
   extern __shared__ float h[];
   const int64_t t = blockIdx.x;
@@ -102,6 +103,10 @@ __global__ void __launch_bounds__(kMoeThreads)
   // The lane that zeroes out[t, j] is the one that later accumulates into it: no barrier.
   if (lane == 0)
     for (int64_t j = warp; j < hidden; j += kMoeWarps) orow[j] = 0.0f;
+  if (num_valid_device) {  // the count of this replay (graphs padded to a bucket)
+    const int64_t d = *num_valid_device;
+    num_valid = d < 0 ? 0 : (d < num_valid ? d : num_valid);
+  }
   if (t >= num_valid) return;  // padding row: ids are never read
 
   const float* xr = x + t * hidden;
@@ -190,7 +195,7 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
       a.out.as<float>(), a.x.as<const float>(), a.w_gate_up.as<const float>(),
       a.w_down.as<const float>(), a.topk_ids.as<const int32_t>(),
       a.topk_weights.as<const float>(), a.logical_to_physical.as<const int32_t>(),
-      op_checks::moe_valid_rows(a), a.x.size(1), inter, static_cast<int>(a.topk_ids.size(1)),
+      op_checks::moe_valid_rows(a), a.num_valid_device.as<const int32_t>(), a.x.size(1), inter, static_cast<int>(a.topk_ids.size(1)),
       static_cast<int>(a.logical_to_physical.size(0)), static_cast<int>(a.w_gate_up.size(0)),
       a.gate_up_interleaved);
   RD_CUDA_CHECK_LAUNCH("moe_experts_kernel");

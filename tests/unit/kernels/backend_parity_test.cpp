@@ -410,8 +410,13 @@ void moe_cases() {
   for (const P p : {P{1, 1, 64, 32, 4, 4, 2}, P{13, 10, 48, 40, 8, 10, 2},
                     P{64, 64, 256, 128, 16, 16, 4}, P{7, 7, 33, 17, 5, 7, 3},
                     P{8, 0, 32, 16, 4, 4, 2}}) {
+  // With padding, the count also comes from device memory (a graph replay's count) instead of
+  // the host argument.
+  for (const bool device_count : {false, true}) {
+    if (device_count && p.valid == p.t) continue;
     reg("moe_experts" + dims({{"T", p.t}, {"Valid", p.valid}, {"H", p.h}, {"I", p.inter},
-                              {"El", p.e_logical}, {"Ep", p.e_phys}, {"K", p.k}}),
+                              {"El", p.e_logical}, {"Ep", p.e_phys}, {"K", p.k}}) +
+            (device_count ? "_devcount" : ""),
         [=](Rng& rng) {
           ParityCase c;
           const float amp_in = 1.0f / std::sqrt(static_cast<float>(p.h));
@@ -442,11 +447,12 @@ void moe_cases() {
           slots.resize(static_cast<size_t>(p.e_logical));
           c.add_i32("logical_to_physical", {p.e_logical}, slots);
           c.add_out("out", DType::kF32, {p.t, p.h});
+          c.add_i32("num_valid_device", {1}, {static_cast<int32_t>(p.valid)});
           // Half the shapes read the experts' gate/up rows interleaved (the registry's kernel
           // layout), half concatenated.
           const bool interleaved = (p.e_phys + p.t) % 2 == 1;
-          c.run = [valid = p.valid, t = p.t, interleaved](const Backend& b, const ExecContext& x,
-                                                          const std::vector<TensorView>& a) {
+          c.run = [valid = p.valid, t = p.t, interleaved, device_count](
+                      const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
             MoeExpertsArgs args;
             args.gate_up_interleaved = interleaved;
             args.x = a[0];
@@ -456,13 +462,38 @@ void moe_cases() {
             args.topk_weights = a[4];
             args.logical_to_physical = a[5];
             args.out = a[6];
-            args.num_valid_tokens = valid == t ? -1 : valid;
+            args.num_valid_tokens = device_count ? -1 : (valid == t ? -1 : valid);
+            if (device_count) args.num_valid_device = a[7];
             return b.moe_experts(x, args);
           };
           return c;
         });
   }
+  }
 }
+
+// Routed-expert capture of a padded step: rows below the device-held count copied, the rest
+// filled.
+void copy_valid_rows_cases() {
+  struct P {
+    int64_t t, c, count;
+  };
+  for (const P p : {P{1, 1, 1}, P{8, 4, 3}, P{5, 8, 0}, P{16, 6, 16}, P{300, 8, 257}}) {
+    reg("copy_valid_rows" + dims({{"T", p.t}, {"C", p.c}, {"N", p.count}}), [=](Rng& rng) {
+      ParityCase c;
+      std::vector<int32_t> src(static_cast<size_t>(p.t * p.c));
+      for (auto& v : src) v = static_cast<int32_t>(rng.below(1000));
+      c.add_i32("src", {p.t, p.c}, src);
+      c.add_i32("count", {1}, {static_cast<int32_t>(p.count)});
+      c.add_out("dst", DType::kI32, {p.t, p.c});
+      c.run = [](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
+        return b.copy_valid_rows(x, a[2], a[0], a[1], -1);
+      };
+      return c;
+    });
+  }
+}
+
 
 const std::vector<CaseMaker>& all_cases() {
   static const bool built = [] {
@@ -475,6 +506,7 @@ const std::vector<CaseMaker>& all_cases() {
     attention_cases();
     router_cases();
     moe_cases();
+    copy_valid_rows_cases();
     return true;
   }();
   (void)built;
@@ -713,6 +745,27 @@ std::vector<BadCall> bad_calls() {
          a.logical_to_physical = i(p, x, {4});
          return b.moe_experts(x, a);
        }},
+      {"moe num_valid_device shape",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         MoeExpertsArgs a;
+         a.out = f(p, x, {2, 8});
+         a.x = f(p, x, {2, 8});
+         a.w_gate_up = f(p, x, {4, 6, 8});
+         a.w_down = f(p, x, {4, 8, 3});
+         a.topk_ids = i(p, x, {2, 2});
+         a.topk_weights = f(p, x, {2, 2});
+         a.logical_to_physical = i(p, x, {4});
+         a.num_valid_device = i(p, x, {2});
+         return b.moe_experts(x, a);
+       }},
+      {"copy_valid_rows shape",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         return b.copy_valid_rows(x, i(p, x, {4, 3}), i(static_cast<char*>(p) + 64, x, {4, 2}), i(p, x, {1}), -1);
+       }},
+      {"copy_valid_rows count",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         return b.copy_valid_rows(x, i(p, x, {4, 2}), i(static_cast<char*>(p) + 64, x, {4, 2}), f(p, x, {1}), -1);
+       }},
       {"moe num_valid_tokens",
        [=](const Backend& b, const ExecContext& x, void* p) {
          MoeExpertsArgs a;
@@ -884,6 +937,23 @@ TEST(CudaBackend, OutOfRangeDeviceIndicesAreClampedOrSkipped) {
   r.logical_to_physical = host_i32(map_ref, {3});
   ASSERT_TRUE(cpu_backend().moe_experts(cpu_ctx, r).ok());
   expect_near_all(d.download(a.out), moe_ref, 1e-5);
+}
+
+// The CPU reference refuses a device-held count outside [0, T] and leaves dst untouched (the
+// CUDA twin clamps it: it cannot read the count without a synchronisation).
+TEST(BackendParityChecks, CopyValidRowsCountOutsideRowsIsOutOfRange) {
+  const ExecContext ctx{Device::cpu(), nullptr};
+  std::vector<int32_t> src(8, 7), dst(8, 3);
+  for (const int32_t n : {-1, 5}) {
+    int32_t count = n;
+    const Status st = cpu_backend().copy_valid_rows(
+        ctx, TensorView::contiguous(dst.data(), DType::kI32, Shape{4, 2}, ctx.device),
+        TensorView::contiguous(src.data(), DType::kI32, Shape{4, 2}, ctx.device),
+        TensorView::contiguous(&count, DType::kI32, Shape{1}, ctx.device), -1);
+    EXPECT_EQ(st.code(), ErrorCode::kOutOfRange) << n;
+    EXPECT_EQ(st.field(), "count");
+    EXPECT_EQ(dst, std::vector<int32_t>(8, 3)) << "dst written on a refused call";
+  }
 }
 
 TEST(BackendParityChecks, DeviceCountIsZeroWithoutCuda) {

@@ -1,0 +1,271 @@
+// Decode throughput of the whole engine with CUDA graphs on vs off, the first decode step after a
+// weight update against the steady state, and the routed-expert capture overhead (step time
+// with records on vs off). Reports numbers (tests/bench/NOTES.md, "CUDA GRAPHS"); asserts
+// nothing but that the graph and eager runs generate the same greedy tokens.
+//
+//   engine_bench [--json FILE] [--models tiny,mid] [--batches 1,32,256] [--new-tokens N]
+//
+// Models: "tiny" is the embedded default (4 layers, hidden 64: launch-bound, where graphs
+// matter most); "mid" is 8 layers, hidden 1024, 16 heads of 64, 32 experts top-4, expert
+// intermediate 512, vocab 16384 (FP32, the decoder's simple kernels). Weights are random
+// (init_random_weights), never zeros.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/engine/engine.hpp"
+#include "core/model/embedded_model.hpp"
+#include "core/weights/session.hpp"
+
+#if defined(ROLLOUTD_WITH_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+namespace rolloutd {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using core::Engine;
+using core::EngineEvent;
+
+core::ModelConfig model_config(const std::string& name) {
+  core::ModelConfig c = core::embedded_model_config();
+  if (name == "mid") {
+    c.name = "bench:mid";
+    c.vocab_size = 16384;
+    c.hidden_size = 1024;
+    c.num_hidden_layers = 8;
+    c.num_attention_heads = 16;
+    c.num_key_value_heads = 4;
+    c.head_dim = 64;
+    c.num_experts = 32;
+    c.num_experts_per_tok = 4;
+    c.moe_intermediate_size = 512;
+    c.intermediate_size = 2048;
+  }
+  return c;
+}
+
+struct RunResult {
+  double decode_tokens_per_s = 0;
+  double step_median_ms = 0;
+  double step_p90_ms = 0;
+  double first_step_ms = 0;  // first decode step of the run
+  uint64_t graph_steps = 0, eager_steps = 0;
+  std::vector<int32_t> tokens;  // every request's tokens, in rid order
+};
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size() - 1) + 0.5))];
+}
+
+// `batch` requests with 16-token prompts, greedy, `new_tokens` each (no stop ids): one prefill
+// step, then decode steps of exactly `batch` sequences.
+RunResult run(Engine& e, int64_t batch, uint32_t new_tokens, bool records, const std::string& tag) {
+  for (int64_t i = 0; i < batch; ++i) {
+    core::RequestSpec s;
+    char rid[32];
+    std::snprintf(rid, sizeof rid, "%s%06lld", tag.c_str(), static_cast<long long>(i));
+    s.rid = rid;
+    for (int t = 0; t < 16; ++t)
+      s.input_ids.push_back(static_cast<int32_t>((i * 131 + t * 17 + 1) % e.model_config().vocab_size));
+    s.max_new_tokens = new_tokens;
+    s.sampling.temperature = 0.0f;
+    s.return_routed_experts = records;
+    if (!e.submit(s).ok()) {
+      std::fprintf(stderr, "submit failed\n");
+      std::exit(1);
+    }
+  }
+  const core::GraphStats g0 = e.model().graph_stats();
+  std::vector<EngineEvent> events;
+  std::vector<double> step_ms;
+  uint64_t decode_tokens = 0;
+  double decode_s = 0;
+  bool prefilled = false;
+  std::map<std::string, std::vector<int32_t>> tokens;
+  while (e.has_work()) {
+    const size_t before = events.size();
+    const auto t0 = Clock::now();
+    if (Status st = e.step(events); !st.ok()) {
+      std::fprintf(stderr, "step failed: %s\n", st.to_string().c_str());
+      std::exit(1);
+    }
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    uint64_t n = 0;
+    for (size_t i = before; i < events.size(); ++i) n += events[i].token_ids.size();
+    if (prefilled) {
+      step_ms.push_back(s * 1e3);
+      decode_s += s;
+      decode_tokens += n;
+    }
+    prefilled = prefilled || n > 0;
+  }
+  for (const auto& ev : events)
+    if (ev.kind == EngineEvent::Kind::kTokens)
+      tokens[ev.rid].insert(tokens[ev.rid].end(), ev.token_ids.begin(), ev.token_ids.end());
+  RunResult r;
+  r.decode_tokens_per_s = decode_s > 0 ? static_cast<double>(decode_tokens) / decode_s : 0;
+  r.step_median_ms = percentile(step_ms, 0.5);
+  r.step_p90_ms = percentile(step_ms, 0.9);
+  r.first_step_ms = step_ms.empty() ? 0 : step_ms.front();
+  r.graph_steps = e.model().graph_stats().graph_steps - g0.graph_steps;
+  r.eager_steps = e.model().graph_stats().eager_steps - g0.eager_steps;
+  for (auto& [rid, t] : tokens) r.tokens.insert(r.tokens.end(), t.begin(), t.end());
+  return r;
+}
+
+// A full weight update with the model's own parameters (what a trainer's push costs the
+// decoder: every parameter rewritten, layouts restored and re-applied).
+void push_own_weights(Engine& e, uint64_t version) {
+  const auto& reg = e.model().weights();
+  std::vector<core::BucketEntry> entries;
+  std::vector<uint8_t> bytes, one;
+  for (size_t i = 0; i < reg.size(); ++i) {
+    if (!reg.read_checkpoint(i, one).ok()) std::exit(1);
+    const auto& p = reg.parameters()[i];
+    entries.push_back({p.name, p.storage.dtype, {p.storage.shape.data(), p.storage.shape.data() + p.storage.rank()},
+                       bytes.size(), one.size()});
+    bytes.insert(bytes.end(), one.begin(), one.end());
+  }
+  const auto now = core::SteadyClock::now();
+  auto& u = e.updater();
+  auto b = u.begin({}, 600, now);
+  if (!b.ok() || !u.apply_bucket(b->session, entries, bytes, std::nullopt, now).ok() ||
+      !u.end(b->session, version, now).ok()) {
+    std::fprintf(stderr, "weight push failed\n");
+    std::exit(1);
+  }
+  e.set_weight_version(version);
+}
+
+size_t device_free_bytes() {
+#if defined(ROLLOUTD_WITH_CUDA)
+  size_t free_b = 0, total = 0;
+  if (cudaMemGetInfo(&free_b, &total) == cudaSuccess) return free_b;
+#endif
+  return 0;
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string x; std::getline(ss, x, ',');)
+    if (!x.empty()) out.push_back(x);
+  return out;
+}
+
+}  // namespace
+}  // namespace rolloutd
+
+int main(int argc, char** argv) {
+  using namespace rolloutd;
+  std::string json_path, models = "tiny,mid", batches_arg = "1,32,256";
+  uint32_t new_tokens = 64;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    if (a == "--json") json_path = argv[i + 1];
+    else if (a == "--models") models = argv[i + 1];
+    else if (a == "--batches") batches_arg = argv[i + 1];
+    else if (a == "--new-tokens") new_tokens = static_cast<uint32_t>(std::atoi(argv[i + 1]));
+  }
+  const Backend* cuda = cuda_backend();
+  if (cuda == nullptr || cuda_device_count() == 0) {
+    std::fprintf(stderr, "engine_bench needs a GPU\n");
+    return 2;
+  }
+  const ExecContext ctx{Device::cuda(0), nullptr};
+  std::vector<int64_t> batches;
+  for (const auto& b : split(batches_arg)) batches.push_back(std::atoll(b.c_str()));
+  const int64_t max_batch = *std::max_element(batches.begin(), batches.end());
+
+  nlohmann::json out = {{"bench", "engine"}, {"new_tokens", new_tokens}, {"runs", nlohmann::json::array()}};
+  std::printf("%-5s %5s %-7s %-7s %12s %10s %10s %10s %8s\n", "model", "batch", "graphs", "records", "decode tok/s",
+              "step p50", "step p90", "1st step", "graph/eager");
+  for (const std::string& model : split(models)) {
+    const core::ModelConfig mc = model_config(model);
+    for (const bool graphs : {false, true}) {
+      core::StepLimits limits;
+      limits.max_seqs = max_batch;
+      limits.max_tokens = std::max<int64_t>(max_batch * 16, 512);
+      limits.kv_block_size = 16;
+      limits.max_blocks_per_seq = 16;
+      limits.num_kv_blocks = max_batch * ((16 + new_tokens + 15) / 16 + 1) + 16;
+      limits.graph_max_batch = graphs ? max_batch : 0;
+      auto m = core::MoeDecoder::create(mc, limits, *cuda, ctx);
+      if (!m.ok()) {
+        std::fprintf(stderr, "model: %s\n", m.status().to_string().c_str());
+        return 1;
+      }
+      if (!core::init_random_weights(**m, 7).ok()) return 1;
+      core::EngineOptions eo;
+      eo.max_running = max_batch;
+      eo.step = limits;
+      const size_t free_before = device_free_bytes();
+      auto e = Engine::create(std::move(*m), eo);
+      if (!e.ok()) {
+        std::fprintf(stderr, "engine: %s\n", e.status().to_string().c_str());
+        return 1;
+      }
+      const size_t free_after = device_free_bytes();
+      const core::GraphStats& gs = (*e)->model().graph_stats();
+      nlohmann::json entry = {{"model", model},
+                              {"graphs", graphs},
+                              {"num_graphs", gs.num_graphs},
+                              {"buckets", gs.buckets},
+                              {"capture_s", gs.capture_s},
+                              {"capture_device_bytes", free_before > free_after ? free_before - free_after : 0},
+                              {"batches", nlohmann::json::array()}};
+      // Warm-up: lazy initialisation (cuBLAS handle, first-touch) stays out of the figures.
+      run(**e, std::min<int64_t>(max_batch, 4), 4, false, "w");
+      for (const int64_t batch : batches) {
+        nlohmann::json br = {{"batch", batch}};
+        for (const bool records : {false, true}) {
+          const RunResult r = run(**e, batch, new_tokens, records, records ? "r" : "n");
+          std::printf("%-5s %5lld %-7s %-7s %12.0f %9.3fms %9.3fms %9.3fms %5llu/%llu\n", model.c_str(),
+                      static_cast<long long>(batch), graphs ? "on" : "off", records ? "on" : "off",
+                      r.decode_tokens_per_s, r.step_median_ms, r.step_p90_ms, r.first_step_ms,
+                      static_cast<unsigned long long>(r.graph_steps), static_cast<unsigned long long>(r.eager_steps));
+          br[records ? "records_on" : "records_off"] = {
+              {"decode_tokens_per_s", r.decode_tokens_per_s}, {"step_median_ms", r.step_median_ms},
+              {"step_p90_ms", r.step_p90_ms}, {"first_step_ms", r.first_step_ms},
+              {"graph_steps", r.graph_steps}, {"eager_steps", r.eager_steps}};
+          if (!records) br["tokens_digest"] = std::hash<std::string>{}(
+              std::string(reinterpret_cast<const char*>(r.tokens.data()), r.tokens.size() * 4));
+        }
+        // The first decode step after a full weight update, against the steady state.
+        push_own_weights(**e, static_cast<uint64_t>(batch));
+        const RunResult after = run(**e, batch, new_tokens, false, "u");
+        std::printf("%-5s %5lld %-7s after a weight update: first decode step %.3f ms, median %.3f ms\n",
+                    model.c_str(), static_cast<long long>(batch), graphs ? "on" : "off", after.first_step_ms,
+                    after.step_median_ms);
+        br["after_update"] = {{"first_step_ms", after.first_step_ms}, {"step_median_ms", after.step_median_ms}};
+        entry["batches"].push_back(br);
+      }
+      out["runs"].push_back(entry);
+    }
+  }
+  // Graphs must not change what is generated (greedy, same weights).
+  int mismatches = 0;
+  for (size_t i = 0; i + 1 < out["runs"].size(); i += 2)
+    for (size_t j = 0; j < out["runs"][i]["batches"].size(); ++j)
+      if (out["runs"][i]["batches"][j]["tokens_digest"] != out["runs"][i + 1]["batches"][j]["tokens_digest"]) {
+        std::printf("token mismatch graphs on/off: model %s batch %s\n",
+                    out["runs"][i]["model"].get<std::string>().c_str(),
+                    out["runs"][i]["batches"][j]["batch"].dump().c_str());
+        ++mismatches;
+      }
+  out["token_mismatches"] = mismatches;
+  if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
+  return 0;
+}
