@@ -193,3 +193,41 @@ def test_client_that_vanishes_mid_stream_is_aborted_and_counted(daemon):
         s = other.status()
         assert s.num_running == 0 and s.num_waiting == 0
         assert other.generate([1, 2], max_new_tokens=3).ok
+
+
+def test_padded_decode_steps_match_eager_on_cpu(daemon_factory):
+    """--cuda-graph-max-batch on the CPU pads decode steps to buckets (1, 2, 4, 8) without graphs:
+    concurrent greedy requests (decode batches of several sizes as they start and finish) return
+    exactly what an eager daemon returns, routed-expert records included (padding rows never)."""
+    import json
+    padded = daemon_factory(args=["--cuda-graph-max-batch", "8"])
+    eager = daemon_factory()
+    prompts = [[1, 2, 3], [7, 100, 42, 9], [200], [5, 6, 7, 8, 9, 10], [250, 3, 99]]
+
+    def run(d):
+        results = [None] * len(prompts)
+
+        def one(i):
+            with d.client() as c:
+                r = c.generate(prompts[i], max_new_tokens=8 + 3 * i, temperature=0.0, return_logprob=True,
+                               return_routed_experts=True)
+                results[i] = (r.token_ids, r.routed_experts.to_numpy().tolist(), r.logprobs)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert all(r is not None for r in results)
+        return results
+
+    for i, (got, want) in enumerate(zip(run(padded), run(eager))):
+        assert got[0] == want[0], f"tokens of request {i}"
+        assert got[1] == want[1], f"routed experts of request {i}"
+        assert np.allclose(got[2], want[2], atol=1e-5), f"log-probs of request {i}"
+    code, body = padded.get("/v1/status")
+    st = json.loads(body)["cuda_graphs"]
+    assert st["max_batch"] == 8 and st["buckets"] == 4 and st["graphs"] == 0
+    assert st["graph_steps_total"] > 0 and st["eager_steps_total"] > 0
+    code, body = padded.get("/metrics")
+    assert 'rolloutd_forward_steps_total{mode="graph"}' in body
