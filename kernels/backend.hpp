@@ -47,6 +47,10 @@ struct MoeExpertsArgs {
   // Rows >= min(num_valid_tokens, *num_valid_device) are padding. CPU: a count outside [0, T]
   // is kOutOfRange; CUDA: clamped to [0, T].
   TensorView num_valid_device;
+  // Optional f32 [>= T * K * I] on the context's device. CUDA: with it, the op runs as two
+  // kernels spread over (token, expert, row chunk) -- every SM busy even for one token, which
+  // decode needs -- instead of one block per token; the contents are scratch. CPU: ignored.
+  TensorView workspace;
   // Row layout of each expert's w_gate_up: false = concatenated (gate rows [0, I), up rows
   // [I, 2I)); true = interleaved (gate j at row 2j, up j at row 2j + 1), the kernel layout the
   // weight registry's expert quant method keeps between sessions.
@@ -125,6 +129,13 @@ struct Backend {
   Status (*copy_3d)(const ExecContext&, void* dst, size_t dst_pitch, size_t dst_slice_pitch, const void* src,
                     size_t src_pitch, size_t src_slice_pitch, size_t width, size_t height, size_t depth,
                     CopyKind kind);
+
+  // ---- page-locked host memory ----
+  // Host memory the device copies to and from asynchronously and at full speed (CUDA:
+  // cudaHostAlloc; CPU: aligned host memory, as alloc). Step inputs, logits and routed-expert
+  // records travel through it, so a step needs one synchronisation.
+  Status (*host_alloc)(const ExecContext&, size_t bytes, void** out);
+  Status (*host_free)(const ExecContext&, void* ptr);
 
   // ---- rows by a device-held count ----
   // dst[t, :] = src[t, :] for t < count[0], `fill` for the rest; dst and src int32 [T, C]

@@ -324,7 +324,12 @@ Status Engine::step(std::vector<EngineEvent>& out) {
   bool want_records = false;
   for (const Slice& sl : slices) want_records |= sl.seq->spec.return_routed_experts;
 
-  Status st = model_->forward(batch, logits_, want_records ? &recorder_ : nullptr);
+  std::span<const float> logits;  // the model's host buffer, valid until its next step
+  Status st;
+  if (auto r = model_->step(batch, want_records ? &recorder_ : nullptr); r.ok())
+    logits = *r;
+  else
+    st = r.status();
   if (st.ok() && want_records && recorder_.num_layers_captured() != c.num_moe_layers())
     st = Status(ErrorCode::kInternal, "not every MoE layer recorded its experts", "routed_experts");
   if (!st.ok()) {
@@ -355,7 +360,7 @@ Status Engine::step(std::vector<EngineEvent>& out) {
     bool done = false;
     std::string reason;
     if (sl.samples) {
-      std::span<const float> row(logits_.data() + logits_row * static_cast<size_t>(V), static_cast<size_t>(V));
+      std::span<const float> row(logits.data() + logits_row * static_cast<size_t>(V), static_cast<size_t>(V));
       ++logits_row;
       const SampledToken tok = sampler_.sample(row, s.spec.sampling, s.num_generated);
       s.tokens.push_back(tok.token);

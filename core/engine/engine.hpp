@@ -179,7 +179,6 @@ class Engine {
   uint64_t requests_total_ = 0;
   uint64_t prompt_tokens_total_ = 0;
   uint64_t generated_tokens_total_ = 0;
-  std::vector<float> logits_;
 };
 
 }  // namespace rolloutd::core

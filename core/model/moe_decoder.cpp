@@ -169,7 +169,14 @@ Status MoeDecoder::allocate() {
     tables_offset_ = static_cast<size_t>(5 * T + S + 1);
     const int64_t total = static_cast<int64_t>(tables_offset_) + S * W;
     RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{total}, ws_.inputs));
-    inputs_host_.assign(static_cast<size_t>(total), 0);
+    host_.backend = &backend_;
+    host_.ctx = ctx_;
+    void* p = nullptr;
+    RD_RETURN_IF_ERROR(backend_.host_alloc(ctx_, static_cast<size_t>(total) * sizeof(int32_t), &p));
+    host_.inputs = static_cast<int32_t*>(p);
+    std::fill(host_.inputs, host_.inputs + total, 0);
+    RD_RETURN_IF_ERROR(backend_.host_alloc(ctx_, static_cast<size_t>(S * c.vocab_size) * sizeof(float), &p));
+    host_.logits = static_cast<float*>(p);
     auto part = [&](int64_t offset, Shape shape) {
       return TensorView::contiguous(static_cast<int32_t*>(ws_.inputs.data) + offset, DType::kI32, shape,
                                     ws_.inputs.device);
@@ -183,7 +190,12 @@ Status MoeDecoder::allocate() {
     ws_.num_valid = part(5 * T + S, Shape{1});
     ws_.block_tables = part(static_cast<int64_t>(tables_offset_), Shape{S, W});
   }
-  if (moe_layers_ > 0) RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{moe_layers_, T, K}, routed_table_));
+  if (moe_layers_ > 0) {
+    RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{moe_layers_, T, K}, routed_table_));
+    void* p = nullptr;
+    RD_RETURN_IF_ERROR(backend_.host_alloc(ctx_, static_cast<size_t>(moe_layers_ * T * K) * sizeof(int32_t), &p));
+    host_.records = static_cast<int32_t*>(p);
+  }
   // Decode buckets: powers of two below the maximum, then the maximum.
   const int64_t max_bucket = std::min({limits_.graph_max_batch, S, T});
   for (int64_t b = 1; b < max_bucket; b *= 2) graph_stats_.buckets.push_back(b);
@@ -199,6 +211,7 @@ Status MoeDecoder::allocate() {
   RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{T, K}, ws_.topk_ids));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, K}, ws_.topk_weights));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, H}, ws_.moe_out));
+  RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T * std::max(K * I, c.intermediate_size)}, ws_.moe_h));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{S, H}, ws_.final_rows));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{S, H}, ws_.final_normed));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{S, c.vocab_size}, ws_.logits));
@@ -253,6 +266,12 @@ Status MoeDecoder::add_expert_aliases(int64_t l) {
   return Status::Ok();
 }
 
+MoeDecoder::HostBuffers::~HostBuffers() {
+  if (backend == nullptr) return;
+  for (void* p : {static_cast<void*>(inputs), static_cast<void*>(logits), static_cast<void*>(records)})
+    if (p) (void)backend->host_free(ctx, p);
+}
+
 MoeDecoder::~MoeDecoder() {
   for (void* g : graphs_)
     if (g) (void)backend_.graph_destroy(ctx_, g);
@@ -267,7 +286,7 @@ int64_t MoeDecoder::bucket_for(int64_t num_seqs) const {
 Status MoeDecoder::stage_inputs(const StepBatch& b, int64_t rows, int64_t seqs) {
   const int64_t maxT = limits_.max_tokens, maxS = limits_.max_seqs, W = limits_.max_blocks_per_seq;
   const int64_t n = b.num_tokens(), given_seqs = b.num_seqs(), R = static_cast<int64_t>(b.logits_rows.size());
-  int32_t* in = inputs_host_.data();
+  int32_t* in = host_.inputs;
   // Rows past the batch are padding: token 0 at position 0 of its own (empty) sequence, no KV
   // slot (kv_store skips -1), no visible context (attention gives a zero row).
   for (int64_t t = 0; t < rows; ++t) {
@@ -299,8 +318,13 @@ Status MoeDecoder::stage_inputs(const StepBatch& b, int64_t rows, int64_t seqs) 
                        h2d);
 }
 
-Status MoeDecoder::forward(const StepBatch& b, std::vector<float>& logits,
-                           RoutedExpertRecorder* recorder) {
+Status MoeDecoder::forward(const StepBatch& b, std::vector<float>& logits, RoutedExpertRecorder* recorder) {
+  RD_ASSIGN_OR_RETURN(std::span<const float> out, step(b, recorder));
+  logits.assign(out.begin(), out.end());
+  return Status::Ok();
+}
+
+Result<std::span<const float>> MoeDecoder::step(const StepBatch& b, RoutedExpertRecorder* recorder) {
   const auto& c = config_;
   const int64_t T = b.num_tokens();
   const int64_t S = b.num_seqs();
@@ -354,19 +378,19 @@ Status MoeDecoder::forward(const StepBatch& b, std::vector<float>& logits,
   }
   ++(bucket ? graph_stats_.graph_steps : graph_stats_.eager_steps);
 
+  // Logits and records come back asynchronously into page-locked memory; one synchronisation.
   const CopyKind d2h = ctx_.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost : CopyKind::kDeviceToHost;
-  logits.resize(static_cast<size_t>(R * c.vocab_size));
-  if (R > 0)
-    RD_RETURN_IF_ERROR(
-        backend_.copy(ctx_, logits.data(), ws_.logits.data, logits.size() * sizeof(float), d2h));
-  if (recorder) {
-    if (record) {
-      RD_RETURN_IF_ERROR(recorder->capture_table(backend_, ctx_, routed_table_));
-    } else {
-      RD_RETURN_IF_ERROR(recorder->capture_table(backend_, ctx_, TensorView{}));
-    }
+  const size_t num_logits = static_cast<size_t>(R * c.vocab_size);
+  if (R > 0) RD_RETURN_IF_ERROR(backend_.copy(ctx_, host_.logits, ws_.logits.data, num_logits * sizeof(float), d2h));
+  if (record && T > 0) {
+    const size_t row_bytes = static_cast<size_t>(T * c.num_experts_per_tok) * sizeof(int32_t);
+    RD_RETURN_IF_ERROR(backend_.copy_2d(ctx_, host_.records, row_bytes, routed_table_.data,
+                                        static_cast<size_t>(limits_.max_tokens * c.num_experts_per_tok) * sizeof(int32_t),
+                                        row_bytes, static_cast<size_t>(moe_layers_), d2h));
   }
-  return backend_.synchronize(ctx_);
+  RD_RETURN_IF_ERROR(backend_.synchronize(ctx_));
+  if (recorder) RD_RETURN_IF_ERROR(recorder->capture_layer_major(record ? host_.records : nullptr, T));
+  return std::span<const float>(host_.logits, num_logits);
 }
 
 Status MoeDecoder::capture_body(void* arg, const ExecContext& ctx) {
@@ -475,6 +499,7 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
     args.logical_to_physical = L.logical_to_physical;
     args.num_valid_tokens = T;
     args.num_valid_device = ws_.num_valid;  // padding rows of a bucket: no expert work
+    args.workspace = ws_.moe_h;             // CUDA: the decode-shaped two-kernel path
     args.gate_up_interleaved = true;  // kernel layout of InterleaveGateUpMethod
     RD_RETURN_IF_ERROR(backend_.moe_experts(ctx, args));
     RD_RETURN_IF_ERROR(backend_.add(ctx, h, h, moe_out));

@@ -7,6 +7,7 @@
 // Backend op table, so the same code runs on the CPU reference and on CUDA.
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "core/model/config.hpp"
@@ -73,6 +74,9 @@ class MoeDecoder {
   // when `recorder` is given, it holds the step's routed-expert rows (logical ids).
   // Decode steps that fit a bucket (StepLimits::graph_max_batch) run padded, from the bucket's
   // graph on CUDA; other steps run eagerly.
+  // On return the step's logits, [logits_rows.size(), vocab] FP32, are in host memory the model
+  // owns (page-locked on CUDA), valid until the next step; `forward` copies them out.
+  Result<std::span<const float>> step(const StepBatch& batch, RoutedExpertRecorder* recorder);
   Status forward(const StepBatch& batch, std::vector<float>& logits, RoutedExpertRecorder* recorder);
 
   // Captures one graph per decode bucket, with and without routed-expert capture (CUDA; the
@@ -123,6 +127,7 @@ class MoeDecoder {
     TensorView inputs;
     TensorView token_ids, positions, seq_of, slot_mapping, ctx_len, block_tables, logits_rows, num_valid;
     TensorView h, x, q, k, v, attn, o, router_logits, topk_ids, topk_weights, moe_out;
+    TensorView moe_h;  // expert-op workspace [T * max(K * I, I_dense)] (MoeExpertsArgs::workspace)
     TensorView final_rows, final_normed, logits;
   };
 
@@ -149,7 +154,16 @@ class MoeDecoder {
   std::vector<Layer> layers_;
   int64_t moe_layers_ = 0;
   Workspace ws_;
-  std::vector<int32_t> inputs_host_;
+  // Page-locked host staging (Backend::host_alloc): the inputs' host mirror, the logits and the
+  // record table come back asynchronously, then one synchronisation ends the step.
+  struct HostBuffers {
+    const Backend* backend = nullptr;
+    ExecContext ctx;
+    int32_t* inputs = nullptr;
+    float* logits = nullptr;
+    int32_t* records = nullptr;
+    ~HostBuffers();
+  } host_;
   size_t tables_offset_ = 0;      // int32 elements before block_tables in `inputs`
   TensorView routed_table_;       // [num_moe_layers, max_tokens, top_k] int32 (scratch)
   GraphStats graph_stats_;

@@ -49,31 +49,18 @@ Status RoutedExpertRecorder::capture(const Backend& backend, const ExecContext& 
   return Status::Ok();
 }
 
-Status RoutedExpertRecorder::capture_table(const Backend& backend, const ExecContext& ctx, TensorView table) {
+Status RoutedExpertRecorder::capture_layer_major(const int32_t* table, int64_t stride) {
   if (layers_captured_ != 0)
     return Status(ErrorCode::kInternal, "a MoE layer was already captured this step", "moe_layer");
-  if (num_layers_ == 0) {
-    if (table.data != nullptr) return Status(ErrorCode::kInternal, "record table without MoE layers", "table");
-    return Status::Ok();
-  }
-  if (table.dtype != DType::kI32 || table.rank() != 3 || table.size(0) != num_layers_ ||
-      table.size(1) < num_valid_ || table.size(2) != top_k_ || !table.is_contiguous() || table.data == nullptr)
-    return Status(ErrorCode::kInternal, "capture expects an int32 [moe_layers, >=tokens, top_k] table", "table");
+  if (stride < num_valid_) return Status(ErrorCode::kInternal, "record table stride below the step's rows", "table");
+  if (table == nullptr && num_layers_ > 0 && num_valid_ > 0)
+    return Status(ErrorCode::kInternal, "no record table for a step with rows", "table");
   std::fill(seen_.begin(), seen_.end(), 1);
   layers_captured_ = num_layers_;
-  if (num_valid_ == 0) return Status::Ok();
-  const size_t row_bytes = static_cast<size_t>(num_valid_ * top_k_) * sizeof(int32_t);
-  staging_.resize(static_cast<size_t>(num_layers_ * num_valid_ * top_k_));
-  const CopyKind kind = table.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost : CopyKind::kDeviceToHost;
-  RD_RETURN_IF_ERROR(backend.copy_2d(ctx, staging_.data(), row_bytes, table.data,
-                                     static_cast<size_t>(table.size(1) * top_k_) * sizeof(int32_t), row_bytes,
-                                     static_cast<size_t>(num_layers_), kind));
-  if (kind == CopyKind::kDeviceToHost) RD_RETURN_IF_ERROR(backend.synchronize(ctx));
   // Layer-major on the device, token-major for the trainer.
   for (int64_t l = 0; l < num_layers_; ++l)
     for (int64_t t = 0; t < num_valid_; ++t)
-      std::copy_n(staging_.data() + (l * num_valid_ + t) * top_k_, top_k_,
-                  rows_.data() + (t * num_layers_ + l) * top_k_);
+      std::copy_n(table + (l * stride + t) * top_k_, top_k_, rows_.data() + (t * num_layers_ + l) * top_k_);
   return Status::Ok();
 }
 

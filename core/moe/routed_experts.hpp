@@ -22,11 +22,12 @@ class RoutedExpertRecorder {
   // Copies ids[0:num_valid, 0:top_k] (int32, logical) of MoE layer `moe_layer` to the host
   // buffer. `ids` may live on any device the backend can copy from.
   Status capture(const Backend& backend, const ExecContext& ctx, int64_t moe_layer, TensorView ids);
-  // Takes the step's rows of every MoE layer at once from a record table [num_moe_layers,
-  // >= tokens, top_k] int32 (rows [0, num_valid) of each layer are read) and marks every layer
-  // captured: the form a padded or graph-replayed step fills on the device. `table` may be
-  // empty only when there are no MoE layers.
-  Status capture_table(const Backend& backend, const ExecContext& ctx, TensorView table);
+  // Takes the step's rows of every MoE layer at once from a host copy of a record table,
+  // layer-major: table[(l * stride + t) * top_k + k] for rows t in [0, num_valid) (stride >=
+  // num_valid), and marks every layer captured: the form a padded or graph-replayed step fills
+  // on the device and copies back in one piece. `table` may be null only when there are no MoE
+  // layers or no rows.
+  Status capture_layer_major(const int32_t* table, int64_t stride);
   // Rows of the current step: [num_valid_tokens, num_moe_layers, top_k] int32 (token-major).
   const std::vector<int32_t>& rows() const { return rows_; }
   int64_t num_valid_tokens() const { return num_valid_; }

@@ -340,6 +340,8 @@ const Backend& cpu_backend() {
       cpu::convert,
       cpu::copy_2d,
       cpu::copy_3d,
+      cpu::alloc,
+      cpu::free_mem,
       cpu::copy_valid_rows,
       cpu::graph_capture,
       cpu::graph_launch,

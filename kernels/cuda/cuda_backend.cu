@@ -92,6 +92,31 @@ Status free_mem(const ExecContext& ctx, void* ptr) {
   return Status::Ok();
 }
 
+Status host_alloc(const ExecContext& ctx, size_t bytes, void** out) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  if (out == nullptr) return Status(ErrorCode::kInvalidArgument, "null output pointer", "out");
+  *out = nullptr;
+  if (bytes == 0) return Status::Ok();
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  const cudaError_t err = cudaHostAlloc(out, bytes, cudaHostAllocDefault);
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    *out = nullptr;
+    return Status(ErrorCode::kResourceExhausted, "page-locked host allocation of " + std::to_string(bytes) + " bytes failed",
+                  "bytes");
+  }
+  RD_CUDA_CHECK(err);
+  return Status::Ok();
+}
+
+Status host_free(const ExecContext& ctx, void* ptr) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  if (ptr == nullptr) return Status::Ok();
+  RD_CUDA_CHECK(cudaFreeHost(ptr));
+  return Status::Ok();
+}
+
 // Asynchronous on the context's stream: synchronize() before reading host memory.
 Status copy(const ExecContext& ctx, void* dst, const void* src, size_t bytes, CopyKind kind) {
   RD_RETURN_IF_ERROR(check_ctx(ctx));
@@ -434,6 +459,8 @@ const Backend* cuda_backend() {
       cuda::convert,
       cuda::copy_2d,
       cuda::copy_3d,
+      cuda::host_alloc,
+      cuda::host_free,
       cuda::copy_valid_rows,
       cuda::graph_capture,
       cuda::graph_launch,

@@ -144,6 +144,83 @@ __global__ void __launch_bounds__(kMoeThreads)
   }
 }
 
+// ---- the two-kernel path (MoeExpertsArgs::workspace) ----
+// Phase 1: h[t, k, i] = silu(gate_e(x_t))_i * up_e(x_t)_i for one (t, k) pair per blockIdx.x
+// and kRowsPerBlock rows i per blockIdx.y (one warp per row). Phase 2: out[t, j] =
+// sum_k w[t,k] * down_e[j, :] . h[t, k, :] for one token per blockIdx.x and kRowsPerBlock
+// output rows per blockIdx.y, h[t] staged in shared memory. Same sums in the same order as the
+// one-kernel path, so the two agree to FP32 rounding of the warp reductions.
+constexpr int kRowsPerBlock = 16;
+
+__device__ __forceinline__ int64_t valid_rows(int64_t num_valid, const int32_t* num_valid_device) {
+  if (!num_valid_device) return num_valid;
+  const int64_t d = *num_valid_device;
+  return d < 0 ? 0 : (d < num_valid ? d : num_valid);
+}
+
+__global__ void __launch_bounds__(kMoeThreads)
+    moe_gate_up_kernel(float* __restrict__ h, const float* __restrict__ x, const float* __restrict__ w_gate_up,
+                       const int32_t* __restrict__ topk_ids, const int32_t* __restrict__ l2p, int64_t num_valid,
+                       const int32_t* __restrict__ num_valid_device, int64_t hidden, int64_t inter, int top_k,
+                       int num_logical, int num_phys, bool interleaved) {
+  const int64_t pair = blockIdx.x, t = pair / top_k;
+  if (t >= valid_rows(num_valid, num_valid_device)) return;  // phase 2 never reads it
+  const int32_t logical = topk_ids[pair];
+  if (logical < 0 || logical >= num_logical) return;
+  const int64_t e = l2p[logical];
+  if (e < 0 || e >= num_phys) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float* xr = x + t * hidden;
+  const float* gu = w_gate_up + e * 2 * inter * hidden;
+  for (int64_t i = static_cast<int64_t>(blockIdx.y) * kRowsPerBlock + warp;
+       i < inter && i < (static_cast<int64_t>(blockIdx.y) + 1) * kRowsPerBlock; i += kMoeWarps) {
+    const float* gate_row = gu + (interleaved ? 2 * i : i) * hidden;
+    const float* up_row = gu + (interleaved ? 2 * i + 1 : inter + i) * hidden;
+    float g = 0.0f, u = 0.0f;
+    for (int64_t c = lane; c < hidden; c += 32) {
+      g += gate_row[c] * xr[c];
+      u += up_row[c] * xr[c];
+    }
+    g = warp_sum(g);
+    u = warp_sum(u);
+    if (lane == 0) h[pair * inter + i] = silu(g) * u;
+  }
+}
+
+__global__ void __launch_bounds__(kMoeThreads)
+    moe_down_kernel(float* __restrict__ out, const float* __restrict__ h, const float* __restrict__ w_down,
+                    const int32_t* __restrict__ topk_ids, const float* __restrict__ topk_w,
+                    const int32_t* __restrict__ l2p, int64_t num_valid, const int32_t* __restrict__ num_valid_device,
+                    int64_t hidden, int64_t inter, int top_k, int num_logical, int num_phys) {
+  extern __shared__ float hs[];  // [top_k, inter] of this token
+  const int64_t t = blockIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t j0 = static_cast<int64_t>(blockIdx.y) * kRowsPerBlock;
+  float* orow = out + t * hidden;
+  if (t >= valid_rows(num_valid, num_valid_device)) {  // padding row: zeros, ids never read
+    for (int64_t j = j0 + threadIdx.x; j < hidden && j < j0 + kRowsPerBlock; j += blockDim.x) orow[j] = 0.0f;
+    return;
+  }
+  for (int64_t c = threadIdx.x; c < top_k * inter; c += blockDim.x) hs[c] = h[t * top_k * inter + c];
+  __syncthreads();
+  for (int64_t j = j0 + warp; j < hidden && j < j0 + kRowsPerBlock; j += kMoeWarps) {
+    float acc = 0.0f;
+    for (int k = 0; k < top_k; ++k) {
+      const int32_t logical = topk_ids[t * top_k + k];
+      if (logical < 0 || logical >= num_logical) continue;
+      const int64_t e = l2p[logical];
+      if (e < 0 || e >= num_phys) continue;
+      const float* down_row = w_down + (e * hidden + j) * inter;
+      const float* hk = hs + k * inter;
+      float d = 0.0f;
+      for (int64_t c = lane; c < inter; c += 32) d += down_row[c] * hk[c];
+      d = warp_sum(d);
+      acc += topk_w[t * top_k + k] * d;
+    }
+    if (lane == 0) orow[j] = acc;
+  }
+}
+
 }  // namespace
 
 Status router_softmax_topk(const ExecContext& ctx, TensorView ids, TensorView weights,
@@ -176,6 +253,39 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
   if (num_tokens == 0) return Status::Ok();
   DeviceGuard guard;
   RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  const int top_k = static_cast<int>(a.topk_ids.size(1));
+  if (a.workspace.data != nullptr) {
+    const size_t smem2 = static_cast<size_t>(top_k * inter) * sizeof(float);
+    int limit = 0;
+    RD_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx.device.index));
+    if (smem2 > static_cast<size_t>(limit))
+      return Status(ErrorCode::kUnimplemented,
+                    "top_k x intermediate (" + std::to_string(top_k * inter) +
+                        ") exceeds the shared memory of the CUDA MoE down kernel",
+                    "w_down");
+    if (smem2 > 48 * 1024)
+      RD_CUDA_CHECK(cudaFuncSetAttribute(moe_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem2)));
+    const int num_logical = static_cast<int>(a.logical_to_physical.size(0));
+    const int num_phys = static_cast<int>(a.w_gate_up.size(0));
+    const int32_t* nvd = a.num_valid_device.as<const int32_t>();
+    const int64_t nv = op_checks::moe_valid_rows(a);
+    const dim3 grid1(static_cast<unsigned int>(num_tokens * top_k),
+                     static_cast<unsigned int>((inter + kRowsPerBlock - 1) / kRowsPerBlock));
+    moe_gate_up_kernel<<<grid1, kMoeThreads, 0, stream_of(ctx)>>>(
+        a.workspace.as<float>(), a.x.as<const float>(), a.w_gate_up.as<const float>(), a.topk_ids.as<const int32_t>(),
+        a.logical_to_physical.as<const int32_t>(), nv, nvd, a.x.size(1), inter, top_k, num_logical, num_phys,
+        a.gate_up_interleaved);
+    RD_CUDA_CHECK_LAUNCH("moe_gate_up_kernel");
+    const dim3 grid2(static_cast<unsigned int>(num_tokens),
+                     static_cast<unsigned int>((a.x.size(1) + kRowsPerBlock - 1) / kRowsPerBlock));
+    moe_down_kernel<<<grid2, kMoeThreads, smem2, stream_of(ctx)>>>(
+        a.out.as<float>(), a.workspace.as<const float>(), a.w_down.as<const float>(), a.topk_ids.as<const int32_t>(),
+        a.topk_weights.as<const float>(), a.logical_to_physical.as<const int32_t>(), nv, nvd, a.x.size(1), inter,
+        top_k, num_logical, num_phys);
+    RD_CUDA_CHECK_LAUNCH("moe_down_kernel");
+    return Status::Ok();
+  }
   const size_t smem = static_cast<size_t>(inter) * sizeof(float);
   int smem_limit = 0;
   RD_CUDA_CHECK(

@@ -412,11 +412,13 @@ void moe_cases() {
                     P{8, 0, 32, 16, 4, 4, 2}}) {
   // With padding, the count also comes from device memory (a graph replay's count) instead of
   // the host argument.
-  for (const bool device_count : {false, true}) {
-    if (device_count && p.valid == p.t) continue;
+  // Variant 2 adds the workspace: the CUDA op's two-kernel path (decode-shaped grids).
+  for (const int variant : {0, 1, 2}) {
+    const bool device_count = variant >= 1 && p.valid != p.t, workspace = variant == 2;
+    if (variant == 1 && !device_count) continue;
     reg("moe_experts" + dims({{"T", p.t}, {"Valid", p.valid}, {"H", p.h}, {"I", p.inter},
                               {"El", p.e_logical}, {"Ep", p.e_phys}, {"K", p.k}}) +
-            (device_count ? "_devcount" : ""),
+            (device_count ? "_devcount" : "") + (workspace ? "_ws" : ""),
         [=](Rng& rng) {
           ParityCase c;
           const float amp_in = 1.0f / std::sqrt(static_cast<float>(p.h));
@@ -448,10 +450,12 @@ void moe_cases() {
           c.add_i32("logical_to_physical", {p.e_logical}, slots);
           c.add_out("out", DType::kF32, {p.t, p.h});
           c.add_i32("num_valid_device", {1}, {static_cast<int32_t>(p.valid)});
+          c.add_f32("workspace", {p.t * p.k * p.inter}, Role::kIn,
+                    std::vector<float>(static_cast<size_t>(p.t * p.k * p.inter), 0.0f));
           // Half the shapes read the experts' gate/up rows interleaved (the registry's kernel
           // layout), half concatenated.
           const bool interleaved = (p.e_phys + p.t) % 2 == 1;
-          c.run = [valid = p.valid, t = p.t, interleaved, device_count](
+          c.run = [valid = p.valid, t = p.t, interleaved, device_count, workspace](
                       const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
             MoeExpertsArgs args;
             args.gate_up_interleaved = interleaved;
@@ -464,6 +468,7 @@ void moe_cases() {
             args.out = a[6];
             args.num_valid_tokens = device_count ? -1 : (valid == t ? -1 : valid);
             if (device_count) args.num_valid_device = a[7];
+            if (workspace) args.workspace = a[8];
             return b.moe_experts(x, args);
           };
           return c;
