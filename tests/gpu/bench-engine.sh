@@ -1,15 +1,36 @@
 #!/usr/bin/env bash
 # The engine with CUDA graphs on vs off: decode tokens/s at batch 1, 32 and 256 on the embedded
-# tiny model and a mid-size random model, the first decode step after a full weight update
-# against the steady state, and the routed-expert capture overhead (records on vs off).
+# tiny model, a mid-size random model and a make-test-model qwen3_moe checkpoint of the same
+# size, which Hugging Face `generate` also runs here (tests/bench/engine/hf_peer.py, the
+# same-run peer); the decode floor; the first decode step after a full weight update against
+# the steady state; the routed-expert capture overhead (records on vs off).
 # tests/gpu/run.sh calls every bench-*.sh with BUILD_DIR OUT_DIR; results:
-# OUT_DIR/bench-engine.json and the table in run.log. tests/bench/NOTES.md ("CUDA GRAPHS")
-# keeps the figures. Extra arguments: ROLLOUTD_BENCH_ENGINE_ARGS.
+# OUT_DIR/bench-engine.json (+ bench-engine-peer.json) and the table in run.log.
+# tests/bench/NOTES.md ("CUDA GRAPHS", "ENGINE") keeps the figures. Extra arguments:
+# ROLLOUTD_BENCH_ENGINE_ARGS.
 set -euo pipefail
 build=${1:?usage: bench-engine.sh BUILD_DIR OUT_DIR}
 out=${2:?usage: bench-engine.sh BUILD_DIR OUT_DIR}
 mkdir -p "$out"
+here=$(cd "$(dirname "$0")/../.." && pwd)
 bin="$build/tests/bench/engine/engine_bench"
-[ -x "$bin" ] || cmake --build "$build" --target engine_bench >"$out/bench-engine-build.log" 2>&1
+[ -x "$bin" ] || cmake --build "$build" --target engine_bench rolloutctl >"$out/bench-engine-build.log" 2>&1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+ckpt_args=()
+if "$build/daemon/rolloutctl/rolloutctl" make-test-model --family qwen3_moe --layers 8 --hidden 1024 --experts 32 \
+     --top-k 4 --heads 16 --kv-heads 4 --head-dim 64 --intermediate 512 --vocab 16384 --dtype float32 --seed 3 \
+     --out "$tmp/qwen3-mid" >"$tmp/make.log" 2>&1; then
+  ckpt_args=(--model-dir "$tmp/qwen3-mid")
+  py=$(command -v python3 || true)
+  if [ -n "$py" ] && timeout 420 "$py" "$here/tests/bench/engine/hf_peer.py" --model "$tmp/qwen3-mid" \
+       --json "$out/bench-engine-peer.json" 2>&1 | tail -5; then
+    ckpt_args+=(--peer "$out/bench-engine-peer.json")
+  else
+    echo "Hugging Face peer unavailable or failed; reporting without it"
+  fi
+else
+  echo "make-test-model failed:"; tail -5 "$tmp/make.log"
+fi
 # shellcheck disable=SC2086
-timeout 900 "$bin" --json "$out/bench-engine.json" ${ROLLOUTD_BENCH_ENGINE_ARGS:-}
+timeout 900 "$bin" --json "$out/bench-engine.json" ${ckpt_args[@]+"${ckpt_args[@]}"} ${ROLLOUTD_BENCH_ENGINE_ARGS:-}

@@ -4,12 +4,21 @@
 // nothing but that the graph and eager runs generate the same greedy tokens.
 //
 //   engine_bench [--json FILE] [--models tiny,mid] [--batches 1,32,256] [--new-tokens N]
+//                [--model-dir DIR [--peer PEER.json]]
+//
+// --model-dir adds model "ckpt": a Hugging Face checkpoint (rolloutctl make-test-model), which
+// tests/bench/engine/hf_peer.py runs with transformers `generate` in the same job; --peer reads
+// its figures and reports ours / peer. Every row also reports the decode floor: the bytes one
+// decode step must read (every non-expert parameter, the experts a batch of B tokens touches,
+// E * (1 - (1 - K/E)^B) per layer under uniform routing, and the KV cache at the run's mean
+// context) over the same-run device copy bandwidth.
 //
 // Models: "tiny" is the embedded default (4 layers, hidden 64: launch-bound, where graphs
 // matter most); "mid" is 8 layers, hidden 1024, 16 heads of 64, 32 experts top-4, expert
 // intermediate 512, vocab 16384 (FP32, the decoder's simple kernels). Weights are random
 // (init_random_weights), never zeros.
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -23,6 +32,7 @@
 
 #include "core/engine/engine.hpp"
 #include "core/model/embedded_model.hpp"
+#include "core/model/hf_checkpoint.hpp"
 #include "core/weights/session.hpp"
 
 #if defined(ROLLOUTD_WITH_CUDA)
@@ -52,6 +62,54 @@ core::ModelConfig model_config(const std::string& name) {
     c.intermediate_size = 2048;
   }
   return c;
+}
+
+// Device-to-device copy bandwidth (bytes/s), 1 GiB, best of 5: the ceiling a decode step's
+// reads are held against (METHOD: the same-run ceiling).
+double copy_bandwidth() {
+#if defined(ROLLOUTD_WITH_CUDA)
+  const size_t n = size_t{1} << 30;
+  void *a = nullptr, *b = nullptr;
+  if (cudaMalloc(&a, n) != cudaSuccess || cudaMalloc(&b, n) != cudaSuccess) return 0;
+  cudaMemset(a, 1, n);
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  float best = 1e30f;
+  for (int i = 0; i < 6; ++i) {
+    cudaEventRecord(e0);
+    cudaMemcpy(b, a, n, cudaMemcpyDeviceToDevice);
+    cudaEventRecord(e1);
+    cudaEventSynchronize(e1);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    if (i > 0) best = std::min(best, ms);
+  }
+  cudaFree(a);
+  cudaFree(b);
+  return 2.0 * static_cast<double>(n) / (best * 1e-3);  // read + write
+#else
+  return 0;
+#endif
+}
+
+// Bytes a decode step of `batch` tokens reads at mean context `ctx` (see the header).
+double decode_step_bytes(const core::MoeDecoder& m, int64_t batch, double ctx) {
+  const core::ModelConfig& c = m.config();
+  double bytes = 0;
+  for (const auto& p : m.weights().parameters()) {
+    const double b = static_cast<double>(p.storage.nbytes());
+    if (p.name.find("mlp.experts.") != std::string::npos) {
+      const double e = static_cast<double>(c.num_experts), k = static_cast<double>(c.num_experts_per_tok);
+      bytes += b * (1.0 - std::pow(1.0 - k / e, static_cast<double>(batch)));  // experts touched
+    } else if (p.name == "model.embed_tokens.weight") {
+      bytes += static_cast<double>(batch * c.hidden_size) * 4;  // the rows looked up
+    } else {
+      bytes += b;
+    }
+  }
+  bytes += 2.0 * static_cast<double>(c.num_hidden_layers * batch * c.num_key_value_heads * c.head_dim) * 4 * ctx;
+  return bytes;
 }
 
 struct RunResult {
@@ -170,7 +228,7 @@ std::vector<std::string> split(const std::string& s) {
 
 int main(int argc, char** argv) {
   using namespace rolloutd;
-  std::string json_path, models = "tiny,mid", batches_arg = "1,32,256";
+  std::string json_path, models = "tiny,mid", batches_arg = "1,32,256", model_dir, peer_path;
   uint32_t new_tokens = 64;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
@@ -178,6 +236,8 @@ int main(int argc, char** argv) {
     else if (a == "--models") models = argv[i + 1];
     else if (a == "--batches") batches_arg = argv[i + 1];
     else if (a == "--new-tokens") new_tokens = static_cast<uint32_t>(std::atoi(argv[i + 1]));
+    else if (a == "--model-dir") model_dir = argv[i + 1];
+    else if (a == "--peer") peer_path = argv[i + 1];
   }
   const Backend* cuda = cuda_backend();
   if (cuda == nullptr || cuda_device_count() == 0) {
@@ -189,11 +249,32 @@ int main(int argc, char** argv) {
   for (const auto& b : split(batches_arg)) batches.push_back(std::atoll(b.c_str()));
   const int64_t max_batch = *std::max_element(batches.begin(), batches.end());
 
-  nlohmann::json out = {{"bench", "engine"}, {"new_tokens", new_tokens}, {"runs", nlohmann::json::array()}};
+  nlohmann::json peer;
+  if (!peer_path.empty()) {
+    std::ifstream f(peer_path);
+    if (f) peer = nlohmann::json::parse(f, nullptr, false);
+  }
+  const double bw = copy_bandwidth();
+  std::printf("device copy bandwidth (same run): %.1f GB/s\n", bw / 1e9);
+  std::vector<std::string> model_names = split(models);
+  if (!model_dir.empty()) model_names.push_back("ckpt");
+  nlohmann::json out = {{"bench", "engine"}, {"new_tokens", new_tokens}, {"copy_bandwidth_bytes_per_s", bw},
+                        {"runs", nlohmann::json::array()}};
+  if (!peer.is_null() && !peer.is_discarded()) out["peer"] = peer;
   std::printf("%-5s %5s %-7s %-7s %12s %10s %10s %10s %8s\n", "model", "batch", "graphs", "records", "decode tok/s",
               "step p50", "step p90", "1st step", "graph/eager");
-  for (const std::string& model : split(models)) {
-    const core::ModelConfig mc = model_config(model);
+  for (const std::string& model : model_names) {
+    core::HfModel hf;
+    core::ModelConfig mc = model_config(model);
+    if (model == "ckpt") {
+      auto opened = core::open_hf_model(model_dir);
+      if (!opened.ok()) {
+        std::fprintf(stderr, "checkpoint: %s\n", opened.status().to_string().c_str());
+        return 1;
+      }
+      hf = std::move(*opened);
+      mc = hf.config;
+    }
     for (const bool graphs : {false, true}) {
       core::StepLimits limits;
       limits.max_seqs = max_batch;
@@ -207,7 +288,14 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "model: %s\n", m.status().to_string().c_str());
         return 1;
       }
-      if (!core::init_random_weights(**m, 7).ok()) return 1;
+      if (model == "ckpt") {
+        if (Status st = core::load_checkpoint(**m, *hf.checkpoint); !st.ok()) {
+          std::fprintf(stderr, "load: %s\n", st.to_string().c_str());
+          return 1;
+        }
+      } else if (!core::init_random_weights(**m, 7).ok()) {
+        return 1;
+      }
       core::EngineOptions eo;
       eo.max_running = max_batch;
       eo.step = limits;
@@ -230,6 +318,8 @@ int main(int argc, char** argv) {
       run(**e, std::min<int64_t>(max_batch, 4), 4, false, "w");
       for (const int64_t batch : batches) {
         nlohmann::json br = {{"batch", batch}};
+        const double floor_ms = bw > 0 ? decode_step_bytes((*e)->model(), batch, 16.0 + new_tokens / 2.0) / bw * 1e3 : 0;
+        br["floor_ms"] = floor_ms;
         for (const bool records : {false, true}) {
           const RunResult r = run(**e, batch, new_tokens, records, records ? "r" : "n");
           std::printf("%-5s %5lld %-7s %-7s %12.0f %9.3fms %9.3fms %9.3fms %5llu/%llu\n", model.c_str(),
@@ -240,8 +330,25 @@ int main(int argc, char** argv) {
               {"decode_tokens_per_s", r.decode_tokens_per_s}, {"step_median_ms", r.step_median_ms},
               {"step_p90_ms", r.step_p90_ms}, {"first_step_ms", r.first_step_ms},
               {"graph_steps", r.graph_steps}, {"eager_steps", r.eager_steps}};
-          if (!records) br["tokens_digest"] = std::hash<std::string>{}(
-              std::string(reinterpret_cast<const char*>(r.tokens.data()), r.tokens.size() * 4));
+          if (!records) {
+            br["tokens_digest"] = std::hash<std::string>{}(
+                std::string(reinterpret_cast<const char*>(r.tokens.data()), r.tokens.size() * 4));
+            br["step_over_floor"] = floor_ms > 0 ? r.step_median_ms / floor_ms : 0;
+            std::printf("%-5s %5lld %-7s floor %.3f ms: step / floor %.2f", model.c_str(), static_cast<long long>(batch),
+                        graphs ? "on" : "off", floor_ms, floor_ms > 0 ? r.step_median_ms / floor_ms : 0.0);
+            if (model == "ckpt" && peer.contains("batches") && peer["batches"].contains(std::to_string(batch))) {
+              const auto& pb = peer["batches"][std::to_string(batch)];
+              const double ratio = r.decode_tokens_per_s / pb["decode_tokens_per_s"].get<double>();
+              const auto first = std::vector<int32_t>(r.tokens.begin(), r.tokens.begin() + new_tokens);
+              const bool same = pb["first_tokens"].get<std::vector<int32_t>>() == first;
+              br["peer_decode_tokens_per_s"] = pb["decode_tokens_per_s"];
+              br["over_peer"] = ratio;
+              br["first_request_tokens_equal_peer"] = same;
+              std::printf(", HF peer %.0f tok/s: %.2f x peer, request 0 greedy tokens %s", 
+                          pb["decode_tokens_per_s"].get<double>(), ratio, same ? "equal" : "differ");
+            }
+            std::printf("\n");
+          }
         }
         // The first decode step after a full weight update, against the steady state.
         push_own_weights(**e, static_cast<uint64_t>(batch));
