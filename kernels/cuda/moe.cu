@@ -85,6 +85,20 @@ __global__ void router_softmax_topk_kernel(int32_t* __restrict__ ids, float* __r
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
+// silu(gate_i . x) * (up_i . x) for row i of one expert's gate/up block [2I, H] (interleaved or
+// concatenated rows), the dot products reduced by the calling warp: every lane returns it.
+__device__ __forceinline__ float swiglu_row(const float* __restrict__ gu, const float* __restrict__ xr, int64_t i,
+                                            int64_t hidden, int64_t inter, bool interleaved, int lane) {
+  const float* gate_row = gu + (interleaved ? 2 * i : i) * hidden;
+  const float* up_row = gu + (interleaved ? 2 * i + 1 : inter + i) * hidden;
+  float g = 0.0f, u = 0.0f;
+  for (int64_t c = lane; c < hidden; c += 32) {
+    g += gate_row[c] * xr[c];
+    u += up_row[c] * xr[c];
+  }
+  return silu(warp_sum(g)) * warp_sum(u);
+}
+
 // One block per token row. Warp w owns gate/up rows i = w, w + kMoeWarps, ... and output
 // columns j = w, w + kMoeWarps, ...; lanes stride along each weight row (coalesced) and a
 // warp reduction finishes each dot product. h = silu(gate) * up of the current expert sits
@@ -119,16 +133,8 @@ __global__ void __launch_bounds__(kMoeThreads)
 
     const float* gu = w_gate_up + e * 2 * inter * hidden;
     for (int64_t i = warp; i < inter; i += kMoeWarps) {
-      const float* gate_row = gu + (interleaved ? 2 * i : i) * hidden;
-      const float* up_row = gu + (interleaved ? 2 * i + 1 : inter + i) * hidden;
-      float g = 0.0f, u = 0.0f;
-      for (int64_t c = lane; c < hidden; c += 32) {
-        g += gate_row[c] * xr[c];
-        u += up_row[c] * xr[c];
-      }
-      g = warp_sum(g);
-      u = warp_sum(u);
-      if (lane == 0) h[i] = silu(g) * u;
+      const float v = swiglu_row(gu, xr, i, hidden, inter, interleaved, lane);
+      if (lane == 0) h[i] = v;
     }
     __syncthreads();
 
@@ -174,16 +180,8 @@ __global__ void __launch_bounds__(kMoeThreads)
   const float* gu = w_gate_up + e * 2 * inter * hidden;
   for (int64_t i = static_cast<int64_t>(blockIdx.y) * kRowsPerBlock + warp;
        i < inter && i < (static_cast<int64_t>(blockIdx.y) + 1) * kRowsPerBlock; i += kMoeWarps) {
-    const float* gate_row = gu + (interleaved ? 2 * i : i) * hidden;
-    const float* up_row = gu + (interleaved ? 2 * i + 1 : inter + i) * hidden;
-    float g = 0.0f, u = 0.0f;
-    for (int64_t c = lane; c < hidden; c += 32) {
-      g += gate_row[c] * xr[c];
-      u += up_row[c] * xr[c];
-    }
-    g = warp_sum(g);
-    u = warp_sum(u);
-    if (lane == 0) h[pair * inter + i] = silu(g) * u;
+    const float v = swiglu_row(gu, xr, i, hidden, inter, interleaved, lane);
+    if (lane == 0) h[pair * inter + i] = v;
   }
 }
 
