@@ -74,7 +74,8 @@ Result<BeginResult> WeightUpdater::begin(const std::vector<std::string>& selecto
 
 Result<BucketResult> WeightUpdater::apply_bucket(uint64_t session, std::span<const BucketEntry> entries,
                                                  std::span<const uint8_t> bucket, std::optional<uint32_t> crc,
-                                                 SteadyClock::time_point now, bool on_device) {
+                                                 SteadyClock::time_point now, bool on_device,
+                                                 bool wait_device) {
   RD_RETURN_IF_ERROR(check_session(session));
   const auto t0 = SteadyClock::now();
   if (entries.empty()) return Status(ErrorCode::kInvalidArgument, "bucket has no entries", "entries");
@@ -138,7 +139,7 @@ Result<BucketResult> WeightUpdater::apply_bucket(uint64_t session, std::span<con
       return Status(s.code(), s.message(), entry_field(i, ""));
     }
   }
-  if (on_device) {
+  if (on_device && wait_device) {
     // The reply that follows promises the bytes are in place: wait for the device copies.
     Status s = reg_.backend().synchronize(reg_.context());
     if (!s.ok()) {

@@ -65,9 +65,12 @@ class WeightUpdater {
                             SteadyClock::time_point now);
   // `bucket` is the whole flat buffer the entries' byte offsets refer to.
   // `on_device`: the bucket lives on the model's CUDA device (NCCL staging, CUDA IPC).
+  // `wait_device` (on_device only): synchronize the device copies before returning. false leaves
+  // them queued on the model's stream: the caller must wait for that stream before it tells the
+  // producer its memory is free, and abort() the session if the queued work fails.
   Result<BucketResult> apply_bucket(uint64_t session, std::span<const BucketEntry> entries,
                                     std::span<const uint8_t> bucket, std::optional<uint32_t> crc32,
-                                    SteadyClock::time_point now, bool on_device = false);
+                                    SteadyClock::time_point now, bool on_device = false, bool wait_device = true);
   Result<EndResult> end(uint64_t session, uint64_t weight_version, SteadyClock::time_point now);
   // Ends the session without a new version. Returns whether the model is whole afterwards.
   Result<bool> abort(uint64_t session, const std::string& why);

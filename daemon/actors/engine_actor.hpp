@@ -43,7 +43,9 @@ class EngineActor {
   void check_session_deadline();
   // Device transports (engine_weights.cpp): joins and NCCL buckets complete asynchronously;
   // weight commands that arrive meanwhile wait in order behind them.
-  bool has_pending_device_work() const { return pending_join_.has_value() || !pending_buckets_.empty(); }
+  bool has_pending_device_work() const {
+    return pending_join_.has_value() || !pending_buckets_.empty() || !pending_ipc_.empty();
+  }
   // An NCCL bucket that may start while the previous bucket of its group is still being
   // received (double-buffered staging): nothing else waits before it.
   bool can_pipeline(const WeightCommand& cmd) const;
@@ -51,6 +53,10 @@ class EngineActor {
   void fail_pending_buckets(const Status& why);
   void poll_device_work();
   void start_nccl_bucket(WeightCommand& cmd);
+  // CUDA IPC buckets whose copies are queued: replied in order as their fences complete.
+  void poll_pending_ipc();
+  // Waits for every queued IPC copy and answers its bucket: ok, or `why` when given.
+  void settle_pending_ipc(const Status* why);
   void finish_session_resources();
   // Memory release/resume (engine_memory.cpp): only while idle; the reply comes after the
   // memory is unmapped (or mapped and its static state written back).
@@ -63,6 +69,9 @@ class EngineActor {
   // Applies a bucket already in host or device memory and replies.
   void apply_and_reply(uint64_t client, uint64_t envelope_id, const protocol::UpdateWeightsRequest& r,
                        std::span<const uint8_t> bucket, bool on_device);
+  // A CUDA IPC bucket: validated and its copies queued now, answered by poll_pending_ipc().
+  void apply_ipc_bucket(uint64_t client, uint64_t envelope_id, const protocol::UpdateWeightsRequest& r,
+                        std::span<const uint8_t> bucket);
 
   std::unique_ptr<core::Engine> engine_;
   std::unique_ptr<MailboxEnd> mailbox_;
@@ -86,6 +95,14 @@ class EngineActor {
   std::optional<PendingJoin> pending_join_;
   std::deque<PendingBucket> pending_buckets_;  // oldest first, all of one group, at most 2
   std::deque<WeightCommand> deferred_;
+  struct PendingIpc {
+    uint64_t client = 0, envelope_id = 0, session = 0;
+    core::BucketResult result;
+    DeviceFence copied;  // after the bucket's copies on the model's stream
+  };
+  // Oldest first. The producer's memory is read until a bucket's fence completes; its reply
+  // (the producer's licence to reuse that memory) is sent only then.
+  std::deque<PendingIpc> pending_ipc_;
   struct Staging {
     void* ptr = nullptr;  // NCCL receive buffer (device), grown on demand, kept across sessions
     uint64_t bytes = 0;

@@ -93,7 +93,58 @@ void EngineActor::check_session_deadline() {
   if (!engine_->updater().whole() && !engine_->updater().broken_reason().empty()) on_model_broken(*expired);
 }
 
+void EngineActor::poll_pending_ipc() {
+  auto& u = engine_->updater();
+  while (!pending_ipc_.empty()) {
+    Result<bool> done = pending_ipc_.front().copied.done();
+    if (done.ok() && !*done) return;
+    if (!done.ok()) {
+      // A device fault under a copy: nothing queued can be trusted. Fail the session closed
+      // (the parameters it wrote are marked) and answer every bucket in flight with the error.
+      const Status why = done.status();
+      settle_pending_ipc(&why);
+      if (u.session_open()) {
+        (void)u.abort(u.session_id(), "CUDA IPC copy failed: " + why.message());
+        metrics_.on_weight_session("failed", 0);
+        finish_session_resources();
+        if (!u.broken_reason().empty()) on_model_broken(why);
+      }
+      return;
+    }
+    PendingIpc b = std::move(pending_ipc_.front());
+    pending_ipc_.pop_front();
+    metrics_.add_weight_update_bytes(b.result.num_bytes);
+    reply(b.client, protocol::encode_reply(b.envelope_id,
+                                           protocol::UpdateWeightsReply{b.session, b.result.num_entries,
+                                                                        b.result.num_bytes, b.result.duration_s}));
+  }
+}
+
+void EngineActor::settle_pending_ipc(const Status* why) {
+  while (!pending_ipc_.empty()) {
+    PendingIpc b = std::move(pending_ipc_.front());
+    pending_ipc_.pop_front();
+    // Waits on a device-to-device copy only (it depends on no peer): bounded by the device.
+    Status s = b.copied.wait();
+    if (s.ok() && why) s = *why;
+    if (!s.ok()) {
+      reply_error(b.client, b.envelope_id, s);
+      continue;
+    }
+    metrics_.add_weight_update_bytes(b.result.num_bytes);
+    reply(b.client, protocol::encode_reply(b.envelope_id,
+                                           protocol::UpdateWeightsReply{b.session, b.result.num_entries,
+                                                                        b.result.num_bytes, b.result.duration_s}));
+  }
+}
+
 void EngineActor::finish_session_resources() {
+  // No mapping is closed under a copy still reading it, and every bucket gets its one reply.
+  if (!pending_ipc_.empty()) {
+    const Status ended(ErrorCode::kAborted, "the weight-update session ended before this bucket was acknowledged",
+                       "body.session");
+    settle_pending_ipc(&ended);
+  }
   if (ipc_) {
     const size_t n = ipc_->close_all();
     if (n) obs::log_debug("ipc", "closed handles", {{"count", n}});
@@ -125,6 +176,51 @@ void EngineActor::apply_and_reply(uint64_t client, uint64_t envelope_id, const p
   metrics_.add_weight_update_bytes(a->num_bytes);
   reply(client, protocol::encode_reply(envelope_id, protocol::UpdateWeightsReply{r.session, a->num_entries,
                                                                                  a->num_bytes, a->duration_s}));
+}
+
+void EngineActor::apply_ipc_bucket(uint64_t client, uint64_t envelope_id, const protocol::UpdateWeightsRequest& r,
+                                   std::span<const uint8_t> bucket) {
+  // NOTES: the copies are queued and acknowledged from poll_pending_ipc() when their fence
+  // completes, not synchronized here: a synchronize per bucket left the device idle for the
+  // reply's trip and the next request's handling (~100 us per bucket, issue 7). The trainer
+  // keeps several buckets in flight, so the next bucket's copies queue behind this one's.
+  if (r.checksum) {
+    // Checksummed buckets (tests) take the synchronous path: the CRC reads a host copy anyway.
+    settle_pending_ipc(nullptr);
+    return apply_and_reply(client, envelope_id, r, bucket, true);
+  }
+  auto& u = engine_->updater();
+  std::vector<core::BucketEntry> entries;
+  entries.reserve(r.entries.size());
+  for (const auto& e : r.entries) entries.push_back({e.name, e.dtype, e.shape, e.byte_offset, e.nbytes});
+  auto a = u.apply_bucket(r.session, entries, bucket, std::nullopt, Clock::now(), true, /*wait_device=*/false);
+  if (!a.ok()) {
+    // Refused (nothing written: the session stays open) or a write failure (closed, and its
+    // queued copies are waited for by finish_session_resources before the handles close).
+    settle_pending_ipc(nullptr);
+    if (!u.session_open()) {
+      metrics_.on_weight_session("failed", 0);
+      finish_session_resources();
+    }
+    if (!u.broken_reason().empty() && !u.session_open()) on_model_broken(a.status());
+    return reply_error(client, envelope_id, in_body(a.status()));
+  }
+  auto fence = DeviceFence::record(engine_->model().context().stream);
+  if (!fence.ok()) {
+    // No event: fall back to waiting here, as the synchronous path does.
+    settle_pending_ipc(nullptr);
+    if (Status s = engine_->model().backend().synchronize(engine_->model().context()); !s.ok()) {
+      (void)u.abort(r.session, "CUDA IPC copy failed: " + s.message());
+      metrics_.on_weight_session("failed", 0);
+      finish_session_resources();
+      if (!u.broken_reason().empty()) on_model_broken(s);
+      return reply_error(client, envelope_id, s);
+    }
+    metrics_.add_weight_update_bytes(a->num_bytes);
+    return reply(client, protocol::encode_reply(envelope_id, protocol::UpdateWeightsReply{
+                                                                 r.session, a->num_entries, a->num_bytes, a->duration_s}));
+  }
+  pending_ipc_.push_back(PendingIpc{client, envelope_id, r.session, *a, std::move(*fence)});
 }
 
 void EngineActor::start_nccl_bucket(WeightCommand& cmd) {
@@ -172,8 +268,12 @@ void EngineActor::start_nccl_bucket(WeightCommand& cmd) {
 
 bool EngineActor::can_pipeline(const WeightCommand& cmd) const {
   using namespace protocol;
-  if (pending_join_ || pending_buckets_.empty()) return false;
   const auto* r = std::get_if<UpdateWeightsRequest>(&cmd.request);
+  // The next CUDA IPC bucket is queued behind the copies of the previous ones (same stream), so
+  // the device never idles between buckets; anything else (end, abort, other sources) waits.
+  if (!pending_ipc_.empty())
+    return !pending_join_ && pending_buckets_.empty() && r && std::holds_alternative<CudaIpcSource>(r->source);
+  if (pending_join_ || pending_buckets_.empty()) return false;
   if (!r) return false;
   const auto* src = std::get_if<NcclSource>(&r->source);
   if (!src || src->group != std::get<NcclSource>(pending_buckets_.front().request.source).group) return false;
@@ -244,6 +344,7 @@ void EngineActor::poll_device_work() {
     apply_and_reply(b.client, b.envelope_id, b.request, {static_cast<const uint8_t*>(staging_[b.slot].ptr), size},
                     true);
   }
+  poll_pending_ipc();
   while (!deferred_.empty() && (!has_pending_device_work() || can_pipeline(deferred_.front()))) {
     WeightCommand next = std::move(deferred_.front());
     deferred_.pop_front();
@@ -303,8 +404,11 @@ void EngineActor::handle_weights(WeightCommand& cmd) {
       if (!ipc_) ipc_ = std::make_unique<CudaIpcImporter>(config_.gpu);
       auto p = ipc_->map(ipc->handle, ipc->offset, ipc->size, ipc->device_uuid);
       metrics_.set_ipc_handles_open(ipc_->num_open());
-      if (!p.ok()) return reply_error(cmd.client, id, p.status());
-      return apply_and_reply(cmd.client, id, *r, {*p, ipc->size}, true);
+      if (!p.ok()) {
+        settle_pending_ipc(nullptr);  // earlier buckets are answered first, in order
+        return reply_error(cmd.client, id, p.status());
+      }
+      return apply_ipc_bucket(cmd.client, id, *r, {*p, ipc->size});
     }
     return reply_error(cmd.client, id, Status(ErrorCode::kInternal, "unknown bucket source", "body.source"));
   }

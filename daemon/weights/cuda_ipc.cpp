@@ -32,7 +32,11 @@ Result<const uint8_t*> CudaIpcImporter::map(const std::string& handle, uint64_t 
   // report this daemon's device for it (tried on the GPU host: H200, CUDA 13, driver 580), and
   // the open refuses flags without cudaIpcMemLazyEnablePeerAccess. Such a handle still only
   // reads memory its sender exported on purpose.
-  if (device_uuid != cuda_device_uuid(device_))
+  if (!uuid_read_) {
+    uuid_ = cuda_device_uuid(device_);
+    uuid_read_ = !uuid_.empty();
+  }
+  if (device_uuid != uuid_)
     return Status(ErrorCode::kInvalidArgument,
                   "the handle belongs to another GPU than this daemon's (device_uuid mismatch): send it to the "
                   "daemon colocated with the trainer's device, or use nccl",
@@ -94,7 +98,65 @@ size_t CudaIpcImporter::close_all() {
   return n;
 }
 
+DeviceFence& DeviceFence::operator=(DeviceFence&& o) noexcept {
+  if (this != &o) {
+    if (event_) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+    event_ = o.event_;
+    o.event_ = nullptr;
+  }
+  return *this;
+}
+
+DeviceFence::~DeviceFence() {
+  if (event_) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+}
+
+Result<DeviceFence> DeviceFence::record(void* stream) {
+  DeviceFence f;
+  cudaEvent_t e = nullptr;
+  if (cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming); err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return Status(ErrorCode::kInternal, std::string("cudaEventCreate: ") + cudaGetErrorString(err));
+  }
+  f.event_ = e;
+  if (cudaError_t err = cudaEventRecord(e, static_cast<cudaStream_t>(stream)); err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return Status(ErrorCode::kInternal, std::string("cudaEventRecord: ") + cudaGetErrorString(err));
+  }
+  return f;
+}
+
+Result<bool> DeviceFence::done() const {
+  if (!event_) return true;
+  const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(event_));
+  if (e == cudaSuccess) return true;
+  if (e == cudaErrorNotReady) return false;
+  (void)cudaGetLastError();
+  return Status(ErrorCode::kInternal, std::string("device copy failed: ") + cudaGetErrorString(e));
+}
+
+Status DeviceFence::wait() const {
+  if (!event_) return Status::Ok();
+  if (cudaError_t e = cudaEventSynchronize(static_cast<cudaEvent_t>(event_)); e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return Status(ErrorCode::kInternal, std::string("device copy failed: ") + cudaGetErrorString(e));
+  }
+  return Status::Ok();
+}
+
 #else
+
+DeviceFence& DeviceFence::operator=(DeviceFence&& o) noexcept {
+  event_ = o.event_;
+  o.event_ = nullptr;
+  return *this;
+}
+DeviceFence::~DeviceFence() = default;
+Result<DeviceFence> DeviceFence::record(void*) {
+  return Status(ErrorCode::kUnimplemented, "this daemon was built without CUDA");
+}
+Result<bool> DeviceFence::done() const { return true; }
+Status DeviceFence::wait() const { return Status::Ok(); }
 
 std::string cuda_device_uuid(int) { return {}; }
 Result<const uint8_t*> CudaIpcImporter::map(const std::string&, uint64_t, uint64_t, const std::string&) {

@@ -37,8 +37,34 @@ class CudaIpcImporter {
     uint64_t extent = 0;
   };
   int device_;
+  // NOTES: cudaGetDeviceProperties costs tens of microseconds per call on CUDA 12/13 (it reads
+  // every attribute); it was paid on every bucket. The device's UUID cannot change: read once.
+  std::string uuid_;
+  bool uuid_read_ = false;
   std::map<std::string, Mapping> open_;
   uint64_t opened_total_ = 0;
+};
+
+// Completion of device work queued on a stream (a cudaEvent recorded after it): lets the engine
+// loop acknowledge a CUDA IPC bucket when its copies are done instead of blocking in a
+// synchronize, so the next bucket's copies are queued while the previous one is still running.
+class DeviceFence {
+ public:
+  DeviceFence() = default;
+  DeviceFence(DeviceFence&& o) noexcept : event_(o.event_) { o.event_ = nullptr; }
+  DeviceFence& operator=(DeviceFence&& o) noexcept;
+  DeviceFence(const DeviceFence&) = delete;
+  DeviceFence& operator=(const DeviceFence&) = delete;
+  ~DeviceFence();
+  // Records the fence after everything queued so far on `stream` (a cudaStream_t).
+  static Result<DeviceFence> record(void* stream);
+  // true: the work is done; false: still running; an error: the device work failed.
+  Result<bool> done() const;
+  // Blocks until the work is done (bounded by the device: the work waits on nothing else).
+  Status wait() const;
+
+ private:
+  void* event_ = nullptr;
 };
 
 }  // namespace rolloutd::daemon

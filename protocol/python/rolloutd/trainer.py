@@ -61,6 +61,15 @@ _ENTRY_OVERHEAD = 72
 _ENVELOPE_SLACK = 4096
 # Buckets in flight per daemon: its staging is double-buffered (SPEC §11.7).
 _PIPELINE_DEPTH = 2
+# CUDA IPC buckets in flight per daemon: it queues each bucket's copies behind the previous
+# one's and acknowledges each when its copies are done, so the device stays busy as long as the
+# next request is already there. Staged (packed) buckets are also bounded by the two slots.
+_IPC_PIPELINE_DEPTH = 4
+# CUDA IPC: a tensor at least this big in a bucket that would be packed is sent from where it
+# lies as a bucket of its own. Packing it copies its bytes once more on the same GPU (the
+# daemon's copy is the other), ~2 x size / 2 TB/s; a bucket more costs ~20-40 us of messages that
+# overlap the copies in flight: the two break even near 40 MB.
+_IPC_SPLIT_DIRECT_BYTES = 64 << 20
 # After a failed bucket: how long to wait for broadcasts already posted before giving the
 # group up (aborting it); a broadcast that does not complete means the ranks are out of step.
 _SETTLE_S = 10.0
@@ -238,11 +247,15 @@ def _direct_layout(items: Sequence[TensorInfo], device: Optional[int]) -> Option
 def plan_buckets(items: Sequence[TensorInfo], bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
                  max_entries: int = 65536, max_envelope_bytes: int = 4 << 20, align: int = DEFAULT_ALIGN,
                  direct_device: Optional[int] = None,
-                 can_direct: Optional[Callable[[Sequence[TensorInfo]], bool]] = None) -> List[PlannedBucket]:
+                 can_direct: Optional[Callable[[Sequence[TensorInfo]], bool]] = None,
+                 split_direct_bytes: Optional[int] = None) -> List[PlannedBucket]:
     """Greedy, in order: a bucket closes when the next tensor would take its aligned size past
     `bucket_bytes` (a bigger tensor travels alone), past `max_entries` entries, or its entries past
     the envelope bound. A bucket whose tensors lie back to back on `direct_device` (and that
-    `can_direct` accepts) is direct; the others are packed at `align`-byte offsets."""
+    `can_direct` accepts) is direct; the others are packed at `align`-byte offsets.
+    `split_direct_bytes`: in a bucket that would be packed, each tensor of at least that many
+    bytes that could be sent from where it lies becomes a direct bucket of its own instead (CUDA
+    IPC: packing costs a copy of those bytes on the same GPU, a bucket more only a message)."""
     if bucket_bytes < 1 or align < 1 or max_entries < 1:
         raise ValueError("bucket_bytes, align and max_entries must be >= 1")
     max_envelope = max(max_envelope_bytes - _ENVELOPE_SLACK, 1)
@@ -260,6 +273,22 @@ def plan_buckets(items: Sequence[TensorInfo], bucket_bytes: int = DEFAULT_BUCKET
         envelope += _envelope_bytes(t)
     if current:
         groups.append(current)
+
+    if split_direct_bytes is not None:
+        split: List[List[TensorInfo]] = []
+        for g in groups:
+            if len(g) > 1 and _direct_layout(g, direct_device) is None:
+                big = [t for t in g if t.nbytes >= split_direct_bytes and _direct_layout([t], direct_device)
+                       is not None and (can_direct is None or can_direct([t]))]
+                if big:
+                    ids = {id(t) for t in big}
+                    rest = [t for t in g if id(t) not in ids]
+                    split.extend([t] for t in big)
+                    if rest:
+                        split.append(rest)
+                    continue
+            split.append(g)
+        groups = split
 
     buckets = []
     for g in groups:
@@ -416,15 +445,24 @@ def _pack_into(buffer: Any, bucket: PlannedBucket) -> None:
     Contiguous sources on the buffer's device are copied as bytes by one multi-tensor kernel
     (_foreach_copy_) where torch has it; others (strided, on the host or another GPU) one by one."""
     torch = _torch()
+    # Every destination view in one call (split_with_sizes over [gap, tensor, gap, tensor, ...]):
+    # a Python slice per tensor was a measurable share of the per-tensor cost.
+    sizes, last = [], 0
+    for e in bucket.entries:
+        if e.nbytes:
+            sizes += [e.byte_offset - last, e.nbytes]
+            last = e.byte_offset + e.nbytes
+    views = iter(buffer[:last].split_with_sizes(sizes)[1::2]) if sizes else iter(())
     dsts, srcs = [], []
+    device = buffer.device
     for item, e in zip(bucket.items, bucket.entries):
         if e.nbytes == 0:
             continue
-        dst = buffer[e.byte_offset:e.byte_offset + e.nbytes]
+        dst = next(views)
         src = item.tensor
-        if src.is_cuda and src.device == buffer.device and src.is_contiguous():
+        if src.is_cuda and src.device == device and src.is_contiguous():
             dsts.append(dst)
-            srcs.append(src.reshape(-1).view(torch.uint8))
+            srcs.append((src if src.dim() == 1 else src.reshape(-1)).view(torch.uint8))
         else:
             dst.view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
     if not dsts:
@@ -468,6 +506,12 @@ class _Exporter:
     def export(self, ptr: int) -> Tuple[bytes, int, int]:
         """(64-byte handle, offset of ptr in its allocation, allocation size). Raises for memory
         that cannot be exported (e.g. PyTorch's expandable segments, which are not cudaMalloc'd)."""
+        # An address inside an allocation seen already needs no driver call (one push exports
+        # every bucket of the same few allocations). Allocations are not freed during a push:
+        # the caller holds the tensors.
+        for base, (handle, size) in self._by_base.items():
+            if base <= ptr < base + size:
+                return handle, ptr - base, size
         cupy = _cupy()
         with cupy.cuda.Device(self.device):
             base, size = _address_range(ptr)
@@ -1071,12 +1115,17 @@ def push_weights(clients: Sequence[Client], named_tensors: Any, weight_version: 
                 raise ValueError(f"cuda:{dev} is not the daemons' GPU (uuid {wanted.hex()})")
         handle_uuid = wanted
     backend = _backend if _backend is not None else _TorchBackend(dev, ipc=(via == "cuda_ipc"))
+    t_describe = time.monotonic()
     items = [backend.describe(i, name, t) for i, (name, t) in enumerate(_named(named_tensors))]
+    t_plan = time.monotonic()
+    stats["describe_s"] = t_plan - t_describe
     buckets = plan_buckets(items, bucket_bytes,
                            max_entries=max(1, min(c.limits.max_bucket_entries for c in clients)),
                            max_envelope_bytes=min(c.limits.max_envelope_bytes for c in clients),
                            direct_device=backend.device if direct else None,
-                           can_direct=backend.can_direct)
+                           can_direct=backend.can_direct,
+                           split_direct_bytes=_IPC_SPLIT_DIRECT_BYTES if via == "cuda_ipc" else None)
+    stats["plan_s"] = time.monotonic() - t_plan
     packed = [b.size for b in buckets if not b.direct]
     if packed:
         backend.allocate(max(packed), min(len(packed), 2))
@@ -1092,12 +1141,13 @@ def push_weights(clients: Sequence[Client], named_tensors: Any, weight_version: 
         if via == "nccl":
             _send_nccl(clients, sessions, buckets, backend, group, checksum)
         else:
-            _send_ipc(clients, sessions, buckets, backend, handle_uuid, checksum)
+            _send_ipc(clients, sessions, buckets, backend, handle_uuid, checksum, stats)
         buckets_done_t = time.monotonic()
         stats["buckets_s"] = buckets_done_t - stats["first_bucket_t"]
         ends = _fan_out(clients, [EndWeightUpdateRequest(s, weight_version) for s in sessions], EndWeightUpdateReply)
         stats["end_t"] = time.monotonic()
         stats["end_s"] = stats["end_t"] - buckets_done_t
+        stats["end_postprocess_s"] = max((getattr(e, "postprocess_s", 0.0) or 0.0) for e in ends)
         stats["transfer_s"] = stats["end_t"] - stats["first_bucket_t"]
         return ends
     except BaseException:
@@ -1165,34 +1215,56 @@ def _send_nccl(clients: List[Client], sessions: List[int], buckets: List[Planned
 
 
 def _send_ipc(clients: List[Client], sessions: List[int], buckets: List[PlannedBucket], backend: Any,
-              uuid_bytes: bytes, checksum: bool) -> None:
+              uuid_bytes: bytes, checksum: bool, stats: Optional[Dict[str, Any]] = None) -> None:
+    """Up to _IPC_PIPELINE_DEPTH buckets in flight per daemon. `stats` receives where the time went
+    (seconds, summed over buckets): pack_s (staging copies, waited for: the daemon reads on its own
+    stream), export_s (IPC handles), send_s (encode and send), wait_s (blocked on replies),
+    reply_latency_s (send to reply received) and daemon_apply_s (the daemons' own apply time)."""
     in_flight: Deque = collections.deque()
     collected = set()
+    t = dict(pack_s=0.0, export_s=0.0, send_s=0.0, wait_s=0.0, reply_latency_s=0.0, daemon_apply_s=0.0)
+    clock = time.perf_counter
 
     def collect_oldest() -> None:
-        i, pendings = in_flight.popleft()
-        _collect(clients, pendings)
+        i, sent_t, pendings = in_flight.popleft()
+        t0 = clock()
+        replies = _collect(clients, pendings)
+        t1 = clock()
+        t["wait_s"] += t1 - t0
+        t["reply_latency_s"] += t1 - sent_t
+        t["daemon_apply_s"] += sum(getattr(r, "duration_s", 0.0) or 0.0 for r in replies if r is not None)
         collected.add(i)
 
-    for i, b in enumerate(buckets):
-        while len(in_flight) >= _PIPELINE_DEPTH:
-            collect_oldest()
-        slot = None
-        if not b.direct:
-            slot = backend.next_slot()
-            # The daemon reads the staging buffer until its reply: reuse it only after that.
-            while slot.user is not None and slot.user not in collected:
+    try:
+        for i, b in enumerate(buckets):
+            while len(in_flight) >= _IPC_PIPELINE_DEPTH:
                 collect_oldest()
-            slot.user = i
-        prep = backend.prepare(b, slot)
-        handle, offset = backend.export(prep)
-        crc = zlib.crc32(backend.host_bytes(prep)) if checksum else None
-        pendings = [c.update_weights_cuda_ipc(s, b.entries, handle, offset, b.size, uuid_bytes, crc, wait=False)
-                    for c, s in zip(clients, sessions)]
-        in_flight.append((i, pendings))
-    while in_flight:
-        collect_oldest()
-
+            slot = None
+            if not b.direct:
+                slot = backend.next_slot()
+                # The daemon reads the staging buffer until its reply: reuse it only after that.
+                while slot.user is not None and slot.user not in collected:
+                    collect_oldest()
+                slot.user = i
+            t0 = clock()
+            prep = backend.prepare(b, slot)
+            t1 = clock()
+            handle, offset = backend.export(prep)
+            t2 = clock()
+            crc = zlib.crc32(backend.host_bytes(prep)) if checksum else None
+            t2 = clock() if checksum else t2
+            pendings = [c.update_weights_cuda_ipc(s, b.entries, handle, offset, b.size, uuid_bytes, crc, wait=False)
+                        for c, s in zip(clients, sessions)]
+            t3 = clock()
+            t["pack_s"] += t1 - t0
+            t["export_s"] += t2 - t1
+            t["send_s"] += t3 - t2
+            in_flight.append((i, t3, pendings))
+        while in_flight:
+            collect_oldest()
+    finally:
+        if stats is not None:
+            stats.update(t)
 
 
 def _main(argv: Sequence[str]) -> int:

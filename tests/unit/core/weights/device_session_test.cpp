@@ -101,6 +101,19 @@ TEST(DeviceBuckets, DeviceResidentBucketEqualsTheHostPath) {
   ASSERT_TRUE(u.end(s->session, 1, now).ok());
   EXPECT_EQ(checkpoint_of(*gpu_model), expected);
   for (const auto& p : gpu_model->weights().parameters()) EXPECT_EQ(addrs[p.name], p.storage.data) << p.name;
+
+  // wait_device=false (the daemon's CUDA IPC path): the copies stay queued on the model's stream
+  // until the caller waits for it; then the bucket is in place as with the synchronous path.
+  const std::vector<uint8_t> zeros(bytes.size(), 0);
+  ASSERT_TRUE(g.copy(ctx, dev, zeros.data(), zeros.size(), CopyKind::kHostToDevice).ok());
+  auto s2 = u.begin({}, 60, now);
+  ASSERT_TRUE(s2.ok());
+  auto r2 = u.apply_bucket(s2->session, entries, dbucket, std::nullopt, now, true, /*wait_device=*/false);
+  ASSERT_TRUE(r2.ok()) << r2.status().to_string();
+  ASSERT_TRUE(g.synchronize(ctx).ok());
+  ASSERT_TRUE(u.end(s2->session, 2, now).ok());
+  const auto after = checkpoint_of(*gpu_model);
+  for (const auto& [name, b] : want) EXPECT_EQ(after.at(name), std::vector<uint8_t>(b.size(), 0)) << name;
   (void)g.free(ctx, dev);
 }
 

@@ -127,6 +127,14 @@ class Tensor:
         start, stop, _ = key.indices(self.shape[0])
         return Tensor(self.ptr + start * self.dtype.itemsize, (max(stop - start, 0),), self.dtype)
 
+    def split_with_sizes(self, sizes):
+        assert self.dim() == 1 and sum(sizes) == self.shape[0], "split_with_sizes must cover the tensor"
+        out, start = [], 0
+        for n in sizes:
+            out.append(self[start:start + n])
+            start += n
+        return out
+
     # data
     def copy_(self, src, non_blocking=False):
         data = src._bytes().tobytes() if src.dtype is self.dtype else _convert(src, self.dtype)

@@ -206,6 +206,25 @@ def test_plan_direct_buckets_from_back_to_back_device_tensors():
     assert not plan_buckets(items, 1 << 20, direct_device=0, can_direct=lambda g: False)[0].direct
 
 
+def test_plan_split_sends_big_separate_tensors_directly_and_packs_the_rest():
+    # Three allocations far apart: not one direct bucket. With split_direct_bytes the two big ones
+    # go from where they lie (one bucket each), the small ones are packed together, in order.
+    items = [info("big0", 4096, 1 << 32, 0), info("s0", 10, None, None), info("big1", 8192, 2 << 32, 0),
+             info("s1", 10, 3 << 32, 0)]
+    plain = plan_buckets(items, bucket_bytes=1 << 20, direct_device=0)
+    assert len(plain) == 1 and not plain[0].direct
+    split = plan_buckets(items, 1 << 20, direct_device=0, split_direct_bytes=4096)
+    assert [[e.name for e in b.entries] for b in split] == [["big0"], ["big1"], ["s0", "s1"]]
+    assert [b.direct for b in split] == [True, True, False]
+    assert split[0].direct_ptr == 1 << 32 and split[1].direct_ptr == 2 << 32
+    assert [e.byte_offset for e in split[2].entries] == [0, 256]
+    # A veto keeps them packed; a bucket already direct is left as it is.
+    assert len(plan_buckets(items, 1 << 20, direct_device=0, can_direct=lambda g: False, split_direct_bytes=1)) == 1
+    flat = [info("a", 4096, 1 << 32, 0), info("b", 4096, (1 << 32) + 4096, 0)]
+    (b,) = plan_buckets(flat, 1 << 20, direct_device=0, split_direct_bytes=1)
+    assert b.direct and len(b.entries) == 2
+
+
 # -------------------------------------------------------------------------------- checksums --
 def bf16_reference(u):
     """float32 bits -> bfloat16 bits, round to nearest even, NaN quieted (kernels/bf16.hpp)."""
