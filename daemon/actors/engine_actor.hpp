@@ -71,7 +71,7 @@ class EngineActor {
                        std::span<const uint8_t> bucket, bool on_device);
   // A CUDA IPC bucket: validated and its copies queued now, answered by poll_pending_ipc().
   void apply_ipc_bucket(uint64_t client, uint64_t envelope_id, const protocol::UpdateWeightsRequest& r,
-                        std::span<const uint8_t> bucket);
+                        std::span<const uint8_t> bucket, std::chrono::steady_clock::time_point received);
 
   std::unique_ptr<core::Engine> engine_;
   std::unique_ptr<MailboxEnd> mailbox_;
@@ -99,7 +99,9 @@ class EngineActor {
     uint64_t client = 0, envelope_id = 0, session = 0;
     core::BucketResult result;
     DeviceFence copied;  // after the bucket's copies on the model's stream
+    std::chrono::steady_clock::time_point received;
   };
+  void reply_ipc_ok(const PendingIpc& b);
   // Oldest first. The producer's memory is read until a bucket's fence completes; its reply
   // (the producer's licence to reuse that memory) is sent only then.
   std::deque<PendingIpc> pending_ipc_;

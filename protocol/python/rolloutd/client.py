@@ -335,7 +335,9 @@ class Client:
                                 timeout_s: Optional[float] = None) -> Union[UpdateWeightsReply, PendingReply]:
         """One bucket in [offset, offset + size) of the CUDA allocation exported as `handle` (64-byte
         cudaIpcMemHandle_t) on GPU `device_uuid` (16 bytes: the daemon's, hello().device_uuid). The
-        daemon has copied and synchronized when the reply arrives: the buffer may be reused then."""
+        daemon's copies out of it have completed on the device when the reply arrives: the buffer may
+        be reused then. Several buckets may be in flight (wait=False); each is answered when its own
+        copies are done, in order."""
         req = UpdateWeightsRequest(session=session, entries=list(entries),
                                    source=CudaIpcSource(bytes(handle), offset, size, bytes(device_uuid)),
                                    checksum=_checksum(checksum))

@@ -1219,7 +1219,8 @@ def _send_ipc(clients: List[Client], sessions: List[int], buckets: List[PlannedB
     """Up to _IPC_PIPELINE_DEPTH buckets in flight per daemon. `stats` receives where the time went
     (seconds, summed over buckets): pack_s (staging copies, waited for: the daemon reads on its own
     stream), export_s (IPC handles), send_s (encode and send), wait_s (blocked on replies),
-    reply_latency_s (send to reply received) and daemon_apply_s (the daemons' own apply time)."""
+    reply_latency_s (send to reply received), daemon_apply_s (the daemons' receipt-to-reply times,
+    the slowest daemon's per bucket) and first_bucket_daemon_s (the first bucket's: it opens the handle)."""
     in_flight: Deque = collections.deque()
     collected = set()
     t = dict(pack_s=0.0, export_s=0.0, send_s=0.0, wait_s=0.0, reply_latency_s=0.0, daemon_apply_s=0.0)
@@ -1232,7 +1233,10 @@ def _send_ipc(clients: List[Client], sessions: List[int], buckets: List[PlannedB
         t1 = clock()
         t["wait_s"] += t1 - t0
         t["reply_latency_s"] += t1 - sent_t
-        t["daemon_apply_s"] += sum(getattr(r, "duration_s", 0.0) or 0.0 for r in replies if r is not None)
+        daemon_s = max((getattr(r, "duration_s", 0.0) or 0.0 for r in replies if r is not None), default=0.0)
+        t["daemon_apply_s"] += daemon_s
+        if i == 0:
+            t["first_bucket_daemon_s"] = daemon_s  # its handle's opening included
         collected.add(i)
 
     try:

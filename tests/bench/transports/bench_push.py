@@ -140,7 +140,7 @@ def raw_ceilings(plan, reps, timeout_s):
 
 # ------------------------------------------------------------------------------- the bench --
 BREAKDOWN_KEYS = ("begin_s", "buckets_s", "end_s", "end_postprocess_s", "describe_s", "plan_s", "pack_s", "export_s",
-                  "send_s", "wait_s", "reply_latency_s", "daemon_apply_s")
+                  "send_s", "wait_s", "reply_latency_s", "daemon_apply_s", "first_bucket_daemon_s")
 
 
 def breakdown(stats):

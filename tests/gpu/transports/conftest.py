@@ -1,6 +1,7 @@
 """GPU weight transports (SPEC §11.7) end to end: a PyTorch/CuPy trainer (this process) and real
-daemons on the GPU host. Everything here skips itself without two GPUs, torch, CuPy with NCCL, or
-a CUDA build of the daemon. See rdgpu.py for the environment it reads."""
+daemons on the GPU host. Everything here skips itself without torch, CuPy with NCCL, or a CUDA
+build of the daemon; with one GPU only the tests marked `one_gpu` (CUDA IPC: trainer and daemon
+colocated) run. See rdgpu.py for the environment it reads."""
 import os
 import shutil
 
@@ -16,8 +17,8 @@ def _why_skip():
         import cupy.cuda.nccl  # noqa: F401
     except ImportError as e:
         return f"needs torch and CuPy with NCCL: {e}"
-    if rdgpu.gpu_count() < 2:
-        return "needs two GPUs"
+    if rdgpu.gpu_count() < 1:
+        return "needs a GPU"
     if os.environ.get("ROLLOUTD_CUDA_ENABLED", "ON").upper() not in ("ON", "1", "TRUE"):
         return "the daemon was built without CUDA"
     path = rdgpu.BIN if os.path.sep in rdgpu.BIN else shutil.which(rdgpu.BIN)
@@ -29,11 +30,17 @@ def _why_skip():
 _WHY = _why_skip()
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "one_gpu: runs with a single GPU (the other tests need two)")
+
+
 def pytest_collection_modifyitems(config, items):
-    if _WHY is None:
-        return
+    one_gpu = _WHY is None and rdgpu.gpu_count() < 2
     for item in items:
-        item.add_marker(pytest.mark.skip(reason=_WHY))
+        if _WHY is not None:
+            item.add_marker(pytest.mark.skip(reason=_WHY))
+        elif one_gpu and item.get_closest_marker("one_gpu") is None:
+            item.add_marker(pytest.mark.skip(reason="needs two GPUs"))
 
 
 @pytest.fixture

@@ -27,7 +27,8 @@ from rolloutd.trainer import (NcclWeightGroup, crc32_of_tensor, device_uuid, exp
                               pack_device_bucket, push_weights)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TRAINER_GPU, DAEMON_GPU = 0, 1
+# With one GPU only the CUDA IPC tests run (conftest.py), and a second daemon shares GPU 0.
+TRAINER_GPU, DAEMON_GPU = 0, (1 if rdgpu.gpu_count() >= 2 else 0)
 GROUP_TIMEOUT_S = 30.0
 # A gauge of CUDA IPC handles the daemon holds open, if it exports one: 0 between sessions.
 IPC_HANDLES_METRIC = "rolloutd_weight_ipc_handles_open"
@@ -92,6 +93,7 @@ def test_nccl_push_equals_a_daemon_started_with_those_weights(daemon_factory, we
         assert c.status().ready
 
 
+@pytest.mark.one_gpu
 def test_ipc_push_equals_a_daemon_started_with_those_weights(daemon_factory, weights):
     import torch
 
@@ -238,6 +240,7 @@ def test_trainer_killed_mid_broadcast_fails_the_session_closed(daemon_factory, w
         assert dict(c.weights_checksum()) == crcs(w)
 
 
+@pytest.mark.one_gpu
 def test_trainer_killed_mid_ipc_session_expires_closes_its_handle_and_fails_closed(daemon_factory, weights):
     """A colocated trainer SIGKILLed after one CUDA IPC bucket was applied: the session expires at
     its deadline, the daemon closes the dead process's handle (the open-handle gauge returns to
@@ -258,6 +261,51 @@ def test_trainer_killed_mid_ipc_session_expires_closes_its_handle_and_fails_clos
         assert status.ready and status.weight_version == 22
         assert dict(c.weights_checksum()) == crcs(w)
         assert d.metric(IPC_HANDLES_METRIC) == 0
+
+
+@pytest.mark.one_gpu
+def test_ipc_buckets_in_flight_are_answered_in_order_and_free_their_memory(daemon_factory, weights):
+    """Several CUDA IPC buckets sent without waiting (the daemon queues their copies and answers
+    each when its copies are done): the producer overwrites each bucket's buffer the moment its
+    reply arrives, a refused bucket among them changes nothing and keeps the session open, and
+    after the end every tensor holds what was sent and no handle is left open."""
+    import torch
+
+    _, w = weights["A"]
+    names = list(w)
+    d = daemon_factory(TRAINER_GPU)
+    with d.client() as c:
+        session = c.begin_weight_update().session
+        groups = [names[k::4] for k in range(4)]
+        pendings, buffers = [], []
+        for k, group in enumerate(groups):
+            buf, owner = rdgpu.ipc_buffer(sum(w[n].nbytes for n in group) + 256 * len(group) + 4096, TRAINER_GPU)
+            entries, size = pack_device_bucket(buf, rdgpu.to_torch({n: w[n] for n in group}, f"cuda:{TRAINER_GPU}"))
+            if k == 2:  # refused: an unknown name (nothing of it is written)
+                entries = [type(entries[0])("no.such.weight", entries[0].dtype, entries[0].shape,
+                                            entries[0].byte_offset, entries[0].nbytes)] + entries[1:]
+            handle, offset = ipc_export(buf)
+            pendings.append(c.update_weights_cuda_ipc(session, entries, handle, offset, size,
+                                                      device_uuid(TRAINER_GPU), wait=False))
+            buffers.append((buf, owner, group, entries, size, handle, offset))
+        for k, p in enumerate(pendings):
+            if k == 2:
+                with pytest.raises(RolloutdError) as e:
+                    p.result()
+                assert (e.value.code, e.value.field) == ("not_found", "body.entries[0].name")
+                continue
+            assert p.result().num_entries == len(groups[k])
+            buffers[k][0].fill_(0xFF)  # the reply is the licence to reuse it
+        torch.cuda.synchronize(TRAINER_GPU)
+        # The refused bucket again, right this time (its buffer was never answered as read: refill it).
+        buf, owner, group, _, _, handle, offset = buffers[2]
+        entries, size = pack_device_bucket(buf, rdgpu.to_torch({n: w[n] for n in group}, f"cuda:{TRAINER_GPU}"))
+        c.update_weights_cuda_ipc(session, entries, handle, offset, size, device_uuid(TRAINER_GPU))
+        assert d.metric(IPC_HANDLES_METRIC) == 4
+        c.end_weight_update(session, 7)
+        assert dict(c.weights_checksum()) == crcs(w)
+        assert d.metric(IPC_HANDLES_METRIC) == 0
+        assert c.status().ready
 
 
 def test_corrupted_checksums_are_rejected_and_nothing_breaks(daemon_factory, weights):
