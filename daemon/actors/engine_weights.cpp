@@ -1,7 +1,8 @@
 // The engine actor's weight commands: sessions, buckets (inline and shm), weight reads,
 // checksums, pause and continue. They run on the engine thread between forward steps,
 // because the engine is the only writer of parameters; the reply is sent only after the
-// work it acknowledges is complete (every byte copied, every mapping closed).
+// work it acknowledges is complete (every byte copied; CUDA IPC copies are polled for
+// completion, and the session's mappings are closed right after the end/abort reply).
 #include <algorithm>
 #include <chrono>
 #include <cstring>

@@ -2,9 +2,10 @@
 // CUDA IPC buckets from a trainer on the same GPU (SPEC §12): the trainer sends a
 // cudaIpcMemHandle_t of the allocation holding its bucket, an offset and a size. The
 // daemon opens each allocation once per session (cached by handle), checks the range
-// against the allocation's real extent and the handle's device against its own, copies,
-// synchronizes before replying, and closes every handle when the session ends -- so no
-// mapping outlives a session and the producer may free its buffer after the reply.
+// against the allocation's real extent and the handle's device against its own, queues the
+// copies, replies once they completed on the device (DeviceFence), and closes every handle
+// when the session ends -- so no mapping outlives a session and the producer may free its
+// buffer after the reply.
 #include <cstdint>
 #include <map>
 #include <string>
