@@ -1066,8 +1066,8 @@ def push_weights(clients: Sequence[Client], named_tensors: Any, weight_version: 
     alone; the daemons' entry and envelope limits are respected). A bucket whose tensors lie back
     to back on the sending device (views of one flat buffer, a big tensor) is sent from where it
     is (`direct`); the others are packed into two staging buffers at 256-byte offsets, so packing
-    bucket i+1 overlaps sending bucket i. Two buckets are in flight per daemon (its staging is
-    double-buffered).
+    bucket i+1 overlaps sending bucket i. Two NCCL buckets are in flight per daemon (its staging
+    is double-buffered); four CUDA IPC buckets (the daemon queues their copies back to back).
 
     via="nccl": `group` (an NcclWeightGroup of exactly these daemons) broadcasts each bucket from
     its device after update_weights went to every daemon. via="cuda_ipc": every daemon runs on
