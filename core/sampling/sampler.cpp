@@ -67,16 +67,28 @@ SampledToken Sampler::sample(std::span<const float> logits, const SamplingParams
   for (size_t i = 0; i < V; ++i) probs_[i] = static_cast<float>(probs_[i] / z);
   std::iota(order_.begin(), order_.end(), 0);
   // Descending probability, ties by lower id: a total order, so the kept set is deterministic.
-  std::sort(order_.begin(), order_.end(), [&](int32_t a, int32_t b) {
+  // Only the prefix the filters and the draw reach is ordered (a full sort of a 150k vocabulary
+  // costs milliseconds per token): each extension selects the next block with nth_element and
+  // sorts it, which gives exactly the full sort's prefix.
+  const auto before = [&](int32_t a, int32_t b) {
     const float pa = probs_[static_cast<size_t>(a)], pb = probs_[static_cast<size_t>(b)];
     return pa != pb ? pa > pb : a < b;
-  });
+  };
+  size_t sorted = 0;
+  auto ensure_sorted = [&](size_t n) {
+    if (n <= sorted) return;
+    const size_t to = std::min(V, std::max({n, 2 * sorted, size_t{256}}));
+    if (to < V) std::nth_element(order_.begin() + sorted, order_.begin() + to, order_.end(), before);
+    std::sort(order_.begin() + sorted, order_.begin() + to, before);
+    sorted = to;
+  };
   size_t keep = V;
   if (p.top_k > 0) keep = std::min(keep, static_cast<size_t>(p.top_k));
   if (p.top_p < 1.0f) {
     double cum = 0.0;
     size_t n = 0;
     while (n < keep) {
+      ensure_sorted(n + 1);
       cum += probs_[static_cast<size_t>(order_[n])];
       ++n;
       if (cum >= static_cast<double>(p.top_p)) break;
@@ -84,22 +96,37 @@ SampledToken Sampler::sample(std::span<const float> logits, const SamplingParams
     keep = std::max<size_t>(n, 1);
   }
   if (p.min_p > 0.0f) {
+    ensure_sorted(1);
     const float threshold = p.min_p * probs_[static_cast<size_t>(order_[0])];
     size_t n = 1;
-    while (n < keep && probs_[static_cast<size_t>(order_[n])] >= threshold) ++n;
+    while (n < keep) {
+      ensure_sorted(n + 1);
+      if (probs_[static_cast<size_t>(order_[n])] < threshold) break;
+      ++n;
+    }
     keep = n;
   }
   double kept_mass = 0.0;
-  for (size_t i = 0; i < keep; ++i) kept_mass += probs_[static_cast<size_t>(order_[i])];
+  if (keep == V) {
+    for (size_t i = 0; i < V; ++i) kept_mass += probs_[i];  // nothing filtered: the whole mass
+  } else {
+    ensure_sorted(keep);
+    for (size_t i = 0; i < keep; ++i) kept_mass += probs_[static_cast<size_t>(order_[i])];
+  }
   const double u = uniform_draw(p.seed, draw_index) * kept_mass;
   double cum = 0.0;
-  int32_t chosen = order_[keep - 1];
+  int32_t chosen = -1;
   for (size_t i = 0; i < keep; ++i) {
+    ensure_sorted(i + 1);
     cum += probs_[static_cast<size_t>(order_[i])];
     if (u < cum) {
       chosen = order_[i];
       break;
     }
+  }
+  if (chosen < 0) {  // rounding left u at or past the last cumulative sum
+    ensure_sorted(keep);
+    chosen = order_[keep - 1];
   }
   out.token = chosen;
   out.logprob = logprob_of(chosen);

@@ -1,6 +1,8 @@
 #include "core/sampling/sampler.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <map>
 #include <vector>
 
@@ -142,6 +144,69 @@ TEST(Sampler, UniformDrawIsInUnitIntervalAndIndependentOfCallOrder) {
     EXPECT_LT(u, 1.0);
   }
   EXPECT_EQ(a, Sampler::uniform_draw(1, 5));
+}
+
+// The sampler orders only the prefix of the vocabulary its filters and draw reach. A plain
+// full-sort sampler (written here, the textbook way) must pick the same token for every seed
+// and filter combination; the kept mass with nothing filtered is summed in id order by both.
+int32_t full_sort_sample(const std::vector<float>& logits, const SamplingParams& p, uint64_t draw) {
+  const size_t V = logits.size();
+  const float mx = *std::max_element(logits.begin(), logits.end());
+  std::vector<double> e(V);
+  double z = 0;
+  for (size_t i = 0; i < V; ++i) z += e[i] = std::exp((double(logits[i]) - mx) / double(p.temperature));
+  std::vector<float> pr(V);
+  for (size_t i = 0; i < V; ++i) pr[i] = float(float(e[i]) / z);
+  std::vector<int32_t> ord(V);
+  std::iota(ord.begin(), ord.end(), 0);
+  std::sort(ord.begin(), ord.end(), [&](int32_t a, int32_t b) { return pr[a] != pr[b] ? pr[a] > pr[b] : a < b; });
+  size_t keep = p.top_k > 0 ? std::min<size_t>(V, size_t(p.top_k)) : V;
+  if (p.top_p < 1.0f) {
+    double cum = 0;
+    size_t n = 0;
+    while (n < keep) {
+      cum += pr[ord[n++]];
+      if (cum >= double(p.top_p)) break;
+    }
+    keep = std::max<size_t>(n, 1);
+  }
+  if (p.min_p > 0.0f) {
+    size_t n = 1;
+    while (n < keep && pr[ord[n]] >= p.min_p * pr[ord[0]]) ++n;
+    keep = n;
+  }
+  double mass = 0;
+  if (keep == V)
+    for (size_t i = 0; i < V; ++i) mass += pr[i];
+  else
+    for (size_t i = 0; i < keep; ++i) mass += pr[ord[i]];
+  const double u = Sampler::uniform_draw(p.seed, draw) * mass;
+  double cum = 0;
+  for (size_t i = 0; i < keep; ++i)
+    if (u < (cum += pr[ord[i]])) return ord[i];
+  return ord[keep - 1];
+}
+
+TEST(Sampler, PrefixOrderingPicksWhatAFullSortPicks) {
+  std::vector<float> logits(5000);
+  uint64_t x = 12345;
+  for (auto& l : logits) {  // a peaked distribution with a long tail and some exact ties
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    l = float((x >> 40) % 4000) / 400.0f - 5.0f;
+  }
+  Sampler s;
+  for (const SamplingParams base : {SamplingParams{1.0f, 1.0f, 0, 0.0f, 0}, SamplingParams{0.7f, 0.9f, 0, 0.0f, 0},
+                                    SamplingParams{1.3f, 1.0f, 300, 0.0f, 0}, SamplingParams{1.0f, 0.95f, 1000, 0.05f, 0},
+                                    SamplingParams{2.0f, 1.0f, 0, 0.01f, 0}}) {
+    for (uint64_t seed = 0; seed < 40; ++seed) {
+      SamplingParams p = base;
+      p.seed = seed;
+      for (uint64_t draw = 0; draw < 5; ++draw)
+        ASSERT_EQ(s.sample(logits, p, draw).token, full_sort_sample(logits, p, draw))
+            << "T " << p.temperature << " top_p " << p.top_p << " top_k " << p.top_k << " min_p " << p.min_p
+            << " seed " << seed << " draw " << draw;
+    }
+  }
 }
 
 }  // namespace
