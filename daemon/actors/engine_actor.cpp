@@ -92,7 +92,11 @@ void EngineActor::handle(EngineCommand& cmd) {
     if (deferred_.empty() && (!has_pending_device_work() || can_pipeline(*w))) handle_weights(*w);
     else deferred_.push_back(std::move(*w));
   } else if (std::holds_alternative<StopCommand>(cmd)) {
-    // Anything still in flight gets its final event before the loop ends.
+    // Anything still in flight gets its final event (or reply) before the loop ends, and no
+    // mapping is closed under a queued copy.
+    const Status shutdown(ErrorCode::kAborted, "the daemon is shutting down");
+    settle_pending_ipc(&shutdown);
+    finish_session_resources();
     engine_->abort_all("shutdown", events);
     account(events);
     if (!events.empty()) send(EventBatch{std::move(events)});

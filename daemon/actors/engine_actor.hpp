@@ -57,6 +57,14 @@ class EngineActor {
   void poll_pending_ipc();
   // Waits for every queued IPC copy and answers its bucket: ok, or `why` when given.
   void settle_pending_ipc(const Status* why);
+  // A device fault under CUDA IPC copies: answer every bucket in flight (and, when client or
+  // envelope_id is non-zero, that request) with `why`, fail the session, report the fault.
+  void fail_pending_ipc(const Status& why, uint64_t client, uint64_t envelope_id);
+  // A kCudaError poisons the context: refuse generation, end requests in flight, tell the
+  // control actor (EngineFault) so the daemon exits for a restart. Other codes: nothing.
+  void on_device_fault(const Status& why);
+  static constexpr size_t kMaxIpcInFlight = 16;                     // buckets queued per session
+  static constexpr std::chrono::seconds kIpcCopyTimeout{60};        // per bucket's copies
   void finish_session_resources();
   // Memory release/resume (engine_memory.cpp): only while idle; the reply comes after the
   // memory is unmapped (or mapped and its static state written back).

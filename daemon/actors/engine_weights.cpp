@@ -95,27 +95,46 @@ void EngineActor::check_session_deadline() {
 }
 
 void EngineActor::poll_pending_ipc() {
-  auto& u = engine_->updater();
   while (!pending_ipc_.empty()) {
     Result<bool> done = pending_ipc_.front().copied.done();
-    if (done.ok() && !*done) return;
-    if (!done.ok()) {
-      // A device fault under a copy: nothing queued can be trusted. Fail the session closed
-      // (the parameters it wrote are marked) and answer every bucket in flight with the error.
-      const Status why = done.status();
-      settle_pending_ipc(&why);
-      if (u.session_open()) {
-        (void)u.abort(u.session_id(), "CUDA IPC copy failed: " + why.message());
-        metrics_.on_weight_session("failed", 0);
-        finish_session_resources();
-        if (!u.broken_reason().empty()) on_model_broken(why);
-      }
-      return;
+    if (done.ok() && !*done) {
+      if (Clock::now() - pending_ipc_.front().received < kIpcCopyTimeout) return;
+      done = Status(ErrorCode::kCudaError, "a CUDA IPC bucket's copies did not complete within " +
+                                               std::to_string(kIpcCopyTimeout.count()) + " s");
     }
+    if (!done.ok()) return fail_pending_ipc(done.status(), 0, 0);
     PendingIpc b = std::move(pending_ipc_.front());
     pending_ipc_.pop_front();
     reply_ipc_ok(b);
   }
+}
+
+void EngineActor::fail_pending_ipc(const Status& why, uint64_t client, uint64_t envelope_id) {
+  // A device fault under a copy: nothing queued can be trusted. Every bucket in flight (and the
+  // one being handled, when given) is answered with the error, the session fails closed (the
+  // parameters it wrote are marked), and the daemon reports an engine fault: the context is
+  // poisoned and only a restart clears it.
+  auto& u = engine_->updater();
+  settle_pending_ipc(&why);
+  if (client != 0 || envelope_id != 0) reply_error(client, envelope_id, why);
+  if (u.session_open()) {
+    (void)u.abort(u.session_id(), "CUDA IPC copy failed: " + why.message());
+    metrics_.on_weight_session("failed", 0);
+  }
+  finish_session_resources();
+  if (!u.broken_reason().empty()) on_model_broken(why);
+  on_device_fault(why);
+}
+
+void EngineActor::on_device_fault(const Status& why) {
+  if (faulted_ || why.code() != ErrorCode::kCudaError) return;
+  faulted_ = true;
+  fault_reason_ = why.to_string();
+  std::vector<core::EngineEvent> rest;
+  engine_->abort_all("engine_fault", rest);
+  account(rest);
+  if (!rest.empty()) send(EventBatch{std::move(rest)});
+  send(EngineFault{why});
 }
 
 void EngineActor::reply_ipc_ok(const PendingIpc& b) {
@@ -127,11 +146,19 @@ void EngineActor::reply_ipc_ok(const PendingIpc& b) {
 }
 
 void EngineActor::settle_pending_ipc(const Status* why) {
+  Status fault;
   while (!pending_ipc_.empty()) {
     PendingIpc b = std::move(pending_ipc_.front());
     pending_ipc_.pop_front();
-    // Waits on a device-to-device copy only (it depends on no peer): bounded by the device.
-    Status s = b.copied.wait();
+    // Waits on a device-to-device copy only (it depends on no peer), with a deadline: a copy
+    // that never completes is a device fault, not a reason to hang the engine loop.
+    // After a device fault nothing is waited for: the context is poisoned and the process exits.
+    Status s = why && faulted_ ? *why : b.copied.wait(kIpcCopyTimeout);
+    if (!s.ok() && why == nullptr) {
+      fault = s;
+      why = &fault;  // the buckets after it are answered with the same error
+      on_device_fault(s);
+    }
     if (s.ok() && why) s = *why;
     if (!s.ok()) {
       reply_error(b.client, b.envelope_id, s);
@@ -198,10 +225,13 @@ void EngineActor::apply_ipc_bucket(uint64_t client, uint64_t envelope_id, const 
   for (const auto& e : r.entries) entries.push_back({e.name, e.dtype, e.shape, e.byte_offset, e.nbytes});
   auto a = u.apply_bucket(r.session, entries, bucket, std::nullopt, Clock::now(), true, /*wait_device=*/false);
   if (!a.ok()) {
-    // Refused (nothing written: the session stays open) or a write failure (closed, and its
-    // queued copies are waited for by finish_session_resources before the handles close).
+    // Refused (nothing written: the session stays open) or a write failure (closed). This
+    // bucket's entries before the failing one may have queued copies with no fence: wait for the
+    // stream before any handle closes.
     settle_pending_ipc(nullptr);
     if (!u.session_open()) {
+      if (Status s = engine_->model().backend().synchronize(engine_->model().context()); !s.ok())
+        on_device_fault(s);
       metrics_.on_weight_session("failed", 0);
       finish_session_resources();
     }
@@ -217,11 +247,23 @@ void EngineActor::apply_ipc_bucket(uint64_t client, uint64_t envelope_id, const 
       metrics_.on_weight_session("failed", 0);
       finish_session_resources();
       if (!u.broken_reason().empty()) on_model_broken(s);
-      return reply_error(client, envelope_id, s);
+      reply_error(client, envelope_id, s);
+      return on_device_fault(s);
     }
     metrics_.add_weight_update_bytes(a->num_bytes);
     return reply(client, protocol::encode_reply(envelope_id, protocol::UpdateWeightsReply{
                                                                  r.session, a->num_entries, a->num_bytes, a->duration_s}));
+  }
+  // A producer that ignores its pipeline depth cannot queue without bound: past the cap, the
+  // oldest bucket is waited for and answered first.
+  while (pending_ipc_.size() >= kMaxIpcInFlight) {
+    PendingIpc oldest = std::move(pending_ipc_.front());
+    pending_ipc_.pop_front();
+    if (Status s = oldest.copied.wait(kIpcCopyTimeout); !s.ok()) {
+      pending_ipc_.push_front(std::move(oldest));
+      return fail_pending_ipc(s, client, envelope_id);
+    }
+    reply_ipc_ok(oldest);
   }
   pending_ipc_.push_back(PendingIpc{client, envelope_id, r.session, *a, std::move(*fence), received});
 }
@@ -389,10 +431,13 @@ void EngineActor::handle_weights(WeightCommand& cmd) {
                                                   "body.source.kind"));
       return start_nccl_bucket(cmd);
     }
-    // Check the session before touching the producer's memory at all.
-    if (!u.session_open() || u.session_id() != r->session)
+    // Check the session before touching the producer's memory at all (buckets in flight are
+    // answered first: replies keep the order of the requests).
+    if (!u.session_open() || u.session_id() != r->session) {
+      settle_pending_ipc(nullptr);
       return reply_error(cmd.client, id,
                          Status(ErrorCode::kFailedPrecondition, "weight-update session is not open", "body.session"));
+    }
     if (auto* shm = std::get_if<ShmSource>(&r->source)) {
       Status s = check_shm_name(shm->name, config_.shm_prefix);
       if (s.ok()) s = read_shm(shm->name, shm->offset, shm->size, shm_staging_, config_.max_shm_bucket_bytes);
@@ -484,15 +529,13 @@ void EngineActor::handle_weights(WeightCommand& cmd) {
                    {"parameters_updated", e->num_parameters_updated}, {"duration_s", e->duration_s},
                    {"postprocess_s", e->postprocess_s}, {"whole", e->whole}});
     if (!e->whole) obs::log_warn("weights", "model still not whole", {{"reason", u.broken_reason()}});
+    // NOTES: the mappings are closed before the reply. CUDA leaves freeing an exported allocation
+    // while an importer still has it open undefined, and the trainer frees its staging (or calls
+    // empty_cache) as soon as the session ends; unmapping costs ~0.1-0.5 ms per large handle.
+    finish_session_resources();
     reply(cmd.client, encode_reply(id, EndWeightUpdateReply{e->session, e->weight_version, e->num_buckets,
                                                             e->num_entries, e->num_bytes, e->num_parameters_updated,
                                                             e->duration_s, e->postprocess_s}));
-    // NOTES: the mappings are closed right after the reply, before this thread takes anything
-    // else. Every copy from them completed before the end was handled (it waits behind the
-    // buckets in flight), so nothing reads them any more, and an exporter may free its memory
-    // while a mapping is still open (the mapping is reference-counted). Unmapping a large
-    // allocation takes ~0.1-0.5 ms per handle (H200, CUDA 13) that the trainer need not wait for.
-    finish_session_resources();
     return;
   }
   if (auto* r = std::get_if<AbortWeightUpdateRequest>(&cmd.request)) {
@@ -500,8 +543,8 @@ void EngineActor::handle_weights(WeightCommand& cmd) {
     if (!a.ok()) return reply_error(cmd.client, id, in_body(a.status()));
     metrics_.on_weight_session("aborted", 0);
     if (!*a) on_model_broken(Status(ErrorCode::kAborted, "session aborted after writing buckets"));
+    finish_session_resources();  // before the reply, as for end_weight_update
     reply(cmd.client, encode_reply(id, AbortWeightUpdateReply{r->session, *a ? "ready" : "not_ready"}));
-    finish_session_resources();  // after the reply, as for end_weight_update
     return;
   }
   if (auto* r = std::get_if<GetWeightsByNameRequest>(&cmd.request)) {

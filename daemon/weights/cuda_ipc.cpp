@@ -1,5 +1,7 @@
 #include "daemon/weights/cuda_ipc.hpp"
 
+#include <thread>
+
 #if defined(ROLLOUTD_WITH_CUDA)
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -132,16 +134,23 @@ Result<bool> DeviceFence::done() const {
   if (e == cudaSuccess) return true;
   if (e == cudaErrorNotReady) return false;
   (void)cudaGetLastError();
-  return Status(ErrorCode::kInternal, std::string("device copy failed: ") + cudaGetErrorString(e));
+  return Status(ErrorCode::kCudaError, std::string("device copy failed: ") + cudaGetErrorString(e));
 }
 
-Status DeviceFence::wait() const {
+Status DeviceFence::wait(std::chrono::milliseconds timeout) const {
   if (!event_) return Status::Ok();
-  if (cudaError_t e = cudaEventSynchronize(static_cast<cudaEvent_t>(event_)); e != cudaSuccess) {
-    (void)cudaGetLastError();
-    return Status(ErrorCode::kInternal, std::string("device copy failed: ") + cudaGetErrorString(e));
+  // Polled rather than cudaEventSynchronize: a copy that never completes must not hang the
+  // caller past its deadline.
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    auto done = this->done();
+    if (!done.ok()) return done.status();
+    if (*done) return Status::Ok();
+    if (std::chrono::steady_clock::now() >= deadline)
+      return Status(ErrorCode::kCudaError, "device copy did not complete within " +
+                                               std::to_string(timeout.count()) + " ms");
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
-  return Status::Ok();
 }
 
 #else
@@ -156,7 +165,7 @@ Result<DeviceFence> DeviceFence::record(void*) {
   return Status(ErrorCode::kUnimplemented, "this daemon was built without CUDA");
 }
 Result<bool> DeviceFence::done() const { return true; }
-Status DeviceFence::wait() const { return Status::Ok(); }
+Status DeviceFence::wait(std::chrono::milliseconds) const { return Status::Ok(); }
 
 std::string cuda_device_uuid(int) { return {}; }
 Result<const uint8_t*> CudaIpcImporter::map(const std::string&, uint64_t, uint64_t, const std::string&) {

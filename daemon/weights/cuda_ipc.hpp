@@ -6,6 +6,7 @@
 // copies, replies once they completed on the device (DeviceFence), and closes every handle
 // when the session ends -- so no mapping outlives a session and the producer may free its
 // buffer after the reply.
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -61,8 +62,8 @@ class DeviceFence {
   static Result<DeviceFence> record(void* stream);
   // true: the work is done; false: still running; an error: the device work failed.
   Result<bool> done() const;
-  // Blocks until the work is done (bounded by the device: the work waits on nothing else).
-  Status wait() const;
+  // Waits until done, at most `timeout` (kCudaError past it, as for a device fault).
+  Status wait(std::chrono::milliseconds timeout) const;
 
  private:
   void* event_ = nullptr;

@@ -1266,6 +1266,13 @@ def _send_ipc(clients: List[Client], sessions: List[int], buckets: List[PlannedB
             in_flight.append((i, t3, pendings))
         while in_flight:
             collect_oldest()
+    except BaseException:
+        # The buckets still in flight are answered before the abort that follows (the daemon
+        # keeps replies in order): collect them, best effort, so no reply is left behind in the
+        # client and their errors do not mask the first one.
+        while in_flight:
+            _collect(clients, in_flight.popleft()[2], [])
+        raise
     finally:
         if stats is not None:
             stats.update(t)

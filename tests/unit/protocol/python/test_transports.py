@@ -623,3 +623,27 @@ def test_importing_trainer_needs_neither_torch_nor_cupy():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert r.returncode == 0, r.stderr
+
+
+def test_push_ipc_refusal_among_buckets_in_flight_drains_then_aborts(daemon):
+    """One bucket refused while others are in flight: push_weights raises that refusal, collects
+    the later buckets' replies before its abort (the daemon answers in order), and leaves no reply
+    pending in the client."""
+    backend = FakeBackend()
+    tensors = [(f"t{i}", np.full(600, i, dtype=np.float32)) for i in range(8)]  # 2400 B each: one per bucket
+
+    def read(req):
+        base = int.from_bytes(req.source.handle[:8], "little")
+        return backend.read(base + req.source.offset, req.source.size)
+
+    state = {}
+    peer = daemon(lambda d: serve(d, 4, read, state, fail_at=(1, "invalid_argument", "refused", "body.entries"),
+                                  max_in_flight=4))
+    client = Client(peer.endpoint)
+    with pytest.raises(RolloutdError, match="refused"):
+        trainer.push_weights([client], tensors, 2, via="cuda_ipc", bucket_bytes=2600, _backend=backend)
+    peer.join()
+    assert isinstance(state["final"], AbortWeightUpdateRequest)
+    assert state["buckets"] >= 2
+    assert not client._outstanding, "replies of buckets in flight were left behind"
+    client.close()
