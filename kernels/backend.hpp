@@ -47,11 +47,9 @@ struct MoeExpertsArgs {
   // Rows >= min(num_valid_tokens, *num_valid_device) are padding. CPU: a count outside [0, T]
   // is kOutOfRange; CUDA: clamped to [0, T].
   TensorView num_valid_device;
-  // Optional f32 [>= T * K * (I + H)] on the context's device (scratch). CUDA: with it, the op
-  // runs spread over (token, expert, row chunk) -- every SM busy even for one token, which decode
-  // needs -- and, when there are at least two (token, k) pairs per physical expert, grouped by
-  // expert (each weight row read once per step, not once per pair); without it, one block per
-  // token. The three paths give the same bits. CPU: ignored.
+  // Optional f32 [>= T * K * I] on the context's device. CUDA: with it, the op runs as two
+  // kernels spread over (token, expert, row chunk) -- every SM busy even for one token, which
+  // decode needs -- instead of one block per token; the contents are scratch. CPU: ignored.
   TensorView workspace;
   // Row layout of each expert's w_gate_up: false = concatenated (gate rows [0, I), up rows
   // [I, 2I)); true = interleaved (gate j at row 2j, up j at row 2j + 1), the kernel layout the

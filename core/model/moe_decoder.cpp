@@ -211,7 +211,7 @@ Status MoeDecoder::allocate() {
   RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{T, K}, ws_.topk_ids));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, K}, ws_.topk_weights));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, H}, ws_.moe_out));
-  RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T * std::max(K * (I + H), c.intermediate_size + H)}, ws_.moe_h));
+  RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T * std::max(K * I, c.intermediate_size)}, ws_.moe_h));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{S, H}, ws_.final_rows));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{S, H}, ws_.final_normed));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{S, c.vocab_size}, ws_.logits));

@@ -127,7 +127,7 @@ class MoeDecoder {
     TensorView inputs;
     TensorView token_ids, positions, seq_of, slot_mapping, ctx_len, block_tables, logits_rows, num_valid;
     TensorView h, x, q, k, v, attn, o, router_logits, topk_ids, topk_weights, moe_out;
-    TensorView moe_h;  // expert-op workspace [T * max(K * (I + H), I_dense + H)] (MoeExpertsArgs::workspace)
+    TensorView moe_h;  // expert-op workspace [T * max(K * I, I_dense)] (MoeExpertsArgs::workspace)
     TensorView final_rows, final_normed, logits;
   };
 

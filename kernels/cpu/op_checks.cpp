@@ -239,11 +239,11 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
     RD_RETURN_IF_ERROR(dim(a.num_valid_device, 0, 1, "num_valid_device", "count", "its contract"));
   }
   if (a.workspace.data != nullptr) {
-    RD_RETURN_IF_ERROR(view(ctx, a.workspace, "workspace", DType::kF32, kAnyRank, "[>= T*K*(I+H)]"));
-    const int64_t need = a.x.size(0) * a.topk_ids.size(1) * (inter + a.x.size(1));
+    RD_RETURN_IF_ERROR(view(ctx, a.workspace, "workspace", DType::kF32, kAnyRank, "[>= T*K*I]"));
+    const int64_t need = a.x.size(0) * a.topk_ids.size(1) * inter;
     if (a.workspace.numel() < need)
       return invalid("workspace", "workspace: " + std::to_string(a.workspace.numel()) + " floats, the op needs " +
-                                      std::to_string(need) + " (T * K * (I + H))");
+                                      std::to_string(need) + " (T * K * I)");
   }
   return Status::Ok();
 }

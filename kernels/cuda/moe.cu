@@ -219,108 +219,6 @@ __global__ void __launch_bounds__(kMoeThreads)
   }
 }
 
-// ---- the grouped path (workspace, many tokens per expert) ----
-// The two-kernel path reads an expert's weights once per (token, k) pair: at batch 256 that is
-// the expert's weights ~30 times over. Here one block owns (physical expert, row chunk): it lists
-// the valid pairs routed to its expert (a scan of the ids into shared memory) and computes its
-// rows for every one of them, so each weight row is read once per block and stays in L1 across
-// the pairs. Phase 1 writes h[pair, I], phase 2 y[pair, H] = down_e . h[pair], phase 3 combines
-// out[t] = sum_k w[t,k] * y[t*K + k] in k order. Each value is one warp's reduction over the same
-// terms as the two-kernel path, so the two agree bit for bit.
-constexpr int kPairChunk = 2048;  // pairs scanned per pass (8 KiB of shared memory)
-
-// Valid pairs of [p0, p0 + kPairChunk) whose physical expert is `e`, into `list`; returns how
-// many. Every thread of the block calls it.
-__device__ int pairs_of_expert(int* list, int* count, const int32_t* __restrict__ ids, const int32_t* __restrict__ l2p,
-                               int64_t p0, int64_t num_pairs, int e, int num_logical, int num_phys) {
-  if (threadIdx.x == 0) *count = 0;
-  __syncthreads();
-  const int64_t end = p0 + kPairChunk < num_pairs ? p0 + kPairChunk : num_pairs;
-  for (int64_t p = p0 + threadIdx.x; p < end; p += blockDim.x) {
-    const int32_t logical = ids[p];
-    if (logical < 0 || logical >= num_logical) continue;
-    const int32_t phys = l2p[logical];
-    if (phys == e && phys < num_phys) list[atomicAdd(count, 1)] = static_cast<int>(p - p0);
-  }
-  __syncthreads();
-  return *count;
-}
-
-__global__ void __launch_bounds__(kMoeThreads)
-    moe_grouped_gate_up_kernel(float* __restrict__ h, const float* __restrict__ x, const float* __restrict__ w_gate_up,
-                               const int32_t* __restrict__ topk_ids, const int32_t* __restrict__ l2p,
-                               int64_t num_valid, const int32_t* __restrict__ num_valid_device, int64_t hidden,
-                               int64_t inter, int top_k, int num_logical, int num_phys, bool interleaved) {
-  __shared__ int list[kPairChunk];
-  __shared__ int count;
-  const int e = blockIdx.x;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t num_pairs = valid_rows(num_valid, num_valid_device) * top_k;
-  const float* gu = w_gate_up + static_cast<int64_t>(e) * 2 * inter * hidden;
-  const int64_t i0 = static_cast<int64_t>(blockIdx.y) * kRowsPerBlock;
-  for (int64_t p0 = 0; p0 < num_pairs; p0 += kPairChunk) {
-    const int n = pairs_of_expert(list, &count, topk_ids, l2p, p0, num_pairs, e, num_logical, num_phys);
-    for (int64_t i = i0 + warp; i < inter && i < i0 + kRowsPerBlock; i += kMoeWarps)
-      for (int q = 0; q < n; ++q) {
-        const int64_t pair = p0 + list[q];
-        const float v = swiglu_row(gu, x + (pair / top_k) * hidden, i, hidden, inter, interleaved, lane);
-        if (lane == 0) h[pair * inter + i] = v;
-      }
-    __syncthreads();  // `list` is rewritten by the next pass
-  }
-}
-
-__global__ void __launch_bounds__(kMoeThreads)
-    moe_grouped_down_kernel(float* __restrict__ y, const float* __restrict__ h, const float* __restrict__ w_down,
-                            const int32_t* __restrict__ topk_ids, const int32_t* __restrict__ l2p, int64_t num_valid,
-                            const int32_t* __restrict__ num_valid_device, int64_t hidden, int64_t inter, int top_k,
-                            int num_logical, int num_phys) {
-  __shared__ int list[kPairChunk];
-  __shared__ int count;
-  const int e = blockIdx.x;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t num_pairs = valid_rows(num_valid, num_valid_device) * top_k;
-  const float* down = w_down + static_cast<int64_t>(e) * hidden * inter;
-  const int64_t j0 = static_cast<int64_t>(blockIdx.y) * kRowsPerBlock;
-  for (int64_t p0 = 0; p0 < num_pairs; p0 += kPairChunk) {
-    const int n = pairs_of_expert(list, &count, topk_ids, l2p, p0, num_pairs, e, num_logical, num_phys);
-    for (int64_t j = j0 + warp; j < hidden && j < j0 + kRowsPerBlock; j += kMoeWarps) {
-      const float* down_row = down + j * inter;
-      for (int q = 0; q < n; ++q) {
-        const int64_t pair = p0 + list[q];
-        const float* hp = h + pair * inter;
-        float d = 0.0f;
-        for (int64_t c = lane; c < inter; c += 32) d += down_row[c] * hp[c];
-        d = warp_sum(d);
-        if (lane == 0) y[pair * hidden + j] = d;
-      }
-    }
-    __syncthreads();
-  }
-}
-
-__global__ void moe_grouped_combine_kernel(float* __restrict__ out, const float* __restrict__ y,
-                                           const int32_t* __restrict__ topk_ids, const float* __restrict__ topk_w,
-                                           const int32_t* __restrict__ l2p, int64_t num_valid,
-                                           const int32_t* __restrict__ num_valid_device, int64_t hidden, int top_k,
-                                           int num_logical, int num_phys) {
-  const int64_t t = blockIdx.x;
-  const bool real = t < valid_rows(num_valid, num_valid_device);
-  for (int64_t j = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; j < hidden;
-       j += static_cast<int64_t>(gridDim.y) * blockDim.x) {
-    float acc = 0.0f;
-    if (real)
-      for (int k = 0; k < top_k; ++k) {
-        const int32_t logical = topk_ids[t * top_k + k];
-        if (logical < 0 || logical >= num_logical) continue;
-        const int32_t e = l2p[logical];
-        if (e < 0 || e >= num_phys) continue;
-        acc += topk_w[t * top_k + k] * y[(t * top_k + k) * hidden + j];
-      }
-    out[t * hidden + j] = acc;
-  }
-}
-
 }  // namespace
 
 Status router_softmax_topk(const ExecContext& ctx, TensorView ids, TensorView weights,
@@ -370,29 +268,6 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
     const int num_phys = static_cast<int>(a.w_gate_up.size(0));
     const int32_t* nvd = a.num_valid_device.as<const int32_t>();
     const int64_t nv = op_checks::moe_valid_rows(a);
-    if (num_tokens * top_k >= 2 * static_cast<int64_t>(num_phys)) {
-      // Grouped: h [T*K, I] then y [T*K, H] in the workspace.
-      float* h = a.workspace.as<float>();
-      float* y = h + num_tokens * top_k * inter;
-      const int64_t hidden = a.x.size(1);
-      const dim3 g1(static_cast<unsigned int>(num_phys), static_cast<unsigned int>((inter + kRowsPerBlock - 1) / kRowsPerBlock));
-      moe_grouped_gate_up_kernel<<<g1, kMoeThreads, 0, stream_of(ctx)>>>(
-          h, a.x.as<const float>(), a.w_gate_up.as<const float>(), a.topk_ids.as<const int32_t>(),
-          a.logical_to_physical.as<const int32_t>(), nv, nvd, hidden, inter, top_k, num_logical, num_phys,
-          a.gate_up_interleaved);
-      RD_CUDA_CHECK_LAUNCH("moe_grouped_gate_up_kernel");
-      const dim3 g2(static_cast<unsigned int>(num_phys), static_cast<unsigned int>((hidden + kRowsPerBlock - 1) / kRowsPerBlock));
-      moe_grouped_down_kernel<<<g2, kMoeThreads, 0, stream_of(ctx)>>>(
-          y, h, a.w_down.as<const float>(), a.topk_ids.as<const int32_t>(), a.logical_to_physical.as<const int32_t>(), nv,
-          nvd, hidden, inter, top_k, num_logical, num_phys);
-      RD_CUDA_CHECK_LAUNCH("moe_grouped_down_kernel");
-      const dim3 g3(static_cast<unsigned int>(num_tokens), static_cast<unsigned int>((hidden + 255) / 256));
-      moe_grouped_combine_kernel<<<g3, 256, 0, stream_of(ctx)>>>(
-          a.out.as<float>(), y, a.topk_ids.as<const int32_t>(), a.topk_weights.as<const float>(),
-          a.logical_to_physical.as<const int32_t>(), nv, nvd, hidden, top_k, num_logical, num_phys);
-      RD_CUDA_CHECK_LAUNCH("moe_grouped_combine_kernel");
-      return Status::Ok();
-    }
     const dim3 grid1(static_cast<unsigned int>(num_tokens * top_k),
                      static_cast<unsigned int>((inter + kRowsPerBlock - 1) / kRowsPerBlock));
     moe_gate_up_kernel<<<grid1, kMoeThreads, 0, stream_of(ctx)>>>(
