@@ -409,7 +409,10 @@ void moe_cases() {
   };
   for (const P p : {P{1, 1, 64, 32, 4, 4, 2}, P{13, 10, 48, 40, 8, 10, 2},
                     P{64, 64, 256, 128, 16, 16, 4}, P{7, 7, 33, 17, 5, 7, 3},
-                    P{8, 0, 32, 16, 4, 4, 2}}) {
+                    P{8, 0, 32, 16, 4, 4, 2},
+                    // With a workspace: padding counted on the device, opt-in shared memory for
+                    // the down kernel's K x I row, many tokens.
+                    P{2, 1, 40, 24, 8, 8, 2}, P{1, 1, 32, 4096, 4, 4, 4}, P{600, 590, 32, 16, 8, 8, 4}}) {
   // With padding, the count also comes from device memory (a graph replay's count) instead of
   // the host argument.
   // Variant 2 adds the workspace: the CUDA op's two-kernel path (decode-shaped grids).
