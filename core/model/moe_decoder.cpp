@@ -288,7 +288,9 @@ Status MoeDecoder::stage_inputs(const StepBatch& b, int64_t rows, int64_t seqs) 
   const int64_t n = b.num_tokens(), given_seqs = b.num_seqs(), R = static_cast<int64_t>(b.logits_rows.size());
   int32_t* in = host_.inputs;
   // Rows past the batch are padding: token 0 at position 0 of its own (empty) sequence, no KV
-  // slot (kv_store skips -1), no visible context (attention gives a zero row).
+  // slot (kv_store skips -1), no visible context (attention gives a zero row). Table entries past
+  // the batch's width are -1: a context reaching them is refused (CPU) or skipped (CUDA), never
+  // read from another sequence's block.
   for (int64_t t = 0; t < rows; ++t) {
     const bool real = t < n;
     const size_t i = static_cast<size_t>(t);
@@ -305,7 +307,7 @@ Status MoeDecoder::stage_inputs(const StepBatch& b, int64_t rows, int64_t seqs) 
   const int64_t width = b.max_blocks_per_seq;
   for (int64_t s = 0; s < seqs; ++s)
     for (int64_t c = 0; c < W; ++c)
-      tables[s * W + c] = s < given_seqs && c < width ? b.block_tables[static_cast<size_t>(s * width + c)] : 0;
+      tables[s * W + c] = s < given_seqs && c < width ? b.block_tables[static_cast<size_t>(s * width + c)] : -1;
 
   const CopyKind h2d = ctx_.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost : CopyKind::kHostToDevice;
   // Two copies: the five per-token arrays (their first `rows` entries), then logits rows,
@@ -367,26 +369,44 @@ Result<std::span<const float>> MoeDecoder::step(const StepBatch& b, RoutedExpert
   const int64_t bucket = decode ? bucket_for(T) : 0;
   const int64_t rows = bucket ? bucket : T, seqs = bucket ? bucket : S, run_r = bucket ? bucket : R;
   const bool record = recorder != nullptr && moe_layers_ > 0;
-  if (recorder) RD_RETURN_IF_ERROR(recorder->begin_step(T));
-  RD_RETURN_IF_ERROR(stage_inputs(b, rows, seqs));
-  if (bucket && graphs_ready_) {
-    const size_t at = static_cast<size_t>(
-        std::find(graph_stats_.buckets.begin(), graph_stats_.buckets.end(), bucket) - graph_stats_.buckets.begin());
-    RD_RETURN_IF_ERROR(backend_.graph_launch(ctx_, graphs_[at * 2 + (record ? 1 : 0)]));
-  } else {
-    RD_RETURN_IF_ERROR(run_device(ctx_, rows, seqs, run_r, record));
+  if (recorder) {
+    // The record buffers are sized for this model: a recorder of another shape would read past them.
+    if (recorder->num_moe_layers() != moe_layers_ || recorder->top_k() != c.num_experts_per_tok)
+      return Status(ErrorCode::kInvalidArgument, "the recorder's MoE layers or top_k differ from the model's",
+                    "recorder");
+    RD_RETURN_IF_ERROR(recorder->begin_step(T));
   }
-  ++(bucket ? graph_stats_.graph_steps : graph_stats_.eager_steps);
-
-  // Logits and records come back asynchronously into page-locked memory; one synchronisation.
   const CopyKind d2h = ctx_.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost : CopyKind::kDeviceToHost;
   const size_t num_logits = static_cast<size_t>(R * c.vocab_size);
-  if (R > 0) RD_RETURN_IF_ERROR(backend_.copy(ctx_, host_.logits, ws_.logits.data, num_logits * sizeof(float), d2h));
-  if (record && T > 0) {
-    const size_t row_bytes = static_cast<size_t>(T * c.num_experts_per_tok) * sizeof(int32_t);
-    RD_RETURN_IF_ERROR(backend_.copy_2d(ctx_, host_.records, row_bytes, routed_table_.data,
-                                        static_cast<size_t>(limits_.max_tokens * c.num_experts_per_tok) * sizeof(int32_t),
-                                        row_bytes, static_cast<size_t>(moe_layers_), d2h));
+  // Everything from the input upload to the read-back is queued on the stream; a failure part way
+  // still waits for what was queued, so the next step cannot overwrite page-locked memory a copy
+  // is still reading.
+  const auto enqueue = [&]() -> Status {
+    RD_RETURN_IF_ERROR(stage_inputs(b, rows, seqs));
+    if (bucket && graphs_ready_) {
+      const size_t at = static_cast<size_t>(
+          std::find(graph_stats_.buckets.begin(), graph_stats_.buckets.end(), bucket) - graph_stats_.buckets.begin());
+      RD_RETURN_IF_ERROR(backend_.graph_launch(ctx_, graphs_[at * 2 + (record ? 1 : 0)]));
+    } else {
+      RD_RETURN_IF_ERROR(run_device(ctx_, rows, seqs, run_r, record));
+    }
+    // A padded step counts as a graph step where it replayed one (CUDA) or where there are no
+    // graphs to replay (the CPU's padded path).
+    ++(bucket && (graphs_ready_ || ctx_.device.kind == DeviceKind::kCpu) ? graph_stats_.graph_steps
+                                                                         : graph_stats_.eager_steps);
+    // Logits and records come back asynchronously into page-locked memory; one synchronisation.
+    if (R > 0) RD_RETURN_IF_ERROR(backend_.copy(ctx_, host_.logits, ws_.logits.data, num_logits * sizeof(float), d2h));
+    if (record && T > 0) {
+      const size_t row_bytes = static_cast<size_t>(T * c.num_experts_per_tok) * sizeof(int32_t);
+      RD_RETURN_IF_ERROR(backend_.copy_2d(ctx_, host_.records, row_bytes, routed_table_.data,
+                                          static_cast<size_t>(limits_.max_tokens * c.num_experts_per_tok) * sizeof(int32_t),
+                                          row_bytes, static_cast<size_t>(moe_layers_), d2h));
+    }
+    return Status::Ok();
+  };
+  if (Status st = enqueue(); !st.ok()) {
+    (void)backend_.synchronize(ctx_);
+    return st;
   }
   RD_RETURN_IF_ERROR(backend_.synchronize(ctx_));
   if (recorder) RD_RETURN_IF_ERROR(recorder->capture_layer_major(record ? host_.records : nullptr, T));
@@ -426,7 +446,10 @@ Status MoeDecoder::capture_graphs() {
                     st.field());
     }
   }
-  RD_RETURN_IF_ERROR(backend_.synchronize(ctx_));
+  if (Status st = backend_.synchronize(ctx_); !st.ok()) {
+    discard();
+    return st;
+  }
   graphs_ = std::move(graphs);
   graphs_ready_ = true;
   graph_stats_.num_graphs = static_cast<int64_t>(graphs_.size());

@@ -74,8 +74,9 @@ class MoeDecoder {
   // when `recorder` is given, it holds the step's routed-expert rows (logical ids).
   // Decode steps that fit a bucket (StepLimits::graph_max_batch) run padded, from the bucket's
   // graph on CUDA; other steps run eagerly.
-  // On return the step's logits, [logits_rows.size(), vocab] FP32, are in host memory the model
-  // owns (page-locked on CUDA), valid until the next step; `forward` copies them out.
+  // step(): on return the step's logits, [logits_rows.size(), vocab] FP32, are in host memory the
+  // model owns (page-locked on CUDA), valid until the next step; forward() copies them out. A
+  // recorder must have this model's MoE layer count and top_k (kInvalidArgument otherwise).
   Result<std::span<const float>> step(const StepBatch& batch, RoutedExpertRecorder* recorder);
   Status forward(const StepBatch& batch, std::vector<float>& logits, RoutedExpertRecorder* recorder);
 
@@ -162,6 +163,9 @@ class MoeDecoder {
     int32_t* inputs = nullptr;
     float* logits = nullptr;
     int32_t* records = nullptr;
+    HostBuffers() = default;
+    HostBuffers(const HostBuffers&) = delete;
+    HostBuffers& operator=(const HostBuffers&) = delete;
     ~HostBuffers();
   } host_;
   size_t tables_offset_ = 0;      // int32 elements before block_tables in `inputs`

@@ -231,7 +231,10 @@ Status graph_capture(const ExecContext& ctx, Backend::GraphBody body, void* arg,
   cudaGraphExec_t exec = nullptr;
   RD_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
   // Uploading now moves the one-time setup cost out of the first replay.
-  RD_CUDA_CHECK(cudaGraphUpload(exec, stream_of(ctx)));
+  if (cudaError_t err = cudaGraphUpload(exec, stream_of(ctx)); err != cudaSuccess) {
+    (void)cudaGraphExecDestroy(exec);
+    return error_status(err, "cudaGraphUpload", __FILE__, __LINE__);
+  }
   *graph = exec;
   return Status::Ok();
 }
