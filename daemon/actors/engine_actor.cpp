@@ -202,16 +202,7 @@ void EngineActor::run() {
       if (!st.ok()) {
         obs::log_error("engine", "step failed", {{"error", st.to_string()}});
         metrics_.on_error(error_code_name(st.code()));
-        // A CUDA error poisons the context: the launcher must restart the process.
-        if (st.code() == ErrorCode::kCudaError && !faulted_) {
-          faulted_ = true;
-          fault_reason_ = st.to_string();
-          std::vector<core::EngineEvent> rest;
-          engine_->abort_all("engine_fault", rest);
-          account(rest);
-          if (!rest.empty()) send(EventBatch{std::move(rest)});
-          send(EngineFault{st});
-        }
+        on_device_fault(st);  // a CUDA error poisons the context: the launcher must restart the process
       }
     }
     if (draining_ && !drain_done_sent_ && !engine_->has_requests()) {

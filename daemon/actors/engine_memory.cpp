@@ -121,11 +121,8 @@ void EngineActor::handle_memory(WeightCommand& cmd) {
                   {{"error", s.to_string()}});
     if (s.code() == ErrorCode::kCudaError && !faulted_) {
       // An unmap or map the driver refused leaves the device in an unknown state: restart.
-      faulted_ = true;
-      fault_reason_ = s.to_string();
       reply_error(cmd.client, id, s);
-      send(EngineFault{s});
-      return;
+      return on_device_fault(s);
     }
     refresh_memory_digests();
     return reply_error(cmd.client, id, s.field().empty() ? s : s.with_field_prefix("body"));
