@@ -78,4 +78,37 @@ inline std::vector<core::EngineEvent> run_to_idle(core::Engine& e, int max_steps
   return out;
 }
 
+// Parameters of `src` in checkpoint layout, as one bucket (what a trainer pushes): every one, or
+// every `every`-th from `phase` (a partial update). `names` is the selector of that update.
+struct RegistryBucket {
+  std::vector<std::string> names;
+  std::vector<core::BucketEntry> entries;
+  std::vector<uint8_t> bytes;
+};
+inline RegistryBucket registry_bucket(const core::WeightRegistry& src, size_t every = 1, size_t phase = 0) {
+  RegistryBucket b;
+  std::vector<uint8_t> one;
+  for (size_t i = phase; i < src.size(); i += every) {
+    EXPECT_TRUE(src.read_checkpoint(i, one).ok());
+    const auto& p = src.parameters()[i];
+    b.names.push_back(p.name);
+    b.entries.push_back({p.name, p.storage.dtype, {p.storage.shape.data(), p.storage.shape.data() + p.storage.rank()},
+                         b.bytes.size(), one.size()});
+    b.bytes.insert(b.bytes.end(), one.begin(), one.end());
+  }
+  return b;
+}
+
+// One whole weight-update session applying `b` (selector: its names when `partial`, else every
+// parameter), ending at `version`.
+inline Status push_bucket(core::Engine& e, const RegistryBucket& b, bool partial, uint64_t version) {
+  const auto now = core::SteadyClock::now();
+  auto& u = e.updater();
+  RD_ASSIGN_OR_RETURN(core::BeginResult s, u.begin(partial ? b.names : std::vector<std::string>{}, 60, now));
+  RD_RETURN_IF_ERROR(u.apply_bucket(s.session, b.entries, b.bytes, std::nullopt, now).status());
+  RD_RETURN_IF_ERROR(u.end(s.session, version, now).status());
+  e.set_weight_version(version);
+  return Status::Ok();
+}
+
 }  // namespace rolloutd::test

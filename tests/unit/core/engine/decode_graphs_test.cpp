@@ -19,8 +19,6 @@ namespace {
 
 using test::small_limits;
 
-const auto kNow = SteadyClock::now();
-
 struct Target {
   const Backend* backend;
   ExecContext ctx;
@@ -215,35 +213,8 @@ void padding_rows_are_not_recorded(DeviceKind kind) {
   }
 }
 
-// Every parameter of `src` in checkpoint layout, as one bucket (what a trainer pushes);
-// `every` > 1 keeps every every-th parameter only (a partial update).
-struct Bucket {
-  std::vector<std::string> names;
-  std::vector<BucketEntry> entries;
-  std::vector<uint8_t> bytes;
-};
-Bucket bucket_of(const WeightRegistry& src, size_t every = 1, size_t phase = 0) {
-  Bucket b;
-  std::vector<uint8_t> one;
-  for (size_t i = phase; i < src.size(); i += every) {
-    EXPECT_TRUE(src.read_checkpoint(i, one).ok());
-    const auto& p = src.parameters()[i];
-    b.names.push_back(p.name);
-    b.entries.push_back({p.name, p.storage.dtype, {p.storage.shape.data(), p.storage.shape.data() + p.storage.rank()},
-                         b.bytes.size(), one.size()});
-    b.bytes.insert(b.bytes.end(), one.begin(), one.end());
-  }
-  return b;
-}
-
-Status push(Engine& e, const Bucket& b, bool partial, uint64_t version) {
-  auto& u = e.updater();
-  RD_ASSIGN_OR_RETURN(BeginResult s, u.begin(partial ? b.names : std::vector<std::string>{}, 60, kNow));
-  RD_RETURN_IF_ERROR(u.apply_bucket(s.session, b.entries, b.bytes, std::nullopt, kNow).status());
-  RD_RETURN_IF_ERROR(u.end(s.session, version, kNow).status());
-  e.set_weight_version(version);
-  return Status::Ok();
-}
+using test::push_bucket;
+using test::registry_bucket;
 
 std::map<std::string, const void*> addresses(Engine& e) {
   std::map<std::string, const void*> a;
@@ -265,13 +236,13 @@ void replay_after_updates_matches_fresh(DeviceKind kind) {
     const bool partial = i % 2 == 1;
     auto donor = make_engine(*t, 0, 1000 + static_cast<uint64_t>(i));
     ASSERT_TRUE(donor);
-    const Bucket b = bucket_of(donor->model().weights(), partial ? 3 : 1, static_cast<size_t>(i % 3));
-    const Status st = push(*e, b, partial, static_cast<uint64_t>(i + 1));
+    const auto b = registry_bucket(donor->model().weights(), partial ? 3 : 1, static_cast<size_t>(i % 3));
+    const Status st = push_bucket(*e, b, partial, static_cast<uint64_t>(i + 1));
     ASSERT_TRUE(st.ok()) << st.to_string();
     // A fresh eager engine with exactly e's parameters now.
     auto fresh = make_engine(*t, 0, 1);
     ASSERT_TRUE(fresh);
-    const Status pf = push(*fresh, bucket_of(e->model().weights()), false, 1);
+    const Status pf = push_bucket(*fresh, registry_bucket(e->model().weights()), false, 1);
     ASSERT_TRUE(pf.ok()) << pf.to_string();
     const Output got = run_batch(*e, "s" + std::to_string(i) + "_");
     expect_same_output(got, run_batch(*fresh, "f"), ("session " + std::to_string(i)).c_str());

@@ -55,23 +55,7 @@ Snapshot snapshot(Engine& e) {
 // Every parameter of a fresh embedded model, as one FP32 bucket (what a trainer pushes).
 Status push_fresh_weights(Engine& e, uint64_t version) {
   auto fresh = test::embedded_model(small_limits());
-  const auto& src = fresh->weights();
-  std::vector<BucketEntry> entries;
-  std::vector<uint8_t> bytes;
-  std::vector<uint8_t> one;
-  for (size_t i = 0; i < src.size(); ++i) {
-    RD_RETURN_IF_ERROR(src.read_checkpoint(i, one));
-    const auto& p = src.parameters()[i];
-    entries.push_back({p.name, p.storage.dtype, {p.storage.shape.data(), p.storage.shape.data() + p.storage.rank()},
-                       bytes.size(), one.size()});
-    bytes.insert(bytes.end(), one.begin(), one.end());
-  }
-  auto& u = e.updater();
-  RD_ASSIGN_OR_RETURN(BeginResult b, u.begin({}, 60, kNow));
-  RD_RETURN_IF_ERROR(u.apply_bucket(b.session, entries, bytes, std::nullopt, kNow).status());
-  RD_RETURN_IF_ERROR(u.end(b.session, version, kNow).status());
-  e.set_weight_version(version);
-  return Status::Ok();
+  return test::push_bucket(e, test::registry_bucket(fresh->weights()), false, version);
 }
 
 TEST(EngineMemory, ReleaseIsRefusedUnlessIdle) {
