@@ -55,6 +55,29 @@ struct MoeExpertsArgs {
   // [I, 2I)); true = interleaved (gate j at row 2j, up j at row 2j + 1), the kernel layout the
   // weight registry's expert quant method keeps between sessions.
   bool gate_up_interleaved = false;
+  // Optional expert biases (gpt-oss): b_gate_up [E_phys, 2*I] in w_gate_up's row layout, added
+  // to the gate/up projections; b_down [E_phys, H], added to each expert's output before its
+  // routing weight multiplies it. Empty views: no bias.
+  TensorView b_gate_up;
+  TensorView b_down;
+  // The gated activation h = act(gate) * up:
+  //   kSilu:   silu(g) * u (Qwen3-MoE, Mixtral, DeepSeek);
+  //   kGptOss: g' = min(g, limit), u' = clamp(u, -limit, limit), h = g' * sigmoid(alpha * g') * (u' + 1).
+  enum class Activation : uint8_t { kSilu, kGptOss };
+  Activation activation = Activation::kSilu;
+  float swiglu_limit = 7.0f;
+  float swiglu_alpha = 1.702f;
+};
+
+// Options of paged_attention_ex (gpt-oss attention).
+struct AttentionOptions {
+  // Optional f32 [QH]: one learned logit per query head that joins every softmax's denominator
+  // (exp(sink - max) added to the sum) without a value: the probabilities of the real keys sum
+  // to less than 1. Empty: none.
+  TensorView sinks;
+  // > 0: a token at position p (ctx_len = p + 1) sees only cache positions (p - window, p], the
+  // last `window` positions (Hugging Face's sliding_window mask). 0: the whole causal context.
+  int64_t window = 0;
 };
 
 struct Backend {
@@ -157,6 +180,23 @@ struct Backend {
   Status (*graph_capture)(const ExecContext&, GraphBody body, void* arg, void** graph);
   Status (*graph_launch)(const ExecContext&, void* graph);
   Status (*graph_destroy)(const ExecContext&, void* graph);
+
+  // ---- gpt-oss ops ----
+  // paged_attention with learned sinks and a sliding window (AttentionOptions); with empty
+  // options it is paged_attention. sinks: f32 [QH] on the context's device.
+  Status (*paged_attention_ex)(const ExecContext&, TensorView out, TensorView q, TensorView k_cache,
+                               TensorView v_cache, TensorView block_tables, TensorView seq_of,
+                               TensorView ctx_len, float scale, const AttentionOptions& options);
+  // Rotary embedding like `rope`, with the inverse frequencies given (f32 [D/2] on the context's
+  // device: YaRN and other scaled variants computed by the caller) and cos/sin multiplied by
+  // `scale` (YaRN's attention factor): angle = pos[t] * inv_freq[i] in FP32.
+  Status (*rope_table)(const ExecContext&, TensorView x, TensorView positions, TensorView inv_freq, float scale);
+  // y[..., n] += bias[n] (y [..., N], bias [N], f32), in place.
+  Status (*add_bias)(const ExecContext&, TensorView y, TensorView bias);
+  // dst[b, c, r] = src[b, r, c]: src [B, R, C] -> dst [B, C, R] (or [R, C] -> [C, R]), any dtype
+  // of 2 or 4 bytes, both views of that dtype; dst and src must not overlap. Layout changes of
+  // checkpoint tensors stored input-major (gpt-oss experts [E, in, out]).
+  Status (*transpose)(const ExecContext&, TensorView dst, TensorView src);
 
   // ---- virtual memory (stable arenas, memory release/resume) ----
   // A reserved range has addresses but no memory behind them. vm_map backs [addr, addr + bytes)

@@ -1,5 +1,8 @@
 #include "core/model/config.hpp"
 
+#include <algorithm>
+#include <cmath>
+
 namespace rolloutd::core {
 
 Status ModelConfig::validate() const {
@@ -50,6 +53,56 @@ Status ModelConfig::validate() const {
   if (!layer_types.empty() && static_cast<int64_t>(layer_types.size()) != num_hidden_layers)
     return Status(ErrorCode::kInvalidArgument, "must list one type per layer", "layer_types");
   return Status::Ok();
+}
+
+RopeFrequencies rope_frequencies(const ModelConfig& c) {
+  // FP32 where transformers computes in float32 tensors, double where it uses Python floats.
+  const int64_t dim = c.head_dim, half = dim / 2;
+  const double base = c.rope_theta;
+  RopeFrequencies r;
+  r.inv_freq.resize(static_cast<size_t>(half));
+  std::vector<float> pos_freqs(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i)
+    pos_freqs[static_cast<size_t>(i)] =
+        static_cast<float>(std::pow(base, static_cast<double>(static_cast<float>(2 * i) / static_cast<float>(dim))));
+  if (c.rope_type != "yarn") {
+    for (int64_t i = 0; i < half; ++i) r.inv_freq[static_cast<size_t>(i)] = 1.0f / pos_freqs[static_cast<size_t>(i)];
+    return r;
+  }
+  const double factor = c.rope_factor > 0
+                            ? c.rope_factor
+                            : static_cast<double>(c.max_position_embeddings) /
+                                  static_cast<double>(std::max<int64_t>(1, c.rope_original_max_position_embeddings));
+  auto get_mscale = [](double scale, double mscale) { return scale <= 1 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0; };
+  double attention = c.rope_attention_factor;
+  if (attention <= 0)
+    attention = c.rope_mscale > 0 && c.rope_mscale_all_dim > 0
+                    ? get_mscale(factor, c.rope_mscale) / get_mscale(factor, c.rope_mscale_all_dim)
+                    : get_mscale(factor, 1.0);
+  r.attention_factor = static_cast<float>(attention);
+  const double orig = static_cast<double>(c.rope_original_max_position_embeddings > 0
+                                              ? c.rope_original_max_position_embeddings
+                                              : c.max_position_embeddings);
+  auto correction_dim = [&](double rotations) {
+    return static_cast<double>(dim) * std::log(orig / (rotations * 2 * M_PI)) / (2 * std::log(base));
+  };
+  double low = correction_dim(c.rope_beta_fast), high = correction_dim(c.rope_beta_slow);
+  if (c.rope_truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(low, 0.0);
+  high = std::min(high, static_cast<double>(dim - 1));
+  if (low == high) high += 0.001;  // transformers: "prevent singularity"
+  for (int64_t i = 0; i < half; ++i) {
+    const float ramp = std::clamp(static_cast<float>((static_cast<float>(i) - low) / (high - low)), 0.0f, 1.0f);
+    const float extrapolation = 1.0f - ramp;
+    const float pf = pos_freqs[static_cast<size_t>(i)];
+    const float inv_extra = 1.0f / pf;
+    const float inv_inter = 1.0f / (static_cast<float>(factor) * pf);
+    r.inv_freq[static_cast<size_t>(i)] = inv_inter * (1.0f - extrapolation) + inv_extra * extrapolation;
+  }
+  return r;
 }
 
 std::string routed_experts_dtype_for(int64_t num_experts) {

@@ -41,6 +41,9 @@ struct ModelConfig {
   double rope_factor = 1.0;
   int64_t rope_original_max_position_embeddings = 0;
   double rope_beta_fast = 32.0, rope_beta_slow = 1.0;
+  bool rope_truncate = true;            // YaRN: floor/ceil the correction range (gpt-oss: false)
+  double rope_attention_factor = 0.0;   // YaRN: cos/sin scale; 0 = derived from factor (and mscale)
+  double rope_mscale = 0.0, rope_mscale_all_dim = 0.0;  // YaRN (DeepSeek); 0 = unset
   // gpt-oss: per-layer "sliding_attention" | "full_attention", the window, the SwiGLU clamp.
   std::vector<std::string> layer_types;
   int64_t sliding_window = 0;
@@ -81,6 +84,14 @@ struct ModelConfig {
   // Checks internal consistency (positive sizes, heads divisible, top_k <= experts, ...).
   Status validate() const;
 };
+
+// Rotary frequencies as Hugging Face computes them (modeling_rope_utils): inv_freq [head_dim / 2]
+// and the factor cos/sin are multiplied by (1 for "default"; YaRN's attention factor).
+struct RopeFrequencies {
+  std::vector<float> inv_freq;
+  float attention_factor = 1.0f;
+};
+RopeFrequencies rope_frequencies(const ModelConfig& c);
 
 // The smallest dtype that holds every logical expert id (protocol: uint8 | uint16 | int32).
 std::string routed_experts_dtype_for(int64_t num_experts);

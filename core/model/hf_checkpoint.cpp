@@ -57,6 +57,16 @@ Status load_checkpoint(MoeDecoder& model, const SafetensorsCheckpoint& ckpt) {
   std::vector<std::string> names;
   for (const auto& [name, t] : ckpt.tensors()) {
     const CheckpointTensor* ct = reg.resolve(name);
+    const auto ends_with = [&](const char* sfx) {
+      const std::string x(sfx);
+      return name.size() >= x.size() && name.compare(name.size() - x.size(), x.size(), x) == 0;
+    };
+    if (!ct && (ends_with("_blocks") || ends_with("_scales")))
+      return Status(ErrorCode::kUnimplemented,
+                    "checkpoint tensor '" + name + "' holds MXFP4 experts (as OpenAI publishes gpt-oss); the decoder "
+                    "runs FP32 experts loaded from BF16/FP32 tensors for now: save a dequantized copy with transformers "
+                    "(from_pretrained with Mxfp4Config(dequantize=True), then save_pretrained)",
+                    name);
     if (!ct)
       return Status(ErrorCode::kNotFound,
                     "checkpoint tensor '" + name + "' is not a parameter of this " + model.config().family +

@@ -85,12 +85,19 @@ Status parse_rope(const json& j, ModelConfig& c) {
     return Status(ErrorCode::kUnimplemented, key + ".rope_type '" + type + "' is not supported (default, yarn)",
                   key + ".rope_type");
   c.rope_type = type;
+  c.rope_factor = 0.0;  // absent: transformers derives it (max_position_embeddings / original)
   RD_RETURN_IF_ERROR(get_double(*scaling, "factor", c.rope_factor, true).with_field_prefix(key));
   RD_RETURN_IF_ERROR(get_double(*scaling, "beta_fast", c.rope_beta_fast, true).with_field_prefix(key));
   RD_RETURN_IF_ERROR(get_double(*scaling, "beta_slow", c.rope_beta_slow, true).with_field_prefix(key));
   RD_RETURN_IF_ERROR(get_int(*scaling, "original_max_position_embeddings", c.rope_original_max_position_embeddings,
                              1, kMaxVocab, false)
                          .with_field_prefix(key));
+  RD_RETURN_IF_ERROR(get_bool(*scaling, "truncate", c.rope_truncate).with_field_prefix(key));
+  for (auto [name, out] : {std::pair<const char*, double*>{"attention_factor", &c.rope_attention_factor},
+                           {"mscale", &c.rope_mscale},
+                           {"mscale_all_dim", &c.rope_mscale_all_dim}})
+    if (scaling->contains(name) && !(*scaling)[name].is_null())
+      RD_RETURN_IF_ERROR(get_double(*scaling, name, *out, true).with_field_prefix(key));
   return Status::Ok();
 }
 
@@ -211,7 +218,7 @@ Result<ModelConfig> model_config_from_hf(const json& j) {
     RD_RETURN_IF_ERROR(parse_gpt_oss(j, c));
   } else {
     return Status(ErrorCode::kUnimplemented,
-                  "model_type '" + type + "' is not supported (qwen3_moe; gpt_oss is parsed but not served yet)",
+                  "model_type '" + type + "' is not supported (qwen3_moe, gpt_oss)",
                   "model_type");
   }
   c.name = type;
@@ -263,7 +270,7 @@ json model_config_to_hf(const ModelConfig& c) {
     rope["beta_fast"] = c.rope_beta_fast;
     rope["beta_slow"] = c.rope_beta_slow;
     rope["original_max_position_embeddings"] = c.rope_original_max_position_embeddings;
-    rope["truncate"] = false;
+    rope["truncate"] = c.rope_truncate;
   }
   j["rope_parameters"] = rope;
   if (c.family == "qwen3_moe") {
@@ -300,14 +307,12 @@ Status check_decoder_supports(const ModelConfig& c) {
     return Status(ErrorCode::kUnimplemented,
                   "model family " + c.family + " is not supported yet by the decoder: " + what, field);
   };
-  if (c.family == "gpt_oss")
-    return no("it needs attention sinks, sliding-window layers, YaRN rotary scaling, attention and router "
-              "biases and the clamped SwiGLU (issue 6)",
-              "model_type");
-  if (c.family != "qwen3_moe") return no("unknown family", "model_type");
+  if (c.family != "qwen3_moe" && c.family != "gpt_oss") return no("unknown family", "model_type");
   if (c.tie_word_embeddings) return no("tie_word_embeddings = true (lm_head shared with embed_tokens)", "tie_word_embeddings");
-  if (c.attention_bias) return no("attention_bias = true", "attention_bias");
-  if (c.rope_type != "default") return no("rope_type '" + c.rope_type + "'", "rope_parameters");
+  if (c.family == "qwen3_moe" && c.attention_bias) return no("attention_bias = true", "attention_bias");
+  if (c.rope_type != "default" && c.rope_type != "yarn") return no("rope_type '" + c.rope_type + "'", "rope_parameters");
+  if (c.family == "gpt_oss" && !(c.swiglu_limit > 0))
+    return no("swiglu_limit must be positive (the clamped SwiGLU)", "swiglu_limit");
   return Status::Ok();
 }
 

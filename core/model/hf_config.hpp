@@ -3,8 +3,10 @@
 //
 //  - qwen3_moe: served by MoeDecoder (QK-norm, softmax top-k with norm_topk_prob, dense layers
 //    from mlp_only_layers / decoder_sparse_step).
-//  - gpt_oss: parsed and validated, refused by check_decoder_supports() until the decoder
-//    has attention sinks, sliding windows, YaRN and the clamped SwiGLU.
+//  - gpt_oss: served by MoeDecoder from BF16/FP32 expert tensors (transformers' layout):
+//    projection/router/expert biases, learned sinks, sliding-window layers (layer_types), YaRN
+//    rotary scaling, the clamped SwiGLU. MXFP4 `*_blocks`/`*_scales` expert checkpoints are
+//    refused with a message (the decoder's experts are FP32 for now).
 //
 // Absent keys take the transformers defaults of that family's config class; present keys
 // must have the right JSON type and a sane range. Errors are kInvalidArgument (kUnimplemented

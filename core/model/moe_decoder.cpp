@@ -54,7 +54,19 @@ Status MoeDecoder::allocate() {
   const int64_t H = c.hidden_size, D = c.head_dim, QH = c.num_attention_heads,
                 KVH = c.num_key_value_heads, E = c.num_experts, I = c.moe_intermediate_size;
 
+  const bool gpt_oss = c.family == "gpt_oss";
   RD_RETURN_IF_ERROR(param("model.embed_tokens.weight", Shape{c.vocab_size, H}, embed_tokens_));
+  if (c.rope_type != "default") {
+    // Scaled rotary frequencies, computed once on the host as transformers computes them; like
+    // the dense layers' constants, static state that a memory release backs up and restores.
+    const RopeFrequencies rf = rope_frequencies(c);
+    RD_ASSIGN_OR_RETURN(rope_inv_freq_, weights_arena_->allocate(DType::kF32, Shape{D / 2}));
+    RD_RETURN_IF_ERROR(backend_.copy(ctx_, rope_inv_freq_.data, rf.inv_freq.data(), rf.inv_freq.size() * sizeof(float),
+                                     ctx_.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost
+                                                                          : CopyKind::kHostToDevice));
+    RD_RETURN_IF_ERROR(weights_->static_state().add("model.rotary_emb.inv_freq", MemoryTag::kWeights, rope_inv_freq_));
+    rope_attention_factor_ = rf.attention_factor;
+  }
   layers_.resize(static_cast<size_t>(c.num_hidden_layers));
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     Layer& L = layers_[static_cast<size_t>(l)];
@@ -69,6 +81,15 @@ Status MoeDecoder::allocate() {
       RD_RETURN_IF_ERROR(param(p + "self_attn.q_norm.weight", Shape{D}, L.q_norm));
       RD_RETURN_IF_ERROR(param(p + "self_attn.k_norm.weight", Shape{D}, L.k_norm));
     }
+    if (c.attention_bias) {
+      RD_RETURN_IF_ERROR(param(p + "self_attn.q_proj.bias", Shape{QH * D}, L.q_bias));
+      RD_RETURN_IF_ERROR(param(p + "self_attn.k_proj.bias", Shape{KVH * D}, L.k_bias));
+      RD_RETURN_IF_ERROR(param(p + "self_attn.v_proj.bias", Shape{KVH * D}, L.v_bias));
+      RD_RETURN_IF_ERROR(param(p + "self_attn.o_proj.bias", Shape{H}, L.o_bias));
+    }
+    if (gpt_oss) RD_RETURN_IF_ERROR(param(p + "self_attn.sinks", Shape{QH}, L.sinks));
+    if (!c.layer_types.empty() && c.layer_types[static_cast<size_t>(l)] == "sliding_attention")
+      L.window = c.sliding_window;
     const Shape cache{limits_.num_kv_blocks, limits_.kv_block_size, KVH, D};
     RD_ASSIGN_OR_RETURN(L.k_cache, kv_arena_->allocate(DType::kF32, cache));
     RD_ASSIGN_OR_RETURN(L.v_cache, kv_arena_->allocate(DType::kF32, cache));
@@ -102,6 +123,23 @@ Status MoeDecoder::allocate() {
             weights_->static_state().add("model.dense_mlp.expert_weights", MemoryTag::kWeights, dense_weights_));
       }
       L.expert_map = ExpertMap::identity(1);
+    } else if (gpt_oss) {
+      // transformers' GptOssExperts: router with bias; stacked experts stored input-major
+      // (gate_up_proj [E, H, 2I] with gate/up columns interleaved, down_proj [E, I, H]), used as
+      // x @ W[e] + b[e]. The kernel layout is their transpose: [E, 2I, H] with interleaved rows,
+      // [E, H, I] (TransposeMethod, same memory viewed in each layout).
+      L.moe_index = moe_layers_++;
+      RD_RETURN_IF_ERROR(param(p + "mlp.router.weight", Shape{E, H}, L.router));
+      RD_RETURN_IF_ERROR(param(p + "mlp.router.bias", Shape{E}, L.router_bias));
+      TensorView gu, down;
+      RD_RETURN_IF_ERROR(param(p + "mlp.experts.gate_up_proj", Shape{E, H, 2 * I}, gu, std::make_unique<TransposeMethod>()));
+      RD_RETURN_IF_ERROR(param(p + "mlp.experts.gate_up_proj_bias", Shape{E, 2 * I}, L.experts_gate_up_bias));
+      RD_RETURN_IF_ERROR(param(p + "mlp.experts.down_proj", Shape{E, I, H}, down, std::make_unique<TransposeMethod>()));
+      RD_RETURN_IF_ERROR(param(p + "mlp.experts.down_proj_bias", Shape{E, H}, L.experts_down_bias));
+      L.experts_gate_up = TensorView::contiguous(gu.data, DType::kF32, Shape{E, 2 * I, H}, gu.device);
+      L.experts_down = TensorView::contiguous(down.data, DType::kF32, Shape{E, H, I}, down.device);
+      RD_RETURN_IF_ERROR(add_loader_aliases(l));
+      L.expert_map = ExpertMap::identity(E);
     } else {
       L.moe_index = moe_layers_++;
       RD_RETURN_IF_ERROR(param(p + "mlp.gate.weight", Shape{E, H}, L.router));
@@ -230,7 +268,7 @@ Status MoeDecoder::add_loader_aliases(int64_t l) {
   const auto& c = config_;
   const int64_t H = c.hidden_size, D = c.head_dim, QH = c.num_attention_heads, KVH = c.num_key_value_heads;
   const std::string p = "model.layers." + std::to_string(l) + ".";
-  if (layers_[static_cast<size_t>(l)].moe) RD_RETURN_IF_ERROR(add_expert_aliases(l));
+  if (layers_[static_cast<size_t>(l)].moe && c.family != "gpt_oss") RD_RETURN_IF_ERROR(add_expert_aliases(l));
   // Fused QKV (rows q, then k, then v).
   const size_t q = weights_->index_of(p + "self_attn.q_proj.weight");
   const size_t k = weights_->index_of(p + "self_attn.k_proj.weight");
@@ -483,25 +521,45 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
     RD_RETURN_IF_ERROR(backend_.linear(ctx, q, x, L.q_proj));
     RD_RETURN_IF_ERROR(backend_.linear(ctx, k, x, L.k_proj));
     RD_RETURN_IF_ERROR(backend_.linear(ctx, v, x, L.v_proj));
+    if (L.q_bias.data) {
+      RD_RETURN_IF_ERROR(backend_.add_bias(ctx, q, L.q_bias));
+      RD_RETURN_IF_ERROR(backend_.add_bias(ctx, k, L.k_bias));
+      RD_RETURN_IF_ERROR(backend_.add_bias(ctx, v, L.v_bias));
+    }
     if (c.qk_norm) {
       // Qwen3: RMSNorm over each head's D values (weight shared by the heads), before rotary.
       RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx, as_heads(q, QH, D), as_heads(q, QH, D), L.q_norm, eps));
       RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx, as_heads(k, KVH, D), as_heads(k, KVH, D), L.k_norm, eps));
     }
-    RD_RETURN_IF_ERROR(backend_.rope(ctx, as_heads(q, QH, D), pos, theta));
-    RD_RETURN_IF_ERROR(backend_.rope(ctx, as_heads(k, KVH, D), pos, theta));
+    if (rope_inv_freq_.data) {
+      RD_RETURN_IF_ERROR(backend_.rope_table(ctx, as_heads(q, QH, D), pos, rope_inv_freq_, rope_attention_factor_));
+      RD_RETURN_IF_ERROR(backend_.rope_table(ctx, as_heads(k, KVH, D), pos, rope_inv_freq_, rope_attention_factor_));
+    } else {
+      RD_RETURN_IF_ERROR(backend_.rope(ctx, as_heads(q, QH, D), pos, theta));
+      RD_RETURN_IF_ERROR(backend_.rope(ctx, as_heads(k, KVH, D), pos, theta));
+    }
     RD_RETURN_IF_ERROR(backend_.kv_store(ctx, L.k_cache, L.v_cache, as_heads(k, KVH, D),
                                          as_heads(v, KVH, D), slots));
-    RD_RETURN_IF_ERROR(backend_.paged_attention(ctx, as_heads(attn, QH, D), as_heads(q, QH, D),
-                                                L.k_cache, L.v_cache, tables, seq_of, ctx_len, scale));
+    if (L.sinks.data || L.window > 0) {
+      RD_RETURN_IF_ERROR(backend_.paged_attention_ex(ctx, as_heads(attn, QH, D), as_heads(q, QH, D), L.k_cache,
+                                                     L.v_cache, tables, seq_of, ctx_len, scale,
+                                                     AttentionOptions{L.sinks, L.window}));
+    } else {
+      RD_RETURN_IF_ERROR(backend_.paged_attention(ctx, as_heads(attn, QH, D), as_heads(q, QH, D),
+                                                  L.k_cache, L.v_cache, tables, seq_of, ctx_len, scale));
+    }
     RD_RETURN_IF_ERROR(backend_.linear(ctx, o, attn, L.o_proj));
+    if (L.o_bias.data) RD_RETURN_IF_ERROR(backend_.add_bias(ctx, o, L.o_bias));
     RD_RETURN_IF_ERROR(backend_.add(ctx, h, h, o));
     // MoE block (or the dense MLP as one expert every token takes with weight 1).
     RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx, x, h, L.post_attention_layernorm, eps));
     if (L.moe) {
       RD_RETURN_IF_ERROR(backend_.linear(ctx, router_logits, x, L.router));
+      if (L.router_bias.data) RD_RETURN_IF_ERROR(backend_.add_bias(ctx, router_logits, L.router_bias));
+      // gpt-oss's router (top-k of the logits, softmax over those k) is this op with
+      // renormalisation: p_i / sum_k p_k = exp(l_i) / sum_k exp(l_k), the same experts.
       RD_RETURN_IF_ERROR(
-          backend_.router_softmax_topk(ctx, topk_ids, topk_w, router_logits, c.norm_topk_prob));
+          backend_.router_softmax_topk(ctx, topk_ids, topk_w, router_logits, c.norm_topk_prob || c.family == "gpt_oss"));
       // The single capture point: logical ids straight from the router, into this layer's rows
       // of the record table; rows at or past the step's real count (read on the device) are
       // written -1, so padding is never recorded.
@@ -523,7 +581,14 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
     args.num_valid_tokens = T;
     args.num_valid_device = ws_.num_valid;  // padding rows of a bucket: no expert work
     args.workspace = ws_.moe_h;             // CUDA: the decode-shaped two-kernel path
-    args.gate_up_interleaved = true;  // kernel layout of InterleaveGateUpMethod
+    args.gate_up_interleaved = true;  // kernel layout of InterleaveGateUpMethod (and of gpt-oss's checkpoint)
+    args.b_gate_up = L.experts_gate_up_bias;
+    args.b_down = L.experts_down_bias;
+    if (c.family == "gpt_oss") {
+      args.activation = MoeExpertsArgs::Activation::kGptOss;
+      args.swiglu_limit = static_cast<float>(c.swiglu_limit);
+      args.swiglu_alpha = 1.702f;  // GptOssExperts.alpha (not a config key)
+    }
     RD_RETURN_IF_ERROR(backend_.moe_experts(ctx, args));
     RD_RETURN_IF_ERROR(backend_.add(ctx, h, h, moe_out));
   }

@@ -1,9 +1,10 @@
 #pragma once
-// A MoE decoder (the Qwen3-MoE shape): token embedding;
+// A MoE decoder (the Qwen3-MoE and gpt-oss shapes): token embedding;
 // per layer RMSNorm -> rotary GQA attention (optionally QK-norm: per-head RMSNorm of q and k
 // before rotary, as Qwen3 does) over a paged KV cache -> residual
 // -> RMSNorm -> MoE FFN (softmax top-k router, SwiGLU experts) -> residual;
-// final RMSNorm; LM head. FP32 everywhere for now. All compute goes through the
+// final RMSNorm; LM head. gpt-oss adds projection, router and expert biases, learned attention
+// sinks, sliding-window layers, YaRN rotary scaling and the clamped SwiGLU. FP32 everywhere for now. All compute goes through the
 // Backend op table, so the same code runs on the CPU reference and on CUDA.
 #include <cstdint>
 #include <memory>
@@ -110,6 +111,12 @@ class MoeDecoder {
   struct Layer {
     TensorView input_layernorm, q_proj, k_proj, v_proj, o_proj, post_attention_layernorm;
     TensorView q_norm, k_norm;    // [D], only with config.qk_norm
+    // gpt-oss: projection biases (config.attention_bias), learned sinks [QH], the sliding
+    // window of this layer (0: full attention), router bias [E], expert biases.
+    TensorView q_bias, k_bias, v_bias, o_bias, sinks;
+    int64_t window = 0;
+    TensorView router_bias;                            // [E]
+    TensorView experts_gate_up_bias, experts_down_bias;  // [E, 2I] (interleaved), [E, H]
     // A dense layer (mlp_only_layers, decoder_sparse_step) is a SwiGLU MLP: the expert op with
     // one expert that every token takes with weight 1 (dense_ids / dense_weights).
     bool moe = true;
@@ -152,6 +159,10 @@ class MoeDecoder {
   std::unique_ptr<WeightRegistry> weights_;
   TensorView embed_tokens_, final_norm_, lm_head_;
   TensorView dense_ids_, dense_weights_;  // [max_tokens, 1]: expert 0, weight 1 (dense layers)
+  // Scaled rotary (YaRN): the inverse frequencies [D/2] (static state in weights memory) and the
+  // cos/sin factor; empty for the plain rotary of rope_theta.
+  TensorView rope_inv_freq_;
+  float rope_attention_factor_ = 1.0f;
   std::vector<Layer> layers_;
   int64_t moe_layers_ = 0;
   Workspace ws_;

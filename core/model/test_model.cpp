@@ -120,11 +120,12 @@ Result<ModelConfig> test_model_config(const TestModelSpec& s) {
     c.attention_bias = true;
     c.rope_theta = 150000.0;
     c.rms_norm_eps = 1e-5;
-    c.sliding_window = 128;
+    c.sliding_window = s.sliding_window;
     c.swiglu_limit = 7.0;
     c.rope_type = "yarn";
     c.rope_factor = 32.0;
     c.rope_original_max_position_embeddings = 4096;
+    c.rope_truncate = false;
     c.gate_up_checkpoint_interleaved = true;
     for (int64_t l = 0; l < s.layers; ++l) c.layer_types.push_back(l % 2 == 0 ? "sliding_attention" : "full_attention");
   } else {

@@ -32,6 +32,8 @@ struct TestModelSpec {
   // qwen3_moe dense layers: these indices, and all but every decoder_sparse_step-th layer.
   std::vector<int64_t> mlp_only_layers;
   int64_t decoder_sparse_step = 1;
+  // gpt_oss: the window of the sliding-attention (even) layers.
+  int64_t sliding_window = 128;
   uint64_t seed = 0;
 };
 

@@ -121,4 +121,66 @@ Status InterleaveGateUpMethod::restore_before_load(const Backend& b, const ExecC
   return permute(b, ctx, s, Direction::kToCheckpoint);
 }
 
+void QuantMethod::kernel_to_checkpoint_host(const uint8_t* kernel, uint8_t* checkpoint, int64_t experts,
+                                            int64_t rows, size_t row_bytes, size_t) const {
+  for (int64_t e = 0; e < experts; ++e)
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(checkpoint + row_bytes * static_cast<size_t>(e * rows + r),
+                  kernel + row_bytes * static_cast<size_t>(e * rows + kernel_row(r)), row_bytes);
+}
+
+Status TransposeMethod::run(const Backend& b, const ExecContext& ctx, TensorView s, bool to_kernel) {
+  if (s.rank() != 3) return Status(ErrorCode::kInternal, "transpose method expects [E, A, B] storage", "storage");
+  const int64_t num_experts = s.size(0), a = s.size(1), bcols = s.size(2);
+  const size_t elem = dtype_size(s.dtype);
+  const size_t expert_bytes = static_cast<size_t>(a * bcols) * elem;
+  const size_t group = std::max<size_t>(1, std::min(static_cast<size_t>(num_experts),
+                                                    max_staging_bytes_ / std::max<size_t>(expert_bytes, 1)));
+  const bool host = s.device.kind == DeviceKind::kCpu;
+  const CopyKind d2d = host ? CopyKind::kHostToHost : CopyKind::kDeviceToDevice;
+  void* tmp = nullptr;
+  if (host) {
+    tmp = host_staging(expert_bytes * group);
+  } else {
+    RD_ASSIGN_OR_RETURN(tmp, device_staging(b, ctx, expert_bytes * group));
+  }
+  // Checkpoint layout [A, B] per expert, kernel layout [B, A].
+  const int64_t src_rows = to_kernel ? a : bcols, src_cols = to_kernel ? bcols : a;
+  Status st;
+  for (int64_t e0 = 0; e0 < num_experts && st.ok(); e0 += static_cast<int64_t>(group)) {
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(group), num_experts - e0);
+    char* base = static_cast<char*>(s.data) + expert_bytes * static_cast<size_t>(e0);
+    st = b.copy(ctx, tmp, base, expert_bytes * static_cast<size_t>(n), d2d);
+    if (!st.ok()) break;
+    const TensorView src = TensorView::contiguous(tmp, s.dtype, Shape{n, src_rows, src_cols}, s.device);
+    const TensorView dst = TensorView::contiguous(base, s.dtype, Shape{n, src_cols, src_rows}, s.device);
+    st = b.transpose(ctx, dst, src);
+  }
+  if (!host) {
+    // The staging buffer is read asynchronously: wait before anyone reuses it.
+    Status sync = b.synchronize(ctx);
+    if (st.ok()) st = sync;
+  }
+  return st;
+}
+
+Status TransposeMethod::postprocess_after_load(const Backend& b, const ExecContext& ctx, TensorView s) {
+  return run(b, ctx, s, true);
+}
+
+Status TransposeMethod::restore_before_load(const Backend& b, const ExecContext& ctx, TensorView s) {
+  return run(b, ctx, s, false);
+}
+
+void TransposeMethod::kernel_to_checkpoint_host(const uint8_t* kernel, uint8_t* checkpoint, int64_t experts,
+                                                int64_t rows, size_t row_bytes, size_t elem_bytes) const {
+  // Checkpoint [E, rows, cols]; kernel [E, cols, rows].
+  const int64_t cols = static_cast<int64_t>(row_bytes / elem_bytes);
+  for (int64_t e = 0; e < experts; ++e)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        std::memcpy(checkpoint + ((e * rows + r) * cols + c) * static_cast<int64_t>(elem_bytes),
+                    kernel + ((e * cols + c) * rows + r) * static_cast<int64_t>(elem_bytes), elem_bytes);
+}
+
 }  // namespace rolloutd::core

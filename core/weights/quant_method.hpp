@@ -43,6 +43,12 @@ class QuantMethod {
   virtual Status postprocess_after_load(const Backend& b, const ExecContext& ctx, TensorView storage) = 0;
   // Checkpoint row `r` of expert `e` lives at kernel row kernel_row(r) (identity by default).
   virtual int64_t kernel_row(int64_t checkpoint_row) const { return checkpoint_row; }
+  // The checkpoint-layout bytes of a parameter from a host copy of its kernel-layout storage
+  // (`experts` slices of `rows` checkpoint rows of `row_bytes`), for reads while the parameter
+  // is in kernel layout (weights_checksum, get_weights_by_name). The default follows
+  // kernel_row(); methods that are not row permutations override it.
+  virtual void kernel_to_checkpoint_host(const uint8_t* kernel, uint8_t* checkpoint, int64_t experts, int64_t rows,
+                                         size_t row_bytes, size_t elem_bytes) const;
   // Non-checkpoint state the method owns (permutations, constants): backed up across memory
   // release later; exposed so tests can check it is bit-identical afterwards.
   virtual std::vector<int32_t> static_state() const { return {}; }
@@ -95,6 +101,28 @@ class InterleaveGateUpMethod final : public QuantMethod {
   size_t max_staging_bytes_;
   std::vector<int32_t> kernel_of_checkpoint_;      // checkpoint row -> kernel row
   std::vector<int32_t> checkpoint_of_kernel_;      // kernel row -> checkpoint row
+};
+
+// Stacked matrices stored input-major in the checkpoint, [E, A, B] (gpt-oss experts as
+// transformers saves them: gate_up_proj [E, H, 2I], down_proj [E, I, H], used as x @ W[e]),
+// whose kernel layout is the transpose [E, B, A] (one output row per expert row, what the
+// expert op reads). The transpose runs in place through the shared staging buffer, a group of
+// experts at a time (Backend::transpose). The parameter is registered with the checkpoint shape
+// [E, A, B]; the forward pass views the same memory as [E, B, A].
+class TransposeMethod final : public QuantMethod {
+ public:
+  explicit TransposeMethod(size_t max_staging_bytes = InterleaveGateUpMethod::kDefaultMaxStagingBytes)
+      : max_staging_bytes_(max_staging_bytes) {}
+  const char* name() const override { return "transpose"; }
+  bool transforms_layout() const override { return true; }
+  Status restore_before_load(const Backend& b, const ExecContext& ctx, TensorView storage) override;
+  Status postprocess_after_load(const Backend& b, const ExecContext& ctx, TensorView storage) override;
+  void kernel_to_checkpoint_host(const uint8_t* kernel, uint8_t* checkpoint, int64_t experts, int64_t rows,
+                                 size_t row_bytes, size_t elem_bytes) const override;
+
+ private:
+  Status run(const Backend& b, const ExecContext& ctx, TensorView storage, bool to_kernel);
+  size_t max_staging_bytes_;
 };
 
 }  // namespace rolloutd::core

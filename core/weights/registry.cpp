@@ -343,16 +343,15 @@ Status WeightRegistry::read_checkpoint(size_t i, std::vector<uint8_t>& out) cons
   const CopyKind kind = p.storage.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost : CopyKind::kDeviceToHost;
   if (p.layout == Layout::kCheckpoint || !p.method->transforms_layout()) {
     RD_RETURN_IF_ERROR(backend_.copy(ctx_, out.data(), p.storage.data, out.size(), kind));
-  } else {
-    for (int64_t e = 0; e < g.experts; ++e)
-      for (int64_t r = 0; r < g.rows; ++r) {
-        const char* src = static_cast<const char*>(p.storage.data) +
-                          row_bytes * static_cast<size_t>(e * g.rows + p.method->kernel_row(r));
-        RD_RETURN_IF_ERROR(backend_.copy(ctx_, out.data() + row_bytes * static_cast<size_t>(e * g.rows + r), src,
-                                         row_bytes, kind));
-      }
+    if (kind == CopyKind::kDeviceToHost) RD_RETURN_IF_ERROR(backend_.synchronize(ctx_));
+    return Status::Ok();
   }
+  // Kernel layout: one copy of the storage, then the method maps it back on the host.
+  std::vector<uint8_t> kernel(out.size());
+  RD_RETURN_IF_ERROR(backend_.copy(ctx_, kernel.data(), p.storage.data, kernel.size(), kind));
   if (kind == CopyKind::kDeviceToHost) RD_RETURN_IF_ERROR(backend_.synchronize(ctx_));
+  p.method->kernel_to_checkpoint_host(kernel.data(), out.data(), g.experts, g.rows, row_bytes,
+                                      dtype_size(p.storage.dtype));
   return Status::Ok();
 }
 

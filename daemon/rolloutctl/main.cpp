@@ -408,6 +408,9 @@ Command add_make_test_model(CLI::App& root) {
   app->add_option("--decoder-sparse-step", spec->decoder_sparse_step, "qwen3_moe: every n-th layer is MoE")
       ->capture_default_str()
       ->check(CLI::Range(1, 256));
+  app->add_option("--sliding-window", spec->sliding_window, "gpt_oss: window of the sliding-attention layers")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
   app->add_option("--seed", spec->seed, "Seed of the weights")->capture_default_str();
   app->add_option("--out", *out, "Directory to write (created if missing)")->required();
   return {app, [spec, out](const GlobalOptions&) {

@@ -1,5 +1,6 @@
 // CPU reference of causal attention over the paged KV cache: two passes per (token,
-// head), scores then softmax-weighted sum of values, all in FP32.
+// head), scores then softmax-weighted sum of values, all in FP32. Optional learned sinks and
+// sliding window (gpt-oss).
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -13,9 +14,19 @@ namespace rolloutd::cpu {
 Status paged_attention(const ExecContext& ctx, TensorView out, TensorView q, TensorView k_cache,
                        TensorView v_cache, TensorView block_tables, TensorView seq_of,
                        TensorView ctx_len, float scale) {
+  return paged_attention_ex(ctx, out, q, k_cache, v_cache, block_tables, seq_of, ctx_len, scale, AttentionOptions{});
+}
+
+Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, TensorView k_cache,
+                          TensorView v_cache, TensorView block_tables, TensorView seq_of,
+                          TensorView ctx_len, float scale, const AttentionOptions& options) {
   RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCpu));
-  RD_RETURN_IF_ERROR(op_checks::paged_attention(ctx, out, q, k_cache, v_cache, block_tables,
-                                                seq_of, ctx_len, scale));
+  RD_RETURN_IF_ERROR(op_checks::paged_attention_ex(ctx, out, q, k_cache, v_cache, block_tables,
+                                                   seq_of, ctx_len, scale, options));
+  const float* sinks = options.sinks.data ? options.sinks.as<const float>() : nullptr;
+  const int64_t window = options.window;
+  // The first cache position token t sees: the last `window` positions of its context.
+  auto first_visible = [&](int64_t n) { return window > 0 && n > window ? n - window : int64_t{0}; };
   const int64_t num_tokens = q.size(0), q_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
   const int64_t kv_heads = k_cache.size(2);
@@ -40,7 +51,7 @@ Status paged_attention(const ExecContext& ctx, TensorView out, TensorView q, Ten
                         std::to_string(max_blocks * block_size) + "]",
                     "ctx_len");
     const int64_t used_blocks = (len[t] + block_size - 1) / block_size;
-    for (int64_t j = 0; j < used_blocks; ++j) {
+    for (int64_t j = first_visible(len[t]) / block_size; j < used_blocks; ++j) {
       const int32_t b = table[seq[t] * max_blocks + j];
       if (b < 0 || b >= num_blocks)
         return Status(ErrorCode::kOutOfRange,
@@ -74,14 +85,17 @@ Status paged_attention(const ExecContext& ctx, TensorView out, TensorView q, Ten
                              j % block_size;
         return cache + (slot * kv_heads + kvh) * head_dim;
       };
-      float max_score = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) {
+      const int64_t j0 = first_visible(n);
+      // A sink joins the softmax as one more logit with no value (Hugging Face's gpt-oss
+      // eager attention: concatenate, subtract the max, softmax, drop the sink's column).
+      float max_score = sinks ? sinks[h] : -INFINITY;
+      for (int64_t j = j0; j < n; ++j) {
         score[static_cast<size_t>(j)] = dot(qr, cache_row(kc, j), head_dim) * scale;
         max_score = std::max(max_score, score[static_cast<size_t>(j)]);
       }
-      float sum = 0.0f;
+      float sum = sinks ? std::exp(sinks[h] - max_score) : 0.0f;
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j < n; ++j) {
+      for (int64_t j = j0; j < n; ++j) {
         const float p = std::exp(score[static_cast<size_t>(j)] - max_score);
         sum += p;
         const float* vr = cache_row(vc, j);

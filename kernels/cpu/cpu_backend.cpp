@@ -134,25 +134,17 @@ Status add(const ExecContext& ctx, TensorView out, TensorView a, TensorView b) {
   return Status::Ok();
 }
 
-Status rope(const ExecContext& ctx, TensorView x, TensorView positions, float theta) {
-  RD_RETURN_IF_ERROR(check_ctx(ctx));
-  RD_RETURN_IF_ERROR(op_checks::rope(ctx, x, positions, theta));
+namespace {
+// Rotates x[T, heads, D] in place by angle pos[t] * inv_freq[i] (FP32), cos/sin times `scale`.
+void rotate(TensorView x, TensorView positions, const float* inv_freq, float scale) {
   const int64_t num_tokens = x.size(0), heads = x.size(1), head_dim = x.size(2);
   const int64_t half = head_dim / 2;
-  // theta^(-2i/D) in double, rounded once to float: the CUDA twin computes the same
-  // expression, so both start from the same float frequency (Hugging Face keeps
-  // inv_freq and the angle in float32 too).
-  std::vector<float> inv_freq(static_cast<size_t>(half));
-  for (int64_t i = 0; i < half; ++i)
-    inv_freq[static_cast<size_t>(i)] = static_cast<float>(
-        1.0 / std::pow(static_cast<double>(theta),
-                       2.0 * static_cast<double>(i) / static_cast<double>(head_dim)));
   const int32_t* pos = positions.as<const int32_t>();
   for (int64_t t = 0; t < num_tokens; ++t) {
     const float p = static_cast<float>(pos[t]);
     for (int64_t i = 0; i < half; ++i) {
-      const float angle = p * inv_freq[static_cast<size_t>(i)];
-      const float c = std::cos(angle), s = std::sin(angle);
+      const float angle = p * inv_freq[i];
+      const float c = std::cos(angle) * scale, s = std::sin(angle) * scale;
       for (int64_t h = 0; h < heads; ++h) {
         float* row = x.as<float>() + (t * heads + h) * head_dim;
         const float x1 = row[i], x2 = row[i + half];
@@ -161,6 +153,55 @@ Status rope(const ExecContext& ctx, TensorView x, TensorView positions, float th
       }
     }
   }
+}
+}  // namespace
+
+Status rope(const ExecContext& ctx, TensorView x, TensorView positions, float theta) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  RD_RETURN_IF_ERROR(op_checks::rope(ctx, x, positions, theta));
+  const int64_t head_dim = x.size(2), half = head_dim / 2;
+  // theta^(-2i/D) in double, rounded once to float: the CUDA twin computes the same
+  // expression, so both start from the same float frequency (Hugging Face keeps
+  // inv_freq and the angle in float32 too).
+  std::vector<float> inv_freq(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i)
+    inv_freq[static_cast<size_t>(i)] = static_cast<float>(
+        1.0 / std::pow(static_cast<double>(theta),
+                       2.0 * static_cast<double>(i) / static_cast<double>(head_dim)));
+  rotate(x, positions, inv_freq.data(), 1.0f);
+  return Status::Ok();
+}
+
+Status rope_table(const ExecContext& ctx, TensorView x, TensorView positions, TensorView inv_freq, float scale) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  RD_RETURN_IF_ERROR(op_checks::rope_table(ctx, x, positions, inv_freq, scale));
+  rotate(x, positions, inv_freq.as<const float>(), scale);
+  return Status::Ok();
+}
+
+Status add_bias(const ExecContext& ctx, TensorView y, TensorView bias) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  RD_RETURN_IF_ERROR(op_checks::add_bias(ctx, y, bias));
+  const int64_t n = bias.size(0), rows = n ? y.numel() / n : 0;
+  const float* b = bias.as<const float>();
+  float* yp = y.as<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < n; ++i) yp[r * n + i] += b[i];
+  return Status::Ok();
+}
+
+Status transpose(const ExecContext& ctx, TensorView dst, TensorView src) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  RD_RETURN_IF_ERROR(op_checks::transpose(ctx, dst, src));
+  const int rank = src.rank();
+  const int64_t batch = rank == 3 ? src.size(0) : 1, rows = src.size(rank - 2), cols = src.size(rank - 1);
+  auto run = [&](auto* d, const auto* s) {
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) d[(b * cols + c) * rows + r] = s[(b * rows + r) * cols + c];
+  };
+  if (dtype_size(src.dtype) == 4) run(static_cast<uint32_t*>(dst.data), static_cast<const uint32_t*>(src.data));
+  else run(static_cast<uint16_t*>(dst.data), static_cast<const uint16_t*>(src.data));
   return Status::Ok();
 }
 
@@ -346,6 +387,10 @@ const Backend& cpu_backend() {
       cpu::graph_capture,
       cpu::graph_launch,
       cpu::graph_destroy,
+      cpu::paged_attention_ex,
+      cpu::rope_table,
+      cpu::add_bias,
+      cpu::transpose,
       cpu::vm_granularity,
       cpu::vm_reserve,
       cpu::vm_free,

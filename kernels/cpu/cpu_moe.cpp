@@ -1,4 +1,5 @@
-// CPU reference of the MoE ops: softmax top-k routing and the SwiGLU expert combine.
+// CPU reference of the MoE ops: softmax top-k routing and the SwiGLU expert combine
+// (plain or gpt-oss clamped activation, optional expert biases).
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -19,6 +20,12 @@ inline bool ranks_before(float va, int32_t a, float vb, int32_t b) {
 }
 
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+// gpt-oss: clamped gate and up, gate * sigmoid(alpha * gate) * (up + 1).
+inline float gpt_oss_glu(float g, float u, float limit, float alpha) {
+  g = std::min(g, limit);
+  u = std::clamp(u, -limit, limit);
+  return g / (1.0f + std::exp(-alpha * g)) * (u + 1.0f);
+}
 
 }  // namespace
 
@@ -105,6 +112,9 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
   const float* w_down = a.w_down.as<const float>();
   const float* topk_w = a.topk_weights.as<const float>();
   float* out = a.out.as<float>();
+  const float* b_gate_up = a.b_gate_up.data ? a.b_gate_up.as<const float>() : nullptr;
+  const float* b_down = a.b_down.data ? a.b_down.as<const float>() : nullptr;
+  const bool gpt_oss = a.activation == MoeExpertsArgs::Activation::kGptOss;
   for (int64_t t = 0; t < num_tokens; ++t) {
     float* orow = out + t * hidden;
     std::fill(orow, orow + hidden, 0.0f);
@@ -113,16 +123,19 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
     for (int64_t k = 0; k < top_k; ++k) {
       const int64_t e = map[ids[t * top_k + k]];
       const float* gu = w_gate_up + e * 2 * inter * hidden;
+      const float* bgu = b_gate_up ? b_gate_up + e * 2 * inter : nullptr;
       for (int64_t r = 0; r < 2 * inter; ++r)
-        gate_up[static_cast<size_t>(r)] = dot(gu + r * hidden, xr, hidden);
-      for (int64_t i = 0; i < inter; ++i)
-        h[static_cast<size_t>(i)] =
-            a.gate_up_interleaved
-                ? silu(gate_up[static_cast<size_t>(2 * i)]) * gate_up[static_cast<size_t>(2 * i + 1)]
-                : silu(gate_up[static_cast<size_t>(i)]) * gate_up[static_cast<size_t>(inter + i)];
+        gate_up[static_cast<size_t>(r)] = dot(gu + r * hidden, xr, hidden) + (bgu ? bgu[r] : 0.0f);
+      for (int64_t i = 0; i < inter; ++i) {
+        const float g = gate_up[static_cast<size_t>(a.gate_up_interleaved ? 2 * i : i)];
+        const float u = gate_up[static_cast<size_t>(a.gate_up_interleaved ? 2 * i + 1 : inter + i)];
+        h[static_cast<size_t>(i)] = gpt_oss ? gpt_oss_glu(g, u, a.swiglu_limit, a.swiglu_alpha) : silu(g) * u;
+      }
       const float wk = topk_w[t * top_k + k];
       const float* down = w_down + e * hidden * inter;
-      for (int64_t j = 0; j < hidden; ++j) orow[j] += wk * dot(down + j * inter, h.data(), inter);
+      const float* bd = b_down ? b_down + e * hidden : nullptr;
+      for (int64_t j = 0; j < hidden; ++j)
+        orow[j] += wk * (dot(down + j * inter, h.data(), inter) + (bd ? bd[j] : 0.0f));
     }
   }
   return Status::Ok();

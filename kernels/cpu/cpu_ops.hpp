@@ -29,6 +29,12 @@ Status kv_store(const ExecContext&, TensorView k_cache, TensorView v_cache, Tens
 Status paged_attention(const ExecContext&, TensorView out, TensorView q, TensorView k_cache,
                        TensorView v_cache, TensorView block_tables, TensorView seq_of,
                        TensorView ctx_len, float scale);
+Status paged_attention_ex(const ExecContext&, TensorView out, TensorView q, TensorView k_cache,
+                          TensorView v_cache, TensorView block_tables, TensorView seq_of,
+                          TensorView ctx_len, float scale, const AttentionOptions& options);
+Status rope_table(const ExecContext&, TensorView x, TensorView positions, TensorView inv_freq, float scale);
+Status add_bias(const ExecContext&, TensorView y, TensorView bias);
+Status transpose(const ExecContext&, TensorView dst, TensorView src);
 Status router_softmax_topk(const ExecContext&, TensorView ids, TensorView weights,
                            TensorView logits, bool renormalize);
 Status moe_experts(const ExecContext&, const MoeExpertsArgs& args);

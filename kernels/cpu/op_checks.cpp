@@ -190,6 +190,54 @@ Status paged_attention(const ExecContext& ctx, const TensorView& out, const Tens
   return Status::Ok();
 }
 
+Status paged_attention_ex(const ExecContext& ctx, const TensorView& out, const TensorView& q,
+                          const TensorView& k_cache, const TensorView& v_cache,
+                          const TensorView& block_tables, const TensorView& seq_of,
+                          const TensorView& ctx_len, float scale, const AttentionOptions& options) {
+  RD_RETURN_IF_ERROR(paged_attention(ctx, out, q, k_cache, v_cache, block_tables, seq_of, ctx_len, scale));
+  if (options.sinks.data != nullptr) {
+    RD_RETURN_IF_ERROR(view(ctx, options.sinks, "sinks", DType::kF32, 1, "[QH]"));
+    RD_RETURN_IF_ERROR(dim(options.sinks, 0, q.size(1), "sinks", "QH", "q"));
+  }
+  if (options.window < 0)
+    return invalid("window", "window must be >= 0 (0: no sliding window), got " + std::to_string(options.window));
+  return Status::Ok();
+}
+
+Status rope_table(const ExecContext& ctx, const TensorView& x, const TensorView& positions,
+                  const TensorView& inv_freq, float scale) {
+  RD_RETURN_IF_ERROR(rope(ctx, x, positions, 1.0f));
+  RD_RETURN_IF_ERROR(view(ctx, inv_freq, "inv_freq", DType::kF32, 1, "[D/2]"));
+  RD_RETURN_IF_ERROR(dim(inv_freq, 0, x.size(2) / 2, "inv_freq", "D/2", "x"));
+  if (!std::isfinite(scale) || scale <= 0.0f)
+    return invalid("scale", "scale must be finite and > 0, got " + std::to_string(scale));
+  return Status::Ok();
+}
+
+Status add_bias(const ExecContext& ctx, const TensorView& y, const TensorView& bias) {
+  RD_RETURN_IF_ERROR(view(ctx, y, "y", DType::kF32, kAnyRank, "[..., N]"));
+  RD_RETURN_IF_ERROR(view(ctx, bias, "bias", DType::kF32, 1, "[N]"));
+  return dim(bias, 0, y.size(y.rank() - 1), "bias", "N", "y");
+}
+
+Status transpose(const ExecContext& ctx, const TensorView& dst, const TensorView& src) {
+  if (src.dtype != dst.dtype || (dtype_size(src.dtype) != 2 && dtype_size(src.dtype) != 4))
+    return invalid("dst", "transpose: src and dst must share a 2- or 4-byte dtype, got " + describe(src) +
+                              " and " + describe(dst));
+  const int rank = src.rank();
+  if (rank != 2 && rank != 3) return invalid("src", "src: expected [R, C] or [B, R, C], got " + describe(src));
+  RD_RETURN_IF_ERROR(view(ctx, src, "src", src.dtype, rank, "[B, R, C]"));
+  RD_RETURN_IF_ERROR(view(ctx, dst, "dst", src.dtype, rank, "[B, C, R]"));
+  if (rank == 3) RD_RETURN_IF_ERROR(dim(dst, 0, src.size(0), "dst", "B", "src"));
+  RD_RETURN_IF_ERROR(dim(dst, rank - 2, src.size(rank - 1), "dst", "C", "src"));
+  RD_RETURN_IF_ERROR(dim(dst, rank - 1, src.size(rank - 2), "dst", "R", "src"));
+  const auto* d = static_cast<const char*>(dst.data);
+  const auto* s = static_cast<const char*>(src.data);
+  const size_t bytes = static_cast<size_t>(src.numel()) * dtype_size(src.dtype);
+  if (bytes > 0 && d < s + bytes && s < d + bytes) return invalid("dst", "dst: overlaps src");
+  return Status::Ok();
+}
+
 Status router_softmax_topk(const ExecContext& ctx, const TensorView& ids,
                            const TensorView& weights, const TensorView& logits) {
   RD_RETURN_IF_ERROR(view(ctx, logits, "logits", DType::kF32, 2, "[T, E]"));
@@ -238,6 +286,22 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
     RD_RETURN_IF_ERROR(view(ctx, a.num_valid_device, "num_valid_device", DType::kI32, 1, "[1]"));
     RD_RETURN_IF_ERROR(dim(a.num_valid_device, 0, 1, "num_valid_device", "count", "its contract"));
   }
+  if (a.b_gate_up.data != nullptr) {
+    RD_RETURN_IF_ERROR(view(ctx, a.b_gate_up, "b_gate_up", DType::kF32, 2, "[E_phys, 2*I]"));
+    RD_RETURN_IF_ERROR(dim(a.b_gate_up, 0, a.w_gate_up.size(0), "b_gate_up", "E_phys", "w_gate_up"));
+    RD_RETURN_IF_ERROR(dim(a.b_gate_up, 1, 2 * inter, "b_gate_up", "2*I", "w_gate_up"));
+  }
+  if (a.b_down.data != nullptr) {
+    RD_RETURN_IF_ERROR(view(ctx, a.b_down, "b_down", DType::kF32, 2, "[E_phys, H]"));
+    RD_RETURN_IF_ERROR(dim(a.b_down, 0, a.w_gate_up.size(0), "b_down", "E_phys", "w_gate_up"));
+    RD_RETURN_IF_ERROR(dim(a.b_down, 1, a.x.size(1), "b_down", "H", "x"));
+  }
+  if (a.activation != MoeExpertsArgs::Activation::kSilu && a.activation != MoeExpertsArgs::Activation::kGptOss)
+    return invalid("activation", "activation: unknown value " + std::to_string(static_cast<int>(a.activation)));
+  if (a.activation == MoeExpertsArgs::Activation::kGptOss &&
+      (!std::isfinite(a.swiglu_limit) || a.swiglu_limit <= 0.0f || !std::isfinite(a.swiglu_alpha)))
+    return invalid("swiglu_limit", "swiglu_limit must be finite and > 0 and swiglu_alpha finite, got " +
+                                       std::to_string(a.swiglu_limit) + " and " + std::to_string(a.swiglu_alpha));
   if (a.workspace.data != nullptr) {
     RD_RETURN_IF_ERROR(view(ctx, a.workspace, "workspace", DType::kF32, kAnyRank, "[>= T*K*I]"));
     const int64_t need = a.x.size(0) * a.topk_ids.size(1) * inter;

@@ -29,6 +29,15 @@ Status paged_attention(const ExecContext& ctx, const TensorView& out, const Tens
                        const TensorView& k_cache, const TensorView& v_cache,
                        const TensorView& block_tables, const TensorView& seq_of,
                        const TensorView& ctx_len, float scale);
+// paged_attention's checks plus the options': sinks f32 [QH] when given, window >= 0.
+Status paged_attention_ex(const ExecContext& ctx, const TensorView& out, const TensorView& q,
+                          const TensorView& k_cache, const TensorView& v_cache,
+                          const TensorView& block_tables, const TensorView& seq_of,
+                          const TensorView& ctx_len, float scale, const AttentionOptions& options);
+Status rope_table(const ExecContext& ctx, const TensorView& x, const TensorView& positions,
+                  const TensorView& inv_freq, float scale);
+Status add_bias(const ExecContext& ctx, const TensorView& y, const TensorView& bias);
+Status transpose(const ExecContext& ctx, const TensorView& dst, const TensorView& src);
 Status router_softmax_topk(const ExecContext& ctx, const TensorView& ids,
                            const TensorView& weights, const TensorView& logits);
 Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& args);

@@ -1,5 +1,6 @@
 // CUDA twin of paged causal attention: one warp per (token, query head), online softmax
-// over the token's context, one key at a time. Simple and exact; the fast decode and
+// over the token's context (or its last `window` positions), one key at a time, with an
+// optional learned sink per head in the denominator (gpt-oss). Simple and exact; the fast decode and
 // prefill kernels come later and are checked against this one and the CPU reference.
 //
 // Index values are on the device and not checked on the host: a token whose sequence id is
@@ -20,6 +21,8 @@ struct AttentionShape {
   int64_t num_blocks, block_size;
   int64_t num_seqs, max_blocks;
   float scale;
+  const float* sinks;  // [q_heads] or nullptr
+  int64_t window;      // 0: whole context
 };
 
 // Lane l owns head dimensions l, l + 32, ...: kPerLane of them, held in registers.
@@ -51,8 +54,11 @@ __global__ void __launch_bounds__(32)
   len = len < 0 ? 0 : (len > s.max_blocks * s.block_size ? s.max_blocks * s.block_size : len);
   const int32_t* table = block_tables + (len > 0 ? seq * s.max_blocks : 0);
 
-  float running_max = -INFINITY, denom = 0.0f;
-  for (int64_t j = 0; j < len; ++j) {
+  // A sink is one more logit with no value: it starts the running max and the denominator.
+  float running_max = s.sinks && len > 0 ? s.sinks[h] : -INFINITY;
+  float denom = s.sinks && len > 0 ? 1.0f : 0.0f;  // exp(sink - running_max)
+  const int64_t first = s.window > 0 && len > s.window ? len - s.window : 0;
+  for (int64_t j = first; j < len; ++j) {
     const int64_t block = table[j / s.block_size];
     if (block < 0 || block >= s.num_blocks) continue;  // uniform across the warp
     const int64_t base =
@@ -90,13 +96,20 @@ __global__ void __launch_bounds__(32)
 Status paged_attention(const ExecContext& ctx, TensorView out, TensorView q, TensorView k_cache,
                        TensorView v_cache, TensorView block_tables, TensorView seq_of,
                        TensorView ctx_len, float scale) {
+  return paged_attention_ex(ctx, out, q, k_cache, v_cache, block_tables, seq_of, ctx_len, scale, AttentionOptions{});
+}
+
+Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, TensorView k_cache,
+                          TensorView v_cache, TensorView block_tables, TensorView seq_of,
+                          TensorView ctx_len, float scale, const AttentionOptions& options) {
   RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCuda));
-  RD_RETURN_IF_ERROR(op_checks::paged_attention(ctx, out, q, k_cache, v_cache, block_tables,
-                                                seq_of, ctx_len, scale));
+  RD_RETURN_IF_ERROR(op_checks::paged_attention_ex(ctx, out, q, k_cache, v_cache, block_tables,
+                                                   seq_of, ctx_len, scale, options));
   const int64_t num_tokens = q.size(0);
   const AttentionShape s{q.size(1),       k_cache.size(2),      q.size(2),
                          k_cache.size(0), k_cache.size(1),      block_tables.size(0),
-                         block_tables.size(1), scale};
+                         block_tables.size(1), scale,
+                         options.sinks.data ? options.sinks.as<const float>() : nullptr, options.window};
   if (s.head_dim > 512)
     return Status(ErrorCode::kUnimplemented,
                   "head dimension " + std::to_string(s.head_dim) +

@@ -24,7 +24,14 @@ Status paged_attention(const ExecContext&, TensorView out, TensorView q, TensorV
 Status router_softmax_topk(const ExecContext&, TensorView ids, TensorView weights,
                            TensorView logits, bool renormalize);
 Status moe_experts(const ExecContext&, const MoeExpertsArgs& args);
+// attention.cu
+Status paged_attention_ex(const ExecContext&, TensorView out, TensorView q, TensorView k_cache,
+                          TensorView v_cache, TensorView block_tables, TensorView seq_of,
+                          TensorView ctx_len, float scale, const AttentionOptions& options);
 // elementwise.cu
+Status rope_table(const ExecContext&, TensorView x, TensorView positions, TensorView inv_freq, float scale);
+Status add_bias(const ExecContext&, TensorView y, TensorView bias);
+Status transpose(const ExecContext&, TensorView dst, TensorView src);
 Status copy_valid_rows(const ExecContext&, TensorView dst, TensorView src, TensorView count, int32_t fill);
 Status convert(const ExecContext&, void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t n);
 

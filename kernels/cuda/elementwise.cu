@@ -227,4 +227,97 @@ Status convert(const ExecContext& ctx, void* dst, DType dt, const void* src, DTy
   return Status::Ok();
 }
 
+// ---- gpt-oss ops: rotary from a frequency table, bias add, transpose ----
+namespace {
+__global__ void rope_table_kernel(float* x, const int32_t* __restrict__ positions, const float* __restrict__ inv_freq,
+                                  int64_t heads, int64_t head_dim, float scale, int64_t total_pairs) {
+  const int64_t half = head_dim / 2;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total_pairs;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = idx % half;
+    const int64_t th = idx / half;  // t * heads + h
+    const float angle = static_cast<float>(positions[th / heads]) * inv_freq[i];
+    const float c = cosf(angle) * scale, s = sinf(angle) * scale;
+    float* row = x + th * head_dim;
+    const float x1 = row[i], x2 = row[i + half];
+    row[i] = x1 * c - x2 * s;
+    row[i + half] = x2 * c + x1 * s;
+  }
+}
+
+__global__ void add_bias_kernel(float* __restrict__ y, const float* __restrict__ bias, int64_t n, int64_t total) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    y[i] += bias[i % n];
+}
+
+// 32 x 32 tiles through shared memory (one padding column against bank conflicts): reads of src
+// rows and writes of dst rows are both coalesced. grid: (C tiles, R tiles, B).
+template <typename T>
+__global__ void transpose_kernel(T* __restrict__ dst, const T* __restrict__ src, int64_t rows, int64_t cols) {
+  __shared__ T tile[32][33];
+  const int64_t b = blockIdx.z;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * 32, r0 = static_cast<int64_t>(blockIdx.y) * 32;
+  const T* s = src + b * rows * cols;
+  T* d = dst + b * rows * cols;
+  for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+    const int64_t r = r0 + i, c = c0 + threadIdx.x;
+    if (r < rows && c < cols) tile[i][threadIdx.x] = s[r * cols + c];
+  }
+  __syncthreads();
+  for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+    const int64_t c = c0 + i, r = r0 + threadIdx.x;
+    if (r < rows && c < cols) d[c * rows + r] = tile[threadIdx.x][i];
+  }
+}
+}  // namespace
+
+Status rope_table(const ExecContext& ctx, TensorView x, TensorView positions, TensorView inv_freq, float scale) {
+  RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCuda));
+  RD_RETURN_IF_ERROR(op_checks::rope_table(ctx, x, positions, inv_freq, scale));
+  const int64_t total_pairs = x.numel() / 2;
+  if (total_pairs == 0) return Status::Ok();
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  rope_table_kernel<<<blocks_for(total_pairs, kThreads), kThreads, 0, stream_of(ctx)>>>(
+      x.as<float>(), positions.as<const int32_t>(), inv_freq.as<const float>(), x.size(1), x.size(2), scale,
+      total_pairs);
+  RD_CUDA_CHECK_LAUNCH("rope_table_kernel");
+  return Status::Ok();
+}
+
+Status add_bias(const ExecContext& ctx, TensorView y, TensorView bias) {
+  RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCuda));
+  RD_RETURN_IF_ERROR(op_checks::add_bias(ctx, y, bias));
+  const int64_t total = y.numel();
+  if (total == 0) return Status::Ok();
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  add_bias_kernel<<<blocks_for(total, kThreads), kThreads, 0, stream_of(ctx)>>>(y.as<float>(), bias.as<const float>(),
+                                                                             bias.size(0), total);
+  RD_CUDA_CHECK_LAUNCH("add_bias_kernel");
+  return Status::Ok();
+}
+
+Status transpose(const ExecContext& ctx, TensorView dst, TensorView src) {
+  RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCuda));
+  RD_RETURN_IF_ERROR(op_checks::transpose(ctx, dst, src));
+  const int rank = src.rank();
+  const int64_t batch = rank == 3 ? src.size(0) : 1, rows = src.size(rank - 2), cols = src.size(rank - 1);
+  if (src.numel() == 0) return Status::Ok();
+  if (batch > 65535 || (rows + 31) / 32 > 65535)
+    return Status(ErrorCode::kUnimplemented, "transpose grid too large", "src");
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>((rows + 31) / 32),
+                  static_cast<unsigned>(batch));
+  const dim3 block(32, 8);
+  if (dtype_size(src.dtype) == 4)
+    transpose_kernel<uint32_t><<<grid, block, 0, stream_of(ctx)>>>(dst.as<uint32_t>(), src.as<const uint32_t>(), rows, cols);
+  else
+    transpose_kernel<uint16_t><<<grid, block, 0, stream_of(ctx)>>>(dst.as<uint16_t>(), src.as<const uint16_t>(), rows, cols);
+  RD_CUDA_CHECK_LAUNCH("transpose_kernel");
+  return Status::Ok();
+}
+
 }  // namespace rolloutd::cuda

@@ -85,18 +85,42 @@ __global__ void router_softmax_topk_kernel(int32_t* __restrict__ ids, float* __r
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
-// silu(gate_i . x) * (up_i . x) for row i of one expert's gate/up block [2I, H] (interleaved or
-// concatenated rows), the dot products reduced by the calling warp: every lane returns it.
+// The activation and the optional biases (MoeExpertsArgs), passed by value to every kernel.
+struct ExpertExtras {
+  const float* b_gate_up;  // [E_phys, 2I] in w_gate_up's row layout, or nullptr
+  const float* b_down;     // [E_phys, H], or nullptr
+  bool gpt_oss;            // clamped gpt-oss activation instead of silu(g) * u
+  float limit, alpha;
+};
+
+__device__ __forceinline__ float glu(float g, float u, const ExpertExtras& x) {
+  if (!x.gpt_oss) return silu(g) * u;
+  g = fminf(g, x.limit);
+  u = fminf(fmaxf(u, -x.limit), x.limit);
+  return g / (1.0f + expf(-x.alpha * g)) * (u + 1.0f);
+}
+
+// act(gate_i . x + b) * (up_i . x + b) for row i of expert e's gate/up block [2I, H]
+// (interleaved or concatenated rows), the dot products reduced by the calling warp: every lane
+// returns it.
 __device__ __forceinline__ float swiglu_row(const float* __restrict__ gu, const float* __restrict__ xr, int64_t i,
-                                            int64_t hidden, int64_t inter, bool interleaved, int lane) {
-  const float* gate_row = gu + (interleaved ? 2 * i : i) * hidden;
-  const float* up_row = gu + (interleaved ? 2 * i + 1 : inter + i) * hidden;
+                                            int64_t hidden, int64_t inter, bool interleaved, int lane, int64_t e,
+                                            const ExpertExtras& ex) {
+  const int64_t gr = interleaved ? 2 * i : i, ur = interleaved ? 2 * i + 1 : inter + i;
+  const float* gate_row = gu + gr * hidden;
+  const float* up_row = gu + ur * hidden;
   float g = 0.0f, u = 0.0f;
   for (int64_t c = lane; c < hidden; c += 32) {
     g += gate_row[c] * xr[c];
     u += up_row[c] * xr[c];
   }
-  return silu(warp_sum(g)) * warp_sum(u);
+  g = warp_sum(g);
+  u = warp_sum(u);
+  if (ex.b_gate_up) {
+    g += ex.b_gate_up[e * 2 * inter + gr];
+    u += ex.b_gate_up[e * 2 * inter + ur];
+  }
+  return glu(g, u, ex);
 }
 
 // One block per token row. Warp w owns gate/up rows i = w, w + kMoeWarps, ... and output
@@ -109,7 +133,8 @@ __global__ void __launch_bounds__(kMoeThreads)
                        const int32_t* __restrict__ topk_ids, const float* __restrict__ topk_w,
                        const int32_t* __restrict__ l2p, int64_t num_valid,
                        const int32_t* __restrict__ num_valid_device, int64_t hidden,
-                       int64_t inter, int top_k, int num_logical, int num_phys, bool interleaved) {
+                       int64_t inter, int top_k, int num_logical, int num_phys, bool interleaved,
+                       ExpertExtras ex) {
   extern __shared__ float h[];
   const int64_t t = blockIdx.x;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -133,7 +158,7 @@ __global__ void __launch_bounds__(kMoeThreads)
 
     const float* gu = w_gate_up + e * 2 * inter * hidden;
     for (int64_t i = warp; i < inter; i += kMoeWarps) {
-      const float v = swiglu_row(gu, xr, i, hidden, inter, interleaved, lane);
+      const float v = swiglu_row(gu, xr, i, hidden, inter, interleaved, lane, e, ex);
       if (lane == 0) h[i] = v;
     }
     __syncthreads();
@@ -144,6 +169,7 @@ __global__ void __launch_bounds__(kMoeThreads)
       float d = 0.0f;
       for (int64_t c = lane; c < inter; c += 32) d += down_row[c] * h[c];
       d = warp_sum(d);
+      if (ex.b_down) d += ex.b_down[e * hidden + j];
       if (lane == 0) orow[j] += wk * d;
     }
     __syncthreads();  // h is rewritten by the next expert
@@ -168,7 +194,7 @@ __global__ void __launch_bounds__(kMoeThreads)
     moe_gate_up_kernel(float* __restrict__ h, const float* __restrict__ x, const float* __restrict__ w_gate_up,
                        const int32_t* __restrict__ topk_ids, const int32_t* __restrict__ l2p, int64_t num_valid,
                        const int32_t* __restrict__ num_valid_device, int64_t hidden, int64_t inter, int top_k,
-                       int num_logical, int num_phys, bool interleaved) {
+                       int num_logical, int num_phys, bool interleaved, ExpertExtras ex) {
   const int64_t pair = blockIdx.x, t = pair / top_k;
   if (t >= valid_rows(num_valid, num_valid_device)) return;  // phase 2 never reads it
   const int32_t logical = topk_ids[pair];
@@ -180,7 +206,7 @@ __global__ void __launch_bounds__(kMoeThreads)
   const float* gu = w_gate_up + e * 2 * inter * hidden;
   for (int64_t i = static_cast<int64_t>(blockIdx.y) * kRowsPerBlock + warp;
        i < inter && i < (static_cast<int64_t>(blockIdx.y) + 1) * kRowsPerBlock; i += kMoeWarps) {
-    const float v = swiglu_row(gu, xr, i, hidden, inter, interleaved, lane);
+    const float v = swiglu_row(gu, xr, i, hidden, inter, interleaved, lane, e, ex);
     if (lane == 0) h[pair * inter + i] = v;
   }
 }
@@ -189,7 +215,7 @@ __global__ void __launch_bounds__(kMoeThreads)
     moe_down_kernel(float* __restrict__ out, const float* __restrict__ h, const float* __restrict__ w_down,
                     const int32_t* __restrict__ topk_ids, const float* __restrict__ topk_w,
                     const int32_t* __restrict__ l2p, int64_t num_valid, const int32_t* __restrict__ num_valid_device,
-                    int64_t hidden, int64_t inter, int top_k, int num_logical, int num_phys) {
+                    int64_t hidden, int64_t inter, int top_k, int num_logical, int num_phys, ExpertExtras ex) {
   extern __shared__ float hs[];  // [top_k, inter] of this token
   const int64_t t = blockIdx.x;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -213,6 +239,7 @@ __global__ void __launch_bounds__(kMoeThreads)
       float d = 0.0f;
       for (int64_t c = lane; c < inter; c += 32) d += down_row[c] * hk[c];
       d = warp_sum(d);
+      if (ex.b_down) d += ex.b_down[e * hidden + j];
       acc += topk_w[t * top_k + k] * d;
     }
     if (lane == 0) orow[j] = acc;
@@ -252,6 +279,9 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
   DeviceGuard guard;
   RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
   const int top_k = static_cast<int>(a.topk_ids.size(1));
+  const ExpertExtras ex{a.b_gate_up.data ? a.b_gate_up.as<const float>() : nullptr,
+                        a.b_down.data ? a.b_down.as<const float>() : nullptr,
+                        a.activation == MoeExpertsArgs::Activation::kGptOss, a.swiglu_limit, a.swiglu_alpha};
   const size_t smem2 = static_cast<size_t>(top_k * inter) * sizeof(float);
   int limit2 = 0;
   RD_CUDA_CHECK(cudaDeviceGetAttribute(&limit2, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx.device.index));
@@ -270,14 +300,14 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
     moe_gate_up_kernel<<<grid1, kMoeThreads, 0, stream_of(ctx)>>>(
         a.workspace.as<float>(), a.x.as<const float>(), a.w_gate_up.as<const float>(), a.topk_ids.as<const int32_t>(),
         a.logical_to_physical.as<const int32_t>(), nv, nvd, a.x.size(1), inter, top_k, num_logical, num_phys,
-        a.gate_up_interleaved);
+        a.gate_up_interleaved, ex);
     RD_CUDA_CHECK_LAUNCH("moe_gate_up_kernel");
     const dim3 grid2(static_cast<unsigned int>(num_tokens),
                      static_cast<unsigned int>((a.x.size(1) + kRowsPerBlock - 1) / kRowsPerBlock));
     moe_down_kernel<<<grid2, kMoeThreads, smem2, stream_of(ctx)>>>(
         a.out.as<float>(), a.workspace.as<const float>(), a.w_down.as<const float>(), a.topk_ids.as<const int32_t>(),
         a.topk_weights.as<const float>(), a.logical_to_physical.as<const int32_t>(), nv, nvd, a.x.size(1), inter,
-        top_k, num_logical, num_phys);
+        top_k, num_logical, num_phys, ex);
     RD_CUDA_CHECK_LAUNCH("moe_down_kernel");
     return Status::Ok();
   }
@@ -302,7 +332,7 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
       a.topk_weights.as<const float>(), a.logical_to_physical.as<const int32_t>(),
       op_checks::moe_valid_rows(a), a.num_valid_device.as<const int32_t>(), a.x.size(1), inter, static_cast<int>(a.topk_ids.size(1)),
       static_cast<int>(a.logical_to_physical.size(0)), static_cast<int>(a.w_gate_up.size(0)),
-      a.gate_up_interleaved);
+      a.gate_up_interleaved, ex);
   RD_CUDA_CHECK_LAUNCH("moe_experts_kernel");
   return Status::Ok();
 }

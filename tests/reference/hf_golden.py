@@ -83,7 +83,8 @@ def golden(ckpt, out):
         "spec": {k: config[k] for k in ("num_hidden_layers", "hidden_size", "num_experts", "num_local_experts",
                                         "num_experts_per_tok", "num_attention_heads", "num_key_value_heads",
                                         "head_dim", "moe_intermediate_size", "intermediate_size", "vocab_size",
-                                        "dtype", "mlp_only_layers", "decoder_sparse_step") if k in config},
+                                        "dtype", "mlp_only_layers", "decoder_sparse_step", "sliding_window")
+                 if k in config and config[k] is not None},
         "checkpoint_crc32": crc,
         "prompt": PROMPT,
         "prompt_logits": [[float(x) for x in row] for row in logits.tolist()],

@@ -303,7 +303,8 @@ struct SeqSpec {
 };
 
 ParityCase attention_case(Rng& rng, std::vector<SeqSpec> seqs, int64_t q_heads, int64_t kv_heads,
-                          int64_t d, int64_t block_size, int64_t padding_tokens) {
+                          int64_t d, int64_t block_size, int64_t padding_tokens, bool sinks = false,
+                          int64_t window = 0) {
   ParityCase c;
   int64_t max_blocks = 1, blocks_needed = 0, num_tokens = padding_tokens;
   for (const auto& s : seqs) {
@@ -346,8 +347,17 @@ ParityCase attention_case(Rng& rng, std::vector<SeqSpec> seqs, int64_t q_heads, 
   c.add_i32("ctx_len", {num_tokens}, ctx_len);
   c.add_out("out", DType::kF32, {num_tokens, q_heads, d});
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  c.run = [scale](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
-    return b.paged_attention(x, a[6], a[0], a[1], a[2], a[3], a[4], a[5], scale);
+  if (!sinks && window == 0) {
+    c.run = [scale](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
+      return b.paged_attention(x, a[6], a[0], a[1], a[2], a[3], a[4], a[5], scale);
+    };
+    return c;
+  }
+  // gpt-oss: sinks comparable to the scores (some heads' sinks dominate), a sliding window.
+  c.add_f32("sinks", {q_heads}, Role::kIn, random_f32(rng, q_heads, -2, 3));
+  c.run = [scale, sinks, window](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
+    return b.paged_attention_ex(x, a[6], a[0], a[1], a[2], a[3], a[4], a[5], scale,
+                                AttentionOptions{sinks ? a[7] : TensorView{}, window});
   };
   return c;
 }
@@ -374,6 +384,81 @@ void attention_cases() {
   reg("paged_attention_long_context_1000", [](Rng& rng) {
     return attention_case(rng, {{1000, 1}, {777, 2}}, 16, 4, 128, 16, 0);
   });
+  // gpt-oss options: sinks alone, a window alone (prefill crossing it, decode far past it, a
+  // context shorter than it), both with padding rows.
+  reg("paged_attention_ex_sinks_decode_and_prefill", [](Rng& rng) {
+    return attention_case(rng, {{37, 1}, {12, 12}, {1, 1}}, 8, 2, 64, 16, 0, true, 0);
+  });
+  reg("paged_attention_ex_window8_prefill_and_decode", [](Rng& rng) {
+    return attention_case(rng, {{40, 40}, {300, 1}, {5, 5}}, 4, 2, 64, 16, 0, false, 8);
+  });
+  reg("paged_attention_ex_sinks_window128_chunked_padding", [](Rng& rng) {
+    return attention_case(rng, {{200, 30}, {129, 1}, {128, 1}, {9, 2}}, 8, 1, 64, 16, 2, true, 128);
+  });
+  reg("paged_attention_ex_window1_block3", [](Rng& rng) {
+    return attention_case(rng, {{11, 4}, {7, 7}}, 6, 3, 40, 3, 1, true, 1);
+  });
+}
+
+// gpt-oss ops: rotary from a frequency table, bias add, transpose.
+void gpt_oss_op_cases() {
+  struct R {
+    int64_t t, heads, d, max_pos;
+    float scale;
+  };
+  for (const R p : {R{1, 1, 2, 8, 1.0f}, R{17, 4, 64, 131072, 1.3465736f}, R{9, 2, 6, 4096, 0.5f}}) {
+    reg("rope_table" + dims({{"T", p.t}, {"Heads", p.heads}, {"D", p.d}, {"MaxPos", p.max_pos}}), [=](Rng& rng) {
+      ParityCase c;
+      c.add_f32("x", {p.t, p.heads, p.d}, Role::kInOut, random_f32(rng, p.t * p.heads * p.d, -1, 1));
+      std::vector<int32_t> pos(static_cast<size_t>(p.t));
+      for (auto& q : pos) q = rng.below(p.max_pos);
+      c.add_i32("positions", {p.t}, pos);
+      c.add_f32("inv_freq", {p.d / 2}, Role::kIn, random_f32(rng, p.d / 2, 1e-4f, 1.0f));
+      c.run = [scale = p.scale](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
+        return b.rope_table(x, a[0], a[1], a[2], scale);
+      };
+      return c;
+    });
+  }
+  struct B {
+    int64_t r, n;
+  };
+  for (const B p : {B{1, 1}, B{7, 33}, B{64, 2880}}) {
+    reg("add_bias" + dims({{"R", p.r}, {"N", p.n}}), [=](Rng& rng) {
+      ParityCase c;
+      c.tolerance = 0.0;  // one rounding
+      c.add_f32("y", {p.r, p.n}, Role::kInOut, random_f32(rng, p.r * p.n, -1, 1));
+      c.add_f32("bias", {p.n}, Role::kIn, random_f32(rng, p.n, -1, 1));
+      c.run = [](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
+        return b.add_bias(x, a[0], a[1]);
+      };
+      return c;
+    });
+  }
+  struct T {
+    int64_t b, r, c;
+    bool bf16;
+  };
+  for (const T p : {T{1, 1, 1, false}, T{3, 33, 70, false}, T{2, 64, 96, true}, T{1, 100, 7, true}}) {
+    reg("transpose" + dims({{"B", p.b}, {"R", p.r}, {"C", p.c}}) + (p.bf16 ? "_bf16" : "_f32"), [=](Rng& rng) {
+      ParityCase c;
+      c.tolerance = 0.0;  // a permutation
+      const int64_t n = p.b * p.r * p.c;
+      if (p.bf16) {
+        std::vector<uint8_t> bytes(static_cast<size_t>(n) * 2);
+        for (auto& v : bytes) v = static_cast<uint8_t>(rng.below(120));  // finite BF16 values
+        c.add("src", DType::kBF16, {p.b, p.r, p.c}, Role::kIn, bytes);
+        c.add_out("dst", DType::kBF16, {p.b, p.c, p.r});
+      } else {
+        c.add_f32("src", {p.b, p.r, p.c}, Role::kIn, random_f32(rng, n, -1, 1));
+        c.add_out("dst", DType::kF32, {p.b, p.c, p.r});
+      }
+      c.run = [](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
+        return b.transpose(x, a[1], a[0]);
+      };
+      return c;
+    });
+  }
 }
 
 void router_cases() {
@@ -416,12 +501,16 @@ void moe_cases() {
   // With padding, the count also comes from device memory (a graph replay's count) instead of
   // the host argument.
   // Variant 2 adds the workspace: the CUDA op's two-kernel path (decode-shaped grids).
-  for (const int variant : {0, 1, 2}) {
-    const bool device_count = variant >= 1 && p.valid != p.t, workspace = variant == 2;
+  // Variant 3: the gpt-oss activation (a small clamp limit, so the clamps bind often) with expert
+  // biases, on the two-kernel path; variant 4 the same on the one-block path.
+  for (const int variant : {0, 1, 2, 3, 4}) {
+    const bool gpt_oss = variant >= 3;
+    const bool device_count = (variant == 1 || variant == 2 || variant == 3) && p.valid != p.t,
+               workspace = variant == 2 || variant == 3;
     if (variant == 1 && !device_count) continue;
     reg("moe_experts" + dims({{"T", p.t}, {"Valid", p.valid}, {"H", p.h}, {"I", p.inter},
                               {"El", p.e_logical}, {"Ep", p.e_phys}, {"K", p.k}}) +
-            (device_count ? "_devcount" : "") + (workspace ? "_ws" : ""),
+            (device_count ? "_devcount" : "") + (workspace ? "_ws" : "") + (gpt_oss ? "_gptoss_bias" : ""),
         [=](Rng& rng) {
           ParityCase c;
           const float amp_in = 1.0f / std::sqrt(static_cast<float>(p.h));
@@ -458,7 +547,9 @@ void moe_cases() {
           // Half the shapes read the experts' gate/up rows interleaved (the registry's kernel
           // layout), half concatenated.
           const bool interleaved = (p.e_phys + p.t) % 2 == 1;
-          c.run = [valid = p.valid, t = p.t, interleaved, device_count, workspace](
+          c.add_f32("b_gate_up", {p.e_phys, 2 * p.inter}, Role::kIn, random_f32(rng, p.e_phys * 2 * p.inter, -0.5f, 0.5f));
+          c.add_f32("b_down", {p.e_phys, p.h}, Role::kIn, random_f32(rng, p.e_phys * p.h, -0.5f, 0.5f));
+          c.run = [valid = p.valid, t = p.t, interleaved, device_count, workspace, gpt_oss](
                       const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
             MoeExpertsArgs args;
             args.gate_up_interleaved = interleaved;
@@ -472,6 +563,13 @@ void moe_cases() {
             args.num_valid_tokens = device_count ? -1 : (valid == t ? -1 : valid);
             if (device_count) args.num_valid_device = a[7];
             if (workspace) args.workspace = a[8];
+            if (gpt_oss) {
+              args.activation = MoeExpertsArgs::Activation::kGptOss;
+              args.swiglu_limit = 0.3f;
+              args.swiglu_alpha = 1.702f;
+              args.b_gate_up = a[9];
+              args.b_down = a[10];
+            }
             return b.moe_experts(x, args);
           };
           return c;
@@ -512,6 +610,7 @@ const std::vector<CaseMaker>& all_cases() {
     rope_cases();
     kv_store_cases();
     attention_cases();
+    gpt_oss_op_cases();
     router_cases();
     moe_cases();
     copy_valid_rows_cases();

@@ -230,6 +230,83 @@ TEST(CpuBackend, AttentionWithEmptyContextWritesZeros) {
   EXPECT_EQ(out, (std::vector<float>{0, 0}));
 }
 
+TEST(CpuBackend, AttentionSinkJoinsTheDenominatorOnly) {
+  // The three-position case above with a sink of ln 5: token 1's weights 1/10, 3/10, 1/10 (the
+  // sink takes the other 5/10 and brings no value).
+  TinyCache c;
+  const float l3 = std::log(3.0f);
+  c.k = {0, 0, 9, 9, 0, 0, l3, 0};
+  c.v = {4, 0, 9, 9, 1, 0, 0, 1};
+  std::vector<float> q{1, 0}, out(2, NAN), sinks{std::log(5.0f)};
+  std::vector<int32_t> table{1, 0}, seq{0}, len{3};
+  ASSERT_TRUE(cpu().paged_attention_ex(kCtx, f32(out, {1, 1, 2}), f32(q, {1, 1, 2}), c.kv(c.k, 1, 2),
+                                       c.kv(c.v, 1, 2), i32(table, {1, 2}), i32(seq, {1}), i32(len, {1}), 1.0f,
+                                       AttentionOptions{f32(sinks, {1}), 0})
+                  .ok());
+  EXPECT_NEAR(out[0], 0.1 + 0.4, 1e-6);
+  EXPECT_NEAR(out[1], 0.3, 1e-6);
+}
+
+TEST(CpuBackend, AttentionWindowSeesOnlyTheLastPositions) {
+  // Window 2 at context 3: positions 1 and 2 only (scores ln 3, 0), weights 3/4, 1/4.
+  TinyCache c;
+  const float l3 = std::log(3.0f);
+  c.k = {0, 0, 9, 9, 0, 0, l3, 0};
+  c.v = {4, 0, 9, 9, 1, 0, 0, 1};
+  std::vector<float> q{1, 0}, out(2, NAN);
+  std::vector<int32_t> table{1, 0}, seq{0}, len{3};
+  const auto run = [&](int64_t window) {
+    return cpu().paged_attention_ex(kCtx, f32(out, {1, 1, 2}), f32(q, {1, 1, 2}), c.kv(c.k, 1, 2), c.kv(c.v, 1, 2),
+                                    i32(table, {1, 2}), i32(seq, {1}), i32(len, {1}), 1.0f,
+                                    AttentionOptions{TensorView{}, window});
+  };
+  ASSERT_TRUE(run(2).ok());
+  EXPECT_NEAR(out[0], 0.25 * 4, 1e-6);  // position 2 (block 0 slot 0) has v = (4, 0)
+  EXPECT_NEAR(out[1], 0.75, 1e-6);
+  // A window at least the context is plain causal attention (1/5, 3/5, 1/5).
+  ASSERT_TRUE(run(3).ok());
+  EXPECT_NEAR(out[0], 1.0, 1e-6);
+  EXPECT_NEAR(out[1], 0.6, 1e-6);
+  EXPECT_STATUS(run(-1), ErrorCode::kInvalidArgument, "window");
+  // Blocks wholly before the window are never followed: window 1 with the first block -1.
+  table = {-1, 0};
+  ASSERT_TRUE(run(1).ok());
+  EXPECT_EQ(out, (std::vector<float>{4, 0}));
+  table = {1, 0};
+  std::vector<float> bad_sinks{0, 0};
+  EXPECT_STATUS(cpu().paged_attention_ex(kCtx, f32(out, {1, 1, 2}), f32(q, {1, 1, 2}), c.kv(c.k, 1, 2),
+                                         c.kv(c.v, 1, 2), i32(table, {1, 2}), i32(seq, {1}), i32(len, {1}), 1.0f,
+                                         AttentionOptions{f32(bad_sinks, {2}), 0}),
+                ErrorCode::kInvalidArgument, "sinks");
+}
+
+TEST(CpuBackend, RopeTableRotatesByTheGivenFrequencyAndScales) {
+  // Position 3, frequency 0.5: angle 1.5; cos/sin times 2.
+  std::vector<float> x{1, 0.5f}, inv{0.5f};
+  std::vector<int32_t> pos{3};
+  ASSERT_TRUE(cpu().rope_table(kCtx, f32(x, {1, 1, 2}), i32(pos, {1}), f32(inv, {1}), 2.0f).ok());
+  EXPECT_NEAR(x[0], 2 * (std::cos(1.5) - 0.5 * std::sin(1.5)), 1e-6);
+  EXPECT_NEAR(x[1], 2 * (0.5 * std::cos(1.5) + std::sin(1.5)), 1e-6);
+  std::vector<float> inv2{0.5f, 0.25f};
+  EXPECT_STATUS(cpu().rope_table(kCtx, f32(x, {1, 1, 2}), i32(pos, {1}), f32(inv2, {2}), 1.0f),
+                ErrorCode::kInvalidArgument, "inv_freq");
+  EXPECT_STATUS(cpu().rope_table(kCtx, f32(x, {1, 1, 2}), i32(pos, {1}), f32(inv, {1}), 0.0f),
+                ErrorCode::kInvalidArgument, "scale");
+}
+
+TEST(CpuBackend, AddBiasAndTranspose) {
+  std::vector<float> y{1, 2, 3, 4, 5, 6}, b{10, 20, 30};
+  ASSERT_TRUE(cpu().add_bias(kCtx, f32(y, {2, 3}), f32(b, {3})).ok());
+  EXPECT_EQ(y, (std::vector<float>{11, 22, 33, 14, 25, 36}));
+  EXPECT_STATUS(cpu().add_bias(kCtx, f32(y, {2, 3}), f32(b, {2})), ErrorCode::kInvalidArgument, "bias");
+  // [2, 2, 3] -> [2, 3, 2]
+  std::vector<float> src{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}, dst(12, NAN);
+  ASSERT_TRUE(cpu().transpose(kCtx, f32(dst, {2, 3, 2}), f32(src, {2, 2, 3})).ok());
+  EXPECT_EQ(dst, (std::vector<float>{1, 4, 2, 5, 3, 6, 7, 10, 8, 11, 9, 12}));
+  EXPECT_STATUS(cpu().transpose(kCtx, f32(dst, {2, 2, 3}), f32(src, {2, 2, 3})), ErrorCode::kInvalidArgument, "dst");
+  EXPECT_STATUS(cpu().transpose(kCtx, f32(src, {2, 3, 2}), f32(src, {2, 2, 3})), ErrorCode::kInvalidArgument, "dst");
+}
+
 TEST(CpuBackend, KvStoreWritesSlotsAndSkipsNegative) {
   std::vector<float> kc(8, 0.0f), vc(8, 0.0f);  // [2 blocks, 2 slots, 1 head, D = 2]
   std::vector<float> k{1, 2, 3, 4, 5, 6}, v{-1, -2, -3, -4, -5, -6};
@@ -299,6 +376,32 @@ TEST(CpuBackend, MoePaddingRowsAreZeroAndTheirIdsNeverRead) {
   EXPECT_FLOAT_EQ(m.out[0], h);
   EXPECT_EQ(m.out[2], 0.0f);
   EXPECT_EQ(m.out[3], 0.0f);
+}
+
+TEST(CpuBackend, MoeGptOssActivationClampsAndAddsBiases) {
+  // gpt-oss: g' = min(g, limit), u' = clamp(u, -limit, limit), h = g' sigmoid(alpha g') (u' + 1);
+  // gate/up biases before it, the down bias after the down projection, before the routing weight.
+  TinyMoe m;
+  m.w = {0.5f};
+  std::vector<float> b_gate_up{0, 0, 0.5f, -7.0f}, b_down{0, 0, 0.25f, 0};  // expert 1: gate +0.5, up -7
+  MoeExpertsArgs a = m.args();
+  a.activation = MoeExpertsArgs::Activation::kGptOss;
+  a.swiglu_limit = 2.0f;
+  a.swiglu_alpha = 1.702f;
+  a.b_gate_up = f32(b_gate_up, {2, 2});
+  a.b_down = f32(b_down, {2, 2});
+  a.topk_weights = f32(m.w, {1, 1});
+  ASSERT_TRUE(cpu().moe_experts(kCtx, a).ok());
+  const float g = 2.0f;                    // min(2 + 0.5, 2)
+  const float u = -2.0f;                   // clamp(3 - 7, -2, 2)
+  const float h = g / (1 + std::exp(-1.702f * g)) * (u + 1);
+  EXPECT_FLOAT_EQ(m.out[0], 0.5f * (h + 0.25f));
+  EXPECT_FLOAT_EQ(m.out[1], 0.5f * (-2 * h));
+  a.swiglu_limit = 0.0f;
+  EXPECT_STATUS(cpu().moe_experts(kCtx, a), ErrorCode::kInvalidArgument, "swiglu_limit");
+  a.swiglu_limit = 2.0f;
+  a.b_down = f32(b_down, {1, 4});
+  EXPECT_STATUS(cpu().moe_experts(kCtx, a), ErrorCode::kInvalidArgument, "b_down");
 }
 
 // ---- memory ops -----------------------------------------------------------------------

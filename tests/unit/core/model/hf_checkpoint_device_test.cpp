@@ -1,4 +1,6 @@
-// A make-test-model qwen3_moe checkpoint (QK-norm, a dense layer) loaded on the CUDA backend:
+// A make-test-model qwen3_moe checkpoint (QK-norm, a dense layer) and a gpt_oss one (biases,
+// sinks, YaRN, clamped SwiGLU, a sliding window of 4 that the 10-token prompt outgrows) loaded
+// on the CUDA backend:
 // the parameters equal the CPU load bit for bit (read back in checkpoint layout), the prompt
 // logits agree with the CPU FP32 reference within FP32 tolerance and the router ids are equal.
 // Skips without a CUDA build or a visible GPU (label gpu).
@@ -16,9 +18,12 @@ namespace {
 
 bool have_gpu() { return cuda_backend() != nullptr && cuda_device_count() > 0; }
 
-TEST(HfCheckpointDevice, CudaLoadMatchesCpu) {
+class HfCheckpointDevice : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(HfCheckpointDevice, CudaLoadMatchesCpu) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA backend or no visible GPU";
   core::TestModelSpec spec;
+  spec.family = GetParam();
   spec.layers = 3;
   spec.hidden = 64;
   spec.experts = 8;
@@ -28,9 +33,15 @@ TEST(HfCheckpointDevice, CudaLoadMatchesCpu) {
   spec.head_dim = 16;
   spec.intermediate = 32;
   spec.vocab = 256;
-  spec.mlp_only_layers = {1};
   spec.seed = 11;
-  const std::string dir = (std::filesystem::temp_directory_path() / ("rolloutd-hfdev-" + std::to_string(::getpid()))).string();
+  if (spec.family == "gpt_oss") {
+    spec.layers = 4;
+    spec.sliding_window = 4;
+  } else {
+    spec.mlp_only_layers = {1};
+  }
+  const std::string dir = (std::filesystem::temp_directory_path() /
+                           ("rolloutd-hfdev-" + spec.family + "-" + std::to_string(::getpid()))).string();
   ASSERT_TRUE(core::write_test_model(spec, dir).ok());
   auto hf = core::open_hf_model(dir);
   ASSERT_TRUE(hf.ok()) << hf.status().to_string();
@@ -87,6 +98,8 @@ TEST(HfCheckpointDevice, CudaLoadMatchesCpu) {
   EXPECT_LT(std::sqrt(num / den), 1e-5) << "CUDA vs CPU prompt logits";
   EXPECT_EQ(rc.rows(), rg.rows()) << "router ids";
 }
+
+INSTANTIATE_TEST_SUITE_P(Families, HfCheckpointDevice, ::testing::Values("qwen3_moe", "gpt_oss"));
 
 }  // namespace
 }  // namespace rolloutd

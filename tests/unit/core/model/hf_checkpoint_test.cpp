@@ -113,19 +113,19 @@ TEST_F(HfCheckpoint, MakeTestModelIsDeterministicForASeed) {
   EXPECT_EQ((*c)->tensors().size(), 1u + 2u * (9u + 4u * 3u) + 2u);
 }
 
-TEST_F(HfCheckpoint, LoadsAndAnUpdateWithItsOwnTensorsIsBitIdentical) {
-  ASSERT_TRUE(core::write_test_model(small_spec(), dir()).ok());
-  auto hf = core::open_hf_model(dir());
+// Loading a checkpoint and pushing its own tensors through one weight session into a model of
+// random weights give bit-identical parameters and logits.
+void expect_update_matches_load(const std::string& dir, const core::StepLimits& limits) {
+  auto hf = core::open_hf_model(dir);
   ASSERT_TRUE(hf.ok()) << hf.status().to_string();
-  EXPECT_TRUE(hf->config.qk_norm);
-  auto loaded = core::MoeDecoder::create(hf->config, limits(), cpu_backend(), ExecContext{});
+  auto loaded = core::MoeDecoder::create(hf->config, limits, cpu_backend(), ExecContext{});
   ASSERT_TRUE(loaded.ok()) << loaded.status().to_string();
   Status s = core::load_checkpoint(**loaded, *hf->checkpoint);
   ASSERT_TRUE(s.ok()) << s.to_string();
 
   // Another model of the same shape, random weights from another seed, then one session
   // writing every checkpoint tensor (as a trainer would: BF16, checkpoint names).
-  auto updated = core::MoeDecoder::create(hf->config, limits(), cpu_backend(), ExecContext{});
+  auto updated = core::MoeDecoder::create(hf->config, limits, cpu_backend(), ExecContext{});
   ASSERT_TRUE(updated.ok());
   ASSERT_TRUE(core::init_random_weights(**updated, 99).ok());
   const auto [entries, bucket] = test::checkpoint_bucket(*hf->checkpoint);
@@ -152,6 +152,14 @@ TEST_F(HfCheckpoint, LoadsAndAnUpdateWithItsOwnTensorsIsBitIdentical) {
   const auto lb = prompt_logits(**updated, prompt);
   ASSERT_EQ(la.size(), prompt.size() * 64);
   EXPECT_EQ(la, lb);
+}
+
+TEST_F(HfCheckpoint, LoadsAndAnUpdateWithItsOwnTensorsIsBitIdentical) {
+  ASSERT_TRUE(core::write_test_model(small_spec(), dir()).ok());
+  auto hf = core::open_hf_model(dir());
+  ASSERT_TRUE(hf.ok()) << hf.status().to_string();
+  EXPECT_TRUE(hf->config.qk_norm);
+  expect_update_matches_load(dir(), limits());
 }
 
 TEST_F(HfCheckpoint, QkNormChangesTheOutput) {
@@ -319,7 +327,7 @@ TEST_F(HfCheckpoint, DenseLayersLoadRecordOnlyMoeLayersAndUpdateBitIdentically) 
   EXPECT_EQ(again, logits);
 }
 
-TEST_F(HfCheckpoint, GptOssIsRefusedAsNotSupportedYet) {
+TEST_F(HfCheckpoint, GptOssLoadsUpdatesBitIdenticallyAndReadsBackItsLayout) {
   auto spec = small_spec();
   spec.family = "gpt_oss";
   spec.intermediate = 32;  // MXFP4 experts: multiples of 32
@@ -328,9 +336,63 @@ TEST_F(HfCheckpoint, GptOssIsRefusedAsNotSupportedYet) {
   ASSERT_TRUE(c.ok()) << c.status().to_string();
   EXPECT_NE((*c)->find("model.layers.1.self_attn.sinks"), nullptr);
   EXPECT_NE((*c)->find("model.layers.0.mlp.experts.gate_up_proj_bias"), nullptr);
-  auto m = core::open_hf_model(dir());
-  EXPECT_EQ(m.status().code(), ErrorCode::kUnimplemented);
-  EXPECT_NE(m.status().message().find("gpt_oss is not supported yet"), std::string::npos) << m.status().to_string();
+  expect_update_matches_load(dir(), limits());
+
+  // The experts are stored transposed for the kernels ([E, 2I, H]); reading a parameter back
+  // gives the checkpoint's layout ([E, H, 2I]), value for value (BF16 widened to FP32).
+  auto hf = core::open_hf_model(dir());
+  ASSERT_TRUE(hf.ok());
+  auto m = core::MoeDecoder::create(hf->config, limits(), cpu_backend(), ExecContext{});
+  ASSERT_TRUE(m.ok());
+  ASSERT_TRUE(core::load_checkpoint(**m, *hf->checkpoint).ok());
+  for (const char* name : {"model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}) {
+    const auto* t = (*c)->find(name);
+    ASSERT_NE(t, nullptr);
+    const size_t i = (*m)->weights().index_of(name);
+    ASSERT_NE(i, SIZE_MAX) << name;
+    EXPECT_EQ((*m)->weights().parameters()[i].layout, core::Layout::kKernel);
+    std::vector<uint8_t> back;
+    ASSERT_TRUE((*m)->weights().read_checkpoint(i, back).ok());
+    const auto file = (*c)->data(*t);
+    ASSERT_EQ(back.size(), file.size() * 2) << name;
+    for (size_t k = 0; k < file.size() / 2; ++k) {
+      const uint32_t bits = static_cast<uint32_t>(file[2 * k] | (file[2 * k + 1] << 8)) << 16;
+      uint32_t got = 0;
+      std::memcpy(&got, back.data() + 4 * k, 4);
+      ASSERT_EQ(got, bits) << name << " element " << k;
+    }
+  }
+}
+
+TEST_F(HfCheckpoint, Mxfp4ExpertCheckpointIsRefusedWithAMessage) {
+  auto spec = small_spec();
+  spec.family = "gpt_oss";
+  spec.intermediate = 32;
+  auto cfg = core::test_model_config(spec);
+  ASSERT_TRUE(cfg.ok());
+  auto tensors = core::make_test_tensors(*cfg, spec.seed);
+  ASSERT_TRUE(tensors.ok());
+  // The published gpt-oss layout: experts as uint8 blocks and scales instead of BF16.
+  std::vector<core::SafetensorsTensorIn> in;
+  const std::vector<uint8_t> blocks(static_cast<size_t>(8 * 64 * 2 * 16), 0);  // [E, 2I, H/32, 16]
+  for (const auto& t : *tensors) {
+    if (t.name == "model.layers.0.mlp.experts.gate_up_proj") {
+      in.push_back({t.name + "_blocks", DType::kU8, {8, 64, 2, 16}, blocks});
+      continue;
+    }
+    in.push_back({t.name, t.dtype, t.shape, t.bytes});
+  }
+  std::filesystem::create_directories(dir());
+  ASSERT_TRUE(core::write_safetensors(dir() + "/model.safetensors", in, {}).ok());
+  std::ofstream(dir() + "/config.json") << core::model_config_to_hf(*cfg).dump();
+  auto hf = core::open_hf_model(dir());
+  ASSERT_TRUE(hf.ok()) << hf.status().to_string();
+  auto m = core::MoeDecoder::create(hf->config, limits(), cpu_backend(), ExecContext{});
+  ASSERT_TRUE(m.ok());
+  const Status s = core::load_checkpoint(**m, *hf->checkpoint);
+  EXPECT_EQ(s.code(), ErrorCode::kUnimplemented) << s.to_string();
+  EXPECT_EQ(s.field(), "model.layers.0.mlp.experts.gate_up_proj_blocks");
+  EXPECT_NE(s.message().find("dequantize"), std::string::npos) << s.to_string();
 }
 
 TEST_F(HfCheckpoint, ConfigErrorsNameTheFile) {

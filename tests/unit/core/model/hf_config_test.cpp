@@ -1,6 +1,8 @@
 // core/model/hf_config: Hugging Face config.json of qwen3_moe and gpt_oss into ModelConfig.
 #include "core/model/hf_config.hpp"
 
+#include <cmath>
+
 #include <gtest/gtest.h>
 
 namespace rolloutd {
@@ -144,7 +146,7 @@ TEST(HfConfig, TiedEmbeddingsAreRefusedByTheDecoder) {
   EXPECT_EQ(s.field(), "tie_word_embeddings");
 }
 
-TEST(HfConfig, GptOssIsParsedThenRefusedByTheDecoder) {
+TEST(HfConfig, GptOssIsParsedAndServed) {
   auto c = core::model_config_from_hf(gpt_oss_20b());
   ASSERT_TRUE(c.ok()) << c.status().to_string();
   EXPECT_EQ(c->family, "gpt_oss");
@@ -161,9 +163,21 @@ TEST(HfConfig, GptOssIsParsedThenRefusedByTheDecoder) {
   ASSERT_EQ(c->layer_types.size(), 24u);
   EXPECT_EQ(c->layer_types[0], "sliding_attention");
   EXPECT_TRUE(c->attention_bias);
-  Status s = core::check_decoder_supports(*c);
-  EXPECT_EQ(s.code(), ErrorCode::kUnimplemented);
-  EXPECT_NE(s.message().find("not supported yet"), std::string::npos) << s.to_string();
+  EXPECT_FALSE(c->rope_truncate);
+  EXPECT_TRUE(core::check_decoder_supports(*c).ok()) << core::check_decoder_supports(*c).to_string();
+  // YaRN's attention factor: 0.1 * ln(32) + 1 (no mscale keys); the highest-frequency pair
+  // (i = 0) is pure extrapolation (inv_freq 1), the lowest pure interpolation (/ factor).
+  const core::RopeFrequencies rf = core::rope_frequencies(*c);
+  ASSERT_EQ(rf.inv_freq.size(), 32u);
+  EXPECT_FLOAT_EQ(rf.attention_factor, static_cast<float>(0.1 * std::log(32.0) + 1.0));
+  EXPECT_FLOAT_EQ(rf.inv_freq[0], 1.0f);
+  EXPECT_FLOAT_EQ(rf.inv_freq[31], static_cast<float>(1.0 / std::pow(150000.0, 62.0 / 64.0) / 32.0));
+  // Without "factor", transformers derives it from the two context lengths (131072 / 4096 = 32).
+  json nf = gpt_oss_20b();
+  nf["rope_scaling"].erase("factor");
+  auto derived = core::model_config_from_hf(nf);
+  ASSERT_TRUE(derived.ok());
+  EXPECT_EQ(core::rope_frequencies(*derived).inv_freq, rf.inv_freq);
 
   json j = gpt_oss_20b();
   j["layer_types"] = {"full_attention"};

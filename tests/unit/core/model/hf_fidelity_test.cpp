@@ -1,6 +1,6 @@
 // Fidelity against Hugging Face transformers: the golden of tests/reference/hf_golden.py
-// (transformers 5.17 on the GPU host's CPU, float32, eager attention) for a make-test-model
-// qwen3_moe checkpoint. The checkpoint is regenerated here with make-test-model's writer and must
+// (transformers 5.17 on the GPU host's CPU, float32, eager attention) for make-test-model
+// qwen3_moe and gpt_oss checkpoints. The checkpoint is regenerated here with make-test-model's writer and must
 // be the very file transformers read (CRC-32); then the decoder on the CPU backend must give the
 // prompt logits within FP32 tolerance, the same router top-k ids, and the same 32 greedy tokens.
 #include <algorithm>
@@ -29,28 +29,43 @@ nlohmann::json golden(const std::string& file) {
   return nlohmann::json::parse(f);
 }
 
-// hf_qwen3_moe_golden.json: 2 MoE layers; hf_qwen3_moe_dense_golden.json: 3 layers, the middle
-// one dense (mlp_only_layers = [1]).
-class HfFidelity : public ::testing::TestWithParam<const char*> {};
-
-TEST_P(HfFidelity, Qwen3MoeMatchesTransformers) {
-  const nlohmann::json g = golden(GetParam());
-  ASSERT_FALSE(g.is_null()) << "missing tests/reference/" << GetParam() << " (ROLLOUTD_SOURCE_ROOT?)";
+// The make-test-model spec a golden was made from (its "spec": config.json keys).
+core::TestModelSpec spec_of(const nlohmann::json& g) {
   const auto& s = g["spec"];
   core::TestModelSpec spec;
+  // The first qwen3_moe goldens predate the model_type key.
+  spec.family = g.contains("model_type") ? g["model_type"].get<std::string>() : "qwen3_moe";
+  const bool oss = spec.family == "gpt_oss";
   spec.layers = s["num_hidden_layers"];
   spec.hidden = s["hidden_size"];
-  spec.experts = s["num_experts"];
+  spec.experts = s[oss ? "num_local_experts" : "num_experts"];
   spec.top_k = s["num_experts_per_tok"];
   spec.heads = s["num_attention_heads"];
   spec.kv_heads = s["num_key_value_heads"];
   spec.head_dim = s["head_dim"];
-  spec.intermediate = s["moe_intermediate_size"];
+  spec.intermediate = s[oss ? "intermediate_size" : "moe_intermediate_size"];
   spec.vocab = s["vocab_size"];
   spec.dtype = s["dtype"];
-  spec.mlp_only_layers = s["mlp_only_layers"].get<std::vector<int64_t>>();
-  spec.decoder_sparse_step = s["decoder_sparse_step"];
+  if (!oss) {
+    spec.mlp_only_layers = s["mlp_only_layers"].get<std::vector<int64_t>>();
+    spec.decoder_sparse_step = s["decoder_sparse_step"];
+  } else if (s.contains("sliding_window")) {
+    spec.sliding_window = s["sliding_window"];
+  }
   spec.seed = g["make_test_model"]["seed"];
+  return spec;
+}
+
+// hf_qwen3_moe_golden.json: 2 MoE layers; hf_qwen3_moe_dense_golden.json: 3 layers, the middle
+// one dense (mlp_only_layers = [1]); hf_gpt_oss_golden.json: 2 layers (sliding window 128, wider
+// than the 44 positions), hf_gpt_oss_sw8_golden.json: 4 layers with a window of 8, so the
+// continuation runs far past it.
+class HfFidelity : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(HfFidelity, MatchesTransformers) {
+  const nlohmann::json g = golden(GetParam());
+  ASSERT_FALSE(g.is_null()) << "missing tests/reference/" << GetParam() << " (ROLLOUTD_SOURCE_ROOT?)";
+  const core::TestModelSpec spec = spec_of(g);
   const std::string dir = (std::filesystem::temp_directory_path() /
                            ("rolloutd-fid-" + std::to_string(::getpid()) + "-" + std::to_string(spec.seed))).string();
   ASSERT_TRUE(core::write_test_model(spec, dir).ok());
@@ -119,39 +134,9 @@ TEST_P(HfFidelity, Qwen3MoeMatchesTransformers) {
   EXPECT_EQ(std::vector<int32_t>(seq.begin() + static_cast<long>(prompt.size()), seq.end()), want);
 }
 
-// gpt_oss: transformers read every tensor of make-test-model's gpt_oss checkpoint (the golden
-// is only written then); the decoder cannot run it yet, so only the checkpoint is pinned: the
-// writer must keep producing the file the golden's logits belong to.
-TEST(HfFidelityGptOss, CheckpointIsTheOneTransformersRead) {
-  const nlohmann::json g = golden("hf_gpt_oss_golden.json");
-  ASSERT_FALSE(g.is_null());
-  const auto& s = g["spec"];
-  core::TestModelSpec spec;
-  spec.family = "gpt_oss";
-  spec.layers = s["num_hidden_layers"];
-  spec.hidden = s["hidden_size"];
-  spec.experts = s["num_local_experts"];
-  spec.top_k = s["num_experts_per_tok"];
-  spec.heads = s["num_attention_heads"];
-  spec.kv_heads = s["num_key_value_heads"];
-  spec.head_dim = s["head_dim"];
-  spec.intermediate = s["intermediate_size"];
-  spec.vocab = s["vocab_size"];
-  spec.dtype = s["dtype"];
-  spec.seed = g["make_test_model"]["seed"];
-  const std::string dir = (std::filesystem::temp_directory_path() /
-                           ("rolloutd-fid-gptoss-" + std::to_string(::getpid()))).string();
-  ASSERT_TRUE(core::write_test_model(spec, dir).ok());
-  std::ifstream f(dir + "/model.safetensors", std::ios::binary);
-  const std::string bytes((std::istreambuf_iterator<char>(f)), {});
-  EXPECT_EQ(core::crc32_of({reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()}),
-            g["checkpoint_crc32"].get<uint32_t>());
-  EXPECT_EQ(core::open_hf_model(dir).status().code(), ErrorCode::kUnimplemented);
-  std::filesystem::remove_all(dir);
-}
-
 INSTANTIATE_TEST_SUITE_P(Goldens, HfFidelity,
-                         ::testing::Values("hf_qwen3_moe_golden.json", "hf_qwen3_moe_dense_golden.json"));
+                         ::testing::Values("hf_qwen3_moe_golden.json", "hf_qwen3_moe_dense_golden.json",
+                                           "hf_gpt_oss_golden.json"));
 
 }  // namespace
 }  // namespace rolloutd
