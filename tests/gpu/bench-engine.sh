@@ -5,7 +5,8 @@
 # same-run peer); the decode floor; the first decode step after a full weight update against
 # the steady state; the routed-expert capture overhead (records on vs off).
 # tests/gpu/run.sh calls every bench-*.sh with BUILD_DIR OUT_DIR; results:
-# OUT_DIR/bench-engine.json (+ bench-engine-peer.json) and the table in run.log.
+# OUT_DIR/bench-engine.json (+ bench-engine-peer.json) and the table in run.log. The checkpoint's
+# family: ROLLOUTD_BENCH_ENGINE_FAMILY (qwen3_moe or gpt_oss).
 # tests/bench/NOTES.md ("CUDA GRAPHS", "ENGINE") keeps the figures. Extra arguments:
 # ROLLOUTD_BENCH_ENGINE_ARGS.
 set -euo pipefail
@@ -18,12 +19,14 @@ bin="$build/tests/bench/engine/engine_bench"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 ckpt_args=()
-if "$build/daemon/rolloutctl/rolloutctl" make-test-model --family qwen3_moe --layers 8 --hidden 1024 --experts 32 \
+# ROLLOUTD_BENCH_ENGINE_FAMILY: qwen3_moe (default) or gpt_oss, the same mid size.
+family=${ROLLOUTD_BENCH_ENGINE_FAMILY:-qwen3_moe}
+if "$build/daemon/rolloutctl/rolloutctl" make-test-model --family "$family" --layers 8 --hidden 1024 --experts 32 \
      --top-k 4 --heads 16 --kv-heads 4 --head-dim 64 --intermediate 512 --vocab 16384 --dtype float32 --seed 3 \
-     --out "$tmp/qwen3-mid" >"$tmp/make.log" 2>&1; then
-  ckpt_args=(--model-dir "$tmp/qwen3-mid")
+     --out "$tmp/$family-mid" >"$tmp/make.log" 2>&1; then
+  ckpt_args=(--model-dir "$tmp/$family-mid")
   py=$(command -v python3 || true)
-  if [ -n "$py" ] && timeout 420 "$py" "$here/tests/bench/engine/hf_peer.py" --model "$tmp/qwen3-mid" \
+  if [ -n "$py" ] && timeout 420 "$py" "$here/tests/bench/engine/hf_peer.py" --model "$tmp/$family-mid" \
        --json "$out/bench-engine-peer.json" 2>&1 | tail -5; then
     ckpt_args+=(--peer "$out/bench-engine-peer.json")
   else
