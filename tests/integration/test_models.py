@@ -21,8 +21,8 @@ SMALL = ["--layers", "2", "--hidden", "64", "--experts", "8", "--top-k", "2", "-
 DTYPES = {"BF16": "bfloat16", "F32": "float32"}
 
 
-def make_model(out, seed, family="qwen3_moe"):
-    r = subprocess.run([ROLLOUTCTL, "make-test-model", "--family", family, *SMALL, "--seed", str(seed),
+def make_model(out, seed, family="qwen3_moe", extra=()):
+    r = subprocess.run([ROLLOUTCTL, "make-test-model", "--family", family, *SMALL, *extra, "--seed", str(seed),
                         "--out", out], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["out"] == out
@@ -57,7 +57,10 @@ def write_safetensors(path, tensors):
 @pytest.fixture(scope="module")
 def models():
     d = tempfile.mkdtemp(prefix="rolloutd-models-")
-    return {"a": make_model(os.path.join(d, "a"), 1), "b": make_model(os.path.join(d, "b"), 2), "root": d}
+    return {"a": make_model(os.path.join(d, "a"), 1), "b": make_model(os.path.join(d, "b"), 2), "root": d,
+            # gpt_oss with a window of 4 on its sliding layers: every generation below outgrows it.
+            "oss-a": make_model(os.path.join(d, "oss-a"), 1, "gpt_oss", ("--sliding-window", "4")),
+            "oss-b": make_model(os.path.join(d, "oss-b"), 2, "gpt_oss", ("--sliding-window", "4"))}
 
 
 def greedy(c, prompt=(3, 1, 4, 1, 5, 9, 2, 6), n=12):
@@ -66,18 +69,20 @@ def greedy(c, prompt=(3, 1, 4, 1, 5, 9, 2, 6), n=12):
     return r.token_ids, r.routed_experts.data
 
 
-def test_serves_a_checkpoint_and_an_update_with_its_tensors_is_bit_identical(daemon_factory, models):
-    a = daemon_factory(["--model", models["a"]])
-    b = daemon_factory(["--model", models["b"]])
+@pytest.mark.parametrize("family,a_key,b_key", [("qwen3_moe", "a", "b"), ("gpt_oss", "oss-a", "oss-b")])
+def test_serves_a_checkpoint_and_an_update_with_its_tensors_is_bit_identical(daemon_factory, models, family,
+                                                                               a_key, b_key):
+    a = daemon_factory(["--model", models[a_key]])
+    b = daemon_factory(["--model", models[b_key]])
     with a.client() as ca, b.client() as cb:
         hello = ca.hello()
-        assert hello.model.family == "qwen3_moe"
+        assert hello.model.family == family
         assert hello.model.num_experts == 8 and hello.model.top_k == 2 and hello.model.num_layers == 2
         tokens_a, experts_a = greedy(ca)
         assert len(tokens_a) == 12
         sums_a = ca.weights_checksum()
         assert greedy(cb) != (tokens_a, experts_a)  # another seed: other weights
-        tensors = read_safetensors(os.path.join(models["a"], "model.safetensors"))
+        tensors = read_safetensors(os.path.join(models[a_key], "model.safetensors"))
         reply = cb.push_weights([(name, dtype, shape, data) for name, (dtype, shape, data) in tensors.items()],
                                 weight_version=3, bucket_bytes=64 << 10)
         assert reply.num_entries == len(tensors)
@@ -89,7 +94,38 @@ def test_serves_a_checkpoint_and_an_update_with_its_tensors_is_bit_identical(dae
     assert a.terminate() == 0
     assert b.terminate() == 0
     ready = [l for l in a.log_lines() if l.get("msg") == "model ready"]
-    assert ready and ready[0]["family"] == "qwen3_moe" and ready[0]["checkpoint_size_bytes"] > 0
+    assert ready and ready[0]["family"] == family and ready[0]["checkpoint_size_bytes"] > 0
+
+
+def test_gpt_oss_request_alone_equals_it_inside_a_busy_chunked_batch(daemon_factory, models):
+    """Sliding windows, sinks and the rest under continuous batching: a greedy request alone on an
+    idle daemon returns the same tokens, routed experts and log-probs as inside a batch of other
+    lengths whose prompts are split into chunks (--max-step-tokens 8) and mixed with decodes."""
+    import threading
+    import numpy as np
+    alone = daemon_factory(["--model", models["oss-a"]])
+    busy = daemon_factory(["--model", models["oss-a"], "--max-step-tokens", "8"])
+    prompt = [5, 9, 2, 77, 31, 64, 8, 100, 3, 12, 41]  # longer than a step and than the window
+    kw = dict(max_new_tokens=20, temperature=0.0, return_logprob=True, return_routed_experts=True)
+    with alone.client() as c:
+        ref = c.generate(prompt, **kw)
+    results, others = {}, [[1 + i, 7, 3 * i + 2] * (i + 1) for i in range(5)]
+
+    def one(key, p, n):
+        with busy.client() as c:
+            results[key] = c.generate(p, **{**kw, "max_new_tokens": n})
+
+    threads = [threading.Thread(target=one, args=(i, p, 20 + 3 * i)) for i, p in enumerate(others)]
+    threads.append(threading.Thread(target=one, args=("target", prompt, 20)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    got = results["target"]
+    assert got.token_ids == ref.token_ids
+    assert got.routed_experts.data == ref.routed_experts.data
+    assert np.allclose(got.logprobs, ref.logprobs, atol=1e-4)
+    assert all(len(results[i].token_ids) == 20 + 3 * i for i in range(len(others)))
 
 
 def test_sharded_checkpoint_serves_the_same_model(daemon_factory, models):
@@ -159,9 +195,18 @@ def test_truncated_file_and_unsupported_family_exit_2(models):
     rc, out = start_fails(["--model", d])
     assert rc == 2 and "past the data section" in out, out
 
-    g = make_model(os.path.join(models["root"], "gpt-oss"), 1, family="gpt_oss")
-    rc, out = start_fails(["--model", g])
-    assert rc == 2 and "gpt_oss is not supported yet" in out, out
+    d = os.path.join(models["root"], "llama")
+    os.makedirs(d)
+    with open(os.path.join(models["a"], "config.json")) as f:
+        cfg = json.load(f)
+    cfg["model_type"] = "llama"
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with open(os.path.join(models["a"], "model.safetensors"), "rb") as src, \
+            open(os.path.join(d, "model.safetensors"), "wb") as dst:
+        dst.write(src.read())
+    rc, out = start_fails(["--model", d])
+    assert rc == 2 and "model_type 'llama' is not supported" in out, out
 
 
 def test_model_that_is_not_a_directory_is_a_usage_error(models):
