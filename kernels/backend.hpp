@@ -63,6 +63,14 @@ struct MoeExpertsArgs {
   // The gated activation h = act(gate) * up:
   //   kSilu:   silu(g) * u (Qwen3-MoE, Mixtral, DeepSeek);
   //   kGptOss: g' = min(g, limit), u' = clamp(u, -limit, limit), h = g' * sigmoid(alpha * g') * (u' + 1).
+  // Optional MXFP4 experts in the gpt-oss checkpoint layout (kernels/quant/mxfp4.hpp): when
+  // w_gate_up_blocks is set the op reads these and ignores w_gate_up / w_down (which may be
+  // empty): w_gate_up_blocks u8 [E_phys, 2*I, H/32, 16] with scales u8 [E_phys, 2*I, H/32] (rows
+  // in the gate_up_interleaved order), w_down_blocks u8 [E_phys, H, I/32, 16] with scales
+  // [E_phys, H, I/32]; H and I multiples of 32. Each weight is dequantized exactly to FP32 where
+  // it is read, so the result equals the FP32 op on the dequantized tensors up to summation order
+  // (on the CPU, bit for bit).
+  TensorView w_gate_up_blocks, w_gate_up_scales, w_down_blocks, w_down_scales;
   enum class Activation : uint8_t { kSilu, kGptOss };
   Activation activation = Activation::kSilu;
   float swiglu_limit = 7.0f;

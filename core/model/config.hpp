@@ -48,6 +48,10 @@ struct ModelConfig {
   std::vector<std::string> layer_types;
   int64_t sliding_window = 0;
   double swiglu_limit = 0.0;
+  // gpt-oss experts stored as MXFP4 (`mlp.experts.{gate_up,down}_proj_{blocks,scales}`, as OpenAI
+  // publishes them) and computed from those bytes, instead of FP32. Set by open_hf_model() when
+  // the checkpoint holds them (and by make-test-model --experts-mxfp4).
+  bool experts_mxfp4 = false;
   // The checkpoint's dtype as config.json names it ("bfloat16", "float32").
   std::string checkpoint_dtype = "bfloat16";
   // How a checkpoint's fused `mlp.experts.gate_up_proj` orders its rows: concatenated

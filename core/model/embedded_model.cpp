@@ -38,6 +38,18 @@ Status init_random_weights(MoeDecoder& model, uint64_t seed) {
   WeightRegistry& reg = model.weights();
   for (const RegisteredParameter& p : reg.parameters()) {
     if (p.name.rfind("synthetic", 0) == 0) continue;  // benchmark-only: written by updates
+    if (p.storage.dtype == DType::kU8) {
+      // MXFP4 experts: random element codes, scales 2^-7 .. 2^0 (magnitudes below 6).
+      std::vector<uint8_t> bytes(static_cast<size_t>(p.storage.numel()));
+      SplitMix64 rng(seed ^ fnv1a64(p.name));
+      const bool scales = ends_with(p.name, "_scales");
+      for (auto& b : bytes) b = static_cast<uint8_t>(scales ? 120 + rng.next() % 8 : rng.next() & 0xff);
+      const CheckpointTensor* t = reg.resolve(p.name);
+      if (!t) return Status(ErrorCode::kInternal, "no whole-tensor checkpoint name", p.name);
+      const std::vector<int64_t> shape(p.storage.shape.data(), p.storage.shape.data() + p.storage.rank());
+      RD_RETURN_IF_ERROR(reg.load(*t, DType::kU8, shape, bytes));
+      continue;
+    }
     if (p.storage.dtype != DType::kF32)
       return Status(ErrorCode::kInternal, "random init expects FP32 parameters", p.name);
     host.resize(static_cast<size_t>(p.storage.numel()));

@@ -41,6 +41,9 @@ Result<HfModel> open_hf_model(const std::string& dir) {
   RD_ASSIGN_OR_RETURN(m.config, load_hf_config(dir + "/config.json"));
   RD_RETURN_IF_ERROR(check_decoder_supports(m.config));
   RD_ASSIGN_OR_RETURN(m.checkpoint, SafetensorsCheckpoint::open(dir));
+  // gpt-oss as published: MXFP4 experts, served as they are.
+  if (m.config.family == "gpt_oss" && m.checkpoint->find("model.layers.0.mlp.experts.gate_up_proj_blocks"))
+    m.config.experts_mxfp4 = true;
   return m;
 }
 
@@ -63,9 +66,9 @@ Status load_checkpoint(MoeDecoder& model, const SafetensorsCheckpoint& ckpt) {
     };
     if (!ct && (ends_with("_blocks") || ends_with("_scales")))
       return Status(ErrorCode::kUnimplemented,
-                    "checkpoint tensor '" + name + "' holds MXFP4 experts (as OpenAI publishes gpt-oss); the decoder "
-                    "runs FP32 experts loaded from BF16/FP32 tensors for now: save a dequantized copy with transformers "
-                    "(from_pretrained with Mxfp4Config(dequantize=True), then save_pretrained)",
+                    "checkpoint tensor '" + name + "' is MXFP4 (blocks/scales): served for gpt_oss experts only; this " +
+                        model.config().family + " model takes BF16/FP32 tensors (save a dequantized copy with "
+                        "transformers)",
                     name);
     if (!ct)
       return Status(ErrorCode::kNotFound,

@@ -131,13 +131,32 @@ Status MoeDecoder::allocate() {
       L.moe_index = moe_layers_++;
       RD_RETURN_IF_ERROR(param(p + "mlp.router.weight", Shape{E, H}, L.router));
       RD_RETURN_IF_ERROR(param(p + "mlp.router.bias", Shape{E}, L.router_bias));
-      TensorView gu, down;
-      RD_RETURN_IF_ERROR(param(p + "mlp.experts.gate_up_proj", Shape{E, H, 2 * I}, gu, std::make_unique<TransposeMethod>()));
-      RD_RETURN_IF_ERROR(param(p + "mlp.experts.gate_up_proj_bias", Shape{E, 2 * I}, L.experts_gate_up_bias));
-      RD_RETURN_IF_ERROR(param(p + "mlp.experts.down_proj", Shape{E, I, H}, down, std::make_unique<TransposeMethod>()));
-      RD_RETURN_IF_ERROR(param(p + "mlp.experts.down_proj_bias", Shape{E, H}, L.experts_down_bias));
-      L.experts_gate_up = TensorView::contiguous(gu.data, DType::kF32, Shape{E, 2 * I, H}, gu.device);
-      L.experts_down = TensorView::contiguous(down.data, DType::kF32, Shape{E, H, I}, down.device);
+      if (c.experts_mxfp4) {
+        // MXFP4 as published ([E, rows, cols/32, 16] blocks, [E, rows, cols/32] scales, gate/up rows
+        // interleaved), read by the expert op as they are. The BF16/FP32 name quantizes on arrival
+        // along the same rows ([E, 2I, H] / [E, H, I], not transformers' transposed layout).
+        auto mx = [&](const std::string& name, int64_t rows, int64_t cols, TensorView& blocks,
+                      TensorView& scales) -> Status {
+          RD_ASSIGN_OR_RETURN(blocks, weights_arena_->allocate(DType::kU8, Shape{E, rows, cols / 32, 16}));
+          RD_ASSIGN_OR_RETURN(scales, weights_arena_->allocate(DType::kU8, Shape{E, rows, cols / 32}));
+          const int64_t shape[] = {E, rows, cols};
+          return weights_->add_mxfp4(name, shape, blocks, scales);
+        };
+        RD_RETURN_IF_ERROR(mx(p + "mlp.experts.gate_up_proj", 2 * I, H, L.gu_blocks, L.gu_scales));
+        RD_RETURN_IF_ERROR(mx(p + "mlp.experts.down_proj", H, I, L.dn_blocks, L.dn_scales));
+        RD_RETURN_IF_ERROR(param(p + "mlp.experts.gate_up_proj_bias", Shape{E, 2 * I}, L.experts_gate_up_bias));
+        RD_RETURN_IF_ERROR(param(p + "mlp.experts.down_proj_bias", Shape{E, H}, L.experts_down_bias));
+      } else {
+        TensorView gu, down;
+        RD_RETURN_IF_ERROR(
+            param(p + "mlp.experts.gate_up_proj", Shape{E, H, 2 * I}, gu, std::make_unique<TransposeMethod>()));
+        RD_RETURN_IF_ERROR(param(p + "mlp.experts.gate_up_proj_bias", Shape{E, 2 * I}, L.experts_gate_up_bias));
+        RD_RETURN_IF_ERROR(
+            param(p + "mlp.experts.down_proj", Shape{E, I, H}, down, std::make_unique<TransposeMethod>()));
+        RD_RETURN_IF_ERROR(param(p + "mlp.experts.down_proj_bias", Shape{E, H}, L.experts_down_bias));
+        L.experts_gate_up = TensorView::contiguous(gu.data, DType::kF32, Shape{E, 2 * I, H}, gu.device);
+        L.experts_down = TensorView::contiguous(down.data, DType::kF32, Shape{E, H, I}, down.device);
+      }
       RD_RETURN_IF_ERROR(add_loader_aliases(l));
       L.expert_map = ExpertMap::identity(E);
     } else {
@@ -582,6 +601,10 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
     args.num_valid_device = ws_.num_valid;  // padding rows of a bucket: no expert work
     args.workspace = ws_.moe_h;             // CUDA: the decode-shaped two-kernel path
     args.gate_up_interleaved = true;  // kernel layout of InterleaveGateUpMethod (and of gpt-oss's checkpoint)
+    args.w_gate_up_blocks = L.gu_blocks;
+    args.w_gate_up_scales = L.gu_scales;
+    args.w_down_blocks = L.dn_blocks;
+    args.w_down_scales = L.dn_scales;
     args.b_gate_up = L.experts_gate_up_bias;
     args.b_down = L.experts_down_bias;
     if (c.family == "gpt_oss") {

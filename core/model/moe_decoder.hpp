@@ -117,6 +117,8 @@ class MoeDecoder {
     int64_t window = 0;
     TensorView router_bias;                            // [E]
     TensorView experts_gate_up_bias, experts_down_bias;  // [E, 2I] (interleaved), [E, H]
+    // config.experts_mxfp4: the experts as MXFP4 bytes (checkpoint layout) instead of FP32.
+    TensorView gu_blocks, gu_scales, dn_blocks, dn_scales;
     // A dense layer (mlp_only_layers, decoder_sparse_step) is a SwiGLU MLP: the expert op with
     // one expert that every token takes with weight 1 (dense_ids / dense_weights).
     bool moe = true;

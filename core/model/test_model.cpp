@@ -1,5 +1,7 @@
 #include "core/model/test_model.hpp"
 
+#include "kernels/quant/quant_ops.hpp"
+
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -131,8 +133,13 @@ Result<ModelConfig> test_model_config(const TestModelSpec& s) {
   } else {
     return Status(ErrorCode::kInvalidArgument, "family must be qwen3_moe or gpt_oss", "family");
   }
-  // Round-trip through config.json: what a reader of the written checkpoint gets.
-  return model_config_from_hf(model_config_to_hf(c));
+  if (s.experts_mxfp4 && s.family != "gpt_oss")
+    return Status(ErrorCode::kInvalidArgument, "MXFP4 experts are a gpt_oss option", "experts_mxfp4");
+  // Round-trip through config.json: what a reader of the written checkpoint gets (the expert
+  // format is read from the tensors, not from config.json).
+  RD_ASSIGN_OR_RETURN(ModelConfig back, model_config_from_hf(model_config_to_hf(c)));
+  back.experts_mxfp4 = s.experts_mxfp4;
+  return back;
 }
 
 Result<std::vector<TestTensor>> make_test_tensors(const ModelConfig& c, uint64_t seed) {
@@ -161,6 +168,28 @@ Result<std::vector<TestTensor>> make_test_tensors(const ModelConfig& c, uint64_t
         break;
       }
     }
+    if (c.experts_mxfp4 && s.shape.size() == 3 && s.name.find("mlp.experts.") != std::string::npos) {
+      // [E, in, out] -> [E, out, in] (BF16-rounded like the BF16 checkpoint), then MXFP4 along `in`.
+      const int64_t E = s.shape[0], in = s.shape[1], outd = s.shape[2];
+      std::vector<float> tr(static_cast<size_t>(n));
+      for (int64_t e = 0; e < E; ++e)
+        for (int64_t i = 0; i < in; ++i)
+          for (int64_t o = 0; o < outd; ++o)
+            tr[static_cast<size_t>((e * outd + o) * in + i)] =
+                bf16_bits_to_f32(f32_to_bf16_bits(v[static_cast<size_t>((e * in + i) * outd + o)]));
+      TestTensor blocks{s.name + "_blocks", {E, outd, in / 32, 16}, DType::kU8, {}};
+      TestTensor scales{s.name + "_scales", {E, outd, in / 32}, DType::kU8, {}};
+      blocks.bytes.resize(static_cast<size_t>(E * outd * in / 2));
+      scales.bytes.resize(static_cast<size_t>(E * outd * in / 32));
+      const ExecContext host{};
+      RD_RETURN_IF_ERROR(quant::quantize_mxfp4(
+          host, TensorView::contiguous(tr.data(), DType::kF32, Shape{E, outd, in}),
+          TensorView::contiguous(blocks.bytes.data(), DType::kU8, Shape{E, outd, in / 32, 16}),
+          TensorView::contiguous(scales.bytes.data(), DType::kU8, Shape{E, outd, in / 32})));
+      out.push_back(std::move(blocks));
+      out.push_back(std::move(scales));
+      continue;
+    }
     TestTensor t{s.name, s.shape, dt, {}};
     t.bytes.resize(static_cast<size_t>(n) * dtype_size(dt));
     if (dt == DType::kF32) {
@@ -188,6 +217,10 @@ Status write_test_model(const TestModelSpec& spec, const std::string& dir) {
   RD_RETURN_IF_ERROR(write_safetensors(dir + "/model.safetensors", in, {{"format", "pt"}}));
   nlohmann::json cfg = model_config_to_hf(c);
   cfg["rolloutd_test_model"] = {{"seed", spec.seed}};
+  if (c.experts_mxfp4)  // what transformers reads to load the *_blocks / *_scales experts
+    cfg["quantization_config"] = {{"quant_method", "mxfp4"},
+                                  {"modules_to_not_convert", {"model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                              "model.embed_tokens", "lm_head"}}};
   std::ofstream f(dir + "/config.json", std::ios::trunc);
   f << cfg.dump(2) << "\n";
   if (!f.flush()) return Status(ErrorCode::kUnavailable, "cannot write " + dir + "/config.json", "out");

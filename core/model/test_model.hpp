@@ -34,6 +34,9 @@ struct TestModelSpec {
   int64_t decoder_sparse_step = 1;
   // gpt_oss: the window of the sliding-attention (even) layers.
   int64_t sliding_window = 128;
+  // gpt_oss: experts written as MXFP4 `*_blocks` / `*_scales` (as OpenAI publishes gpt-oss),
+  // quantized from the same random values (transposed to [E, out, in]) instead of BF16/FP32.
+  bool experts_mxfp4 = false;
   uint64_t seed = 0;
 };
 

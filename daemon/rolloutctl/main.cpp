@@ -408,6 +408,7 @@ Command add_make_test_model(CLI::App& root) {
   app->add_option("--decoder-sparse-step", spec->decoder_sparse_step, "qwen3_moe: every n-th layer is MoE")
       ->capture_default_str()
       ->check(CLI::Range(1, 256));
+  app->add_flag("--experts-mxfp4", spec->experts_mxfp4, "gpt_oss: experts as MXFP4 *_blocks/*_scales (as published)");
   app->add_option("--sliding-window", spec->sliding_window, "gpt_oss: window of the sliding-attention layers")
       ->capture_default_str()
       ->check(CLI::Range(1, 1 << 20));

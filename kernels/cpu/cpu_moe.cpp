@@ -7,6 +7,7 @@
 
 #include "kernels/cpu/cpu_ops.hpp"
 #include "kernels/cpu/op_checks.hpp"
+#include "kernels/quant/mxfp4.hpp"
 
 namespace rolloutd::cpu {
 namespace {
@@ -25,6 +26,25 @@ inline float gpt_oss_glu(float g, float u, float limit, float alpha) {
   g = std::min(g, limit);
   u = std::clamp(u, -limit, limit);
   return g / (1.0f + std::exp(-alpha * g)) * (u + 1.0f);
+}
+
+// Row `row` of an MXFP4 matrix (blocks [rows, cols/32, 16], scales [rows, cols/32]) dequantized
+// into `buf`, exactly as quant::dequantize_mxfp4 does.
+const float* mx_row(const TensorView& blocks, const TensorView& scales, int64_t row, int64_t cols,
+                    std::vector<float>& buf) {
+  const int64_t nkb = cols / quant::kMxBlockSize;
+  const auto* b = blocks.as<const uint8_t>() + row * nkb * quant::kMxfp4BytesPerBlock;
+  const auto* s = scales.as<const uint8_t>() + row * nkb;
+  for (int64_t c = 0; c < cols; ++c) {
+    const quant::E8M0 sc{s[c / quant::kMxBlockSize]};
+    const quant::Fp4x2 p{b[c / 2]};
+    const uint32_t bits = quant::e8m0_is_nan(sc) ? quant::kF32CanonicalNan
+                                                 : quant::e2m1_decode_bits(c % 2 == 0 ? quant::fp4x2_even(p)
+                                                                                      : quant::fp4x2_odd(p),
+                                                                           quant::e8m0_exponent(sc));
+    buf[static_cast<size_t>(c)] = quant::f32_from_bits(bits);
+  }
+  return buf.data();
 }
 
 }  // namespace
@@ -80,8 +100,9 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
     num_valid = std::min<int64_t>(num_valid, dev);
   }
   const int64_t top_k = a.topk_ids.size(1);
-  const int64_t inter = a.w_gate_up.size(1) / 2;
-  const int64_t num_phys = a.w_gate_up.size(0);
+  const bool mx = a.w_gate_up_blocks.data != nullptr;
+  const int64_t inter = (mx ? a.w_gate_up_blocks.size(1) : a.w_gate_up.size(1)) / 2;
+  const int64_t num_phys = mx ? a.w_gate_up_blocks.size(0) : a.w_gate_up.size(0);
   const int64_t num_logical = a.logical_to_physical.size(0);
   const int32_t* ids = a.topk_ids.as<const int32_t>();
   const int32_t* map = a.logical_to_physical.as<const int32_t>();
@@ -108,8 +129,9 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
   std::vector<float> gate_up(static_cast<size_t>(2 * inter));
   std::vector<float> h(static_cast<size_t>(inter));
   const float* x = a.x.as<const float>();
-  const float* w_gate_up = a.w_gate_up.as<const float>();
-  const float* w_down = a.w_down.as<const float>();
+  const float* w_gate_up = mx ? nullptr : a.w_gate_up.as<const float>();
+  const float* w_down = mx ? nullptr : a.w_down.as<const float>();
+  std::vector<float> wrow(static_cast<size_t>(std::max(hidden, inter)));  // one dequantized MXFP4 row
   const float* topk_w = a.topk_weights.as<const float>();
   float* out = a.out.as<float>();
   const float* b_gate_up = a.b_gate_up.data ? a.b_gate_up.as<const float>() : nullptr;
@@ -122,20 +144,24 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
     const float* xr = x + t * hidden;
     for (int64_t k = 0; k < top_k; ++k) {
       const int64_t e = map[ids[t * top_k + k]];
-      const float* gu = w_gate_up + e * 2 * inter * hidden;
       const float* bgu = b_gate_up ? b_gate_up + e * 2 * inter : nullptr;
-      for (int64_t r = 0; r < 2 * inter; ++r)
-        gate_up[static_cast<size_t>(r)] = dot(gu + r * hidden, xr, hidden) + (bgu ? bgu[r] : 0.0f);
+      for (int64_t r = 0; r < 2 * inter; ++r) {
+        const float* row = mx ? mx_row(a.w_gate_up_blocks, a.w_gate_up_scales, e * 2 * inter + r, hidden, wrow)
+                              : w_gate_up + (e * 2 * inter + r) * hidden;
+        gate_up[static_cast<size_t>(r)] = dot(row, xr, hidden) + (bgu ? bgu[r] : 0.0f);
+      }
       for (int64_t i = 0; i < inter; ++i) {
         const float g = gate_up[static_cast<size_t>(a.gate_up_interleaved ? 2 * i : i)];
         const float u = gate_up[static_cast<size_t>(a.gate_up_interleaved ? 2 * i + 1 : inter + i)];
         h[static_cast<size_t>(i)] = gpt_oss ? gpt_oss_glu(g, u, a.swiglu_limit, a.swiglu_alpha) : silu(g) * u;
       }
       const float wk = topk_w[t * top_k + k];
-      const float* down = w_down + e * hidden * inter;
       const float* bd = b_down ? b_down + e * hidden : nullptr;
-      for (int64_t j = 0; j < hidden; ++j)
-        orow[j] += wk * (dot(down + j * inter, h.data(), inter) + (bd ? bd[j] : 0.0f));
+      for (int64_t j = 0; j < hidden; ++j) {
+        const float* row = mx ? mx_row(a.w_down_blocks, a.w_down_scales, e * hidden + j, inter, wrow)
+                              : w_down + (e * hidden + j) * inter;
+        orow[j] += wk * (dot(row, h.data(), inter) + (bd ? bd[j] : 0.0f));
+      }
     }
   }
   return Status::Ok();

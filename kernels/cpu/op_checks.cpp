@@ -257,18 +257,45 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
   RD_RETURN_IF_ERROR(positive(a.x, 1, "x", "H"));
   RD_RETURN_IF_ERROR(view(ctx, a.out, "out", DType::kF32, 2, "[T, H]"));
   RD_RETURN_IF_ERROR(same_shape(a.out, a.x, "out", "x"));
-  RD_RETURN_IF_ERROR(view(ctx, a.w_gate_up, "w_gate_up", DType::kF32, 3, "[E_phys, 2*I, H]"));
-  RD_RETURN_IF_ERROR(positive(a.w_gate_up, 0, "w_gate_up", "E_phys"));
-  RD_RETURN_IF_ERROR(positive(a.w_gate_up, 1, "w_gate_up", "2*I"));
-  if (a.w_gate_up.size(1) % 2 != 0)
-    return invalid("w_gate_up", "w_gate_up: dimension 1 (2*I) is odd: " +
-                                    std::to_string(a.w_gate_up.size(1)));
-  RD_RETURN_IF_ERROR(dim(a.w_gate_up, 2, a.x.size(1), "w_gate_up", "H", "x"));
-  const int64_t inter = a.w_gate_up.size(1) / 2;
-  RD_RETURN_IF_ERROR(view(ctx, a.w_down, "w_down", DType::kF32, 3, "[E_phys, H, I]"));
-  RD_RETURN_IF_ERROR(dim(a.w_down, 0, a.w_gate_up.size(0), "w_down", "E_phys", "w_gate_up"));
-  RD_RETURN_IF_ERROR(dim(a.w_down, 1, a.x.size(1), "w_down", "H", "x"));
-  RD_RETURN_IF_ERROR(dim(a.w_down, 2, inter, "w_down", "I", "w_gate_up"));
+  int64_t inter = 0, e_phys = 0;
+  if (a.w_gate_up_blocks.data != nullptr) {
+    // MXFP4 experts: shapes from the blocks.
+    const auto& gb = a.w_gate_up_blocks;
+    RD_RETURN_IF_ERROR(view(ctx, gb, "w_gate_up_blocks", DType::kU8, 4, "[E_phys, 2*I, H/32, 16]"));
+    RD_RETURN_IF_ERROR(positive(gb, 0, "w_gate_up_blocks", "E_phys"));
+    RD_RETURN_IF_ERROR(positive(gb, 1, "w_gate_up_blocks", "2*I"));
+    if (gb.size(1) % 64 != 0)
+      return invalid("w_gate_up_blocks", "w_gate_up_blocks: 2*I must be a multiple of 64 (I of 32), got " +
+                                             std::to_string(gb.size(1)));
+    if (a.x.size(1) % 32 != 0) return invalid("x", "x: H must be a multiple of 32 for MXFP4 experts");
+    RD_RETURN_IF_ERROR(dim(gb, 2, a.x.size(1) / 32, "w_gate_up_blocks", "H/32", "x"));
+    RD_RETURN_IF_ERROR(dim(gb, 3, 16, "w_gate_up_blocks", "bytes per block", "MXFP4"));
+    e_phys = gb.size(0);
+    inter = gb.size(1) / 2;
+    RD_RETURN_IF_ERROR(view(ctx, a.w_gate_up_scales, "w_gate_up_scales", DType::kU8, 3, "[E_phys, 2*I, H/32]"));
+    for (int i = 0; i < 3; ++i) RD_RETURN_IF_ERROR(dim(a.w_gate_up_scales, i, gb.size(i), "w_gate_up_scales", "dim", "w_gate_up_blocks"));
+    RD_RETURN_IF_ERROR(view(ctx, a.w_down_blocks, "w_down_blocks", DType::kU8, 4, "[E_phys, H, I/32, 16]"));
+    RD_RETURN_IF_ERROR(dim(a.w_down_blocks, 0, e_phys, "w_down_blocks", "E_phys", "w_gate_up_blocks"));
+    RD_RETURN_IF_ERROR(dim(a.w_down_blocks, 1, a.x.size(1), "w_down_blocks", "H", "x"));
+    RD_RETURN_IF_ERROR(dim(a.w_down_blocks, 2, inter / 32, "w_down_blocks", "I/32", "w_gate_up_blocks"));
+    RD_RETURN_IF_ERROR(dim(a.w_down_blocks, 3, 16, "w_down_blocks", "bytes per block", "MXFP4"));
+    RD_RETURN_IF_ERROR(view(ctx, a.w_down_scales, "w_down_scales", DType::kU8, 3, "[E_phys, H, I/32]"));
+    for (int i = 0; i < 3; ++i) RD_RETURN_IF_ERROR(dim(a.w_down_scales, i, a.w_down_blocks.size(i), "w_down_scales", "dim", "w_down_blocks"));
+  } else {
+    RD_RETURN_IF_ERROR(view(ctx, a.w_gate_up, "w_gate_up", DType::kF32, 3, "[E_phys, 2*I, H]"));
+    RD_RETURN_IF_ERROR(positive(a.w_gate_up, 0, "w_gate_up", "E_phys"));
+    RD_RETURN_IF_ERROR(positive(a.w_gate_up, 1, "w_gate_up", "2*I"));
+    if (a.w_gate_up.size(1) % 2 != 0)
+      return invalid("w_gate_up", "w_gate_up: dimension 1 (2*I) is odd: " +
+                                      std::to_string(a.w_gate_up.size(1)));
+    RD_RETURN_IF_ERROR(dim(a.w_gate_up, 2, a.x.size(1), "w_gate_up", "H", "x"));
+    inter = a.w_gate_up.size(1) / 2;
+    e_phys = a.w_gate_up.size(0);
+    RD_RETURN_IF_ERROR(view(ctx, a.w_down, "w_down", DType::kF32, 3, "[E_phys, H, I]"));
+    RD_RETURN_IF_ERROR(dim(a.w_down, 0, a.w_gate_up.size(0), "w_down", "E_phys", "w_gate_up"));
+    RD_RETURN_IF_ERROR(dim(a.w_down, 1, a.x.size(1), "w_down", "H", "x"));
+    RD_RETURN_IF_ERROR(dim(a.w_down, 2, inter, "w_down", "I", "w_gate_up"));
+  }
   RD_RETURN_IF_ERROR(view(ctx, a.topk_ids, "topk_ids", DType::kI32, 2, "[T, K]"));
   RD_RETURN_IF_ERROR(dim(a.topk_ids, 0, a.x.size(0), "topk_ids", "T", "x"));
   RD_RETURN_IF_ERROR(positive(a.topk_ids, 1, "topk_ids", "K"));
@@ -288,12 +315,12 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
   }
   if (a.b_gate_up.data != nullptr) {
     RD_RETURN_IF_ERROR(view(ctx, a.b_gate_up, "b_gate_up", DType::kF32, 2, "[E_phys, 2*I]"));
-    RD_RETURN_IF_ERROR(dim(a.b_gate_up, 0, a.w_gate_up.size(0), "b_gate_up", "E_phys", "w_gate_up"));
+    RD_RETURN_IF_ERROR(dim(a.b_gate_up, 0, e_phys, "b_gate_up", "E_phys", "w_gate_up"));
     RD_RETURN_IF_ERROR(dim(a.b_gate_up, 1, 2 * inter, "b_gate_up", "2*I", "w_gate_up"));
   }
   if (a.b_down.data != nullptr) {
     RD_RETURN_IF_ERROR(view(ctx, a.b_down, "b_down", DType::kF32, 2, "[E_phys, H]"));
-    RD_RETURN_IF_ERROR(dim(a.b_down, 0, a.w_gate_up.size(0), "b_down", "E_phys", "w_gate_up"));
+    RD_RETURN_IF_ERROR(dim(a.b_down, 0, e_phys, "b_down", "E_phys", "w_gate_up"));
     RD_RETURN_IF_ERROR(dim(a.b_down, 1, a.x.size(1), "b_down", "H", "x"));
   }
   if (a.activation != MoeExpertsArgs::Activation::kSilu && a.activation != MoeExpertsArgs::Activation::kGptOss)

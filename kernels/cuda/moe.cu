@@ -12,6 +12,7 @@
 #include "kernels/cpu/op_checks.hpp"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_ops.hpp"
+#include "kernels/quant/mxfp4.hpp"
 
 namespace rolloutd::cuda {
 namespace {
@@ -91,7 +92,29 @@ struct ExpertExtras {
   const float* b_down;     // [E_phys, H], or nullptr
   bool gpt_oss;            // clamped gpt-oss activation instead of silu(g) * u
   float limit, alpha;
+  // MXFP4 experts (checkpoint layout), or nullptr: gate/up [E, 2I, H/32, 16] + [E, 2I, H/32],
+  // down [E, H, I/32, 16] + [E, H, I/32].
+  const uint8_t *gu_blocks, *gu_scales, *dn_blocks, *dn_scales;
 };
+
+// Element c of row `row` of an MXFP4 matrix of `cols` columns, dequantized exactly (the CPU
+// reference's values).
+__device__ __forceinline__ float mx_weight(const uint8_t* __restrict__ blocks, const uint8_t* __restrict__ scales,
+                                           int64_t row, int64_t cols, int64_t c) {
+  const int64_t nkb = cols / quant::kMxBlockSize;
+  const quant::E8M0 s{scales[row * nkb + c / quant::kMxBlockSize]};
+  if (quant::e8m0_is_nan(s)) return quant::f32_from_bits(quant::kF32CanonicalNan);
+  const quant::Fp4x2 p{blocks[row * nkb * quant::kMxfp4BytesPerBlock + c / 2]};
+  return quant::f32_from_bits(
+      quant::e2m1_decode_bits((c & 1) ? quant::fp4x2_odd(p) : quant::fp4x2_even(p), quant::e8m0_exponent(s)));
+}
+
+// down_e[j, c] (FP32 or MXFP4).
+__device__ __forceinline__ float down_weight(const float* __restrict__ w_down, const ExpertExtras& ex, int64_t e,
+                                             int64_t j, int64_t hidden, int64_t inter, int64_t c) {
+  return ex.dn_blocks ? mx_weight(ex.dn_blocks, ex.dn_scales, e * hidden + j, inter, c)
+                      : w_down[(e * hidden + j) * inter + c];
+}
 
 __device__ __forceinline__ float glu(float g, float u, const ExpertExtras& x) {
   if (!x.gpt_oss) return silu(g) * u;
@@ -107,12 +130,19 @@ __device__ __forceinline__ float swiglu_row(const float* __restrict__ gu, const 
                                             int64_t hidden, int64_t inter, bool interleaved, int lane, int64_t e,
                                             const ExpertExtras& ex) {
   const int64_t gr = interleaved ? 2 * i : i, ur = interleaved ? 2 * i + 1 : inter + i;
-  const float* gate_row = gu + gr * hidden;
-  const float* up_row = gu + ur * hidden;
   float g = 0.0f, u = 0.0f;
-  for (int64_t c = lane; c < hidden; c += 32) {
-    g += gate_row[c] * xr[c];
-    u += up_row[c] * xr[c];
+  if (ex.gu_blocks) {
+    for (int64_t c = lane; c < hidden; c += 32) {
+      g += mx_weight(ex.gu_blocks, ex.gu_scales, e * 2 * inter + gr, hidden, c) * xr[c];
+      u += mx_weight(ex.gu_blocks, ex.gu_scales, e * 2 * inter + ur, hidden, c) * xr[c];
+    }
+  } else {
+    const float* gate_row = gu + gr * hidden;
+    const float* up_row = gu + ur * hidden;
+    for (int64_t c = lane; c < hidden; c += 32) {
+      g += gate_row[c] * xr[c];
+      u += up_row[c] * xr[c];
+    }
   }
   g = warp_sum(g);
   u = warp_sum(u);
@@ -156,18 +186,16 @@ __global__ void __launch_bounds__(kMoeThreads)
     if (e < 0 || e >= num_phys) continue;
     const float wk = topk_w[t * top_k + k];
 
-    const float* gu = w_gate_up + e * 2 * inter * hidden;
+    const float* gu = w_gate_up ? w_gate_up + e * 2 * inter * hidden : nullptr;
     for (int64_t i = warp; i < inter; i += kMoeWarps) {
       const float v = swiglu_row(gu, xr, i, hidden, inter, interleaved, lane, e, ex);
       if (lane == 0) h[i] = v;
     }
     __syncthreads();
 
-    const float* down = w_down + e * hidden * inter;
     for (int64_t j = warp; j < hidden; j += kMoeWarps) {
-      const float* down_row = down + j * inter;
       float d = 0.0f;
-      for (int64_t c = lane; c < inter; c += 32) d += down_row[c] * h[c];
+      for (int64_t c = lane; c < inter; c += 32) d += down_weight(w_down, ex, e, j, hidden, inter, c) * h[c];
       d = warp_sum(d);
       if (ex.b_down) d += ex.b_down[e * hidden + j];
       if (lane == 0) orow[j] += wk * d;
@@ -203,7 +231,7 @@ __global__ void __launch_bounds__(kMoeThreads)
   if (e < 0 || e >= num_phys) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const float* xr = x + t * hidden;
-  const float* gu = w_gate_up + e * 2 * inter * hidden;
+  const float* gu = w_gate_up ? w_gate_up + e * 2 * inter * hidden : nullptr;
   for (int64_t i = static_cast<int64_t>(blockIdx.y) * kRowsPerBlock + warp;
        i < inter && i < (static_cast<int64_t>(blockIdx.y) + 1) * kRowsPerBlock; i += kMoeWarps) {
     const float v = swiglu_row(gu, xr, i, hidden, inter, interleaved, lane, e, ex);
@@ -234,10 +262,9 @@ __global__ void __launch_bounds__(kMoeThreads)
       if (logical < 0 || logical >= num_logical) continue;
       const int64_t e = l2p[logical];
       if (e < 0 || e >= num_phys) continue;
-      const float* down_row = w_down + (e * hidden + j) * inter;
       const float* hk = hs + k * inter;
       float d = 0.0f;
-      for (int64_t c = lane; c < inter; c += 32) d += down_row[c] * hk[c];
+      for (int64_t c = lane; c < inter; c += 32) d += down_weight(w_down, ex, e, j, hidden, inter, c) * hk[c];
       d = warp_sum(d);
       if (ex.b_down) d += ex.b_down[e * hidden + j];
       acc += topk_w[t * top_k + k] * d;
@@ -271,9 +298,11 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
   RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCuda));
   RD_RETURN_IF_ERROR(op_checks::moe_experts(ctx, a));
   const int64_t num_tokens = a.x.size(0);
-  const int64_t inter = a.w_gate_up.size(1) / 2;
-  if (a.topk_ids.size(1) > INT_MAX || a.logical_to_physical.size(0) > INT_MAX ||
-      a.w_gate_up.size(0) > INT_MAX || num_tokens > INT_MAX)
+  const bool mx = a.w_gate_up_blocks.data != nullptr;
+  const int64_t inter = (mx ? a.w_gate_up_blocks.size(1) : a.w_gate_up.size(1)) / 2;
+  const int64_t e_phys = mx ? a.w_gate_up_blocks.size(0) : a.w_gate_up.size(0);
+  if (a.topk_ids.size(1) > INT_MAX || a.logical_to_physical.size(0) > INT_MAX || e_phys > INT_MAX ||
+      num_tokens > INT_MAX)
     return Status(ErrorCode::kUnimplemented, "MoE dimensions above INT_MAX", "x");
   if (num_tokens == 0) return Status::Ok();
   DeviceGuard guard;
@@ -281,7 +310,11 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
   const int top_k = static_cast<int>(a.topk_ids.size(1));
   const ExpertExtras ex{a.b_gate_up.data ? a.b_gate_up.as<const float>() : nullptr,
                         a.b_down.data ? a.b_down.as<const float>() : nullptr,
-                        a.activation == MoeExpertsArgs::Activation::kGptOss, a.swiglu_limit, a.swiglu_alpha};
+                        a.activation == MoeExpertsArgs::Activation::kGptOss, a.swiglu_limit, a.swiglu_alpha,
+                        mx ? a.w_gate_up_blocks.as<const uint8_t>() : nullptr,
+                        mx ? a.w_gate_up_scales.as<const uint8_t>() : nullptr,
+                        mx ? a.w_down_blocks.as<const uint8_t>() : nullptr,
+                        mx ? a.w_down_scales.as<const uint8_t>() : nullptr};
   const size_t smem2 = static_cast<size_t>(top_k * inter) * sizeof(float);
   int limit2 = 0;
   RD_CUDA_CHECK(cudaDeviceGetAttribute(&limit2, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx.device.index));
@@ -292,7 +325,7 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
       RD_CUDA_CHECK(cudaFuncSetAttribute(moe_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem2)));
     const int num_logical = static_cast<int>(a.logical_to_physical.size(0));
-    const int num_phys = static_cast<int>(a.w_gate_up.size(0));
+    const int num_phys = static_cast<int>(e_phys);
     const int32_t* nvd = a.num_valid_device.as<const int32_t>();
     const int64_t nv = op_checks::moe_valid_rows(a);
     const dim3 grid1(static_cast<unsigned int>(num_tokens * top_k),
@@ -331,7 +364,7 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
       a.w_down.as<const float>(), a.topk_ids.as<const int32_t>(),
       a.topk_weights.as<const float>(), a.logical_to_physical.as<const int32_t>(),
       op_checks::moe_valid_rows(a), a.num_valid_device.as<const int32_t>(), a.x.size(1), inter, static_cast<int>(a.topk_ids.size(1)),
-      static_cast<int>(a.logical_to_physical.size(0)), static_cast<int>(a.w_gate_up.size(0)),
+      static_cast<int>(a.logical_to_physical.size(0)), static_cast<int>(e_phys),
       a.gate_up_interleaved, ex);
   RD_CUDA_CHECK_LAUNCH("moe_experts_kernel");
   return Status::Ok();

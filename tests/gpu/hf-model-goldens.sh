@@ -21,6 +21,8 @@ declare -A spec=(
   [hf_gpt_oss_golden]="--family gpt_oss --layers 2 --intermediate 64 --seed 20261202"
   # Four layers, a window of 8: the 12-token prompt and the 32-token continuation run past it.
   [hf_gpt_oss_sw8_golden]="--family gpt_oss --layers 4 --intermediate 64 --sliding-window 8 --seed 20261203"
+  # MXFP4 experts as published (*_blocks / *_scales, quantization_config mxfp4).
+  [hf_gpt_oss_mxfp4_golden]="--family gpt_oss --layers 2 --intermediate 64 --experts-mxfp4 --seed 20261204"
 )
 names=("$@")
 [ ${#names[@]} -gt 0 ] || names=("${!spec[@]}")

@@ -86,6 +86,9 @@ def golden(ckpt, out):
                                         "dtype", "mlp_only_layers", "decoder_sparse_step", "sliding_window")
                  if k in config and config[k] is not None},
         "checkpoint_crc32": crc,
+        # make-test-model --experts-mxfp4: the experts are MXFP4 blocks/scales (transformers
+        # dequantizes them on load).
+        "experts_mxfp4": config.get("quantization_config", {}).get("quant_method") == "mxfp4",
         "prompt": PROMPT,
         "prompt_logits": [[float(x) for x in row] for row in logits.tolist()],
         "min_top2_gap": float((top2[:, 0] - top2[:, 1]).min()),

@@ -497,20 +497,25 @@ void moe_cases() {
                     P{8, 0, 32, 16, 4, 4, 2},
                     // With a workspace: padding counted on the device, opt-in shared memory for
                     // the down kernel's K x I row, many tokens.
-                    P{2, 1, 40, 24, 8, 8, 2}, P{1, 1, 32, 4096, 4, 4, 4}, P{600, 590, 32, 16, 8, 8, 4}}) {
+                    P{2, 1, 40, 24, 8, 8, 2}, P{1, 1, 32, 4096, 4, 4, 4}, P{600, 590, 32, 16, 8, 8, 4},
+                    P{13, 10, 96, 64, 8, 10, 2}}) {
   // With padding, the count also comes from device memory (a graph replay's count) instead of
   // the host argument.
   // Variant 2 adds the workspace: the CUDA op's two-kernel path (decode-shaped grids).
   // Variant 3: the gpt-oss activation (a small clamp limit, so the clamps bind often) with expert
-  // biases, on the two-kernel path; variant 4 the same on the one-block path.
-  for (const int variant : {0, 1, 2, 3, 4}) {
+  // biases, on the two-kernel path; variant 4 the same on the one-block path; variants 5 and 6
+  // those two with MXFP4 experts (H and I multiples of 32 only).
+  for (const int variant : {0, 1, 2, 3, 4, 5, 6}) {
+    const bool mxfp4 = variant >= 5;
+    if (mxfp4 && (p.h % 32 != 0 || p.inter % 32 != 0)) continue;
     const bool gpt_oss = variant >= 3;
-    const bool device_count = (variant == 1 || variant == 2 || variant == 3) && p.valid != p.t,
-               workspace = variant == 2 || variant == 3;
+    const bool device_count = (variant == 1 || variant == 2 || variant == 3 || variant == 5) && p.valid != p.t,
+               workspace = variant == 2 || variant == 3 || variant == 5;
     if (variant == 1 && !device_count) continue;
     reg("moe_experts" + dims({{"T", p.t}, {"Valid", p.valid}, {"H", p.h}, {"I", p.inter},
                               {"El", p.e_logical}, {"Ep", p.e_phys}, {"K", p.k}}) +
-            (device_count ? "_devcount" : "") + (workspace ? "_ws" : "") + (gpt_oss ? "_gptoss_bias" : ""),
+            (device_count ? "_devcount" : "") + (workspace ? "_ws" : "") + (gpt_oss ? "_gptoss_bias" : "") +
+            (mxfp4 ? "_mxfp4" : ""),
         [=](Rng& rng) {
           ParityCase c;
           const float amp_in = 1.0f / std::sqrt(static_cast<float>(p.h));
@@ -549,7 +554,21 @@ void moe_cases() {
           const bool interleaved = (p.e_phys + p.t) % 2 == 1;
           c.add_f32("b_gate_up", {p.e_phys, 2 * p.inter}, Role::kIn, random_f32(rng, p.e_phys * 2 * p.inter, -0.5f, 0.5f));
           c.add_f32("b_down", {p.e_phys, p.h}, Role::kIn, random_f32(rng, p.e_phys * p.h, -0.5f, 0.5f));
-          c.run = [valid = p.valid, t = p.t, interleaved, device_count, workspace, gpt_oss](
+          // MXFP4 experts: random element codes, scales around 2^0 (codes 120..131).
+          auto mx_bytes = [&](int64_t n, int lo, int span) {
+            std::vector<uint8_t> v(static_cast<size_t>(n));
+            for (auto& b : v) b = static_cast<uint8_t>(lo + rng.below(span));
+            return v;
+          };
+          c.add("gu_blocks", DType::kU8, {p.e_phys, 2 * p.inter, p.h / 32, 16}, Role::kIn,
+                mx_bytes(p.e_phys * 2 * p.inter * (p.h / 32) * 16, 0, 256));
+          c.add("gu_scales", DType::kU8, {p.e_phys, 2 * p.inter, p.h / 32}, Role::kIn,
+                mx_bytes(p.e_phys * 2 * p.inter * (p.h / 32), 118, 8));
+          c.add("dn_blocks", DType::kU8, {p.e_phys, p.h, p.inter / 32, 16}, Role::kIn,
+                mx_bytes(p.e_phys * p.h * (p.inter / 32) * 16, 0, 256));
+          c.add("dn_scales", DType::kU8, {p.e_phys, p.h, p.inter / 32}, Role::kIn,
+                mx_bytes(p.e_phys * p.h * (p.inter / 32), 118, 8));
+          c.run = [valid = p.valid, t = p.t, interleaved, device_count, workspace, gpt_oss, mxfp4](
                       const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
             MoeExpertsArgs args;
             args.gate_up_interleaved = interleaved;
@@ -569,6 +588,12 @@ void moe_cases() {
               args.swiglu_alpha = 1.702f;
               args.b_gate_up = a[9];
               args.b_down = a[10];
+            }
+            if (mxfp4) {
+              args.w_gate_up_blocks = a[11];
+              args.w_gate_up_scales = a[12];
+              args.w_down_blocks = a[13];
+              args.w_down_scales = a[14];
             }
             return b.moe_experts(x, args);
           };

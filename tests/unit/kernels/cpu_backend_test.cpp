@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels/backend.hpp"
+#include "kernels/quant/quant_ops.hpp"
 
 namespace rolloutd {
 namespace {
@@ -305,6 +306,57 @@ TEST(CpuBackend, AddBiasAndTranspose) {
   EXPECT_EQ(dst, (std::vector<float>{1, 4, 2, 5, 3, 6, 7, 10, 8, 11, 9, 12}));
   EXPECT_STATUS(cpu().transpose(kCtx, f32(dst, {2, 2, 3}), f32(src, {2, 2, 3})), ErrorCode::kInvalidArgument, "dst");
   EXPECT_STATUS(cpu().transpose(kCtx, f32(src, {2, 3, 2}), f32(src, {2, 2, 3})), ErrorCode::kInvalidArgument, "dst");
+}
+
+TEST(CpuBackend, MoeMxfp4ExpertsEqualFp32OnTheDequantizedWeights) {
+  // The MXFP4 path reads each weight as quant::dequantize_mxfp4 would write it: with the same
+  // bytes dequantized into FP32 tensors, the FP32 path gives the same output bit for bit.
+  const int64_t T = 3, H = 64, I = 32, E = 3, K = 2;
+  uint64_t st = 12345;
+  auto next = [&] { st = st * 6364136223846793005ull + 1442695040888963407ull; return static_cast<uint32_t>(st >> 33); };
+  std::vector<uint8_t> gb(E * 2 * I * (H / 32) * 16), gs(E * 2 * I * (H / 32)), db(E * H * (I / 32) * 16),
+      ds(E * H * (I / 32));
+  for (auto& b : gb) b = static_cast<uint8_t>(next());
+  for (auto& b : db) b = static_cast<uint8_t>(next());
+  for (auto& b : gs) b = static_cast<uint8_t>(120 + next() % 8);
+  for (auto& b : ds) b = static_cast<uint8_t>(120 + next() % 8);
+  std::vector<float> gu(E * 2 * I * H), dn(E * H * I);
+  auto u8 = [](std::vector<uint8_t>& v, Shape s) { return TensorView::contiguous(v.data(), DType::kU8, s); };
+  ASSERT_TRUE(quant::dequantize_mxfp4(kCtx, u8(gb, {E, 2 * I, H / 32, 16}), u8(gs, {E, 2 * I, H / 32}),
+                                      f32(gu, {E, 2 * I, H})).ok());
+  ASSERT_TRUE(quant::dequantize_mxfp4(kCtx, u8(db, {E, H, I / 32, 16}), u8(ds, {E, H, I / 32}), f32(dn, {E, H, I})).ok());
+  std::vector<float> x(T * H), w{0.7f, 0.3f, 0.5f, 0.5f, 1.0f, 0.25f}, b_gu(E * 2 * I), b_dn(E * H);
+  for (auto& v : x) v = static_cast<float>(next() % 2001) / 1000.0f - 1.0f;
+  for (auto& v : b_gu) v = static_cast<float>(next() % 201) / 100.0f - 1.0f;
+  for (auto& v : b_dn) v = static_cast<float>(next() % 201) / 100.0f - 1.0f;
+  std::vector<int32_t> ids{0, 2, 1, 0, 2, 1}, map{2, 0, 1};
+  std::vector<float> out_fp32(T * H, NAN), out_mx(T * H, NAN);
+  MoeExpertsArgs a;
+  a.x = f32(x, {T, H});
+  a.topk_ids = i32(ids, {T, K});
+  a.topk_weights = f32(w, {T, K});
+  a.logical_to_physical = i32(map, {E});
+  a.gate_up_interleaved = true;
+  a.activation = MoeExpertsArgs::Activation::kGptOss;
+  a.b_gate_up = f32(b_gu, {E, 2 * I});
+  a.b_down = f32(b_dn, {E, H});
+  a.out = f32(out_fp32, {T, H});
+  a.w_gate_up = f32(gu, {E, 2 * I, H});
+  a.w_down = f32(dn, {E, H, I});
+  ASSERT_TRUE(cpu().moe_experts(kCtx, a).ok());
+  a.out = f32(out_mx, {T, H});
+  a.w_gate_up = TensorView{};
+  a.w_down = TensorView{};
+  a.w_gate_up_blocks = u8(gb, {E, 2 * I, H / 32, 16});
+  a.w_gate_up_scales = u8(gs, {E, 2 * I, H / 32});
+  a.w_down_blocks = u8(db, {E, H, I / 32, 16});
+  a.w_down_scales = u8(ds, {E, H, I / 32});
+  ASSERT_TRUE(cpu().moe_experts(kCtx, a).ok());
+  EXPECT_EQ(out_mx, out_fp32);
+  EXPECT_NE(out_mx[0], 0.0f);
+  // A scale tensor of the wrong shape is refused, naming it.
+  a.w_down_scales = u8(ds, {E, H / 2, 2 * (I / 32)});
+  EXPECT_STATUS(cpu().moe_experts(kCtx, a), ErrorCode::kInvalidArgument, "w_down_scales");
 }
 
 TEST(CpuBackend, KvStoreWritesSlotsAndSkipsNegative) {

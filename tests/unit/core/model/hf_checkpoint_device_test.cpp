@@ -1,6 +1,6 @@
-// A make-test-model qwen3_moe checkpoint (QK-norm, a dense layer) and a gpt_oss one (biases,
-// sinks, YaRN, clamped SwiGLU, a sliding window of 4 that the 10-token prompt outgrows) loaded
-// on the CUDA backend:
+// A make-test-model qwen3_moe checkpoint (QK-norm, a dense layer) and gpt_oss ones (biases,
+// sinks, YaRN, clamped SwiGLU, a sliding window of 4 that the 10-token prompt outgrows; experts in
+// BF16 or MXFP4) loaded on the CUDA backend:
 // the parameters equal the CPU load bit for bit (read back in checkpoint layout), the prompt
 // logits agree with the CPU FP32 reference within FP32 tolerance and the router ids are equal.
 // Skips without a CUDA build or a visible GPU (label gpu).
@@ -24,6 +24,10 @@ TEST_P(HfCheckpointDevice, CudaLoadMatchesCpu) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA backend or no visible GPU";
   core::TestModelSpec spec;
   spec.family = GetParam();
+  if (spec.family == "gpt_oss_mxfp4") {
+    spec.family = "gpt_oss";
+    spec.experts_mxfp4 = true;
+  }
   spec.layers = 3;
   spec.hidden = 64;
   spec.experts = 8;
@@ -37,6 +41,7 @@ TEST_P(HfCheckpointDevice, CudaLoadMatchesCpu) {
   if (spec.family == "gpt_oss") {
     spec.layers = 4;
     spec.sliding_window = 4;
+    spec.intermediate = 64;  // MXFP4: multiples of 32
   } else {
     spec.mlp_only_layers = {1};
   }
@@ -99,7 +104,7 @@ TEST_P(HfCheckpointDevice, CudaLoadMatchesCpu) {
   EXPECT_EQ(rc.rows(), rg.rows()) << "router ids";
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, HfCheckpointDevice, ::testing::Values("qwen3_moe", "gpt_oss"));
+INSTANTIATE_TEST_SUITE_P(Families, HfCheckpointDevice, ::testing::Values("qwen3_moe", "gpt_oss", "gpt_oss_mxfp4"));
 
 }  // namespace
 }  // namespace rolloutd

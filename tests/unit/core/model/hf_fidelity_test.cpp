@@ -52,6 +52,7 @@ core::TestModelSpec spec_of(const nlohmann::json& g) {
   } else if (s.contains("sliding_window")) {
     spec.sliding_window = s["sliding_window"];
   }
+  spec.experts_mxfp4 = g.contains("experts_mxfp4") && g["experts_mxfp4"].get<bool>();
   spec.seed = g["make_test_model"]["seed"];
   return spec;
 }
