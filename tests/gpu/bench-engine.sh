@@ -6,7 +6,8 @@
 # the steady state; the routed-expert capture overhead (records on vs off).
 # tests/gpu/run.sh calls every bench-*.sh with BUILD_DIR OUT_DIR; results:
 # OUT_DIR/bench-engine.json (+ bench-engine-peer.json) and the table in run.log. The checkpoint's
-# family: ROLLOUTD_BENCH_ENGINE_FAMILY (qwen3_moe or gpt_oss).
+# family: ROLLOUTD_BENCH_ENGINE_FAMILY (qwen3_moe or gpt_oss); more make-test-model arguments:
+# ROLLOUTD_BENCH_ENGINE_MAKE_ARGS (e.g. --experts-mxfp4).
 # tests/bench/NOTES.md ("CUDA GRAPHS", "ENGINE") keeps the figures. Extra arguments:
 # ROLLOUTD_BENCH_ENGINE_ARGS.
 set -euo pipefail
@@ -23,7 +24,7 @@ ckpt_args=()
 family=${ROLLOUTD_BENCH_ENGINE_FAMILY:-qwen3_moe}
 if "$build/daemon/rolloutctl/rolloutctl" make-test-model --family "$family" --layers 8 --hidden 1024 --experts 32 \
      --top-k 4 --heads 16 --kv-heads 4 --head-dim 64 --intermediate 512 --vocab 16384 --dtype float32 --seed 3 \
-     --out "$tmp/$family-mid" >"$tmp/make.log" 2>&1; then
+     ${ROLLOUTD_BENCH_ENGINE_MAKE_ARGS:-} --out "$tmp/$family-mid" >"$tmp/make.log" 2>&1; then
   ckpt_args=(--model-dir "$tmp/$family-mid")
   py=$(command -v python3 || true)
   if [ -n "$py" ] && timeout 420 "$py" "$here/tests/bench/engine/hf_peer.py" --model "$tmp/$family-mid" \
