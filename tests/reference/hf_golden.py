@@ -44,7 +44,9 @@ def golden(ckpt, out):
     print("loading info:", {k: (list(v)[:8] if v else v) for k, v in info.items()}, flush=True)
     if bad:
         sys.exit(f"transformers did not read the checkpoint whole: {bad}")
-    model.eval()
+    # transformers dequantizes MXFP4 experts to bfloat16 whatever dtype is asked for; the values
+    # are exact in FP32, so casting the model keeps them and computes everything in float32.
+    model = model.float().eval()
     ids = torch.tensor([PROMPT])
     # Router logits from the routers' inputs (a hook on each `mlp.gate`), whatever the router
     # module returns in this transformers version.

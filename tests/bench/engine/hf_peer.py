@@ -43,7 +43,8 @@ def main():
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype).to("cuda:0").eval()
+    # .to(dtype): transformers dequantizes MXFP4 experts to bfloat16 whatever dtype is asked for.
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype).to(dtype).to("cuda:0").eval()
     vocab = model.config.vocab_size
     result = {"model": a.model, "dtype": a.dtype, "new_tokens": a.new_tokens, "torch": torch.__version__,
               "batches": {}}

@@ -137,7 +137,8 @@ TEST_P(HfFidelity, MatchesTransformers) {
 
 INSTANTIATE_TEST_SUITE_P(Goldens, HfFidelity,
                          ::testing::Values("hf_qwen3_moe_golden.json", "hf_qwen3_moe_dense_golden.json",
-                                           "hf_gpt_oss_golden.json", "hf_gpt_oss_sw8_golden.json"));
+                                           "hf_gpt_oss_golden.json", "hf_gpt_oss_sw8_golden.json",
+                                           "hf_gpt_oss_mxfp4_golden.json"));
 
 }  // namespace
 }  // namespace rolloutd
