@@ -60,7 +60,8 @@ core::TestModelSpec spec_of(const nlohmann::json& g) {
 // hf_qwen3_moe_golden.json: 2 MoE layers; hf_qwen3_moe_dense_golden.json: 3 layers, the middle
 // one dense (mlp_only_layers = [1]); hf_gpt_oss_golden.json: 2 layers (sliding window 128, wider
 // than the 44 positions), hf_gpt_oss_sw8_golden.json: 4 layers with a window of 8, so the
-// continuation runs far past it.
+// continuation runs far past it; hf_gpt_oss_mxfp4_golden.json: MXFP4 experts as published, which
+// transformers dequantizes with its own code (the check on our reading of the format).
 class HfFidelity : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(HfFidelity, MatchesTransformers) {
