@@ -27,5 +27,7 @@ Status moe_experts(const ExecContext&, const MoeExpertsArgs& args);
 // elementwise.cu
 Status copy_valid_rows(const ExecContext&, TensorView dst, TensorView src, TensorView count, int32_t fill);
 Status convert(const ExecContext&, void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t n);
+// sampling.cu
+Status sample(const ExecContext&, const SampleArgs& args);
 
 }  // namespace rolloutd::cuda
