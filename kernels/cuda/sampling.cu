@@ -70,21 +70,65 @@ __device__ double block_sum(double v, SampleSmem& sm) {
   return t;
 }
 
-// (max logit, lowest id holding it) over the row; NaN never wins.
-__device__ void block_argmax(float& m, int& id, SampleSmem& sm) {
+// Max logit, the lowest id holding it, and the sum of exp(l - max): the online softmax
+// (Milakov & Gimelshein 2018), so the log-prob needs no pass of its own. NaN and -inf logits add
+// nothing and never win.
+struct RowMax {
+  float m;
+  int id;
+  double s;
+};
+
+// Commutative (bitwise), so every lane of a butterfly ends with the same value.
+__device__ __forceinline__ void merge(RowMax& a, const RowMax& b) {
+  const float M = fmaxf(a.m, b.m);
+  const double fa = a.m == M ? 1.0 : exp(static_cast<double>(a.m) - M);
+  const double fb = b.m == M ? 1.0 : exp(static_cast<double>(b.m) - M);
+  if (b.m > a.m || (b.m == a.m && b.id < a.id)) a.id = b.id;
+  a.s = a.s * fa + b.s * fb;
+  a.m = M;
+}
+
+__device__ RowMax block_max_sum(RowMax v, SampleSmem& sm) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
-    const float om = __shfl_xor_sync(0xffffffffu, m, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, id, o);
-    if (om > m || (om == m && oi < id)) m = om, id = oi;
+    const RowMax other{__shfl_xor_sync(0xffffffffu, v.m, o), __shfl_xor_sync(0xffffffffu, v.id, o),
+                       __shfl_xor_sync(0xffffffffu, v.s, o)};
+    merge(v, other);
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) sm.red_f[warp] = m, sm.red_i[warp] = id;
+  __syncthreads();  // red_* may still be read by a previous reduction
+  if (lane == 0) sm.red_f[warp] = v.m, sm.red_i[warp] = v.id, sm.red_d[warp] = v.s;
   __syncthreads();
-  m = sm.red_f[0], id = sm.red_i[0];
-  for (int w = 1; w < kWarps; ++w)
-    if (sm.red_f[w] > m || (sm.red_f[w] == m && sm.red_i[w] < id)) m = sm.red_f[w], id = sm.red_i[w];
+  RowMax t{sm.red_f[0], sm.red_i[0], sm.red_d[0]};
+  for (int w = 1; w < kWarps; ++w) merge(t, RowMax{sm.red_f[w], sm.red_i[w], sm.red_d[w]});
   __syncthreads();
+  return t;
+}
+
+// Adds one element per lane (digit d, or none with d < 0) to the histogram, one atomic per
+// distinct digit in the warp: a row's tail crowds into a few digits, and an atomic per element
+// on the same shared word (64-bit ones are compare-and-swap loops) serialises the whole pass.
+__device__ __forceinline__ void histogram_add(int d, unsigned long long mass, bool by_mass, SampleSmem& sm) {
+  const int lane = threadIdx.x % 32;
+  const unsigned active = __ballot_sync(0xffffffffu, d >= 0);
+  if (active == 0) return;
+  unsigned group = 0;
+  if (d >= 0) group = __match_any_sync(active, d);
+  const int n = __popc(group);
+  if (d >= 0 && lane == __ffs(group) - 1) atomicAdd(&sm.count[d], static_cast<unsigned>(n));
+  if (!by_mass) return;
+  if (n == 1) atomicAdd(&sm.mass[d], mass);
+  unsigned multi = __ballot_sync(0xffffffffu, n > 1);
+  while (multi) {  // each group of several lanes: a warp sum, added by its lowest lane
+    const int src = __ffs(multi) - 1;
+    const unsigned g = __shfl_sync(0xffffffffu, group, src);
+    unsigned long long v = ((g >> lane) & 1u) ? mass : 0ull;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == src) atomicAdd(&sm.mass[d], v);
+    multi &= ~g;
+  }
 }
 
 // core::Sampler's uniform draw (kernels/cpu/cpu_sampling.cpp): two SplitMix64 rounds.
@@ -149,15 +193,23 @@ __device__ uint64_t select_threshold(const float* __restrict__ l, int64_t V, con
       xl = rp.x_low(__uint_as_float(lo));
       xh = hi >= 0x7F800000u ? INFINITY : rp.x_high(__uint_as_float(hi));
     }
-    for (int64_t i = tid; i < V; i += kThreads) {
-      const double x = rp.x_of(l[i]);
-      if (x < xl || x > xh) continue;
-      const float p = rp.p_of(x);
-      const uint64_t key = key_of(p, i);
-      if (known > 0 && (key >> (64 - known)) != (prefix >> (64 - known))) continue;
-      const int d = static_cast<int>((key >> shift) & 0xFF);
-      atomicAdd(&sm.count[d], 1u);
-      if (by_mass) atomicAdd(&sm.mass[d], static_cast<unsigned long long>(static_cast<double>(p) * kMassScale));
+    // Warps walk the row in step (i0 is the same for all lanes) for histogram_add's collectives.
+    for (int64_t i0 = tid - lane; i0 < V; i0 += kThreads) {
+      const int64_t i = i0 + lane;
+      int d = -1;
+      unsigned long long mass = 0;
+      if (i < V) {
+        const double x = rp.x_of(l[i]);
+        if (!(x < xl || x > xh)) {
+          const float p = rp.p_of(x);
+          const uint64_t key = key_of(p, i);
+          if (known == 0 || (key >> (64 - known)) == (prefix >> (64 - known))) {
+            d = static_cast<int>((key >> shift) & 0xFF);
+            mass = static_cast<unsigned long long>(static_cast<double>(p) * kMassScale);
+          }
+        }
+      }
+      histogram_add(d, mass, by_mass, sm);
     }
     __syncthreads();
     if (warp == 0) {
@@ -206,7 +258,8 @@ __device__ uint64_t select_threshold(const float* __restrict__ l, int64_t V, con
   return 0;  // not reached: the last pass (shift 0) returns
 }
 
-__global__ void __launch_bounds__(kThreads) sample_kernel(int32_t* __restrict__ tokens, float* __restrict__ logprobs,
+// Two blocks per SM (64 registers): 256 rows run in one wave on an H200's 132 SMs, not two.
+__global__ void __launch_bounds__(kThreads, 2) sample_kernel(int32_t* __restrict__ tokens, float* __restrict__ logprobs,
                                                           const float* __restrict__ logits,
                                                           const SamplingRow* __restrict__ rows, int64_t V) {
   __shared__ SampleSmem sm;
@@ -215,30 +268,37 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(int32_t* __restrict__ 
   const float* __restrict__ l = logits + r * V;
   const SamplingRow p = rows[r];
 
-  // Max and argmax (lowest id; NaN never wins, an all-NaN or all -inf row gives id 0).
-  float m = -INFINITY;
-  int am = INT_MAX;
+  // Max, argmax (lowest id; an all-NaN or all -inf row gives id 0) and the log-sum-exp of the
+  // raw logits, in one pass.
+  RowMax mx{-INFINITY, INT_MAX, 0.0};
+#pragma unroll 4
   for (int64_t i = tid; i < V; i += kThreads) {
     const float v = l[i];
-    if (v > m) m = v, am = static_cast<int>(i);
+    if (v > mx.m) {
+      mx.s = mx.s * static_cast<double>(__expf(mx.m - v)) + 1.0;
+      mx.m = v;
+      mx.id = static_cast<int>(i);
+    } else if (v <= mx.m && v != -INFINITY) {
+      mx.s += static_cast<double>(__expf(v - mx.m));
+    }
   }
-  block_argmax(m, am, sm);
-  if (am >= V) am = 0;
+  mx = block_max_sum(mx, sm);
+  const float m = mx.m;
+  const int am = mx.id < V ? mx.id : 0;
+  const double log_z = static_cast<double>(m) + log(mx.s);
 
   const float t = p.temperature;
   const bool greedy = !(t > 0.0f) || !isfinite(t) || !isfinite(m);
   RowProb rp{m, greedy ? 1.0 : 1.0 / static_cast<double>(t), 0.0};
-  // Sums of exp at temperature 1 (the log-prob) and at T (the probabilities).
-  double s1 = 0, z = 0;
-  for (int64_t i = tid; i < V; i += kThreads) {
-    const float v = l[i];
-    if (!greedy) z += (!(v <= m)) ? 0.0 : exp(rp.x_of(v));
-    if (greedy || rp.inv_t != 1.0) s1 += (!(v <= m)) ? 0.0 : static_cast<double>(__expf(v - m));
+  if (!greedy) {  // z: the double sum of the double exps at T, as core::Sampler's
+    double z = 0;
+#pragma unroll 4
+    for (int64_t i = tid; i < V; i += kThreads) {
+      const float v = l[i];
+      z += (!(v <= m)) ? 0.0 : exp(rp.x_of(v));
+    }
+    rp.z = block_sum(z, sm);
   }
-  z = block_sum(z, sm);
-  s1 = (greedy || rp.inv_t != 1.0) ? block_sum(s1, sm) : z;
-  rp.z = z;
-  const double log_z = static_cast<double>(m) + log(s1);
 
   int token = am;
   if (!greedy) {

@@ -87,7 +87,9 @@ std::unique_ptr<Engine> make_engine(const Backend& backend, ExecContext ctx, int
   EXPECT_TRUE(m.ok()) << m.status().to_string();
   if (!m.ok()) return nullptr;
   EXPECT_TRUE(init_random_weights(**m, kEmbeddedModelSeed).ok());
-  if (graph_max_batch > 0) EXPECT_TRUE((*m)->capture_graphs().ok());
+  if (graph_max_batch > 0) {
+    EXPECT_TRUE((*m)->capture_graphs().ok());
+  }
   EngineOptions o;
   o.max_running = limits.max_seqs;
   o.step = limits;
