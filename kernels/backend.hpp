@@ -136,11 +136,12 @@ struct Backend {
   // other rows. The kept set is the same on every backend, the draw within it is not (CPU:
   // inverse CDF in probability order, as core::Sampler; CUDA: inverse CDF in id order): the
   // same seed gives the same tokens on the same backend. CPU: parameters outside
-  // core::validate's ranges are kOutOfRange ("rows[r].top_p", ...), outputs untouched. CUDA: they cannot be
-  // read without a synchronisation, so a bad value is treated as the nearest safe one
-  // (temperature NaN, negative or infinite: greedy; top_k < 0 or top_p, min_p NaN or above 1:
-  // that filter off; top_p <= 0: one token) and a non-finite row maximum (+inf, or every
-  // logit NaN or -inf) gives the argmax; the token is always in [0, V).
+  // core::validate's ranges are kOutOfRange ("rows[r].top_p", ...), outputs untouched. CUDA:
+  // they cannot be read without a synchronisation, so a bad value is treated as the nearest
+  // safe one (temperature NaN, negative or infinite: greedy; top_k < 0, top_p NaN or above 1,
+  // min_p NaN or negative: that filter off; top_p <= 0: one token; min_p above 1: 1) and a
+  // non-finite row maximum (+inf, or every logit NaN or -inf) gives the argmax; the token is
+  // always in [0, V).
   Status (*sample)(const ExecContext&, const SampleArgs& args);
 
   // ---- conversion ----

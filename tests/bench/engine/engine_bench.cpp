@@ -4,7 +4,7 @@
 // nothing but that the graph and eager runs generate the same greedy tokens.
 //
 //   engine_bench [--json FILE] [--models tiny,mid] [--batches 1,32,256] [--new-tokens N]
-//                [--model-dir DIR [--peer PEER.json]]
+//                [--model-dir DIR [--peer PEER.json]] [--host-sampling 1]
 //
 // --model-dir adds model "ckpt": a Hugging Face checkpoint (rolloutctl make-test-model), which
 // tests/bench/engine/hf_peer.py runs with transformers `generate` in the same job; --peer reads
@@ -15,8 +15,10 @@
 //
 // Models: "tiny" is the embedded default (4 layers, hidden 64: launch-bound, where graphs
 // matter most); "mid" is 8 layers, hidden 1024, 16 heads of 64, 32 experts top-4, expert
-// intermediate 512, vocab 16384 (FP32, the decoder's simple kernels). Weights are random
-// (init_random_weights), never zeros.
+// intermediate 512, vocab 16384 (FP32, the decoder's simple kernels); "tinyv" is tiny with
+// Qwen3's vocabulary (151,936), where sampling dominates a step. Weights are random
+// (init_random_weights), never zeros. --host-sampling 1 copies the logits back and samples on
+// the host (EngineOptions::device_sampling off; NOTES "Device sampling").
 #include <algorithm>
 #include <cmath>
 #include <chrono>
