@@ -348,17 +348,24 @@ Result<SampledRows> MoeDecoder::step_sample(const StepBatch& b, std::span<const 
       return st.with_field_prefix("rows[" + std::to_string(r) + "]");
   }
   const auto S = static_cast<size_t>(limits_.max_seqs);
-  if (sample_.device == nullptr) {
+  if (sample_.backend == nullptr) {
+    // Both buffers or neither: a failed allocation leaves nothing half made for the next call.
     const size_t bytes = S * (sizeof(SamplingRow) + sizeof(int32_t) + sizeof(float));
-    sample_.backend = &backend_;
-    sample_.ctx = ctx_;
-    RD_RETURN_IF_ERROR(backend_.alloc(ctx_, bytes, &sample_.device));
-    RD_RETURN_IF_ERROR(backend_.host_alloc(ctx_, bytes, &sample_.host));
+    SampleBuffers made;
+    made.backend = &backend_;
+    made.ctx = ctx_;
+    RD_RETURN_IF_ERROR(backend_.alloc(ctx_, bytes, &made.device));
+    RD_RETURN_IF_ERROR(backend_.host_alloc(ctx_, bytes, &made.host));
     // Defined contents: the read-back copies every slot, used or not.
-    std::memset(sample_.host, 0, bytes);
-    RD_RETURN_IF_ERROR(backend_.copy(ctx_, sample_.device, sample_.host, bytes,
+    std::memset(made.host, 0, bytes);
+    RD_RETURN_IF_ERROR(backend_.copy(ctx_, made.device, made.host, bytes,
                                      ctx_.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost
                                                                           : CopyKind::kHostToDevice));
+    RD_RETURN_IF_ERROR(backend_.synchronize(ctx_));  // the host mirror is rewritten next
+    std::swap(sample_.backend, made.backend);
+    std::swap(sample_.ctx, made.ctx);
+    std::swap(sample_.device, made.device);
+    std::swap(sample_.host, made.host);
   }
   RD_RETURN_IF_ERROR(step_impl(b, recorder, rows, true).status());
   const auto* out = static_cast<const char*>(sample_.host) + S * sizeof(SamplingRow);
