@@ -88,6 +88,26 @@ struct AttentionOptions {
   int64_t window = 0;
 };
 
+// Per-row parameters of the sampling op: a request's `sampling` fields and which of its sampled
+// tokens this is (the draw index), 32 bytes that the device reads as they are.
+struct SamplingRow {
+  float temperature = 1.0f;  // 0: greedy (argmax, lowest id on ties)
+  float top_p = 1.0f;        // (0, 1]
+  float min_p = 0.0f;        // [0, 1]
+  int32_t top_k = 0;         // 0: disabled
+  uint64_t seed = 0;
+  uint64_t draw_index = 0;
+};
+static_assert(sizeof(SamplingRow) == 32, "SamplingRow travels to the device as 32 raw bytes");
+
+// Parameters of the sampling op.
+struct SampleArgs {
+  TensorView tokens;    // [R] int32, out: the sampled id of each row
+  TensorView logprobs;  // [R] f32, out: log_softmax(logits[r])[token] (raw logits: temperature 1, no filter)
+  TensorView logits;    // [R, V] f32, 1 <= V <= INT32_MAX
+  TensorView rows;      // [R, 32] u8: one SamplingRow per row, on the context's device
+};
+
 struct Backend {
   const char* name;
   DeviceKind kind;
@@ -138,6 +158,22 @@ struct Backend {
   // outside [0, E_phys) is kOutOfRange ("topk_ids" / "logical_to_physical"); CUDA: that
   // (t, k) contributes nothing.
   Status (*moe_experts)(const ExecContext&, const MoeExpertsArgs& args);
+  // One token per row of logits[R, V] under rows[r]'s parameters. Temperature 0: the argmax
+  // (lowest id on ties). Otherwise p = softmax(logits / T) as float (core::Sampler's
+  // arithmetic), ordered by p descending then id ascending; the kept set is the shortest prefix
+  // of that order allowed by top-k, then top-p (the prefix whose mass first reaches top_p),
+  // then min-p (p >= min_p * p_max); one token is drawn from it in proportion to p with a
+  // counter-based generator of (seed, draw_index) alone, so a row's token never depends on the
+  // other rows. The kept set is the same on every backend, the draw within it is not (CPU:
+  // inverse CDF in probability order, as core::Sampler; CUDA: inverse CDF in id order): the
+  // same seed gives the same tokens on the same backend. CPU: parameters outside
+  // core::validate's ranges are kOutOfRange ("rows[r].top_p", ...), outputs untouched. CUDA:
+  // they cannot be read without a synchronisation, so a bad value is treated as the nearest
+  // safe one (temperature NaN, negative or infinite: greedy; top_k < 0, top_p NaN or above 1,
+  // min_p NaN or negative: that filter off; top_p <= 0: one token; min_p above 1: 1) and a
+  // non-finite row maximum (+inf, or every logit NaN or -inf) gives the argmax; the token is
+  // always in [0, V).
+  Status (*sample)(const ExecContext&, const SampleArgs& args);
 
   // ---- conversion ----
   // dst[i] = src[i] converted, n elements, both on the context's device (same dtype: a copy;

@@ -325,11 +325,22 @@ Status Engine::step(std::vector<EngineEvent>& out) {
   for (const Slice& sl : slices) want_records |= sl.seq->spec.return_routed_experts;
 
   std::span<const float> logits;  // the model's host buffer, valid until its next step
+  SampledRows sampled;            // the same, when the device sampled
+  const bool on_device = options_.device_sampling && model_->backend().kind == DeviceKind::kCuda;
   Status st;
-  if (auto r = model_->step(batch, want_records ? &recorder_ : nullptr); r.ok())
+  if (on_device) {
+    sample_rows_.clear();
+    for (const Slice& sl : slices)
+      if (sl.samples) sample_rows_.push_back(sampling_row(sl.seq->spec.sampling, sl.seq->num_generated));
+    if (auto r = model_->step_sample(batch, sample_rows_, want_records ? &recorder_ : nullptr); r.ok())
+      sampled = *r;
+    else
+      st = r.status();
+  } else if (auto r = model_->step(batch, want_records ? &recorder_ : nullptr); r.ok()) {
     logits = *r;
-  else
+  } else {
     st = r.status();
+  }
   if (st.ok() && want_records && recorder_.num_layers_captured() != c.num_moe_layers())
     st = Status(ErrorCode::kInternal, "not every MoE layer recorded its experts", "routed_experts");
   if (!st.ok()) {
@@ -360,9 +371,14 @@ Status Engine::step(std::vector<EngineEvent>& out) {
     bool done = false;
     std::string reason;
     if (sl.samples) {
-      std::span<const float> row(logits.data() + logits_row * static_cast<size_t>(V), static_cast<size_t>(V));
+      SampledToken tok;
+      if (on_device) {
+        tok = SampledToken{sampled.tokens[logits_row], sampled.logprobs[logits_row]};
+      } else {
+        std::span<const float> row(logits.data() + logits_row * static_cast<size_t>(V), static_cast<size_t>(V));
+        tok = sampler_.sample(row, s.spec.sampling, s.num_generated);
+      }
       ++logits_row;
-      const SampledToken tok = sampler_.sample(row, s.spec.sampling, s.num_generated);
       s.tokens.push_back(tok.token);
       ++s.num_generated;
       ++generated_tokens_total_;

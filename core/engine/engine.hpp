@@ -64,6 +64,10 @@ struct EngineOptions {
   int64_t max_running = 64;         // sequences decoding at once
   int64_t max_waiting = 4096;       // queue bound: submit beyond it -> kOverloaded
   StepLimits step;                  // tokens per step, KV blocks, block size
+  // CUDA: sample on the device (MoeDecoder::step_sample; only tokens and log-probs come back);
+  // false: copy the logits back and sample on the host (core::Sampler). The CPU backend always
+  // samples on the host. The kept sets agree; the draws differ (Backend::sample).
+  bool device_sampling = true;
 };
 
 struct EngineStats {
@@ -169,6 +173,7 @@ class Engine {
   KvBlockPool kv_;
   RoutedExpertRecorder recorder_;
   Sampler sampler_;
+  std::vector<SamplingRow> sample_rows_;  // device sampling's per-step rows, reused
   std::unordered_map<std::string, std::unique_ptr<Sequence>> by_rid_;
   std::deque<Sequence*> waiting_;
   std::vector<Sequence*> running_;

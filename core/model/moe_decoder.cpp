@@ -4,7 +4,10 @@
 #include <chrono>
 #include <utility>
 #include <cmath>
+#include <cstring>
 #include <string>
+
+#include "kernels/cpu/cpu_sampling.hpp"
 
 namespace rolloutd::core {
 namespace {
@@ -384,6 +387,72 @@ Status MoeDecoder::forward(const StepBatch& b, std::vector<float>& logits, Route
 }
 
 Result<std::span<const float>> MoeDecoder::step(const StepBatch& b, RoutedExpertRecorder* recorder) {
+  return step_impl(b, recorder, {}, false);
+}
+
+MoeDecoder::SampleBuffers::~SampleBuffers() {
+  if (backend == nullptr) return;
+  if (device) (void)backend->free(ctx, device);
+  if (host) (void)backend->host_free(ctx, host);
+}
+
+Result<SampledRows> MoeDecoder::step_sample(const StepBatch& b, std::span<const SamplingRow> rows,
+                                             RoutedExpertRecorder* recorder) {
+  if (rows.size() != b.logits_rows.size())
+    return Status(ErrorCode::kInvalidArgument, "one sampling row per logits row", "rows");
+  for (size_t r = 0; r < rows.size(); ++r) {
+    if (Status st = cpu::check_sampling_row(rows[r]); !st.ok())
+      return st.with_field_prefix("rows[" + std::to_string(r) + "]");
+  }
+  const auto S = static_cast<size_t>(limits_.max_seqs);
+  if (sample_.backend == nullptr) {
+    // Both buffers or neither: a failed allocation leaves nothing half made for the next call.
+    const size_t bytes = S * (sizeof(SamplingRow) + sizeof(int32_t) + sizeof(float));
+    SampleBuffers made;
+    made.backend = &backend_;
+    made.ctx = ctx_;
+    RD_RETURN_IF_ERROR(backend_.alloc(ctx_, bytes, &made.device));
+    RD_RETURN_IF_ERROR(backend_.host_alloc(ctx_, bytes, &made.host));
+    // Defined contents: the read-back copies every slot, used or not.
+    std::memset(made.host, 0, bytes);
+    RD_RETURN_IF_ERROR(backend_.copy(ctx_, made.device, made.host, bytes,
+                                     ctx_.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost
+                                                                          : CopyKind::kHostToDevice));
+    RD_RETURN_IF_ERROR(backend_.synchronize(ctx_));  // the host mirror is rewritten next
+    std::swap(sample_.backend, made.backend);
+    std::swap(sample_.ctx, made.ctx);
+    std::swap(sample_.device, made.device);
+    std::swap(sample_.host, made.host);
+  }
+  RD_RETURN_IF_ERROR(step_impl(b, recorder, rows, true).status());
+  const auto* out = static_cast<const char*>(sample_.host) + S * sizeof(SamplingRow);
+  return SampledRows{std::span<const int32_t>(reinterpret_cast<const int32_t*>(out), rows.size()),
+                     std::span<const float>(reinterpret_cast<const float*>(out + S * sizeof(int32_t)), rows.size())};
+}
+
+Status MoeDecoder::enqueue_sampling(std::span<const SamplingRow> rows) {
+  const bool cpu = ctx_.device.kind == DeviceKind::kCpu;
+  const auto R = static_cast<int64_t>(rows.size());
+  const auto S = static_cast<size_t>(limits_.max_seqs);
+  // The host mirror is free: the previous step synchronised before returning.
+  std::memcpy(sample_.host, rows.data(), rows.size_bytes());
+  RD_RETURN_IF_ERROR(backend_.copy(ctx_, sample_.device, sample_.host, rows.size_bytes(),
+                                   cpu ? CopyKind::kHostToHost : CopyKind::kHostToDevice));
+  auto* dev = static_cast<char*>(sample_.device);
+  SampleArgs args;
+  args.rows = TensorView::contiguous(dev, DType::kU8, Shape{R, static_cast<int64_t>(sizeof(SamplingRow))}, ctx_.device);
+  args.tokens = TensorView::contiguous(dev + S * sizeof(SamplingRow), DType::kI32, Shape{R}, ctx_.device);
+  args.logprobs = TensorView::contiguous(dev + S * (sizeof(SamplingRow) + sizeof(int32_t)), DType::kF32, Shape{R},
+                                         ctx_.device);
+  args.logits = TensorView::contiguous(ws_.logits.data, DType::kF32, Shape{R, config_.vocab_size}, ctx_.device);
+  RD_RETURN_IF_ERROR(backend_.sample(ctx_, args));
+  // Tokens and log-probs of every slot in one copy (8 bytes a row, at most max_seqs rows).
+  return backend_.copy(ctx_, static_cast<char*>(sample_.host) + S * sizeof(SamplingRow), dev + S * sizeof(SamplingRow),
+                       S * (sizeof(int32_t) + sizeof(float)), cpu ? CopyKind::kHostToHost : CopyKind::kDeviceToHost);
+}
+
+Result<std::span<const float>> MoeDecoder::step_impl(const StepBatch& b, RoutedExpertRecorder* recorder,
+                                                     std::span<const SamplingRow> sample, bool sampled) {
   const auto& c = config_;
   const int64_t T = b.num_tokens();
   const int64_t S = b.num_seqs();
@@ -452,7 +521,9 @@ Result<std::span<const float>> MoeDecoder::step(const StepBatch& b, RoutedExpert
     ++(bucket && (graphs_ready_ || ctx_.device.kind == DeviceKind::kCpu) ? graph_stats_.graph_steps
                                                                          : graph_stats_.eager_steps);
     // Logits and records come back asynchronously into page-locked memory; one synchronisation.
-    if (R > 0) RD_RETURN_IF_ERROR(backend_.copy(ctx_, host_.logits, ws_.logits.data, num_logits * sizeof(float), d2h));
+    if (R > 0 && sampled) RD_RETURN_IF_ERROR(enqueue_sampling(sample));
+    if (R > 0 && !sampled)
+      RD_RETURN_IF_ERROR(backend_.copy(ctx_, host_.logits, ws_.logits.data, num_logits * sizeof(float), d2h));
     if (record && T > 0) {
       const size_t row_bytes = static_cast<size_t>(T * c.num_experts_per_tok) * sizeof(int32_t);
       RD_RETURN_IF_ERROR(backend_.copy_2d(ctx_, host_.records, row_bytes, routed_table_.data,
@@ -467,7 +538,7 @@ Result<std::span<const float>> MoeDecoder::step(const StepBatch& b, RoutedExpert
   }
   RD_RETURN_IF_ERROR(backend_.synchronize(ctx_));
   if (recorder) RD_RETURN_IF_ERROR(recorder->capture_layer_major(record ? host_.records : nullptr, T));
-  return std::span<const float>(host_.logits, num_logits);
+  return std::span<const float>(host_.logits, sampled ? 0 : num_logits);
 }
 
 Status MoeDecoder::capture_body(void* arg, const ExecContext& ctx) {

@@ -60,6 +60,13 @@ struct GraphStats {
   double capture_s = 0;           // wall time of capture_graphs()
 };
 
+// What MoeDecoder::step_sample() returns: per logits row the sampled token and its log-prob, in
+// host memory the model owns (page-locked on CUDA), valid until the next step.
+struct SampledRows {
+  std::span<const int32_t> tokens;
+  std::span<const float> logprobs;
+};
+
 class MoeDecoder {
  public:
   // Allocates parameters (weights arena), KV cache (kv arena) and step workspace (scratch
@@ -80,6 +87,13 @@ class MoeDecoder {
   // recorder must have this model's MoE layer count and top_k (kInvalidArgument otherwise).
   Result<std::span<const float>> step(const StepBatch& batch, RoutedExpertRecorder* recorder);
   Status forward(const StepBatch& batch, std::vector<float>& logits, RoutedExpertRecorder* recorder);
+  // step() with Backend::sample run on the step's logits where they are (rows[r] for logits row
+  // r): only R tokens and log-probs come back, not the [R, vocab] logits, still with one
+  // synchronisation. On a graph step the op runs after the replay, outside the graph (its work
+  // does not depend on the bucket). rows.size() must equal logits_rows.size() (kInvalidArgument);
+  // parameters outside core::validate's ranges are kOutOfRange on every backend.
+  Result<SampledRows> step_sample(const StepBatch& batch, std::span<const SamplingRow> rows,
+                                  RoutedExpertRecorder* recorder);
 
   // Captures one graph per decode bucket, with and without routed-expert capture (CUDA; the
   // CPU backend only fixes the buckets). Capture executes nothing; it reads no weight values,
@@ -152,6 +166,12 @@ class MoeDecoder {
   // model's, or a capture stream's): no host reads, no synchronisation, so it can be captured.
   Status run_device(const ExecContext& ctx, int64_t T, int64_t S, int64_t R, bool record);
   static Status capture_body(void* arg, const ExecContext& ctx);
+  // step() and step_sample(): with `sample`, the logits stay on the device and the sampling op
+  // runs on them (the returned span is then empty).
+  Result<std::span<const float>> step_impl(const StepBatch& batch, RoutedExpertRecorder* recorder,
+                                           std::span<const SamplingRow> sample, bool sampled);
+  // Queues the parameter upload, the sampling op over the first R logits rows and the read-back.
+  Status enqueue_sampling(std::span<const SamplingRow> rows);
 
   ModelConfig config_;
   StepLimits limits_;
@@ -181,6 +201,18 @@ class MoeDecoder {
     HostBuffers& operator=(const HostBuffers&) = delete;
     ~HostBuffers();
   } host_;
+  // step_sample()'s buffers, made on its first call: device and page-locked host twins of
+  // [rows: max_seqs SamplingRow][tokens: max_seqs int32][logprobs: max_seqs f32].
+  struct SampleBuffers {
+    const Backend* backend = nullptr;
+    ExecContext ctx;
+    void* device = nullptr;
+    void* host = nullptr;
+    SampleBuffers() = default;
+    SampleBuffers(const SampleBuffers&) = delete;
+    SampleBuffers& operator=(const SampleBuffers&) = delete;
+    ~SampleBuffers();
+  } sample_;
   size_t tables_offset_ = 0;      // int32 elements before block_tables in `inputs`
   TensorView routed_table_;       // [num_moe_layers, max_tokens, top_k] int32 (scratch)
   GraphStats graph_stats_;

@@ -11,6 +11,8 @@
 #include <span>
 #include <vector>
 
+#include "kernels/backend.hpp"
+#include "kernels/cpu/cpu_sampling.hpp"
 #include "kernels/status.hpp"
 
 namespace rolloutd::core {
@@ -30,7 +32,11 @@ struct SampledToken {
 
 Status validate(const SamplingParams& p);
 
-// Reusable scratch so the engine does not allocate per token.
+// The sampling op's row for a request's n-th sampled token (Backend::sample).
+SamplingRow sampling_row(const SamplingParams& p, uint64_t draw_index);
+
+// Host sampling: the CPU backend's `sample` op over one row (kernels/cpu/cpu_sampling.hpp), with
+// reusable scratch so the engine does not allocate per token.
 class Sampler {
  public:
   SampledToken sample(std::span<const float> logits, const SamplingParams& params, uint64_t draw_index);
@@ -39,8 +45,7 @@ class Sampler {
   static double uniform_draw(uint64_t seed, uint64_t draw_index);
 
  private:
-  std::vector<float> probs_;
-  std::vector<int32_t> order_;
+  cpu::SamplingScratch scratch_;
 };
 
 }  // namespace rolloutd::core

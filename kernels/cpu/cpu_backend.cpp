@@ -13,6 +13,7 @@
 
 #include "kernels/bf16.hpp"
 #include "kernels/cpu/cpu_ops.hpp"
+#include "kernels/cpu/cpu_sampling.hpp"
 #include "kernels/cpu/op_checks.hpp"
 
 namespace rolloutd {
@@ -345,6 +346,27 @@ Status copy_valid_rows(const ExecContext& ctx, TensorView dst, TensorView src, T
   return Status::Ok();
 }
 
+// core::Sampler's algorithm per row (kernels/cpu/cpu_sampling.cpp); every row's parameters are
+// checked before any output is written.
+Status sample(const ExecContext& ctx, const SampleArgs& a) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  RD_RETURN_IF_ERROR(op_checks::sample(ctx, a));
+  const int64_t rows = a.logits.size(0), V = a.logits.size(1);
+  std::vector<SamplingRow> params(static_cast<size_t>(rows));
+  if (rows > 0) std::memcpy(params.data(), a.rows.data, params.size() * sizeof(SamplingRow));
+  for (size_t r = 0; r < params.size(); ++r) {
+    if (Status st = check_sampling_row(params[r]); !st.ok())
+      return st.with_field_prefix("rows[" + std::to_string(r) + "]");  // "rows[3].top_p"
+  }
+  thread_local SamplingScratch scratch;
+  for (int64_t r = 0; r < rows; ++r) {
+    const SampledRow s = sample_row(a.logits.as<const float>() + r * V, V, params[static_cast<size_t>(r)], scratch);
+    a.tokens.as<int32_t>()[r] = s.token;
+    a.logprobs.as<float>()[r] = s.logprob;
+  }
+  return Status::Ok();
+}
+
 // No graphs on the host: callers run the body directly.
 Status graph_capture(const ExecContext& ctx, Backend::GraphBody, void*, void** graph) {
   RD_RETURN_IF_ERROR(check_ctx(ctx));
@@ -378,6 +400,7 @@ const Backend& cpu_backend() {
       cpu::paged_attention,
       cpu::router_softmax_topk,
       cpu::moe_experts,
+      cpu::sample,
       cpu::convert,
       cpu::copy_2d,
       cpu::copy_3d,

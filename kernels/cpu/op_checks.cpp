@@ -1,9 +1,11 @@
 #include "kernels/cpu/op_checks.hpp"
 
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <utility>
 
 namespace rolloutd::op_checks {
 namespace {
@@ -347,6 +349,36 @@ Status copy_valid_rows(const ExecContext& ctx, const TensorView& dst, const Tens
   RD_RETURN_IF_ERROR(view(ctx, count, "count", DType::kI32, 1, "[1]"));
   RD_RETURN_IF_ERROR(dim(count, 0, 1, "count", "count", "its contract"));
   if (dst.data != nullptr && dst.data == src.data) return invalid("dst", "dst: aliases src");
+  return Status::Ok();
+}
+
+Status sample(const ExecContext& ctx, const SampleArgs& a) {
+  RD_RETURN_IF_ERROR(view(ctx, a.logits, "logits", DType::kF32, 2, "[R, V]"));
+  RD_RETURN_IF_ERROR(positive(a.logits, 1, "logits", "V"));
+  if (a.logits.size(1) > INT32_MAX) return invalid("logits", "logits: V above INT32_MAX (token ids are int32)");
+  const int64_t rows = a.logits.size(0);
+  RD_RETURN_IF_ERROR(view(ctx, a.tokens, "tokens", DType::kI32, 1, "[R]"));
+  RD_RETURN_IF_ERROR(dim(a.tokens, 0, rows, "tokens", "R", "logits"));
+  RD_RETURN_IF_ERROR(view(ctx, a.logprobs, "logprobs", DType::kF32, 1, "[R]"));
+  RD_RETURN_IF_ERROR(dim(a.logprobs, 0, rows, "logprobs", "R", "logits"));
+  RD_RETURN_IF_ERROR(view(ctx, a.rows, "rows", DType::kU8, 2, "[R, 32]"));
+  RD_RETURN_IF_ERROR(dim(a.rows, 0, rows, "rows", "R", "logits"));
+  RD_RETURN_IF_ERROR(dim(a.rows, 1, static_cast<int64_t>(sizeof(SamplingRow)), "rows", "bytes per row",
+                         "sizeof(SamplingRow)"));
+  if (rows > 0) {
+    // Outputs are written while the inputs are read.
+    const auto bytes = [](const TensorView& v) {
+      const auto* p = static_cast<const char*>(v.data);
+      return std::pair{p, p + v.nbytes()};
+    };
+    for (auto [out, name] : {std::pair{&a.tokens, "tokens"}, std::pair{&a.logprobs, "logprobs"}}) {
+      const auto [o0, o1] = bytes(*out);
+      for (const TensorView* in : {&a.logits, &a.rows, out == &a.tokens ? &a.logprobs : &a.tokens}) {
+        const auto [i0, i1] = bytes(*in);
+        if (o0 < i1 && i0 < o1) return invalid(name, std::string(name) + ": overlaps another argument");
+      }
+    }
+  }
   return Status::Ok();
 }
 

@@ -43,6 +43,7 @@ Status router_softmax_topk(const ExecContext& ctx, const TensorView& ids,
 Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& args);
 Status copy_valid_rows(const ExecContext& ctx, const TensorView& dst, const TensorView& src,
                        const TensorView& count);
+Status sample(const ExecContext& ctx, const SampleArgs& args);
 // Backend::copy_3d's shape: row pitches >= width, each slice pitch a multiple of its row
 // pitch holding `height` rows.
 Status copy_3d_shape(size_t dst_pitch, size_t dst_slice_pitch, size_t src_pitch, size_t src_slice_pitch,

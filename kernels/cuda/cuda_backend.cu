@@ -459,6 +459,7 @@ const Backend* cuda_backend() {
       cuda::paged_attention,
       cuda::router_softmax_topk,
       cuda::moe_experts,
+      cuda::sample,
       cuda::convert,
       cuda::copy_2d,
       cuda::copy_3d,

@@ -34,5 +34,7 @@ Status add_bias(const ExecContext&, TensorView y, TensorView bias);
 Status transpose(const ExecContext&, TensorView dst, TensorView src);
 Status copy_valid_rows(const ExecContext&, TensorView dst, TensorView src, TensorView count, int32_t fill);
 Status convert(const ExecContext&, void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t n);
+// sampling.cu
+Status sample(const ExecContext&, const SampleArgs& args);
 
 }  // namespace rolloutd::cuda

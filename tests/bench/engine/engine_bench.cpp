@@ -4,7 +4,7 @@
 // nothing but that the graph and eager runs generate the same greedy tokens.
 //
 //   engine_bench [--json FILE] [--models tiny,mid] [--batches 1,32,256] [--new-tokens N]
-//                [--model-dir DIR [--peer PEER.json]]
+//                [--model-dir DIR [--peer PEER.json]] [--host-sampling 1]
 //
 // --model-dir adds model "ckpt": a Hugging Face checkpoint (rolloutctl make-test-model), which
 // tests/bench/engine/hf_peer.py runs with transformers `generate` in the same job; --peer reads
@@ -15,8 +15,10 @@
 //
 // Models: "tiny" is the embedded default (4 layers, hidden 64: launch-bound, where graphs
 // matter most); "mid" is 8 layers, hidden 1024, 16 heads of 64, 32 experts top-4, expert
-// intermediate 512, vocab 16384 (FP32, the decoder's simple kernels). Weights are random
-// (init_random_weights), never zeros.
+// intermediate 512, vocab 16384 (FP32, the decoder's simple kernels); "tinyv" is tiny with
+// Qwen3's vocabulary (151,936), where sampling dominates a step. Weights are random
+// (init_random_weights), never zeros. --host-sampling 1 copies the logits back and samples on
+// the host (EngineOptions::device_sampling off; NOTES "Device sampling").
 #include <algorithm>
 #include <cmath>
 #include <chrono>
@@ -60,6 +62,10 @@ core::ModelConfig model_config(const std::string& name) {
     c.num_experts_per_tok = 4;
     c.moe_intermediate_size = 512;
     c.intermediate_size = 2048;
+  }
+  if (name == "tinyv") {  // tiny with Qwen3's vocabulary: the steps where sampling dominates
+    c.name = "bench:tinyv";
+    c.vocab_size = 151936;
   }
   return c;
 }
@@ -230,6 +236,7 @@ int main(int argc, char** argv) {
   using namespace rolloutd;
   std::string json_path, models = "tiny,mid", batches_arg = "1,32,256", model_dir, peer_path;
   uint32_t new_tokens = 64;
+  bool host_sampling = false;  // --host-sampling 1: EngineOptions::device_sampling off
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--json") json_path = argv[i + 1];
@@ -238,6 +245,7 @@ int main(int argc, char** argv) {
     else if (a == "--new-tokens") new_tokens = static_cast<uint32_t>(std::atoi(argv[i + 1]));
     else if (a == "--model-dir") model_dir = argv[i + 1];
     else if (a == "--peer") peer_path = argv[i + 1];
+    else if (a == "--host-sampling") host_sampling = std::atoi(argv[i + 1]) != 0;
   }
   const Backend* cuda = cuda_backend();
   if (cuda == nullptr || cuda_device_count() == 0) {
@@ -258,7 +266,9 @@ int main(int argc, char** argv) {
   std::printf("device copy bandwidth (same run): %.1f GB/s\n", bw / 1e9);
   std::vector<std::string> model_names = split(models);
   if (!model_dir.empty()) model_names.push_back("ckpt");
+  std::printf("sampling on the %s\n", host_sampling ? "host" : "device");
   nlohmann::json out = {{"bench", "engine"}, {"new_tokens", new_tokens}, {"copy_bandwidth_bytes_per_s", bw},
+                        {"device_sampling", !host_sampling},
                         {"runs", nlohmann::json::array()}};
   if (!peer.is_null() && !peer.is_discarded()) out["peer"] = peer;
   std::printf("%-5s %5s %-7s %-7s %12s %10s %10s %10s %8s\n", "model", "batch", "graphs", "records", "decode tok/s",
@@ -299,6 +309,7 @@ int main(int argc, char** argv) {
       core::EngineOptions eo;
       eo.max_running = max_batch;
       eo.step = limits;
+      eo.device_sampling = !host_sampling;
       const size_t free_before = device_free_bytes();
       auto e = Engine::create(std::move(*m), eo);
       if (!e.ok()) {
