@@ -164,7 +164,10 @@ struct Backend {
   // of that order allowed by top-k, then top-p (the prefix whose mass first reaches top_p),
   // then min-p (p >= min_p * p_max); one token is drawn from it in proportion to p with a
   // counter-based generator of (seed, draw_index) alone, so a row's token never depends on the
-  // other rows. The kept set is the same on every backend, the draw within it is not (CPU:
+  // other rows. The kept set is the same on every backend (except at float-rounding edges: a
+  // top-p mass within ~1e-13 of its boundary; probabilities below FLT_MIN, which CUDA may keep);
+  // NaN logits: the CPU compares them as core::Sampler always has (greedy takes id 0 when
+  // logits[0] is NaN, the log-prob is NaN), CUDA skips them. The draw within it is not (CPU:
   // inverse CDF in probability order, as core::Sampler; CUDA: inverse CDF in id order): the
   // same seed gives the same tokens on the same backend. CPU: parameters outside
   // core::validate's ranges are kOutOfRange ("rows[r].top_p", ...), outputs untouched. CUDA:

@@ -365,6 +365,13 @@ Status sample(const ExecContext& ctx, const SampleArgs& a) {
   RD_RETURN_IF_ERROR(dim(a.rows, 0, rows, "rows", "R", "logits"));
   RD_RETURN_IF_ERROR(dim(a.rows, 1, static_cast<int64_t>(sizeof(SamplingRow)), "rows", "bytes per row",
                          "sizeof(SamplingRow)"));
+  // The device reads rows as SamplingRow and writes 4-byte outputs: a misaligned view would be a
+  // misaligned-address fault (a dead CUDA context), not an error.
+  if (reinterpret_cast<uintptr_t>(a.rows.data) % alignof(SamplingRow) != 0)
+    return invalid("rows", "rows: must be aligned to " + std::to_string(alignof(SamplingRow)) + " bytes");
+  for (auto [v, name] : {std::pair{&a.tokens, "tokens"}, std::pair{&a.logprobs, "logprobs"},
+                         std::pair{&a.logits, "logits"}})
+    if (reinterpret_cast<uintptr_t>(v->data) % 4 != 0) return invalid(name, std::string(name) + ": must be 4-byte aligned");
   if (rows > 0) {
     // Outputs are written while the inputs are read.
     const auto bytes = [](const TensorView& v) {

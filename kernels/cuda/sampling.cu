@@ -19,6 +19,7 @@
 // - Where the CPU's cumulative sum and this one can disagree: a top-p boundary whose exact
 //   cumulative mass lies within ~1e-13 of top_p, or a p whose double quotient lies within
 //   ~1e-16 of a float rounding boundary. Neither is seen in practice; documented, not tested.
+#include <cfloat>
 #include <climits>
 #include <cstdint>
 
@@ -158,11 +159,13 @@ struct RowProb {
     return static_cast<float>(static_cast<double>(e) / z);
   }
   // The x window outside which p cannot lie in [p_lo, p_hi] (see NOTES).
+  // Below FLT_MIN the rounding of p to a subnormal moves it by up to 2^-150 absolute, far more
+  // than the relative margin covers: a bound in that range opens the window on its side.
   __device__ double x_low(float p_lo) const {
-    return p_lo > 0.0f ? log(static_cast<double>(p_lo) * z) - kWindowMargin : -INFINITY;
+    return p_lo >= FLT_MIN ? log(static_cast<double>(p_lo) * z) - kWindowMargin : -INFINITY;
   }
   __device__ double x_high(float p_hi) const {
-    return isfinite(p_hi) ? log(static_cast<double>(p_hi) * z) + kWindowMargin : INFINITY;
+    return isfinite(p_hi) ? log(static_cast<double>(fmaxf(p_hi, FLT_MIN)) * z) + kWindowMargin : INFINITY;
   }
 };
 
@@ -379,7 +382,7 @@ __global__ void __launch_bounds__(kThreads, 2) sample_kernel(int32_t* __restrict
       acc += w;
     }
     __syncthreads();
-    if (sm.chosen_tile == INT_MAX && tid == 0) {
+    if (tid == 0 && sm.chosen_tile == INT_MAX) {
       sm.chosen_tile = -1;
       // Rounding put the target at or past the last sum: the last tile with weight.
       for (int k = num_tiles - 1; k >= 0; --k)
