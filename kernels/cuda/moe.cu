@@ -97,24 +97,34 @@ struct ExpertExtras {
   const uint8_t *gu_blocks, *gu_scales, *dn_blocks, *dn_scales;
 };
 
-// Element c of row `row` of an MXFP4 matrix of `cols` columns, dequantized exactly (the CPU
-// reference's values).
-__device__ __forceinline__ float mx_weight(const uint8_t* __restrict__ blocks, const uint8_t* __restrict__ scales,
-                                           int64_t row, int64_t cols, int64_t c) {
-  const int64_t nkb = cols / quant::kMxBlockSize;
-  const quant::E8M0 s{scales[row * nkb + c / quant::kMxBlockSize]};
-  if (quant::e8m0_is_nan(s)) return quant::f32_from_bits(quant::kF32CanonicalNan);
-  const quant::Fp4x2 p{blocks[row * nkb * quant::kMxfp4BytesPerBlock + c / 2]};
-  return quant::f32_from_bits(
-      quant::e2m1_decode_bits((c & 1) ? quant::fp4x2_odd(p) : quant::fp4x2_even(p), quant::e8m0_exponent(s)));
+// E2M1 code -> value (sign in bit 3): 0, 0.5, 1, 1.5, 2, 3, 4, 6, exact, in registers (a table
+// indexed by data would serialise the lanes).
+__device__ __forceinline__ float e2m1_value(uint32_t c) {
+  const uint32_t e = (c >> 1) & 3u, m = c & 1u;
+  const float mag = e == 0 ? 0.5f * static_cast<float>(m) : static_cast<float>((2u + m) << e) * 0.25f;
+  return (c & 8u) ? -mag : mag;
 }
 
-// down_e[j, c] (FP32 or MXFP4).
-__device__ __forceinline__ float down_weight(const float* __restrict__ w_down, const ExpertExtras& ex, int64_t e,
-                                             int64_t j, int64_t hidden, int64_t inter, int64_t c) {
-  return ex.dn_blocks ? mx_weight(ex.dn_blocks, ex.dn_scales, e * hidden + j, inter, c)
-                      : w_down[(e * hidden + j) * inter + c];
+// One lane's part of row `row` of an MXFP4 matrix [rows, cols] dotted with v[cols]: the lane takes
+// 4 bytes (8 elements) at a time, w = lane, lane + 32, ... Each weight is the E2M1 value times
+// the block's power-of-two scale, a product that is exact in FP32 (the reference's value), then
+// multiplied by v as the FP32 path does. Rows start on 16-byte boundaries (cols % 32 == 0).
+__device__ __forceinline__ float mx_dot_partial(const uint8_t* __restrict__ blocks, const uint8_t* __restrict__ scales,
+                                                int64_t row, int64_t cols, const float* v, int lane) {
+  const int64_t nkb = cols / quant::kMxBlockSize;
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(blocks + row * nkb * quant::kMxfp4BytesPerBlock);
+  const uint8_t* srow = scales + row * nkb;
+  float acc = 0.0f;
+  for (int64_t w = lane; w < cols / 8; w += 32) {
+    const float scale = quant::f32_from_bits(quant::e8m0_decode_bits(quant::E8M0{srow[w >> 2]}));
+    const uint32_t q = words[w];
+    const float* vv = v + 8 * w;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc += e2m1_value((q >> (4 * j)) & 15u) * scale * vv[j];
+  }
+  return acc;
 }
+
 
 __device__ __forceinline__ float glu(float g, float u, const ExpertExtras& x) {
   if (!x.gpt_oss) return silu(g) * u;
@@ -132,10 +142,8 @@ __device__ __forceinline__ float swiglu_row(const float* __restrict__ gu, const 
   const int64_t gr = interleaved ? 2 * i : i, ur = interleaved ? 2 * i + 1 : inter + i;
   float g = 0.0f, u = 0.0f;
   if (ex.gu_blocks) {
-    for (int64_t c = lane; c < hidden; c += 32) {
-      g += mx_weight(ex.gu_blocks, ex.gu_scales, e * 2 * inter + gr, hidden, c) * xr[c];
-      u += mx_weight(ex.gu_blocks, ex.gu_scales, e * 2 * inter + ur, hidden, c) * xr[c];
-    }
+    g = mx_dot_partial(ex.gu_blocks, ex.gu_scales, e * 2 * inter + gr, hidden, xr, lane);
+    u = mx_dot_partial(ex.gu_blocks, ex.gu_scales, e * 2 * inter + ur, hidden, xr, lane);
   } else {
     const float* gate_row = gu + gr * hidden;
     const float* up_row = gu + ur * hidden;
@@ -195,7 +203,10 @@ __global__ void __launch_bounds__(kMoeThreads)
 
     for (int64_t j = warp; j < hidden; j += kMoeWarps) {
       float d = 0.0f;
-      for (int64_t c = lane; c < inter; c += 32) d += down_weight(w_down, ex, e, j, hidden, inter, c) * h[c];
+      if (ex.dn_blocks)
+        d = mx_dot_partial(ex.dn_blocks, ex.dn_scales, e * hidden + j, inter, h, lane);
+      else
+        for (int64_t c = lane; c < inter; c += 32) d += w_down[(e * hidden + j) * inter + c] * h[c];
       d = warp_sum(d);
       if (ex.b_down) d += ex.b_down[e * hidden + j];
       if (lane == 0) orow[j] += wk * d;
@@ -264,7 +275,10 @@ __global__ void __launch_bounds__(kMoeThreads)
       if (e < 0 || e >= num_phys) continue;
       const float* hk = hs + k * inter;
       float d = 0.0f;
-      for (int64_t c = lane; c < inter; c += 32) d += down_weight(w_down, ex, e, j, hidden, inter, c) * hk[c];
+      if (ex.dn_blocks)
+        d = mx_dot_partial(ex.dn_blocks, ex.dn_scales, e * hidden + j, inter, hk, lane);
+      else
+        for (int64_t c = lane; c < inter; c += 32) d += w_down[(e * hidden + j) * inter + c] * hk[c];
       d = warp_sum(d);
       if (ex.b_down) d += ex.b_down[e * hidden + j];
       acc += topk_w[t * top_k + k] * d;
