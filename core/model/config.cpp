@@ -52,6 +52,9 @@ Status ModelConfig::validate() const {
                   "decoder_sparse_step");
   if (!layer_types.empty() && static_cast<int64_t>(layer_types.size()) != num_hidden_layers)
     return Status(ErrorCode::kInvalidArgument, "must list one type per layer", "layer_types");
+  for (const auto& t : layer_types)
+    if (t == "sliding_attention" && sliding_window <= 0)
+      return Status(ErrorCode::kInvalidArgument, "sliding-attention layers need a positive window", "sliding_window");
   return Status::Ok();
 }
 
@@ -69,10 +72,12 @@ RopeFrequencies rope_frequencies(const ModelConfig& c) {
     for (int64_t i = 0; i < half; ++i) r.inv_freq[static_cast<size_t>(i)] = 1.0f / pos_freqs[static_cast<size_t>(i)];
     return r;
   }
-  const double factor = c.rope_factor > 0
-                            ? c.rope_factor
-                            : static_cast<double>(c.max_position_embeddings) /
-                                  static_cast<double>(std::max<int64_t>(1, c.rope_original_max_position_embeddings));
+  // transformers: original_max_position_embeddings defaults to max_position_embeddings, and an
+  // absent factor is their ratio.
+  const double orig = static_cast<double>(c.rope_original_max_position_embeddings > 0
+                                              ? c.rope_original_max_position_embeddings
+                                              : c.max_position_embeddings);
+  const double factor = c.rope_factor > 0 ? c.rope_factor : static_cast<double>(c.max_position_embeddings) / orig;
   auto get_mscale = [](double scale, double mscale) { return scale <= 1 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0; };
   double attention = c.rope_attention_factor;
   if (attention <= 0)
@@ -80,9 +85,6 @@ RopeFrequencies rope_frequencies(const ModelConfig& c) {
                     ? get_mscale(factor, c.rope_mscale) / get_mscale(factor, c.rope_mscale_all_dim)
                     : get_mscale(factor, 1.0);
   r.attention_factor = static_cast<float>(attention);
-  const double orig = static_cast<double>(c.rope_original_max_position_embeddings > 0
-                                              ? c.rope_original_max_position_embeddings
-                                              : c.max_position_embeddings);
   auto correction_dim = [&](double rotations) {
     return static_cast<double>(dim) * std::log(orig / (rotations * 2 * M_PI)) / (2 * std::log(base));
   };

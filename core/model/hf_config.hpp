@@ -3,10 +3,9 @@
 //
 //  - qwen3_moe: served by MoeDecoder (QK-norm, softmax top-k with norm_topk_prob, dense layers
 //    from mlp_only_layers / decoder_sparse_step).
-//  - gpt_oss: served by MoeDecoder from BF16/FP32 expert tensors (transformers' layout):
-//    projection/router/expert biases, learned sinks, sliding-window layers (layer_types), YaRN
-//    rotary scaling, the clamped SwiGLU. MXFP4 `*_blocks`/`*_scales` expert checkpoints are
-//    refused with a message (the decoder's experts are FP32 for now).
+//  - gpt_oss: served by MoeDecoder: projection/router/expert biases, learned sinks,
+//    sliding-window layers (layer_types), YaRN rotary scaling, the clamped SwiGLU; experts from
+//    BF16/FP32 tensors (transformers' layout) or MXFP4 `*_blocks`/`*_scales` as published.
 //
 // Absent keys take the transformers defaults of that family's config class; present keys
 // must have the right JSON type and a sane range. Errors are kInvalidArgument (kUnimplemented

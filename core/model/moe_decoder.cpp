@@ -136,14 +136,16 @@ Status MoeDecoder::allocate() {
       RD_RETURN_IF_ERROR(param(p + "mlp.router.bias", Shape{E}, L.router_bias));
       if (c.experts_mxfp4) {
         // MXFP4 as published ([E, rows, cols/32, 16] blocks, [E, rows, cols/32] scales, gate/up rows
-        // interleaved), read by the expert op as they are. The BF16/FP32 name quantizes on arrival
-        // along the same rows ([E, 2I, H] / [E, H, I], not transformers' transposed layout).
+        // interleaved), read by the expert op as they are. Only the blocks/scales names are taken:
+        // transformers' BF16 tensors of these names are input-major ([E, H, 2I], [E, I, H]), and
+        // down_proj is square in the published models, so quantizing them along the blocks' axis
+        // would transpose them silently.
         auto mx = [&](const std::string& name, int64_t rows, int64_t cols, TensorView& blocks,
                       TensorView& scales) -> Status {
           RD_ASSIGN_OR_RETURN(blocks, weights_arena_->allocate(DType::kU8, Shape{E, rows, cols / 32, 16}));
           RD_ASSIGN_OR_RETURN(scales, weights_arena_->allocate(DType::kU8, Shape{E, rows, cols / 32}));
           const int64_t shape[] = {E, rows, cols};
-          return weights_->add_mxfp4(name, shape, blocks, scales);
+          return weights_->add_mxfp4(name, shape, blocks, scales, /*quantize_on_arrival=*/false);
         };
         RD_RETURN_IF_ERROR(mx(p + "mlp.experts.gate_up_proj", 2 * I, H, L.gu_blocks, L.gu_scales));
         RD_RETURN_IF_ERROR(mx(p + "mlp.experts.down_proj", H, I, L.dn_blocks, L.dn_scales));

@@ -99,7 +99,7 @@ std::vector<size_t> CheckpointTensor::targets(DType src_dtype) const {
 }
 
 Status WeightRegistry::add_mxfp4(std::string name, std::span<const int64_t> shape, TensorView blocks,
-                                 TensorView scales) {
+                                 TensorView scales, bool quantize_on_arrival) {
   if (shape.empty() || shape.back() <= 0 || shape.back() % quant::kMxBlockSize != 0)
     return Status(ErrorCode::kInternal, "an MXFP4 parameter needs a last dimension that is a multiple of 32", name);
   if (tensors_.count(name) || param_index_.count(name))
@@ -113,6 +113,7 @@ Status WeightRegistry::add_mxfp4(std::string name, std::span<const int64_t> shap
   const size_t b = params_.size();
   RD_RETURN_IF_ERROR(add(name + "_blocks", blocks, nullptr));
   RD_RETURN_IF_ERROR(add(name + "_scales", scales, nullptr));
+  if (!quantize_on_arrival) return Status::Ok();
   CheckpointTensor t;
   t.name = std::move(name);
   t.shape.assign(shape.begin(), shape.end());

@@ -76,7 +76,11 @@ class WeightRegistry {
   // Registers `name` ([.., K] in BF16/FP32 from the trainer, K a multiple of 32) as quantized to
   // MXFP4 on arrival into two stored uint8 parameters `<name>_blocks` [.., K/32, 16] and
   // `<name>_scales` [.., K/32] (which also take MXFP4 bytes directly, as gpt-oss ships them).
-  Status add_mxfp4(std::string name, std::span<const int64_t> shape, TensorView blocks, TensorView scales);
+  // quantize_on_arrival = false registers only the two stored names (no BF16/FP32 `name`): for
+  // a checkpoint whose unquantized tensor has another orientation than the blocks (gpt-oss experts
+  // as transformers saves them), where quantizing along the wrong axis would go unnoticed.
+  Status add_mxfp4(std::string name, std::span<const int64_t> shape, TensorView blocks, TensorView scales,
+                   bool quantize_on_arrival = true);
   // Registers `name` as a stored float8_e4m3fn parameter `q` [.., N, K] quantized on arrival
   // from BF16/FP32 (blockwise 128 x 128, UE8M0 scales into `scale_inv` [.., ceil(N/128),
   // ceil(K/128)] FP32, registered as `<name>_scale_inv`); FP8 bytes and scales load directly.

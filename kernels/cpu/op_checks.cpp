@@ -282,6 +282,10 @@ Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
     RD_RETURN_IF_ERROR(dim(a.w_down_blocks, 2, inter / 32, "w_down_blocks", "I/32", "w_gate_up_blocks"));
     RD_RETURN_IF_ERROR(dim(a.w_down_blocks, 3, 16, "w_down_blocks", "bytes per block", "MXFP4"));
     RD_RETURN_IF_ERROR(view(ctx, a.w_down_scales, "w_down_scales", DType::kU8, 3, "[E_phys, H, I/32]"));
+    // CUDA reads the blocks 4 bytes at a time: a misaligned view would be a device fault.
+    for (auto [v, name] : {std::pair{&a.w_gate_up_blocks, "w_gate_up_blocks"}, std::pair{&a.w_down_blocks, "w_down_blocks"}})
+      if (reinterpret_cast<uintptr_t>(v->data) % 16 != 0)
+        return invalid(name, std::string(name) + ": must be 16-byte aligned");
     for (int i = 0; i < 3; ++i) RD_RETURN_IF_ERROR(dim(a.w_down_scales, i, a.w_down_blocks.size(i), "w_down_scales", "dim", "w_down_blocks"));
   } else {
     RD_RETURN_IF_ERROR(view(ctx, a.w_gate_up, "w_gate_up", DType::kF32, 3, "[E_phys, 2*I, H]"));

@@ -14,9 +14,10 @@ float32 with eager attention, so the numbers are the reference for rolloutd's FP
   - checkpoint_crc32: zlib.crc32 of model.safetensors, so the C++ test (hf_fidelity_test.cpp)
     can regenerate the checkpoint with make-test-model and know it is the same file.
 
-Goldens here: hf_qwen3_moe_golden.json, hf_qwen3_moe_dense_golden.json (checked by
-tests/unit/core/model/hf_fidelity_test.cpp) and hf_gpt_oss_golden.json (its checkpoint is
-checked; its logits wait for a decoder that runs gpt_oss).
+Goldens here (checked by tests/unit/core/model/hf_fidelity_test.cpp; tests/gpu/hf-model-goldens.sh
+holds the make-test-model recipe of each): hf_qwen3_moe_golden.json, hf_qwen3_moe_dense_golden.json,
+hf_gpt_oss_golden.json, hf_gpt_oss_sw8_golden.json (window 8) and hf_gpt_oss_mxfp4_golden.json
+(MXFP4 experts).
 
 The checkpoint is loaded with from_pretrained (transformers fuses the per-expert tensors on
 load). If transformers reports missing or unexpected keys, the script stops: the golden is only

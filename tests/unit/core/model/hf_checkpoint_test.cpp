@@ -391,6 +391,10 @@ TEST_F(HfCheckpoint, GptOssMxfp4ExpertsServeAsTheirDequantizedValues) {
   ASSERT_TRUE(m_mx.ok() && m_bf.ok());
   ASSERT_TRUE(core::load_checkpoint(**m_mx, *mx->checkpoint).ok());
   ASSERT_TRUE(core::load_checkpoint(**m_bf, *bf->checkpoint).ok());
+  // The MXFP4 model takes its experts as blocks/scales only: transformers' BF16 tensors of these
+  // names are input-major, and quantizing them along the blocks' axis would transpose them.
+  EXPECT_NE((*m_mx)->weights().resolve("model.layers.0.mlp.experts.down_proj_blocks"), nullptr);
+  EXPECT_EQ((*m_mx)->weights().resolve("model.layers.0.mlp.experts.down_proj"), nullptr);
   const auto& c = mx->config;
   const int64_t E = c.num_experts, H = c.hidden_size, I = c.moe_intermediate_size;
   std::vector<core::BucketEntry> entries;

@@ -178,6 +178,15 @@ TEST(HfConfig, GptOssIsParsedAndServed) {
   auto derived = core::model_config_from_hf(nf);
   ASSERT_TRUE(derived.ok());
   EXPECT_EQ(core::rope_frequencies(*derived).inv_freq, rf.inv_freq);
+  // Without either, the original length is max_position_embeddings: factor 1, no scaling.
+  nf["rope_scaling"].erase("original_max_position_embeddings");
+  auto plain = core::model_config_from_hf(nf);
+  ASSERT_TRUE(plain.ok());
+  const core::RopeFrequencies pf = core::rope_frequencies(*plain);
+  EXPECT_FLOAT_EQ(pf.attention_factor, 1.0f);
+  for (size_t i = 0; i < pf.inv_freq.size(); ++i)
+    EXPECT_NEAR(pf.inv_freq[i], 1.0 / std::pow(150000.0, 2.0 * static_cast<double>(i) / 64.0),
+                2e-7 * pf.inv_freq[i]) << i;
 
   json j = gpt_oss_20b();
   j["layer_types"] = {"full_attention"};
