@@ -60,9 +60,12 @@ Status load_checkpoint(MoeDecoder& model, const SafetensorsCheckpoint& ckpt) {
   std::vector<std::string> names;
   for (const auto& [name, t] : ckpt.tensors()) {
     const CheckpointTensor* ct = reg.resolve(name);
-    const auto ends_with = [&](const char* sfx) {
+    // (A lambda may not capture the structured binding `name` before C++20 as clang 14 reads it.)
+    const std::string& tensor_name = name;
+    const auto ends_with = [&tensor_name](const char* sfx) {
       const std::string x(sfx);
-      return name.size() >= x.size() && name.compare(name.size() - x.size(), x.size(), x) == 0;
+      return tensor_name.size() >= x.size() &&
+             tensor_name.compare(tensor_name.size() - x.size(), x.size(), x) == 0;
     };
     if (!ct && (ends_with("_blocks") || ends_with("_scales")))
       return Status(ErrorCode::kUnimplemented,
