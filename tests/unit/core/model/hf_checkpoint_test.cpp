@@ -115,6 +115,18 @@ TEST_F(HfCheckpoint, MakeTestModelIsDeterministicForASeed) {
   EXPECT_EQ((*c)->tensors().size(), 1u + 2u * (9u + 4u * 3u) + 2u);
 }
 
+// One weight session (begin, one bucket, end) writing `entries` of `bucket`, as a trainer would.
+Status apply_in_one_session(core::WeightRegistry& weights, const std::vector<core::BucketEntry>& entries,
+                            const std::vector<uint8_t>& bucket) {
+  core::WeightUpdater u(weights);
+  const auto now = core::SteadyClock::now();
+  auto begin = u.begin({}, 60, now);
+  if (!begin.ok()) return begin.status();
+  if (auto applied = u.apply_bucket(begin->session, entries, bucket, std::nullopt, now); !applied.ok())
+    return applied.status();
+  return u.end(begin->session, 1, now).status();
+}
+
 // Loading a checkpoint and pushing its own tensors through one weight session into a model of
 // random weights give bit-identical parameters and logits.
 void expect_update_matches_load(const std::string& dir, const core::StepLimits& limits) {
@@ -131,13 +143,7 @@ void expect_update_matches_load(const std::string& dir, const core::StepLimits& 
   ASSERT_TRUE(updated.ok());
   ASSERT_TRUE(core::init_random_weights(**updated, 99).ok());
   const auto [entries, bucket] = test::checkpoint_bucket(*hf->checkpoint);
-  core::WeightUpdater u((*updated)->weights());
-  const auto now = core::SteadyClock::now();
-  auto begin = u.begin({}, 60, now);
-  ASSERT_TRUE(begin.ok()) << begin.status().to_string();
-  auto applied = u.apply_bucket(begin->session, entries, bucket, std::nullopt, now);
-  ASSERT_TRUE(applied.ok()) << applied.status().to_string();
-  ASSERT_TRUE(u.end(begin->session, 1, now).ok());
+  ASSERT_TRUE(apply_in_one_session((*updated)->weights(), entries, bucket).ok());
 
   const auto& a = (*loaded)->weights().parameters();
   const auto& b = (*updated)->weights().parameters();
@@ -430,13 +436,7 @@ TEST_F(HfCheckpoint, GptOssMxfp4ExpertsServeAsTheirDequantizedValues) {
       std::memcpy(bucket.data() + ent.byte_offset, tr.data(), ent.nbytes);
       entries.push_back(std::move(ent));
     }
-  core::WeightUpdater u((*m_bf)->weights());
-  const auto now = core::SteadyClock::now();
-  auto begin = u.begin({}, 60, now);
-  ASSERT_TRUE(begin.ok()) << begin.status().to_string();
-  auto applied = u.apply_bucket(begin->session, entries, bucket, std::nullopt, now);
-  ASSERT_TRUE(applied.ok()) << applied.status().to_string();
-  ASSERT_TRUE(u.end(begin->session, 1, now).ok());
+  ASSERT_TRUE(apply_in_one_session((*m_bf)->weights(), entries, bucket).ok());
   const std::vector<int32_t> prompt = {1, 5, 9, 33, 2, 63, 17};
   const auto la = prompt_logits(**m_mx, prompt);
   const auto lb = prompt_logits(**m_bf, prompt);
