@@ -100,12 +100,21 @@ struct SamplingRow {
 };
 static_assert(sizeof(SamplingRow) == 32, "SamplingRow travels to the device as 32 raw bytes");
 
+// Most top log-probs the sampling op gives per row (SampleArgs::top_ids).
+inline constexpr int64_t kMaxTopLogprobs = 20;
+
 // Parameters of the sampling op.
 struct SampleArgs {
   TensorView tokens;    // [R] int32, out: the sampled id of each row
   TensorView logprobs;  // [R] f32, out: log_softmax(logits[r])[token] (raw logits: temperature 1, no filter)
   TensorView logits;    // [R, V] f32, 1 <= V <= INT32_MAX
   TensorView rows;      // [R, 32] u8: one SamplingRow per row, on the context's device
+  // Optional (both empty: off): the N most likely tokens of every row under the raw logits,
+  // 1 <= N <= min(V, kMaxTopLogprobs). Ordered by logit descending, then id ascending; NaN
+  // logits rank below every other, and -0.0 equals +0.0. top_logprobs is computed as `logprobs`
+  // is (the same log-sum-exp), so the sampled token's entry equals its log-prob bit for bit.
+  TensorView top_ids;       // [R, N] int32, out
+  TensorView top_logprobs;  // [R, N] f32, out
 };
 
 struct Backend {

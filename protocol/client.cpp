@@ -659,6 +659,9 @@ Result<GenerateResult> Client::generate(const GenerateRequest& req, int timeout_
       result.logprobs.insert(result.logprobs.end(), t->logprobs.begin(), t->logprobs.end());
       result.weight_versions.insert(result.weight_versions.end(), t->weight_versions.begin(),
                                     t->weight_versions.end());
+      result.top_logprobs_num = t->top_logprobs_num > 0 ? t->top_logprobs_num : result.top_logprobs_num;
+      result.top_token_ids.insert(result.top_token_ids.end(), t->top_token_ids.begin(), t->top_token_ids.end());
+      result.top_logprobs.insert(result.top_logprobs.end(), t->top_logprobs.begin(), t->top_logprobs.end());
       if (t->routed_experts) RD_RETURN_IF_ERROR(append_routed_rows(result.routed_experts, *t->routed_experts));
       return false;
     }
@@ -668,6 +671,8 @@ Result<GenerateResult> Client::generate(const GenerateRequest& req, int timeout_
       result.token_ids.clear();
       result.logprobs.clear();
       result.weight_versions.clear();
+      result.top_token_ids.clear();
+      result.top_logprobs.clear();
       result.routed_experts.reset();
       ++result.num_retractions;
       return false;

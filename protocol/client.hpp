@@ -40,6 +40,10 @@ struct GenerateResult {
   std::vector<int32_t> token_ids;
   std::vector<double> logprobs;
   std::vector<uint64_t> weight_versions;
+  // With top_logprobs_num n > 0: token j's n most likely tokens at [j*n, (j+1)*n) (TokensEvent).
+  uint32_t top_logprobs_num = 0;
+  std::vector<int32_t> top_token_ids;
+  std::vector<double> top_logprobs;
   // Concatenated routed-expert rows [num_tokens, num_layers, top_k] (raw little-endian).
   std::optional<RoutedExperts> routed_experts;
   std::optional<FinishedEvent> finished;  // exactly one of finished / failed

@@ -649,7 +649,8 @@ Status decode_body(const MapReader& b, const Limits& l, GenerateRequest& r) {
   RD_RETURN_IF_ERROR(b.boolean("return_routed_experts", Need::kOptional, r.return_routed_experts));
   RD_RETURN_IF_ERROR(
       b.integer("routed_experts_start_len", Need::kOptional, r.routed_experts_start_len));
-  return b.boolean("stream", Need::kOptional, r.stream);
+  RD_RETURN_IF_ERROR(b.boolean("stream", Need::kOptional, r.stream));
+  return b.integer<uint32_t>("top_logprobs_num", Need::kOptional, 0, kMaxTopLogprobs, r.top_logprobs_num);
 }
 
 Status decode_body(const MapReader& b, const Limits& l, AbortRequest& r) {
@@ -1229,12 +1230,27 @@ Status decode_body(const MapReader& b, const IncomingContext& c, TokensEvent& r)
                     std::to_string(r.weight_versions.size()) + " weight versions for " +
                         std::to_string(r.token_ids.size()) + " tokens");
   }
-  return b.field("routed_experts", Need::kRequired, [&](const msgpack::object& o, const Path& p) {
+  RD_RETURN_IF_ERROR(b.field("routed_experts", Need::kRequired, [&](const msgpack::object& o, const Path& p) {
     if (o.type == msgpack::type::NIL) return Status::Ok();
     std::optional<MapReader> m;
     RD_RETURN_IF_ERROR(open_map(o, p, m));
     return decode_routed_experts(*m, c, r.routed_experts.emplace());
-  });
+  }));
+  // Top log-probs (SPEC §4.3): present only for requests that asked; n entries per token.
+  RD_RETURN_IF_ERROR(b.integer<uint32_t>("top_logprobs_num", Need::kOptional, 0, kMaxTopLogprobs, r.top_logprobs_num));
+  const size_t want = r.token_ids.size() * r.top_logprobs_num;
+  RD_RETURN_IF_ERROR(b.int_array<int32_t>("top_token_ids", Need::kOptional,
+                                          size_t{l.max_new_tokens} * kMaxTopLogprobs, 0, kMaxTokenId,
+                                          r.top_token_ids));
+  RD_RETURN_IF_ERROR(b.field("top_logprobs", Need::kOptional, [&](const msgpack::object& o, const Path& p) {
+    return read_array(o, p, size_t{l.max_new_tokens} * kMaxTopLogprobs, r.top_logprobs, read_number);
+  }));
+  for (auto [n, key] : {std::pair{r.top_token_ids.size(), "top_token_ids"}, std::pair{r.top_logprobs.size(), "top_logprobs"}})
+    if (n != want)
+      return error_at(ErrorCode::kInvalidArgument, b.path(key),
+                      std::to_string(n) + " entries for " + std::to_string(r.token_ids.size()) + " tokens of " +
+                          std::to_string(r.top_logprobs_num) + " (top_logprobs_num)");
+  return Status::Ok();
 }
 
 Status decode_body(const MapReader& b, const IncomingContext& c, FinishedEvent& r) {
@@ -1554,8 +1570,8 @@ void write_body(Packer& pk, const HelloRequest& r) {
 }
 void write_body(Packer& pk, const StatusRequest&) { MapWriter(pk, 0); }
 void write_body(Packer& pk, const GenerateRequest& r) {
-  MapWriter(pk, 13)
-      .put("rid", r.rid)
+  MapWriter w(pk, r.top_logprobs_num > 0 ? 14 : 13);
+  w.put("rid", r.rid)
       .put("input_ids", r.input_ids)
       .put("max_new_tokens", r.max_new_tokens)
       .put("temperature", r.temperature)
@@ -1568,6 +1584,7 @@ void write_body(Packer& pk, const GenerateRequest& r) {
       .put("return_routed_experts", r.return_routed_experts)
       .put("routed_experts_start_len", r.routed_experts_start_len)
       .put("stream", r.stream);
+  if (r.top_logprobs_num > 0) w.put("top_logprobs_num", r.top_logprobs_num);
 }
 void write_body(Packer& pk, const AbortRequest& r) {
   // rid is omitted rather than nil when absent (SPEC §4.1).
@@ -1715,7 +1732,7 @@ std::string_view event_type(const FailedEvent&) { return kFailed; }
 std::string_view event_type(const RetractedEvent&) { return kRetracted; }
 
 void write_event(Packer& pk, const TokensEvent& e, std::vector<std::string>& frames) {
-  MapWriter w(pk, 5);
+  MapWriter w(pk, e.top_logprobs_num > 0 ? 8 : 5);
   w.put("rid", e.rid)
       .put("token_ids", e.token_ids)
       .put("logprobs", e.logprobs)
@@ -1725,6 +1742,8 @@ void write_event(Packer& pk, const TokensEvent& e, std::vector<std::string>& fra
     write_routed_experts(re, *e.routed_experts, frames);
   else
     re.msgpack().pack_nil();
+  if (e.top_logprobs_num > 0)
+    w.put("top_logprobs_num", e.top_logprobs_num).put("top_token_ids", e.top_token_ids).put("top_logprobs", e.top_logprobs);
 }
 void write_event(Packer& pk, const FinishedEvent& e, std::vector<std::string>&) {
   MapWriter(pk, 5)

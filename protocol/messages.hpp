@@ -35,6 +35,7 @@ struct Limits {
 inline constexpr uint32_t kMaxTensorRank = 8;                 // BucketEntry::shape
 inline constexpr int64_t kMaxTensorDim = int64_t{1} << 40;    // each shape dimension
 inline constexpr uint32_t kMaxGetWeightsTruncate = 1000000;   // get_weights_by_name.truncate
+inline constexpr uint32_t kMaxTopLogprobs = 20;                // generate.top_logprobs_num
 
 // GPU weight transports (SPEC §11.7), fixed by NCCL and CUDA, not configurable.
 inline constexpr size_t kNcclUniqueIdBytes = 128;             // ncclUniqueId (NCCL_UNIQUE_ID_BYTES)
@@ -83,6 +84,9 @@ struct GenerateRequest {
   bool return_routed_experts = false;
   uint32_t routed_experts_start_len = 0;  // first position recorded
   bool stream = true;
+  // [0, kMaxTopLogprobs]: with n > 0 every sampled token also carries the n most likely tokens
+  // and their log-probs (SPEC §4.1). Written only when n > 0, so older daemons' bytes are unchanged.
+  uint32_t top_logprobs_num = 0;
 };
 
 struct AbortRequest {
@@ -373,6 +377,12 @@ struct TokensEvent {
   std::vector<double> logprobs;       // empty unless return_logprob
   std::vector<uint64_t> weight_versions;  // one per token
   std::optional<RoutedExperts> routed_experts;  // only when return_routed_experts
+  // The request's top_logprobs_num (0: the two arrays are empty and the keys are not written);
+  // else token j's n most likely tokens are entries [j*n, (j+1)*n): log-prob descending, id
+  // ascending on ties (SPEC §4.3).
+  uint32_t top_logprobs_num = 0;
+  std::vector<int32_t> top_token_ids;
+  std::vector<double> top_logprobs;
 };
 
 struct FinishedEvent {

@@ -112,6 +112,12 @@ Status Engine::submit(RequestSpec spec) {
   if (spec.max_new_tokens == 0)
     return Status(ErrorCode::kOutOfRange, "max_new_tokens must be >= 1", "max_new_tokens");
   RD_RETURN_IF_ERROR(validate(spec.sampling));
+  if (spec.top_logprobs_num > std::min<int64_t>(kMaxTopLogprobs, c.vocab_size))
+    return Status(ErrorCode::kOutOfRange,
+                  "top_logprobs_num " + std::to_string(spec.top_logprobs_num) + " above " +
+                      std::to_string(std::min<int64_t>(kMaxTopLogprobs, c.vocab_size)) +
+                      " (the limit, or the vocabulary)",
+                  "top_logprobs_num");
   const int64_t prompt = static_cast<int64_t>(spec.input_ids.size());
   const int64_t total = prompt + static_cast<int64_t>(spec.max_new_tokens);
   if (total > c.max_position_embeddings)
@@ -328,11 +334,14 @@ Status Engine::step(std::vector<EngineEvent>& out) {
   SampledRows sampled;            // the same, when the device sampled
   const bool on_device = options_.device_sampling && model_->backend().kind == DeviceKind::kCuda;
   Status st;
+  int64_t top_n = 0;  // the most top log-probs a sampled row asks for: every row gets that many
+  for (const Slice& sl : slices)
+    if (sl.samples) top_n = std::max<int64_t>(top_n, sl.seq->spec.top_logprobs_num);
   if (on_device) {
     sample_rows_.clear();
     for (const Slice& sl : slices)
       if (sl.samples) sample_rows_.push_back(sampling_row(sl.seq->spec.sampling, sl.seq->num_generated));
-    if (auto r = model_->step_sample(batch, sample_rows_, want_records ? &recorder_ : nullptr); r.ok())
+    if (auto r = model_->step_sample(batch, sample_rows_, want_records ? &recorder_ : nullptr, top_n); r.ok())
       sampled = *r;
     else
       st = r.status();
@@ -372,12 +381,21 @@ Status Engine::step(std::vector<EngineEvent>& out) {
     std::string reason;
     if (sl.samples) {
       SampledToken tok;
+      const auto n = static_cast<size_t>(s.spec.top_logprobs_num);
       if (on_device) {
         tok = SampledToken{sampled.tokens[logits_row], sampled.logprobs[logits_row]};
+        // Row r's list holds top_n entries; the request's n are its first n (one total order).
+        const size_t at = logits_row * static_cast<size_t>(sampled.top_n);
+        ev.top_ids.insert(ev.top_ids.end(), sampled.top_ids.begin() + at, sampled.top_ids.begin() + at + n);
+        ev.top_logprobs.insert(ev.top_logprobs.end(), sampled.top_logprobs.begin() + at,
+                               sampled.top_logprobs.begin() + at + n);
       } else {
         std::span<const float> row(logits.data() + logits_row * static_cast<size_t>(V), static_cast<size_t>(V));
-        tok = sampler_.sample(row, s.spec.sampling, s.num_generated);
+        tok = sampler_.sample(row, s.spec.sampling, s.num_generated, static_cast<int64_t>(n), &top_);
+        ev.top_ids.insert(ev.top_ids.end(), top_.ids.begin(), top_.ids.end());
+        ev.top_logprobs.insert(ev.top_logprobs.end(), top_.logprobs.begin(), top_.logprobs.end());
       }
+      ev.top_logprobs_num = s.spec.top_logprobs_num;
       ++logits_row;
       s.tokens.push_back(tok.token);
       ++s.num_generated;

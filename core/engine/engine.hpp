@@ -32,6 +32,8 @@ struct RequestSpec {
   bool return_logprob = false;
   bool return_routed_experts = false;
   uint32_t routed_experts_start_len = 0;
+  // [0, min(kMaxTopLogprobs, vocab)]: the n most likely tokens of every sampled token.
+  uint32_t top_logprobs_num = 0;
   uint64_t tag = 0;  // opaque to the engine; the daemon uses it to route events
 };
 
@@ -46,6 +48,10 @@ struct EngineEvent {
   std::vector<int32_t> token_ids;
   std::vector<float> logprobs;              // only when return_logprob
   std::vector<uint64_t> weight_versions;    // one per token
+  // The request's top_logprobs_num n; token j's n most likely tokens at [j*n, (j+1)*n).
+  uint32_t top_logprobs_num = 0;
+  std::vector<int32_t> top_ids;
+  std::vector<float> top_logprobs;
   std::vector<int32_t> routed_rows;         // [routed_num_tokens, moe_layers, top_k] logical ids
   int64_t routed_num_tokens = 0;
   int64_t routed_start_pos = 0;
@@ -173,6 +179,7 @@ class Engine {
   KvBlockPool kv_;
   RoutedExpertRecorder recorder_;
   Sampler sampler_;
+  TopLogprobs top_;  // host sampling's top log-probs of the current row
   std::vector<SamplingRow> sample_rows_;  // device sampling's per-step rows, reused
   std::unordered_map<std::string, std::unique_ptr<Sequence>> by_rid_;
   std::deque<Sequence*> waiting_;

@@ -389,7 +389,7 @@ Status MoeDecoder::forward(const StepBatch& b, std::vector<float>& logits, Route
 }
 
 Result<std::span<const float>> MoeDecoder::step(const StepBatch& b, RoutedExpertRecorder* recorder) {
-  return step_impl(b, recorder, {}, false);
+  return step_impl(b, recorder, {}, false, 0);
 }
 
 MoeDecoder::SampleBuffers::~SampleBuffers() {
@@ -399,9 +399,14 @@ MoeDecoder::SampleBuffers::~SampleBuffers() {
 }
 
 Result<SampledRows> MoeDecoder::step_sample(const StepBatch& b, std::span<const SamplingRow> rows,
-                                             RoutedExpertRecorder* recorder) {
+                                             RoutedExpertRecorder* recorder, int64_t top_n) {
   if (rows.size() != b.logits_rows.size())
     return Status(ErrorCode::kInvalidArgument, "one sampling row per logits row", "rows");
+  if (top_n < 0 || top_n > std::min<int64_t>(kMaxTopLogprobs, config_.vocab_size))
+    return Status(ErrorCode::kOutOfRange,
+                  "top_n " + std::to_string(top_n) + " outside [0, min(" + std::to_string(kMaxTopLogprobs) +
+                      ", vocab)]",
+                  "top_n");
   for (size_t r = 0; r < rows.size(); ++r) {
     if (Status st = cpu::check_sampling_row(rows[r]); !st.ok())
       return st.with_field_prefix("rows[" + std::to_string(r) + "]");
@@ -409,7 +414,7 @@ Result<SampledRows> MoeDecoder::step_sample(const StepBatch& b, std::span<const 
   const auto S = static_cast<size_t>(limits_.max_seqs);
   if (sample_.backend == nullptr) {
     // Both buffers or neither: a failed allocation leaves nothing half made for the next call.
-    const size_t bytes = S * (sizeof(SamplingRow) + sizeof(int32_t) + sizeof(float));
+    const size_t bytes = S * (sizeof(SamplingRow) + sizeof(int32_t) + sizeof(float)) + top_region_bytes();
     SampleBuffers made;
     made.backend = &backend_;
     made.ctx = ctx_;
@@ -426,13 +431,27 @@ Result<SampledRows> MoeDecoder::step_sample(const StepBatch& b, std::span<const 
     std::swap(sample_.device, made.device);
     std::swap(sample_.host, made.host);
   }
-  RD_RETURN_IF_ERROR(step_impl(b, recorder, rows, true).status());
+  RD_RETURN_IF_ERROR(step_impl(b, recorder, rows, true, top_n).status());
   const auto* out = static_cast<const char*>(sample_.host) + S * sizeof(SamplingRow);
-  return SampledRows{std::span<const int32_t>(reinterpret_cast<const int32_t*>(out), rows.size()),
-                     std::span<const float>(reinterpret_cast<const float*>(out + S * sizeof(int32_t)), rows.size())};
+  SampledRows sampled;
+  sampled.tokens = std::span<const int32_t>(reinterpret_cast<const int32_t*>(out), rows.size());
+  sampled.logprobs = std::span<const float>(reinterpret_cast<const float*>(out + S * sizeof(int32_t)), rows.size());
+  if (top_n > 0) {
+    const auto* top = out + S * (sizeof(int32_t) + sizeof(float));
+    const size_t n = rows.size() * static_cast<size_t>(top_n);
+    sampled.top_n = top_n;
+    sampled.top_ids = std::span<const int32_t>(reinterpret_cast<const int32_t*>(top), n);
+    sampled.top_logprobs =
+        std::span<const float>(reinterpret_cast<const float*>(top + top_region_bytes() / 2), n);
+  }
+  return sampled;
 }
 
-Status MoeDecoder::enqueue_sampling(std::span<const SamplingRow> rows) {
+size_t MoeDecoder::top_region_bytes() const {
+  return static_cast<size_t>(limits_.max_seqs * kMaxTopLogprobs) * (sizeof(int32_t) + sizeof(float));
+}
+
+Status MoeDecoder::enqueue_sampling(std::span<const SamplingRow> rows, int64_t top_n) {
   const bool cpu = ctx_.device.kind == DeviceKind::kCpu;
   const auto R = static_cast<int64_t>(rows.size());
   const auto S = static_cast<size_t>(limits_.max_seqs);
@@ -447,14 +466,23 @@ Status MoeDecoder::enqueue_sampling(std::span<const SamplingRow> rows) {
   args.logprobs = TensorView::contiguous(dev + S * (sizeof(SamplingRow) + sizeof(int32_t)), DType::kF32, Shape{R},
                                          ctx_.device);
   args.logits = TensorView::contiguous(ws_.logits.data, DType::kF32, Shape{R, config_.vocab_size}, ctx_.device);
+  char* const top = dev + S * (sizeof(SamplingRow) + sizeof(int32_t) + sizeof(float));
+  if (top_n > 0) {
+    args.top_ids = TensorView::contiguous(top, DType::kI32, Shape{R, top_n}, ctx_.device);
+    args.top_logprobs = TensorView::contiguous(top + top_region_bytes() / 2, DType::kF32, Shape{R, top_n}, ctx_.device);
+  }
   RD_RETURN_IF_ERROR(backend_.sample(ctx_, args));
-  // Tokens and log-probs of every slot in one copy (8 bytes a row, at most max_seqs rows).
+  // Tokens and log-probs of every slot in one copy (8 bytes a row, at most max_seqs rows), and
+  // the top log-probs region in one more when asked (8 bytes per entry, max_seqs * 20 entries).
+  const CopyKind d2h = cpu ? CopyKind::kHostToHost : CopyKind::kDeviceToHost;
+  const size_t out_bytes = S * (sizeof(int32_t) + sizeof(float)) + (top_n > 0 ? top_region_bytes() : 0);
   return backend_.copy(ctx_, static_cast<char*>(sample_.host) + S * sizeof(SamplingRow), dev + S * sizeof(SamplingRow),
-                       S * (sizeof(int32_t) + sizeof(float)), cpu ? CopyKind::kHostToHost : CopyKind::kDeviceToHost);
+                       out_bytes, d2h);
 }
 
 Result<std::span<const float>> MoeDecoder::step_impl(const StepBatch& b, RoutedExpertRecorder* recorder,
-                                                     std::span<const SamplingRow> sample, bool sampled) {
+                                                     std::span<const SamplingRow> sample, bool sampled,
+                                                     int64_t top_n) {
   const auto& c = config_;
   const int64_t T = b.num_tokens();
   const int64_t S = b.num_seqs();
@@ -523,7 +551,7 @@ Result<std::span<const float>> MoeDecoder::step_impl(const StepBatch& b, RoutedE
     ++(bucket && (graphs_ready_ || ctx_.device.kind == DeviceKind::kCpu) ? graph_stats_.graph_steps
                                                                          : graph_stats_.eager_steps);
     // Logits and records come back asynchronously into page-locked memory; one synchronisation.
-    if (R > 0 && sampled) RD_RETURN_IF_ERROR(enqueue_sampling(sample));
+    if (R > 0 && sampled) RD_RETURN_IF_ERROR(enqueue_sampling(sample, top_n));
     if (R > 0 && !sampled)
       RD_RETURN_IF_ERROR(backend_.copy(ctx_, host_.logits, ws_.logits.data, num_logits * sizeof(float), d2h));
     if (record && T > 0) {

@@ -65,6 +65,10 @@ struct GraphStats {
 struct SampledRows {
   std::span<const int32_t> tokens;
   std::span<const float> logprobs;
+  // With top_n > 0: row r's top_n most likely tokens at [r*top_n, (r+1)*top_n) (SampleArgs::top_ids).
+  int64_t top_n = 0;
+  std::span<const int32_t> top_ids;
+  std::span<const float> top_logprobs;
 };
 
 class MoeDecoder {
@@ -92,8 +96,9 @@ class MoeDecoder {
   // synchronisation. On a graph step the op runs after the replay, outside the graph (its work
   // does not depend on the bucket). rows.size() must equal logits_rows.size() (kInvalidArgument);
   // parameters outside core::validate's ranges are kOutOfRange on every backend.
+  // top_n in [0, min(kMaxTopLogprobs, vocab)]: also every row's top_n most likely tokens.
   Result<SampledRows> step_sample(const StepBatch& batch, std::span<const SamplingRow> rows,
-                                  RoutedExpertRecorder* recorder);
+                                  RoutedExpertRecorder* recorder, int64_t top_n = 0);
 
   // Captures one graph per decode bucket, with and without routed-expert capture (CUDA; the
   // CPU backend only fixes the buckets). Capture executes nothing; it reads no weight values,
@@ -169,9 +174,11 @@ class MoeDecoder {
   // step() and step_sample(): with `sample`, the logits stay on the device and the sampling op
   // runs on them (the returned span is then empty).
   Result<std::span<const float>> step_impl(const StepBatch& batch, RoutedExpertRecorder* recorder,
-                                           std::span<const SamplingRow> sample, bool sampled);
+                                           std::span<const SamplingRow> sample, bool sampled, int64_t top_n);
   // Queues the parameter upload, the sampling op over the first R logits rows and the read-back.
-  Status enqueue_sampling(std::span<const SamplingRow> rows);
+  Status enqueue_sampling(std::span<const SamplingRow> rows, int64_t top_n);
+  // Bytes of step_sample()'s top log-probs region: ids, then log-probs, max_seqs * kMaxTopLogprobs each.
+  size_t top_region_bytes() const;
 
   ModelConfig config_;
   StepLimits limits_;
@@ -202,7 +209,8 @@ class MoeDecoder {
     ~HostBuffers();
   } host_;
   // step_sample()'s buffers, made on its first call: device and page-locked host twins of
-  // [rows: max_seqs SamplingRow][tokens: max_seqs int32][logprobs: max_seqs f32].
+  // [rows: max_seqs SamplingRow][tokens: max_seqs int32][logprobs: max_seqs f32]
+  // [top ids: max_seqs * kMaxTopLogprobs int32][top log-probs: as many f32].
   struct SampleBuffers {
     const Backend* backend = nullptr;
     ExecContext ctx;

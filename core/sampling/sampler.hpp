@@ -30,6 +30,12 @@ struct SampledToken {
   float logprob = 0.0f;      // log_softmax(logits)[token]
 };
 
+// The n most likely tokens of a row and their log-probs (SampleArgs::top_ids' order).
+struct TopLogprobs {
+  std::vector<int32_t> ids;
+  std::vector<float> logprobs;
+};
+
 Status validate(const SamplingParams& p);
 
 // The sampling op's row for a request's n-th sampled token (Backend::sample).
@@ -39,7 +45,10 @@ SamplingRow sampling_row(const SamplingParams& p, uint64_t draw_index);
 // reusable scratch so the engine does not allocate per token.
 class Sampler {
  public:
-  SampledToken sample(std::span<const float> logits, const SamplingParams& params, uint64_t draw_index);
+  // With top_n > 0 (at most the row's length) `top` receives the row's top_n most likely tokens,
+  // computed with the same log-sum-exp as the token's log-prob.
+  SampledToken sample(std::span<const float> logits, const SamplingParams& params, uint64_t draw_index,
+                      int64_t top_n = 0, TopLogprobs* top = nullptr);
 
   // The uniform [0, 1) draw used for (seed, draw_index); exposed for tests.
   static double uniform_draw(uint64_t seed, uint64_t draw_index);

@@ -21,6 +21,10 @@ void append_tokens(protocol::TokensEvent& into, protocol::TokensEvent&& t) {
   into.token_ids.insert(into.token_ids.end(), t.token_ids.begin(), t.token_ids.end());
   into.logprobs.insert(into.logprobs.end(), t.logprobs.begin(), t.logprobs.end());
   into.weight_versions.insert(into.weight_versions.end(), t.weight_versions.begin(), t.weight_versions.end());
+  // n is the request's: an event without tokens (a prefill chunk's rows) carries 0.
+  into.top_logprobs_num = std::max(into.top_logprobs_num, t.top_logprobs_num);
+  into.top_token_ids.insert(into.top_token_ids.end(), t.top_token_ids.begin(), t.top_token_ids.end());
+  into.top_logprobs.insert(into.top_logprobs.end(), t.top_logprobs.begin(), t.top_logprobs.end());
   if (!t.routed_experts) return;
   if (!into.routed_experts) {
     into.routed_experts = std::move(t.routed_experts);
@@ -296,6 +300,7 @@ void ControlActor::on_request(const std::string& identity, std::vector<zmq::mess
       spec.return_logprob = gen->return_logprob;
       spec.return_routed_experts = gen->return_routed_experts;
       spec.routed_experts_start_len = gen->routed_experts_start_len;
+      spec.top_logprobs_num = gen->top_logprobs_num;
       spec.tag = client;
       Route route;
       route.client = client;
@@ -348,6 +353,11 @@ protocol::TokensEvent ControlActor::to_tokens(const core::EngineEvent& ev) const
   t.token_ids = ev.token_ids;
   t.logprobs.assign(ev.logprobs.begin(), ev.logprobs.end());
   t.weight_versions = ev.weight_versions;
+  if (!ev.token_ids.empty()) {
+    t.top_logprobs_num = ev.top_logprobs_num;
+    t.top_token_ids = ev.top_ids;
+    t.top_logprobs.assign(ev.top_logprobs.begin(), ev.top_logprobs.end());
+  }
   if (ev.routed_num_tokens > 0) {
     protocol::RoutedExperts r;
     r.dtype = model_.routed_experts_dtype;

@@ -210,6 +210,9 @@ Command add_generate(CLI::App& root) {
   app->add_option("--stop-ids", r.stop_token_ids, "Token ids that end generation, e.g. 2,7")
       ->delimiter(',');
   app->add_flag("--logprobs", r.return_logprob, "Return the log-prob of each sampled token");
+  app->add_option("--top-logprobs", r.top_logprobs_num,
+                  "Also the N most likely tokens of each sampled token, with their log-probs")
+      ->check(CLI::Range(0u, proto::kMaxTopLogprobs));
   app->add_flag("--routed-experts", r.return_routed_experts,
                 "Return the routed-expert record [tokens][layers][top_k]");
   app->add_option("--routed-start-len", r.routed_experts_start_len,
@@ -240,6 +243,16 @@ Command add_generate(CLI::App& root) {
                         {"routed_experts", res.routed_experts
                                                ? routed_experts_json(*res.routed_experts)
                                                : json(nullptr)}};
+            if (res.top_logprobs_num > 0) {  // per token: [[id, log-prob], ...], most likely first
+              const size_t n = res.top_logprobs_num;
+              json top = json::array();
+              for (size_t j = 0; j * n < res.top_token_ids.size(); ++j) {
+                json row = json::array();
+                for (size_t i = j * n; i < (j + 1) * n; ++i) row.push_back({res.top_token_ids[i], res.top_logprobs[i]});
+                top.push_back(std::move(row));
+              }
+              out["top_logprobs"] = std::move(top);
+            }
             if (res.finished) {
               out["finish_reason"] = res.finished->reason;
               out["abort_reason"] = res.finished->abort_reason;

@@ -363,6 +363,11 @@ Status sample(const ExecContext& ctx, const SampleArgs& a) {
     const SampledRow s = sample_row(a.logits.as<const float>() + r * V, V, params[static_cast<size_t>(r)], scratch);
     a.tokens.as<int32_t>()[r] = s.token;
     a.logprobs.as<float>()[r] = s.logprob;
+    if (a.top_ids.data != nullptr) {
+      const int64_t n = a.top_ids.size(1);
+      top_logprobs_row(a.logits.as<const float>() + r * V, V, s.log_z, n, a.top_ids.as<int32_t>() + r * n,
+                       a.top_logprobs.as<float>() + r * n, scratch);
+    }
   }
   return Status::Ok();
 }

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 
@@ -31,6 +33,36 @@ double sampling_uniform(uint64_t seed, uint64_t draw_index) {
   return static_cast<double>(bits >> 11) * (1.0 / 9007199254740992.0);  // 53 bits
 }
 
+namespace {
+// A total order on (logit, id) as one integer, larger = more likely: the logit's bits made
+// monotonic (negative floats flipped, positive ones offset), NaN at 0 and -0.0 as +0.0, then
+// the id inverted so the lower id wins a tie. The CUDA op builds the same key.
+uint64_t top_key(float l, int64_t id) {
+  uint32_t u = 0;  // NaN
+  if (!std::isnan(l)) {
+    uint32_t bits = 0;
+    if (l != 0.0f) std::memcpy(&bits, &l, sizeof bits);
+    u = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+  }
+  return (static_cast<uint64_t>(u) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(id));
+}
+}  // namespace
+
+void top_logprobs_row(const float* logits, int64_t V, double log_z, int64_t n, int32_t* ids, float* logprobs,
+                      SamplingScratch& scratch) {
+  std::vector<uint64_t>& keys = scratch.keys;
+  keys.resize(static_cast<size_t>(V));
+  for (int64_t i = 0; i < V; ++i) keys[static_cast<size_t>(i)] = top_key(logits[i], i);
+  const auto first = keys.begin(), nth = keys.begin() + n;
+  std::nth_element(first, nth - 1, keys.end(), std::greater<>());
+  std::sort(first, nth, std::greater<>());
+  for (int64_t j = 0; j < n; ++j) {
+    const auto id = static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(keys[static_cast<size_t>(j)]));
+    ids[j] = id;
+    logprobs[j] = static_cast<float>(static_cast<double>(logits[id]) - log_z);
+  }
+}
+
 SampledRow sample_row(const float* logits_data, int64_t V_signed, const SamplingRow& p, SamplingScratch& scratch) {
   SampledRow out;
   if (V_signed <= 0) return out;
@@ -48,6 +80,7 @@ SampledRow sample_row(const float* logits_data, int64_t V_signed, const Sampling
   auto logprob_of = [&](int32_t t) {
     return static_cast<float>(static_cast<double>(logits[static_cast<size_t>(t)]) - log_z);
   };
+  out.log_z = log_z;
 
   if (p.temperature == 0.0f) {
     int32_t best = 0;

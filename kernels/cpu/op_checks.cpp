@@ -373,18 +373,35 @@ Status sample(const ExecContext& ctx, const SampleArgs& a) {
   // misaligned-address fault (a dead CUDA context), not an error.
   if (reinterpret_cast<uintptr_t>(a.rows.data) % alignof(SamplingRow) != 0)
     return invalid("rows", "rows: must be aligned to " + std::to_string(alignof(SamplingRow)) + " bytes");
+  const bool top = a.top_ids.data != nullptr || a.top_logprobs.data != nullptr || a.top_ids.rank() != 0 ||
+                   a.top_logprobs.rank() != 0;
+  if (top) {
+    RD_RETURN_IF_ERROR(view(ctx, a.top_ids, "top_ids", DType::kI32, 2, "[R, N]"));
+    RD_RETURN_IF_ERROR(dim(a.top_ids, 0, rows, "top_ids", "R", "logits"));
+    const int64_t n = a.top_ids.size(1);
+    if (n < 1 || n > kMaxTopLogprobs || n > a.logits.size(1))
+      return invalid("top_ids", "top_ids: N = " + std::to_string(n) + " outside [1, min(V, " +
+                                    std::to_string(kMaxTopLogprobs) + ")]");
+    RD_RETURN_IF_ERROR(view(ctx, a.top_logprobs, "top_logprobs", DType::kF32, 2, "[R, N]"));
+    RD_RETURN_IF_ERROR(same_shape(a.top_logprobs, a.top_ids, "top_logprobs", "top_ids"));
+  }
   for (auto [v, name] : {std::pair{&a.tokens, "tokens"}, std::pair{&a.logprobs, "logprobs"},
-                         std::pair{&a.logits, "logits"}})
+                         std::pair{&a.logits, "logits"}, std::pair{&a.top_ids, "top_ids"},
+                         std::pair{&a.top_logprobs, "top_logprobs"}})
     if (reinterpret_cast<uintptr_t>(v->data) % 4 != 0) return invalid(name, std::string(name) + ": must be 4-byte aligned");
   if (rows > 0) {
-    // Outputs are written while the inputs are read.
+    // Outputs are written while the inputs are read, and must not overlap each other.
     const auto bytes = [](const TensorView& v) {
       const auto* p = static_cast<const char*>(v.data);
       return std::pair{p, p + v.nbytes()};
     };
-    for (auto [out, name] : {std::pair{&a.tokens, "tokens"}, std::pair{&a.logprobs, "logprobs"}}) {
+    const std::pair<const TensorView*, const char*> outs[] = {
+        {&a.tokens, "tokens"}, {&a.logprobs, "logprobs"}, {&a.top_ids, "top_ids"}, {&a.top_logprobs, "top_logprobs"}};
+    for (const auto& [out, name] : outs) {
+      if (!top && (out == &a.top_ids || out == &a.top_logprobs)) continue;
       const auto [o0, o1] = bytes(*out);
-      for (const TensorView* in : {&a.logits, &a.rows, out == &a.tokens ? &a.logprobs : &a.tokens}) {
+      for (const TensorView* in : {&a.logits, &a.rows, &a.tokens, &a.logprobs, &a.top_ids, &a.top_logprobs}) {
+        if (in == out || (!top && (in == &a.top_ids || in == &a.top_logprobs))) continue;
         const auto [i0, i1] = bytes(*in);
         if (o0 < i1 && i0 < o1) return invalid(name, std::string(name) + ": overlaps another argument");
       }

@@ -19,6 +19,8 @@
 // - Where the CPU's cumulative sum and this one can disagree: a top-p boundary whose exact
 //   cumulative mass lies within ~1e-13 of top_p, or a p whose double quotient lies within
 //   ~1e-16 of a float rounding boundary. Neither is seen in practice; documented, not tested.
+// - Top log-probs (optional) rank by the raw logit, not by p, and reuse the row's log-sum-exp,
+//   so a sampled token's top entry equals its log-prob bit for bit.
 #include <cfloat>
 #include <climits>
 #include <cstdint>
@@ -261,10 +263,68 @@ __device__ uint64_t select_threshold(const float* __restrict__ l, int64_t V, con
   return 0;  // not reached: the last pass (shift 0) returns
 }
 
+// kernels/cpu/cpu_sampling.cpp's top_key: (logit, id) as one integer, larger = more likely, NaN
+// lowest, -0.0 as +0.0, the lower id first on a tie.
+__device__ __forceinline__ uint64_t top_key(float l, int64_t id) {
+  uint32_t u = 0;  // NaN
+  if (!isnan(l)) {
+    const uint32_t bits = l != 0.0f ? __float_as_uint(l) : 0u;
+    u = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+  }
+  return (static_cast<uint64_t>(u) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(id));
+}
+
+// The row's n most likely tokens (SampleArgs::top_ids), 1 <= n <= min(V, kMaxTopLogprobs):
+// each thread keeps the n largest keys of its stride, then n rounds of a block maximum take
+// the heads of those lists in order (keys are distinct, so one thread owns each maximum).
+// Kept out of line: its per-thread list lives in local memory, not in the sampler's registers.
+__device__ __noinline__ void top_logprobs_block(const float* __restrict__ l, int64_t V, double log_z, int n,
+                                                int32_t* __restrict__ ids, float* __restrict__ lps, SampleSmem& sm) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  uint64_t best[kMaxTopLogprobs];
+  for (int j = 0; j < n; ++j) best[j] = 0;
+  uint64_t floor_key = 0;  // best[n - 1]
+  for (int64_t i = tid; i < V; i += kThreads) {
+    const uint64_t key = top_key(l[i], i);
+    if (key <= floor_key) continue;
+    int j = n - 1;
+    while (j > 0 && best[j - 1] < key) {
+      best[j] = best[j - 1];
+      --j;
+    }
+    best[j] = key;
+    floor_key = best[n - 1];
+  }
+  int head = 0;
+  for (int round = 0; round < n; ++round) {
+    const unsigned long long mine = head < n ? best[head] : 0ull;
+    unsigned long long m = mine;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const unsigned long long other = __shfl_xor_sync(0xffffffffu, m, o);
+      m = other > m ? other : m;
+    }
+    __syncthreads();  // red_u may still be read by the previous round
+    if (lane == 0) sm.red_u[warp] = m;
+    __syncthreads();
+    unsigned long long top = 0;
+    for (int w = 0; w < kWarps; ++w) top = sm.red_u[w] > top ? sm.red_u[w] : top;
+    if (mine == top) ++head;
+    if (tid == 0) {
+      const int id = static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(top));
+      ids[round] = id;
+      lps[round] = static_cast<float>(static_cast<double>(l[id]) - log_z);
+    }
+  }
+  __syncthreads();
+}
+
 // Two blocks per SM (64 registers): 256 rows run in one wave on an H200's 132 SMs, not two.
 __global__ void __launch_bounds__(kThreads, 2) sample_kernel(int32_t* __restrict__ tokens, float* __restrict__ logprobs,
                                                           const float* __restrict__ logits,
-                                                          const SamplingRow* __restrict__ rows, int64_t V) {
+                                                          const SamplingRow* __restrict__ rows, int64_t V,
+                                                          int top_n, int32_t* __restrict__ top_ids,
+                                                          float* __restrict__ top_lps) {
   __shared__ SampleSmem sm;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t r = blockIdx.x;
@@ -424,6 +484,7 @@ __global__ void __launch_bounds__(kThreads, 2) sample_kernel(int32_t* __restrict
     tokens[r] = token;
     logprobs[r] = static_cast<float>(static_cast<double>(l[token]) - log_z);
   }
+  if (top_n > 0) top_logprobs_block(l, V, log_z, top_n, top_ids + r * top_n, top_lps + r * top_n, sm);
 }
 
 }  // namespace
@@ -434,11 +495,13 @@ Status sample(const ExecContext& ctx, const SampleArgs& a) {
   const int64_t rows = a.logits.size(0), V = a.logits.size(1);
   if (rows == 0) return Status::Ok();
   if (rows > INT32_MAX) return Status(ErrorCode::kInvalidArgument, "more than INT32_MAX rows", "logits");
+  const int top_n = a.top_ids.data != nullptr ? static_cast<int>(a.top_ids.size(1)) : 0;
   DeviceGuard guard;
   RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
   sample_kernel<<<static_cast<unsigned int>(rows), kThreads, 0, stream_of(ctx)>>>(
       a.tokens.as<int32_t>(), a.logprobs.as<float>(), a.logits.as<const float>(),
-      static_cast<const SamplingRow*>(a.rows.data), V);
+      static_cast<const SamplingRow*>(a.rows.data), V, top_n, top_n > 0 ? a.top_ids.as<int32_t>() : nullptr,
+      top_n > 0 ? a.top_logprobs.as<float>() : nullptr);
   RD_CUDA_CHECK_LAUNCH("sample_kernel");
   return Status::Ok();
 }

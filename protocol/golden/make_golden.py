@@ -212,6 +212,23 @@ GOLDEN = {
         "routed_experts_start_len": 0,
         "stream": False,
     }), []),
+    # Top log-probs asked (SPEC §4.1): the key is written only when n > 0, last.
+    "generate_top_logprobs": (envelope("generate", 40, {
+        "rid": "top",
+        "input_ids": [5, 6],
+        "max_new_tokens": 2,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+        "seed": 7,
+        "stop_token_ids": [],
+        "return_logprob": True,
+        "return_routed_experts": False,
+        "routed_experts_start_len": 0,
+        "stream": True,
+        "top_logprobs_num": 3,
+    }), []),
     "abort": (envelope("abort", 5, {"rid": "rollout-0007", "all": False}), []),
     "abort_all": (envelope("abort", 6, {"all": True}), []),
     "shutdown": (envelope("shutdown", 7, {"drain": True, "deadline_s": 12.5}), []),
@@ -278,6 +295,18 @@ GOLDEN = {
         "logprobs": [],
         "weight_versions": [0, 0, 0],
         "routed_experts": None,
+    }), []),
+    # Two tokens of a request with top_logprobs_num 3 (SPEC §4.3): three entries per token,
+    # log-prob descending, id ascending on ties (ids 9 and 11 tie); -inf is a valid log-prob.
+    "tokens_top_logprobs": (envelope("tokens", 40, {
+        "rid": "top",
+        "token_ids": [11, 4],
+        "logprobs": [-0.75, -0.03125],
+        "weight_versions": [2, 2],
+        "routed_experts": None,
+        "top_logprobs_num": 3,
+        "top_token_ids": [9, 11, 0, 4, 70000, 1],
+        "top_logprobs": [-0.75, -0.75, -2.0, -0.03125, -4.5, float("-inf")],
     }), []),
     "finished": (envelope("finished", 3, {
         "rid": "rollout-0007",
@@ -526,6 +555,9 @@ BAD = {
     "max_new_tokens_over_limit": (
         pack(envelope("generate", 16, generate_body(max_new_tokens=65537))),
         "out_of_range", "body.max_new_tokens", 16),
+    "top_logprobs_num_over_limit": (
+        pack(envelope("generate", 41, generate_body(top_logprobs_num=21))),
+        "out_of_range", "body.top_logprobs_num", 41),
     "unknown_type": (pack(envelope("frobnicate", 17, {})), "unknown_type", "type", 17),
     "unsupported_version": (pack({"v": 2, "type": "status", "id": 18, "body": {}}),
                             "unsupported_version", "v", 18),

@@ -1,6 +1,7 @@
 // Sampling on the device (Backend::sample on CUDA) against what the engine did before: the D2H
 // copy of the [R, vocab] logits into page-locked memory plus core::Sampler on the host, at
-// Qwen3's vocabulary (151,936), rows 1, 32 and 256, same run. The floor of the device op is one
+// Qwen3's vocabulary (151,936), rows 1, 32 and 256, same run; two settings add top log-probs
+// (20 with greedy, 5 with top-p), on both sides. The floor of the device op is one
 // read of the logits at the measured device-to-device copy bandwidth (also this run).
 // Host sampling is timed on min(R, 8) rows and scaled by R (rows are independent and the host
 // samples them one after another). Reports a table and, with --json, a file
@@ -72,12 +73,15 @@ int main(int argc, char** argv) {
     for (int i = 0; i < 20; ++i) logits[static_cast<size_t>(r * V + static_cast<int64_t>(uni() * V))] += 12.0f;
 
   void *d_logits = nullptr, *d_copy = nullptr, *d_rows = nullptr, *d_tokens = nullptr, *d_logprobs = nullptr;
+  void *d_top_ids = nullptr, *d_top_lps = nullptr;
   void* h_logits = nullptr;
   CHECK_OK(cuda->alloc(ctx, logits_bytes, &d_logits));
   CHECK_OK(cuda->alloc(ctx, logits_bytes, &d_copy));
   CHECK_OK(cuda->alloc(ctx, kMaxRows * sizeof(SamplingRow), &d_rows));
   CHECK_OK(cuda->alloc(ctx, kMaxRows * 4, &d_tokens));
   CHECK_OK(cuda->alloc(ctx, kMaxRows * 4, &d_logprobs));
+  CHECK_OK(cuda->alloc(ctx, kMaxRows * kMaxTopLogprobs * 4, &d_top_ids));
+  CHECK_OK(cuda->alloc(ctx, kMaxRows * kMaxTopLogprobs * 4, &d_top_lps));
   CHECK_OK(cuda->host_alloc(ctx, logits_bytes, &h_logits));
   CHECK_OK(cuda->copy(ctx, d_logits, logits.data(), logits_bytes, CopyKind::kHostToDevice));
   CHECK_OK(cuda->synchronize(ctx));
@@ -95,12 +99,15 @@ int main(int argc, char** argv) {
   struct Setting {
     const char* name;
     core::SamplingParams p;
+    int64_t top_n = 0;  // top log-probs per row (SampleArgs::top_ids)
   };
   const Setting settings[] = {{"greedy", {0.0f, 1.0f, 0, 0.0f, 1}},
                               {"t1_top_p_0.9", {1.0f, 0.9f, 0, 0.0f, 1}},
                               {"t1_no_filter", {1.0f, 1.0f, 0, 0.0f, 1}},
                               {"t0.7_top_k_50", {0.7f, 1.0f, 50, 0.0f, 1}},
-                              {"t1_min_p_0.05", {1.0f, 1.0f, 0, 0.05f, 1}}};
+                              {"t1_min_p_0.05", {1.0f, 1.0f, 0, 0.05f, 1}},
+                              {"greedy_top20", {0.0f, 1.0f, 0, 0.0f, 1}, 20},
+                              {"t1_top_p_0.9_top5", {1.0f, 0.9f, 0, 0.0f, 1}, 5}};
   nlohmann::json out;
   out["vocab"] = V;
   out["d2d_copy_payload_GBps"] = copy_bw / 1e9;
@@ -123,6 +130,10 @@ int main(int argc, char** argv) {
       a.rows = TensorView::contiguous(d_rows, DType::kU8, Shape{R, 32}, ctx.device);
       a.tokens = TensorView::contiguous(d_tokens, DType::kI32, Shape{R}, ctx.device);
       a.logprobs = TensorView::contiguous(d_logprobs, DType::kF32, Shape{R}, ctx.device);
+      if (s.top_n > 0) {
+        a.top_ids = TensorView::contiguous(d_top_ids, DType::kI32, Shape{R, s.top_n}, ctx.device);
+        a.top_logprobs = TensorView::contiguous(d_top_lps, DType::kF32, Shape{R, s.top_n}, ctx.device);
+      }
       for (int i = 0; i < 3; ++i) CHECK_OK(cuda->sample(ctx, a));
       CHECK_OK(cuda->synchronize(ctx));
       // Device: each step is the op plus its synchronisation (what a step pays).
@@ -144,10 +155,11 @@ int main(int argc, char** argv) {
       const int64_t timed_rows = std::min<int64_t>(R, 8);
       const float* hl = static_cast<const float*>(h_logits);
       uint64_t sink = 0;
+      core::TopLogprobs top;
       t0 = Clock::now();
       for (int64_t r = 0; r < timed_rows; ++r)
         sink += static_cast<uint64_t>(
-            sampler.sample(std::span<const float>(hl + r * V, static_cast<size_t>(V)), s.p, 5).token);
+            sampler.sample(std::span<const float>(hl + r * V, static_cast<size_t>(V)), s.p, 5, s.top_n, &top).token);
       const double host_s = seconds_since(t0) / static_cast<double>(timed_rows) * static_cast<double>(R);
       const double floor_s = static_cast<double>(bytes) / copy_bw;
       std::vector<int32_t> toks(static_cast<size_t>(R));
@@ -168,7 +180,7 @@ int main(int argc, char** argv) {
     }
   }
   if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
-  for (void* p : {d_logits, d_copy, d_rows, d_tokens, d_logprobs}) (void)cuda->free(ctx, p);
+  for (void* p : {d_logits, d_copy, d_rows, d_tokens, d_logprobs, d_top_ids, d_top_lps}) (void)cuda->free(ctx, p);
   (void)cuda->host_free(ctx, h_logits);
   return 0;
 }

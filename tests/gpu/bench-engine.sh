@@ -7,7 +7,7 @@
 # tests/gpu/run.sh calls every bench-*.sh with BUILD_DIR OUT_DIR; results:
 # OUT_DIR/bench-engine.json (+ bench-engine-peer.json) and the table in run.log. The checkpoint's
 # family: ROLLOUTD_BENCH_ENGINE_FAMILY (qwen3_moe or gpt_oss); more make-test-model arguments:
-# ROLLOUTD_BENCH_ENGINE_MAKE_ARGS (e.g. --experts-mxfp4).
+# ROLLOUTD_BENCH_ENGINE_MAKE_ARGS (e.g. --experts-mxfp4); its shape: ROLLOUTD_BENCH_ENGINE_SIZE.
 # tests/bench/NOTES.md ("CUDA GRAPHS", "ENGINE") keeps the figures. Extra arguments:
 # ROLLOUTD_BENCH_ENGINE_ARGS.
 set -euo pipefail
@@ -22,8 +22,10 @@ trap 'rm -rf "$tmp"' EXIT
 ckpt_args=()
 # ROLLOUTD_BENCH_ENGINE_FAMILY: qwen3_moe (default) or gpt_oss, the same mid size.
 family=${ROLLOUTD_BENCH_ENGINE_FAMILY:-qwen3_moe}
-if "$build/daemon/rolloutctl/rolloutctl" make-test-model --family "$family" --layers 8 --hidden 1024 --experts 32 \
-     --top-k 4 --heads 16 --kv-heads 4 --head-dim 64 --intermediate 512 --vocab 16384 --dtype float32 --seed 3 \
+# ROLLOUTD_BENCH_ENGINE_SIZE: the checkpoint's shape arguments (default: the mid size below).
+size=${ROLLOUTD_BENCH_ENGINE_SIZE:-"--layers 8 --hidden 1024 --experts 32 --top-k 4 --heads 16 --kv-heads 4 --head-dim 64 --intermediate 512 --vocab 16384"}
+# shellcheck disable=SC2086
+if "$build/daemon/rolloutctl/rolloutctl" make-test-model --family "$family" $size --dtype float32 --seed 3 \
      ${ROLLOUTD_BENCH_ENGINE_MAKE_ARGS:-} --out "$tmp/$family-mid" >"$tmp/make.log" 2>&1; then
   ckpt_args=(--model-dir "$tmp/$family-mid")
   py=$(command -v python3 || true)

@@ -2,7 +2,7 @@
 # Everything the GPU host runs, in stages (ROLLOUTD_GPU_STAGES, default all, comma-separated):
 #   goldens  torch goldens for the numeric formats, Hugging Face goldens for the MoE blocks
 #   build    configure + build (CUDA, sm_90a) into $ROLLOUTD_GPU_BUILD (default build/gpu)
-#   test     ctest -L gpu (and, with ROLLOUTD_GPU_ALL_TESTS=1, the rest of the suite)
+#   test     ctest -L gpu (ROLLOUTD_GPU_TESTS: a -R regex; with ROLLOUTD_GPU_ALL_TESTS=1, the rest of the suite too)
 #   bench    every tests/gpu/bench-*.sh
 # Results go under $OUT in few files (the device tool returns at most 8): run.log (every step
 # and every bench's text table), ctest-gpu.log, ctest-rest.log, bench-*.json, *.rdqg goldens.
@@ -43,7 +43,9 @@ if has build; then
 fi
 if has test; then
   step "ctest -L gpu"
-  timeout "${ROLLOUTD_GPU_TEST_TIMEOUT:-900}" ctest --test-dir "$build" -L gpu --output-on-failure >"$OUT/ctest-gpu.log" 2>&1
+  # ROLLOUTD_GPU_TESTS: a ctest -R regex to run only some of them.
+  timeout "${ROLLOUTD_GPU_TEST_TIMEOUT:-900}" ctest --test-dir "$build" -L gpu ${ROLLOUTD_GPU_TESTS:+-R "$ROLLOUTD_GPU_TESTS"} \
+    --output-on-failure >"$OUT/ctest-gpu.log" 2>&1
   rc=$?
   grep -E "Test +#|tests passed|FAILED|Failed" "$OUT/ctest-gpu.log" | tail -30
   if [ "${ROLLOUTD_GPU_ALL_TESTS:-0}" = 1 ]; then

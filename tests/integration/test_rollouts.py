@@ -55,6 +55,40 @@ def test_greedy_matches_the_numpy_reference(daemon):
             assert r.routed_experts.to_numpy().tolist() == case["routed_experts"]
 
 
+def test_top_logprobs_match_the_numpy_reference_and_the_sampled_tokens(daemon):
+    import json, os
+    golden = json.load(open(os.path.join(os.environ["ROLLOUTD_SOURCE_ROOT"],
+                                         "tests/reference/tiny_moe_golden.json")))
+    with daemon.client() as c:
+        for case in golden["cases"]:
+            r = c.generate(case["prompt"], max_new_tokens=6, temperature=0.0, return_logprob=True,
+                           top_logprobs_num=5, stream=True)
+            assert len(r.top_token_ids) == len(r.top_logprobs) == 6
+            # The first token's list: the NumPy model's last prompt logits, sorted here.
+            logits = np.asarray(case["prompt_logits"][-1], dtype=np.float64)
+            order = np.argsort(-logits, kind="stable")[:5]
+            log_softmax = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+            assert r.top_token_ids[0] == order.tolist()
+            assert np.allclose(r.top_logprobs[0], log_softmax[order], atol=1e-4)
+            for tok, lp, ids, lps in zip(r.token_ids, r.logprobs, r.top_token_ids, r.top_logprobs):
+                assert ids[0] == tok and lps[0] == lp  # greedy: the token heads its own list, same value
+                assert all(a >= b for a, b in zip(lps, lps[1:]))
+        sampled = c.generate([3, 1, 4], max_new_tokens=8, temperature=1.0, seed=5, return_logprob=True,
+                             top_logprobs_num=20, stream=False)
+        assert [len(x) for x in sampled.top_token_ids] == [20] * 8
+        for tok, lp, ids, lps in zip(sampled.token_ids, sampled.logprobs, sampled.top_token_ids,
+                                     sampled.top_logprobs):
+            if tok in ids:
+                assert lps[ids.index(tok)] == lp
+            else:
+                assert lp <= lps[-1]
+        plain = c.generate([3, 1, 4], max_new_tokens=2, temperature=0.0)
+        assert plain.top_token_ids == [] and plain.top_logprobs == []
+        with pytest.raises(rolloutd.RolloutdError) as e:
+            c.generate([3], max_new_tokens=2, top_logprobs_num=21)
+        assert (e.value.code, e.value.field) == ("out_of_range", "body.top_logprobs_num")
+
+
 def test_routed_experts_start_len_and_stream_false(daemon):
     with daemon.client() as c:
         a = c.generate([9] * 10, max_new_tokens=6, temperature=0.0, return_routed_experts=True,

@@ -49,6 +49,10 @@ class GenerateResult:
     token_ids: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
     weight_versions: List[int] = field(default_factory=list)
+    # With top_logprobs_num > 0: per token, its most likely tokens and their log-probs
+    # (log-prob descending, id ascending on ties), aligned with token_ids.
+    top_token_ids: List[List[int]] = field(default_factory=list)
+    top_logprobs: List[List[float]] = field(default_factory=list)
     routed_experts: Optional[RoutedExperts] = None
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
     abort_reason: str = ""
@@ -84,6 +88,10 @@ class _Collector:
             r.token_ids.extend(event.token_ids)
             r.logprobs.extend(event.logprobs)
             r.weight_versions.extend(event.weight_versions)
+            n = event.top_logprobs_num
+            for j in range(len(event.token_ids) if n else 0):
+                r.top_token_ids.append(event.top_token_ids[j * n:(j + 1) * n])
+                r.top_logprobs.append(event.top_logprobs[j * n:(j + 1) * n])
             if event.routed_experts is not None:
                 self._add_rows(event.routed_experts)
             return False
@@ -91,6 +99,7 @@ class _Collector:
             # The request restarts from its prompt under new weights: nothing received so far
             # stands, and its routed rows start again at routed_experts_start_len.
             r.token_ids, r.logprobs, r.weight_versions = [], [], []
+            r.top_token_ids, r.top_logprobs = [], []
             self._rows, self._chunks = None, []
             r.num_retractions += 1
             return False
@@ -395,7 +404,8 @@ class Client:
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: Optional[int] = None,
                  stop_token_ids: Sequence[int] = (), return_logprob: bool = False,
                  return_routed_experts: bool = False, routed_experts_start_len: int = 0,
-                 rid: Optional[str] = None, timeout_s: float = 120.0, stream: bool = True) -> GenerateResult:
+                 rid: Optional[str] = None, timeout_s: float = 120.0, stream: bool = True,
+                 top_logprobs_num: int = 0) -> GenerateResult:
         """Submits one request and collects its events until the final one.
 
         Raises RolloutdError if the daemon rejects the request or it does not end
@@ -407,7 +417,7 @@ class Client:
             input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             min_p=min_p, seed=seed, stop_token_ids=stop_token_ids, return_logprob=return_logprob,
             return_routed_experts=return_routed_experts, routed_experts_start_len=routed_experts_start_len,
-            rid=rid, timeout_s=timeout_s, stream=stream)
+            rid=rid, timeout_s=timeout_s, stream=stream, top_logprobs_num=top_logprobs_num)
         with contextlib.closing(stream_it):  # an error here aborts the request at once
             for event in stream_it:
                 if collector.add(event):

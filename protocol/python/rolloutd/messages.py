@@ -28,6 +28,7 @@ _DTYPE_ALIASES = {**{st: name for name, (_, st) in WEIGHT_DTYPES.items()}, "floa
 PAUSE_MODES = ("abort", "retract", "in_place")
 # Memory tags of release_memory / resume_memory (SPEC §12), in canonical order; None = all.
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+MAX_TOP_LOGPROBS = 20  # generate.top_logprobs_num
 
 # GPU weight transports (SPEC §11.7): sizes fixed by NCCL and CUDA.
 NCCL_UNIQUE_ID_BYTES = 128  # ncclUniqueId
@@ -130,6 +131,9 @@ class GenerateRequest:
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     stream: bool = True
+    # [0, MAX_TOP_LOGPROBS]: n > 0 adds the n most likely tokens of every sampled token (SPEC §4.1);
+    # written only when n > 0.
+    top_logprobs_num: int = 0
 
 
 @dataclass
@@ -468,6 +472,11 @@ class TokensEvent:
     logprobs: List[float] = field(default_factory=list)  # empty unless return_logprob
     weight_versions: List[int] = field(default_factory=list)  # one per token
     routed_experts: Optional[RoutedExperts] = None
+    # The request's top_logprobs_num n (0: not asked, both lists empty); token j's n most likely
+    # tokens are entries [j*n, (j+1)*n), log-prob descending, id ascending on ties (SPEC §4.3).
+    top_logprobs_num: int = 0
+    top_token_ids: List[int] = field(default_factory=list)
+    top_logprobs: List[float] = field(default_factory=list)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import msgpack
 
 from .messages import (CUDA_IPC_HANDLE_BYTES, DEVICE_UUID_BYTES, MAX_DEVICE_BUCKET_BYTES, MAX_WEIGHT_GROUP_SIZE,
-                       MEMORY_TAGS, MIN_WEIGHT_GROUP_SIZE, NCCL_UNIQUE_ID_BYTES, PAUSE_MODES, PROTOCOL_VERSION,
+                       MAX_TOP_LOGPROBS, MEMORY_TAGS, MIN_WEIGHT_GROUP_SIZE, NCCL_UNIQUE_ID_BYTES, PAUSE_MODES, PROTOCOL_VERSION,
                        ROUTED_EXPERTS_DTYPES, WEIGHT_DTYPES, AbortReply, AbortRequest, AbortWeightUpdateReply,
                        AbortWeightUpdateRequest, BeginWeightUpdateReply, BeginWeightUpdateRequest, BucketChecksum,
                        BucketEntry, ContinueGenerationReply, ContinueGenerationRequest, CudaIpcSource,
@@ -195,8 +195,8 @@ class _List(_Kind):
     """An array; `limit` names a Limits field bounding its length, `max_len` is a fixed bound."""
 
     def __init__(self, item: _Kind, limit: Optional[str] = None, non_empty: bool = False,
-                 max_len: Optional[int] = None):
-        self.item, self.limit, self.non_empty, self.max_len = item, limit, non_empty, max_len
+                 max_len: Optional[int] = None, scale: int = 1):
+        self.item, self.limit, self.non_empty, self.max_len, self.scale = item, limit, non_empty, max_len, scale
 
     def encode(self, v, path, ctx):
         if hasattr(v, "tolist"):  # numpy arrays, torch tensors
@@ -208,7 +208,7 @@ class _List(_Kind):
     def decode(self, v, path, ctx):
         if not isinstance(v, list):
             raise _wrong_type("an array", v, path)
-        limit = getattr(ctx.limits, self.limit) if self.limit is not None else self.max_len
+        limit = getattr(ctx.limits, self.limit) * self.scale if self.limit is not None else self.max_len
         if limit is not None and len(v) > limit:
             raise RolloutdError("too_large", f"{len(v)} entries, limit {limit}", path)
         if self.non_empty and not v:
@@ -233,13 +233,18 @@ class _Struct(_Kind):
     """A map for dataclass `cls`: fields [(name, kind)] in wire order. Fields named in
     `optional` may be absent (dataclass default); unknown keys are ignored."""
 
-    def __init__(self, cls, fields, optional: Sequence[str] = ()):
-        self.cls, self.fields, self.optional = cls, tuple(fields), frozenset(optional)
+    def __init__(self, cls, fields, optional: Sequence[str] = (), omitted_when: Optional[Dict[str, Any]] = None):
+        self.cls, self.fields = cls, tuple(fields)
+        # Fields added to a message later that encoders leave out at these values, so a message
+        # that does not use them keeps its older bytes (they are optional for decoders too).
+        self.omitted_when = dict(omitted_when or {})
+        self.optional = frozenset(optional) | frozenset(self.omitted_when)
 
     def encode(self, v, path, ctx):
         if not isinstance(v, self.cls):
             raise _wrong_type(self.cls.__name__, v, path)
-        return {name: kind.encode(getattr(v, name), _join(path, name), ctx) for name, kind in self.fields}
+        return {name: kind.encode(getattr(v, name), _join(path, name), ctx) for name, kind in self.fields
+                if name not in self.omitted_when or getattr(v, name) != self.omitted_when[name]}
 
     def decode(self, v, path, ctx):
         if not isinstance(v, dict):
@@ -336,7 +341,21 @@ class _TokensBody(_Struct):
         if len(r.weight_versions) != len(r.token_ids):
             raise RolloutdError("invalid_argument", f"{len(r.weight_versions)} weight versions for "
                                 f"{len(r.token_ids)} tokens", _join(path, "weight_versions"))
+        want = len(r.token_ids) * r.top_logprobs_num
+        for name in ("top_token_ids", "top_logprobs"):
+            n = len(getattr(r, name))
+            if n != want:
+                raise RolloutdError("invalid_argument", f"{n} entries for {len(r.token_ids)} tokens of "
+                                    f"{r.top_logprobs_num} (top_logprobs_num)", _join(path, name))
         return r
+
+    def encode(self, v, path, ctx):
+        # The three top-log-prob keys travel together: all written when n > 0, none otherwise.
+        body = super().encode(v, path, ctx)
+        if v.top_logprobs_num > 0:
+            body.setdefault("top_token_ids", [])
+            body.setdefault("top_logprobs", [])
+        return body
 
 
 # ---- weight updates (SPEC §11) ----
@@ -563,9 +582,11 @@ REQUEST_TYPES: Dict[str, _Kind] = {
         ("temperature", _Float(0.0, 100.0)), ("top_p", _Float(0.0, 1.0, lo_open=True)),
         ("top_k", _Int(-(2**31), 2**31 - 1, min=0)), ("min_p", _Float(0.0, 1.0)), ("seed", _Nullable(_U64)),
         ("stop_token_ids", _List(_TOKEN, limit="max_stop_token_ids")), ("return_logprob", _BOOL),
-        ("return_routed_experts", _BOOL), ("routed_experts_start_len", _U32), ("stream", _BOOL)],
+        ("return_routed_experts", _BOOL), ("routed_experts_start_len", _U32), ("stream", _BOOL),
+        ("top_logprobs_num", _Int(0, 2**32 - 1, max=MAX_TOP_LOGPROBS))],
         optional=("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop_token_ids", "return_logprob",
-                  "return_routed_experts", "routed_experts_start_len", "stream")),
+                  "return_routed_experts", "routed_experts_start_len", "stream"),
+        omitted_when={"top_logprobs_num": 0}),
     "abort": _AbortBody(),
     "shutdown": _Struct(ShutdownRequest, [("drain", _BOOL), ("deadline_s", _Float(0.0, 3600.0))],
                         optional=("drain", "deadline_s")),
@@ -642,7 +663,12 @@ EVENT_TYPES: Dict[str, _Kind] = {
         ("rid", _RID), ("token_ids", _List(_TOKEN, limit="max_new_tokens")),
         ("logprobs", _List(_F64, limit="max_new_tokens")),  # any float, -inf included
         ("weight_versions", _List(_U64, limit="max_new_tokens")),
-        ("routed_experts", _Nullable(_RoutedExpertsKind()))]),
+        ("routed_experts", _Nullable(_RoutedExpertsKind())),
+        # SPEC §4.3: only in events of requests with top_logprobs_num > 0.
+        ("top_logprobs_num", _Int(0, 2**32 - 1, max=MAX_TOP_LOGPROBS)),
+        ("top_token_ids", _List(_TOKEN, limit="max_new_tokens", scale=MAX_TOP_LOGPROBS)),
+        ("top_logprobs", _List(_F64, limit="max_new_tokens", scale=MAX_TOP_LOGPROBS))],  # any float, -inf included
+        omitted_when={"top_logprobs_num": 0, "top_token_ids": [], "top_logprobs": []}),
     "finished": _Struct(FinishedEvent, [("rid", _RID), ("reason", _Str(values=("stop", "length", "abort"))),
                                         ("abort_reason", _STR), ("prompt_tokens", _U32),
                                         ("completion_tokens", _U32)]),

@@ -24,6 +24,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/backend.hpp"
@@ -65,23 +66,29 @@ std::optional<Target> target(DeviceKind kind) {
 struct Sampled {
   std::vector<int32_t> tokens;
   std::vector<float> logprobs;
+  std::vector<int32_t> top_ids;      // [R, top_n] when asked
+  std::vector<float> top_logprobs;
 };
 
-// Runs the op over host logits [R, V] and rows; buffers on the target's device.
+// Runs the op over host logits [R, V] and rows (and top_n top log-probs per row when > 0);
+// buffers on the target's device.
 Status run_sample(const Target& t, const std::vector<float>& logits, int64_t V, const std::vector<SamplingRow>& rows,
-                  Sampled& out) {
+                  Sampled& out, int64_t top_n = 0) {
   const Backend& b = *t.backend;
   const auto R = static_cast<int64_t>(rows.size());
   const bool cpu = t.ctx.device.kind == DeviceKind::kCpu;
   const CopyKind h2d = cpu ? CopyKind::kHostToHost : CopyKind::kHostToDevice;
   const CopyKind d2h = cpu ? CopyKind::kHostToHost : CopyKind::kDeviceToHost;
-  void *dl = nullptr, *dr = nullptr, *dt = nullptr, *dp = nullptr;
+  void *dl = nullptr, *dr = nullptr, *dt = nullptr, *dp = nullptr, *di = nullptr, *dq = nullptr;
   const size_t lb = std::max<size_t>(logits.size() * 4, 4), rb = std::max<size_t>(rows.size() * 32, 32);
   const size_t ob = std::max<size_t>(rows.size() * 4, 4);
+  const size_t tb = std::max<size_t>(rows.size() * static_cast<size_t>(top_n) * 4, 4);
   RD_RETURN_IF_ERROR(b.alloc(t.ctx, lb, &dl));
   RD_RETURN_IF_ERROR(b.alloc(t.ctx, rb, &dr));
   RD_RETURN_IF_ERROR(b.alloc(t.ctx, ob, &dt));
   RD_RETURN_IF_ERROR(b.alloc(t.ctx, ob, &dp));
+  RD_RETURN_IF_ERROR(b.alloc(t.ctx, tb, &di));
+  RD_RETURN_IF_ERROR(b.alloc(t.ctx, tb, &dq));
   // Poison the outputs: a row the op skips shows.
   std::vector<int32_t> poison(rows.size(), std::numeric_limits<int32_t>::min());
   Status st = b.copy(t.ctx, dl, logits.data(), logits.size() * 4, h2d);
@@ -95,15 +102,23 @@ Status run_sample(const Target& t, const std::vector<float>& logits, int64_t V, 
     a.rows = TensorView::contiguous(dr, DType::kU8, Shape{R, 32}, t.ctx.device);
     a.tokens = TensorView::contiguous(dt, DType::kI32, Shape{R}, t.ctx.device);
     a.logprobs = TensorView::contiguous(dp, DType::kF32, Shape{R}, t.ctx.device);
+    if (top_n > 0) {
+      a.top_ids = TensorView::contiguous(di, DType::kI32, Shape{R, top_n}, t.ctx.device);
+      a.top_logprobs = TensorView::contiguous(dq, DType::kF32, Shape{R, top_n}, t.ctx.device);
+    }
     op = b.sample(t.ctx, a);
   }
   // Read back even after a refusal: the outputs must then still hold the poison.
   out.tokens.assign(rows.size(), 0);
   out.logprobs.assign(rows.size(), 0);
+  out.top_ids.assign(rows.size() * static_cast<size_t>(top_n), 0);
+  out.top_logprobs.assign(out.top_ids.size(), 0);
   if (st.ok()) st = b.copy(t.ctx, out.tokens.data(), dt, rows.size() * 4, d2h);
   if (st.ok()) st = b.copy(t.ctx, out.logprobs.data(), dp, rows.size() * 4, d2h);
+  if (st.ok() && top_n > 0) st = b.copy(t.ctx, out.top_ids.data(), di, out.top_ids.size() * 4, d2h);
+  if (st.ok() && top_n > 0) st = b.copy(t.ctx, out.top_logprobs.data(), dq, out.top_ids.size() * 4, d2h);
   const Status sync = b.synchronize(t.ctx);
-  for (void* p : {dl, dr, dt, dp}) (void)b.free(t.ctx, p);
+  for (void* p : {dl, dr, dt, dp, di, dq}) (void)b.free(t.ctx, p);
   if (!op.ok()) return op;
   return st.ok() ? sync : st;
 }
@@ -493,6 +508,140 @@ TEST(SampleOp, CpuRefusesBadParametersNamingRowAndField) {
     EXPECT_EQ(st.code(), ErrorCode::kOutOfRange) << field;
     EXPECT_EQ(st.field(), field);
     EXPECT_EQ(s.tokens[0], std::numeric_limits<int32_t>::min()) << "outputs untouched: " << field;
+  }
+}
+
+// ---- top log-probs ---------------------------------------------------------------------------
+
+// The n most likely ids by a plain full sort: logit descending, id ascending, NaN last (a float
+// comparison, so -0.0 and +0.0 tie and the id decides).
+std::vector<int32_t> top_reference(const float* l, int64_t V, int64_t n) {
+  std::vector<int32_t> ids(static_cast<size_t>(V));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::stable_sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) {
+    const float la = l[a], lb = l[b];
+    if (std::isnan(la) || std::isnan(lb)) return !std::isnan(la) && std::isnan(lb);
+    return la > lb;
+  });
+  ids.resize(static_cast<size_t>(n));
+  return ids;
+}
+
+// Rows of every kind (smooth, tied, NaN and -inf, signed zeros, constant) under greedy and
+// sampled parameters: the ids equal the full sort's, the log-probs the raw log-softmax, the
+// sampled token's entry (when listed) its log-prob bit for bit, and asking for the lists changes
+// no token.
+void top_logprobs_match_a_full_sort(DeviceKind kind) {
+  auto t = target(kind);
+  if (!t) GTEST_SKIP() << "no CUDA backend or no visible GPU";
+  for (int64_t V : {20, 1000, 151936}) {
+    for (int64_t n : {1, 5, 20}) {
+      Rng rng(static_cast<uint64_t>(V * 31 + n));
+      const int64_t R = 8;
+      std::vector<float> logits(static_cast<size_t>(R * V));
+      for (auto& x : logits) x = static_cast<float>(2.0 * rng.normal());
+      float* row1 = logits.data() + V;  // ties everywhere
+      for (int64_t i = 0; i < V; ++i) row1[i] = std::round(row1[i]);
+      float* row2 = logits.data() + 2 * V;  // NaN and -inf among them, the first logit NaN
+      for (int64_t i = 0; i < V; i += 3) row2[i] = std::numeric_limits<float>::quiet_NaN();
+      for (int64_t i = 1; i < V; i += 7) row2[i] = -std::numeric_limits<float>::infinity();
+      float* row3 = logits.data() + 3 * V;  // signed zeros at the top
+      for (int64_t i = 0; i < V; ++i) row3[i] = -1.0f - std::abs(row3[i]);
+      for (int64_t i = 0; i < V; i += 2) row3[i] = (i / 2) % 2 ? -0.0f : 0.0f;
+      std::fill(logits.begin() + 4 * V, logits.begin() + 5 * V, 0.5f);  // constant
+      float* row5 = logits.data() + 5 * V;  // mostly -inf: the list reaches into it
+      for (int64_t i = 0; i < V; ++i) row5[i] = i % 9 == 4 ? row5[i] : -std::numeric_limits<float>::infinity();
+      std::vector<SamplingRow> rows;
+      for (int64_t r = 0; r < R; ++r) rows.push_back(r % 2 ? row(1.0f, 0, 0.9f, 0.0f, 11 + r, r) : row(0.0f));
+      Sampled with_top, plain;
+      ASSERT_TRUE(run_sample(*t, logits, V, rows, with_top, n).ok()) << "V " << V << " n " << n;
+      ASSERT_TRUE(run_sample(*t, logits, V, rows, plain).ok());
+      EXPECT_EQ(with_top.tokens, plain.tokens) << "V " << V << " n " << n;
+      for (int64_t r = 0; r < R; ++r) {
+        SCOPED_TRACE("V " + std::to_string(V) + " n " + std::to_string(n) + " row " + std::to_string(r));
+        const float* l = logits.data() + r * V;
+        const std::vector<int32_t> want = top_reference(l, V, n);
+        const std::vector<int32_t> got(with_top.top_ids.begin() + r * n, with_top.top_ids.begin() + (r + 1) * n);
+        EXPECT_EQ(got, want);
+        EXPECT_EQ(std::memcmp(&with_top.logprobs[r], &plain.logprobs[r], 4), 0) << "the token's log-prob changed";
+        for (int64_t j = 0; j < n; ++j) {
+          const int32_t id = got[static_cast<size_t>(j)];
+          if (id < 0 || id >= V) continue;  // reported by the comparison above
+          const float lp = with_top.top_logprobs[static_cast<size_t>(r * n + j)];
+          if (id == with_top.tokens[r]) {
+            EXPECT_EQ(std::memcmp(&lp, &with_top.logprobs[r], 4), 0) << "entry " << j << " is the sampled token";
+          }
+          if (r == 2) continue;  // NaN rows: the CPU's log-sum-exp is NaN, CUDA's skips NaN
+          if (std::isinf(l[id])) {
+            EXPECT_TRUE(std::isinf(lp) && lp < 0) << "entry " << j;
+          } else {
+            EXPECT_NEAR(lp, log_softmax_at(l, V, id), 1e-5) << "entry " << j;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(SampleOp, CpuTopLogprobsMatchAFullSort) { top_logprobs_match_a_full_sort(DeviceKind::kCpu); }
+TEST(SampleOp, CudaTopLogprobsMatchAFullSort) { top_logprobs_match_a_full_sort(DeviceKind::kCuda); }
+
+// CUDA's lists equal the CPU's: the same ids, log-probs within FP32 rounding of the log-sum-exp.
+TEST(SampleOp, CudaTopLogprobsEqualTheCpus) {
+  auto gpu = target(DeviceKind::kCuda);
+  if (!gpu) GTEST_SKIP() << "no CUDA backend or no visible GPU";
+  const auto cpu = target(DeviceKind::kCpu);
+  const int64_t V = 151936, R = 64, n = 20;
+  Rng rng(99);
+  std::vector<float> logits(static_cast<size_t>(R * V));
+  for (auto& x : logits) x = static_cast<float>(4.0 * rng.normal());
+  std::vector<SamplingRow> rows;
+  for (int64_t r = 0; r < R; ++r) rows.push_back(row(0.0f));
+  Sampled a, b;
+  ASSERT_TRUE(run_sample(*cpu, logits, V, rows, a, n).ok());
+  ASSERT_TRUE(run_sample(*gpu, logits, V, rows, b, n).ok());
+  EXPECT_EQ(a.top_ids, b.top_ids);
+  for (size_t i = 0; i < a.top_logprobs.size(); ++i)
+    EXPECT_NEAR(a.top_logprobs[i], b.top_logprobs[i], 1e-6 * std::max(1.0f, std::abs(a.top_logprobs[i]))) << i;
+}
+
+TEST(SampleOp, TopLogprobShapeErrorsAreTyped) {
+  for (DeviceKind kind : {DeviceKind::kCpu, DeviceKind::kCuda}) {
+    auto t = target(kind);
+    if (!t) continue;
+    // Device buffers: the CUDA op must refuse before it touches any.
+    void* buf = nullptr;
+    ASSERT_TRUE(t->backend->alloc(t->ctx, 4096, &buf).ok());
+    auto* base = static_cast<char*>(buf);
+    SampleArgs a;
+    a.logits = TensorView::contiguous(base, DType::kF32, Shape{2, 24}, t->ctx.device);        // bytes [0, 192)
+    a.rows = TensorView::contiguous(base + 256, DType::kU8, Shape{2, 32}, t->ctx.device);     // [256, 320)
+    a.tokens = TensorView::contiguous(base + 384, DType::kI32, Shape{2}, t->ctx.device);      // [384, 392)
+    a.logprobs = TensorView::contiguous(base + 448, DType::kF32, Shape{2}, t->ctx.device);    // [448, 456)
+    const auto top = [&](int64_t n, int64_t rows_ids = 2, int64_t n_lps = -1) {
+      a.top_ids = TensorView::contiguous(base + 512, DType::kI32, Shape{rows_ids, n}, t->ctx.device);
+      a.top_logprobs = TensorView::contiguous(base + 1024, DType::kF32, Shape{2, n_lps < 0 ? n : n_lps}, t->ctx.device);
+      return t->backend->sample(t->ctx, a);
+    };
+    for (auto [n, rows_ids, n_lps, field] :
+         {std::tuple{int64_t{21}, int64_t{2}, int64_t{-1}, "top_ids"}, std::tuple{int64_t{0}, int64_t{2}, int64_t{-1}, "top_ids"},
+          std::tuple{int64_t{3}, int64_t{1}, int64_t{-1}, "top_ids"}, std::tuple{int64_t{3}, int64_t{2}, int64_t{4}, "top_logprobs"}}) {
+      const Status st = top(n, rows_ids, n_lps);
+      EXPECT_EQ(st.code(), ErrorCode::kInvalidArgument) << t->backend->name << " " << st.to_string();
+      EXPECT_EQ(st.field(), field) << t->backend->name << " " << st.to_string();
+    }
+    a.logits = TensorView::contiguous(base, DType::kF32, Shape{2, 4}, t->ctx.device);  // N above V
+    EXPECT_EQ(top(5).field(), "top_ids") << t->backend->name;
+    a.logits = TensorView::contiguous(base, DType::kF32, Shape{2, 24}, t->ctx.device);
+    a.top_logprobs = TensorView{};  // one of the pair alone
+    a.top_ids = TensorView::contiguous(base + 512, DType::kI32, Shape{2, 3}, t->ctx.device);
+    EXPECT_EQ(t->backend->sample(t->ctx, a).field(), "top_logprobs") << t->backend->name;
+    a.top_logprobs = TensorView::contiguous(base + 512, DType::kF32, Shape{2, 3}, t->ctx.device);  // aliases top_ids
+    const Status overlap = t->backend->sample(t->ctx, a);
+    EXPECT_EQ(overlap.code(), ErrorCode::kInvalidArgument) << t->backend->name;
+    EXPECT_NE(overlap.message().find("overlaps"), std::string::npos) << overlap.to_string();
+    EXPECT_TRUE(t->backend->synchronize(t->ctx).ok());
+    (void)t->backend->free(t->ctx, buf);
   }
 }
 

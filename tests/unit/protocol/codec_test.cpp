@@ -1313,6 +1313,26 @@ TEST(RefusedIncoming, TokensEventChecks) {
   few.max_new_tokens = 1;  // below the parse-time bound, which get_weights_by_name sets (§9)
   expect_incoming_error(envelope("tokens", 1, tokens_body()), four, E::kTooLarge, "body.token_ids",
                         few);
+
+  // Top log-probs: n entries per token in both arrays, n within [0, 20].
+  const Map top = with(with(with(tokens_body(), "top_logprobs_num", 2), "top_token_ids", Array{3, 1, 5, 6}),
+                       "top_logprobs", Array{-0.5, -1.5, -0.25, -3.0});
+  const auto ok = decode_in(WireMessage{bytes(envelope("tokens", 1, top)), four});
+  ASSERT_TRUE(ok.ok()) << ok.status().to_string();
+  EXPECT_EQ(std::get<TokensEvent>(ok->msg).top_token_ids, (std::vector<int32_t>{3, 1, 5, 6}));
+  expect_incoming_error(envelope("tokens", 1, with(top, "top_token_ids", Array{3, 1, 5})), four,
+                        E::kInvalidArgument, "body.top_token_ids");
+  expect_incoming_error(envelope("tokens", 1, with(top, "top_logprobs", Array{-0.5})), four,
+                        E::kInvalidArgument, "body.top_logprobs");
+  expect_incoming_error(envelope("tokens", 1, with(top, "top_logprobs_num", 21)), four, E::kOutOfRange,
+                        "body.top_logprobs_num");
+  expect_incoming_error(envelope("tokens", 1, with(top, "top_logprobs_num", 0)), four, E::kInvalidArgument,
+                        "body.top_token_ids");
+  expect_incoming_error(envelope("tokens", 1, with(top, "top_token_ids", Array{3, 1, 5, -6})), four,
+                        E::kOutOfRange, "body.top_token_ids[3]");
+  // Entries without n: refused, not dropped.
+  expect_incoming_error(envelope("tokens", 1, with(tokens_body(), "top_logprobs", Array{-1.0, -2.0})), four,
+                        E::kInvalidArgument, "body.top_logprobs");
 }
 
 TEST(RefusedIncoming, OtherMessages) {

@@ -75,6 +75,7 @@ constexpr Case kGoldens[] = {
     {"status", "status"},
     {"generate", "generate"},
     {"generate_greedy", "generate"},
+    {"generate_top_logprobs", "generate"},
     {"abort", "abort"},
     {"abort_all", "abort"},
     {"shutdown", "shutdown"},
@@ -88,6 +89,7 @@ constexpr Case kGoldens[] = {
     {"tokens_uint16", "tokens"},
     {"tokens_no_rows", "tokens"},
     {"tokens_plain", "tokens"},
+    {"tokens_top_logprobs", "tokens"},
     {"finished", "finished"},
     {"finished_abort", "finished"},
     {"failed", "failed"},
@@ -227,6 +229,34 @@ TEST(GoldenValues, Generate) {
   ASSERT_TRUE(r2.status.ok()) << r2.status.to_string();
   EXPECT_FALSE(std::get<GenerateRequest>(*r2.request).seed.has_value());
   EXPECT_FALSE(std::get<GenerateRequest>(*r2.request).stream);
+}
+
+TEST(GoldenValues, TopLogprobsAreAskedAndCarriedPerToken) {
+  const Golden g = load("generate_top_logprobs");
+  const RequestDecodeResult r = decode_request(as_frame(g.envelope), {}, Limits{});
+  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+  EXPECT_EQ(std::get<GenerateRequest>(*r.request).top_logprobs_num, 3u);
+  // Absent in the older goldens: 0.
+  const Golden plain = load("generate");
+  const RequestDecodeResult r0 = decode_request(as_frame(plain.envelope), {}, Limits{});
+  ASSERT_TRUE(r0.status.ok()) << r0.status.to_string();
+  EXPECT_EQ(std::get<GenerateRequest>(*r0.request).top_logprobs_num, 0u);
+
+  const Golden t = load("tokens_top_logprobs");
+  const auto e = decode_incoming(as_frame(t.envelope), {}, Limits{});
+  ASSERT_TRUE(e.ok()) << e.status().to_string();
+  const auto& tok = std::get<TokensEvent>(e->msg);
+  EXPECT_EQ(tok.top_logprobs_num, 3u);
+  EXPECT_EQ(tok.top_token_ids, (std::vector<int32_t>{9, 11, 0, 4, 70000, 1}));
+  ASSERT_EQ(tok.top_logprobs.size(), 6u);
+  EXPECT_EQ(tok.top_logprobs[0], -0.75);
+  EXPECT_EQ(tok.top_logprobs[3], -0.03125);
+  EXPECT_TRUE(std::isinf(tok.top_logprobs[5]) && tok.top_logprobs[5] < 0);
+  const Golden no_top = load("tokens_plain");
+  const auto e0 = decode_incoming(as_frame(no_top.envelope), {}, Limits{});
+  ASSERT_TRUE(e0.ok()) << e0.status().to_string();
+  EXPECT_EQ(std::get<TokensEvent>(e0->msg).top_logprobs_num, 0u);
+  EXPECT_TRUE(std::get<TokensEvent>(e0->msg).top_token_ids.empty());
 }
 
 TEST(GoldenValues, AbortAllHasNoRid) {

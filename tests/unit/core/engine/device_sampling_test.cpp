@@ -4,8 +4,11 @@
 // - a row count that differs from the logits rows, or a bad parameter, is a typed error;
 // - on CUDA, greedy tokens with device sampling equal those with host sampling and those of
 //   the CPU engine, with graphs on and off, log-probs within FP32 tolerance; seeded
-//   temperature-1 requests give the same tokens when run again.
+//   temperature-1 requests give the same tokens when run again; top log-probs (requests asking
+//   for different counts in one batch) equal the host's ids, log-probs within the same tolerance.
 // The Cpu tests run everywhere; the Cuda ones skip without a GPU (binary labelled gpu).
+#include <algorithm>
+#include <array>
 #include <map>
 
 #include "../test_util.hpp"
@@ -51,16 +54,26 @@ TEST(DeviceSampling, CpuStepSampleEqualsHostSamplerOnStepLogits) {
   for (uint64_t draw = 0; draw < 20; ++draw) {
     hot.seed = 1000 + draw;
     const std::vector<SamplingRow> rows = {sampling_row(greedy, draw), sampling_row(hot, draw)};
-    auto got = m->step_sample(b, rows, nullptr);
+    const int64_t top_n = static_cast<int64_t>(draw % 4) * 5;  // 0, 5, 10, 15
+    auto got = m->step_sample(b, rows, nullptr, top_n);
     ASSERT_TRUE(got.ok()) << got.status().to_string();
     ASSERT_EQ(got->tokens.size(), 2u);
     Sampler s;
-    const SampledToken want0 = s.sample(std::span<const float>(host.data(), V), greedy, draw);
-    const SampledToken want1 = s.sample(std::span<const float>(host.data() + V, V), hot, draw);
+    TopLogprobs top0, top1;
+    const SampledToken want0 = s.sample(std::span<const float>(host.data(), V), greedy, draw, top_n, &top0);
+    const SampledToken want1 = s.sample(std::span<const float>(host.data() + V, V), hot, draw, top_n, &top1);
     EXPECT_EQ(got->tokens[0], want0.token);
     EXPECT_EQ(got->logprobs[0], want0.logprob);
     EXPECT_EQ(got->tokens[1], want1.token) << "draw " << draw;
     EXPECT_EQ(got->logprobs[1], want1.logprob) << "draw " << draw;
+    ASSERT_EQ(got->top_n, top_n);
+    ASSERT_EQ(got->top_ids.size(), static_cast<size_t>(2 * top_n));
+    for (int64_t j = 0; j < top_n; ++j) {
+      EXPECT_EQ(got->top_ids[j], top0.ids[j]);
+      EXPECT_EQ(got->top_logprobs[j], top0.logprobs[j]);
+      EXPECT_EQ(got->top_ids[top_n + j], top1.ids[j]);
+      EXPECT_EQ(got->top_logprobs[top_n + j], top1.logprobs[j]);
+    }
   }
 }
 
@@ -77,6 +90,10 @@ TEST(DeviceSampling, CpuStepSampleRefusesBadRows) {
   auto r = m->step_sample(b, std::vector<SamplingRow>{sampling_row(p, 0), bad}, nullptr);
   EXPECT_EQ(r.status().code(), ErrorCode::kOutOfRange);
   EXPECT_EQ(r.status().field(), "rows[1].top_p");
+  auto top = m->step_sample(b, std::vector<SamplingRow>{sampling_row(p, 0), sampling_row(p, 0)}, nullptr,
+                            kMaxTopLogprobs + 1);
+  EXPECT_EQ(top.status().code(), ErrorCode::kOutOfRange);
+  EXPECT_EQ(top.status().field(), "top_n");
 }
 
 std::unique_ptr<Engine> make_engine(const Backend& backend, ExecContext ctx, int64_t graph_max_batch,
@@ -102,6 +119,8 @@ std::unique_ptr<Engine> make_engine(const Backend& backend, ExecContext ctx, int
 struct Output {
   std::map<std::string, std::vector<int32_t>> tokens;
   std::map<std::string, std::vector<float>> logprobs;
+  std::map<std::string, std::vector<int32_t>> top_ids;  // requests ask 3, none, 20 and 1
+  std::map<std::string, std::vector<float>> top_logprobs;
 };
 
 Output run(Engine& e, float temperature) {
@@ -115,6 +134,7 @@ Output run(Engine& e, float temperature) {
     s.sampling.temperature = temperature;
     s.sampling.seed = 31 + i;
     s.return_logprob = true;
+    s.top_logprobs_num = std::array<uint32_t, 4>{3, 0, 20, 1}[i];
     EXPECT_TRUE(e.submit(s).ok());
   }
   Output out;
@@ -124,11 +144,18 @@ Output run(Engine& e, float temperature) {
     t.insert(t.end(), ev.token_ids.begin(), ev.token_ids.end());
     auto& l = out.logprobs[ev.rid];
     l.insert(l.end(), ev.logprobs.begin(), ev.logprobs.end());
+    auto& ti = out.top_ids[ev.rid];
+    ti.insert(ti.end(), ev.top_ids.begin(), ev.top_ids.end());
+    auto& tl = out.top_logprobs[ev.rid];
+    tl.insert(tl.end(), ev.top_logprobs.begin(), ev.top_logprobs.end());
   }
   return out;
 }
 
-void expect_same(const Output& got, const Output& want, const char* what) {
+// exact_top: the same logits on both sides (one device), so the top ids must match exactly;
+// otherwise (CUDA against the CPU) two entries may trade places only where their log-probs tie
+// within the tolerance.
+void expect_same(const Output& got, const Output& want, const char* what, bool exact_top = false) {
   ASSERT_EQ(got.tokens.size(), want.tokens.size()) << what;
   for (const auto& [rid, toks] : want.tokens) {
     EXPECT_EQ(got.tokens.at(rid), toks) << what << ": " << rid;
@@ -137,6 +164,22 @@ void expect_same(const Output& got, const Output& want, const char* what) {
     ASSERT_EQ(lp.size(), lw.size()) << what;
     for (size_t i = 0; i < lw.size(); ++i)
       EXPECT_NEAR(lp[i], lw[i], 1e-4 + 1e-4 * std::fabs(lw[i])) << what << ": log-prob " << i << " of " << rid;
+    const auto& ti = got.top_ids.at(rid);
+    const auto& tj = want.top_ids.at(rid);
+    const auto& tp = got.top_logprobs.at(rid);
+    const auto& tw = want.top_logprobs.at(rid);
+    ASSERT_EQ(ti.size(), tj.size()) << what;
+    ASSERT_EQ(tp.size(), tw.size()) << what;
+    if (exact_top) EXPECT_EQ(ti, tj) << what << ": top ids of " << rid;
+    for (size_t i = 0; i < tw.size(); ++i) {
+      const double tol = 1e-4 + 1e-4 * std::fabs(tw[i]);
+      EXPECT_NEAR(tp[i], tw[i], tol) << what << ": top log-prob " << i << " of " << rid;
+      if (ti[i] != tj[i]) {  // a near tie: the other side lists this id next to it, at the same log-prob
+        const auto at = std::find(tj.begin() + (i > 0 ? i - 1 : 0), tj.begin() + std::min(i + 2, tj.size()), ti[i]);
+        EXPECT_TRUE(!exact_top && at != tj.end() && at != tj.begin() + std::min(i + 2, tj.size()))
+            << what << ": top id " << i << " of " << rid << " is " << ti[i] << ", not " << tj[i];
+      }
+    }
   }
 }
 
@@ -152,7 +195,7 @@ TEST(DeviceSampling, CudaGreedyTokensEqualHostSamplingAndCpu) {
     const Output d = run(*device, 0.0f);
     expect_same(h, want, graphs ? "CUDA host sampling, graphs" : "CUDA host sampling");
     expect_same(d, want, graphs ? "CUDA device sampling, graphs" : "CUDA device sampling");
-    expect_same(d, h, "device vs host sampling on CUDA");
+    expect_same(d, h, "device vs host sampling on CUDA", /*exact_top=*/true);
   }
 }
 

@@ -1,7 +1,10 @@
 #include "core/engine/engine.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <map>
 
+#include "../model/hf_test_util.hpp"
 #include "../test_util.hpp"
 
 namespace rolloutd::core {
@@ -126,6 +129,73 @@ TEST(Engine, BatchingDoesNotChangeResults) {
     ASSERT_EQ(m[p.rid].logprobs.size(), alone[p.rid].logprobs.size());
     for (size_t i = 0; i < m[p.rid].logprobs.size(); ++i)
       EXPECT_NEAR(m[p.rid].logprobs[i], alone[p.rid].logprobs[i], 1e-4);
+  }
+}
+
+TEST(Engine, TopLogprobsAreTheModelsMostLikelyTokens) {
+  // Checked against the same model's logits from one prefill of each finished sequence, with a
+  // double log-softmax and a full sort here (not the sampling op's code).
+  const auto limits = small_limits();
+  auto e = embedded_engine(limits);
+  std::map<std::string, RequestSpec> specs;
+  specs["t"] = spec("t", {17, 42, 99}, 8);  // greedy
+  specs["t"].top_logprobs_num = 5;
+  specs["u"] = spec("u", {3, 1, 4, 1, 5}, 8, 1.0f, 7);  // sampled
+  specs["u"].top_logprobs_num = 20;
+  specs["plain"] = spec("plain", {9, 8}, 4);
+  auto too_many = spec("x", {1}, 2);
+  too_many.top_logprobs_num = 21;
+  EXPECT_EQ(e->submit(too_many).code(), ErrorCode::kOutOfRange);
+  EXPECT_EQ(e->submit(too_many).field(), "top_logprobs_num");
+  for (const auto& [rid, sp] : specs) ASSERT_TRUE(e->submit(sp).ok()) << rid;
+  std::map<std::string, std::vector<int32_t>> ids;
+  std::map<std::string, std::vector<float>> lps;
+  for (const EngineEvent& ev : run_to_idle(*e)) {
+    if (ev.kind != EngineEvent::Kind::kTokens) continue;
+    const size_t n = specs[ev.rid].top_logprobs_num;
+    if (!ev.token_ids.empty()) EXPECT_EQ(ev.top_logprobs_num, n) << ev.rid;
+    EXPECT_EQ(ev.top_ids.size(), ev.token_ids.size() * n) << ev.rid;
+    EXPECT_EQ(ev.top_logprobs.size(), ev.token_ids.size() * n) << ev.rid;
+    ids[ev.rid].insert(ids[ev.rid].end(), ev.top_ids.begin(), ev.top_ids.end());
+    lps[ev.rid].insert(lps[ev.rid].end(), ev.top_logprobs.begin(), ev.top_logprobs.end());
+  }
+  EXPECT_TRUE(ids["plain"].empty());
+  // The events again, for the tokens and their log-probs.
+  auto e2 = embedded_engine(limits);
+  for (const auto& [rid, sp] : specs) ASSERT_TRUE(e2->submit(sp).ok());
+  auto got = collect(run_to_idle(*e2));
+  auto model = test::embedded_model(limits);
+  const int64_t V = model->config().vocab_size;
+  for (const std::string rid : {"t", "u"}) {
+    SCOPED_TRACE(rid);
+    const RequestSpec& sp = specs[rid];
+    const auto n = static_cast<size_t>(sp.top_logprobs_num);
+    const Collected& c = got[rid];
+    ASSERT_EQ(c.tokens.size(), sp.max_new_tokens);
+    ASSERT_EQ(ids[rid].size(), c.tokens.size() * n);
+    std::vector<int32_t> seq = sp.input_ids;
+    seq.insert(seq.end(), c.tokens.begin(), c.tokens.end() - 1);  // the last token is never fed
+    StepBatch b = test::single_sequence_prefill(seq, limits.kv_block_size);
+    for (size_t j = 0; j < c.tokens.size(); ++j)
+      b.logits_rows.push_back(static_cast<int32_t>(sp.input_ids.size() - 1 + j));
+    std::vector<float> logits;
+    ASSERT_TRUE(model->forward(b, logits, nullptr).ok());
+    for (size_t j = 0; j < c.tokens.size(); ++j) {
+      const float* l = logits.data() + j * static_cast<size_t>(V);
+      double m = l[0], z = 0;
+      for (int64_t i = 0; i < V; ++i) m = std::max(m, static_cast<double>(l[i]));
+      for (int64_t i = 0; i < V; ++i) z += std::exp(static_cast<double>(l[i]) - m);
+      std::vector<int32_t> order(static_cast<size_t>(V));
+      for (int64_t i = 0; i < V; ++i) order[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+      std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t x) { return l[a] > l[x]; });
+      for (size_t k = 0; k < n; ++k) {
+        EXPECT_EQ(ids[rid][j * n + k], order[k]) << "token " << j << " entry " << k;
+        EXPECT_NEAR(lps[rid][j * n + k], l[order[k]] - m - std::log(z), 1e-4) << "token " << j << " entry " << k;
+        if (ids[rid][j * n + k] == c.tokens[j])  // the sampled token's entry is its log-prob exactly
+          EXPECT_EQ(lps[rid][j * n + k], c.logprobs[j]) << "token " << j;
+      }
+      if (rid == "t") EXPECT_EQ(ids[rid][j * n], c.tokens[j]) << "greedy: the first entry is the token";
+    }
   }
 }
 

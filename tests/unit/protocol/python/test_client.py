@@ -106,6 +106,25 @@ def test_generate_collects_tokens_and_routed_rows(daemon):
     assert isinstance(other, TokensEvent) and other.rid == "other"
 
 
+def test_generate_splits_top_logprobs_per_token_and_drops_them_on_retraction(daemon):
+    def script(d):
+        gen = d.recv()
+        rid = gen.body.rid
+        assert gen.body.top_logprobs_num == 2
+        d.send(gen.id, GenerateReply(rid))
+        d.send(gen.id, TokensEvent(rid, [5], [-0.1], [1], None, 2, [5, 6], [-0.1, -2.5]))
+        d.send(gen.id, RetractedEvent(rid, 1, "weight_update"))
+        d.send(gen.id, TokensEvent(rid, [7, 8], [-0.2, -0.3], [2, 2], None, 2, [7, 1, 8, 7], [-0.2, -1.0, -0.3, -3.0]))
+        d.send(gen.id, FinishedEvent(rid, "length", "", 1, 2))
+
+    peer = daemon(script)
+    with Client(peer.endpoint) as c:
+        r = c.generate([1], max_new_tokens=2, return_logprob=True, top_logprobs_num=2)
+    assert r.token_ids == [7, 8]
+    assert r.top_token_ids == [[7, 1], [8, 7]]
+    assert r.top_logprobs == [[-0.2, -1.0], [-0.3, -3.0]]
+
+
 def test_generate_discards_what_a_retracted_request_had_received(daemon):
     def script(d):
         gen = d.recv()

@@ -61,6 +61,21 @@ def test_generate_prints_collected_result(daemon):
                                    "ids": [[[1, 256]], [[3, 65535]]]}
 
 
+def test_generate_prints_top_logprobs_per_token(daemon):
+    def script(d):
+        m = d.recv()
+        assert m.body.top_logprobs_num == 2
+        d.send(m.id, GenerateReply("r3"))
+        d.send(m.id, TokensEvent("r3", [10, 11], [], [4, 4], None, 2, [10, 3, 11, 10], [-0.5, -1.0, -0.25, -2.0]))
+        d.send(m.id, FinishedEvent("r3", "length", "", 1, 2))
+
+    peer = daemon(script)
+    out = rolloutctl("--endpoint", peer.endpoint, "generate", "--input-ids", "1", "--rid", "r3", "--top-logprobs", "2")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["top_logprobs"] == [[[10, -0.5], [3, -1.0]], [[11, -0.25], [10, -2.0]]]
+    assert rolloutctl("generate", "--input-ids", "1", "--top-logprobs", "21").returncode == 64
+
+
 def test_generate_reports_only_the_attempt_after_a_retraction(daemon):
     def script(d):
         m = d.recv()

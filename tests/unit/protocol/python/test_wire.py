@@ -210,3 +210,25 @@ def test_weights_checksum_names_must_be_distinct():
 def test_status_defaults_for_fields_added_later():
     body = wire.decode(read_golden("status_ok")).body
     assert isinstance(body, StatusReply) and (body.paused, body.update_session) == (False, 0)
+
+
+def test_top_logprobs_travel_only_when_asked_and_agree_with_the_tokens():
+    plain = wire.encode(1, GenerateRequest(rid="r", input_ids=[1]))
+    assert "top_logprobs_num" not in msgpack.unpackb(plain[0])["body"]
+    asked = wire.encode(1, GenerateRequest(rid="r", input_ids=[1], top_logprobs_num=4))
+    assert msgpack.unpackb(asked[0])["body"]["top_logprobs_num"] == 4
+    with pytest.raises(RolloutdError) as e:
+        wire.decode(wire.encode(1, GenerateRequest(rid="r", input_ids=[1], top_logprobs_num=21)))
+    assert (e.value.code, e.value.field) == ("out_of_range", "body.top_logprobs_num")
+    # An event without tokens still carries the (empty) arrays of a request that asked.
+    empty = TokensEvent("r", [], [], [], None, 3, [], [])
+    body = msgpack.unpackb(wire.encode(2, empty)[0])["body"]
+    assert (body["top_logprobs_num"], body["top_token_ids"], body["top_logprobs"]) == (3, [], [])
+    assert wire.decode(wire.encode(2, empty)).body == empty
+    for bad, field in ((TokensEvent("r", [1, 2], [], [0, 0], None, 2, [1, 2, 3], [-1.0, -2.0, -3.0, -4.0]),
+                        "body.top_token_ids"),
+                       (TokensEvent("r", [1], [], [0], None, 2, [1, 2], [-1.0]), "body.top_logprobs"),
+                       (TokensEvent("r", [1], [], [0], None, 0, [], [-1.0]), "body.top_logprobs")):
+        with pytest.raises(RolloutdError) as e:
+            wire.decode(wire.encode(3, bad))
+        assert (e.value.code, e.value.field) == ("invalid_argument", field)
