@@ -50,6 +50,11 @@ ParseOutcome parse_config(int argc, const char* const* argv) {
       "model to serve: embedded:tiny-moe, or a Hugging Face checkpoint directory (config.json + "
       "model.safetensors or model.safetensors.index.json; qwen3_moe)");
   add("--model-seed", c.model_seed, "ROLLOUTD_MODEL_SEED", "seed of the embedded model's weights");
+  add("--quantize-experts", c.quantize_experts, "ROLLOUTD_QUANTIZE_EXPERTS",
+      "routed experts of a --model checkpoint: none (as stored), or mxfp4 (qwen3_moe: BF16/FP32 experts "
+      "quantized to MXFP4 on load and on every weight update; hidden and expert intermediate sizes must be "
+      "multiples of 32; a gpt_oss checkpoint must already be MXFP4)")
+      ->check(CLI::IsMember({"none", "mxfp4"}));
   add("--device", c.device, "ROLLOUTD_DEVICE", "compute backend (auto: cuda when a GPU is visible, else cpu)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   add("--gpu", c.gpu, "ROLLOUTD_GPU",
@@ -234,9 +239,16 @@ Status validate(const DaemonConfig& c) {
                   "bind");
   if (c.shm_prefix.size() < 2 || c.shm_prefix[0] != '/')
     return Status(ErrorCode::kInvalidArgument, "shm prefix must start with '/' and name something", "shm_prefix");
+  if (c.quantize_experts != "none" && c.quantize_experts != "mxfp4")
+    return Status(ErrorCode::kInvalidArgument, "--quantize-experts must be none or mxfp4", "quantize_experts");
   if (c.model.rfind("embedded:", 0) == 0) {
     if (c.model != "embedded:tiny-moe")
       return Status(ErrorCode::kInvalidArgument, "the only embedded model is 'embedded:tiny-moe'", "model");
+    if (c.quantize_experts != "none")
+      return Status(ErrorCode::kInvalidArgument,
+                    "--quantize-experts applies to a checkpoint directory (--model DIR): the embedded model's "
+                    "weights come from a seed and its goldens are FP32",
+                    "quantize_experts");
   } else {
     // A checkpoint directory: its existence is a usage matter (exit 64, found at once); its
     // contents are checked while loading (exit 2, naming the file or tensor).
@@ -263,6 +275,7 @@ nlohmann::json to_json(const DaemonConfig& c) {
       {"insecure_bind_any", c.insecure_bind_any},
       {"model", c.model},
       {"model_seed", c.model_seed},
+      {"quantize_experts", c.quantize_experts},
       {"device", c.device},
       {"gpu", c.gpu},
       {"local_index", c.local_index},

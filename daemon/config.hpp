@@ -36,6 +36,9 @@ struct DaemonConfig {
   // Model and device.
   std::string model = "embedded:tiny-moe";
   uint64_t model_seed = 20261130;
+  // Routed experts of a checkpoint: "none" (as the checkpoint has them) or "mxfp4" (qwen3_moe:
+  // quantized on load and on every weight update; gpt_oss published as MXFP4: already so).
+  std::string quantize_experts = "none";
   std::string device = "cpu";         // "cpu" | "cuda" | "auto" (resolve_placement picks one)
   int gpu = -1;                       // CUDA ordinal; -1 with --device cpu, or "pick" before resolve_placement
   // This daemon's index among the daemons of its node: added to non-zero ports and, with

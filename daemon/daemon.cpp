@@ -207,7 +207,10 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
   core::ModelConfig mc = core::embedded_model_config();
   core::HfModel hf;
   if (!embedded) {
-    auto opened = core::open_hf_model(config.model);
+    // validate() admits only the names parse_expert_quantization knows.
+    const auto quantize = core::parse_expert_quantization(config.quantize_experts);
+    auto opened = quantize.ok() ? core::open_hf_model(config.model, *quantize)
+                                : Result<core::HfModel>(quantize.status());
     if (!opened.ok()) {
       obs::log_error("daemon", "model load failed",
                      {{"model", config.model}, {"error", opened.status().to_string()},
@@ -272,6 +275,7 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
   info.routed_experts_dtype = core::routed_experts_dtype_for(mc.num_experts);
   obs::log_info("daemon", "model ready",
                 {{"model", mc.name}, {"family", mc.family}, {"device", ctx.device.to_string()},
+                 {"experts", mc.experts_mxfp4 ? "mxfp4" : "fp32"},
                  {"seed", embedded ? nlohmann::json(config.model_seed) : nlohmann::json(nullptr)},
                  {"parameters", (*engine)->model().weights().size()}, {"checkpoint_files", checkpoint_files},
                  {"checkpoint_size_bytes", checkpoint_bytes}, {"load_duration_s", load_s}});

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
+#include <utility>
 
 namespace rolloutd::core {
 
@@ -55,6 +57,55 @@ Status ModelConfig::validate() const {
   for (const auto& t : layer_types)
     if (t == "sliding_attention" && sliding_window <= 0)
       return Status(ErrorCode::kInvalidArgument, "sliding-attention layers need a positive window", "sliding_window");
+  if (experts_mxfp4) {
+    for (const auto& [v, field] : {std::pair<int64_t, const char*>{hidden_size, "hidden_size"},
+                                   {moe_intermediate_size, "moe_intermediate_size"}})
+      if (v % 32 != 0)
+        return Status(ErrorCode::kInvalidArgument,
+                      "MXFP4 experts quantize blocks of 32 values along " + std::string(field) + ", which is " +
+                          std::to_string(v) + ", not a multiple of 32",
+                      field);
+    if (family == "qwen3_moe" && gate_up_checkpoint_interleaved)
+      return Status(ErrorCode::kUnimplemented,
+                    "MXFP4 qwen3_moe experts keep gate rows then up rows: an interleaved fused gate_up_proj is not "
+                    "supported with them",
+                    "gate_up_checkpoint_interleaved");
+  }
+  return Status::Ok();
+}
+
+Result<ExpertQuantization> parse_expert_quantization(const std::string& name) {
+  if (name == "none") return ExpertQuantization::kNone;
+  if (name == "mxfp4") return ExpertQuantization::kMxfp4;
+  return Status(ErrorCode::kInvalidArgument, "quantize_experts must be none or mxfp4, not '" + name + "'",
+                "quantize_experts");
+}
+
+const char* expert_quantization_name(ExpertQuantization q) {
+  return q == ExpertQuantization::kMxfp4 ? "mxfp4" : "none";
+}
+
+Status apply_expert_quantization(ModelConfig& c, ExpertQuantization q) {
+  if (q == ExpertQuantization::kNone) return Status::Ok();
+  if (c.family == "gpt_oss") {
+    if (c.experts_mxfp4) return Status::Ok();  // already MXFP4 as published: served as they are
+    return Status(ErrorCode::kUnimplemented,
+                  "--quantize-experts mxfp4: this gpt_oss checkpoint has BF16/FP32 experts, which transformers "
+                  "stores input-major (gate_up_proj [E, hidden, 2*intermediate]); MXFP4 blocks run along the "
+                  "input dimension of output-major rows, so they would need a transpose on load, which is not "
+                  "supported. Serve them unquantized, or use the published MXFP4 checkpoint (*_blocks/*_scales)",
+                  "quantize_experts");
+  }
+  if (c.family != "qwen3_moe")
+    return Status(ErrorCode::kUnimplemented,
+                  "--quantize-experts mxfp4 is supported for qwen3_moe (and gpt_oss published as MXFP4), not " +
+                      c.family,
+                  "quantize_experts");
+  ModelConfig want = c;
+  want.experts_mxfp4 = true;
+  if (Status s = want.validate(); !s.ok())
+    return Status(s.code(), "--quantize-experts mxfp4: " + s.message(), s.field());
+  c = std::move(want);
   return Status::Ok();
 }
 

@@ -15,27 +15,33 @@ bool is_synthetic(const std::string& name) { return name.rfind("synthetic", 0) =
 std::string expected_name(const WeightRegistry& reg, size_t param, int64_t e, int64_t row) {
   const std::string& name = reg.parameters()[param].name;
   const std::string& out = name;
+  auto ends = [](const std::string& s, const std::string& x) {
+    return s.size() >= x.size() && s.compare(s.size() - x.size(), x.size(), x) == 0;
+  };
+  // MXFP4 experts: the stored `<name>_blocks` / `<name>_scales` take the same tensors as `<name>`.
+  std::string base = name;
+  for (const char* sfx : {"_blocks", "_scales"})
+    if (ends(base, sfx)) base.resize(base.size() - std::string(sfx).size());
   const std::string fused = "mlp.experts.gate_up_proj", down = "mlp.experts.down_proj";
-  auto ends = [&](const std::string& s) { return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0; };
   std::string prefix;
-  if (ends(fused)) prefix = name.substr(0, name.size() - fused.size());
-  if (ends(down)) prefix = name.substr(0, name.size() - down.size());
+  if (ends(base, fused)) prefix = base.substr(0, base.size() - fused.size());
+  if (ends(base, down)) prefix = base.substr(0, base.size() - down.size());
   if (prefix.empty()) return out;
   for (const char* part : {"gate_proj", "up_proj", "down_proj"}) {
     const std::string cand = prefix + "mlp.experts." + std::to_string(e) + "." + part + ".weight";
     const CheckpointTensor* t = reg.resolve(cand);
     if (!t) continue;
-    for (const RowCopy& c : t->pieces)
+    for (const RowCopy& c : reg.rows_written(*t, DType::kBF16))
       if (c.param == param && c.expert == e && row >= c.dst_start &&
           (row - c.dst_start) % c.dst_stride == 0 && (row - c.dst_start) / c.dst_stride < c.count)
         return cand;
   }
-  return out;
+  return base != name && reg.resolve(base) ? base : out;
 }
 
 }  // namespace
 
-Result<HfModel> open_hf_model(const std::string& dir) {
+Result<HfModel> open_hf_model(const std::string& dir, ExpertQuantization quantize_experts) {
   HfModel m;
   m.dir = dir;
   RD_ASSIGN_OR_RETURN(m.config, load_hf_config(dir + "/config.json"));
@@ -44,6 +50,13 @@ Result<HfModel> open_hf_model(const std::string& dir) {
   // gpt-oss as published: MXFP4 experts, served as they are.
   if (m.config.family == "gpt_oss" && m.checkpoint->find("model.layers.0.mlp.experts.gate_up_proj_blocks"))
     m.config.experts_mxfp4 = true;
+  if (Status s = apply_expert_quantization(m.config, quantize_experts); !s.ok()) {
+    // A gpt_oss refusal names the tensor that would need the transpose.
+    if (s.field() == "quantize_experts" && m.config.family == "gpt_oss" &&
+        m.checkpoint->find("model.layers.0.mlp.experts.gate_up_proj"))
+      return Status(s.code(), s.message(), "model.layers.0.mlp.experts.gate_up_proj");
+    return s;
+  }
   return m;
 }
 
@@ -87,10 +100,10 @@ Status load_checkpoint(MoeDecoder& model, const SafetensorsCheckpoint& ckpt) {
                         s.message() + " (expected shape [" + shape + "])",
                     name);
     }
-    if (ct->quantizes_from(e.dtype))
-      return Status(ErrorCode::kUnimplemented, "quantizing on load (MXFP4, FP8) is not supported yet", name);
+    // Quantized parameters (MXFP4 experts) are written by quantizing on arrival, as in a weight
+    // update: the rows they write are those of the quantized outputs.
     const int32_t me = static_cast<int32_t>(names.size());
-    for (const RowCopy& c : ct->pieces) {
+    for (const RowCopy& c : reg.rows_written(*ct, e.dtype)) {
       const RowGeometry g = row_geometry(params[c.param].storage);
       const int64_t base = (c.expert < 0 ? 0 : c.expert) * g.rows;
       for (int64_t i = 0; i < c.count; ++i) {

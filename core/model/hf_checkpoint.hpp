@@ -24,11 +24,16 @@ struct HfModel {
 };
 
 // Parses DIR/config.json (refusing a family or setting the decoder cannot run, with
-// kUnimplemented) and maps the safetensors files (validated headers).
-Result<HfModel> open_hf_model(const std::string& dir);
+// kUnimplemented) and maps the safetensors files (validated headers). `quantize_experts`
+// (the daemon's --quantize-experts) goes through apply_expert_quantization once the checkpoint
+// says what its experts are (config.hpp: what is refused, and why).
+Result<HfModel> open_hf_model(const std::string& dir,
+                              ExpertQuantization quantize_experts = ExpertQuantization::kNone);
 
-// Checks the checkpoint against `model`'s registered parameters, writes every tensor, then
-// moves every parameter to kernel layout. Parameters must be freshly built (checkpoint
+// Checks the checkpoint against `model`'s registered parameters, writes every tensor (quantizing
+// those the model stores quantized, MXFP4 experts of a qwen3_moe model with experts_mxfp4, on
+// the model's backend: the same path and bytes as a weight update), then moves every parameter
+// to kernel layout. Parameters must be freshly built (checkpoint
 // layout). Benchmark-only `synthetic*` parameters are not expected in a checkpoint.
 Status load_checkpoint(MoeDecoder& model, const SafetensorsCheckpoint& checkpoint);
 

@@ -140,15 +140,10 @@ Status MoeDecoder::allocate() {
         // transformers' BF16 tensors of these names are input-major ([E, H, 2I], [E, I, H]), and
         // down_proj is square in the published models, so quantizing them along the blocks' axis
         // would transpose them silently.
-        auto mx = [&](const std::string& name, int64_t rows, int64_t cols, TensorView& blocks,
-                      TensorView& scales) -> Status {
-          RD_ASSIGN_OR_RETURN(blocks, weights_arena_->allocate(DType::kU8, Shape{E, rows, cols / 32, 16}));
-          RD_ASSIGN_OR_RETURN(scales, weights_arena_->allocate(DType::kU8, Shape{E, rows, cols / 32}));
-          const int64_t shape[] = {E, rows, cols};
-          return weights_->add_mxfp4(name, shape, blocks, scales, /*quantize_on_arrival=*/false);
-        };
-        RD_RETURN_IF_ERROR(mx(p + "mlp.experts.gate_up_proj", 2 * I, H, L.gu_blocks, L.gu_scales));
-        RD_RETURN_IF_ERROR(mx(p + "mlp.experts.down_proj", H, I, L.dn_blocks, L.dn_scales));
+        RD_RETURN_IF_ERROR(mxfp4_experts(p + "mlp.experts.gate_up_proj", 2 * I, H, L.gu_blocks, L.gu_scales,
+                                         /*quantize_on_arrival=*/false));
+        RD_RETURN_IF_ERROR(mxfp4_experts(p + "mlp.experts.down_proj", H, I, L.dn_blocks, L.dn_scales,
+                                         /*quantize_on_arrival=*/false));
         RD_RETURN_IF_ERROR(param(p + "mlp.experts.gate_up_proj_bias", Shape{E, 2 * I}, L.experts_gate_up_bias));
         RD_RETURN_IF_ERROR(param(p + "mlp.experts.down_proj_bias", Shape{E, H}, L.experts_down_bias));
       } else {
@@ -167,11 +162,23 @@ Status MoeDecoder::allocate() {
     } else {
       L.moe_index = moe_layers_++;
       RD_RETURN_IF_ERROR(param(p + "mlp.gate.weight", Shape{E, H}, L.router));
-      // Stacked expert tensors as transformers 5 stores them (gate rows, then up rows); the
-      // kernel layout interleaves gate/up rows (InterleaveGateUpMethod).
-      RD_RETURN_IF_ERROR(param(p + "mlp.experts.gate_up_proj", Shape{E, 2 * I, H}, L.experts_gate_up,
-                               std::make_unique<InterleaveGateUpMethod>(I), !c.gate_up_checkpoint_interleaved));
-      RD_RETURN_IF_ERROR(param(p + "mlp.experts.down_proj", Shape{E, H, I}, L.experts_down));
+      if (c.experts_mxfp4) {
+        // Quantized on arrival from the checkpoint's BF16/FP32 tensors (stacked, or per expert:
+        // add_expert_aliases), at load and in every weight update. Each row of the [out, in]
+        // tensors quantizes on its own along `in`, so the blocks keep the stacked tensor's row
+        // order, gate rows then up rows, which the expert op reads as they are.
+        RD_RETURN_IF_ERROR(mxfp4_experts(p + "mlp.experts.gate_up_proj", 2 * I, H, L.gu_blocks, L.gu_scales,
+                                         /*quantize_on_arrival=*/true));
+        RD_RETURN_IF_ERROR(mxfp4_experts(p + "mlp.experts.down_proj", H, I, L.dn_blocks, L.dn_scales,
+                                         /*quantize_on_arrival=*/true));
+        L.gate_up_interleaved = false;
+      } else {
+        // Stacked expert tensors as transformers 5 stores them (gate rows, then up rows); the
+        // kernel layout interleaves gate/up rows (InterleaveGateUpMethod).
+        RD_RETURN_IF_ERROR(param(p + "mlp.experts.gate_up_proj", Shape{E, 2 * I, H}, L.experts_gate_up,
+                                 std::make_unique<InterleaveGateUpMethod>(I), !c.gate_up_checkpoint_interleaved));
+        RD_RETURN_IF_ERROR(param(p + "mlp.experts.down_proj", Shape{E, H, I}, L.experts_down));
+      }
       RD_RETURN_IF_ERROR(add_loader_aliases(l));
       L.expert_map = ExpertMap::identity(E);
     }
@@ -303,10 +310,32 @@ Status MoeDecoder::add_loader_aliases(int64_t l) {
                                RowCopy{v, -1, (QH + KVH) * D, 1, 0, 1, KVH * D}}});
 }
 
+Status MoeDecoder::mxfp4_experts(const std::string& name, int64_t rows, int64_t cols, TensorView& blocks,
+                                 TensorView& scales, bool quantize_on_arrival) {
+  const int64_t E = config_.num_experts;
+  RD_ASSIGN_OR_RETURN(blocks, weights_arena_->allocate(DType::kU8, Shape{E, rows, cols / 32, 16}));
+  RD_ASSIGN_OR_RETURN(scales, weights_arena_->allocate(DType::kU8, Shape{E, rows, cols / 32}));
+  const int64_t shape[] = {E, rows, cols};
+  return weights_->add_mxfp4(name, shape, blocks, scales, quantize_on_arrival);
+}
+
 Status MoeDecoder::add_expert_aliases(int64_t l) {
   const auto& c = config_;
   const int64_t H = c.hidden_size, E = c.num_experts, I = c.moe_intermediate_size;
   const std::string p = "model.layers." + std::to_string(l) + ".";
+  if (c.experts_mxfp4) {
+    // Per-expert tensors quantized on arrival into their expert's rows of the stacked blocks and
+    // scales (the stacked names quantize as a whole: add_mxfp4). ModelConfig::validate refuses an
+    // interleaved fused gate_up_proj with MXFP4 experts.
+    const int64_t gate_shape[] = {I, H}, down_shape[] = {H, I};
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+      RD_RETURN_IF_ERROR(weights_->add_mxfp4_rows(x + "gate_proj.weight", gate_shape, p + "mlp.experts.gate_up_proj", e, 0));
+      RD_RETURN_IF_ERROR(weights_->add_mxfp4_rows(x + "up_proj.weight", gate_shape, p + "mlp.experts.gate_up_proj", e, I));
+      RD_RETURN_IF_ERROR(weights_->add_mxfp4_rows(x + "down_proj.weight", down_shape, p + "mlp.experts.down_proj", e, 0));
+    }
+    return Status::Ok();
+  }
   const size_t gate_up = weights_->index_of(p + "mlp.experts.gate_up_proj");
   const size_t down = weights_->index_of(p + "mlp.experts.down_proj");
   // Per-expert tensors (Hugging Face checkpoints before transformers 5, Mixtral, Qwen3-MoE).
@@ -701,7 +730,7 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
     args.num_valid_tokens = T;
     args.num_valid_device = ws_.num_valid;  // padding rows of a bucket: no expert work
     args.workspace = ws_.moe_h;             // CUDA: the decode-shaped two-kernel path
-    args.gate_up_interleaved = true;  // kernel layout of InterleaveGateUpMethod (and of gpt-oss's checkpoint)
+    args.gate_up_interleaved = L.gate_up_interleaved;
     args.w_gate_up_blocks = L.gu_blocks;
     args.w_gate_up_scales = L.gu_scales;
     args.w_down_blocks = L.dn_blocks;

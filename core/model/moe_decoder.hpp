@@ -138,6 +138,10 @@ class MoeDecoder {
     TensorView experts_gate_up_bias, experts_down_bias;  // [E, 2I] (interleaved), [E, H]
     // config.experts_mxfp4: the experts as MXFP4 bytes (checkpoint layout) instead of FP32.
     TensorView gu_blocks, gu_scales, dn_blocks, dn_scales;
+    // Row order of each expert's gate/up weights as the expert op reads them: interleaved (the
+    // kernel layout of InterleaveGateUpMethod, gpt-oss's MXFP4 checkpoint), or gate rows then up
+    // rows (qwen3_moe's MXFP4 experts, quantized from the checkpoint's order).
+    bool gate_up_interleaved = true;
     // A dense layer (mlp_only_layers, decoder_sparse_step) is a SwiGLU MLP: the expert op with
     // one expert that every token takes with weight 1 (dense_ids / dense_weights).
     bool moe = true;
@@ -164,6 +168,10 @@ class MoeDecoder {
   Status allocate();
   Status add_loader_aliases(int64_t layer);
   Status add_expert_aliases(int64_t layer);
+  // Allocates stacked MXFP4 experts (blocks [E, rows, cols/32, 16], scales [E, rows, cols/32]) and
+  // registers them as `name` (WeightRegistry::add_mxfp4).
+  Status mxfp4_experts(const std::string& name, int64_t rows, int64_t cols, TensorView& blocks, TensorView& scales,
+                       bool quantize_on_arrival);
   // Fills the host mirror of the inputs for T rows (`num_valid` real, the rest padding) and
   // uploads the used prefix.
   Status stage_inputs(const StepBatch& b, int64_t rows, int64_t seqs);

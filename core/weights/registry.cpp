@@ -123,6 +123,45 @@ Status WeightRegistry::add_mxfp4(std::string name, std::span<const int64_t> shap
   return Status::Ok();
 }
 
+Status WeightRegistry::add_mxfp4_rows(std::string name, std::span<const int64_t> shape, std::string_view mxfp4_name,
+                                      int64_t expert, int64_t row_start) {
+  if (tensors_.count(name) || param_index_.count(name))
+    return Status(ErrorCode::kInternal, "checkpoint name registered twice", name);
+  const std::string base(mxfp4_name);
+  const size_t b = index_of(base + "_blocks"), sc = index_of(base + "_scales");
+  if (b == SIZE_MAX || sc != b + 1)
+    return Status(ErrorCode::kInternal, "no MXFP4 parameter '" + base + "' (add_mxfp4 first)", name);
+  const TensorView& blocks = params_[b].storage;
+  const bool ok = shape.size() == 2 && shape[0] > 0 && shape[1] > 0 && shape[1] % quant::kMxBlockSize == 0 &&
+                  blocks.rank() == 4 && blocks.size(2) == shape[1] / quant::kMxBlockSize && expert >= 0 &&
+                  expert < blocks.size(0) && row_start >= 0 && row_start + shape[0] <= blocks.size(1);
+  if (!ok) return Status(ErrorCode::kInternal, "MXFP4 expert rows out of bounds of '" + base + "'", name);
+  CheckpointTensor t;
+  t.name = std::move(name);
+  t.shape.assign(shape.begin(), shape.end());
+  t.mxfp4 = CheckpointTensor::Mxfp4Target{b, sc, expert, row_start};
+  std::string key = t.name;
+  tensors_.emplace(std::move(key), std::move(t));
+  return Status::Ok();
+}
+
+std::vector<RowCopy> WeightRegistry::rows_written(const CheckpointTensor& t, DType src_dtype) const {
+  if (!t.quantizes_from(src_dtype)) return t.pieces;
+  std::vector<RowCopy> out;
+  if (t.mxfp4 && t.mxfp4->expert >= 0) {
+    for (size_t p : {t.mxfp4->blocks, t.mxfp4->scales})
+      out.push_back(RowCopy{p, t.mxfp4->expert, 0, 1, t.mxfp4->row_start, 1, t.shape[0]});
+    return out;
+  }
+  // Whole-tensor quantization: every row of both outputs.
+  for (size_t p : t.targets(src_dtype)) {
+    const TensorView& s = params_[p].storage;
+    const RowGeometry g = row_geometry(s);
+    for (int64_t e = 0; e < g.experts; ++e) out.push_back(RowCopy{p, s.rank() >= 3 ? e : -1, 0, 1, 0, 1, g.rows});
+  }
+  return out;
+}
+
 Status WeightRegistry::add_fp8_blockwise(std::string name, TensorView q, TensorView scale_inv) {
   const int r = q.rank();
   bool ok = q.dtype == DType::kF8E4M3 && scale_inv.dtype == DType::kF32 && r >= 2 && scale_inv.rank() == r &&
@@ -267,6 +306,22 @@ Status WeightRegistry::load_quantized(const CheckpointTensor& t, DType src_dtype
                                       std::span<const uint8_t> src, bool src_on_device) {
   RegisteredParameter& out0 = params_[t.mxfp4 ? t.mxfp4->blocks : t.fp8->q];
   RegisteredParameter& out1 = params_[t.mxfp4 ? t.mxfp4->scales : t.fp8->scale_inv];
+  TensorView dst0 = out0.storage, dst1 = out1.storage;
+  uint64_t rows0 = 0, rows1 = 0;  // rows written (the loads counters)
+  if (t.mxfp4 && t.mxfp4->expert >= 0) {
+    // One expert's rows of the stacked blocks [E, R, K/32, 16] and scales [E, R, K/32]:
+    // contiguous, so plain views at the first row.
+    const int64_t rows = shape[0], kb = dst0.size(2), first = t.mxfp4->expert * dst0.size(1) + t.mxfp4->row_start;
+    dst0 = TensorView::contiguous(static_cast<uint8_t*>(dst0.data) + first * kb * 16, DType::kU8, Shape{rows, kb, 16},
+                                  dst0.device);
+    dst1 = TensorView::contiguous(static_cast<uint8_t*>(dst1.data) + first * kb, DType::kU8, Shape{rows, kb},
+                                  dst1.device);
+    rows0 = rows1 = static_cast<uint64_t>(rows);
+  } else {
+    const RowGeometry g0 = row_geometry(out0.storage), g1 = row_geometry(out1.storage);
+    rows0 = static_cast<uint64_t>(g0.rows * g0.experts);
+    rows1 = static_cast<uint64_t>(g1.rows * g1.experts);
+  }
   Shape sh = Shape::of(shape.data(), static_cast<int>(shape.size()));
   const bool cuda = ctx_.device.kind == DeviceKind::kCuda;
   // Host bytes for a model on the GPU go up first (into memory held for this call only).
@@ -282,18 +337,16 @@ Status WeightRegistry::load_quantized(const CheckpointTensor& t, DType src_dtype
     x = dev;
   }
   TensorView xv = TensorView::contiguous(const_cast<void*>(x), src_dtype, sh, cuda ? ctx_.device : Device::cpu());
-  Status s = t.mxfp4 ? quant::quantize_mxfp4(ctx_, xv, out0.storage, out1.storage)
-                    : quant::quantize_fp8_blockwise(ctx_, xv, quant::Fp8ScaleBlock::k128x128, out0.storage,
-                                                    out1.storage, TensorView{});
+  Status s = t.mxfp4 ? quant::quantize_mxfp4(ctx_, xv, dst0, dst1)
+                    : quant::quantize_fp8_blockwise(ctx_, xv, quant::Fp8ScaleBlock::k128x128, dst0, dst1, TensorView{});
   if (dev) {
     // The quantization reads `dev` asynchronously: wait before freeing it.
     if (Status w = backend_.synchronize(ctx_); s.ok()) s = w;
     (void)backend_.free(ctx_, dev);
   }
   RD_RETURN_IF_ERROR(s);
-  const RowGeometry g0 = row_geometry(out0.storage), g1 = row_geometry(out1.storage);
-  out0.loads += static_cast<uint64_t>(g0.rows * g0.experts);
-  out1.loads += static_cast<uint64_t>(g1.rows * g1.experts);
+  out0.loads += rows0;
+  out1.loads += rows1;
   return Status::Ok();
 }
 

@@ -36,9 +36,13 @@ struct CheckpointTensor {
   std::vector<RowCopy> pieces;
   // Online quantization: instead of row copies, the tensor (BF16 or FP32, [.., K]) is quantized
   // to MXFP4 on arrival, into these two parameters (blocks [.., K/32, 16], scales [.., K/32],
-  // the gpt-oss checkpoint layout) -- on the device when the model is on one.
+  // the gpt-oss checkpoint layout) -- on the device when the model is on one. `expert` >= 0: the
+  // tensor ([rows, K]) is one expert's rows of stacked blocks [E, R, K/32, 16] / scales
+  // [E, R, K/32], written from row `row_start` of that expert (a per-expert checkpoint tensor;
+  // MXFP4 quantizes each row on its own, so a slice quantizes to the bytes of the whole).
   struct Mxfp4Target {
     size_t blocks = 0, scales = 0;
+    int64_t expert = -1, row_start = 0;
   };
   std::optional<Mxfp4Target> mxfp4 = std::nullopt;
   // Online FP8: the tensor ([.., N, K]) arrives in BF16/FP32 and is quantized to E4M3 with one
@@ -81,12 +85,23 @@ class WeightRegistry {
   // as transformers saves them), where quantizing along the wrong axis would go unnoticed.
   Status add_mxfp4(std::string name, std::span<const int64_t> shape, TensorView blocks, TensorView scales,
                    bool quantize_on_arrival = true);
+  // Registers `name` ([rows, K] in BF16/FP32) as rows [row_start, row_start + rows) of expert
+  // `expert` of the stacked MXFP4 parameter `mxfp4_name` (registered by add_mxfp4, blocks
+  // [E, R, K/32, 16]), quantized on arrival: a per-expert checkpoint tensor
+  // (`mlp.experts.E.gate_proj.weight`) of experts stored as MXFP4.
+  Status add_mxfp4_rows(std::string name, std::span<const int64_t> shape, std::string_view mxfp4_name,
+                        int64_t expert, int64_t row_start);
   // Registers `name` as a stored float8_e4m3fn parameter `q` [.., N, K] quantized on arrival
   // from BF16/FP32 (blockwise 128 x 128, UE8M0 scales into `scale_inv` [.., ceil(N/128),
   // ceil(K/128)] FP32, registered as `<name>_scale_inv`); FP8 bytes and scales load directly.
   Status add_fp8_blockwise(std::string name, TensorView q, TensorView scale_inv);
 
   const CheckpointTensor* resolve(std::string_view checkpoint_name) const;
+  // The rows a load of `t` from `src_dtype` writes, as row copies into parameters (`param`,
+  // `expert`, `dst_start`, `dst_stride`, `count`; the source fields are not meaningful for
+  // quantized loads): its `pieces`, or the rows of the quantized outputs. What a loader
+  // checks coverage and overlap with.
+  std::vector<RowCopy> rows_written(const CheckpointTensor& t, DType src_dtype) const;
   const RegisteredParameter* find(std::string_view param_name) const;
   size_t index_of(std::string_view param_name) const;  // SIZE_MAX if unknown
   const std::vector<RegisteredParameter>& parameters() const { return params_; }

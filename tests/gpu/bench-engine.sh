@@ -9,7 +9,8 @@
 # family: ROLLOUTD_BENCH_ENGINE_FAMILY (qwen3_moe or gpt_oss); more make-test-model arguments:
 # ROLLOUTD_BENCH_ENGINE_MAKE_ARGS (e.g. --experts-mxfp4); its shape: ROLLOUTD_BENCH_ENGINE_SIZE.
 # tests/bench/NOTES.md ("CUDA GRAPHS", "ENGINE") keeps the figures. Extra arguments:
-# ROLLOUTD_BENCH_ENGINE_ARGS.
+# ROLLOUTD_BENCH_ENGINE_ARGS (e.g. --quantize-experts mxfp4: every model's routed experts as MXFP4,
+# the checkpoint's quantized on load; the Hugging Face peer runs it unquantized).
 set -euo pipefail
 build=${1:?usage: bench-engine.sh BUILD_DIR OUT_DIR}
 out=${2:?usage: bench-engine.sh BUILD_DIR OUT_DIR}

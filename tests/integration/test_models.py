@@ -21,8 +21,8 @@ SMALL = ["--layers", "2", "--hidden", "64", "--experts", "8", "--top-k", "2", "-
 DTYPES = {"BF16": "bfloat16", "F32": "float32"}
 
 
-def make_model(out, seed, family="qwen3_moe", extra=()):
-    r = subprocess.run([ROLLOUTCTL, "make-test-model", "--family", family, *SMALL, *extra, "--seed", str(seed),
+def make_model(out, seed, family="qwen3_moe", extra=(), small=SMALL):
+    r = subprocess.run([ROLLOUTCTL, "make-test-model", "--family", family, *small, *extra, "--seed", str(seed),
                         "--out", out], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["out"] == out
@@ -95,6 +95,63 @@ def test_serves_a_checkpoint_and_an_update_with_its_tensors_is_bit_identical(dae
     assert b.terminate() == 0
     ready = [l for l in a.log_lines() if l.get("msg") == "model ready"]
     assert ready and ready[0]["family"] == family and ready[0]["checkpoint_size_bytes"] > 0
+
+
+def test_qwen3_moe_with_mxfp4_experts_serves_and_an_update_with_its_tensors_changes_nothing(daemon_factory,
+                                                                                             models):
+    """--quantize-experts mxfp4: the checkpoint's BF16 per-expert tensors are quantized on load into
+    `<name>_blocks` / `<name>_scales`; pushing the same tensors again (quantized on arrival) leaves
+    every checksum as it was, and brings a daemon of other weights to the same parameters."""
+    a = daemon_factory(["--model", models["a"], "--quantize-experts", "mxfp4"])
+    b = daemon_factory(["--model", models["b"], "--quantize-experts", "mxfp4"])
+    plain = daemon_factory(["--model", models["a"]])
+    tensors = read_safetensors(os.path.join(models["a"], "model.safetensors"))
+    entries = [(name, dtype, shape, data) for name, (dtype, shape, data) in tensors.items()]
+    with a.client() as ca, b.client() as cb, plain.client() as cp:
+        tokens_a, experts_a = greedy(ca)
+        assert len(tokens_a) == 12
+        sums_a = ca.weights_checksum()
+        names = {p.name for p in sums_a.parameters}
+        assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in names
+        assert "model.layers.1.mlp.experts.down_proj_scales" in names
+        assert "model.layers.0.mlp.experts.gate_up_proj" not in names  # no FP32 copy of the experts
+        ca.push_weights(entries, weight_version=2, bucket_bytes=64 << 10)
+        again = ca.weights_checksum()
+        assert again.model_checksum == sums_a.model_checksum
+        assert greedy(ca) == (tokens_a, experts_a)
+        assert greedy(cb) != (tokens_a, experts_a)  # another seed: other weights
+        cb.push_weights(entries, weight_version=3, bucket_bytes=64 << 10)
+        assert cb.weights_checksum().model_checksum == sums_a.model_checksum
+        assert greedy(cb) == (tokens_a, experts_a)
+        # Quantization changes the model: the unquantized daemon's tokens are reported, not compared.
+        tokens_p, _ = greedy(cp)
+        print(f"MXFP4 vs unquantized experts: {sum(x == y for x, y in zip(tokens_a, tokens_p))} of "
+              f"{len(tokens_a)} greedy tokens agree")
+    assert a.terminate() == 0
+    config = a.log_lines()[0]
+    assert config.get("quantize_experts") == "mxfp4", config
+    ready = [l for l in a.log_lines() if l.get("msg") == "model ready"]
+    assert ready and ready[0]["experts"] == "mxfp4"
+
+
+@pytest.mark.parametrize("model,intermediate,field,words", [
+    # gpt_oss BF16 experts are input-major: quantizing them would need a transpose.
+    ("oss-a", None, "model.layers.0.mlp.experts.gate_up_proj", "input-major"),
+    # The MXFP4 block is 32 values along the expert's input.
+    ("qwen-i16", "16", "moe_intermediate_size", "multiple of 32"),
+])
+def test_quantize_experts_refusals_exit_2_naming_the_field(models, model, intermediate, field, words):
+    small = [intermediate if i > 0 and SMALL[i - 1] == "--intermediate" else a for i, a in enumerate(SMALL)]
+    d = models.get(model) or make_model(os.path.join(models["root"], model), 1, small=small)
+    rc, out = start_fails(["--model", d, "--quantize-experts", "mxfp4"])
+    assert rc == 2, out
+    lines = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+    failed = [l for l in lines if l.get("msg") == "model load failed"]
+    assert failed and failed[0]["tensor"] == field, out
+    assert words in failed[0]["error"], out
+    # The embedded model is not a checkpoint: a usage error.
+    rc, out = start_fails(["--quantize-experts", "mxfp4"])
+    assert rc == 64 and "checkpoint directory" in out, out
 
 
 def test_gpt_oss_request_alone_equals_it_inside_a_busy_chunked_batch(daemon_factory, models):

@@ -4,7 +4,7 @@
 // nothing but that the graph and eager runs generate the same greedy tokens.
 //
 //   engine_bench [--json FILE] [--models tiny,mid] [--batches 1,32,256] [--new-tokens N]
-//                [--model-dir DIR [--peer PEER.json]] [--host-sampling 1]
+//                [--model-dir DIR [--peer PEER.json]] [--host-sampling 1] [--quantize-experts mxfp4]
 //
 // --model-dir adds model "ckpt": a Hugging Face checkpoint (rolloutctl make-test-model), which
 // tests/bench/engine/hf_peer.py runs with transformers `generate` in the same job; --peer reads
@@ -18,7 +18,10 @@
 // intermediate 512, vocab 16384 (FP32, the decoder's simple kernels); "tinyv" is tiny with
 // Qwen3's vocabulary (151,936), where sampling dominates a step. Weights are random
 // (init_random_weights), never zeros. --host-sampling 1 copies the logits back and samples on
-// the host (EngineOptions::device_sampling off; NOTES "Device sampling").
+// the host (EngineOptions::device_sampling off; NOTES "Device sampling"). --quantize-experts mxfp4
+// stores every model's routed experts as MXFP4 (the daemon's flag: the checkpoint's BF16/FP32
+// experts quantized on load; random MXFP4 codes for the random models); the checkpoint's peer
+// still runs the unquantized model.
 #include <algorithm>
 #include <cmath>
 #include <chrono>
@@ -237,6 +240,7 @@ int main(int argc, char** argv) {
   std::string json_path, models = "tiny,mid", batches_arg = "1,32,256", model_dir, peer_path;
   uint32_t new_tokens = 64;
   bool host_sampling = false;  // --host-sampling 1: EngineOptions::device_sampling off
+  std::string quantize_arg = "none";  // --quantize-experts none|mxfp4 (the daemon's flag)
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--json") json_path = argv[i + 1];
@@ -246,6 +250,12 @@ int main(int argc, char** argv) {
     else if (a == "--model-dir") model_dir = argv[i + 1];
     else if (a == "--peer") peer_path = argv[i + 1];
     else if (a == "--host-sampling") host_sampling = std::atoi(argv[i + 1]) != 0;
+    else if (a == "--quantize-experts") quantize_arg = argv[i + 1];
+  }
+  const auto quantize = core::parse_expert_quantization(quantize_arg);
+  if (!quantize.ok()) {
+    std::fprintf(stderr, "%s\n", quantize.status().to_string().c_str());
+    return 2;
   }
   const Backend* cuda = cuda_backend();
   if (cuda == nullptr || cuda_device_count() == 0) {
@@ -266,9 +276,11 @@ int main(int argc, char** argv) {
   std::printf("device copy bandwidth (same run): %.1f GB/s\n", bw / 1e9);
   std::vector<std::string> model_names = split(models);
   if (!model_dir.empty()) model_names.push_back("ckpt");
-  std::printf("sampling on the %s\n", host_sampling ? "host" : "device");
+  std::printf("sampling on the %s; routed experts %s\n", host_sampling ? "host" : "device",
+              *quantize == core::ExpertQuantization::kMxfp4 ? "MXFP4" : "as stored");
   nlohmann::json out = {{"bench", "engine"}, {"new_tokens", new_tokens}, {"copy_bandwidth_bytes_per_s", bw},
                         {"device_sampling", !host_sampling},
+                        {"quantize_experts", core::expert_quantization_name(*quantize)},
                         {"runs", nlohmann::json::array()}};
   if (!peer.is_null() && !peer.is_discarded()) out["peer"] = peer;
   std::printf("%-5s %5s %-7s %-7s %12s %10s %10s %10s %8s\n", "model", "batch", "graphs", "records", "decode tok/s",
@@ -277,13 +289,16 @@ int main(int argc, char** argv) {
     core::HfModel hf;
     core::ModelConfig mc = model_config(model);
     if (model == "ckpt") {
-      auto opened = core::open_hf_model(model_dir);
+      auto opened = core::open_hf_model(model_dir, *quantize);
       if (!opened.ok()) {
         std::fprintf(stderr, "checkpoint: %s\n", opened.status().to_string().c_str());
         return 1;
       }
       hf = std::move(*opened);
       mc = hf.config;
+    } else if (Status st = core::apply_expert_quantization(mc, *quantize); !st.ok()) {
+      std::fprintf(stderr, "%s: %s\n", model.c_str(), st.to_string().c_str());
+      return 1;
     }
     for (const bool graphs : {false, true}) {
       core::StepLimits limits;

@@ -69,10 +69,25 @@ TEST(DaemonConfig, SemanticChecks) {
   EXPECT_EQ(validate(c).field(), "max_blocks_per_seq");
 }
 
+TEST(DaemonConfig, QuantizeExpertsFlagThenEnvironmentThenNone) {
+  unsetenv("ROLLOUTD_QUANTIZE_EXPERTS");
+  EXPECT_EQ(parse({}).config.quantize_experts, "none");
+  setenv("ROLLOUTD_QUANTIZE_EXPERTS", "mxfp4", 1);
+  EXPECT_EQ(parse({}).config.quantize_experts, "mxfp4");
+  EXPECT_EQ(parse({"--quantize-experts", "none"}).config.quantize_experts, "none");
+  unsetenv("ROLLOUTD_QUANTIZE_EXPERTS");
+  EXPECT_EQ(parse({"--quantize-experts", "fp8"}).exit_code, 64);
+  // The embedded model's weights come from a seed: the flag is for checkpoint directories.
+  DaemonConfig c;
+  c.quantize_experts = "mxfp4";
+  EXPECT_EQ(validate(c).field(), "quantize_experts");
+  EXPECT_EQ(to_json(c)["quantize_experts"], "mxfp4");
+}
+
 TEST(DaemonConfig, JsonHasEverySetting) {
   const auto j = to_json(DaemonConfig{});
   for (const char* k : {"bind", "control_port", "http_port", "model", "device", "max_running", "kv_blocks",
-                        "outbox_limit", "drain_timeout_s", "log_level"})
+                        "outbox_limit", "drain_timeout_s", "log_level", "quantize_experts"})
     EXPECT_TRUE(j.contains(k)) << k;
 }
 

@@ -1,11 +1,13 @@
-// A make-test-model qwen3_moe checkpoint (QK-norm, a dense layer) and gpt_oss ones (biases,
-// sinks, YaRN, clamped SwiGLU, a sliding window of 4 that the 10-token prompt outgrows; experts in
-// BF16 or MXFP4) loaded on the CUDA backend:
-// the parameters equal the CPU load bit for bit (read back in checkpoint layout), the prompt
+// A make-test-model qwen3_moe checkpoint (QK-norm, a dense layer; its experts as stored, or
+// quantized to MXFP4 on load: --quantize-experts mxfp4, the CUDA quantization kernel against the
+// CPU reference) and gpt_oss ones (biases, sinks, YaRN, clamped SwiGLU, a sliding window of 4
+// that the 10-token prompt outgrows; experts in BF16 or MXFP4 as published) loaded on the CUDA
+// backend: the parameters equal the CPU load bit for bit (read back in checkpoint layout), the prompt
 // logits agree with the CPU FP32 reference within FP32 tolerance and the router ids are equal.
 // Skips without a CUDA build or a visible GPU (label gpu).
 #include <cmath>
 #include <filesystem>
+#include <string>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -24,9 +26,14 @@ TEST_P(HfCheckpointDevice, CudaLoadMatchesCpu) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA backend or no visible GPU";
   core::TestModelSpec spec;
   spec.family = GetParam();
+  core::ExpertQuantization quantize = core::ExpertQuantization::kNone;
   if (spec.family == "gpt_oss_mxfp4") {
     spec.family = "gpt_oss";
     spec.experts_mxfp4 = true;
+  }
+  if (spec.family == "qwen3_moe_mxfp4") {
+    spec.family = "qwen3_moe";
+    quantize = core::ExpertQuantization::kMxfp4;
   }
   spec.layers = 3;
   spec.hidden = 64;
@@ -46,10 +53,11 @@ TEST_P(HfCheckpointDevice, CudaLoadMatchesCpu) {
     spec.mlp_only_layers = {1};
   }
   const std::string dir = (std::filesystem::temp_directory_path() /
-                           ("rolloutd-hfdev-" + spec.family + "-" + std::to_string(::getpid()))).string();
+                           ("rolloutd-hfdev-" + std::string(GetParam()) + "-" + std::to_string(::getpid()))).string();
   ASSERT_TRUE(core::write_test_model(spec, dir).ok());
-  auto hf = core::open_hf_model(dir);
+  auto hf = core::open_hf_model(dir, quantize);
   ASSERT_TRUE(hf.ok()) << hf.status().to_string();
+  EXPECT_EQ(hf->config.experts_mxfp4, spec.experts_mxfp4 || quantize == core::ExpertQuantization::kMxfp4);
   core::StepLimits limits;
   limits.max_tokens = 32;
   limits.max_seqs = 32;
@@ -104,7 +112,7 @@ TEST_P(HfCheckpointDevice, CudaLoadMatchesCpu) {
   EXPECT_EQ(rc.rows(), rg.rows()) << "router ids";
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, HfCheckpointDevice, ::testing::Values("qwen3_moe", "gpt_oss", "gpt_oss_mxfp4"));
+INSTANTIATE_TEST_SUITE_P(Families, HfCheckpointDevice, ::testing::Values("qwen3_moe", "qwen3_moe_mxfp4", "gpt_oss", "gpt_oss_mxfp4"));
 
 }  // namespace
 }  // namespace rolloutd

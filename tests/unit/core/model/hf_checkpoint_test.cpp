@@ -7,6 +7,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <algorithm>
+#include <cstdio>
 #include <functional>
 #include <unistd.h>
 #include <map>
@@ -50,6 +52,34 @@ core::StepLimits limits() {
   return l;
 }
 
+// `n` greedy tokens after `prompt`: one prefill step, then one decode step a token (argmax,
+// lowest id on ties).
+std::vector<int32_t> greedy_tokens(core::MoeDecoder& m, const std::vector<int32_t>& prompt, int n) {
+  const int64_t bs = m.limits().kv_block_size;
+  const int32_t width = static_cast<int32_t>((static_cast<int64_t>(prompt.size()) + n + bs - 1) / bs);
+  core::StepBatch b = test::single_sequence_prefill(prompt, bs);
+  b.max_blocks_per_seq = width;
+  b.block_tables.clear();
+  for (int32_t i = 0; i < width; ++i) b.block_tables.push_back(i);
+  b.logits_rows = {static_cast<int32_t>(prompt.size()) - 1};
+  std::vector<int32_t> out;
+  std::vector<float> logits;
+  for (int32_t pos = static_cast<int32_t>(prompt.size()); static_cast<int>(out.size()) < n; ++pos) {
+    const Status s = m.forward(b, logits, nullptr);
+    EXPECT_TRUE(s.ok()) << s.to_string();
+    if (!s.ok()) break;
+    const int32_t tok = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    out.push_back(tok);
+    b.token_ids = {tok};
+    b.positions = {pos};
+    b.seq_of = {0};
+    b.slot_mapping = {pos};
+    b.ctx_len = {pos + 1};
+    b.logits_rows = {0};
+  }
+  return out;
+}
+
 std::vector<float> prompt_logits(core::MoeDecoder& m, const std::vector<int32_t>& tokens) {
   core::StepBatch b = test::single_sequence_prefill(tokens, 4);
   for (int32_t t = 0; t < static_cast<int32_t>(tokens.size()); ++t) b.logits_rows.push_back(t);
@@ -71,10 +101,11 @@ class HfCheckpoint : public ::testing::Test {
   std::string dir() const { return dir_.string(); }
 
   // A test model's tensors, edited, written as DIR/model.safetensors with its config.json.
-  void write_edited(const std::function<void(std::vector<core::TestTensor>&)>& edit) {
-    ASSERT_TRUE(core::write_test_model(small_spec(), dir()).ok());
-    auto c = core::test_model_config(small_spec());
-    auto t = core::make_test_tensors(*c, small_spec().seed);
+  void write_edited(const std::function<void(std::vector<core::TestTensor>&)>& edit,
+                    const core::TestModelSpec& spec = small_spec()) {
+    ASSERT_TRUE(core::write_test_model(spec, dir()).ok());
+    auto c = core::test_model_config(spec);
+    auto t = core::make_test_tensors(*c, spec.seed);
     ASSERT_TRUE(t.ok());
     edit(*t);
     std::vector<core::SafetensorsTensorIn> in;
@@ -82,8 +113,8 @@ class HfCheckpoint : public ::testing::Test {
     ASSERT_TRUE(core::write_safetensors(dir() + "/model.safetensors", in).ok());
   }
 
-  Status try_load() {
-    auto m = core::open_hf_model(dir());
+  Status try_load(core::ExpertQuantization quantize = core::ExpertQuantization::kNone) {
+    auto m = core::open_hf_model(dir(), quantize);
     if (!m.ok()) return m.status();
     auto model = core::MoeDecoder::create(m->config, limits(), cpu_backend(), ExecContext{});
     if (!model.ok()) return model.status();
@@ -127,10 +158,47 @@ Status apply_in_one_session(core::WeightRegistry& weights, const std::vector<cor
   return u.end(begin->session, 1, now).status();
 }
 
+// Stacked MXFP4 experts ([E, rows, cols/32, 16] blocks, [E, rows, cols/32] scales) dequantized
+// to FP32 [E, rows, cols] with the project's quantization reference.
+std::vector<float> dequantized_experts(std::span<const uint8_t> blocks, std::span<const uint8_t> scales, int64_t E,
+                                       int64_t rows, int64_t cols) {
+  std::vector<uint8_t> bb(blocks.begin(), blocks.end()), ss(scales.begin(), scales.end());
+  std::vector<float> deq(static_cast<size_t>(E * rows * cols));
+  const Status s = quant::dequantize_mxfp4(ExecContext{},
+                                           TensorView::contiguous(bb.data(), DType::kU8, Shape{E, rows, cols / 32, 16}),
+                                           TensorView::contiguous(ss.data(), DType::kU8, Shape{E, rows, cols / 32}),
+                                           TensorView::contiguous(deq.data(), DType::kF32, Shape{E, rows, cols}));
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  return deq;
+}
+
+// A parameter's checkpoint-layout bytes.
+std::vector<uint8_t> param_bytes(const core::MoeDecoder& m, const std::string& name) {
+  std::vector<uint8_t> out;
+  const size_t i = m.weights().index_of(name);
+  EXPECT_NE(i, SIZE_MAX) << name;
+  if (i != SIZE_MAX) EXPECT_TRUE(m.weights().read_checkpoint(i, out).ok()) << name;
+  return out;
+}
+
+// Every parameter of two models of one shape: equal stored bytes.
+void expect_same_parameters(const core::MoeDecoder& a, const core::MoeDecoder& b, const char* what) {
+  const auto& pa = a.weights().parameters();
+  const auto& pb = b.weights().parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (size_t i = 0; i < pa.size(); ++i) {
+    ASSERT_EQ(pa[i].name, pb[i].name);
+    ASSERT_EQ(pa[i].storage.nbytes(), pb[i].storage.nbytes());
+    EXPECT_EQ(std::memcmp(pa[i].storage.data, pb[i].storage.data, pa[i].storage.nbytes()), 0)
+        << pa[i].name << " differs: " << what;
+  }
+}
+
 // Loading a checkpoint and pushing its own tensors through one weight session into a model of
 // random weights give bit-identical parameters and logits.
-void expect_update_matches_load(const std::string& dir, const core::StepLimits& limits) {
-  auto hf = core::open_hf_model(dir);
+void expect_update_matches_load(const std::string& dir, const core::StepLimits& limits,
+                                core::ExpertQuantization quantize = core::ExpertQuantization::kNone) {
+  auto hf = core::open_hf_model(dir, quantize);
   ASSERT_TRUE(hf.ok()) << hf.status().to_string();
   auto loaded = core::MoeDecoder::create(hf->config, limits, cpu_backend(), ExecContext{});
   ASSERT_TRUE(loaded.ok()) << loaded.status().to_string();
@@ -403,8 +471,7 @@ TEST_F(HfCheckpoint, GptOssMxfp4ExpertsServeAsTheirDequantizedValues) {
   EXPECT_EQ((*m_mx)->weights().resolve("model.layers.0.mlp.experts.down_proj"), nullptr);
   const auto& c = mx->config;
   const int64_t E = c.num_experts, H = c.hidden_size, I = c.moe_intermediate_size;
-  std::vector<core::BucketEntry> entries;
-  std::vector<uint8_t> bucket;
+  test::CheckpointBucket deq_bucket;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l)
     for (const auto& [name, rows, cols] : {std::tuple<std::string, int64_t, int64_t>{"gate_up_proj", 2 * I, H},
                                            {"down_proj", H, I}}) {
@@ -412,31 +479,17 @@ TEST_F(HfCheckpoint, GptOssMxfp4ExpertsServeAsTheirDequantizedValues) {
       const auto* b = mx->checkpoint->find(base + "_blocks");
       const auto* sc = mx->checkpoint->find(base + "_scales");
       ASSERT_TRUE(b && sc) << base;
-      std::vector<uint8_t> bb(mx->checkpoint->data(*b).begin(), mx->checkpoint->data(*b).end());
-      std::vector<uint8_t> ss(mx->checkpoint->data(*sc).begin(), mx->checkpoint->data(*sc).end());
-      std::vector<float> deq(static_cast<size_t>(E * rows * cols));
-      ASSERT_TRUE(quant::dequantize_mxfp4(ExecContext{},
-                                          TensorView::contiguous(bb.data(), DType::kU8, Shape{E, rows, cols / 32, 16}),
-                                          TensorView::contiguous(ss.data(), DType::kU8, Shape{E, rows, cols / 32}),
-                                          TensorView::contiguous(deq.data(), DType::kF32, Shape{E, rows, cols}))
-                      .ok());
+      const std::vector<float> deq =
+          dequantized_experts(mx->checkpoint->data(*b), mx->checkpoint->data(*sc), E, rows, cols);
       // transformers' layout: [E, cols, rows] (input-major).
       std::vector<float> tr(deq.size());
       for (int64_t e = 0; e < E; ++e)
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t k = 0; k < cols; ++k)
             tr[static_cast<size_t>((e * cols + k) * rows + r)] = deq[static_cast<size_t>((e * rows + r) * cols + k)];
-      core::BucketEntry ent;
-      ent.name = base;
-      ent.dtype = DType::kF32;
-      ent.shape = {E, cols, rows};
-      ent.byte_offset = bucket.size();
-      ent.nbytes = tr.size() * sizeof(float);
-      bucket.resize(bucket.size() + ent.nbytes);
-      std::memcpy(bucket.data() + ent.byte_offset, tr.data(), ent.nbytes);
-      entries.push_back(std::move(ent));
+      test::add_f32_entry(deq_bucket, base, {E, cols, rows}, tr);
     }
-  ASSERT_TRUE(apply_in_one_session((*m_bf)->weights(), entries, bucket).ok());
+  ASSERT_TRUE(apply_in_one_session((*m_bf)->weights(), deq_bucket.entries, deq_bucket.bytes).ok());
   const std::vector<int32_t> prompt = {1, 5, 9, 33, 2, 63, 17};
   const auto la = prompt_logits(**m_mx, prompt);
   const auto lb = prompt_logits(**m_bf, prompt);
@@ -468,6 +521,231 @@ TEST_F(HfCheckpoint, Mxfp4TensorsOutsideGptOssExpertsAreRefusedWithAMessage) {
   EXPECT_EQ(s.code(), ErrorCode::kUnimplemented) << s.to_string();
   EXPECT_EQ(s.field(), "model.layers.0.mlp.experts.gate_up_proj_blocks");
   EXPECT_NE(s.message().find("gpt_oss experts only"), std::string::npos) << s.to_string();
+}
+
+// qwen3_moe with --quantize-experts mxfp4: BF16 per-expert experts (multiples of 32), a dense
+// layer that stays FP32.
+core::TestModelSpec qwen3_mxfp4_spec() {
+  auto spec = small_spec();
+  spec.layers = 3;
+  spec.intermediate = 32;
+  spec.mlp_only_layers = {1};
+  return spec;
+}
+
+TEST_F(HfCheckpoint, Qwen3Mxfp4ExpertsServeAsTheirDequantizedValues) {
+  // The routed experts are quantized on load from the checkpoint's per-expert tensors and the
+  // decoder computes from the MXFP4 bytes. The same checkpoint loaded unquantized, its experts
+  // then replaced through a weight session by the dequantized MXFP4 values, gives the same logits
+  // bit for bit.
+  ASSERT_TRUE(core::write_test_model(qwen3_mxfp4_spec(), dir()).ok());
+  auto mx = core::open_hf_model(dir(), core::ExpertQuantization::kMxfp4);
+  ASSERT_TRUE(mx.ok()) << mx.status().to_string();
+  EXPECT_TRUE(mx->config.experts_mxfp4);
+  auto bf = core::open_hf_model(dir());
+  ASSERT_TRUE(bf.ok());
+  EXPECT_FALSE(bf->config.experts_mxfp4);
+  auto m_mx = core::MoeDecoder::create(mx->config, limits(), cpu_backend(), ExecContext{});
+  auto m_bf = core::MoeDecoder::create(bf->config, limits(), cpu_backend(), ExecContext{});
+  auto m_ref = core::MoeDecoder::create(bf->config, limits(), cpu_backend(), ExecContext{});
+  ASSERT_TRUE(m_mx.ok() && m_bf.ok() && m_ref.ok()) << m_mx.status().to_string();
+  Status s = core::load_checkpoint(**m_mx, *mx->checkpoint);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  ASSERT_TRUE(core::load_checkpoint(**m_bf, *bf->checkpoint).ok());
+  ASSERT_TRUE(core::load_checkpoint(**m_ref, *bf->checkpoint).ok());
+
+  const auto& c = mx->config;
+  const int64_t E = c.num_experts, H = c.hidden_size, I = c.moe_intermediate_size;
+  // Routed experts: MXFP4, no FP32 copy; per-expert names land in their expert's rows (gate rows,
+  // then up rows). The dense layer's MLP stays FP32.
+  const auto& w = (*m_mx)->weights();
+  const core::CheckpointTensor* up = w.resolve("model.layers.2.mlp.experts.3.up_proj.weight");
+  ASSERT_TRUE(up != nullptr && up->mxfp4.has_value());
+  EXPECT_EQ(up->mxfp4->expert, 3);
+  EXPECT_EQ(up->mxfp4->row_start, I);
+  EXPECT_NE(w.find("model.layers.0.mlp.experts.gate_up_proj_blocks"), nullptr);
+  EXPECT_EQ(w.find("model.layers.0.mlp.experts.gate_up_proj"), nullptr);
+  EXPECT_EQ(w.find("model.layers.1.mlp.experts.gate_up_proj_blocks"), nullptr);
+  const core::RegisteredParameter* dense = w.find("model.layers.1.mlp.gate_up_proj");
+  ASSERT_NE(dense, nullptr);
+  EXPECT_EQ(dense->storage.dtype, DType::kF32);
+
+  test::CheckpointBucket deq_bucket;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    if (!c.is_moe_layer(l)) continue;
+    for (const auto& [name, rows, cols] : {std::tuple<std::string, int64_t, int64_t>{"gate_up_proj", 2 * I, H},
+                                           {"down_proj", H, I}}) {
+      const std::string base = "model.layers." + std::to_string(l) + ".mlp.experts." + name;
+      const std::vector<float> deq = dequantized_experts(param_bytes(**m_mx, base + "_blocks"),
+                                                         param_bytes(**m_mx, base + "_scales"), E, rows, cols);
+      test::add_f32_entry(deq_bucket, base, {E, rows, cols}, deq);  // stacked: gate rows, then up rows
+    }
+  }
+  ASSERT_TRUE(apply_in_one_session((*m_bf)->weights(), deq_bucket.entries, deq_bucket.bytes).ok());
+  const std::vector<int32_t> prompt = {1, 5, 9, 33, 2, 63, 17};
+  const auto la = prompt_logits(**m_mx, prompt);
+  const auto lb = prompt_logits(**m_bf, prompt);
+  ASSERT_EQ(la.size(), prompt.size() * 64);
+  EXPECT_EQ(la, lb);
+  EXPECT_NE(la, prompt_logits(**m_ref, prompt)) << "quantization changes the model";
+
+  // Quantization changes the model: how far greedy decoding agrees is reported, not asserted.
+  const auto gq = greedy_tokens(**m_mx, prompt, 32);
+  const auto gr = greedy_tokens(**m_ref, prompt, 32);
+  ASSERT_EQ(gq.size(), 32u);
+  ASSERT_EQ(gr.size(), 32u);
+  int agree = 0, first_diff = -1;
+  for (size_t i = 0; i < gq.size(); ++i) {
+    agree += gq[i] == gr[i];
+    if (gq[i] != gr[i] && first_diff < 0) first_diff = static_cast<int>(i);
+  }
+  std::printf("qwen3_moe MXFP4 experts vs unquantized: %d of 32 greedy tokens agree (first difference at %d)\n",
+              agree, first_diff);
+  RecordProperty("greedy_tokens_agreeing_of_32", agree);
+}
+
+TEST_F(HfCheckpoint, Qwen3Mxfp4LoadsAndAnUpdateWithItsOwnTensorsIsBitIdentical) {
+  // Loading quantizes the BF16 per-expert tensors on arrival; a weight session with the same
+  // tensors (into a model of random MXFP4 codes) gives the same stored bytes and logits.
+  ASSERT_TRUE(core::write_test_model(qwen3_mxfp4_spec(), dir()).ok());
+  expect_update_matches_load(dir(), limits(), core::ExpertQuantization::kMxfp4);
+}
+
+TEST_F(HfCheckpoint, Qwen3Mxfp4Bf16AndFp32ExportsGiveIdenticalBlocks) {
+  // The same experts exported as BF16 and as their lossless FP32 widening, per expert or stacked,
+  // quantize to the same blocks and scales.
+  const auto spec = qwen3_mxfp4_spec();
+  const std::string bf_dir = dir() + "/bf16", f32_dir = dir() + "/f32";
+  ASSERT_TRUE(core::write_test_model(spec, bf_dir).ok());
+  auto cfg = core::test_model_config(spec);
+  ASSERT_TRUE(cfg.ok());
+  auto tensors = core::make_test_tensors(*cfg, spec.seed);
+  ASSERT_TRUE(tensors.ok());
+  std::map<std::string, std::vector<float>> widened;  // every tensor as FP32
+  std::vector<core::SafetensorsTensorIn> in;
+  for (const auto& t : *tensors) {
+    ASSERT_EQ(t.dtype, DType::kBF16) << t.name;
+    std::vector<float>& f = widened[t.name];
+    f.resize(t.bytes.size() / 2);
+    for (size_t k = 0; k < f.size(); ++k) {
+      const uint32_t bits = static_cast<uint32_t>(t.bytes[2 * k] | (t.bytes[2 * k + 1] << 8)) << 16;
+      std::memcpy(&f[k], &bits, 4);
+    }
+    in.push_back({t.name, DType::kF32, t.shape, {reinterpret_cast<const uint8_t*>(f.data()), f.size() * 4}});
+  }
+  std::filesystem::create_directories(f32_dir);
+  ASSERT_TRUE(core::write_safetensors(f32_dir + "/model.safetensors", in, {}).ok());
+  std::filesystem::copy_file(bf_dir + "/config.json", f32_dir + "/config.json");
+
+  auto load = [&](const std::string& d) -> std::unique_ptr<core::MoeDecoder> {
+    auto hf = core::open_hf_model(d, core::ExpertQuantization::kMxfp4);
+    EXPECT_TRUE(hf.ok()) << hf.status().to_string();
+    if (!hf.ok()) return nullptr;
+    auto m = core::MoeDecoder::create(hf->config, limits(), cpu_backend(), ExecContext{});
+    EXPECT_TRUE(m.ok());
+    if (!m.ok()) return nullptr;
+    const Status s = core::load_checkpoint(**m, *hf->checkpoint);
+    EXPECT_TRUE(s.ok()) << s.to_string();
+    return std::move(*m);
+  };
+  auto from_bf16 = load(bf_dir);
+  auto from_f32 = load(f32_dir);
+  ASSERT_TRUE(from_bf16 && from_f32);
+  expect_same_parameters(*from_bf16, *from_f32, "BF16 vs FP32 checkpoint");
+
+  // Stacked FP32 tensors (transformers 5: gate_up_proj [E, 2I, H], gate rows then up rows) pushed
+  // into the BF16-loaded model change nothing.
+  auto before = load(bf_dir);
+  ASSERT_TRUE(before);
+  const auto& c = *cfg;
+  const int64_t E = c.num_experts, H = c.hidden_size, I = c.moe_intermediate_size;
+  test::CheckpointBucket stacked;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    if (!c.is_moe_layer(l)) continue;
+    const std::string p = "model.layers." + std::to_string(l) + ".mlp.experts.";
+    std::vector<float> gate_up, down;
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string x = p + std::to_string(e) + ".";
+      for (const char* part : {"gate_proj.weight", "up_proj.weight"})
+        gate_up.insert(gate_up.end(), widened[x + part].begin(), widened[x + part].end());
+      down.insert(down.end(), widened[x + "down_proj.weight"].begin(), widened[x + "down_proj.weight"].end());
+    }
+    test::add_f32_entry(stacked, p + "gate_up_proj", {E, 2 * I, H}, gate_up);
+    test::add_f32_entry(stacked, p + "down_proj", {E, H, I}, down);
+  }
+  ASSERT_TRUE(apply_in_one_session(from_bf16->weights(), stacked.entries, stacked.bytes).ok());
+  expect_same_parameters(*from_bf16, *before, "stacked FP32 update vs per-expert BF16 load");
+}
+
+TEST_F(HfCheckpoint, QuantizeExpertsRefusalsNameTheFieldAndChangeNothing) {
+  EXPECT_EQ(*core::parse_expert_quantization("mxfp4"), core::ExpertQuantization::kMxfp4);
+  EXPECT_EQ(*core::parse_expert_quantization("none"), core::ExpertQuantization::kNone);
+  EXPECT_EQ(core::parse_expert_quantization("fp8").status().field(), "quantize_experts");
+
+  // Shapes that are not multiples of the MXFP4 block of 32: the config field is named, and the
+  // config is left as it was.
+  for (const auto& [hidden, inter, field] : {std::tuple<int64_t, int64_t, const char*>{32, 16, "moe_intermediate_size"},
+                                             {48, 32, "hidden_size"}}) {
+    auto spec = small_spec();
+    spec.hidden = hidden;
+    spec.intermediate = inter;
+    const std::string d = dir() + "/" + field;
+    ASSERT_TRUE(core::write_test_model(spec, d).ok());
+    auto r = core::open_hf_model(d, core::ExpertQuantization::kMxfp4);
+    EXPECT_EQ(r.status().code(), ErrorCode::kInvalidArgument) << r.status().to_string();
+    EXPECT_EQ(r.status().field(), field);
+    EXPECT_NE(r.status().message().find("multiple of 32"), std::string::npos) << r.status().to_string();
+    EXPECT_TRUE(core::open_hf_model(d).ok()) << "unquantized, the same checkpoint serves";
+    auto c = core::test_model_config(spec);
+    ASSERT_TRUE(c.ok());
+    core::ModelConfig unchanged = *c;
+    EXPECT_FALSE(core::apply_expert_quantization(unchanged, core::ExpertQuantization::kMxfp4).ok());
+    EXPECT_FALSE(unchanged.experts_mxfp4);
+  }
+
+  // gpt_oss with BF16 experts: transformers stores them input-major; refused, naming the tensor.
+  auto gpt = small_spec();
+  gpt.family = "gpt_oss";
+  gpt.intermediate = 32;
+  ASSERT_TRUE(core::write_test_model(gpt, dir() + "/gpt_bf16").ok());
+  auto r = core::open_hf_model(dir() + "/gpt_bf16", core::ExpertQuantization::kMxfp4);
+  EXPECT_EQ(r.status().code(), ErrorCode::kUnimplemented) << r.status().to_string();
+  EXPECT_EQ(r.status().field(), "model.layers.0.mlp.experts.gate_up_proj");
+  EXPECT_NE(r.status().message().find("input-major"), std::string::npos) << r.status().to_string();
+  // gpt_oss published as MXFP4: the request is already met.
+  gpt.experts_mxfp4 = true;
+  ASSERT_TRUE(core::write_test_model(gpt, dir() + "/gpt_mx").ok());
+  auto ok = core::open_hf_model(dir() + "/gpt_mx", core::ExpertQuantization::kMxfp4);
+  ASSERT_TRUE(ok.ok()) << ok.status().to_string();
+  EXPECT_TRUE(ok->config.experts_mxfp4);
+}
+
+TEST_F(HfCheckpoint, Qwen3Mxfp4MissingOrDoublyWrittenExpertTensorsAreNamed) {
+  const auto spec = qwen3_mxfp4_spec();
+  write_edited(
+      [](std::vector<core::TestTensor>& t) {
+        std::erase_if(t, [](const core::TestTensor& x) { return x.name == "model.layers.2.mlp.experts.1.up_proj.weight"; });
+      },
+      spec);
+  Status s = try_load(core::ExpertQuantization::kMxfp4);
+  EXPECT_EQ(s.code(), ErrorCode::kNotFound) << s.to_string();
+  EXPECT_EQ(s.field(), "model.layers.2.mlp.experts.1.up_proj.weight") << s.to_string();
+
+  // A stacked down_proj beside the per-expert ones: both write the same blocks.
+  std::filesystem::remove_all(dir());
+  auto cfg = core::test_model_config(spec);
+  ASSERT_TRUE(cfg.ok());
+  const int64_t E = cfg->num_experts, H = cfg->hidden_size, I = cfg->moe_intermediate_size;
+  write_edited(
+      [&](std::vector<core::TestTensor>& t) {
+        core::TestTensor down{"model.layers.0.mlp.experts.down_proj", {E, H, I}, DType::kBF16,
+                              std::vector<uint8_t>(static_cast<size_t>(E * H * I * 2), 0)};
+        t.push_back(std::move(down));
+      },
+      spec);
+  s = try_load(core::ExpertQuantization::kMxfp4);
+  EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find("both write"), std::string::npos) << s.to_string();
 }
 
 TEST_F(HfCheckpoint, ConfigErrorsNameTheFile) {

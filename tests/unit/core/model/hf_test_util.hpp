@@ -1,6 +1,9 @@
 #pragma once
 // Helpers shared by the Hugging Face model tests (tests/unit/core/model/hf_*_test.cpp).
 #include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
 #include <vector>
 
 #include "core/model/moe_decoder.hpp"
@@ -23,6 +26,20 @@ inline CheckpointBucket checkpoint_bucket(const core::SafetensorsCheckpoint& ckp
     b.bytes.insert(b.bytes.end(), data.begin(), data.end());
   }
   return b;
+}
+
+// Appends one FP32 tensor to a bucket (what a trainer exporting FP32 sends).
+inline void add_f32_entry(CheckpointBucket& b, const std::string& name, std::vector<int64_t> shape,
+                          std::span<const float> values) {
+  core::BucketEntry e;
+  e.name = name;
+  e.dtype = DType::kF32;
+  e.shape = std::move(shape);
+  e.byte_offset = b.bytes.size();
+  e.nbytes = values.size() * sizeof(float);
+  b.bytes.resize(b.bytes.size() + e.nbytes);
+  std::memcpy(b.bytes.data() + e.byte_offset, values.data(), e.nbytes);
+  b.entries.push_back(std::move(e));
 }
 
 // One sequence's prefill step: token t at position t, KV slot t, blocks 0.. of `block_size`
