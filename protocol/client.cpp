@@ -659,7 +659,15 @@ Result<GenerateResult> Client::generate(const GenerateRequest& req, int timeout_
       result.logprobs.insert(result.logprobs.end(), t->logprobs.begin(), t->logprobs.end());
       result.weight_versions.insert(result.weight_versions.end(), t->weight_versions.begin(),
                                     t->weight_versions.end());
-      result.top_logprobs_num = t->top_logprobs_num > 0 ? t->top_logprobs_num : result.top_logprobs_num;
+      // Every event with tokens carries the request's n (a daemon that predates top log-probs
+      // sends none): a mismatch would misalign the per-token lists.
+      if (!t->token_ids.empty() && t->top_logprobs_num != named.top_logprobs_num)
+        return Status(ErrorCode::kBadMessage,
+                      "tokens event with top_logprobs_num " + std::to_string(t->top_logprobs_num) + ", asked " +
+                          std::to_string(named.top_logprobs_num) +
+                          (t->top_logprobs_num == 0 ? " (does this daemon support top_logprobs_num?)" : ""),
+                      "body.top_logprobs_num");
+      result.top_logprobs_num = named.top_logprobs_num;
       result.top_token_ids.insert(result.top_token_ids.end(), t->top_token_ids.begin(), t->top_token_ids.end());
       result.top_logprobs.insert(result.top_logprobs.end(), t->top_logprobs.begin(), t->top_logprobs.end());
       if (t->routed_experts) RD_RETURN_IF_ERROR(append_routed_rows(result.routed_experts, *t->routed_experts));

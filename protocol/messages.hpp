@@ -378,8 +378,8 @@ struct TokensEvent {
   std::vector<uint64_t> weight_versions;  // one per token
   std::optional<RoutedExperts> routed_experts;  // only when return_routed_experts
   // The request's top_logprobs_num (0: the two arrays are empty and the keys are not written);
-  // else token j's n most likely tokens are entries [j*n, (j+1)*n): log-prob descending, id
-  // ascending on ties (SPEC §4.3).
+  // else token j's n most likely tokens are entries [j*n, (j+1)*n): raw logit descending, id
+  // ascending on ties (SPEC §4.1, §4.3).
   uint32_t top_logprobs_num = 0;
   std::vector<int32_t> top_token_ids;
   std::vector<double> top_logprobs;

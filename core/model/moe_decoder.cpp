@@ -501,8 +501,8 @@ Status MoeDecoder::enqueue_sampling(std::span<const SamplingRow> rows, int64_t t
     args.top_logprobs = TensorView::contiguous(top + top_region_bytes() / 2, DType::kF32, Shape{R, top_n}, ctx_.device);
   }
   RD_RETURN_IF_ERROR(backend_.sample(ctx_, args));
-  // Tokens and log-probs of every slot in one copy (8 bytes a row, at most max_seqs rows), and
-  // the top log-probs region in one more when asked (8 bytes per entry, max_seqs * 20 entries).
+  // Tokens and log-probs of every slot in one copy (8 bytes a row, at most max_seqs rows), which
+  // extends over the whole top log-probs region when asked (8 bytes per entry, max_seqs * 20).
   const CopyKind d2h = cpu ? CopyKind::kHostToHost : CopyKind::kDeviceToHost;
   const size_t out_bytes = S * (sizeof(int32_t) + sizeof(float)) + (top_n > 0 ? top_region_bytes() : 0);
   return backend_.copy(ctx_, static_cast<char*>(sample_.host) + S * sizeof(SamplingRow), dev + S * sizeof(SamplingRow),

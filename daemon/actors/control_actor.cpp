@@ -33,6 +33,13 @@ void append_tokens(protocol::TokensEvent& into, protocol::TokensEvent&& t) {
     into.routed_experts->data += t.routed_experts->data;
   }
 }
+// An upper bound on the msgpack bytes of a tokens event holding `tokens` tokens with `top_n` top
+// log-probs each (ids up to 5 bytes, float64 9, weight versions up to 9; routed rows travel in
+// frames), so an event is never built that a client's max_envelope_bytes would refuse.
+uint64_t tokens_event_bound(uint64_t tokens, uint64_t top_n, size_t rid_bytes) {
+  return 1024 + rid_bytes + tokens * (23 + 14 * top_n);
+}
+
 // How many requests to take off the socket per loop turn before looking at the mailbox
 // again: keeps engine output flowing under a request flood.
 constexpr int kMaxRequestsPerTurn = 256;
@@ -286,6 +293,18 @@ void ControlActor::on_request(const std::string& identity, std::vector<zmq::mess
     } else if (gen->max_new_tokens > config_.limits.max_new_tokens) {
       reply_error(client, id, Status(ErrorCode::kOutOfRange, "max_new_tokens above this daemon's limit",
                                      "body.max_new_tokens"));
+    } else if (!gen->stream && gen->top_logprobs_num > 0 &&
+               tokens_event_bound(gen->max_new_tokens, gen->top_logprobs_num, gen->rid.size()) >
+                   config_.limits.max_envelope_bytes) {
+      // stream=false sends one tokens event: with top log-probs it could outgrow the envelope limit
+      // that clients apply, and the result would be lost. Streamed events are cut to fit instead.
+      reply_error(client, id,
+                  Status(ErrorCode::kTooLarge,
+                         "top_logprobs_num " + std::to_string(gen->top_logprobs_num) + " with max_new_tokens " +
+                             std::to_string(gen->max_new_tokens) + " and stream=false would exceed the " +
+                             std::to_string(config_.limits.max_envelope_bytes) +
+                             "-byte envelope limit in one event: stream the request or ask for fewer tokens",
+                         "body.top_logprobs_num"));
     } else {
       core::RequestSpec spec;
       spec.rid = gen->rid;
@@ -405,6 +424,12 @@ void ControlActor::on_event(core::EngineEvent& ev) {
       // Held until --stream-interval tokens are there (--stream-interval 1: every engine event
       // as it comes, routed rows of a prompt chunk without a token included); stream=false
       // holds everything for one tokens event right before the final event.
+      // A streamed event is also sent before the next engine step's tokens could take it past the
+      // envelope limit (top log-probs make tokens large).
+      if (route.stream && !route.pending.token_ids.empty() &&
+          tokens_event_bound(route.pending.token_ids.size() + ev.token_ids.size(), ev.top_logprobs_num,
+                             ev.rid.size()) > config_.limits.max_envelope_bytes)
+        flush_pending_tokens(route);
       append_tokens(route.pending, to_tokens(ev));
       if (route.stream && (config_.stream_interval == 1 ||
                            route.pending.token_ids.size() >= static_cast<size_t>(config_.stream_interval)))

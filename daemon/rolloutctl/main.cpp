@@ -246,7 +246,7 @@ Command add_generate(CLI::App& root) {
             if (res.top_logprobs_num > 0) {  // per token: [[id, log-prob], ...], most likely first
               const size_t n = res.top_logprobs_num;
               json top = json::array();
-              for (size_t j = 0; j * n < res.top_token_ids.size(); ++j) {
+              for (size_t j = 0; (j + 1) * n <= std::min(res.top_token_ids.size(), res.top_logprobs.size()); ++j) {
                 json row = json::array();
                 for (size_t i = j * n; i < (j + 1) * n; ++i) row.push_back({res.top_token_ids[i], res.top_logprobs[i]});
                 top.push_back(std::move(row));

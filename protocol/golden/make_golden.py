@@ -297,7 +297,7 @@ GOLDEN = {
         "routed_experts": None,
     }), []),
     # Two tokens of a request with top_logprobs_num 3 (SPEC §4.3): three entries per token,
-    # log-prob descending, id ascending on ties (ids 9 and 11 tie); -inf is a valid log-prob.
+    # raw logit descending, id ascending on ties (ids 9 and 11 tie); -inf is a valid log-prob.
     "tokens_top_logprobs": (envelope("tokens", 40, {
         "rid": "top",
         "token_ids": [11, 4],

@@ -87,6 +87,10 @@ def test_top_logprobs_match_the_numpy_reference_and_the_sampled_tokens(daemon):
         with pytest.raises(rolloutd.RolloutdError) as e:
             c.generate([3], max_new_tokens=2, top_logprobs_num=21)
         assert (e.value.code, e.value.field) == ("out_of_range", "body.top_logprobs_num")
+        # One event for 20,000 tokens with 20 entries each would pass the 4 MiB envelope limit.
+        with pytest.raises(rolloutd.RolloutdError) as e:
+            c.generate([3], max_new_tokens=20000, top_logprobs_num=20, stream=False)
+        assert (e.value.code, e.value.field) == ("too_large", "body.top_logprobs_num")
 
 
 def test_routed_experts_start_len_and_stream_false(daemon):

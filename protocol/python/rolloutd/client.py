@@ -50,7 +50,7 @@ class GenerateResult:
     logprobs: List[float] = field(default_factory=list)
     weight_versions: List[int] = field(default_factory=list)
     # With top_logprobs_num > 0: per token, its most likely tokens and their log-probs
-    # (log-prob descending, id ascending on ties), aligned with token_ids.
+    # (raw logit descending, id ascending on ties: SPEC §4.1), aligned with token_ids.
     top_token_ids: List[List[int]] = field(default_factory=list)
     top_logprobs: List[List[float]] = field(default_factory=list)
     routed_experts: Optional[RoutedExperts] = None
@@ -76,8 +76,10 @@ class GenerateResult:
 class _Collector:
     """Folds one request's events into a GenerateResult."""
 
-    def __init__(self, rid: str):
+    def __init__(self, rid: str, top_logprobs_num: Optional[int] = None):
         self.result = GenerateResult(rid=rid)
+        # The request's n when known (generate()); else the first event with tokens sets it.
+        self._top_n = top_logprobs_num
         self._rows: Optional[RoutedExperts] = None
         self._chunks: List[bytes] = []
 
@@ -89,6 +91,13 @@ class _Collector:
             r.logprobs.extend(event.logprobs)
             r.weight_versions.extend(event.weight_versions)
             n = event.top_logprobs_num
+            if event.token_ids:
+                if self._top_n is None:
+                    self._top_n = n
+                if n != self._top_n:
+                    hint = " (does this daemon support top_logprobs_num?)" if n == 0 else ""
+                    raise RolloutdError("bad_message", f"tokens event with top_logprobs_num {n}, expected "
+                                        f"{self._top_n}{hint}", "body.top_logprobs_num")
             for j in range(len(event.token_ids) if n else 0):
                 r.top_token_ids.append(event.top_token_ids[j * n:(j + 1) * n])
                 r.top_logprobs.append(event.top_logprobs[j * n:(j + 1) * n])
@@ -412,7 +421,7 @@ class Client:
         within timeout_s (it is then aborted); a failed event sets ``result.error``.
         """
         rid = uuid.uuid4().hex if rid is None else rid
-        collector = _Collector(rid)
+        collector = _Collector(rid, top_logprobs_num)
         stream_it = self.generate_stream(
             input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             min_p=min_p, seed=seed, stop_token_ids=stop_token_ids, return_logprob=return_logprob,

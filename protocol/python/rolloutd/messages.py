@@ -473,7 +473,7 @@ class TokensEvent:
     weight_versions: List[int] = field(default_factory=list)  # one per token
     routed_experts: Optional[RoutedExperts] = None
     # The request's top_logprobs_num n (0: not asked, both lists empty); token j's n most likely
-    # tokens are entries [j*n, (j+1)*n), log-prob descending, id ascending on ties (SPEC §4.3).
+    # tokens are entries [j*n, (j+1)*n), raw logit descending, id ascending on ties (SPEC §4.1, §4.3).
     top_logprobs_num: int = 0
     top_token_ids: List[int] = field(default_factory=list)
     top_logprobs: List[float] = field(default_factory=list)

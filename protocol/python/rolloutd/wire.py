@@ -229,6 +229,13 @@ class _Nullable(_Kind):
         return None if v is None else self.inner.decode(v, path, ctx)
 
 
+def _equals_default(value: Any, default: Any) -> bool:
+    # Sequences by length, so numpy arrays and tensors compare without an ambiguous truth value.
+    if isinstance(default, list):
+        return len(value) == 0
+    return value == default
+
+
 class _Struct(_Kind):
     """A map for dataclass `cls`: fields [(name, kind)] in wire order. Fields named in
     `optional` may be absent (dataclass default); unknown keys are ignored."""
@@ -244,7 +251,7 @@ class _Struct(_Kind):
         if not isinstance(v, self.cls):
             raise _wrong_type(self.cls.__name__, v, path)
         return {name: kind.encode(getattr(v, name), _join(path, name), ctx) for name, kind in self.fields
-                if name not in self.omitted_when or getattr(v, name) != self.omitted_when[name]}
+                if name not in self.omitted_when or not _equals_default(getattr(v, name), self.omitted_when[name])}
 
     def decode(self, v, path, ctx):
         if not isinstance(v, dict):
@@ -350,11 +357,15 @@ class _TokensBody(_Struct):
         return r
 
     def encode(self, v, path, ctx):
-        # The three top-log-prob keys travel together: all written when n > 0, none otherwise.
+        # The three top-log-prob keys travel together: all written when n > 0, none otherwise (the
+        # C++ encoder's rule, so both write the same bytes).
         body = super().encode(v, path, ctx)
         if v.top_logprobs_num > 0:
             body.setdefault("top_token_ids", [])
             body.setdefault("top_logprobs", [])
+        else:
+            body.pop("top_token_ids", None)
+            body.pop("top_logprobs", None)
         return body
 
 

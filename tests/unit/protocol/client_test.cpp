@@ -324,6 +324,40 @@ TEST(ClientTest, GenerateRejectsGapInRoutedRowsAndAborts) {
   EXPECT_EQ(result.status().field(), "body.routed_experts.start_pos");
 }
 
+TEST(ClientTest, GenerateCollectsTopLogprobsAndRefusesAMissingCount) {
+  FakeDaemon daemon;
+  daemon.run([](FakeDaemon& d) {
+    Received gen = d.recv();
+    EXPECT_EQ(std::get<GenerateRequest>(gen.request).top_logprobs_num, 2u);
+    d.send(gen.identity, encode_reply(gen.env.id, GenerateReply{"t"}));
+    TokensEvent t = tokens("t", {10}, rows(0, 4, 0));
+    t.top_logprobs_num = 2;
+    t.top_token_ids = {10, 3};
+    t.top_logprobs = {-0.5, -2.0};
+    d.send(gen.identity, encode_event(gen.env.id, t));
+    d.send(gen.identity, encode_event(gen.env.id, finished("t", "length", 1)));
+    // Second request: the events carry no n, as from a daemon that predates top log-probs.
+    Received gen2 = d.recv();
+    d.send(gen2.identity, encode_reply(gen2.env.id, GenerateReply{"u"}));
+    d.send(gen2.identity, encode_event(gen2.env.id, tokens("u", {10}, rows(0, 4, 0))));
+    Received abort = d.recv();
+    EXPECT_NE(std::get_if<AbortRequest>(&abort.request), nullptr);
+  });
+  auto client = connect_to(daemon.endpoint());
+  GenerateRequest req = make_generate("t");
+  req.top_logprobs_num = 2;
+  auto result = client->generate(req, 5000);
+  ASSERT_TRUE(result.ok()) << result.status().to_string();
+  EXPECT_EQ(result->top_logprobs_num, 2u);
+  EXPECT_EQ(result->top_token_ids, (std::vector<int32_t>{10, 3}));
+  EXPECT_EQ(result->top_logprobs, (std::vector<double>{-0.5, -2.0}));
+  req.rid = "u";
+  auto refused = client->generate(req, 5000);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), ErrorCode::kBadMessage);
+  EXPECT_EQ(refused.status().field(), "body.top_logprobs_num");
+}
+
 TEST(ClientTest, GenerateTimeoutAbortsAndDropsLateEvents) {
   FakeDaemon daemon;
   daemon.run([](FakeDaemon& d) {

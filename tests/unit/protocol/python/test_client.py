@@ -125,6 +125,20 @@ def test_generate_splits_top_logprobs_per_token_and_drops_them_on_retraction(dae
     assert r.top_logprobs == [[-0.2, -1.0], [-0.3, -3.0]]
 
 
+def test_generate_refuses_events_without_the_asked_top_logprobs(daemon):
+    def script(d):
+        gen = d.recv()
+        d.send(gen.id, GenerateReply(gen.body.rid))
+        d.send(gen.id, TokensEvent(gen.body.rid, [5], [], [1]))  # a daemon that ignores the key
+        d.recv()  # the client aborts the request
+
+    peer = daemon(script)
+    with Client(peer.endpoint) as c:
+        with pytest.raises(RolloutdError) as e:
+            c.generate([1], max_new_tokens=2, top_logprobs_num=3)
+    assert (e.value.code, e.value.field) == ("bad_message", "body.top_logprobs_num")
+
+
 def test_generate_discards_what_a_retracted_request_had_received(daemon):
     def script(d):
         gen = d.recv()

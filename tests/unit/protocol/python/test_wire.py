@@ -227,8 +227,21 @@ def test_top_logprobs_travel_only_when_asked_and_agree_with_the_tokens():
     assert wire.decode(wire.encode(2, empty)).body == empty
     for bad, field in ((TokensEvent("r", [1, 2], [], [0, 0], None, 2, [1, 2, 3], [-1.0, -2.0, -3.0, -4.0]),
                         "body.top_token_ids"),
-                       (TokensEvent("r", [1], [], [0], None, 2, [1, 2], [-1.0]), "body.top_logprobs"),
-                       (TokensEvent("r", [1], [], [0], None, 0, [], [-1.0]), "body.top_logprobs")):
+                       (TokensEvent("r", [1], [], [0], None, 2, [1, 2], [-1.0]), "body.top_logprobs")):
         with pytest.raises(RolloutdError) as e:
             wire.decode(wire.encode(3, bad))
         assert (e.value.code, e.value.field) == ("invalid_argument", field)
+    # n = 0 writes no top keys, whatever the lists hold (as the C++ encoder), and numpy arrays encode.
+    assert "top_logprobs" not in msgpack.unpackb(wire.encode(3, TokensEvent("r", [1], [], [0], None, 0, [], [-1.0]))[0])["body"]
+    # Entries without n on the wire are refused, not dropped.
+    raw = msgpack.unpackb(wire.encode(5, TokensEvent("r", [1], [], [0]))[0])
+    raw["body"]["top_logprobs"] = [-1.0]
+    with pytest.raises(RolloutdError) as e:
+        wire.decode([msgpack.packb(raw)])
+    assert (e.value.code, e.value.field) == ("invalid_argument", "body.top_logprobs")
+
+
+def test_top_logprobs_encode_from_numpy_arrays():
+    np = pytest.importorskip("numpy")
+    arr = TokensEvent("r", [1], [], [0], None, 2, np.array([4, 5]), np.array([-1.0, -2.0]))
+    assert wire.decode(wire.encode(4, arr)).body.top_token_ids == [4, 5]
