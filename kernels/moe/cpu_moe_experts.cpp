@@ -86,7 +86,16 @@ void dequantize_expert(const ExpertsPlan& p, bool gate_up, int64_t e, std::vecto
 }  // namespace
 
 Status cpu_experts(const ExpertsPlan& p) {
-  const int64_t nv = p.num_valid, h = p.hidden, inter = p.inter, k = p.top_k;
+  int64_t nv = p.num_valid;
+  if (p.num_valid_device) {
+    const int64_t d = *p.num_valid_device;
+    if (d < 0 || d > p.num_tokens)
+      return Status(ErrorCode::kOutOfRange,
+                    "row count " + std::to_string(d) + " outside [0, " + std::to_string(p.num_tokens) + "]",
+                    "num_valid_device");
+    nv = std::min(nv, d);
+  }
+  const int64_t h = p.hidden, inter = p.inter, k = p.top_k;
   // The whole map and the ids of real rows before any output is written; padding rows' ids
   // are garbage by contract and never read.
   for (int64_t e = 0; e < p.num_logical; ++e)

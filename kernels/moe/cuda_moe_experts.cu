@@ -363,6 +363,8 @@ struct PermuteArgs {
   const int32_t* ids;
   const int32_t* l2p;
   int64_t pairs;  // num_valid * top_k
+  const int32_t* num_valid_device;  // nullable: pairs past *it * top_k are padding
+  int top_k;
   int num_logical, num_physical, bm;
   int32_t* pair_expert;
   int32_t* pair_pos;
@@ -379,10 +381,17 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_kernel(const PermuteA
   int32_t* cnt = sh;                      // [E]: counts, then scatter cursors
   int32_t* toff = sh + a.num_physical;    // [E + 1]: first tile of each expert
   const int tid = threadIdx.x;
+  // Pairs of padding rows (a graph replayed with fewer real rows than its bucket) get no expert.
+  int64_t live = a.pairs;
+  if (a.num_valid_device) {
+    const int64_t d = *a.num_valid_device;
+    const int64_t rows = d < 0 ? 0 : d;
+    if (rows * a.top_k < live) live = rows * a.top_k;
+  }
   for (int e = tid; e < a.num_physical; e += blockDim.x) cnt[e] = 0;
   __syncthreads();
   for (int64_t i = tid; i < a.pairs; i += blockDim.x) {
-    const int32_t id = a.ids[i];
+    const int32_t id = i < live ? a.ids[i] : -1;
     int32_t e = -1;
     if (id >= 0 && id < a.num_logical) {
       const int32_t pe = a.l2p[id];
@@ -434,8 +443,13 @@ __global__ void to_bf16_kernel(uint16_t* __restrict__ out, const float* __restri
 // out[t] = (accumulate ? out[t] : 0) + sum_k w[t,k] y[pos(t,k)], k in order; padding rows 0.
 __global__ void combine_kernel(float* __restrict__ out, const float* __restrict__ y,
                                const int32_t* __restrict__ pair_pos, const float* __restrict__ w,
-                               int64_t num_valid, int64_t hidden, int top_k, bool accumulate) {
+                               int64_t num_valid, const int32_t* __restrict__ num_valid_device,
+                               int64_t hidden, int top_k, bool accumulate) {
   const int64_t t = blockIdx.x;
+  if (num_valid_device) {  // the count of this replay (graphs padded to a bucket)
+    const int64_t d = *num_valid_device;
+    if (d < num_valid) num_valid = d < 0 ? 0 : d;
+  }
   float* row = out + t * hidden;
   for (int64_t c = static_cast<int64_t>(threadIdx.x) * 4; c < hidden; c += 4 * blockDim.x) {
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -935,6 +949,8 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
     pa.ids = p.ids;
     pa.l2p = p.l2p;
     pa.pairs = pairs;
+    pa.num_valid_device = p.num_valid_device;
+    pa.top_k = static_cast<int>(k);
     pa.num_logical = static_cast<int>(p.num_logical);
     pa.num_physical = static_cast<int>(ep);
     pa.bm = decode ? (1 << 30) : bm;
@@ -1093,7 +1109,7 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
 
   if (t > INT_MAX) return Status(ErrorCode::kUnimplemented, "too many tokens", "x");
   combine_kernel<<<static_cast<unsigned int>(t), 128, 0, stream>>>(
-      p.out, y, pair_pos, p.topk_weights, nv, h, static_cast<int>(k), p.accumulate);
+      p.out, y, pair_pos, p.topk_weights, nv, p.num_valid_device, h, static_cast<int>(k), p.accumulate);
   RD_CUDA_CHECK_LAUNCH("moe combine_kernel");
   return Status::Ok();
 }

@@ -250,6 +250,10 @@ Result<ExpertsPlan> check_experts(const ExecContext& ctx, const ExpertsArgs& a) 
   p.ids = a.topk_ids.as<const int32_t>();
   p.topk_weights = a.topk_weights.as<const float>();
   p.l2p = a.logical_to_physical.as<const int32_t>();
+  if (!absent(a.num_valid_device)) {
+    RD_RETURN_IF_ERROR(view(ctx, a.num_valid_device, "num_valid_device", {DType::kI32}, Shape{1}));
+    p.num_valid_device = a.num_valid_device.as<const int32_t>();
+  }
   p.format = w.format;
   p.order = w.gate_up_order;
   if (w.gate_up_order != GateUpOrder::kConcatenated && w.gate_up_order != GateUpOrder::kInterleaved)

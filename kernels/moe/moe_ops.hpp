@@ -144,6 +144,11 @@ struct ExpertsArgs {
   TensorView topk_weights;         // [T, K] float32
   TensorView logical_to_physical;  // [E_logical] int32: slot computing each logical expert
   int64_t num_valid_tokens = -1;   // rows >= this are padding: written 0, never read; -1 = T
+  // Optional int32 [1] on the context's device: the real row count read where the op runs, so a
+  // CUDA graph captured at a padded bucket size masks each replay's padding rows (no expert work,
+  // output 0). Rows >= min(num_valid_tokens, *num_valid_device) are padding. CPU: a count
+  // outside [0, T] is kOutOfRange, nothing written; CUDA: clamped to [0, T].
+  TensorView num_valid_device;
   ExpertWeights weights;
   ActivationParams activation;
   ActPrecision precision = ActPrecision::kBF16;

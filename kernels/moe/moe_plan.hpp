@@ -36,6 +36,7 @@ struct ExpertsPlan {
   const int32_t* ids = nullptr;
   const float* topk_weights = nullptr;
   const int32_t* l2p = nullptr;
+  const int32_t* num_valid_device = nullptr;  // nullable [1]: min(num_valid, *it) rows are real
   WeightFormat format = WeightFormat::kBF16;
   GateUpOrder order = GateUpOrder::kConcatenated;
   const uint16_t* gate_up_bf16 = nullptr;  // [E, 2I, H]

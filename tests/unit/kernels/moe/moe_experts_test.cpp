@@ -312,6 +312,40 @@ TEST(MoeExperts, EmptyAndAllPaddingBatches) {
   EXPECT_TRUE(r.status.ok()) << r.status.to_string();
 }
 
+// num_valid_device: the row count read where the op runs (graphs padded to a bucket) masks rows
+// as num_valid_tokens does; a count outside [0, T] is refused before anything is written.
+TEST(MoeExperts, DeviceRowCountMasksPaddingRows) {
+  const Batch b = batch();
+  const OneHot oh = one_hot(GateUpOrder::kConcatenated);
+  test::Arena arena(false);
+  const ExpertWeights w = test::upload_experts(arena, WeightFormat::kBF16, GateUpOrder::kConcatenated, oh.gu, oh.dn);
+  const ExpertRun want = run_experts(b, w, kActs[0], ActPrecision::kBF16);
+  ASSERT_TRUE(want.status.ok()) << want.status.to_string();
+  for (const int32_t count : {2, 3, 4, -1}) {
+    Batch c = b;
+    std::vector<float> out(static_cast<size_t>(c.t * kH), -3.0f);
+    int32_t n = count;
+    ExpertsArgs a;
+    a.out = TensorView::contiguous(out.data(), DType::kF32, Shape{c.t, kH});
+    a.x = TensorView::contiguous(c.x.data(), DType::kF32, Shape{c.t, kH});
+    a.topk_ids = TensorView::contiguous(c.ids.data(), DType::kI32, Shape{c.t, c.k});
+    a.topk_weights = TensorView::contiguous(c.w.data(), DType::kF32, Shape{c.t, c.k});
+    a.logical_to_physical = TensorView::contiguous(c.l2p.data(), DType::kI32, Shape{3});
+    a.num_valid_tokens = count == 3 ? 2 : -1;  // 3 rows on the device, 2 on the host: the smaller
+    a.num_valid_device = TensorView::contiguous(&n, DType::kI32, Shape{1});
+    a.weights = w;
+    a.activation = kActs[0];
+    const Status st = experts(kCpu, a);
+    if (count == 2 || count == 3) {
+      ASSERT_TRUE(st.ok()) << st.to_string();
+      EXPECT_EQ(out, want.out);
+    } else {
+      MOE_EXPECT_STATUS(st, ErrorCode::kOutOfRange, "num_valid_device");
+      for (float v : out) EXPECT_EQ(v, -3.0f);
+    }
+  }
+}
+
 TEST(MoeExperts, RejectsBadIdsAndMapsWritingNothing) {
   const OneHot oh = one_hot(GateUpOrder::kConcatenated);
   test::Arena arena(false);

@@ -179,9 +179,13 @@ TEST_F(MoeParity, Experts) {
         for (const ActPrecision prec : {ActPrecision::kBF16, ActPrecision::kMXFP8}) {
           const bool accumulate = (variant % 3) == 1;
           const bool x_bf16 = (variant % 4) == 2 && prec == ActPrecision::kBF16;
+          // Every other variant gives the real row count on the device (a graph replay padded to
+          // a bucket) and num_valid_tokens = T: the padding rows must still cost and write nothing.
+          const bool device_count = (variant % 2) == 0;
           ++variant;
           SCOPED_TRACE(s.size + " " + activation_kind_name(act.kind) + " " + weight_format_name(fmt) + " " +
-                       act_precision_name(prec) + (accumulate ? " accumulate" : "") + (x_bf16 ? " x_bf16" : ""));
+                       act_precision_name(prec) + (accumulate ? " accumulate" : "") + (x_bf16 ? " x_bf16" : "") +
+                       (device_count ? " device_count" : ""));
           std::vector<float> out[2];
           for (int g = 0; g < 2; ++g) {
             Arena a(g == 1);
@@ -198,6 +202,10 @@ TEST_F(MoeParity, Experts) {
             args.topk_weights = a.make(DType::kF32, Shape{s.t, s.k}, w);
             args.logical_to_physical = a.make(DType::kI32, Shape{s.e_log}, l2p);
             args.num_valid_tokens = s.nv;
+            if (device_count) {
+              args.num_valid_tokens = -1;
+              args.num_valid_device = a.make(DType::kI32, Shape{1}, std::vector<int32_t>{static_cast<int32_t>(s.nv)});
+            }
             args.activation = act;
             args.precision = prec;
             args.accumulate = accumulate;
