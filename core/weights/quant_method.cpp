@@ -1,9 +1,12 @@
 #include "core/weights/quant_method.hpp"
 
 #include <algorithm>
+#include <cassert>
 #include <cstring>
 #include <map>
 #include <mutex>
+
+#include "kernels/quant/quant_ops.hpp"
 
 namespace rolloutd::core {
 
@@ -181,6 +184,30 @@ void TransposeMethod::kernel_to_checkpoint_host(const uint8_t* kernel, uint8_t* 
       for (int64_t c = 0; c < cols; ++c)
         std::memcpy(checkpoint + ((e * rows + r) * cols + c) * static_cast<int64_t>(elem_bytes),
                     kernel + ((e * cols + c) * rows + r) * static_cast<int64_t>(elem_bytes), elem_bytes);
+}
+
+Status Mxfp4BlocksMethod::postprocess_after_load(const Backend&, const ExecContext& ctx, TensorView s) {
+  return quant::mxfp4_blocks_to_kernel_layout(ctx, s, order_);
+}
+
+Status Mxfp4BlocksMethod::restore_before_load(const Backend&, const ExecContext& ctx, TensorView s) {
+  return quant::mxfp4_blocks_to_checkpoint_layout(ctx, s, order_);
+}
+
+void Mxfp4BlocksMethod::kernel_to_checkpoint_host(const uint8_t* kernel, uint8_t* checkpoint, int64_t experts,
+                                                  int64_t rows, size_t row_bytes, size_t) const {
+  // Blocks [E, N, K/32, 16]: a row is K/2 bytes. The CPU inverse, in place on the copy.
+  std::memcpy(checkpoint, kernel, row_bytes * static_cast<size_t>(experts * rows));
+  const int64_t kb = static_cast<int64_t>(row_bytes / 16);
+  const Status st = quant::mxfp4_blocks_to_checkpoint_layout(
+      ExecContext{}, TensorView::contiguous(checkpoint, DType::kU8, Shape{experts, rows, kb, 16}), order_);
+  // The same storage passed the forward move, so the inverse cannot be refused.
+  assert(st.ok());
+  (void)st;
+}
+
+Status Mxfp4ScalesMethod::postprocess_after_load(const Backend&, const ExecContext& ctx, TensorView s) {
+  return quant::mxfp4_scales_to_kernel_layout(ctx, s, kernel_scales_, order_);
 }
 
 }  // namespace rolloutd::core

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kernels/backend.hpp"
+#include "kernels/quant/mxfp4.hpp"
 #include "kernels/status.hpp"
 #include "kernels/tensor_view.hpp"
 
@@ -123,6 +124,42 @@ class TransposeMethod final : public QuantMethod {
  private:
   Status run(const Backend& b, const ExecContext& ctx, TensorView storage, bool to_kernel);
   size_t max_staging_bytes_;
+};
+
+// Stacked MXFP4 blocks [E, N, K/32, 16] (gpt-oss `*_blocks`, or blocks quantized on arrival):
+// the kernel layout is the tiled one moe::experts reads (kernels/quant/mxfp4.hpp), made and undone
+// in place by quant::mxfp4_blocks_to_kernel_layout / _to_checkpoint_layout; `order` is the
+// checkpoint's row order (gate/up interleaved or concatenated, or plain for down_proj).
+class Mxfp4BlocksMethod final : public QuantMethod {
+ public:
+  explicit Mxfp4BlocksMethod(quant::Mxfp4RowOrder order) : order_(order) {}
+  const char* name() const override { return "mxfp4_blocks"; }
+  bool transforms_layout() const override { return true; }
+  Status restore_before_load(const Backend& b, const ExecContext& ctx, TensorView storage) override;
+  Status postprocess_after_load(const Backend& b, const ExecContext& ctx, TensorView storage) override;
+  void kernel_to_checkpoint_host(const uint8_t* kernel, uint8_t* checkpoint, int64_t experts, int64_t rows,
+                                 size_t row_bytes, size_t elem_bytes) const override;
+
+ private:
+  quant::Mxfp4RowOrder order_;
+};
+
+// The scales beside Mxfp4BlocksMethod's blocks: the parameter itself never moves (checkpoint
+// layout always, which reads and checksums see); postprocess writes the kernel-layout copy into
+// `kernel_scales` (same shape, weights memory the model owns, not a checkpoint tensor), so every
+// session that wrote the scales re-derives it, and a restore has nothing to undo.
+class Mxfp4ScalesMethod final : public QuantMethod {
+ public:
+  Mxfp4ScalesMethod(quant::Mxfp4RowOrder order, TensorView kernel_scales)
+      : order_(order), kernel_scales_(kernel_scales) {}
+  const char* name() const override { return "mxfp4_scales"; }
+  bool transforms_layout() const override { return false; }
+  Status restore_before_load(const Backend&, const ExecContext&, TensorView) override { return Status::Ok(); }
+  Status postprocess_after_load(const Backend& b, const ExecContext& ctx, TensorView storage) override;
+
+ private:
+  quant::Mxfp4RowOrder order_;
+  TensorView kernel_scales_;
 };
 
 }  // namespace rolloutd::core

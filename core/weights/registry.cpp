@@ -99,7 +99,9 @@ std::vector<size_t> CheckpointTensor::targets(DType src_dtype) const {
 }
 
 Status WeightRegistry::add_mxfp4(std::string name, std::span<const int64_t> shape, TensorView blocks,
-                                 TensorView scales, bool quantize_on_arrival) {
+                                 TensorView scales, bool quantize_on_arrival,
+                                 std::unique_ptr<QuantMethod> blocks_method,
+                                 std::unique_ptr<QuantMethod> scales_method) {
   if (shape.empty() || shape.back() <= 0 || shape.back() % quant::kMxBlockSize != 0)
     return Status(ErrorCode::kInternal, "an MXFP4 parameter needs a last dimension that is a multiple of 32", name);
   if (tensors_.count(name) || param_index_.count(name))
@@ -111,8 +113,8 @@ Status WeightRegistry::add_mxfp4(std::string name, std::span<const int64_t> shap
   for (int i = 0; ok && i + 1 < r; ++i) ok = blocks.size(i) == shape[i] && scales.size(i) == shape[i];
   if (!ok) return Status(ErrorCode::kInternal, "MXFP4 blocks/scales storage does not match the shape", name);
   const size_t b = params_.size();
-  RD_RETURN_IF_ERROR(add(name + "_blocks", blocks, nullptr));
-  RD_RETURN_IF_ERROR(add(name + "_scales", scales, nullptr));
+  RD_RETURN_IF_ERROR(add(name + "_blocks", blocks, std::move(blocks_method)));
+  RD_RETURN_IF_ERROR(add(name + "_scales", scales, std::move(scales_method)));
   if (!quantize_on_arrival) return Status::Ok();
   CheckpointTensor t;
   t.name = std::move(name);

@@ -83,8 +83,11 @@ class WeightRegistry {
   // quantize_on_arrival = false registers only the two stored names (no BF16/FP32 `name`): for
   // a checkpoint whose unquantized tensor has another orientation than the blocks (gpt-oss experts
   // as transformers saves them), where quantizing along the wrong axis would go unnoticed.
+  // blocks_method / scales_method: how the two stored parameters move to kernel layout (null:
+  // they stay as stored; Mxfp4BlocksMethod / Mxfp4ScalesMethod for the expert op's tiled layout).
   Status add_mxfp4(std::string name, std::span<const int64_t> shape, TensorView blocks, TensorView scales,
-                   bool quantize_on_arrival = true);
+                   bool quantize_on_arrival = true, std::unique_ptr<QuantMethod> blocks_method = nullptr,
+                   std::unique_ptr<QuantMethod> scales_method = nullptr);
   // Registers `name` ([rows, K] in BF16/FP32) as rows [row_start, row_start + rows) of expert
   // `expert` of the stacked MXFP4 parameter `mxfp4_name` (registered by add_mxfp4, blocks
   // [E, R, K/32, 16]), quantized on arrival: a per-expert checkpoint tensor

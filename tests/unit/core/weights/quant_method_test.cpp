@@ -10,6 +10,7 @@
 
 #include "core/weights/quant_method.hpp"
 #include "kernels/backend.hpp"
+#include "kernels/quant/quant_ops.hpp"
 
 namespace rolloutd::core {
 namespace {
@@ -104,6 +105,73 @@ TEST(BackendCopy3d, MovesRowsOfEverySliceAndRejectsBadPitches) {
   EXPECT_EQ(back, dst);
   (void)cuda->free(g, ds);
   (void)cuda->free(g, dd);
+}
+
+
+// Mxfp4BlocksMethod / Mxfp4ScalesMethod: postprocess gives the bytes of the quant ops (blocks in
+// place, scales into the kernel copy, checkpoint scales untouched), the host read-back of the
+// kernel layout gives the checkpoint bytes, and restore undoes the blocks exactly.
+void mxfp4_methods_on(const Backend& b, const ExecContext& ctx, quant::Mxfp4RowOrder order) {
+  SCOPED_TRACE("backend " + std::string(b.name) + ", order " + std::to_string(static_cast<int>(order)));
+  constexpr int64_t kExperts = 3, kRows = 64, kKb = 4;  // [E, 64, K/32 = 4, 16]
+  const size_t nb = kExperts * kRows * kKb * 16, ns = kExperts * kRows * kKb;
+  std::vector<uint8_t> blocks(nb), scales(ns);
+  for (size_t i = 0; i < nb; ++i) blocks[i] = static_cast<uint8_t>(i * 37 + 11);
+  for (size_t i = 0; i < ns; ++i) scales[i] = static_cast<uint8_t>(100 + i % 50);
+  std::vector<uint8_t> want_blocks = blocks, want_scales(ns);
+  const Shape bs{kExperts, kRows, kKb, 16}, ss{kExperts, kRows, kKb};
+  ASSERT_TRUE(quant::mxfp4_blocks_to_kernel_layout(ExecContext{}, TensorView::contiguous(want_blocks.data(), DType::kU8, bs), order).ok());
+  std::vector<uint8_t> sc = scales;
+  ASSERT_TRUE(quant::mxfp4_scales_to_kernel_layout(ExecContext{}, TensorView::contiguous(sc.data(), DType::kU8, ss),
+                                                   TensorView::contiguous(want_scales.data(), DType::kU8, ss), order)
+                  .ok());
+  const bool host = ctx.device.kind == DeviceKind::kCpu;
+  void *pb = nullptr, *ps = nullptr, *pk = nullptr;
+  ASSERT_TRUE(b.alloc(ctx, nb, &pb).ok() && b.alloc(ctx, ns, &ps).ok() && b.alloc(ctx, ns, &pk).ok());
+  const CopyKind up = host ? CopyKind::kHostToHost : CopyKind::kHostToDevice;
+  const CopyKind down = host ? CopyKind::kHostToHost : CopyKind::kDeviceToHost;
+  ASSERT_TRUE(b.copy(ctx, pb, blocks.data(), nb, up).ok() && b.copy(ctx, ps, scales.data(), ns, up).ok());
+  auto read = [&](void* p, size_t n) {
+    std::vector<uint8_t> out(n);
+    EXPECT_TRUE(b.copy(ctx, out.data(), p, n, down).ok());
+    EXPECT_TRUE(b.synchronize(ctx).ok());
+    return out;
+  };
+  const TensorView vb = TensorView::contiguous(pb, DType::kU8, bs, ctx.device);
+  const TensorView vs = TensorView::contiguous(ps, DType::kU8, ss, ctx.device);
+  Mxfp4BlocksMethod mb(order);
+  Mxfp4ScalesMethod ms(order, TensorView::contiguous(pk, DType::kU8, ss, ctx.device));
+  EXPECT_TRUE(mb.transforms_layout());
+  EXPECT_FALSE(ms.transforms_layout());
+  ASSERT_TRUE(mb.postprocess_after_load(b, ctx, vb).ok());
+  ASSERT_TRUE(ms.postprocess_after_load(b, ctx, vs).ok());
+  const std::vector<uint8_t> kernel = read(pb, nb);
+  EXPECT_EQ(kernel, want_blocks);
+  EXPECT_EQ(read(pk, ns), want_scales);
+  EXPECT_EQ(read(ps, ns), scales);
+  std::vector<uint8_t> back(nb);
+  mb.kernel_to_checkpoint_host(kernel.data(), back.data(), kExperts, kRows, kKb * 16, 1);
+  EXPECT_EQ(back, blocks);
+  ASSERT_TRUE(ms.restore_before_load(b, ctx, vs).ok());
+  ASSERT_TRUE(mb.restore_before_load(b, ctx, vb).ok());
+  EXPECT_EQ(read(pb, nb), blocks);
+  EXPECT_EQ(read(ps, ns), scales);
+  for (void* p : {pb, ps, pk}) EXPECT_TRUE(b.free(ctx, p).ok());
+}
+
+TEST(Mxfp4Methods, KernelLayoutAndExactRestoreOnTheCpu) {
+  for (auto o : {quant::Mxfp4RowOrder::kPlain, quant::Mxfp4RowOrder::kGateUpInterleaved,
+                 quant::Mxfp4RowOrder::kGateUpConcatenated})
+    mxfp4_methods_on(cpu_backend(), ExecContext{}, o);
+}
+
+TEST(Mxfp4Methods, KernelLayoutAndExactRestoreOnCuda) {
+  if (cuda_backend() == nullptr || cuda_device_count() == 0) GTEST_SKIP() << "no CUDA backend or no visible GPU";
+  ExecContext ctx;
+  ctx.device = Device::cuda(0);
+  for (auto o : {quant::Mxfp4RowOrder::kPlain, quant::Mxfp4RowOrder::kGateUpInterleaved,
+                 quant::Mxfp4RowOrder::kGateUpConcatenated})
+    mxfp4_methods_on(*cuda_backend(), ctx, o);
 }
 
 }  // namespace
