@@ -8,6 +8,7 @@
 #include <string>
 
 #include "kernels/cpu/cpu_sampling.hpp"
+#include "kernels/moe/moe_ops.hpp"
 
 namespace rolloutd::core {
 namespace {
@@ -58,6 +59,7 @@ Status MoeDecoder::allocate() {
                 KVH = c.num_key_value_heads, E = c.num_experts, I = c.moe_intermediate_size;
 
   const bool gpt_oss = c.family == "gpt_oss";
+  kernel_experts_ = c.experts_mxfp4 && ctx_.device.kind == DeviceKind::kCuda && H % 64 == 0 && I % 64 == 0;
   RD_RETURN_IF_ERROR(param("model.embed_tokens.weight", Shape{c.vocab_size, H}, embed_tokens_));
   if (c.rope_type != "default") {
     // Scaled rotary frequencies, computed once on the host as transformers computes them; like
@@ -141,8 +143,10 @@ Status MoeDecoder::allocate() {
         // down_proj is square in the published models, so quantizing them along the blocks' axis
         // would transpose them silently.
         RD_RETURN_IF_ERROR(mxfp4_experts(p + "mlp.experts.gate_up_proj", 2 * I, H, L.gu_blocks, L.gu_scales,
+                                         L.gu_kernel_scales, quant::Mxfp4RowOrder::kGateUpInterleaved,
                                          /*quantize_on_arrival=*/false));
         RD_RETURN_IF_ERROR(mxfp4_experts(p + "mlp.experts.down_proj", H, I, L.dn_blocks, L.dn_scales,
+                                         L.dn_kernel_scales, quant::Mxfp4RowOrder::kPlain,
                                          /*quantize_on_arrival=*/false));
         RD_RETURN_IF_ERROR(param(p + "mlp.experts.gate_up_proj_bias", Shape{E, 2 * I}, L.experts_gate_up_bias));
         RD_RETURN_IF_ERROR(param(p + "mlp.experts.down_proj_bias", Shape{E, H}, L.experts_down_bias));
@@ -168,8 +172,10 @@ Status MoeDecoder::allocate() {
         // tensors quantizes on its own along `in`, so the blocks keep the stacked tensor's row
         // order, gate rows then up rows, which the expert op reads as they are.
         RD_RETURN_IF_ERROR(mxfp4_experts(p + "mlp.experts.gate_up_proj", 2 * I, H, L.gu_blocks, L.gu_scales,
+                                         L.gu_kernel_scales, quant::Mxfp4RowOrder::kGateUpConcatenated,
                                          /*quantize_on_arrival=*/true));
         RD_RETURN_IF_ERROR(mxfp4_experts(p + "mlp.experts.down_proj", H, I, L.dn_blocks, L.dn_scales,
+                                         L.dn_kernel_scales, quant::Mxfp4RowOrder::kPlain,
                                          /*quantize_on_arrival=*/true));
         L.gate_up_interleaved = false;
       } else {
@@ -281,6 +287,9 @@ Status MoeDecoder::allocate() {
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, K}, ws_.topk_weights));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, H}, ws_.moe_out));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T * std::max(K * I, c.intermediate_size)}, ws_.moe_h));
+  if (kernel_experts_)
+    RD_RETURN_IF_ERROR(ws(DType::kU8, Shape{moe::experts_workspace_bytes(T, K, H, I, E, moe::ActPrecision::kBF16)},
+                          ws_.experts_ws));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{S, H}, ws_.final_rows));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{S, H}, ws_.final_normed));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{S, c.vocab_size}, ws_.logits));
@@ -311,12 +320,19 @@ Status MoeDecoder::add_loader_aliases(int64_t l) {
 }
 
 Status MoeDecoder::mxfp4_experts(const std::string& name, int64_t rows, int64_t cols, TensorView& blocks,
-                                 TensorView& scales, bool quantize_on_arrival) {
+                                 TensorView& scales, TensorView& kernel_scales, quant::Mxfp4RowOrder order,
+                                 bool quantize_on_arrival) {
   const int64_t E = config_.num_experts;
   RD_ASSIGN_OR_RETURN(blocks, weights_arena_->allocate(DType::kU8, Shape{E, rows, cols / 32, 16}));
   RD_ASSIGN_OR_RETURN(scales, weights_arena_->allocate(DType::kU8, Shape{E, rows, cols / 32}));
   const int64_t shape[] = {E, rows, cols};
-  return weights_->add_mxfp4(name, shape, blocks, scales, quantize_on_arrival);
+  if (!kernel_experts_) return weights_->add_mxfp4(name, shape, blocks, scales, quantize_on_arrival);
+  // Weights memory, not a checkpoint tensor and not static state: every postprocess of the
+  // scales rewrites it (and the weights are pushed again after a memory release anyway).
+  RD_ASSIGN_OR_RETURN(kernel_scales, weights_arena_->allocate(DType::kU8, Shape{E, rows, cols / 32}));
+  return weights_->add_mxfp4(name, shape, blocks, scales, quantize_on_arrival,
+                             std::make_unique<Mxfp4BlocksMethod>(order),
+                             std::make_unique<Mxfp4ScalesMethod>(order, kernel_scales));
 }
 
 Status MoeDecoder::add_expert_aliases(int64_t l) {
@@ -719,6 +735,11 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
         RD_RETURN_IF_ERROR(backend_.copy_valid_rows(ctx, layer_rows, topk_ids, ws_.num_valid, -1));
       }
     }
+    if (L.moe && kernel_experts_) {
+      RD_RETURN_IF_ERROR(kernel_experts(ctx, L, x, moe_out, topk_ids, topk_w, T));
+      RD_RETURN_IF_ERROR(backend_.add(ctx, h, h, moe_out));
+      continue;
+    }
     MoeExpertsArgs args;
     args.out = moe_out;
     args.x = x;
@@ -755,6 +776,37 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
   RD_RETURN_IF_ERROR(backend_.embedding(ctx, final_rows, h, rows_idx));
   RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx, final_normed, final_rows, final_norm_, eps));
   return backend_.linear(ctx, out_logits, final_normed, lm_head_);
+}
+
+Status MoeDecoder::kernel_experts(const ExecContext& ctx, const Layer& L, const TensorView& x, const TensorView& out,
+                                  const TensorView& topk_ids, const TensorView& topk_w, int64_t T) {
+  const auto& c = config_;
+  moe::ExpertsArgs a;
+  a.out = out;
+  a.x = x;
+  a.topk_ids = topk_ids;  // logical ids (recorded above); the remap happens inside the op
+  a.topk_weights = topk_w;
+  a.logical_to_physical = L.logical_to_physical;
+  a.num_valid_tokens = T;
+  a.num_valid_device = ws_.num_valid;  // padding rows of a bucket: no expert work, output 0
+  a.weights.format = moe::WeightFormat::kMXFP4;
+  a.weights.gate_up_order = L.gate_up_interleaved ? moe::GateUpOrder::kInterleaved : moe::GateUpOrder::kConcatenated;
+  a.weights.gate_up = L.gu_blocks;
+  a.weights.gate_up_scales = L.gu_kernel_scales;
+  a.weights.down = L.dn_blocks;
+  a.weights.down_scales = L.dn_kernel_scales;
+  a.weights.gate_up_bias = L.experts_gate_up_bias;
+  a.weights.down_bias = L.experts_down_bias;
+  if (c.family == "gpt_oss") {
+    a.activation.kind = moe::ActivationKind::kGptOssSwiGLU;
+    a.activation.limit = static_cast<float>(c.swiglu_limit);
+    a.activation.alpha = 1.702f;  // GptOssExperts.alpha (not a config key)
+  }
+  // The CUDA kernels take BF16 or MXFP8 GEMM inputs (FP32 is the CPU reference's mode): x and the
+  // SwiGLU output round to BF16, the FP32 accumulation and everything outside the op stay FP32.
+  a.precision = moe::ActPrecision::kBF16;
+  a.workspace = ws_.experts_ws;
+  return moe::experts(ctx, a);
 }
 
 }  // namespace rolloutd::core

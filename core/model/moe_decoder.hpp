@@ -17,6 +17,7 @@
 #include "core/storage/arena.hpp"
 #include "core/weights/registry.hpp"
 #include "kernels/backend.hpp"
+#include "kernels/quant/mxfp4.hpp"
 
 namespace rolloutd::core {
 
@@ -136,8 +137,11 @@ class MoeDecoder {
     int64_t window = 0;
     TensorView router_bias;                            // [E]
     TensorView experts_gate_up_bias, experts_down_bias;  // [E, 2I] (interleaved), [E, H]
-    // config.experts_mxfp4: the experts as MXFP4 bytes (checkpoint layout) instead of FP32.
+    // config.experts_mxfp4: the experts as MXFP4 bytes instead of FP32 (checkpoint layout, or
+    // with kernel_experts_ the tiled kernel layout between postprocess and restore, plus the
+    // kernel-layout copies of the scales that postprocess derives).
     TensorView gu_blocks, gu_scales, dn_blocks, dn_scales;
+    TensorView gu_kernel_scales, dn_kernel_scales;
     // Row order of each expert's gate/up weights as the expert op reads them: interleaved (the
     // kernel layout of InterleaveGateUpMethod, gpt-oss's MXFP4 checkpoint), or gate rows then up
     // rows (qwen3_moe's MXFP4 experts, quantized from the checkpoint's order).
@@ -161,6 +165,7 @@ class MoeDecoder {
     TensorView token_ids, positions, seq_of, slot_mapping, ctx_len, block_tables, logits_rows, num_valid;
     TensorView h, x, q, k, v, attn, o, router_logits, topk_ids, topk_weights, moe_out;
     TensorView moe_h;  // expert-op workspace [T * max(K * I, I_dense)] (MoeExpertsArgs::workspace)
+    TensorView experts_ws;  // kernel_experts_: moe::experts scratch (uint8, sized for max_tokens)
     TensorView final_rows, final_normed, logits;
   };
 
@@ -170,8 +175,10 @@ class MoeDecoder {
   Status add_expert_aliases(int64_t layer);
   // Allocates stacked MXFP4 experts (blocks [E, rows, cols/32, 16], scales [E, rows, cols/32]) and
   // registers them as `name` (WeightRegistry::add_mxfp4).
+  // With kernel_experts_ the blocks move to the tiled kernel layout of moe::experts on postprocess
+  // (`order`: the checkpoint's row order) and `kernel_scales` receives the kernel-layout scales.
   Status mxfp4_experts(const std::string& name, int64_t rows, int64_t cols, TensorView& blocks, TensorView& scales,
-                       bool quantize_on_arrival);
+                       TensorView& kernel_scales, quant::Mxfp4RowOrder order, bool quantize_on_arrival);
   // Fills the host mirror of the inputs for T rows (`num_valid` real, the rest padding) and
   // uploads the used prefix.
   Status stage_inputs(const StepBatch& b, int64_t rows, int64_t seqs);
@@ -179,6 +186,9 @@ class MoeDecoder {
   // model's, or a capture stream's): no host reads, no synchronisation, so it can be captured.
   Status run_device(const ExecContext& ctx, int64_t T, int64_t S, int64_t R, bool record);
   static Status capture_body(void* arg, const ExecContext& ctx);
+  // The routed experts of MoE layer L through moe::experts (kernel_experts_): T rows of x -> out.
+  Status kernel_experts(const ExecContext& ctx, const Layer& L, const TensorView& x, const TensorView& out,
+                        const TensorView& topk_ids, const TensorView& topk_w, int64_t T);
   // step() and step_sample(): with `sample`, the logits stay on the device and the sampling op
   // runs on them (the returned span is then empty).
   Result<std::span<const float>> step_impl(const StepBatch& batch, RoutedExpertRecorder* recorder,
@@ -202,6 +212,12 @@ class MoeDecoder {
   float rope_attention_factor_ = 1.0f;
   std::vector<Layer> layers_;
   int64_t moe_layers_ = 0;
+  // MXFP4 routed experts run through moe::experts (kernels/moe: token permutation by expert,
+  // grouped MXFP4 GEMMs that read each active expert's weights once per step, BF16 activations)
+  // instead of Backend::moe_experts (every (token, expert) pair re-reads its expert). CUDA only,
+  // and only where its shapes fit (H and I multiples of 64); the CPU keeps the FP32 op, exact
+  // against the Hugging Face goldens.
+  bool kernel_experts_ = false;
   Workspace ws_;
   // Page-locked host staging (Backend::host_alloc): the inputs' host mirror, the logits and the
   // record table come back asynchronously, then one synchronisation ends the step.
