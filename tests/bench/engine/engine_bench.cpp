@@ -237,6 +237,8 @@ std::vector<std::string> split(const std::string& s) {
 
 int main(int argc, char** argv) {
   using namespace rolloutd;
+  // Line-buffered even into a file: a run cut short by its timeout still leaves its table.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   std::string json_path, models = "tiny,mid", batches_arg = "1,32,256", model_dir, peer_path;
   uint32_t new_tokens = 64;
   bool host_sampling = false;  // --host-sampling 1: EngineOptions::device_sampling off
