@@ -107,6 +107,8 @@ class MoeDecoder {
   // never re-captured. Call once, while nothing else runs on the model; idempotent.
   Status capture_graphs();
   const GraphStats& graph_stats() const { return graph_stats_; }
+  // Whether the routed experts run through moe::experts (CUDA, MXFP4, H and I multiples of 64).
+  bool uses_kernel_experts() const { return kernel_experts_; }
   // The bucket a decode step of n sequences runs in; 0 when it runs eagerly.
   int64_t bucket_for(int64_t num_seqs) const;
   // Device table of the last step's routed-expert ids: [num_moe_layers, max_tokens, top_k] int32

@@ -387,8 +387,11 @@ Status WeightRegistry::postprocess(size_t i) {
 Status WeightRegistry::postprocess_all() {
   for (size_t i = 0; i < params_.size(); ++i)
     if (params_[i].layout == Layout::kCheckpoint) RD_RETURN_IF_ERROR(postprocess(i));
-  return Status::Ok();
+  // Some methods only queue their moves (Mxfp4BlocksMethod): done when this returns.
+  return synchronize();
 }
+
+Status WeightRegistry::synchronize() { return resident_ ? backend_.synchronize(ctx_) : Status::Ok(); }
 
 Status WeightRegistry::read_checkpoint(size_t i, std::vector<uint8_t>& out) const {
   const RegisteredParameter& p = params_[i];

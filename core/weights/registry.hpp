@@ -126,6 +126,9 @@ class WeightRegistry {
   Status restore(size_t param);
   Status postprocess(size_t param);
   Status postprocess_all();
+  // Waits for the layout work queued on the registry's stream (restores, postprocesses): a session's
+  // begin and end reply only after their layout moves have run (and report a device fault as theirs).
+  Status synchronize();
 
   // The parameter's checkpoint-layout bytes in its stored dtype (independent of the current
   // layout: kernel-layout rows are read back through the method's row map).

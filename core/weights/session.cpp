@@ -61,6 +61,12 @@ Result<BeginResult> WeightUpdater::begin(const std::vector<std::string>& selecto
       return s;
     }
   }
+  if (Status s = reg_.synchronize(); !s.ok()) {  // the restores have run before the reply
+    open_ = true;
+    id_ = next_id_++;
+    (void)finish_failed("begin_weight_update failed restoring layouts: " + s.message());
+    return s;
+  }
   open_ = true;
   id_ = next_id_++;
   timeout_s_ = timeout_s;

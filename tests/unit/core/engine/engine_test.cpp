@@ -153,7 +153,9 @@ TEST(Engine, TopLogprobsAreTheModelsMostLikelyTokens) {
   for (const EngineEvent& ev : run_to_idle(*e)) {
     if (ev.kind != EngineEvent::Kind::kTokens) continue;
     const size_t n = specs[ev.rid].top_logprobs_num;
-    if (!ev.token_ids.empty()) EXPECT_EQ(ev.top_logprobs_num, n) << ev.rid;
+    if (!ev.token_ids.empty()) {
+      EXPECT_EQ(ev.top_logprobs_num, n) << ev.rid;
+    }
     EXPECT_EQ(ev.top_ids.size(), ev.token_ids.size() * n) << ev.rid;
     EXPECT_EQ(ev.top_logprobs.size(), ev.token_ids.size() * n) << ev.rid;
     ids[ev.rid].insert(ids[ev.rid].end(), ev.top_ids.begin(), ev.top_ids.end());
@@ -191,10 +193,13 @@ TEST(Engine, TopLogprobsAreTheModelsMostLikelyTokens) {
       for (size_t k = 0; k < n; ++k) {
         EXPECT_EQ(ids[rid][j * n + k], order[k]) << "token " << j << " entry " << k;
         EXPECT_NEAR(lps[rid][j * n + k], l[order[k]] - m - std::log(z), 1e-4) << "token " << j << " entry " << k;
-        if (ids[rid][j * n + k] == c.tokens[j])  // the sampled token's entry is its log-prob exactly
+        if (ids[rid][j * n + k] == c.tokens[j]) {  // the sampled token's entry is its log-prob exactly
           EXPECT_EQ(lps[rid][j * n + k], c.logprobs[j]) << "token " << j;
+        }
       }
-      if (rid == "t") EXPECT_EQ(ids[rid][j * n], c.tokens[j]) << "greedy: the first entry is the token";
+      if (rid == "t") {
+        EXPECT_EQ(ids[rid][j * n], c.tokens[j]) << "greedy: the first entry is the token";
+      }
     }
   }
 }

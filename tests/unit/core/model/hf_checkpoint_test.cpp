@@ -177,7 +177,9 @@ std::vector<uint8_t> param_bytes(const core::MoeDecoder& m, const std::string& n
   std::vector<uint8_t> out;
   const size_t i = m.weights().index_of(name);
   EXPECT_NE(i, SIZE_MAX) << name;
-  if (i != SIZE_MAX) EXPECT_TRUE(m.weights().read_checkpoint(i, out).ok()) << name;
+  if (i != SIZE_MAX) {
+    EXPECT_TRUE(m.weights().read_checkpoint(i, out).ok()) << name;
+  }
   return out;
 }
 
