@@ -72,6 +72,7 @@ Result<BeginResult> WeightUpdater::begin(const std::vector<std::string>& selecto
   timeout_s_ = timeout_s;
   started_ = last_activity_ = now;
   written_.clear();
+  written_rows_.clear();
   buckets_ = 0;
   entries_ = bytes_ = 0;
   r.session = id_;
@@ -140,6 +141,13 @@ Result<BucketResult> WeightUpdater::apply_bucket(uint64_t session, std::span<con
     const BucketEntry& e = entries[i];
     Status s = reg_.load(*targets[i], e.dtype, e.shape, bucket.subspan(e.byte_offset, e.nbytes), on_device);
     for (size_t p : targets[i]->targets(e.dtype)) written_.insert(p);
+    for (const RowCopy& c : reg_.rows_written(*targets[i], e.dtype)) {
+      const RowGeometry g = row_geometry(reg_.parameters()[c.param].storage);
+      std::vector<bool>& rows = written_rows_[c.param];
+      rows.resize(static_cast<size_t>(g.experts * g.rows), false);
+      const int64_t base = (c.expert < 0 ? 0 : c.expert) * g.rows;
+      for (int64_t k = 0; k < c.count; ++k) rows[static_cast<size_t>(base + c.dst_start + k * c.dst_stride)] = true;
+    }
     if (!s.ok()) {
       (void)finish_failed("bucket write failed at " + e.name + ": " + s.message());
       return Status(s.code(), s.message(), entry_field(i, ""));
@@ -181,20 +189,34 @@ Result<EndResult> WeightUpdater::end(uint64_t session, uint64_t weight_version, 
   r.num_parameters_updated = static_cast<uint32_t>(written_.size());
   r.postprocess_s = seconds(SteadyClock::now() - t0);
   r.duration_s = seconds(now - started_) + r.postprocess_s;
-  for (size_t p : written_) broken_.erase(p);
+  // A broken parameter is whole again once every one of its rows has been rewritten.
+  for (const auto& [p, rows] : written_rows_) {
+    auto it = broken_.find(p);
+    if (it == broken_.end()) continue;
+    std::vector<bool>& left = it->second;
+    for (size_t k = 0; k < left.size() && k < rows.size(); ++k)
+      if (rows[k]) left[k] = false;
+    if (std::find(left.begin(), left.end(), true) == left.end()) broken_.erase(it);
+  }
   if (broken_.empty()) broken_reason_.clear();
   else
     broken_reason_ = std::to_string(broken_.size()) + " parameters " + broken_cause_ +
-                     " have not been rewritten (e.g. " + reg_.parameters()[*broken_.begin()].name + ")";
+                     " have not been wholly rewritten (e.g. " + reg_.parameters()[broken_.begin()->first].name + ")";
   if (broken_.empty()) broken_cause_ = "written by a failed weight-update session";
   r.whole = broken_.empty();
   open_ = false;
   written_.clear();
+  written_rows_.clear();
   return r;
 }
 
+void WeightUpdater::mark_broken(size_t param) {
+  const RowGeometry g = row_geometry(reg_.parameters()[param].storage);
+  broken_[param].assign(static_cast<size_t>(std::max<int64_t>(g.experts * g.rows, 1)), true);
+}
+
 void WeightUpdater::mark_all_lost(const std::string& reason) {
-  for (size_t i = 0; i < reg_.size(); ++i) broken_.insert(i);
+  for (size_t i = 0; i < reg_.size(); ++i) mark_broken(i);
   broken_reason_ = reason;
   broken_cause_ = "lost when the weights memory was released";
 }
@@ -204,18 +226,19 @@ Status WeightUpdater::finish_failed(const std::string& why) {
   // written, and those parameters are marked until a completed session rewrites them.
   Status s = reg_.postprocess_all();
   if (!written_.empty()) {
-    broken_.insert(written_.begin(), written_.end());
+    for (size_t p : written_) mark_broken(p);  // whole parameters: what it left is unknown
     broken_reason_ = "weight-update session " + std::to_string(id_) + " failed after writing " +
                      std::to_string(written_.size()) + " parameters (e.g. " +
                      reg_.parameters()[*written_.begin()].name + "): " + why;
   }
   if (!s.ok()) {
     // Layouts are now unknown: nothing may be served until a full session rewrites them.
-    for (size_t i = 0; i < reg_.size(); ++i) broken_.insert(i);
+    for (size_t i = 0; i < reg_.size(); ++i) mark_broken(i);
     broken_reason_ = "layout restore failed after session " + std::to_string(id_) + ": " + s.message();
   }
   open_ = false;
   written_.clear();
+  written_rows_.clear();
   return s;
 }
 

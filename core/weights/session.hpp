@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdint>
 #include <optional>
+#include <map>
 #include <set>
 #include <span>
 #include <string>
@@ -98,7 +99,13 @@ class WeightUpdater {
   double timeout_s_ = 60;
   SteadyClock::time_point started_, last_activity_;
   std::set<size_t> written_;  // parameters this session wrote
-  std::set<size_t> broken_;   // parameters written by failed sessions, not yet rewritten
+  // Rows (expert-major, RowGeometry order) this session wrote, per parameter: a session that
+  // writes one expert's per-expert tensor rewrites those rows of the stacked parameter only.
+  std::map<size_t, std::vector<bool>> written_rows_;
+  // Parameters written by failed sessions or lost to a memory release, with the rows not yet
+  // rewritten by a completed session; empty: the model is whole.
+  std::map<size_t, std::vector<bool>> broken_;
+  void mark_broken(size_t param);
   std::string broken_reason_;
   std::string broken_cause_ = "written by a failed weight-update session";  // for end()'s reason
   uint32_t buckets_ = 0;

@@ -382,6 +382,45 @@ TEST(WeightUpdater, AnIdleSessionExpiresAndAHalfWrittenModelIsNotServed) {
   EXPECT_EQ(addresses_of(e->model()), addrs);
 }
 
+// After the weights are lost (a memory release), a stacked expert parameter is whole again only
+// when every expert's rows have been rewritten, whichever names wrote them.
+TEST(WeightUpdater, LostStackedExpertsNeedEveryExpertRewritten) {
+  auto e = embedded_engine(small_limits());
+  auto& u = e->updater();
+  const auto ckpt = checkpoint_of(e->model());
+  const auto& c = e->model().config();
+  const int64_t I = c.moe_intermediate_size, H = c.hidden_size;
+  const std::string fused = "model.layers.0.mlp.experts.gate_up_proj";
+  ASSERT_TRUE(ckpt.count(fused)) << "the embedded model stacks its experts";
+  u.mark_all_lost("released for the test");
+  EXPECT_FALSE(u.whole());
+  const auto per_expert = [&](Bucket& b, int64_t from, int64_t to) {
+    const auto& bytes = ckpt.at(fused);
+    for (int64_t x = from; x < to; ++x) {
+      const uint8_t* base = bytes.data() + static_cast<size_t>(x * 2 * I * H) * 4;
+      b.add("model.layers.0.mlp.experts." + std::to_string(x) + ".gate_proj.weight", DType::kF32, {I, H}, base,
+            static_cast<size_t>(I * H) * 4);
+      b.add("model.layers.0.mlp.experts." + std::to_string(x) + ".up_proj.weight", DType::kF32, {I, H},
+            base + static_cast<size_t>(I * H) * 4, static_cast<size_t>(I * H) * 4);
+    }
+  };
+  Bucket most;  // everything but the stacked gate_up of layer 0, of which only expert 0
+  for (const auto& [name, bytes] : ckpt) {
+    if (name == fused) continue;
+    const auto* p = e->model().weights().find(name);
+    ASSERT_NE(p, nullptr) << name;
+    most.add(name, DType::kF32, shape_of(p->storage), bytes.data(), bytes.size());
+  }
+  per_expert(most, 0, 1);
+  ASSERT_TRUE(push(u, most, 2).ok());
+  EXPECT_FALSE(u.whole()) << "one expert's rows do not restore the other experts";
+  EXPECT_NE(u.broken_reason().find(fused), std::string::npos) << u.broken_reason();
+  Bucket rest;
+  per_expert(rest, 1, c.num_experts);
+  ASSERT_TRUE(push(u, rest, 3).ok());
+  EXPECT_TRUE(u.whole()) << u.broken_reason();
+}
+
 TEST(WeightUpdater, AbortBeforeAnyBucketLeavesTheModelWhole) {
   auto m = model_with_seed(1);
   const auto before = storage_of(*m);
