@@ -141,7 +141,9 @@ Result<BucketResult> WeightUpdater::apply_bucket(uint64_t session, std::span<con
     const BucketEntry& e = entries[i];
     Status s = reg_.load(*targets[i], e.dtype, e.shape, bucket.subspan(e.byte_offset, e.nbytes), on_device);
     for (size_t p : targets[i]->targets(e.dtype)) written_.insert(p);
-    for (const RowCopy& c : reg_.rows_written(*targets[i], e.dtype)) {
+    // Rows are tracked only for parameters waiting to be made whole (none in steady state).
+    for (const RowCopy& c : broken_.empty() ? std::vector<RowCopy>{} : reg_.rows_written(*targets[i], e.dtype)) {
+      if (!broken_.count(c.param)) continue;
       const RowGeometry g = row_geometry(reg_.parameters()[c.param].storage);
       std::vector<bool>& rows = written_rows_[c.param];
       rows.resize(static_cast<size_t>(g.experts * g.rows), false);
