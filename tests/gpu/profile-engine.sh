@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Where a decode step's time goes: Nsight Compute (ncu, kernel duration only, clocks left alone)
+# over a window of engine_bench decode steps, graphs off, summed per kernel name per step
+# (tests/gpu/ncu_summary.py). Not part of run.sh's benches: run it by hand on the GPU host.
+#   profile-engine.sh BUILD_DIR OUT_DIR [MODEL [BATCHES [ENGINE_BENCH ARGS...]]]
+# e.g. profile-engine.sh build/gpu $OUT h2880 1,32,256 --quantize-experts mxfp4
+# Writes OUT_DIR/profile-<model>-b<batch>.{csv,txt}. The window skips the warm-up and the first
+# run's prefill (ROLLOUTD_PROFILE_SKIP kernels, default 3000) and covers ROLLOUTD_PROFILE_COUNT
+# kernels (default 600: a few steps).
+set -uo pipefail
+build=${1:?usage: profile-engine.sh BUILD_DIR OUT_DIR [MODEL [BATCHES [ARGS...]]]}
+out=${2:?usage}
+model=${3:-h2880}
+batches=${4:-1,32,256}
+shift $(( $# < 4 ? $# : 4 ))
+here=$(cd "$(dirname "$0")/../.." && pwd)
+ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+[ -n "$ncu" ] || { echo "ncu not found"; exit 2; }
+bin="$build/tests/bench/engine/engine_bench"
+mkdir -p "$out"
+for b in ${batches//,/ }; do
+  f="$out/profile-$model-b$b"
+  timeout "${ROLLOUTD_PROFILE_TIMEOUT:-240}" "$ncu" --clock-control none --metrics gpu__time_duration.sum \
+    --launch-skip "${ROLLOUTD_PROFILE_SKIP:-3000}" --launch-count "${ROLLOUTD_PROFILE_COUNT:-600}" \
+    --csv --page raw --log-file "$f.ncu.log" \
+    "$bin" --models "$model" --batches "$b" --new-tokens 32 --graphs off "$@" >"$f.csv" 2>"$f.err"
+  echo "ncu rc=$? ($(wc -l <"$f.csv") csv lines)"
+  python3 "$here/tests/gpu/ncu_summary.py" "$f.csv" | tee "$f.txt"
+done
