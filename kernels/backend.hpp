@@ -135,7 +135,8 @@ struct Backend {
   // out = x / sqrt(mean(x^2) + eps) * w, per row of the last dimension. out may alias x.
   Status (*rmsnorm)(const ExecContext&, TensorView out, TensorView x, TensorView w, float eps);
   // y[M,N] = x[M,K] * w[N,K]^T. x may be [..., K] (leading dimensions are rows) with y
-  // [..., N] of the same leading dimensions.
+  // [..., N] of the same leading dimensions. x and w both FP32, or both BF16 (FP32
+  // accumulation: CUDA through cuBLAS's tensor cores); y FP32.
   Status (*linear)(const ExecContext&, TensorView y, TensorView x, TensorView w);
   // out = a + b (same shape); out may alias a or b.
   Status (*add)(const ExecContext&, TensorView out, TensorView a, TensorView b);

@@ -50,8 +50,10 @@ Status init_random_weights(MoeDecoder& model, uint64_t seed) {
       RD_RETURN_IF_ERROR(reg.load(*t, DType::kU8, shape, bytes));
       continue;
     }
-    if (p.storage.dtype != DType::kF32)
-      return Status(ErrorCode::kInternal, "random init expects FP32 parameters", p.name);
+    // BF16 parameters (dense projections on CUDA, ModelConfig::dense_bf16) take the FP32 values
+    // rounded by the registry, as a checkpoint's FP32 tensors would be.
+    if (p.storage.dtype != DType::kF32 && p.storage.dtype != DType::kBF16)
+      return Status(ErrorCode::kInternal, "random init expects FP32 or BF16 parameters", p.name);
     host.resize(static_cast<size_t>(p.storage.numel()));
     const int64_t fan_in = p.storage.size(p.storage.rank() - 1);
     if (ends_with(p.name, "norm.weight")) {

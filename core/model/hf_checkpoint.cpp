@@ -50,6 +50,10 @@ Result<HfModel> open_hf_model(const std::string& dir, ExpertQuantization quantiz
   // gpt-oss as published: MXFP4 experts, served as they are.
   if (m.config.family == "gpt_oss" && m.checkpoint->find("model.layers.0.mlp.experts.gate_up_proj_blocks"))
     m.config.experts_mxfp4 = true;
+  // BF16 dense projections on CUDA when the checkpoint's own are BF16 (config.json may omit its
+  // dtype, so the tensor decides): storing them in BF16 loses nothing.
+  if (const auto* q = m.checkpoint->find("model.layers.0.self_attn.q_proj.weight"))
+    m.config.dense_bf16 = q->entry->dtype == DType::kBF16;
   if (Status s = apply_expert_quantization(m.config, quantize_experts); !s.ok()) {
     // A gpt_oss refusal names the tensor that would need the transpose.
     if (s.field() == "quantize_experts" && m.config.family == "gpt_oss" &&

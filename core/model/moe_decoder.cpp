@@ -51,9 +51,15 @@ Status MoeDecoder::allocate() {
 
   weights_ = std::make_unique<WeightRegistry>(backend_, ctx_);
   auto param = [&](const std::string& name, Shape shape, TensorView& out,
-                   std::unique_ptr<QuantMethod> method = nullptr, bool whole_alias = true) -> Status {
-    RD_ASSIGN_OR_RETURN(out, weights_arena_->allocate(DType::kF32, shape));
+                   std::unique_ptr<QuantMethod> method = nullptr, bool whole_alias = true,
+                   DType dtype = DType::kF32) -> Status {
+    RD_ASSIGN_OR_RETURN(out, weights_arena_->allocate(dtype, shape));
     return weights_->add(name, out, std::move(method), whole_alias);
+  };
+  dense_bf16_ = c.dense_bf16 && ctx_.device.kind == DeviceKind::kCuda;
+  const DType dense_dt = dense_bf16_ ? DType::kBF16 : DType::kF32;
+  auto dense = [&](const std::string& name, Shape shape, TensorView& out) {
+    return param(name, shape, out, nullptr, true, dense_dt);
   };
   const int64_t H = c.hidden_size, D = c.head_dim, QH = c.num_attention_heads,
                 KVH = c.num_key_value_heads, E = c.num_experts, I = c.moe_intermediate_size;
@@ -77,10 +83,10 @@ Status MoeDecoder::allocate() {
     Layer& L = layers_[static_cast<size_t>(l)];
     const std::string p = "model.layers." + std::to_string(l) + ".";
     RD_RETURN_IF_ERROR(param(p + "input_layernorm.weight", Shape{H}, L.input_layernorm));
-    RD_RETURN_IF_ERROR(param(p + "self_attn.q_proj.weight", Shape{QH * D, H}, L.q_proj));
-    RD_RETURN_IF_ERROR(param(p + "self_attn.k_proj.weight", Shape{KVH * D, H}, L.k_proj));
-    RD_RETURN_IF_ERROR(param(p + "self_attn.v_proj.weight", Shape{KVH * D, H}, L.v_proj));
-    RD_RETURN_IF_ERROR(param(p + "self_attn.o_proj.weight", Shape{H, QH * D}, L.o_proj));
+    RD_RETURN_IF_ERROR(dense(p + "self_attn.q_proj.weight", Shape{QH * D, H}, L.q_proj));
+    RD_RETURN_IF_ERROR(dense(p + "self_attn.k_proj.weight", Shape{KVH * D, H}, L.k_proj));
+    RD_RETURN_IF_ERROR(dense(p + "self_attn.v_proj.weight", Shape{KVH * D, H}, L.v_proj));
+    RD_RETURN_IF_ERROR(dense(p + "self_attn.o_proj.weight", Shape{H, QH * D}, L.o_proj));
     RD_RETURN_IF_ERROR(param(p + "post_attention_layernorm.weight", Shape{H}, L.post_attention_layernorm));
     if (c.qk_norm) {
       RD_RETURN_IF_ERROR(param(p + "self_attn.q_norm.weight", Shape{D}, L.q_norm));
@@ -231,7 +237,7 @@ Status MoeDecoder::allocate() {
     RD_RETURN_IF_ERROR(weights_->add("synthetic_small." + std::to_string(i) + ".weight", t, nullptr));
   }
   RD_RETURN_IF_ERROR(param("model.norm.weight", Shape{H}, final_norm_));
-  RD_RETURN_IF_ERROR(param("lm_head.weight", Shape{c.vocab_size, H}, lm_head_));
+  RD_RETURN_IF_ERROR(dense("lm_head.weight", Shape{c.vocab_size, H}, lm_head_));
 
   const int64_t T = limits_.max_tokens, S = limits_.max_seqs, K = c.num_experts_per_tok;
   auto ws = [&](DType t, Shape s, TensorView& out) -> Status {
@@ -286,6 +292,7 @@ Status MoeDecoder::allocate() {
   RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{T, K}, ws_.topk_ids));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, K}, ws_.topk_weights));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, H}, ws_.moe_out));
+  if (dense_bf16_) RD_RETURN_IF_ERROR(ws(DType::kBF16, Shape{std::max(T, S) * std::max(H, QH * D)}, ws_.x_bf16));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T * std::max(K * I, c.intermediate_size)}, ws_.moe_h));
   if (kernel_experts_)
     RD_RETURN_IF_ERROR(ws(DType::kU8, Shape{moe::experts_workspace_bytes(T, K, H, I, E, moe::ActPrecision::kBF16)},
@@ -677,15 +684,27 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float theta = static_cast<float>(c.rope_theta);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  // The input of a dense projection: x itself, or (BF16 weights, dense_bf16_) x rounded to BF16
+  // in the x_bf16 workspace, which the projections of one input share.
+  auto dense_input = [&](const TensorView& xin, const TensorView& w, TensorView& out) -> Status {
+    if (w.dtype != DType::kBF16) {
+      out = xin;
+      return Status::Ok();
+    }
+    out = TensorView::contiguous(ws_.x_bf16.data, DType::kBF16, xin.shape, xin.device);
+    return backend_.convert(ctx, out.data, DType::kBF16, xin.data, DType::kF32, static_cast<size_t>(xin.numel()));
+  };
+  TensorView xd;
 
   RD_RETURN_IF_ERROR(backend_.embedding(ctx, h, embed_tokens_, ids));
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     Layer& L = layers_[static_cast<size_t>(l)];
     // Attention block.
     RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx, x, h, L.input_layernorm, eps));
-    RD_RETURN_IF_ERROR(backend_.linear(ctx, q, x, L.q_proj));
-    RD_RETURN_IF_ERROR(backend_.linear(ctx, k, x, L.k_proj));
-    RD_RETURN_IF_ERROR(backend_.linear(ctx, v, x, L.v_proj));
+    RD_RETURN_IF_ERROR(dense_input(x, L.q_proj, xd));
+    RD_RETURN_IF_ERROR(backend_.linear(ctx, q, xd, L.q_proj));
+    RD_RETURN_IF_ERROR(backend_.linear(ctx, k, xd, L.k_proj));
+    RD_RETURN_IF_ERROR(backend_.linear(ctx, v, xd, L.v_proj));
     if (L.q_bias.data) {
       RD_RETURN_IF_ERROR(backend_.add_bias(ctx, q, L.q_bias));
       RD_RETURN_IF_ERROR(backend_.add_bias(ctx, k, L.k_bias));
@@ -713,7 +732,8 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
       RD_RETURN_IF_ERROR(backend_.paged_attention(ctx, as_heads(attn, QH, D), as_heads(q, QH, D),
                                                   L.k_cache, L.v_cache, tables, seq_of, ctx_len, scale));
     }
-    RD_RETURN_IF_ERROR(backend_.linear(ctx, o, attn, L.o_proj));
+    RD_RETURN_IF_ERROR(dense_input(attn, L.o_proj, xd));
+    RD_RETURN_IF_ERROR(backend_.linear(ctx, o, xd, L.o_proj));
     if (L.o_bias.data) RD_RETURN_IF_ERROR(backend_.add_bias(ctx, o, L.o_bias));
     RD_RETURN_IF_ERROR(backend_.add(ctx, h, h, o));
     // MoE block (or the dense MLP as one expert every token takes with weight 1).
@@ -775,7 +795,8 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
   const TensorView out_logits = rows_of(ws_.logits, R);
   RD_RETURN_IF_ERROR(backend_.embedding(ctx, final_rows, h, rows_idx));
   RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx, final_normed, final_rows, final_norm_, eps));
-  return backend_.linear(ctx, out_logits, final_normed, lm_head_);
+  RD_RETURN_IF_ERROR(dense_input(final_normed, lm_head_, xd));
+  return backend_.linear(ctx, out_logits, xd, lm_head_);
 }
 
 Status MoeDecoder::kernel_experts(const ExecContext& ctx, const Layer& L, const TensorView& x, const TensorView& out,

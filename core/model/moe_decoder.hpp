@@ -4,7 +4,9 @@
 // before rotary, as Qwen3 does) over a paged KV cache -> residual
 // -> RMSNorm -> MoE FFN (softmax top-k router, SwiGLU experts) -> residual;
 // final RMSNorm; LM head. gpt-oss adds projection, router and expert biases, learned attention
-// sinks, sliding-window layers, YaRN rotary scaling and the clamped SwiGLU. FP32 everywhere for now. All compute goes through the
+// sinks, sliding-window layers, YaRN rotary scaling and the clamped SwiGLU. FP32 activations; on
+// CUDA, BF16 dense projections (ModelConfig::dense_bf16) and MXFP4 experts on moe::experts (BF16
+// activations inside the expert GEMMs). All compute goes through the
 // Backend op table, so the same code runs on the CPU reference and on CUDA.
 #include <cstdint>
 #include <memory>
@@ -109,6 +111,8 @@ class MoeDecoder {
   const GraphStats& graph_stats() const { return graph_stats_; }
   // Whether the routed experts run through moe::experts (CUDA, MXFP4, H and I multiples of 64).
   bool uses_kernel_experts() const { return kernel_experts_; }
+  // Whether the dense projections are BF16 parameters (CUDA and ModelConfig::dense_bf16).
+  bool uses_bf16_dense() const { return dense_bf16_; }
   // The bucket a decode step of n sequences runs in; 0 when it runs eagerly.
   int64_t bucket_for(int64_t num_seqs) const;
   // Device table of the last step's routed-expert ids: [num_moe_layers, max_tokens, top_k] int32
@@ -169,6 +173,7 @@ class MoeDecoder {
     TensorView moe_h;  // expert-op workspace [T * max(K * I, I_dense)] (MoeExpertsArgs::workspace)
     TensorView experts_ws;  // kernel_experts_: moe::experts scratch (uint8, sized for max_tokens)
     TensorView final_rows, final_normed, logits;
+    TensorView x_bf16;  // dense_bf16_: a dense projection's input rounded to BF16 [max(T, S) * max(H, QH * D)]
   };
 
   MoeDecoder(const ModelConfig& c, const StepLimits& l, const Backend& b, ExecContext ctx);
@@ -220,6 +225,9 @@ class MoeDecoder {
   // and only where its shapes fit (H and I multiples of 64); the CPU keeps the FP32 op, exact
   // against the Hugging Face goldens.
   bool kernel_experts_ = false;
+  // CUDA with ModelConfig::dense_bf16: q/k/v/o and the LM head are BF16 parameters, multiplied
+  // by Backend::linear in BF16 (cuBLAS, FP32 accumulation) on inputs rounded to BF16.
+  bool dense_bf16_ = false;
   Workspace ws_;
   // Page-locked host staging (Backend::host_alloc): the inputs' host mirror, the logits and the
   // record table come back asynchronously, then one synchronisation ends the step.

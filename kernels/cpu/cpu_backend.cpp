@@ -106,6 +106,22 @@ Status linear(const ExecContext& ctx, TensorView y, TensorView x, TensorView w) 
   RD_RETURN_IF_ERROR(op_checks::linear(ctx, y, x, w));
   const int64_t n_out = w.size(0), k_in = w.size(1);
   const int64_t rows = x.numel() / k_in;
+  if (w.dtype == DType::kBF16) {
+    // BF16 operands widened exactly to FP32 (the CUDA path's cuBLAS call accumulates in FP32
+    // too); a reference for the parity tests, not a fast path.
+    const auto* xb = x.as<const uint16_t>();
+    const auto* wb = w.as<const uint16_t>();
+    float* yp = y.as<float>();
+    std::vector<float> xr(static_cast<size_t>(k_in)), wr(static_cast<size_t>(k_in));
+    for (int64_t n = 0; n < n_out; ++n) {
+      for (int64_t i = 0; i < k_in; ++i) wr[static_cast<size_t>(i)] = bf16_bits_to_f32(wb[n * k_in + i]);
+      for (int64_t m = 0; m < rows; ++m) {
+        for (int64_t i = 0; i < k_in; ++i) xr[static_cast<size_t>(i)] = bf16_bits_to_f32(xb[m * k_in + i]);
+        yp[m * n_out + n] = dot(xr.data(), wr.data(), k_in);
+      }
+    }
+    return Status::Ok();
+  }
   const float* xp = x.as<const float>();
   const float* wp = w.as<const float>();
   float* yp = y.as<float>();

@@ -108,10 +108,12 @@ Status rmsnorm(const ExecContext& ctx, const TensorView& out, const TensorView& 
 
 Status linear(const ExecContext& ctx, const TensorView& y, const TensorView& x,
               const TensorView& w) {
-  RD_RETURN_IF_ERROR(view(ctx, w, "w", DType::kF32, 2, "[N, K]"));
+  // FP32 x FP32, or BF16 x BF16 (FP32 accumulation); y is FP32 either way.
+  const DType in = w.dtype == DType::kBF16 ? DType::kBF16 : DType::kF32;
+  RD_RETURN_IF_ERROR(view(ctx, w, "w", in, 2, "[N, K]"));
   RD_RETURN_IF_ERROR(positive(w, 0, "w", "N"));
   RD_RETURN_IF_ERROR(positive(w, 1, "w", "K"));
-  RD_RETURN_IF_ERROR(view(ctx, x, "x", DType::kF32, kAnyRank, "[..., K]"));
+  RD_RETURN_IF_ERROR(view(ctx, x, "x", in, kAnyRank, "[..., K]"));
   RD_RETURN_IF_ERROR(dim(x, x.rank() - 1, w.size(1), "x", "K", "w"));
   RD_RETURN_IF_ERROR(view(ctx, y, "y", DType::kF32, x.rank(), "[..., N]"));
   for (int i = 0; i + 1 < x.rank(); ++i) RD_RETURN_IF_ERROR(dim(y, i, x.size(i), "y", "M", "x"));

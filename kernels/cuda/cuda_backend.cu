@@ -431,10 +431,12 @@ Status linear(const ExecContext& ctx, TensorView y, TensorView x, TensorView w) 
   }
   RD_CUBLAS_CHECK(cublasSetStream(slot.handle, stream_of(ctx)));
   const float alpha = 1.0f, beta = 0.0f;
-  // CUBLAS_COMPUTE_32F: true FP32 accumulation, never TF32 (that needs _FAST_TF32).
+  // FP32 x FP32 or BF16 x BF16, FP32 out. CUBLAS_COMPUTE_32F: FP32 accumulation, and for FP32
+  // operands true FP32 products, never TF32 (that needs _FAST_TF32).
+  const cudaDataType_t in = w.dtype == DType::kBF16 ? CUDA_R_16BF : CUDA_R_32F;
   RD_CUBLAS_CHECK(cublasGemmEx(slot.handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n),
                                static_cast<int>(m), static_cast<int>(k), &alpha, w.data,
-                               CUDA_R_32F, static_cast<int>(k), x.data, CUDA_R_32F,
+                               in, static_cast<int>(k), x.data, in,
                                static_cast<int>(k), &beta, y.data, CUDA_R_32F,
                                static_cast<int>(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return Status::Ok();

@@ -5,7 +5,7 @@
 //
 //   engine_bench [--json FILE] [--models tiny,mid] [--batches 1,32,256] [--new-tokens N]
 //                [--model-dir DIR [--peer PEER.json]] [--host-sampling 1] [--quantize-experts mxfp4]
-//                [--graphs on|off|both]
+//                [--graphs on|off|both] [--dense-bf16 1]
 //
 // --model-dir adds model "ckpt": a Hugging Face checkpoint (rolloutctl make-test-model), which
 // tests/bench/engine/hf_peer.py runs with transformers `generate` in the same job; --peer reads
@@ -24,7 +24,9 @@
 // the host (EngineOptions::device_sampling off; NOTES "Device sampling"). --quantize-experts mxfp4
 // stores every model's routed experts as MXFP4 (the daemon's flag: the checkpoint's BF16/FP32
 // experts quantized on load; random MXFP4 codes for the random models); the checkpoint's peer
-// still runs the unquantized model.
+// still runs the unquantized model. --dense-bf16 1 stores the built-in models' dense projections
+// in BF16 (ModelConfig::dense_bf16, what a BF16 checkpoint gets; the checkpoint follows its own
+// dtype).
 #include <algorithm>
 #include <cmath>
 #include <chrono>
@@ -260,6 +262,7 @@ int main(int argc, char** argv) {
   bool host_sampling = false;  // --host-sampling 1: EngineOptions::device_sampling off
   std::string quantize_arg = "none";  // --quantize-experts none|mxfp4 (the daemon's flag)
   std::string graphs_arg = "both";    // --graphs on|off|both (one mode: e.g. under a profiler)
+  bool dense_bf16 = false;            // --dense-bf16 1: the built-in models' dense projections in BF16
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--json") json_path = argv[i + 1];
@@ -271,6 +274,7 @@ int main(int argc, char** argv) {
     else if (a == "--host-sampling") host_sampling = std::atoi(argv[i + 1]) != 0;
     else if (a == "--quantize-experts") quantize_arg = argv[i + 1];
     else if (a == "--graphs") graphs_arg = argv[i + 1];
+    else if (a == "--dense-bf16") dense_bf16 = std::atoi(argv[i + 1]) != 0;
   }
   std::vector<bool> graph_modes;
   if (graphs_arg != "on") graph_modes.push_back(false);
@@ -322,6 +326,8 @@ int main(int argc, char** argv) {
     } else if (Status st = core::apply_expert_quantization(mc, *quantize); !st.ok()) {
       std::fprintf(stderr, "%s: %s\n", model.c_str(), st.to_string().c_str());
       return 1;
+    } else {
+      mc.dense_bf16 = dense_bf16;
     }
     for (const bool graphs : graph_modes) {
       core::StepLimits limits;
@@ -356,8 +362,10 @@ int main(int argc, char** argv) {
       }
       const size_t free_after = device_free_bytes();
       const core::GraphStats& gs = (*e)->model().graph_stats();
+      std::printf("%s: dense projections %s\n", model.c_str(), (*e)->model().uses_bf16_dense() ? "BF16" : "FP32");
       nlohmann::json entry = {{"model", model},
                               {"graphs", graphs},
+                              {"dense_bf16", (*e)->model().uses_bf16_dense()},
                               {"num_graphs", gs.num_graphs},
                               {"buckets", gs.buckets},
                               {"capture_s", gs.capture_s},

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "kernels/backend.hpp"
+#include "kernels/bf16.hpp"
 
 #if defined(ROLLOUTD_WITH_CUDA)
 #include <cuda_runtime.h>
@@ -197,6 +198,31 @@ void linear_cases() {
       const float amp = 1.0f / std::sqrt(static_cast<float>(k));
       c.add_f32("x", {m, k}, Role::kIn, random_f32(rng, m * k, -1, 1));
       c.add_f32("w", {n, k}, Role::kIn, random_f32(rng, n * k, -amp, amp));
+      c.add_out("y", DType::kF32, {m, n});
+      c.run = [](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
+        return b.linear(x, a[2], a[0], a[1]);
+      };
+      return c;
+    });
+  }
+  // BF16 x BF16 with FP32 accumulation (the decoder's dense projections on CUDA): both backends
+  // multiply the same BF16 values, so only the summation order differs.
+  for (const P p : {P{1, 64, 64}, P{3, 40, 24}, P{1, 2880, 512}, P{33, 257, 129}, P{256, 1024, 512}}) {
+    const int64_t m = p.m, k = p.k, n = p.n;
+    reg("linear_bf16" + dims({{"M", m}, {"K", k}, {"N", n}}), [=](Rng& rng) {
+      ParityCase c;
+      const float amp = 1.0f / std::sqrt(static_cast<float>(k));
+      auto bf16 = [&](int64_t count, float lo, float hi) {
+        const std::vector<float> f = random_f32(rng, count, lo, hi);
+        std::vector<uint8_t> bytes(static_cast<size_t>(count) * 2);
+        for (int64_t i = 0; i < count; ++i) {
+          const uint16_t b = f32_to_bf16_bits(f[static_cast<size_t>(i)]);
+          std::memcpy(&bytes[static_cast<size_t>(i) * 2], &b, 2);
+        }
+        return bytes;
+      };
+      c.add("x", DType::kBF16, {m, k}, Role::kIn, bf16(m * k, -1, 1));
+      c.add("w", DType::kBF16, {n, k}, Role::kIn, bf16(n * k, -amp, amp));
       c.add_out("y", DType::kF32, {m, n});
       c.run = [](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
         return b.linear(x, a[2], a[0], a[1]);
@@ -829,6 +855,11 @@ std::vector<BadCall> bad_calls() {
       {"linear K mismatch",
        [=](const Backend& b, const ExecContext& x, void* p) {
          return b.linear(x, f(p, x, {2, 3}), f(p, x, {2, 4}), f(p, x, {3, 5}));
+       }},
+      {"linear bf16 weight with f32 x",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         return b.linear(x, f(p, x, {2, 3}), f(p, x, {2, 4}),
+                         TensorView::contiguous(p, DType::kBF16, {3, 4}, x.device));
        }},
       {"linear int32 weight",
        [=](const Backend& b, const ExecContext& x, void* p) {

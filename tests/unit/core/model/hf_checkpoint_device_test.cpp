@@ -6,10 +6,14 @@
 // logits agree with the CPU FP32 reference within FP32 tolerance and the router ids are equal.
 // MXFP4 experts run on CUDA through moe::experts, whose GEMMs take BF16 activations: their logits
 // get BF16 tolerance (the CPU stays FP32), and the greedy token of every prompt row must agree.
+// The checkpoints are BF16, so the CUDA decoder stores its dense projections (q/k/v/o, LM head)
+// in BF16 and multiplies them in BF16 (ModelConfig::dense_bf16): those cases get BF16 tolerance
+// too; the "_f32dense" cases turn that off and keep FP32 agreement and equal router ids.
 // Skips without a CUDA build or a visible GPU (label gpu).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <filesystem>
 #include <string>
@@ -19,6 +23,7 @@
 
 #include "core/model/hf_checkpoint.hpp"
 #include "core/model/test_model.hpp"
+#include "kernels/bf16.hpp"
 
 namespace rolloutd {
 namespace {
@@ -32,6 +37,10 @@ TEST_P(HfCheckpointDevice, CudaLoadMatchesCpu) {
   core::TestModelSpec spec;
   spec.family = GetParam();
   core::ExpertQuantization quantize = core::ExpertQuantization::kNone;
+  // "_f32dense": the BF16 checkpoint with ModelConfig::dense_bf16 turned off, so every CUDA op
+  // is FP32 and the logits and router ids are held to FP32 agreement.
+  const bool f32_dense = spec.family.size() > 9 && spec.family.compare(spec.family.size() - 9, 9, "_f32dense") == 0;
+  if (f32_dense) spec.family.resize(spec.family.size() - 9);
   if (spec.family == "gpt_oss_mxfp4") {
     spec.family = "gpt_oss";
     spec.experts_mxfp4 = true;
@@ -67,6 +76,8 @@ TEST_P(HfCheckpointDevice, CudaLoadMatchesCpu) {
   auto hf = core::open_hf_model(dir, quantize);
   ASSERT_TRUE(hf.ok()) << hf.status().to_string();
   EXPECT_EQ(hf->config.experts_mxfp4, spec.experts_mxfp4 || quantize == core::ExpertQuantization::kMxfp4);
+  EXPECT_TRUE(hf->config.dense_bf16) << "a bfloat16 checkpoint";
+  if (f32_dense) hf->config.dense_bf16 = false;
   core::StepLimits limits;
   limits.max_tokens = 32;
   limits.max_seqs = 32;
@@ -80,6 +91,9 @@ TEST_P(HfCheckpointDevice, CudaLoadMatchesCpu) {
   ASSERT_TRUE(cpu.ok() && gpu.ok());
   EXPECT_FALSE((*cpu)->uses_kernel_experts());
   EXPECT_EQ((*gpu)->uses_kernel_experts(), mxfp4 && !old_op) << "which expert op the CUDA decoder runs";
+  EXPECT_FALSE((*cpu)->uses_bf16_dense());
+  EXPECT_EQ((*gpu)->uses_bf16_dense(), !f32_dense);
+  const bool bf16 = mxfp4 || !f32_dense;  // some CUDA GEMM takes BF16 activations
   ASSERT_TRUE(core::load_checkpoint(**cpu, *hf->checkpoint).ok());
   Status s = core::load_checkpoint(**gpu, *hf->checkpoint);
   ASSERT_TRUE(s.ok()) << s.to_string();
@@ -91,6 +105,22 @@ TEST_P(HfCheckpointDevice, CudaLoadMatchesCpu) {
     std::vector<uint8_t> a, b;
     ASSERT_TRUE(pc.read_checkpoint(i, a).ok());
     ASSERT_TRUE(pg.read_checkpoint(i, b).ok());
+    const DType cd = pc.parameters()[i].storage.dtype, gd = pg.parameters()[i].storage.dtype;
+    if (cd == DType::kF32 && gd == DType::kBF16) {
+      // A BF16 dense projection on CUDA: the CPU's FP32 copy of the same BF16 checkpoint values,
+      // rounded back, must give the same bytes (the rounding is exact for them).
+      ASSERT_EQ(a.size(), 2 * b.size()) << pc.parameters()[i].name;
+      std::vector<uint8_t> r(b.size());
+      for (size_t e = 0; e < b.size() / 2; ++e) {
+        float f;
+        std::memcpy(&f, &a[4 * e], 4);
+        const uint16_t h = f32_to_bf16_bits(f);
+        std::memcpy(&r[2 * e], &h, 2);
+      }
+      EXPECT_EQ(r, b) << pc.parameters()[i].name;
+      continue;
+    }
+    EXPECT_EQ(cd, gd) << pc.parameters()[i].name;
     EXPECT_EQ(a, b) << pc.parameters()[i].name;
   }
 
@@ -119,7 +149,7 @@ TEST_P(HfCheckpointDevice, CudaLoadMatchesCpu) {
     num += (lc[i] - lg[i]) * (lc[i] - lg[i]);
     den += lc[i] * lc[i];
   }
-  EXPECT_LT(std::sqrt(num / den), mxfp4 ? 1e-2 : 1e-5) << "CUDA vs CPU prompt logits";
+  EXPECT_LT(std::sqrt(num / den), bf16 ? 1e-2 : 1e-5) << "CUDA vs CPU prompt logits";
   const size_t V = static_cast<size_t>(c.vocab_size);
   double max_diff = 0;
   for (size_t i = 0; i < lc.size(); ++i) max_diff = std::max(max_diff, static_cast<double>(std::fabs(lc[i] - lg[i])));
@@ -140,11 +170,23 @@ TEST_P(HfCheckpointDevice, CudaLoadMatchesCpu) {
   }
   std::printf("greedy tokens compared on %zu of %zu prompt rows (max |CUDA - CPU| logit %.3g)\n", compared,
               prompt.size(), max_diff);
+  if (!f32_dense) {
+    // BF16 dense projections move the router's input by ~1e-3 (relative): an id may swap where
+    // two experts' logits are that close, so ids are reported here and held equal only with
+    // every op in FP32 (the _f32dense cases, and the CPU tests against Hugging Face).
+    size_t differ = 0, total = 0;
+    const auto& a = rc.rows();
+    const auto& b = rg.rows();
+    for (size_t i = 0; i < std::min(a.size(), b.size()); ++i, ++total) differ += a[i] != b[i];
+    std::printf("router ids differing CUDA (BF16 dense) vs CPU: %zu of %zu\n", differ, total);
+    return;
+  }
   EXPECT_EQ(rc.rows(), rg.rows()) << "router ids";
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, HfCheckpointDevice, ::testing::Values("qwen3_moe", "qwen3_moe_mxfp4", "qwen3_moe_mxfp4_i32",
-                                                                       "gpt_oss", "gpt_oss_mxfp4"));
+INSTANTIATE_TEST_SUITE_P(Families, HfCheckpointDevice, ::testing::Values("qwen3_moe", "qwen3_moe_f32dense", "qwen3_moe_mxfp4",
+                                                                       "qwen3_moe_mxfp4_i32", "gpt_oss",
+                                                                       "gpt_oss_f32dense", "gpt_oss_mxfp4"));
 
 }  // namespace
 }  // namespace rolloutd
