@@ -441,33 +441,36 @@ __global__ void to_bf16_kernel(uint16_t* __restrict__ out, const float* __restri
 }
 
 // out[t] = (accumulate ? out[t] : 0) + sum_k w[t,k] y[pos(t,k)], k in order; padding rows 0.
-__global__ void combine_kernel(float* __restrict__ out, const float* __restrict__ y,
-                               const int32_t* __restrict__ pair_pos, const float* __restrict__ w,
-                               int64_t num_valid, const int32_t* __restrict__ num_valid_device,
-                               int64_t hidden, int top_k, bool accumulate) {
+// Grid (token, block of kCombineThreads float4 columns): one token spreads over H / 512 CTAs
+// (one CTA walking all H columns took ~12 us per layer at one token).
+constexpr int kCombineThreads = 128;
+__global__ void __launch_bounds__(kCombineThreads)
+    combine_kernel(float* __restrict__ out, const float* __restrict__ y, const int32_t* __restrict__ pair_pos,
+                   const float* __restrict__ w, int64_t num_valid, const int32_t* __restrict__ num_valid_device,
+                   int64_t hidden, int top_k, bool accumulate) {
   const int64_t t = blockIdx.x;
+  const int64_t c = (static_cast<int64_t>(blockIdx.y) * kCombineThreads + threadIdx.x) * 4;
+  if (c >= hidden) return;
   if (num_valid_device) {  // the count of this replay (graphs padded to a bucket)
     const int64_t d = *num_valid_device;
     if (d < num_valid) num_valid = d < 0 ? 0 : d;
   }
   float* row = out + t * hidden;
-  for (int64_t c = static_cast<int64_t>(threadIdx.x) * 4; c < hidden; c += 4 * blockDim.x) {
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (t < num_valid) {
-      if (accumulate) acc = *reinterpret_cast<const float4*>(row + c);
-      for (int j = 0; j < top_k; ++j) {
-        const int32_t pos = pair_pos[t * top_k + j];
-        if (pos < 0) continue;
-        const float wk = w[t * top_k + j];
-        const float4 v = *reinterpret_cast<const float4*>(y + static_cast<int64_t>(pos) * hidden + c);
-        acc.x = math::add(acc.x, math::mul(wk, v.x));
-        acc.y = math::add(acc.y, math::mul(wk, v.y));
-        acc.z = math::add(acc.z, math::mul(wk, v.z));
-        acc.w = math::add(acc.w, math::mul(wk, v.w));
-      }
+  float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (t < num_valid) {
+    if (accumulate) acc = *reinterpret_cast<const float4*>(row + c);
+    for (int j = 0; j < top_k; ++j) {
+      const int32_t pos = pair_pos[t * top_k + j];
+      if (pos < 0) continue;
+      const float wk = w[t * top_k + j];
+      const float4 v = *reinterpret_cast<const float4*>(y + static_cast<int64_t>(pos) * hidden + c);
+      acc.x = math::add(acc.x, math::mul(wk, v.x));
+      acc.y = math::add(acc.y, math::mul(wk, v.y));
+      acc.z = math::add(acc.z, math::mul(wk, v.z));
+      acc.w = math::add(acc.w, math::mul(wk, v.w));
     }
-    *reinterpret_cast<float4*>(row + c) = acc;
   }
+  *reinterpret_cast<float4*>(row + c) = acc;
 }
 
 // ---- decode path: MXFP4 weights x few tokens per expert ----------------------------------------
@@ -493,12 +496,22 @@ __global__ void combine_kernel(float* __restrict__ out, const float* __restrict_
 // - A warp owns 32 kernel rows (for gate_up: 16 gate and the 16 up rows of the same features, so
 //   SwiGLU runs in registers); the CTA's 8 warps split K (1-8 ways, reduced through shared
 //   memory in a fixed order: deterministic) or take more rows, whichever gives enough CTAs.
-// - Tokens are staged 8 at a time (one n-tile); an expert with more takes several passes.
+// - A pass takes up to 4 n-tiles (32 tokens): every dequantized A fragment feeds one mma per
+//   n-tile, so the weight bytes and the dequantization per token drop with the tokens per pass;
+//   an expert with more tokens takes several passes, each streaming all its weights again. Each
+//   n-tile's accumulator sees the same mma sequence whatever the n-tiles per pass, so results
+//   do not depend on them. 8 tokens per pass only (the launch's tok_cap) while experts average
+//   at most 4 tokens (decode: nothing to gain, and staged rows cost shared memory).
+// - Staged rows take (K * 2 + 64) bytes each (5.9 KB at K = 2880): 32 of them do not fit beside
+//   the rings with two CTAs per SM, so passes of more than 8 tokens stage K in segments (the
+//   chunks every K slice works through next), synchronising the CTA between segments while the
+//   weight rings stay in flight: as many CTA-wide stagings as the 8-token passes they replace.
 // - 8 warps x 2 CTAs per SM (registers, shared memory): ncu showed the first version (4 warps,
 //   16 staged tokens, one CTA per SM) issue-starved at 6 % occupancy.
 constexpr int kDecWarps = 8;
 constexpr int kDecThreads = kDecWarps * 32;
-constexpr int kDecMaxTok = 8;  // tokens per pass (one n-tile); more tokens: more passes
+constexpr int kDecMaxTok = 8;  // tokens per pass while experts see few tokens (one n-tile)
+constexpr int kDecMaxNt = 4;   // n-tiles per pass at most
 constexpr int kDecStages = 3;
 
 enum DecSrc : int { kSrcF32 = 0, kSrcBf16 = 1, kSrcMx8 = 2 };
@@ -517,8 +530,9 @@ struct DecodeArgs {
   const uint8_t* w_scales;
   int row_order;                  // quant::Mxfp4RowOrder of the checkpoint rows (bias lookup)
   int n, k;                       // kernel rows, K
-  int ksplit;                     // 1, 2 or 4 warps along K
-  int tok_cap;                    // staged rows per pass (<= kDecMaxTok; the smem size)
+  int ksplit;                     // 1, 2, 4 or 8 warps along K
+  int tok_cap;                    // staged rows per pass (<= 8 kDecMaxNt; the smem size)
+  int seg_chunks, num_segs;       // K staged in num_segs segments of seg_chunks chunks per slice
   const float* bias;              // [E, N] checkpoint rows, nullable
   int act_kind;
   float limit, alpha;
@@ -565,14 +579,23 @@ __device__ __forceinline__ uint32_t dec_big_factor(uint32_t s) {
 }
 __device__ __forceinline__ bool dec_is_big(uint32_t s) { return s > 128u && s < 255u; }
 
-// Stage `nrows` B rows (sorted positions base + g0 + n) of K elements into shared memory as bf16,
-// permuted: the 16 bytes at n*stride + kc*256 + wi*64 + c*16 hold the pairs (3,7), (2,6), (1,5),
-// (0,4) of elements kc*128 + 32c + 8wi + 0..7; zeros past K.
-__device__ __forceinline__ void dec_stage(const DecodeArgs& g, uint8_t* smem, int stride, int kpad,
-                                          int base, int g0, int nrows) {
-  const int groups = kpad / 8;
+// Stage B rows base + g0 + n (n < nrows) into shared memory as bf16, permuted: the 16 bytes at
+// n*stride + slot*256 + wi*64 + c*16 hold the pairs (3,7), (2,6), (1,5), (0,4) of elements
+// kc*128 + 32c + 8wi + 0..7 of the K chunk kc in that slot; zeros past K. One segment: slot kc
+// holds chunk kc (all of K). Several: slot q*W + l holds chunk kc_begin(q) + seg*W + l, the W
+// chunks that the warps of K slice q work through in segment seg (W = g.seg_chunks).
+__device__ __forceinline__ void dec_stage(const DecodeArgs& g, uint8_t* smem, int stride, int slots, int chunks,
+                                          int base, int g0, int nrows, int seg) {
+  const int groups = slots * 16;
   for (int idx = threadIdx.x; idx < nrows * groups; idx += kDecThreads) {
-    const int n = idx / groups, grp = idx - n * groups, k8 = grp * 8;
+    const int n = idx / groups, gi = idx - n * groups, slot = gi >> 4, g8 = gi & 15;
+    int kc = slot;
+    if (g.num_segs > 1) {
+      const int q = slot / g.seg_chunks, l = slot - q * g.seg_chunks;
+      kc = chunks * q / g.ksplit + seg * g.seg_chunks + l;
+      if (kc >= chunks * (q + 1) / g.ksplit) continue;  // past the slice's end: never read
+    }
+    const int k8 = kc * 128 + g8 * 8;
     uint32_t v[8];
     if (k8 >= g.k) {
 #pragma unroll
@@ -607,8 +630,8 @@ __device__ __forceinline__ void dec_stage(const DecodeArgs& g, uint8_t* smem, in
         }
       }
     }
-    const int kc = k8 >> 7, c = (k8 >> 5) & 3, wi = (k8 >> 3) & 3;
-    *reinterpret_cast<uint4*>(smem + n * stride + kc * 256 + wi * 64 + c * 16) =
+    const int c = g8 >> 2, wi = g8 & 3;
+    *reinterpret_cast<uint4*>(smem + n * stride + slot * 256 + wi * 64 + c * 16) =
         make_uint4(v[3] | (v[7] << 16), v[2] | (v[6] << 16), v[1] | (v[5] << 16), v[0] | (v[4] << 16));
   }
 }
@@ -619,14 +642,19 @@ struct DecChunk {
   uint32_t g[2][2];  // dec_big_factor (kBig only)
 };
 
-// acc[tile][4] += one K chunk (128 wide) of 2 row tiles times the staged n-tile of 8 tokens.
-template <bool kBig>
-__device__ __forceinline__ void dec_compute(float (&acc)[2][4], const DecChunk& ch, const uint8_t* bsm,
-                                            int stride, int kc, int lane) {
+// acc[tile][n-tile][4] += one K chunk (128 wide) of 2 row tiles times NT staged n-tiles of 8
+// tokens; the chunk's staged rows start at byte koff. The dequantized A fragments serve all NT
+// n-tiles; each n-tile's accumulator sees the same mma sequence whatever NT is.
+template <bool kBig, int NT>
+__device__ __forceinline__ void dec_compute(float (&acc)[2][NT][4], const DecChunk& ch, const uint8_t* bsm,
+                                            int stride, int koff, int lane) {
   const int c = lane & 3, nrow = lane >> 2;
+  const uint8_t* brow = bsm + nrow * stride + koff + c * 16;
 #pragma unroll
   for (int wi = 0; wi < 4; ++wi) {
-    const uint4 bq = *reinterpret_cast<const uint4*>(bsm + nrow * stride + kc * 256 + wi * 64 + c * 16);
+    uint4 bq[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) bq[nt] = *reinterpret_cast<const uint4*>(brow + nt * 8 * stride + wi * 64);
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
       uint32_t p[2][4];  // [half][pair (3,7) (2,6) (1,5) (0,4)]
@@ -644,8 +672,11 @@ __device__ __forceinline__ void dec_compute(float (&acc)[2][4], const DecChunk& 
       }
       const uint32_t a0[4] = {p[0][0], p[1][0], p[0][1], p[1][1]};
       const uint32_t a1[4] = {p[0][2], p[1][2], p[0][3], p[1][3]};
-      mma_bf16_16816(acc[t], a0, bq.x, bq.y);
-      mma_bf16_16816(acc[t], a1, bq.z, bq.w);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        mma_bf16_16816(acc[t][nt], a0, bq[nt].x, bq[nt].y);
+        mma_bf16_16816(acc[t][nt], a1, bq[nt].z, bq[nt].w);
+      }
     }
   }
 }
@@ -668,26 +699,32 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 // it copied itself, so the per-thread cp.async.wait_group is the only synchronisation.
 constexpr int kDecStageBytes = 4 * 16 * 32 + 4 * 4 * 32;  // 2.5 KiB
 constexpr int kDecWarpRing = kDecStages * kDecStageBytes;
+static_assert(2 * kDecMaxNt * 4 * 32 * 4 <= kDecWarpRing, "split-K partials fit in a warp's ring");
 
-// The weights of one warp (2 row tiles from rt0, K chunks [kc_begin, kc_end)) against the staged
-// B rows; acc[tile][nt][4].
-// before_loop() runs between issuing the first chunks and waiting for them (the caller stages
-// the B rows there, so their latency overlaps the first weight loads).
-template <typename BeforeLoop>
-__device__ __forceinline__ void dec_pass(float (&acc)[2][4], const uint8_t* wblk, const uint8_t* wsc,
-                                         int rt0, int k_tiles, int kc_begin, int kc_end, const uint8_t* bsm,
-                                         int stride, uint8_t* ring, int lane, BeforeLoop&& before_loop) {
+// The weights of one warp (2 row tiles from rt0, K chunks [kc_begin, kc_end) of K slice wk)
+// against the staged B rows; acc[tile][n-tile][4]. K goes in num_segs segments of seg_chunks
+// chunks per slice: stage(seg) stages segment seg (and synchronises the CTA) before the warp
+// works through it. The ring runs on across segment boundaries, so the next chunks' loads are in
+// flight while the CTA stages; stage(0) runs between issuing the first chunks and waiting for
+// them (the first staging overlaps the first weight loads).
+template <int NT, typename Stage>
+__device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* wblk, const uint8_t* wsc,
+                                         int rt0, int k_tiles, int kc_begin, int kc_end, int wk, int seg_chunks,
+                                         int num_segs, const uint8_t* bsm, int stride, uint8_t* ring, int lane,
+                                         Stage&& stage) {
   const int r = lane >> 2, c = lane & 3;
 #pragma unroll
   for (int t = 0; t < 2; ++t)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[t][i] = 0.0f;
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[t][nt][i] = 0.0f;
   // The lane's vector of (tile t, half hh) at chunk 0; chunk kc is 2 K tiles on (1024 value
   // bytes, 64 scale bytes). Scales are fetched as the aligned 4-byte word that holds them.
   const int64_t t0 = static_cast<int64_t>(rt0) * k_tiles + (c >> 1);
   const uint8_t* pv = wblk + t0 * 512 + r * 32 + (c & 1) * 16;
   const uint8_t* ps = wsc + t0 * 32 + ((r * 2) & ~3);
-  const int64_t tstride_v = static_cast<int64_t>(k_tiles) * 512, tstride_s = static_cast<int64_t>(k_tiles) * 32;
+  const int tstride_v = k_tiles * 512, tstride_s = k_tiles * 32;  // one 16-row tile (8 K < 2^31)
   const int sshift = 8 * ((r & 1) * 2 + (c & 1));
   auto issue = [&](int kc) {
     if (kc >= kc_end) return;
@@ -714,142 +751,239 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][4], const uint8_t* wblk
     issue(kc_begin + d);
     cp_async_commit();
   }
-  before_loop();
-  for (int kc = kc_begin; kc < kc_end; ++kc) {
-    issue(kc + kDecStages - 1);
-    cp_async_commit();
-    cp_async_wait<kDecStages - 1>();
-    const uint8_t* st = ring + ((kc - kc_begin) % kDecStages) * kDecStageBytes;
-    DecChunk ch;
-    bool big = false;
+  for (int seg = 0; seg < num_segs; ++seg) {
+    stage(seg);
+    const int s_begin = kc_begin + seg * seg_chunks;
+    const int s_end = kc_end < s_begin + seg_chunks ? kc_end : s_begin + seg_chunks;
+    const int slot0 = num_segs == 1 ? 0 : wk * seg_chunks - s_begin;  // chunk kc is in slot kc + slot0
+    for (int kc = s_begin; kc < s_end; ++kc) {
+      issue(kc + kDecStages - 1);
+      cp_async_commit();
+      cp_async_wait<kDecStages - 1>();
+      const uint8_t* st = ring + ((kc - kc_begin) % kDecStages) * kDecStageBytes;
+      DecChunk ch;
+      bool big = false;
 #pragma unroll
-    for (int t = 0; t < 2; ++t)
+      for (int t = 0; t < 2; ++t)
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int v = t * 2 + hh;
-        ch.v[t][hh] = *reinterpret_cast<const uint4*>(st + (v * 32 + lane) * 16);
-        const uint32_t sc = (*reinterpret_cast<const uint32_t*>(st + 2048 + (v * 32 + lane) * 4) >> sshift) & 0xffu;
-        ch.f[t][hh] = dec_factor(sc);
-        ch.g[t][hh] = dec_big_factor(sc);
-        big |= dec_is_big(sc);
-      }
-    if (__any_sync(0xffffffffu, big))
-      dec_compute<true>(acc, ch, bsm, stride, kc, lane);
-    else
-      dec_compute<false>(acc, ch, bsm, stride, kc, lane);
+        for (int hh = 0; hh < 2; ++hh) {
+          const int v = t * 2 + hh;
+          ch.v[t][hh] = *reinterpret_cast<const uint4*>(st + (v * 32 + lane) * 16);
+          const uint32_t sc = (*reinterpret_cast<const uint32_t*>(st + 2048 + (v * 32 + lane) * 4) >> sshift) & 0xffu;
+          ch.f[t][hh] = dec_factor(sc);
+          ch.g[t][hh] = dec_big_factor(sc);
+          big |= dec_is_big(sc);
+        }
+      const int koff = (kc + slot0) * 256;
+      if (__any_sync(0xffffffffu, big))
+        dec_compute<true, NT>(acc, ch, bsm, stride, koff, lane);
+      else
+        dec_compute<false, NT>(acc, ch, bsm, stride, koff, lane);
+    }
   }
   cp_async_wait_all();
 }
 
-template <bool kGateUp>
+// What one CTA of the decode kernel works on (the same for all its passes).
+struct DecCta {
+  int base, count;      // the expert's sorted rows
+  int warp, lane, ks, wk;
+  int grp;              // 32-row group of this warp
+  bool has_rows;
+  int k_tiles, chunks, kc_begin, kc_end;
+  int slots, stride;    // staged chunks per row, bytes per staged row
+  const uint8_t* wblk;
+  const uint8_t* wsc;
+  uint8_t* rings;       // [kDecWarps][kDecWarpRing] after the staged rows
+  const float* bias;
+};
+
+// One pass: rows base + g0 .. + nrows (nrows <= 8 NT) of the expert through NT n-tiles.
+template <int NT, bool kGateUp>
+__device__ __forceinline__ void dec_rows(const DecodeArgs& g, const DecCta& a, uint8_t* dsm, int g0, int nrows) {
+  float acc[2][NT][4];
+  uint8_t* ring = a.rings + a.warp * kDecWarpRing;
+  dec_pass<NT>(acc, a.wblk, a.wsc, a.grp * 2, a.k_tiles, a.kc_begin, a.kc_end, a.wk, g.seg_chunks, g.num_segs, dsm,
+               a.stride, ring, a.lane, [&](int seg) {
+                 if (seg > 0) {
+                   __syncthreads();  // every warp is done with the previous segment's rows
+                 } else if constexpr (!kGateUp) {
+                   if (g0 == 0) asm volatile("griddepcontrol.wait;" ::: "memory");  // h is written
+                 }
+                 dec_stage(g, dsm, a.stride, a.slots, a.chunks, a.base, g0, nrows, seg);
+                 __syncthreads();
+               });
+  const int ks = a.ks, lane = a.lane;
+  if (ks > 1) {
+    // Fixed-order reduction over the K slices: slice 0 adds slices 1.. in order.
+    if (a.wk > 0) {
+      float* dst = reinterpret_cast<float*>(ring) + lane;
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) dst[((t * NT + nt) * 4 + i) * 32] = acc[t][nt][i];
+    }
+    __syncthreads();
+    if (a.wk == 0) {
+      for (int q = 1; q < ks; ++q) {
+        const float* src = reinterpret_cast<const float*>(a.rings + (a.warp + q) * kDecWarpRing) + lane;
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[t][nt][i] += src[((t * NT + nt) * 4 + i) * 32];
+      }
+    }
+  }
+  if (a.wk != 0 || !a.has_rows) return;
+  // acc[t][nt][i]: row r + 8 (i >> 1) of tile t, token column 8 nt + 2c + (i & 1).
+  const int r = lane >> 2, c = lane & 3, grp = a.grp;
+  if constexpr (kGateUp) {
+    const auto order = static_cast<quant::Mxfp4RowOrder>(g.row_order);
+    auto emit = [&](int nt, int i, float gv, float uv) {
+      const int col = nt * 8 + 2 * c + (i & 1);
+      if (col >= nrows) return;
+      const int64_t s = a.base + g0 + col;
+      const int row = r + 8 * (i >> 1);
+      const int kg = grp * 32 + row, ku = kg + 16;
+      if (a.bias) {
+        gv = math::add(gv, a.bias[quant::mxfp4_checkpoint_row(kg, g.n, order)]);
+        uv = math::add(uv, a.bias[quant::mxfp4_checkpoint_row(ku, g.n, order)]);
+      }
+      const float hv = math::activate(g.act_kind, g.limit, g.alpha, gv, uv);
+      const int64_t jf = static_cast<int64_t>(grp) * 16 + row;
+      if (g.h_bf16)
+        g.h_bf16[s * g.inter + jf] = f32_to_bf16_bits(hv);
+      else
+        g.h_f32[s * g.inter + jf] = hv;
+    };
+    if constexpr (NT == 1) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) emit(0, i, acc[0][0][i], acc[1][0][i]);
+    } else {
+      // Through the warp's own ring (each lane reads back what it wrote): the activation
+      // unrolled over NT n-tiles with every accumulator live would spill.
+      float* own = reinterpret_cast<float*>(ring) + lane;
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) own[((t * NT + nt) * 4 + i) * 32] = acc[t][nt][i];
+#pragma unroll 1
+      for (int j = 0; j < NT * 4; ++j) emit(j >> 2, j & 3, own[j * 32], own[(NT * 4 + j) * 32]);
+    }
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int col = nt * 8 + 2 * c + (i & 1);
+        if (col >= nrows) continue;
+        const int64_t s = a.base + g0 + col;
+        const int row = r + 8 * (i >> 1);
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          const int kr = grp * 32 + t * 16 + row;
+          float v = acc[t][nt][i];
+          if (a.bias) v = math::add(v, a.bias[kr]);
+          g.y[s * g.n + kr] = v;
+        }
+      }
+  }
+}
+
+// kMaxNt: n-tiles per pass at most (g.tok_cap <= 8 kMaxNt); a pass takes the fewest of 1, 2, 4
+// that cover its rows.
+template <bool kGateUp, int kMaxNt>
 __global__ void __launch_bounds__(kDecThreads, 2) decode_gemm_kernel(const DecodeArgs g) {
   extern __shared__ __align__(16) uint8_t dsm[];
   const int j = blockIdx.y;
   if (j >= g.meta[0]) return;  // whole CTA: fewer active experts than the bound
   const int e = g.active[j];
-  const int base = g.expert_offsets[e];
-  const int count = g.expert_offsets[e + 1] - base;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int ks = g.ksplit, wk = warp % ks, wr = warp / ks;
-  const int groups_per_cta = kDecWarps / ks;
-  const int grp = blockIdx.x * groups_per_cta + wr;  // 32-row group of this warp
-  const bool has_rows = grp * 32 < g.n;
-  const int k_tiles = g.k / 64;
-  const int chunks = (g.k + 127) / 128;
-  const int kc_begin = chunks * wk / ks, kc_end = has_rows ? chunks * (wk + 1) / ks : kc_begin;
-  const int kpad = chunks * 128;
-  const int stride = kpad * 2 + 64;
-  const uint8_t* wblk = g.w_blocks + static_cast<int64_t>(e) * g.n * g.k / 2;
-  const uint8_t* wsc = g.w_scales + static_cast<int64_t>(e) * g.n * g.k / 32;
-  // [kDecWarps][kDecWarpRing] weight rings after the staged rows; a warp's split-K partials
-  // ([8][32] floats) go into its own ring once its pass is done.
-  uint8_t* rings = dsm + g.tok_cap * stride;
-  uint8_t* ring = rings + warp * kDecWarpRing;
-  const int r = lane >> 2, c = lane & 3;
-  const float* bias = g.bias ? g.bias + static_cast<int64_t>(e) * g.n : nullptr;
-  const auto order = static_cast<quant::Mxfp4RowOrder>(g.row_order);
+  DecCta a;
+  a.base = g.expert_offsets[e];
+  a.count = g.expert_offsets[e + 1] - a.base;
+  a.warp = threadIdx.x >> 5;
+  a.lane = threadIdx.x & 31;
+  a.ks = g.ksplit;
+  a.wk = a.warp % a.ks;
+  const int wr = a.warp / a.ks, groups_per_cta = kDecWarps / a.ks;
+  a.grp = blockIdx.x * groups_per_cta + wr;
+  a.has_rows = a.grp * 32 < g.n;
+  a.k_tiles = g.k / 64;
+  a.chunks = (g.k + 127) / 128;
+  a.kc_begin = a.chunks * a.wk / a.ks;
+  a.kc_end = a.has_rows ? a.chunks * (a.wk + 1) / a.ks : a.kc_begin;
+  a.slots = g.num_segs == 1 ? a.chunks : a.ks * g.seg_chunks;
+  a.stride = a.slots * 256 + 64;
+  a.wblk = g.w_blocks + static_cast<int64_t>(e) * g.n * g.k / 2;
+  a.wsc = g.w_scales + static_cast<int64_t>(e) * g.n * g.k / 32;
+  // A warp's split-K partials go into its own ring once its pass is done.
+  a.rings = dsm + g.tok_cap * a.stride;
+  a.bias = g.bias ? g.bias + static_cast<int64_t>(e) * g.n : nullptr;
 
   // Programmatic dependent launch: the down kernel may start while gate_up's last CTAs run;
   // everything it does before griddepcontrol.wait reads only the permutation (complete before
   // gate_up started) and the weights, so its first weight loads overlap gate_up's tail.
   if constexpr (kGateUp) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
-  for (int g0 = 0; g0 < count; g0 += g.tok_cap) {
-    const int nrows = count - g0 < g.tok_cap ? count - g0 : g.tok_cap;
-    float acc[2][4];
-    if (g0 == 0) {
-      dec_pass(acc, wblk, wsc, grp * 2, k_tiles, kc_begin, kc_end, dsm, stride, ring, lane, [&] {
-        if constexpr (!kGateUp) asm volatile("griddepcontrol.wait;" ::: "memory");  // h is written
-        dec_stage(g, dsm, stride, kpad, base, g0, nrows);
-        __syncthreads();
-      });
-    } else {
-      // The previous pass is done with the staged rows and (split K) with every warp's ring.
-      __syncthreads();
-      dec_stage(g, dsm, stride, kpad, base, g0, nrows);
-      __syncthreads();
-      dec_pass(acc, wblk, wsc, grp * 2, k_tiles, kc_begin, kc_end, dsm, stride, ring, lane, [] {});
-    }
-    if (ks > 1) {
-      // Fixed-order reduction over the K slices: slice 0 adds slices 1.. in order.
-      if (wk > 0) {
-        float* dst = reinterpret_cast<float*>(ring) + lane;
-#pragma unroll
-        for (int t = 0; t < 2; ++t)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) dst[(t * 4 + i) * 32] = acc[t][i];
-      }
-      __syncthreads();
-      if (wk == 0) {
-        for (int q = 1; q < ks; ++q) {
-          const float* src = reinterpret_cast<const float*>(rings + (warp + q) * kDecWarpRing) + lane;
-#pragma unroll
-          for (int t = 0; t < 2; ++t)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[t][i] += src[(t * 4 + i) * 32];
-        }
+  for (int g0 = 0; g0 < a.count; g0 += g.tok_cap) {
+    const int nrows = a.count - g0 < g.tok_cap ? a.count - g0 : g.tok_cap;
+    // The previous pass is done with the staged rows and (split K) with every warp's ring.
+    if (g0 > 0) __syncthreads();
+    if constexpr (kMaxNt >= 4) {
+      if (nrows > 16) {
+        dec_rows<4, kGateUp>(g, a, dsm, g0, nrows);
+        continue;
       }
     }
-    if (wk != 0 || !has_rows) continue;
-    // acc[t][i]: row r + 8 (i >> 1) of tile t, token column 2c + (i & 1).
-    {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int col = 2 * c + (i & 1);
-        if (col >= nrows) continue;
-        const int64_t s = base + g0 + col;
-        const int row = r + 8 * (i >> 1);
-        if constexpr (kGateUp) {
-          const int kg = grp * 32 + row, ku = kg + 16;
-          float gv = acc[0][i], uv = acc[1][i];
-          if (bias) {
-            gv = math::add(gv, bias[quant::mxfp4_checkpoint_row(kg, g.n, order)]);
-            uv = math::add(uv, bias[quant::mxfp4_checkpoint_row(ku, g.n, order)]);
-          }
-          const float hv = math::activate(g.act_kind, g.limit, g.alpha, gv, uv);
-          const int64_t jf = static_cast<int64_t>(grp) * 16 + row;
-          if (g.h_bf16)
-            g.h_bf16[s * g.inter + jf] = f32_to_bf16_bits(hv);
-          else
-            g.h_f32[s * g.inter + jf] = hv;
-        } else {
-#pragma unroll
-          for (int t = 0; t < 2; ++t) {
-            const int kr = grp * 32 + t * 16 + row;
-            float v = acc[t][i];
-            if (bias) v = math::add(v, bias[kr]);
-            g.y[s * g.n + kr] = v;
-          }
-        }
+    if constexpr (kMaxNt >= 2) {
+      if (nrows > 8) {
+        dec_rows<2, kGateUp>(g, a, dsm, g0, nrows);
+        continue;
       }
     }
+    dec_rows<1, kGateUp>(g, a, dsm, g0, nrows);
   }
 }
 
-// Shared memory of the decode kernel: up to kDecMaxTok staged rows plus the split-K partials.
-size_t decode_smem_bytes(int64_t k, int tok_cap) {
-  const int64_t kpad = (k + 127) / 128 * 128;
-  return static_cast<size_t>(tok_cap * (kpad * 2 + 64) + kDecWarps * kDecWarpRing);
+// Tokens per pass and how K is staged (see the NOTES): tok_cap rows, num_segs segments of
+// seg_chunks 128-wide chunks per K slice (one segment: all of K).
+struct DecodeShape {
+  int tok_cap, seg_chunks, num_segs;
+  size_t smem;
+};
+
+// Shared memory per CTA with which two CTAs share an SM (228 KiB, 1 KiB reserved per CTA).
+constexpr size_t kDecSmemTwoCtas = 113 * 1024;
+constexpr size_t kDecSmemMax = 200 * 1024;  // the opt-in of the decode kernels
+
+// More than 8 tokens per pass (max_nt n-tiles, 2 or 4) only where they fit with two CTAs per SM,
+// staging K in segments if all of it does not fit; else fewer n-tiles, down to the one-n-tile
+// pass over all of K (up to kDecSmemMax, one CTA per SM for long K) that decode sizes take.
+DecodeShape decode_shape(int64_t k, int ks, int max_nt, int64_t pairs) {
+  const int64_t chunks = (k + 127) / 128;
+  const int64_t rings = static_cast<int64_t>(kDecWarps) * kDecWarpRing;
+  const int64_t budget = static_cast<int64_t>(kDecSmemTwoCtas);
+  for (int nt = max_nt; nt > 1; nt /= 2) {
+    const int64_t tok = nt * 8;
+    const int64_t whole = tok * (chunks * 256 + 64) + rings;
+    if (whole <= budget)
+      return {static_cast<int>(tok), static_cast<int>(chunks), 1, static_cast<size_t>(whole)};
+    const int64_t w = ((budget - rings) / tok - 64) / 256 / ks;  // chunks per slice and segment
+    if (w < 1) continue;
+    const int64_t per_slice = (chunks + ks - 1) / ks;
+    const int64_t segs = (per_slice + w - 1) / w;
+    const int64_t seg_chunks = (per_slice + segs - 1) / segs;  // the same segments, evened out
+    const int64_t smem = tok * (ks * seg_chunks * 256 + 64) + rings;
+    return {static_cast<int>(tok), static_cast<int>(seg_chunks), static_cast<int>(segs), static_cast<size_t>(smem)};
+  }
+  const int64_t tok = pairs < kDecMaxTok ? pairs : kDecMaxTok;
+  return {static_cast<int>(tok), static_cast<int>(chunks), 1, static_cast<size_t>(tok * (chunks * 256 + 64) + rings)};
 }
 
 // K slices per CTA (1, 2, 4 or 8 warps along K; the rest of the CTA's warps take more rows):
@@ -863,34 +997,52 @@ int decode_ksplit(int64_t bound_experts, int64_t n, int num_sms) {
   return kDecWarps;
 }
 
-template <bool kGateUp>
-Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound, int num_sms) {
-  DecodeArgs a = g;
-  a.ksplit = decode_ksplit(bound, a.n, num_sms);
-  const int64_t groups = a.n / 32, per_cta = kDecWarps / a.ksplit;
-  const dim3 grid(static_cast<unsigned int>((groups + per_cta - 1) / per_cta), static_cast<unsigned int>(bound));
-  const size_t smem = decode_smem_bytes(a.k, a.tok_cap);
-  // Opt in to more than 48 KiB once per process (the largest the decode path can ask for).
+// Opt in to more than 48 KiB once per process and kernel (the most the decode path asks for).
+template <bool kGateUp, int kMaxNt>
+Status decode_opt_in() {
   static std::atomic<bool> opted{false};
   if (!opted.load(std::memory_order_relaxed)) {
-    RD_CUDA_CHECK(cudaFuncSetAttribute(decode_gemm_kernel<kGateUp>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    RD_CUDA_CHECK(cudaFuncSetAttribute(decode_gemm_kernel<kGateUp, kMaxNt>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kDecSmemMax)));
     opted.store(true, std::memory_order_relaxed);
   }
-  if (smem > 200 * 1024) return Status(ErrorCode::kUnimplemented, "hidden size too large for the decode kernel", "x");
+  return Status::Ok();
+}
+
+template <bool kGateUp>
+Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound, int num_sms, int max_nt,
+                     int64_t pairs) {
+  DecodeArgs a = g;
+  a.ksplit = decode_ksplit(bound, a.n, num_sms);
+  const DecodeShape shape = decode_shape(a.k, a.ksplit, max_nt, pairs);
+  a.tok_cap = shape.tok_cap;
+  a.seg_chunks = shape.seg_chunks;
+  a.num_segs = shape.num_segs;
+  const int64_t groups = a.n / 32, per_cta = kDecWarps / a.ksplit;
+  const dim3 grid(static_cast<unsigned int>((groups + per_cta - 1) / per_cta), static_cast<unsigned int>(bound));
+  if (shape.smem > kDecSmemMax) return Status(ErrorCode::kUnimplemented, "hidden size too large for the decode kernel", "x");
   // The down kernel is launched as a programmatic dependent of whatever precedes it (gate_up,
   // which triggers early; the MXFP8 quantization of h, which does not, so down then waits for it).
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(kDecThreads);
-  cfg.dynamicSmemBytes = smem;
+  cfg.dynamicSmemBytes = shape.smem;
   cfg.stream = stream_of(ctx);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = kGateUp ? 0 : 1;
-  RD_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_gemm_kernel<kGateUp>, a));
+  if (a.tok_cap > 16) {
+    RD_RETURN_IF_ERROR((decode_opt_in<kGateUp, 4>()));
+    RD_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_gemm_kernel<kGateUp, 4>, a));
+  } else if (a.tok_cap > 8) {
+    RD_RETURN_IF_ERROR((decode_opt_in<kGateUp, 2>()));
+    RD_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_gemm_kernel<kGateUp, 2>, a));
+  } else {
+    RD_RETURN_IF_ERROR((decode_opt_in<kGateUp, 1>()));
+    RD_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_gemm_kernel<kGateUp, 1>, a));
+  }
   RD_CUDA_CHECK_LAUNCH("moe decode_gemm_kernel");
   return Status::Ok();
 }
@@ -971,12 +1123,15 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
       int num_sms = 0;
       RD_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, ctx.device.index));
       const int64_t bound = busy;  // active experts <= min(pairs, E): a grid bound without a sync
+      // N-tiles per pass from the tokens per expert that the host knows without a sync (a lower
+      // bound of the mean: fewer experts may be active); an expert past tok_cap takes more passes.
+      const int64_t per_expert = pairs / busy;
+      const int max_nt = per_expert > 8 ? 4 : per_expert > 4 ? 2 : 1;
       DecodeArgs dg{};
       dg.expert_offsets = pa.expert_offsets;
       dg.active = pa.tile_expert;
       dg.meta = pa.meta;
       dg.top_k = static_cast<int>(k);
-      dg.tok_cap = static_cast<int>(pairs < kDecMaxTok ? pairs : kDecMaxTok);
       dg.act_kind = static_cast<int>(p.act.kind);
       dg.limit = p.act.limit;
       dg.alpha = p.act.alpha;
@@ -1005,7 +1160,7 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
       dg.n = static_cast<int>(2 * inter);
       dg.k = static_cast<int>(h);
       dg.bias = p.gate_up_bias;
-      RD_RETURN_IF_ERROR(launch_decode<true>(ctx, dg, bound, num_sms));
+      RD_RETURN_IF_ERROR(launch_decode<true>(ctx, dg, bound, num_sms, max_nt, pairs));
       // down: B = h rows in sorted order.
       DecodeArgs dd = dg;
       dd.sorted_pair = nullptr;
@@ -1033,7 +1188,7 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
       dd.n = static_cast<int>(h);
       dd.k = static_cast<int>(inter);
       dd.bias = p.down_bias;
-      RD_RETURN_IF_ERROR(launch_decode<false>(ctx, dd, bound, num_sms));
+      RD_RETURN_IF_ERROR(launch_decode<false>(ctx, dd, bound, num_sms, max_nt, pairs));
     } else {
     GemmArgs g{};
     g.expert_offsets = pa.expert_offsets;
@@ -1108,7 +1263,9 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
   }
 
   if (t > INT_MAX) return Status(ErrorCode::kUnimplemented, "too many tokens", "x");
-  combine_kernel<<<static_cast<unsigned int>(t), 128, 0, stream>>>(
+  const dim3 combine_grid(static_cast<unsigned int>(t),
+                          static_cast<unsigned int>((h / 4 + kCombineThreads - 1) / kCombineThreads));
+  combine_kernel<<<combine_grid, kCombineThreads, 0, stream>>>(
       p.out, y, pair_pos, p.topk_weights, nv, p.num_valid_device, h, static_cast<int>(k), p.accumulate);
   RD_CUDA_CHECK_LAUNCH("moe combine_kernel");
   return Status::Ok();

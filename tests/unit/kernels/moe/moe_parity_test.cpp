@@ -2,7 +2,8 @@
 // activation precision of the experts, on random sizes: a single token, empty experts,
 // padding rows (NaN activations, garbage ids), redundant replicas, K tails (hidden not a
 // multiple of the 128-wide K step), both tile heights (decode and prefill), the MXFP4 decode
-// kernel (several passes of 8 tokens per expert, K split 1, 2 and 8), accumulate. The
+// kernel (several passes of 8 tokens per expert, K split 1, 2 and 8; passes of 16 and 32 tokens,
+// K staged in segments, the same bits whatever the tokens per pass), accumulate. The
 // workspace starts poisoned, so reading anything the kernels did not write shows up.
 // Skips itself without a CUDA build or a visible GPU (label gpu).
 #include <gtest/gtest.h>
@@ -227,6 +228,97 @@ TEST_F(MoeParity, Experts) {
           for (size_t i = valid; i < out[1].size(); ++i) ASSERT_EQ(out[1][i], 0.0f) << "padding " << i;
         }
       }
+    }
+  }
+}
+
+// One run of the MXFP4 experts (gpt-oss activation, interleaved gate_up, biases) on the device or
+// the CPU; ids[t * k + j] may name any of the e experts.
+std::vector<float> run_mxfp4_experts(bool gpu, ActPrecision prec, int64_t e, int64_t k, int64_t h, int64_t inter,
+                                     const test::Mxfp4Host& gu, const test::Mxfp4Host& dn,
+                                     const std::vector<float>& gub, const std::vector<float>& dnb,
+                                     const std::vector<float>& x, const std::vector<int32_t>& ids,
+                                     const std::vector<float>& w) {
+  const int64_t t = static_cast<int64_t>(ids.size()) / k;
+  Arena a(gpu);
+  ExpertsArgs args;
+  args.weights = test::upload_experts(a, WeightFormat::kMXFP4, GateUpOrder::kInterleaved, gu, dn, &gub, &dnb);
+  args.x = a.make(DType::kF32, Shape{t, h}, std::vector<float>(x.begin(), x.begin() + t * h));
+  args.topk_ids = a.make(DType::kI32, Shape{t, k}, ids);
+  args.topk_weights = a.make(DType::kF32, Shape{t, k}, std::vector<float>(w.begin(), w.begin() + t * k));
+  std::vector<int32_t> l2p(static_cast<size_t>(e));
+  for (int64_t i = 0; i < e; ++i) l2p[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+  args.logical_to_physical = a.make(DType::kI32, Shape{e}, l2p);
+  args.num_valid_tokens = t;
+  args.activation = {ActivationKind::kGptOssSwiGLU, 7.0f, 1.702f};
+  args.precision = prec;
+  args.out = a.make(DType::kF32, Shape{t, h});
+  args.workspace = test::experts_workspace(a, t, k, h, inter, e, prec);
+  const Status st = experts(a.ctx(), args);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  return test::read_f32(a, args.out);
+}
+
+// The MXFP4 decode kernel with more than 8 tokens per pass (2 and 4 n-tiles), its K staged whole
+// or in segments, K split 1, 2, 4 and 8 ways, experts with more tokens than a pass (a remainder
+// pass of fewer n-tiles): CUDA against the CPU reference.
+TEST_F(MoeParity, DecodeTokensPerPass) {
+  struct Case {
+    std::string name;
+    int64_t t, k, e, h, inter;
+  };
+  const Case cases[] = {
+      // tokens per expert ~10: 32-token passes; gate_up K split 1 in 2 segments, down 4 in 3
+      {"nt4_segments_ksplit1_4", 160, 4, 64, 896, 1088},
+      {"nt4_segments_ksplit2_4", 96, 4, 32, 1088, 1088},  // ~12 per expert; K split 2 and 4
+      // ~22 per expert, K split 8: no room for 32 rows, so 16-token passes (+ the rest);
+      // gate_up's K = 1792 in 2 segments, down's whole
+      {"nt2_segments_ksplit8", 44, 4, 8, 1792, 1088},
+      {"nt2_whole_k", 28, 4, 16, 256, 128},                // ~7 per expert: 16-token passes
+  };
+  Rng rng(77);
+  for (const Case& c : cases) {
+    const test::Mxfp4Host gu = test::random_mxfp4(rng, c.e, 2 * c.inter, c.h), dn = test::random_mxfp4(rng, c.e, c.h, c.inter);
+    const std::vector<float> gub = test::gauss_vec(rng, c.e * 2 * c.inter, 0.5f), dnb = test::gauss_vec(rng, c.e * c.h, 0.5f);
+    const std::vector<float> x = test::gauss_vec(rng, c.t * c.h, 5.0f), w = test::gauss_vec(rng, c.t * c.k, 0.5f);
+    std::vector<int32_t> ids(static_cast<size_t>(c.t * c.k));
+    for (int64_t t = 0; t < c.t; ++t)
+      for (int64_t j = 0; j < c.k; ++j)
+        ids[static_cast<size_t>(t * c.k + j)] = static_cast<int32_t>((rng.below(c.e) + j * (c.e / c.k)) % c.e);
+    for (const ActPrecision prec : {ActPrecision::kBF16, ActPrecision::kMXFP8}) {
+      SCOPED_TRACE(c.name + " " + act_precision_name(prec));
+      const std::vector<float> ref = run_mxfp4_experts(false, prec, c.e, c.k, c.h, c.inter, gu, dn, gub, dnb, x, ids, w);
+      const std::vector<float> got = run_mxfp4_experts(true, prec, c.e, c.k, c.h, c.inter, gu, dn, gub, dnb, x, ids, w);
+      EXPECT_LE(test::rel_l2(got, ref), prec == ActPrecision::kBF16 ? 1e-3 : 5e-3);
+      EXPECT_EQ(run_mxfp4_experts(true, prec, c.e, c.k, c.h, c.inter, gu, dn, gub, dnb, x, ids, w), got);
+    }
+  }
+}
+
+// Every token gets the same bits whether its expert's pass holds 8, 16 or 32 tokens: four
+// experts take every token while 64 exist, so the grid bound and the K split stay the same and
+// only the tokens per expert (16, 80, 150: 1, 2 and 4 n-tiles per pass) change.
+TEST_F(MoeParity, DecodeBitsDoNotDependOnTokensPerPass) {
+  const int64_t e = 64, k = 4, h = 1088, inter = 1088, t_max = 150;
+  Rng rng(31);
+  const test::Mxfp4Host gu = test::random_mxfp4(rng, e, 2 * inter, h), dn = test::random_mxfp4(rng, e, h, inter);
+  const std::vector<float> gub = test::gauss_vec(rng, e * 2 * inter, 0.5f), dnb = test::gauss_vec(rng, e * h, 0.5f);
+  const std::vector<float> x = test::gauss_vec(rng, t_max * h, 5.0f), w = test::gauss_vec(rng, t_max * k, 0.5f);
+  std::vector<int32_t> ids(static_cast<size_t>(t_max * k));
+  for (int64_t t = 0; t < t_max; ++t)
+    for (int64_t j = 0; j < k; ++j) ids[static_cast<size_t>(t * k + j)] = static_cast<int32_t>((t + j) % 4 + 7);
+  for (const ActPrecision prec : {ActPrecision::kBF16, ActPrecision::kMXFP8}) {
+    SCOPED_TRACE(act_precision_name(prec));
+    std::vector<float> first;
+    for (const int64_t t : {16, 80, 150}) {
+      const std::vector<int32_t> sub(ids.begin(), ids.begin() + t * k);
+      std::vector<float> out = run_mxfp4_experts(true, prec, e, k, h, inter, gu, dn, gub, dnb, x, sub, w);
+      out.resize(static_cast<size_t>(16 * h));
+      if (first.empty()) {
+        first = out;
+        continue;
+      }
+      EXPECT_EQ(out, first) << t << " tokens";
     }
   }
 }
