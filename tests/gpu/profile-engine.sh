@@ -4,7 +4,7 @@
 # (tests/gpu/ncu_summary.py). Not part of run.sh's benches: run it by hand on the GPU host.
 #   profile-engine.sh BUILD_DIR OUT_DIR [MODEL [BATCHES [ENGINE_BENCH ARGS...]]]
 # e.g. profile-engine.sh build/gpu $OUT h2880 1,32,256 --quantize-experts mxfp4
-# Writes OUT_DIR/profile-<model>-b<batch>.{csv,txt}. The window skips the warm-up and the first
+# Writes OUT_DIR/profile-<model>-b<batch>.txt (and the raw .csv with ROLLOUTD_PROFILE_KEEP_CSV=1). The window skips the warm-up and the first
 # run's prefill (ROLLOUTD_PROFILE_SKIP kernels, default 3000) and covers ROLLOUTD_PROFILE_COUNT
 # kernels (default 600: a few steps).
 set -uo pipefail
@@ -20,10 +20,14 @@ bin="$build/tests/bench/engine/engine_bench"
 mkdir -p "$out"
 for b in ${batches//,/ }; do
   f="$out/profile-$model-b$b"
-  timeout "${ROLLOUTD_PROFILE_TIMEOUT:-240}" "$ncu" --clock-control none --metrics gpu__time_duration.sum \
+  # --cache-control none: no L2 flush before each kernel (a decode step's small kernels find
+  # their inputs in L2, as they do without the profiler). The CSV goes to --log-file.
+  timeout "${ROLLOUTD_PROFILE_TIMEOUT:-240}" "$ncu" --clock-control none --cache-control none \
+    --metrics gpu__time_duration.sum \
     --launch-skip "${ROLLOUTD_PROFILE_SKIP:-3000}" --launch-count "${ROLLOUTD_PROFILE_COUNT:-600}" \
-    --csv --page raw --log-file "$f.ncu.log" \
-    "$bin" --models "$model" --batches "$b" --new-tokens 32 --graphs off "$@" >"$f.csv" 2>"$f.err"
-  echo "ncu rc=$? ($(wc -l <"$f.csv") csv lines)"
+    --csv --page raw --log-file "$f.csv" \
+    "$bin" --models "$model" --batches "$b" --new-tokens 32 --graphs off "$@" >/dev/null 2>"$f.err"
+  echo "ncu rc=$? ($(wc -l <"$f.csv") csv lines)"; tail -3 "$f.err"; rm -f "$f.err"
   python3 "$here/tests/gpu/ncu_summary.py" "$f.csv" | tee "$f.txt"
+  [ "${ROLLOUTD_PROFILE_KEEP_CSV:-0}" = 1 ] || rm -f "$f.csv"
 done
