@@ -1,14 +1,15 @@
 // CUDA twin of paged causal attention, with an optional learned sink per head in the
 // denominator (gpt-oss) and a sliding window (the last `window` positions of the context).
 //
-// One CTA of 128 threads per (token, query head). The context is taken in chunks of
-// kAttnChunk keys: every thread scores its keys (the whole q . k dot product in registers,
-// q broadcast from shared memory), the CTA reduces the chunk's max and sum, then thread
-// (group g, dimension d) accumulates p_j * v_j[d] over the chunk's keys j = g (mod groups),
-// coalesced along d; a running max rescales the accumulators between chunks (online softmax at
-// chunk granularity). At decode (one token, tens to thousands of keys) the keys of a head run in
-// parallel instead of one after another, which is what the first kernel (one warp per
-// (token, head), one key at a time: ~25 us per layer at 48 keys) spent its time on.
+// One CTA of 128 threads per (token, KV head, group of up to kAttnHeads query heads that read
+// that KV head): a key's K and V rows are read once for every query head of the group (GQA).
+// The context is taken in chunks of kAttnChunk keys: every thread scores one key for each head
+// of the group (q . k in registers, q broadcast from shared memory), the CTA reduces each head's
+// chunk max and sum, then thread (key group g, dimension d) accumulates p_j[h] * v_j[d] over the
+// chunk's keys j = g (mod groups) for every head h, coalesced along d; a running max per head
+// rescales the accumulators between chunks (online softmax at chunk granularity). The first
+// kernel (one warp per (token, head), one key at a time) took ~25 us per layer at 48 keys and
+// one token, and re-read each K/V row once per query head.
 // A (token, head)'s result does not depend on the other rows of the step, so a request gets
 // the same output alone or in any batch.
 //
@@ -33,23 +34,34 @@ struct AttentionShape {
   float scale;
   const float* sinks;  // [q_heads] or nullptr
   int64_t window;      // 0: whole context
+  int head_groups;     // CTAs per KV head: ceil((q_heads / kv_heads) / kAttnHeads)
 };
 
 constexpr int kAttnThreads = 128;
 constexpr int kAttnWarps = kAttnThreads / 32;
-constexpr int kAttnChunk = 2 * kAttnThreads;  // keys per chunk: two per thread
+constexpr int kAttnChunk = kAttnThreads;  // keys per chunk: one per thread
+constexpr int kAttnHeads = 8;             // query heads per CTA
 constexpr int kAttnMaxDim = 512;
 
-__device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) {
-  v = is_max ? warp_max(v) : warp_sum(v);
+// Per-head block reductions of v[0..kAttnHeads) (max or sum); every thread gets the results.
+template <bool kMax>
+__device__ __forceinline__ void block_reduce_heads(float (&v)[kAttnHeads], float (*red)[kAttnHeads]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  __syncthreads();  // red[] may still be read by the previous reduction
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  float r = red[0];
 #pragma unroll
-  for (int w = 1; w < kAttnWarps; ++w) r = is_max ? fmaxf(r, red[w]) : r + red[w];
-  return r;
+  for (int h = 0; h < kAttnHeads; ++h) v[h] = kMax ? warp_max(v[h]) : warp_sum(v[h]);
+  __syncthreads();  // red[] may still be read by the previous reduction
+  if (lane == 0) {
+#pragma unroll
+    for (int h = 0; h < kAttnHeads; ++h) red[warp][h] = v[h];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < kAttnHeads; ++h) {
+    float r = red[0][h];
+#pragma unroll
+    for (int w = 1; w < kAttnWarps; ++w) r = kMax ? fmaxf(r, red[w][h]) : r + red[w][h];
+    v[h] = r;
+  }
 }
 
 // kPer: head dimensions per thread in the p.v phase (1 for D <= 128, else ceil(D / 128));
@@ -61,19 +73,22 @@ __global__ void __launch_bounds__(kAttnThreads)
                            const int32_t* __restrict__ block_tables,
                            const int32_t* __restrict__ seq_of, const int32_t* __restrict__ ctx_len,
                            AttentionShape s, int dim_lanes) {
-  __shared__ __align__(16) float q_s[kAttnMaxDim];
-  __shared__ float p_s[kAttnChunk];
+  __shared__ __align__(16) float q_s[kAttnHeads][kAttnMaxDim];
+  __shared__ float p_s[kAttnHeads][kAttnChunk];
   __shared__ int64_t row_s[kAttnChunk];  // cache row (block * block_size + offset) of a key, -1: skipped
-  __shared__ float red[kAttnWarps];
-  __shared__ float acc_s[kAttnThreads * kPer];
+  __shared__ float red[kAttnWarps][kAttnHeads];
   const int64_t t = blockIdx.x;
-  const int64_t h = blockIdx.y;
+  const int64_t kvh = blockIdx.y / s.head_groups;
+  const int64_t per_kv = s.q_heads / s.kv_heads;
+  const int64_t h0 = kvh * per_kv + (blockIdx.y % s.head_groups) * kAttnHeads;
+  const int nh = static_cast<int>(per_kv - (h0 - kvh * per_kv) < kAttnHeads ? per_kv - (h0 - kvh * per_kv)
+                                                                               : kAttnHeads);
   const int tid = threadIdx.x;
   const int64_t D = s.head_dim;
-  const int64_t kvh = h / (s.q_heads / s.kv_heads);
-  const float* qr = q + (t * s.q_heads + h) * D;
-  float* orow = out + (t * s.q_heads + h) * D;
-  for (int64_t d = tid; d < D; d += kAttnThreads) q_s[d] = qr[d];
+  for (int64_t i = tid; i < nh * D; i += kAttnThreads) {
+    const int64_t hh = i / D, d = i - hh * D;
+    q_s[hh][d] = q[(t * s.q_heads + h0 + hh) * D + d];
+  }
 
   const int64_t seq = seq_of[t];
   int64_t len = ctx_len[t];
@@ -86,96 +101,134 @@ __global__ void __launch_bounds__(kAttnThreads)
   // p.v layout: thread = (group g, lane d0); dims d0 + dim_lanes * i, keys j = g (mod groups).
   const int groups = kAttnThreads / dim_lanes;
   const int g = tid / dim_lanes, d0 = tid - g * dim_lanes;
-  float acc[kPer];
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) acc[i] = 0.0f;
+  float acc[kAttnHeads][kPer];
   // A sink is one more logit with no value: it starts the running max and the denominator.
-  float running_max = s.sinks && len > 0 ? s.sinks[h] : -INFINITY;
-  float denom = s.sinks && len > 0 ? 1.0f : 0.0f;  // sum of exp(score - running_max)
+  float running_max[kAttnHeads], denom[kAttnHeads];
+#pragma unroll
+  for (int h = 0; h < kAttnHeads; ++h) {
+    const bool sink = s.sinks && len > 0 && h < nh;
+    running_max[h] = sink ? s.sinks[h0 + h] : -INFINITY;
+    denom[h] = sink ? 1.0f : 0.0f;  // sum of exp(score - running_max)
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) acc[h][i] = 0.0f;
+  }
   __syncthreads();  // q_s
 
   for (int64_t c0 = first; c0 < len; c0 += kAttnChunk) {
     const int n = len - c0 < kAttnChunk ? static_cast<int>(len - c0) : kAttnChunk;
-    float local_max = -INFINITY;
-    float score[2];
+    float score[kAttnHeads];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int jj = tid + r * kAttnThreads;
-      score[r] = -INFINITY;
-      int64_t row = -1;
-      if (jj < n) {
-        const int64_t j = c0 + jj;
-        const int64_t block = table[j / s.block_size];
-        if (block >= 0 && block < s.num_blocks) {
-          row = block * s.block_size + j % s.block_size;
-          const float* kr = k_cache + row * row_stride + kvh * D;
-          float dot = 0.0f;
-          if constexpr (kVec) {
-            const float4* k4 = reinterpret_cast<const float4*>(kr);
-            const float4* q4 = reinterpret_cast<const float4*>(q_s);
-            const int n4 = static_cast<int>(D / 4);
-#pragma unroll 16
-            for (int i = 0; i < n4; ++i) {
-              const float4 a = __ldg(k4 + i), b = q4[i];
-              dot += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
-            }
-          } else {
+    for (int h = 0; h < kAttnHeads; ++h) score[h] = -INFINITY;
+    int64_t row = -1;
+    if (tid < n) {
+      const int64_t j = c0 + tid;
+      const int64_t block = table[j / s.block_size];
+      if (block >= 0 && block < s.num_blocks) {
+        row = block * s.block_size + j % s.block_size;
+        const float* kr = k_cache + row * row_stride + kvh * D;
+        float dot[kAttnHeads];
+#pragma unroll
+        for (int h = 0; h < kAttnHeads; ++h) dot[h] = 0.0f;
+        if constexpr (kVec) {
+          const float4* k4 = reinterpret_cast<const float4*>(kr);
+          const int n4 = static_cast<int>(D / 4);
 #pragma unroll 8
-            for (int d = 0; d < static_cast<int>(D); ++d) dot += __ldg(kr + d) * q_s[d];
+          for (int i = 0; i < n4; ++i) {
+            const float4 a = __ldg(k4 + i);
+#pragma unroll
+            for (int h = 0; h < kAttnHeads; ++h) {
+              if (h >= nh) break;
+              const float4 b = reinterpret_cast<const float4*>(q_s[h])[i];
+              dot[h] += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+            }
           }
-          score[r] = dot * s.scale;
-          local_max = fmaxf(local_max, score[r]);
+        } else {
+#pragma unroll 4
+          for (int d = 0; d < static_cast<int>(D); ++d) {
+            const float a = __ldg(kr + d);
+#pragma unroll
+            for (int h = 0; h < kAttnHeads; ++h) {
+              if (h >= nh) break;
+              dot[h] += a * q_s[h][d];
+            }
+          }
         }
+#pragma unroll
+        for (int h = 0; h < kAttnHeads; ++h)
+          if (h < nh) score[h] = dot[h] * s.scale;
       }
-      row_s[jj] = row;
     }
-    const float chunk_max = block_reduce(local_max, red, true);
-    const float new_max = fmaxf(running_max, chunk_max);
-    // Every key so far skipped and no sink: nothing to add (and -inf - -inf would be NaN).
-    if (new_max == -INFINITY) continue;
-    const float correction = expf(running_max - new_max);  // 0 while running_max is -inf
-    float local_sum = 0.0f;
+    row_s[tid] = row;
+    float m[kAttnHeads];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int jj = tid + r * kAttnThreads;
-      const float p = jj < n ? expf(score[r] - new_max) : 0.0f;  // exp(-inf) = 0 for skipped keys
-      p_s[jj] = p;
-      local_sum += p;
+    for (int h = 0; h < kAttnHeads; ++h) m[h] = score[h];
+    block_reduce_heads<true>(m, red);
+    float sum[kAttnHeads], correction[kAttnHeads];
+    bool any = false;
+#pragma unroll
+    for (int h = 0; h < kAttnHeads; ++h) {
+      const float new_max = fmaxf(running_max[h], m[h]);
+      // Every key so far skipped and no sink: nothing to add (and -inf - -inf would be NaN).
+      const bool live = new_max != -INFINITY;
+      any |= live;
+      correction[h] = live ? expf(running_max[h] - new_max) : 1.0f;  // 0 while running_max is -inf
+      const float p = live && tid < n ? expf(score[h] - new_max) : 0.0f;  // exp(-inf) = 0: skipped keys
+      p_s[h][tid] = p;
+      sum[h] = p;
+      if (live) running_max[h] = new_max;
     }
-    denom = denom * correction + block_reduce(local_sum, red, false);  // its barriers publish p_s, row_s
-    running_max = new_max;
+    block_reduce_heads<false>(sum, red);  // its barriers also publish p_s and row_s
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) acc[i] *= correction;
-    if (d0 < D) {
+    for (int h = 0; h < kAttnHeads; ++h) {
+      denom[h] = denom[h] * correction[h] + sum[h];
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) acc[h][i] *= correction[h];
+    }
+    if (any && d0 < D) {
 #pragma unroll 4
       for (int jj = g; jj < n; jj += groups) {
-        const int64_t row = row_s[jj];
-        if (row < 0) continue;
-        const float p = p_s[jj];
-        const float* vr = v_cache + row * row_stride + kvh * D;
+        const int64_t r = row_s[jj];
+        if (r < 0) continue;
+        const float* vr = v_cache + r * row_stride + kvh * D;
+        float vv[kPer];
 #pragma unroll
         for (int i = 0; i < kPer; ++i) {
           const int64_t d = d0 + static_cast<int64_t>(dim_lanes) * i;
-          if (d < D) acc[i] += p * __ldg(vr + d);
+          vv[i] = d < D ? __ldg(vr + d) : 0.0f;
+        }
+#pragma unroll
+        for (int h = 0; h < kAttnHeads; ++h) {
+          if (h >= nh) break;
+          const float p = p_s[h][jj];
+#pragma unroll
+          for (int i = 0; i < kPer; ++i) acc[h][i] += p * vv[i];
         }
       }
     }
     __syncthreads();  // p_s and row_s are rewritten by the next chunk
   }
-  // Groups' partial sums, added in group order; a row that saw nothing is zero, not 0/0.
+  // Groups' partial sums, added in group order through shared memory (p_s is free now: one
+  // head at a time); a row that saw nothing is zero, not 0/0.
+  float* part = &p_s[0][0];  // kAttnHeads * kAttnChunk floats >= kPer * kAttnThreads for kPer <= 8
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) acc_s[i * kAttnThreads + tid] = acc[i];
-  __syncthreads();
-  const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
-  if (g == 0) {
+  for (int h = 0; h < kAttnHeads; ++h) {
+    if (h >= nh) break;  // uniform across the CTA (the barriers below)
+    const float inv = denom[h] > 0.0f ? 1.0f / denom[h] : 0.0f;
+    float* orow = out + (t * s.q_heads + h0 + h) * D;
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int64_t d = d0 + static_cast<int64_t>(dim_lanes) * i;
-      if (d >= D) continue;
-      float v = acc_s[i * kAttnThreads + d0];
-      for (int gg = 1; gg < groups; ++gg) v += acc_s[i * kAttnThreads + gg * dim_lanes + d0];
-      orow[d] = v * inv;
+    for (int i = 0; i < kPer; ++i) part[i * kAttnThreads + tid] = acc[h][i];
+    __syncthreads();
+    if (g == 0) {
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int64_t d = d0 + static_cast<int64_t>(dim_lanes) * i;
+        if (d >= D) continue;
+        float v = part[i * kAttnThreads + d0];
+        for (int gg = 1; gg < groups; ++gg) v += part[i * kAttnThreads + gg * dim_lanes + d0];
+        orow[d] = v * inv;
+      }
     }
+    __syncthreads();  // part is rewritten for the next head
   }
 }
 
@@ -197,18 +250,21 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
   const AttentionShape s{q.size(1),       k_cache.size(2),      q.size(2),
                          k_cache.size(0), k_cache.size(1),      block_tables.size(0),
                          block_tables.size(1), scale,
-                         options.sinks.data ? options.sinks.as<const float>() : nullptr, options.window};
+                         options.sinks.data ? options.sinks.as<const float>() : nullptr, options.window,
+                         0};
   if (s.head_dim > 512)
     return Status(ErrorCode::kUnimplemented,
                   "head dimension " + std::to_string(s.head_dim) +
                       " above 512 is not supported by the CUDA attention kernel",
                   "q");
-  if (s.q_heads > 65535 || num_tokens > INT_MAX)
+  AttentionShape sh = s;
+  sh.head_groups = static_cast<int>((s.q_heads / s.kv_heads + kAttnHeads - 1) / kAttnHeads);
+  if (s.kv_heads * sh.head_groups > 65535 || num_tokens > INT_MAX)
     return Status(ErrorCode::kUnimplemented, "attention grid too large", "q");
   if (num_tokens == 0) return Status::Ok();
   DeviceGuard guard;
   RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
-  const dim3 grid(static_cast<unsigned int>(num_tokens), static_cast<unsigned int>(s.q_heads));
+  const dim3 grid(static_cast<unsigned int>(num_tokens), static_cast<unsigned int>(s.kv_heads * sh.head_groups));
   // Lanes along the head dimension in the p.v phase: D rounded up to a power of two (>= 32) up
   // to 128, the rest of the CTA's threads taking other keys; above 128 every thread takes
   // ceil(D / 128) dimensions.
@@ -221,7 +277,7 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
                                                       k_cache.as<const float>(), v_cache.as<const float>(),
                                                       block_tables.as<const int32_t>(),
                                                       seq_of.as<const int32_t>(),
-                                                      ctx_len.as<const int32_t>(), s, dim_lanes);
+                                                      ctx_len.as<const int32_t>(), sh, dim_lanes);
   };
   if (per <= 1) vec ? launch(paged_attention_kernel<1, true>) : launch(paged_attention_kernel<1, false>);
   else if (per <= 2) vec ? launch(paged_attention_kernel<2, true>) : launch(paged_attention_kernel<2, false>);

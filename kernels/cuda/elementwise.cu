@@ -50,6 +50,44 @@ __global__ void rmsnorm_kernel(float* out, const float* x, const float* __restri
   for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) orow[i] = w[i] * (xr[i] * inv);
 }
 
+// The same op with the row held in registers as float4s (kPer per thread, blockDim.x threads, a
+// multiple of 32): one read of x, every load of a thread issued before the first is used. The
+// loop above issues one dependent-latency load per element pass, ~9 us per 2,880-wide row at
+// one token (ncu). Needs hidden % 4 == 0, 16-byte aligned rows and hidden / 4 <= kPer * blockDim.x.
+template <int kPer>
+__global__ void rmsnorm_vec_kernel(float* out, const float* x, const float* __restrict__ w, int64_t hidden,
+                                   float eps) {
+  __shared__ float warp_partial[32];
+  const int64_t row = blockIdx.x;
+  const int n4 = static_cast<int>(hidden / 4);
+  const float4* xr = reinterpret_cast<const float4*>(x + row * hidden);
+  float4* orow = reinterpret_cast<float4*>(out + row * hidden);
+  const float4* w4 = reinterpret_cast<const float4*>(w);
+  float4 v[kPer];
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int idx = threadIdx.x + i * blockDim.x;
+    v[i] = idx < n4 ? xr[idx] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
+  ss = warp_sum(ss);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  if (lane == 0) warp_partial[warp] = ss;
+  __syncthreads();  // every thread has read its x before any writes out (out may alias x)
+  float total = 0.0f;
+  for (int i = 0; i < warps; ++i) total += warp_partial[i];
+  const float inv = rsqrtf(total / static_cast<float>(hidden) + eps);
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int idx = threadIdx.x + i * blockDim.x;
+    if (idx >= n4) continue;
+    const float4 g = __ldg(w4 + idx);
+    orow[idx] = make_float4(g.x * (v[i].x * inv), g.y * (v[i].y * inv), g.z * (v[i].z * inv), g.w * (v[i].w * inv));
+  }
+}
+
 __global__ void add_kernel(float* out, const float* a, const float* b, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
@@ -140,6 +178,23 @@ Status rmsnorm(const ExecContext& ctx, TensorView out, TensorView x, TensorView 
   if (rows == 0) return Status::Ok();
   DeviceGuard guard;
   RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const int64_t n4 = hidden / 4;
+  if (hidden % 4 == 0 && aligned(out.data) && aligned(x.data) && aligned(w.data) && n4 <= 8 * 256) {
+    // Threads: the float4s rounded up to a warp, at most 256; then float4s per thread.
+    const int threads = static_cast<int>(std::min<int64_t>(256, (n4 + 31) / 32 * 32));
+    const int64_t per = (n4 + threads - 1) / threads;
+    const auto launch = [&](auto kernel) {
+      kernel<<<static_cast<unsigned int>(rows), threads, 0, stream_of(ctx)>>>(out.as<float>(), x.as<const float>(),
+                                                                              w.as<const float>(), hidden, eps);
+    };
+    if (per <= 1) launch(rmsnorm_vec_kernel<1>);
+    else if (per <= 2) launch(rmsnorm_vec_kernel<2>);
+    else if (per <= 4) launch(rmsnorm_vec_kernel<4>);
+    else launch(rmsnorm_vec_kernel<8>);
+    RD_CUDA_CHECK_LAUNCH("rmsnorm_vec_kernel");
+    return Status::Ok();
+  }
   rmsnorm_kernel<<<static_cast<unsigned int>(rows), kThreads, 0, stream_of(ctx)>>>(
       out.as<float>(), x.as<const float>(), w.as<const float>(), hidden, eps);
   RD_CUDA_CHECK_LAUNCH("rmsnorm_kernel");

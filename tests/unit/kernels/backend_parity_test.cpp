@@ -161,7 +161,10 @@ void rmsnorm_cases() {
   struct P {
     int64_t rows, h;
   };
-  for (const P p : {P{1, 64}, P{7, 33}, P{130, 1000}, P{3, 4096}}) {
+  // CUDA takes rows of H % 4 == 0 up to 8192 in registers (1-8 float4s per thread, 32-256
+  // threads) and the rest with the plain loop: both kinds, each register count.
+  for (const P p : {P{1, 64}, P{7, 33}, P{130, 1000}, P{3, 4096}, P{1, 2880}, P{2, 8192}, P{5, 16}, P{1, 9000},
+                    P{4, 2048}}) {
     const int64_t rows = p.rows, h = p.h;
     reg("rmsnorm" + dims({{"R", rows}, {"H", h}}), [=](Rng& rng) {
       ParityCase c;
@@ -174,6 +177,16 @@ void rmsnorm_cases() {
       return c;
     });
   }
+  // In place (the decoder's per-head QK-norm): out aliases x.
+  reg("rmsnorm_in_place_R96_H64", [](Rng& rng) {
+    ParityCase c;
+    c.add_f32("x", {96, 64}, Role::kInOut, random_f32(rng, 96 * 64, -2, 2));
+    c.add_f32("w", {64}, Role::kIn, random_f32(rng, 64, 0.5f, 1.5f));
+    c.run = [](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
+      return b.rmsnorm(x, a[0], a[0], a[1], 1e-6f);
+    };
+    return c;
+  });
   reg("rmsnorm_rank3_T2_S5_H48", [](Rng& rng) {
     ParityCase c;
     c.add_f32("x", {2, 5, 48}, Role::kIn, random_f32(rng, 480, -2, 2));
