@@ -42,6 +42,7 @@ constexpr int kAttnWarps = kAttnThreads / 32;
 constexpr int kAttnChunk = kAttnThreads;  // keys per chunk: one per thread
 constexpr int kAttnHeads = 8;             // query heads per CTA
 constexpr int kAttnMaxDim = 512;
+constexpr int kAttnBatch = 8;             // keys whose V loads a thread issues together
 
 // Per-head block reductions of v[0..kAttnHeads) (max or sum); every thread gets the results.
 template <bool kMax>
@@ -85,10 +86,10 @@ __global__ void __launch_bounds__(kAttnThreads)
                                                                                : kAttnHeads);
   const int tid = threadIdx.x;
   const int64_t D = s.head_dim;
-  for (int64_t i = tid; i < nh * D; i += kAttnThreads) {
-    const int64_t hh = i / D, d = i - hh * D;
-    q_s[hh][d] = q[(t * s.q_heads + h0 + hh) * D + d];
-  }
+  // Heads past nh get zeros: the loops below run all kAttnHeads heads without branches (so
+  // their loads can be issued together) and those heads' results are never written.
+  for (int hh = 0; hh < kAttnHeads; ++hh)
+    for (int64_t d = tid; d < D; d += kAttnThreads) q_s[hh][d] = hh < nh ? q[(t * s.q_heads + h0 + hh) * D + d] : 0.0f;
 
   const int64_t seq = seq_of[t];
   int64_t len = ctx_len[t];
@@ -137,7 +138,6 @@ __global__ void __launch_bounds__(kAttnThreads)
             const float4 a = __ldg(k4 + i);
 #pragma unroll
             for (int h = 0; h < kAttnHeads; ++h) {
-              if (h >= nh) break;
               const float4 b = reinterpret_cast<const float4*>(q_s[h])[i];
               dot[h] += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
             }
@@ -148,7 +148,6 @@ __global__ void __launch_bounds__(kAttnThreads)
             const float a = __ldg(kr + d);
 #pragma unroll
             for (int h = 0; h < kAttnHeads; ++h) {
-              if (h >= nh) break;
               dot[h] += a * q_s[h][d];
             }
           }
@@ -185,23 +184,31 @@ __global__ void __launch_bounds__(kAttnThreads)
       for (int i = 0; i < kPer; ++i) acc[h][i] *= correction[h];
     }
     if (any && d0 < D) {
-#pragma unroll 4
-      for (int jj = g; jj < n; jj += groups) {
-        const int64_t r = row_s[jj];
-        if (r < 0) continue;
-        const float* vr = v_cache + r * row_stride + kvh * D;
-        float vv[kPer];
+      // kAttnBatch keys per round, their V loads issued before any is used (a skipped key, or
+      // one past the chunk, loads nothing and has p = 0).
+      for (int jb = g; jb < n; jb += kAttnBatch * groups) {
+        float vv[kAttnBatch][kPer];
 #pragma unroll
-        for (int i = 0; i < kPer; ++i) {
-          const int64_t d = d0 + static_cast<int64_t>(dim_lanes) * i;
-          vv[i] = d < D ? __ldg(vr + d) : 0.0f;
+        for (int u = 0; u < kAttnBatch; ++u) {
+          const int jj = jb + u * groups;
+          const int64_t r = jj < n ? row_s[jj] : -1;
+          const float* vr = v_cache + (r < 0 ? 0 : r) * row_stride + kvh * D;
+#pragma unroll
+          for (int i = 0; i < kPer; ++i) {
+            const int64_t d = d0 + static_cast<int64_t>(dim_lanes) * i;
+            vv[u][i] = r >= 0 && d < D ? __ldg(vr + d) : 0.0f;
+          }
         }
 #pragma unroll
-        for (int h = 0; h < kAttnHeads; ++h) {
-          if (h >= nh) break;
-          const float p = p_s[h][jj];
+        for (int u = 0; u < kAttnBatch; ++u) {
+          const int jj = jb + u * groups;
+          if (jj >= n) break;
 #pragma unroll
-          for (int i = 0; i < kPer; ++i) acc[h][i] += p * vv[i];
+          for (int h = 0; h < kAttnHeads; ++h) {
+            const float p = p_s[h][jj];
+#pragma unroll
+            for (int i = 0; i < kPer; ++i) acc[h][i] += p * vv[u][i];
+          }
         }
       }
     }
