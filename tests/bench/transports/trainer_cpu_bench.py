@@ -15,6 +15,14 @@ Per tensor, best of `reps`:
   (tests/bench/transports/bench_push.py). `torch_calls` counts the calls into (fake) torch per
   tensor, the part that costs ~0.1-1 us each with the real torch.
 
+With --daemon BIN (a CPU build's daemon/rolloutd; --python-root must then hold the built _native,
+e.g. BUILD/python):
+- e2e: one update_weights of the 10,000 tensors from POSIX shared memory into a CPU daemon started
+  with --synthetic-small-params, send to reply (the Python encode, the daemon's decode,
+  validation and copies, the reply), best of `reps`; `e2e_encode_us` is the encode alone. The
+  daemon stages an shm bucket in host memory and copies on the host where the GPU path makes
+  one cudaMemcpyAsync per copy: the CPU figure shows the protocol and validation, not the copies.
+
 --python-root selects the rolloutd package (an older checkout's protocol/python, to compare).
 """
 import argparse
@@ -62,12 +70,68 @@ class _Counting:
             setattr(cls, name, property(getter))
 
 
+def through_daemon(binary, n, reps):
+    """us per tensor of one shm bucket of n small BF16 tensors, send to reply, through a CPU daemon."""
+    import subprocess
+    import tempfile
+    from multiprocessing import shared_memory
+
+    import numpy as np
+
+    from rolloutd import Client, wire
+    from rolloutd.messages import BucketEntry, ShmSource, UpdateWeightsRequest
+
+    tmp = tempfile.mkdtemp(prefix="rolloutd-bench-")
+    endpoints = os.path.join(tmp, "endpoints.json")
+    log = open(os.path.join(tmp, "daemon.log"), "wb")
+    proc = subprocess.Popen([binary, "--control-port", "0", "--http-port", "0", "--endpoints-file", endpoints,
+                             "--synthetic-small-params", str(n)], stdout=log, stderr=subprocess.STDOUT)
+    shm = None
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(endpoints):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the daemon did not start (log: {log.name})")
+            time.sleep(0.05)
+        time.sleep(0.1)  # the file is written atomically; give the loop a moment
+        with open(endpoints) as f:
+            control = json.load(f)["control"]
+        client = Client(control, timeout_s=120)
+        client.hello()
+        entries = [BucketEntry(f"synthetic_small.{i}.weight", "bfloat16", [1024], i * 2048, 2048) for i in range(n)]
+        shm = shared_memory.SharedMemory(create=True, size=n * 2048, name=f"rolloutd-bench-{os.getpid()}")
+        np.frombuffer(shm.buf, dtype=np.uint8)[:] = np.random.default_rng(1).integers(0, 256, n * 2048,
+                                                                                         dtype=np.uint8)
+        name = "/" + shm.name.lstrip("/")
+        best, version = None, 1
+        for _ in range(reps + 1):
+            session = client.begin_weight_update().session
+            t0 = time.perf_counter()
+            client.update_weights_shm(session, entries, name, 0, n * 2048)
+            dt = time.perf_counter() - t0
+            client.end_weight_update(session, version)
+            version += 1
+            best = dt if best is None else min(best, dt)
+        req = UpdateWeightsRequest(session=1, entries=entries, source=ShmSource(name, 0, n * 2048))
+        encode = best_us(lambda: wire.encode(5, req), n, reps)
+        client.close()
+        return {"e2e_us": round(best / n * 1e6, 3), "e2e_encode_us": encode}
+    finally:
+        if shm is not None:
+            shm.close()
+            shm.unlink()
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tensors", type=int, default=10000)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--python-root", default=os.path.join(ROOT, "protocol", "python"))
     ap.add_argument("--json")
+    ap.add_argument("--daemon", help="a CPU build's daemon binary: also time one bucket end to end through it")
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.abspath(args.python_root))
     sys.path.insert(0, os.path.join(ROOT, "tests", "unit", "protocol", "python"))
@@ -122,6 +186,8 @@ def main(argv):
     if hasattr(fake_gpu, "RawKernel"):
         fake_gpu.RawKernel.__call__ = lambda self, grid, block, args, shared_mem=0: None
     out["pack_us"] = best_us(lambda: trainer._pack_into(staging, planned), n, reps)
+    if args.daemon:
+        out.update(through_daemon(args.daemon, n, reps))
     print(json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:
