@@ -122,6 +122,33 @@ class WeightRegistry {
   Status check_load(const CheckpointTensor& t, DType src_dtype, std::span<const int64_t> shape,
                     size_t src_bytes) const;
 
+  // A bucket's plain loads, written together: load() of a tensor that does not quantize is a
+  // list of copy runs (one per contiguous run of rows, in its `pieces` order), and a bucket's
+  // runs, copied in the bucket's order with adjacent runs merged, write exactly what load() of
+  // each tensor in turn would (see copy_runs). `elements` elements of `src_dtype` at `src` go to
+  // parameter `param` at `dst`, converted to its stored dtype; `rows` counts them for `loads`.
+  struct CopyRun {
+    size_t param = 0;
+    char* dst = nullptr;
+    const uint8_t* src = nullptr;
+    size_t elements = 0;
+    DType src_dtype = DType::kF32;
+    uint64_t rows = 0;
+  };
+  // Appends the runs of load(t, src_dtype, shape, src): check_load() must have accepted it and
+  // it must not quantize (!t.quantizes_from(src_dtype)).
+  void append_copy_runs(const CheckpointTensor& t, DType src_dtype, std::span<const uint8_t> src,
+                        std::vector<CopyRun>& runs) const;
+  // Copies `runs` in order. A run whose source and destination both start where the previous
+  // one's end (same source and stored dtypes) joins that copy, so a bucket whose tensors lie in
+  // the same order and back to back in the bucket and in storage is one backend call, not one
+  // per tensor. Merged runs write disjoint, consecutive bytes, so the result is that of copying
+  // the runs one by one. On failure `*failed_run` (if given) is the first run of the failed copy.
+  Status copy_runs(std::span<const CopyRun> runs, bool src_on_device, size_t* failed_run = nullptr);
+  // Backend calls copy_runs() made since construction (merged copies count once): for tests and
+  // benchmarks.
+  uint64_t num_copy_calls() const { return num_copy_calls_; }
+
   // Layout transitions; refused no-ops when the flag says the move was already made.
   Status restore(size_t param);
   Status postprocess(size_t param);
@@ -152,16 +179,25 @@ class WeightRegistry {
   // model on the GPU.
   Status load_quantized(const CheckpointTensor& t, DType src_dtype, std::span<const int64_t> shape,
                         std::span<const uint8_t> src, bool src_on_device);
+  // One (merged) run: `n` elements from src into parameter memory at dst.
+  Status copy_elements(char* dst, DType dst_dtype, bool dst_on_host, const uint8_t* src, DType src_dtype, size_t n,
+                       bool src_on_device);
 
   const Backend& backend_;
   ExecContext ctx_;
   std::vector<RegisteredParameter> params_;
   std::unordered_map<std::string, size_t> param_index_;
-  std::unordered_map<std::string, CheckpointTensor> tensors_;
+  // Looked up by string_view (transparent hash): resolving a bucket entry's name allocates nothing.
+  struct NameHash {
+    using is_transparent = void;
+    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  };
+  std::unordered_map<std::string, CheckpointTensor, NameHash, std::equal_to<>> tensors_;
   RegistryCounters counters_;
   std::vector<uint8_t> scratch_;
   StaticState static_state_;
   bool resident_ = true;
+  uint64_t num_copy_calls_ = 0;
 };
 
 // Rows and row width of a stored parameter as the row copies see it: [E, R, C] -> (E, R, C);

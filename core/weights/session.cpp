@@ -3,9 +3,7 @@
 #include <zlib.h>
 
 #include <algorithm>
-#include <numeric>
 #include <string_view>
-#include <unordered_set>
 
 namespace rolloutd::core {
 namespace {
@@ -71,7 +69,7 @@ Result<BeginResult> WeightUpdater::begin(const std::vector<std::string>& selecto
   id_ = next_id_++;
   timeout_s_ = timeout_s;
   started_ = last_activity_ = now;
-  written_.clear();
+  clear_written();
   written_rows_.clear();
   buckets_ = 0;
   entries_ = bytes_ = 0;
@@ -102,22 +100,40 @@ Result<BucketResult> WeightUpdater::apply_bucket(uint64_t session, std::span<con
     targets[i] = t;
   }
   // 2. No two entries share bytes, and no two write the same rows (a duplicate name).
-  std::vector<size_t> order(entries.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(),
-            [&](size_t a, size_t b) { return entries[a].byte_offset < entries[b].byte_offset; });
-  for (size_t k = 1; k < order.size(); ++k) {
-    const BucketEntry& prev = entries[order[k - 1]];
-    if (prev.byte_offset + prev.nbytes > entries[order[k]].byte_offset && prev.nbytes && entries[order[k]].nbytes)
-      return Status(ErrorCode::kInvalidArgument,
-                    "entry overlaps entry " + std::to_string(order[k - 1]) + " ('" + prev.name + "')",
-                    entry_field(order[k], ""));
-  }
-  std::unordered_set<std::string_view> names;
+  // Sorted by offset, an entry overlaps an earlier one iff it starts before the furthest end seen
+  // so far (comparing neighbours only missed [0, 100) and [50, 60) with an empty entry between
+  // them). Empty entries hold no byte.
+  std::vector<size_t> order;
+  order.reserve(entries.size());
   for (size_t i = 0; i < entries.size(); ++i)
-    if (!names.insert(entries[i].name).second)
-      return Status(ErrorCode::kInvalidArgument, "parameter '" + entries[i].name + "' appears twice in the bucket",
-                    entry_field(i, "name"));
+    if (entries[i].nbytes > 0) order.push_back(i);
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return std::pair(entries[a].byte_offset, a) < std::pair(entries[b].byte_offset, b);
+  });
+  for (size_t k = 1, furthest = order.empty() ? 0 : order[0]; k < order.size(); ++k) {
+    const BucketEntry& far = entries[furthest];
+    const BucketEntry& e = entries[order[k]];
+    if (e.byte_offset < far.byte_offset + far.nbytes)
+      return Status(ErrorCode::kInvalidArgument,
+                    "entry overlaps entry " + std::to_string(furthest) + " ('" + far.name + "')",
+                    entry_field(order[k], ""));
+    furthest = order[k];  // starts at or after the furthest end, so it ends further
+  }
+  // A name resolves to one CheckpointTensor: equal names are equal targets. Sorting (target,
+  // index) pairs finds the first entry, in list order, whose name came earlier, without hashing
+  // every name again.
+  {
+    std::vector<std::pair<const CheckpointTensor*, size_t>> by_target(entries.size());
+    for (size_t i = 0; i < entries.size(); ++i) by_target[i] = {targets[i], i};
+    std::sort(by_target.begin(), by_target.end());
+    size_t repeated = SIZE_MAX;
+    for (size_t k = 1; k < by_target.size(); ++k)
+      if (by_target[k].first == by_target[k - 1].first && (k < 2 || by_target[k - 2].first != by_target[k].first))
+        repeated = std::min(repeated, by_target[k].second);  // the second of its group
+    if (repeated != SIZE_MAX)
+      return Status(ErrorCode::kInvalidArgument, "parameter '" + entries[repeated].name + "' appears twice in the bucket",
+                    entry_field(repeated, "name"));
+  }
   // 3. The payload is what the trainer sent.
   if (crc) {
     // A device-resident bucket is checksummed from a host copy: a check the trainer asks for
@@ -136,13 +152,37 @@ Result<BucketResult> WeightUpdater::apply_bucket(uint64_t session, std::span<con
                     "checksum");
   }
   // 4. Write. Validation above is complete, so a failure here is an environment fault
-  // (device error): the session fails closed.
+  // (device error): the session fails closed. Plain loads become copy runs, copied together with
+  // adjacent runs merged (WeightRegistry::copy_runs); a quantizing load first flushes the runs
+  // before it, so everything is written in the bucket's order. An entry's parameters count as
+  // written once its runs are queued: a failed merged copy may have written any of them.
+  std::vector<WeightRegistry::CopyRun> runs;
+  std::vector<size_t> run_entry;  // the entry each run belongs to, for the error's field
+  runs.reserve(entries.size());
+  run_entry.reserve(entries.size());
+  auto fail = [&](size_t i, const Status& s) {
+    (void)finish_failed("bucket write failed at " + entries[i].name + ": " + s.message());
+    return Status(s.code(), s.message(), entry_field(i, ""));
+  };
+  auto flush = [&]() -> Status {
+    size_t failed = 0;
+    Status s = reg_.copy_runs(runs, on_device, &failed);
+    if (!s.ok()) return fail(run_entry[failed], s);
+    runs.clear();
+    run_entry.clear();
+    return Status::Ok();
+  };
   for (size_t i = 0; i < entries.size(); ++i) {
     const BucketEntry& e = entries[i];
-    Status s = reg_.load(*targets[i], e.dtype, e.shape, bucket.subspan(e.byte_offset, e.nbytes), on_device);
-    for (size_t p : targets[i]->targets(e.dtype)) written_.insert(p);
+    const CheckpointTensor& t = *targets[i];
+    const bool quantizes = t.quantizes_from(e.dtype);
+    if (quantizes) {
+      for (size_t p : t.targets(e.dtype)) mark_written(p);
+    } else {
+      for (const RowCopy& c : t.pieces) mark_written(c.param);
+    }
     // Rows are tracked only for parameters waiting to be made whole (none in steady state).
-    for (const RowCopy& c : broken_.empty() ? std::vector<RowCopy>{} : reg_.rows_written(*targets[i], e.dtype)) {
+    for (const RowCopy& c : broken_.empty() ? std::vector<RowCopy>{} : reg_.rows_written(t, e.dtype)) {
       if (!broken_.count(c.param)) continue;
       const RowGeometry g = row_geometry(reg_.parameters()[c.param].storage);
       std::vector<bool>& rows = written_rows_[c.param];
@@ -150,11 +190,16 @@ Result<BucketResult> WeightUpdater::apply_bucket(uint64_t session, std::span<con
       const int64_t base = (c.expert < 0 ? 0 : c.expert) * g.rows;
       for (int64_t k = 0; k < c.count; ++k) rows[static_cast<size_t>(base + c.dst_start + k * c.dst_stride)] = true;
     }
-    if (!s.ok()) {
-      (void)finish_failed("bucket write failed at " + e.name + ": " + s.message());
-      return Status(s.code(), s.message(), entry_field(i, ""));
+    const std::span<const uint8_t> src = bucket.subspan(e.byte_offset, e.nbytes);
+    if (!quantizes) {
+      reg_.append_copy_runs(t, e.dtype, src, runs);
+      run_entry.resize(runs.size(), i);
+      continue;
     }
+    RD_RETURN_IF_ERROR(flush());
+    if (Status s = reg_.load(t, e.dtype, e.shape, src, on_device); !s.ok()) return fail(i, s);
   }
+  RD_RETURN_IF_ERROR(flush());
   if (on_device && wait_device) {
     // The reply that follows promises the bytes are in place: wait for the device copies.
     Status s = reg_.backend().synchronize(reg_.context());
@@ -207,7 +252,7 @@ Result<EndResult> WeightUpdater::end(uint64_t session, uint64_t weight_version, 
   if (broken_.empty()) broken_cause_ = "written by a failed weight-update session";
   r.whole = broken_.empty();
   open_ = false;
-  written_.clear();
+  clear_written();
   written_rows_.clear();
   return r;
 }
@@ -231,7 +276,7 @@ Status WeightUpdater::finish_failed(const std::string& why) {
     for (size_t p : written_) mark_broken(p);  // whole parameters: what it left is unknown
     broken_reason_ = "weight-update session " + std::to_string(id_) + " failed after writing " +
                      std::to_string(written_.size()) + " parameters (e.g. " +
-                     reg_.parameters()[*written_.begin()].name + "): " + why;
+                     reg_.parameters()[*std::min_element(written_.begin(), written_.end())].name + "): " + why;
   }
   if (!s.ok()) {
     // Layouts are now unknown: nothing may be served until a full session rewrites them.
@@ -239,9 +284,21 @@ Status WeightUpdater::finish_failed(const std::string& why) {
     broken_reason_ = "layout restore failed after session " + std::to_string(id_) + ": " + s.message();
   }
   open_ = false;
-  written_.clear();
+  clear_written();
   written_rows_.clear();
   return s;
+}
+
+void WeightUpdater::mark_written(size_t param) {
+  if (written_mask_.size() < reg_.size()) written_mask_.resize(reg_.size(), 0);
+  if (written_mask_[param]) return;
+  written_mask_[param] = 1;
+  written_.push_back(param);
+}
+
+void WeightUpdater::clear_written() {
+  for (size_t p : written_) written_mask_[p] = 0;
+  written_.clear();
 }
 
 Result<bool> WeightUpdater::abort(uint64_t session, const std::string& why) {

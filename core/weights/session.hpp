@@ -14,7 +14,6 @@
 #include <cstdint>
 #include <optional>
 #include <map>
-#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -98,7 +97,12 @@ class WeightUpdater {
   uint64_t next_id_ = 1;
   double timeout_s_ = 60;
   SteadyClock::time_point started_, last_activity_;
-  std::set<size_t> written_;  // parameters this session wrote
+  // Parameters this session wrote, each once (a bucket of 10,000 tensors inserted into a
+  // std::set cost a node allocation per entry), and the mask that keeps them distinct.
+  std::vector<size_t> written_;
+  std::vector<uint8_t> written_mask_;
+  void mark_written(size_t param);
+  void clear_written();
   // Rows (expert-major, RowGeometry order) this session wrote, per parameter: a session that
   // writes one expert's per-expert tensor rewrites those rows of the stacked parameter only.
   std::map<size_t, std::vector<bool>> written_rows_;

@@ -75,10 +75,10 @@ class EngineActor {
   void refresh_memory_digests();
   void fill_memory_snapshot(EngineSnapshot& s);
   // Applies a bucket already in host or device memory and replies.
-  void apply_and_reply(uint64_t client, uint64_t envelope_id, const protocol::UpdateWeightsRequest& r,
+  void apply_and_reply(uint64_t client, uint64_t envelope_id, protocol::UpdateWeightsRequest& r,
                        std::span<const uint8_t> bucket, bool on_device);
   // A CUDA IPC bucket: validated and its copies queued now, answered by poll_pending_ipc().
-  void apply_ipc_bucket(uint64_t client, uint64_t envelope_id, const protocol::UpdateWeightsRequest& r,
+  void apply_ipc_bucket(uint64_t client, uint64_t envelope_id, protocol::UpdateWeightsRequest& r,
                         std::span<const uint8_t> bucket, std::chrono::steady_clock::time_point received);
 
   std::unique_ptr<core::Engine> engine_;

@@ -221,14 +221,6 @@ class PlannedBucket:
         return self.direct_ptr is not None
 
 
-def _align_up(n: int, align: int) -> int:
-    return -(-n // align) * align
-
-
-def _envelope_bytes(t: TensorInfo) -> int:
-    return len(t.name.encode()) + len(t.dtype) + 9 * len(t.shape) + _ENTRY_OVERHEAD
-
-
 def _direct_layout(items: Sequence[TensorInfo], device: Optional[int]) -> Optional[Tuple[int, List[int], int]]:
     """(base pointer, offsets, size) when `items` lie back to back (in order, no overlap, gaps of at
     most _DIRECT_MAX_GAP) on `device`; None otherwise. Empty tensors fit anywhere (offset 0)."""
@@ -262,46 +254,54 @@ def plan_buckets(items: Sequence[TensorInfo], bucket_bytes: int = DEFAULT_BUCKET
     groups: List[List[TensorInfo]] = []
     current: List[TensorInfo] = []
     size = envelope = 0
+    # Once per tensor per push, so the arithmetic is inline: `start` is `size` aligned up, and
+    # t_envelope the entry's bytes in the envelope at most (name, dtype, 9 per dimension, keys).
     for t in items:
-        start = _align_up(size, align)
+        start = -(-size // align) * align
+        t_envelope = len(t.name.encode()) + len(t.dtype) + 9 * len(t.shape) + _ENTRY_OVERHEAD
         if current and (start + t.nbytes > bucket_bytes or len(current) >= max_entries
-                        or envelope + _envelope_bytes(t) > max_envelope):
+                        or envelope + t_envelope > max_envelope):
             groups.append(current)
             current, start, envelope = [], 0, 0
         current.append(t)
         size = start + t.nbytes
-        envelope += _envelope_bytes(t)
+        envelope += t_envelope
     if current:
         groups.append(current)
 
+    layouts = [_direct_layout(g, direct_device) for g in groups]
     if split_direct_bytes is not None:
         split: List[List[TensorInfo]] = []
-        for g in groups:
-            if len(g) > 1 and _direct_layout(g, direct_device) is None:
+        split_layouts: List[Any] = []
+        for g, layout in zip(groups, layouts):
+            if len(g) > 1 and layout is None:
                 big = [t for t in g if t.nbytes >= split_direct_bytes and _direct_layout([t], direct_device)
                        is not None and (can_direct is None or can_direct([t]))]
                 if big:
                     ids = {id(t) for t in big}
                     rest = [t for t in g if id(t) not in ids]
                     split.extend([t] for t in big)
+                    split_layouts.extend(_direct_layout([t], direct_device) for t in big)
                     if rest:
                         split.append(rest)
+                        split_layouts.append(_direct_layout(rest, direct_device))
                     continue
             split.append(g)
-        groups = split
+            split_layouts.append(layout)
+        groups, layouts = split, split_layouts
 
     buckets = []
-    for g in groups:
-        layout = _direct_layout(g, direct_device)
+    for g, layout in zip(groups, layouts):
         if layout is not None and (can_direct is None or can_direct(g)):
             base, offsets, total = layout
             entries = [BucketEntry(t.name, t.dtype, list(t.shape), off, t.nbytes) for t, off in zip(g, offsets)]
             buckets.append(PlannedBucket(list(g), entries, total, base))
             continue
         entries, offset = [], 0
+        append = entries.append
         for t in g:
-            offset = _align_up(offset, align)
-            entries.append(BucketEntry(t.name, t.dtype, list(t.shape), offset, t.nbytes))
+            offset = -(-offset // align) * align
+            append(BucketEntry(t.name, t.dtype, list(t.shape), offset, t.nbytes))
             offset += t.nbytes
         buckets.append(PlannedBucket(list(g), entries, offset))
     return buckets
@@ -321,19 +321,50 @@ def _named(named_tensors: Any) -> List[Tuple[str, Any]]:
     return out
 
 
+# torch dtype -> (wire name, bytes per element), filled on first sight: str(dtype) and the
+# name lookup were a measurable share of describing a small tensor.
+_TORCH_DTYPES: Dict[Any, Tuple[str, int]] = {}
+
+
+def _torch_dtype(index: int, name: str, dtype: Any) -> Tuple[str, int]:
+    got = _TORCH_DTYPES.get(dtype)
+    if got is None:
+        wire = weight_dtype(str(dtype))
+        if wire is None:
+            raise ValueError(f"tensors[{index}] ('{name}'): torch dtype {dtype} is not a weight dtype "
+                             f"({', '.join(WEIGHT_DTYPES)}); cast it first")
+        got = _TORCH_DTYPES[dtype] = (wire, WEIGHT_DTYPES[wire][0])
+    return got
+
+
 def _describe_torch(index: int, name: str, t: Any) -> TensorInfo:
+    return _describe_all_torch([(name, t)], first_index=index)[0]
+
+
+def _describe_all_torch(named: Sequence[Tuple[str, Any]], first_index: int = 0) -> List[TensorInfo]:
+    """TensorInfo of every (name, tensor), in one loop. NOTES: this runs once per tensor per push
+    (10,000 small tensors: it was 10-12 us each, issue 7), so it asks torch only what planning
+    needs, each once: no detach() unless the tensor requires grad (state_dict() tensors do not),
+    the dtype through a cache, the device as an int (get_device(): no torch.device object)."""
     torch = _torch()
-    if not isinstance(t, torch.Tensor):
-        t = torch.as_tensor(t)
-    t = t.detach()
-    dtype = weight_dtype(str(t.dtype))
-    if dtype is None:
-        raise ValueError(f"tensors[{index}] ('{name}'): torch dtype {t.dtype} is not a weight dtype "
-                         f"({', '.join(WEIGHT_DTYPES)}); cast it first")
-    nbytes = t.numel() * t.element_size()
-    on_cuda = t.is_cuda
-    ptr = t.data_ptr() if on_cuda and t.is_contiguous() and nbytes > 0 else None
-    return TensorInfo(name, dtype, [int(d) for d in t.shape], nbytes, ptr, t.device.index if on_cuda else None, t)
+    tensor_type = torch.Tensor
+    dtypes = _TORCH_DTYPES
+    out: List[TensorInfo] = []
+    append = out.append
+    for i, (name, t) in enumerate(named, first_index):
+        if not isinstance(t, tensor_type):
+            t = torch.as_tensor(t)
+        if t.requires_grad:
+            t = t.detach()
+        dtype = t.dtype
+        wire, element_bytes = dtypes.get(dtype) or _torch_dtype(i, name, dtype)
+        nbytes = t.numel() * element_bytes
+        if t.is_cuda:
+            append(TensorInfo(name, wire, list(t.shape), nbytes, t.data_ptr() if nbytes and t.is_contiguous() else None,
+                              t.get_device(), t))
+        else:
+            append(TensorInfo(name, wire, list(t.shape), nbytes, None, None, t))
+    return out
 
 
 # ------------------------------------------------------------------------------- checksums --
@@ -426,7 +457,7 @@ def pack_device_bucket(buffer: Any, named_tensors: Any, align: int = DEFAULT_ALI
     update_weights of that buffer. A building block for hand-made buckets; push_weights does this
     (and more) itself."""
     torch = _torch()
-    items = [_describe_torch(i, n, t) for i, (n, t) in enumerate(_named(named_tensors))]
+    items = _describe_all_torch(_named(named_tensors))
     bucket = plan_buckets(items, bucket_bytes=1 << 62, max_entries=1 << 62, max_envelope_bytes=1 << 62, align=align)
     if len(bucket) != 1:
         raise ValueError("nothing to pack")
@@ -440,27 +471,117 @@ def pack_device_bucket(buffer: Any, named_tensors: Any, align: int = DEFAULT_ALI
     return b.entries, b.size
 
 
+# Packing small tensors: one kernel copies every (source address, offset, size) row of a table
+# into the staging buffer, a thread block per tensor, 16 bytes per thread and step where both
+# ends are 16-byte aligned. NOTES: the multi-tensor copy (_foreach_copy_) needs a byte view of
+# every source and every destination, two Python-level torch calls per tensor that cost ~3.5 us
+# of the 12 us a small tensor took (issue 7); the table needs only the addresses that describe
+# already read. Tensors above _GATHER_MAX_BYTES, strided ones and those on another device take
+# the torch path (one block per tensor would copy a big one at a fraction of the device's speed).
+_GATHER_MAX_BYTES = 256 << 10
+_GATHER_THREADS = 256
+_GATHER_SOURCE = r"""
+extern "C" __global__ void rolloutd_gather_bytes(const long long* __restrict__ rows,
+                                                 unsigned char* __restrict__ dst, int num_rows) {
+  for (int r = blockIdx.x; r < num_rows; r += gridDim.x) {
+    const unsigned char* s = reinterpret_cast<const unsigned char*>(rows[3 * r]);
+    unsigned char* d = dst + rows[3 * r + 1];
+    const long long n = rows[3 * r + 2];
+    long long done = 0;
+    if (((reinterpret_cast<unsigned long long>(s) | reinterpret_cast<unsigned long long>(d)) & 15) == 0) {
+      const long long vectors = n >> 4;
+      const uint4* s4 = reinterpret_cast<const uint4*>(s);
+      uint4* d4 = reinterpret_cast<uint4*>(d);
+      for (long long k = threadIdx.x; k < vectors; k += blockDim.x) d4[k] = s4[k];
+      done = vectors << 4;
+    }
+    for (long long k = done + threadIdx.x; k < n; k += blockDim.x) d[k] = s[k];
+  }
+}
+"""
+_GATHER_KERNELS: Dict[int, Any] = {}  # device -> compiled kernel, or None where it cannot be had
+
+
+def _gather_kernel(device: int) -> Any:
+    """The gather kernel, compiled for `device` (CuPy, NVRTC; cached on disk by CuPy), or None:
+    no CuPy, a failed compile, or ROLLOUTD_PACK_GATHER=0 (the torch path only)."""
+    if device in _GATHER_KERNELS:
+        return _GATHER_KERNELS[device]
+    kernel = None
+    if os.environ.get("ROLLOUTD_PACK_GATHER", "1") != "0":
+        try:
+            cupy = _cupy()
+            with cupy.cuda.Device(device):
+                kernel = cupy.RawKernel(_GATHER_SOURCE, "rolloutd_gather_bytes")
+                compile_ = getattr(kernel, "compile", None)
+                if compile_ is not None:
+                    compile_()
+                else:
+                    kernel.kernel  # noqa: B018  (older CuPy: the property compiles and loads)
+        except Exception:  # noqa: BLE001  (no CuPy, no NVRTC, a compile error: the torch path)
+            kernel = None
+    _GATHER_KERNELS[device] = kernel
+    return kernel
+
+
+def _gather_into(kernel: Any, buffer: Any, rows: List[int]) -> None:
+    """Queues the gather of `rows` (flat: source address, offset in buffer, bytes; ...) on the
+    current torch stream of the buffer's device."""
+    import numpy as np
+
+    torch = _torch()
+    cupy = _cupy()
+    device = buffer.get_device()
+    n = len(rows) // 3
+    # The table goes up on the current stream; the allocator reuses its memory only for work
+    # queued after the kernel on that same stream.
+    table = torch.from_numpy(np.array(rows, dtype=np.int64)).to(buffer.device, non_blocking=True)
+    stream = torch.cuda.current_stream(device)
+    with cupy.cuda.Device(device), cupy.cuda.ExternalStream(int(stream.cuda_stream)):
+        kernel((min(n, 65535),), (_GATHER_THREADS,),
+               (np.uint64(table.data_ptr()), np.uint64(buffer.data_ptr()), np.int32(n)))
+
+
 def _pack_into(buffer: Any, bucket: PlannedBucket) -> None:
     """Copies the bucket's tensors into `buffer` at their entries' offsets, on the current stream.
-    Contiguous sources on the buffer's device are copied as bytes by one multi-tensor kernel
-    (_foreach_copy_) where torch has it; others (strided, on the host or another GPU) one by one."""
+    Small contiguous sources on the buffer's device go by the gather kernel (one launch for all);
+    other contiguous sources there as bytes by one multi-tensor copy (_foreach_copy_) where torch
+    has it; the rest (strided, on the host or another GPU) one by one."""
+    device = buffer.get_device()
+    kernel = _gather_kernel(device) if device >= 0 else None
+    rows: List[int] = []
+    rest: List[Tuple[TensorInfo, BucketEntry]] = []
+    for item, e in zip(bucket.items, bucket.entries):
+        if not e.nbytes:
+            continue
+        if kernel is not None and item.ptr is not None and item.device == device and e.nbytes <= _GATHER_MAX_BYTES:
+            rows += (item.ptr, e.byte_offset, e.nbytes)
+        else:
+            rest.append((item, e))
+    if rows:
+        try:
+            _gather_into(kernel, buffer, rows)
+        except Exception:  # noqa: BLE001  (a launch refused before it ran: the torch path, from now on)
+            _GATHER_KERNELS[device] = None
+            rest = [(item, e) for item, e in zip(bucket.items, bucket.entries) if e.nbytes]
+    if rest:
+        _copy_with_torch(buffer, rest, device)
+
+
+def _copy_with_torch(buffer: Any, pairs: Sequence[Tuple[TensorInfo, BucketEntry]], device: int) -> None:
     torch = _torch()
     # Every destination view in one call (split_with_sizes over [gap, tensor, gap, tensor, ...]):
-    # a Python slice per tensor was a measurable share of the per-tensor cost.
+    # a Python slice per tensor was a measurable share of the per-tensor cost. Entries of a packed
+    # bucket lie in increasing offset order.
     sizes, last = [], 0
-    for e in bucket.entries:
-        if e.nbytes:
-            sizes += [e.byte_offset - last, e.nbytes]
-            last = e.byte_offset + e.nbytes
-    views = iter(buffer[:last].split_with_sizes(sizes)[1::2]) if sizes else iter(())
+    for _, e in pairs:
+        sizes += [e.byte_offset - last, e.nbytes]
+        last = e.byte_offset + e.nbytes
+    views = buffer[:last].split_with_sizes(sizes)[1::2]
     dsts, srcs = [], []
-    device = buffer.device
-    for item, e in zip(bucket.items, bucket.entries):
-        if e.nbytes == 0:
-            continue
-        dst = next(views)
+    for (item, _), dst in zip(pairs, views):
         src = item.tensor
-        if src.is_cuda and src.device == device and src.is_contiguous():
+        if item.ptr is not None and item.device == device:  # contiguous, on the buffer's device
             dsts.append(dst)
             srcs.append((src if src.dim() == 1 else src.reshape(-1)).view(torch.uint8))
         else:
@@ -909,6 +1030,9 @@ class _TorchBackend:
     def describe(self, index: int, name: str, t: Any) -> TensorInfo:
         return _describe_torch(index, name, t)
 
+    def describe_all(self, named: Sequence[Tuple[str, Any]]) -> List[TensorInfo]:
+        return _describe_all_torch(named)
+
     def start(self, items: Sequence[TensorInfo]) -> None:
         """Before any bucket: writes to the tensors queued on their devices' current streams must
         be visible to the copies and broadcasts that read them."""
@@ -1116,7 +1240,10 @@ def push_weights(clients: Sequence[Client], named_tensors: Any, weight_version: 
         handle_uuid = wanted
     backend = _backend if _backend is not None else _TorchBackend(dev, ipc=(via == "cuda_ipc"))
     t_describe = time.monotonic()
-    items = [backend.describe(i, name, t) for i, (name, t) in enumerate(_named(named_tensors))]
+    named = _named(named_tensors)
+    describe_all = getattr(backend, "describe_all", None)
+    items = (describe_all(named) if describe_all is not None
+             else [backend.describe(i, name, t) for i, (name, t) in enumerate(named)])
     t_plan = time.monotonic()
     stats["describe_s"] = t_plan - t_describe
     buckets = plan_buckets(items, bucket_bytes,
@@ -1139,7 +1266,7 @@ def push_weights(clients: Sequence[Client], named_tensors: Any, weight_version: 
         backend.start(items)
         stats["first_bucket_t"] = time.monotonic()
         if via == "nccl":
-            _send_nccl(clients, sessions, buckets, backend, group, checksum)
+            _send_nccl(clients, sessions, buckets, backend, group, checksum, stats)
         else:
             _send_ipc(clients, sessions, buckets, backend, handle_uuid, checksum, stats)
         buckets_done_t = time.monotonic()
@@ -1169,31 +1296,46 @@ def _reply_timeout(client: Client, group: Optional[NcclWeightGroup]) -> float:
 
 
 def _send_nccl(clients: List[Client], sessions: List[int], buckets: List[PlannedBucket], backend: Any,
-               group: NcclWeightGroup, checksum: bool) -> None:
+               group: NcclWeightGroup, checksum: bool, stats: Optional[Dict[str, Any]] = None) -> None:
+    """Two buckets in flight per daemon. `stats` receives the trainer's time (seconds, summed over
+    buckets): pack_s (queueing the staging copies: they run on the device behind the previous
+    broadcast), send_s (encode and send), export_s (posting the broadcast), wait_s (blocked on replies)."""
     in_flight: Deque = collections.deque()
     posted_all = True  # every update_weights sent was followed by our broadcast
+    t = dict(pack_s=0.0, send_s=0.0, export_s=0.0, wait_s=0.0)
+    clock = time.perf_counter
 
     def collect_oldest() -> None:
         _, pendings = in_flight.popleft()
+        t0 = clock()
         _collect(clients, pendings)
+        t["wait_s"] += clock() - t0
 
     try:
         for i, b in enumerate(buckets):
             while len(in_flight) >= _PIPELINE_DEPTH:
                 collect_oldest()
+            t0 = clock()
             prep = backend.prepare(b, None if b.direct else backend.next_slot())
             crc = zlib.crc32(backend.host_bytes(prep)) if checksum else None
+            t1 = clock()
             pendings = []
             posted_all = False
             for c, s in zip(clients, sessions):
                 pendings.append(c.update_weights_nccl(s, b.entries, group.name, group.root, b.size, crc, wait=False,
                                                       timeout_s=_reply_timeout(c, group)))
             in_flight.append((i, pendings))
+            t2 = clock()
             backend.broadcast(group, prep)
             posted_all = True
+            t["pack_s"] += t1 - t0
+            t["send_s"] += t2 - t1
+            t["export_s"] += clock() - t2
         while in_flight:
             collect_oldest()
+        t0 = clock()
         backend.finish(group, group.timeout_s)
+        t["wait_s"] += clock() - t0
     except RolloutdError as e:
         # A refusal by a daemon keeps the group in step (it received the bytes anyway, SPEC §11.7)
         # once every bucket sent has been answered and our broadcasts completed; anything else
@@ -1212,6 +1354,9 @@ def _send_nccl(clients: List[Client], sessions: List[int], buckets: List[Planned
         if group.usable:
             group.abort(f"push_weights interrupted: {type(e).__name__}")
         raise
+    finally:
+        if stats is not None:
+            stats.update(t)
 
 
 def _send_ipc(clients: List[Client], sessions: List[int], buckets: List[PlannedBucket], backend: Any,

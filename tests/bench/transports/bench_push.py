@@ -17,6 +17,13 @@ into staging) and as views of one flat buffer (every bucket goes straight from i
 
     tests/gpu/bench-transports.sh BUILD_DIR OUT_DIR      # sets the environment, writes the files
     python3 tests/bench/transports/bench_push.py --out-json X.json [--sizes-gib 4,16] [--reps 3]
+    ROLLOUTD_BENCH_TRANSPORTS_ARGS=--small-only tests/gpu/bench-transports.sh ...   # the small tensors only
+
+The small-tensor part reports, per tensor, end to end (`*_us_per_tensor`: first bucket to the end
+reply, what the target is about) and with the trainer's describe and plan before it
+(`*_total_us_per_tensor`), and the breakdown of the best rep (describe, plan, pack, export, send,
+wait, the daemon's receipt-to-reply), for IPC and NCCL; then the IPC push again with the trainer's
+gather kernel off (ROLLOUTD_PACK_GATHER=0: the multi-tensor copy) to compare the two packings.
 
 The daemon needs parameters that large: it registers them with SYNTHETIC_FLAG (BF16 blocks of
 SYNTHETIC_BLOCK_BYTES named synthetic.{i}.weight), and the small-tensor part needs
@@ -367,6 +374,16 @@ def bench(args):
     return result
 
 
+def small_breakdown(stats):
+    """A small-tensor push's phases in us per tensor: the timed part (first bucket to end reply),
+    with describe and plan in front of it, and each phase."""
+    per = {k[:-2] + "_us_per_tensor": round(stats[k] / NUM_SMALL_TENSORS * 1e6, 3)
+           for k in BREAKDOWN_KEYS + ("transfer_s",) if k in stats}
+    per["total_us_per_tensor"] = round((stats["describe_s"] + stats["plan_s"] + stats["transfer_s"])
+                                       / NUM_SMALL_TENSORS * 1e6, 3)
+    return per
+
+
 def bench_small(args):
     """NUM_SMALL_TENSORS tensors of SMALL_PARAM_ELEMS BF16 in one bucket: seconds per tensor, end to end
     (NCCL and IPC), and the trainer's share alone (planning and packing)."""
@@ -376,6 +393,21 @@ def bench_small(args):
     from rolloutd import trainer
 
     out = {"num_tensors": NUM_SMALL_TENSORS, "tensor_bytes": SMALL_PARAM_ELEMS * 2}
+
+    def best_push(client, tensors, via, group, label):
+        """Best rep (after a warm-up) of a push: its us per tensor and its breakdown."""
+        best = None
+        for rep in range(args.reps + 1):
+            stats = {}
+            trainer.push_weights([client], tensors, next(_VERSIONS), via=via, group=group, bucket_bytes=64 << 20,
+                                 stats=stats)
+            if rep and (best is None or stats["transfer_s"] < best["transfer_s"]):
+                best = stats
+        out[f"{label}_us_per_tensor"] = best["transfer_s"] / NUM_SMALL_TENSORS * 1e6
+        out[f"{label}_best_rep"] = small_breakdown(best)
+        out[f"{label}_total_us_per_tensor"] = out[f"{label}_best_rep"]["total_us_per_tensor"]
+        out["num_buckets"] = best["num_buckets"]
+        print(f"small tensors, {label}, best rep per tensor: {out[f'{label}_best_rep']}", flush=True)
     tensors = [(SMALL_PARAM_NAME.format(i=i), torch.randn(SMALL_PARAM_ELEMS, dtype=torch.bfloat16,
                                                           device=f"cuda:{TRAINER_GPU}"))
                for i in range(NUM_SMALL_TENSORS)]
@@ -400,31 +432,39 @@ def bench_small(args):
         with daemon.client(timeout_s=300) as client:
             with (trainer.NcclWeightGroup([client], device=TRAINER_GPU, timeout_s=120)
                   if TRAINER_GPU != DAEMON_GPU else contextlib.nullcontext()) as group:
-                for rep in range(args.reps + 1 if group is not None else 0):
-                    stats = {}
-                    trainer.push_weights([client], tensors, next(_VERSIONS), via="nccl", group=group,
-                                         bucket_bytes=64 << 20, stats=stats)
-                    out.setdefault("nccl_times", []).append(stats["transfer_s"])
                 if group is not None:
-                    out["nccl_us_per_tensor"] = min(out.pop("nccl_times")[1:]) / NUM_SMALL_TENSORS * 1e6
+                    best_push(client, tensors, "nccl", group, "nccl")
             on_daemon_gpu = [(n, t.to(f"cuda:{DAEMON_GPU}")) for n, t in tensors]
-            times = []
-            for rep in range(args.reps + 1):
-                stats = {}
-                trainer.push_weights([client], on_daemon_gpu, next(_VERSIONS), via="cuda_ipc",
-                                     bucket_bytes=64 << 20, stats=stats)
-                times.append(stats["transfer_s"])
-                if rep and stats["transfer_s"] == min(times[1:]):
-                    out["ipc_best_rep"] = {k[:-2] + "_us_per_tensor": round(stats[k] / NUM_SMALL_TENSORS * 1e6, 3)
-                                           for k in BREAKDOWN_KEYS + ("transfer_s",) if k in stats}
-            out["ipc_us_per_tensor"] = min(times[1:]) / NUM_SMALL_TENSORS * 1e6
-            print(f"small tensors, ipc, best rep per tensor: {out['ipc_best_rep']}", flush=True)
-            out["num_buckets"] = stats["num_buckets"]
+            best_push(client, on_daemon_gpu, "cuda_ipc", None, "ipc")
+            # The same push with the multi-tensor copy instead of the gather kernel.
+            os.environ["ROLLOUTD_PACK_GATHER"] = "0"
+            trainer._GATHER_KERNELS.clear()
+            try:
+                best_push(client, on_daemon_gpu, "cuda_ipc", None, "ipc_foreach_pack")
+            finally:
+                del os.environ["ROLLOUTD_PACK_GATHER"]
+                trainer._GATHER_KERNELS.clear()
+            out["gather_kernel"] = trainer._gather_kernel(DAEMON_GPU) is not None
     finally:
         daemon.stop()
     print(f"small tensors: nccl {out.get('nccl_us_per_tensor', float('nan')):.2f} us/tensor, ipc {out['ipc_us_per_tensor']:.2f} "
-          f"us/tensor, trainer side {out['trainer_pack_us_per_tensor']:.2f} us/tensor", flush=True)
+          f"us/tensor (with describe and plan: nccl {out.get('nccl_total_us_per_tensor', float('nan')):.2f}, ipc "
+          f"{out['ipc_total_us_per_tensor']:.2f}), ipc with the foreach pack {out['ipc_foreach_pack_us_per_tensor']:.2f}, "
+          f"trainer side {out['trainer_pack_us_per_tensor']:.2f} us/tensor", flush=True)
     return out
+
+
+def bench_small_only(args):
+    global DAEMON_GPU
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        DAEMON_GPU = TRAINER_GPU
+    result = {"host": {"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+                       "torch": torch.__version__}, "targets": TARGETS, "nccl": [], "nccl_mxfp4": [], "nccl_fp8": [],
+              "ipc_mxfp4": [], "ipc_fp8": [], "ipc": [], "raw_nccl": [], "per_tensor_peer": [], "d2d_copy": []}
+    result["small_tensors"] = bench_small(args)
+    return result
 
 
 def ratios(result):
@@ -470,9 +510,11 @@ def ratios(result):
                      f"{r['gbps']:7.1f} GB/s = {r['vs_d2d_copy']:.3f} x device copy ({copy[r['bytes']]:.1f}); "
                      f"{r['num_direct']}/{r['num_buckets']} buckets direct")
     s = result["small_tensors"]
-    for key in ("nccl_us_per_tensor", "ipc_us_per_tensor", "trainer_pack_us_per_tensor"):
+    for key in ("nccl_us_per_tensor", "ipc_us_per_tensor", "nccl_total_us_per_tensor", "ipc_total_us_per_tensor",
+                "ipc_foreach_pack_us_per_tensor", "trainer_pack_us_per_tensor"):
         if key in s:
-            ok = "ok " if s[key] <= TARGETS["per_tensor_us"] or key.startswith("trainer") else "LOW"
+            judged = key.startswith(("nccl_", "ipc_")) and "foreach" not in key
+            ok = ("ok " if s[key] <= TARGETS["per_tensor_us"] else "LOW") if judged else "   "
             lines.append(f"{ok} {key} {s[key]:.2f} us ({s['num_tensors']} tensors of {s['tensor_bytes']} bytes)")
     if "skipped" in s:
         lines.append(f"--  small tensors end to end: {s['skipped']}")
@@ -492,11 +534,13 @@ def main(argv):
     ap.add_argument("--online", type=lambda s: [x for x in s.split(",") if x], default=["mxfp4", "fp8"],
                     help="online quantization formats to push (mxfp4,fp8; empty: none)")
     ap.add_argument("--hang-s", type=float, default=480, help="print every thread's stack if still running then")
+    ap.add_argument("--small-only", action="store_true",
+                    help="only the per-tensor part (10,000 small tensors), no large pushes or ceilings")
     args = ap.parse_args(argv)
     import faulthandler
     faulthandler.dump_traceback_later(args.hang_s, exit=False)
     t0 = time.monotonic()
-    result = bench(args)
+    result = bench_small_only(args) if args.small_only else bench(args)
     lines = ratios(result)
     result["summary"] = lines
     result["wall_s"] = time.monotonic() - t0

@@ -336,6 +336,31 @@ std::vector<BadCase> weight_update_bad_cases() {
                  update_body(Array{entry("a", "int8", Array{4}, 8, 4),
                                    entry("b", "int8", Array{1}, 8, 1)}),
                  E::kInvalidArgument, "body.entries[1]"),
+      // Entries that look like the common case but are not (the one-pass reader hands them to
+      // the generic one, which names the problem): five keys with one repeated or one unknown,
+      // a non-string key, a name that is not UTF-8, a dtype over the string limit.
+      bad_update("EntryKeyRepeatedInFive",
+                 update_body(Array{Map{{"name", "q"}, {"dtype", "bfloat16"}, {"shape", Array{2, 3}},
+                                       {"byte_offset", 0}, {"name", "q"}}}),
+                 E::kBadMessage, "body.entries[0].name"),
+      bad_update("EntryUnknownKeyInFive",
+                 update_body(Array{Map{{"name", "q"}, {"dtype", "bfloat16"}, {"shape", Array{2, 3}},
+                                       {"byte_offset", 0}, {"n_bytes", 12}}}),
+                 E::kMissingField, "body.entries[0].nbytes"),
+      bad_update("EntryIntKey",
+                 update_body(Array{entry("q", "bfloat16", Array{2, 3}, 0, 12),
+                                   Raw{"\x85\xa4name\xa1n\xa5" "dtype\xa4int8\xa5shape\x91\x01\xab"
+                                       "byte_offset\x10\x07\x01"}}),
+                 E::kBadMessage, "body.entries[1]"),
+      bad_entry("EntryNameInvalidUtf8", 1, "name", "n\xff", E::kInvalidArgument, "body.entries[1].name"),
+      bad_update("EntryDtypeTooLong",
+                 update_body(Array{entry("q", "torch.float8_e4m3fn", Array{2, 3}, 0, 6)}), E::kTooLarge,
+                 "body.entries[0].dtype", {kBucket},
+                 [] {
+                   Limits l;
+                   l.max_string_bytes = 16;  // "flattened_bucket" fits, the 19-byte dtype does not
+                   return l;
+                 }()),
       bad_entry("EntryNameTwice", 2, "name", "q", E::kInvalidArgument, "body.entries[2].name"),
       bad_update("EntryNamesTwiceFirstInListOrder",
                  update_body(Array{entry("z", "int8", Array{1}, 0, 1), entry("b", "int8", Array{1}, 1, 1),
@@ -885,6 +910,29 @@ TEST(AcceptedRequest, AnyIntegerEncodingAndFloat32) {
   EXPECT_EQ(g.top_k, 7);
   EXPECT_EQ(g.input_ids, std::vector<int32_t>{300});
   EXPECT_EQ(g.temperature, 0.5);
+}
+
+TEST(AcceptedRequest, ManyBucketEntriesDecodeAndTheFirstRepeatIsNamed) {
+  // 5,000 entries whose names share a long prefix: every one decoded as written, and a name
+  // repeated twice over is reported at its first repeat in list order.
+  Array entries;
+  for (int i = 0; i < 5000; ++i)
+    entries.push_back(entry("model.layers." + std::to_string(i) + ".mlp.weight", "bfloat16", Array{2}, 4u * i, 4));
+  const std::string bucket(5000 * 4, '\x02');
+  Map body = with(update_body(entries), "checksum", std::nullopt);
+  RequestDecodeResult r = decode(bytes(envelope("update_weights", 3, body)), {}, {bucket});
+  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+  const auto& got = std::get<UpdateWeightsRequest>(*r.request).entries;
+  ASSERT_EQ(got.size(), 5000u);
+  EXPECT_EQ(got[4321].name, "model.layers.4321.mlp.weight");
+  EXPECT_EQ(got[4321].dtype, DType::kBF16);
+  EXPECT_EQ(got[4321].shape, std::vector<int64_t>{2});
+  EXPECT_EQ(got[4321].byte_offset, 4u * 4321);
+  EXPECT_EQ(got[4321].nbytes, 4u);
+  entries[4000] = with(std::get<Map>(entries[4000].v), "name", "model.layers.10.mlp.weight");
+  entries[3000] = with(std::get<Map>(entries[3000].v), "name", "model.layers.2999.mlp.weight");
+  r = decode(bytes(envelope("update_weights", 3, with(update_body(entries), "checksum", std::nullopt))), {}, {bucket});
+  EXPECT_EQ(r.status.field(), "body.entries[3000].name") << r.status.to_string();
 }
 
 TEST(AcceptedRequest, UnknownKeysAreIgnoredAtEveryLevel) {

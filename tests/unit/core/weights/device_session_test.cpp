@@ -117,6 +117,77 @@ TEST(DeviceBuckets, DeviceResidentBucketEqualsTheHostPath) {
   (void)g.free(ctx, dev);
 }
 
+// A device bucket of many small tensors (issue 7's 10,000 x 2 KiB, here 512): with the parameters
+// back to back in storage the bucket is one copy (one convert kernel when the stored dtype
+// differs), with holes between them one per tensor; either way the parameters equal those of the
+// same entries applied one bucket each.
+TEST(DeviceBuckets, CoalescedDeviceBucketEqualsItsEntriesOneByOne) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA backend or no visible GPU";
+  const Backend& g = *cuda_backend();
+  ExecContext ctx;
+  ctx.device = Device::cuda(0);
+  constexpr int64_t kCount = 512, kElems = 1024;
+  std::vector<uint16_t> bf(static_cast<size_t>(kCount * kElems));
+  test::fill_bf16_values(bf, 21);
+  void* dbucket = nullptr;
+  ASSERT_TRUE(g.alloc(ctx, bf.size() * 2, &dbucket).ok());
+  ASSERT_TRUE(g.copy(ctx, dbucket, bf.data(), bf.size() * 2, CopyKind::kHostToDevice).ok());
+  std::vector<BucketEntry> entries;
+  for (int64_t i = 0; i < kCount; ++i)
+    entries.push_back({"p." + std::to_string(i), DType::kBF16, {kElems}, static_cast<uint64_t>(i * kElems * 2),
+                       static_cast<uint64_t>(kElems * 2)});
+  const std::span<const uint8_t> bucket(static_cast<const uint8_t*>(dbucket), bf.size() * 2);
+  const auto now = SteadyClock::now();
+  for (DType stored : {DType::kBF16, DType::kF32}) {
+    for (bool gapped : {false, true}) {
+      SCOPED_TRACE(std::string(dtype_name(stored)) + (gapped ? ", gapped" : ", back to back"));
+      const size_t each = static_cast<size_t>(kElems) * dtype_size(stored), stride = each + (gapped ? 256 : 0);
+      std::vector<std::vector<uint8_t>> results;
+      std::vector<uint64_t> copies;
+      for (bool one_by_one : {false, true}) {
+        void* storage = nullptr;
+        ASSERT_TRUE(g.alloc(ctx, stride * kCount, &storage).ok());
+        WeightRegistry reg(g, ctx);
+        for (int64_t i = 0; i < kCount; ++i)
+          ASSERT_TRUE(reg.add("p." + std::to_string(i),
+                              TensorView::contiguous(static_cast<char*>(storage) + stride * i, stored, Shape{kElems},
+                                                     ctx.device),
+                              nullptr)
+                          .ok());
+        ASSERT_TRUE(reg.postprocess_all().ok());
+        WeightUpdater u(reg);
+        auto s = u.begin({}, 60, now);
+        ASSERT_TRUE(s.ok());
+        const uint64_t before = reg.num_copy_calls();
+        if (one_by_one) {
+          for (const BucketEntry& e : entries)
+            ASSERT_TRUE(u.apply_bucket(s->session, std::span(&e, 1), bucket, std::nullopt, now, true, false).ok());
+        } else {
+          ASSERT_TRUE(u.apply_bucket(s->session, entries, bucket, std::nullopt, now, true, /*wait_device=*/false).ok());
+        }
+        ASSERT_TRUE(g.synchronize(ctx).ok());
+        ASSERT_TRUE(u.end(s->session, 1, now).ok());
+        copies.push_back(reg.num_copy_calls() - before);
+        std::vector<uint8_t> all, one;
+        for (size_t i = 0; i < reg.size(); ++i) {
+          ASSERT_TRUE(reg.read_checkpoint(i, one).ok());
+          all.insert(all.end(), one.begin(), one.end());
+        }
+        results.push_back(std::move(all));
+        (void)g.free(ctx, storage);
+      }
+      EXPECT_EQ(results[0], results[1]);
+      EXPECT_EQ(copies[0], gapped ? static_cast<uint64_t>(kCount) : 1u);
+      EXPECT_EQ(copies[1], static_cast<uint64_t>(kCount));
+      if (stored == DType::kBF16) {
+        EXPECT_EQ(results[0], std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(bf.data()),
+                                                   reinterpret_cast<const uint8_t*>(bf.data()) + bf.size() * 2));
+      }
+    }
+  }
+  (void)g.free(ctx, dbucket);
+}
+
 // Online MXFP4 quantization on the GPU: a BF16 tensor that arrives in device memory (NCCL
 // staging, an IPC mapping) or in host memory is quantized by the CUDA kernel into the same
 // blocks and scales the CPU reference makes of it, bit for bit, at unchanged addresses.

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 
+#include "../emulated_device.hpp"
 #include "../test_util.hpp"
 #include "kernels/bf16.hpp"
 #include "kernels/quant/quant_ops.hpp"
@@ -331,6 +332,238 @@ TEST(WeightUpdater, FailClosedErrorsAreTypedAndNameTheEntry) {
   EXPECT_EQ(storage_of(*m), before);
   EXPECT_EQ(u.end(s->session, 1, kNow).status().code(), ErrorCode::kFailedPrecondition) << "no session open";
   (void)norm;
+}
+
+// ---- Coalesced copies (issue 7): a bucket's plain loads are copied with adjacent runs merged ----
+
+// Parameters stored in order (each 256-byte aligned, optionally with a hole after each), on the
+// emulated device (the registry's device path: one Backend::convert per copy) or on the host.
+struct CoalesceCase {
+  std::unique_ptr<test::EmulatedDeviceMemory> memory;
+  std::unique_ptr<WeightRegistry> reg;
+  std::vector<TensorView> views;
+  bool on_device = false;
+
+  CoalesceCase(bool device, DType stored, const std::vector<int64_t>& sizes, bool gapped) : on_device(device) {
+    memory = std::make_unique<test::EmulatedDeviceMemory>(size_t{1} << 20, device ? Device::cuda(0) : Device::cpu());
+    reg = device ? std::make_unique<WeightRegistry>(test::emulated_device_backend(), test::emulated_device_context())
+                 : std::make_unique<WeightRegistry>(cpu_backend(), ExecContext{});
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      views.push_back(memory->allocate(stored, Shape{sizes[i]}));
+      std::memset(views.back().data, 0xEE, views.back().nbytes());
+      if (gapped) (void)memory->allocate(DType::kU8, Shape{256});
+      EXPECT_TRUE(reg->add("p." + std::to_string(i), views.back(), nullptr).ok());
+    }
+    EXPECT_TRUE(reg->postprocess_all().ok());
+  }
+  std::vector<std::vector<uint8_t>> stored() const {
+    std::vector<std::vector<uint8_t>> out;
+    for (const auto& v : views) {
+      const auto* b = static_cast<const uint8_t*>(v.data);
+      out.emplace_back(b, b + v.nbytes());
+    }
+    return out;
+  }
+  // Applies `entries` of `bytes` as one bucket (or one bucket per entry); the copies it took.
+  uint64_t apply(const std::vector<BucketEntry>& entries, const std::vector<uint8_t>& bytes, bool one_by_one) {
+    WeightUpdater u(*reg);
+    auto s = u.begin({}, 60, kNow);
+    EXPECT_TRUE(s.ok());
+    const uint64_t before = reg->num_copy_calls();
+    test::emulated_device_counters().reset();
+    if (one_by_one) {
+      for (const BucketEntry& e : entries)
+        EXPECT_TRUE(u.apply_bucket(s->session, std::span(&e, 1), bytes, std::nullopt, kNow, on_device).ok());
+    } else {
+      auto r = u.apply_bucket(s->session, entries, bytes, std::nullopt, kNow, on_device);
+      EXPECT_TRUE(r.ok()) << r.status().to_string();
+    }
+    EXPECT_TRUE(u.end(s->session, 1, kNow).ok());
+    const uint64_t calls = reg->num_copy_calls() - before;
+    if (on_device) {
+      EXPECT_EQ(test::emulated_device_counters().converts, calls) << "one backend call per copy";
+    }
+    return calls;
+  }
+};
+
+std::vector<uint8_t> pattern_bytes(size_t n, uint32_t seed) {
+  std::vector<uint8_t> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = static_cast<uint8_t>(((i + 1) * 2654435761u + seed * 40503u) >> 11);
+  return out;
+}
+
+// Entries for parameters p.0.. of `sizes` elements of `dtype`, at `offsets` in a bucket of `bucket_bytes`.
+std::vector<BucketEntry> coalesce_entries(DType dtype, const std::vector<int64_t>& sizes,
+                                          const std::vector<uint64_t>& offsets) {
+  std::vector<BucketEntry> out;
+  for (size_t i = 0; i < sizes.size(); ++i)
+    out.push_back({"p." + std::to_string(i), dtype, {sizes[i]}, offsets[i],
+                   static_cast<uint64_t>(sizes[i]) * dtype_size(dtype)});
+  return out;
+}
+
+// One bucket and the same entries one by one give byte-identical parameters; returns the copies
+// (merged, one by one).
+std::pair<uint64_t, uint64_t> coalesce_check(bool device, DType stored, DType sent, const std::vector<int64_t>& sizes,
+                                             const std::vector<uint64_t>& offsets, bool gapped, size_t bucket_bytes) {
+  const auto entries = coalesce_entries(sent, sizes, offsets);
+  const auto bytes = pattern_bytes(bucket_bytes, 7);
+  CoalesceCase merged(device, stored, sizes, gapped), single(device, stored, sizes, gapped);
+  const uint64_t merged_calls = merged.apply(entries, bytes, false);
+  const uint64_t single_calls = single.apply(entries, bytes, true);
+  EXPECT_EQ(merged.stored(), single.stored()) << "coalescing changed the parameters";
+  EXPECT_NE(merged.stored()[0], std::vector<uint8_t>(merged.views[0].nbytes(), 0xEE)) << "nothing was written";
+  return {merged_calls, single_calls};
+}
+
+std::vector<uint64_t> packed_offsets(const std::vector<int64_t>& sizes, size_t elem, size_t align) {
+  std::vector<uint64_t> out;
+  uint64_t off = 0;
+  for (int64_t n : sizes) {
+    off = (off + align - 1) / align * align;
+    out.push_back(off);
+    off += static_cast<uint64_t>(n) * elem;
+  }
+  return out;
+}
+
+TEST(WeightUpdater, CoalescedBucketEqualsItsEntriesOneByOne) {
+  const std::vector<int64_t> sizes(64, 128);  // 256 bytes of BF16 each: back to back in storage
+  const auto packed = packed_offsets(sizes, 2, 256);
+  for (bool device : {true, false}) {
+    SCOPED_TRACE(device ? "emulated device" : "host");
+    // In order and back to back in the bucket and in storage: one copy for the bucket.
+    EXPECT_EQ(coalesce_check(device, DType::kBF16, DType::kBF16, sizes, packed, false, 64 * 256),
+              std::pair(uint64_t{1}, uint64_t{64}));
+    // A hole after each parameter in storage: no two entries share a copy.
+    EXPECT_EQ(coalesce_check(device, DType::kBF16, DType::kBF16, sizes, packed, true, 64 * 256).first, 64u);
+    // Back to back in storage, holes in the bucket: neither.
+    EXPECT_EQ(coalesce_check(device, DType::kBF16, DType::kBF16, sizes, packed_offsets(sizes, 2, 512), false,
+                             64 * 512).first,
+              64u);
+    // The bucket holds them in the opposite order of storage: each entry is its own copy.
+    std::vector<uint64_t> reversed(packed.rbegin(), packed.rend());
+    EXPECT_EQ(coalesce_check(device, DType::kBF16, DType::kBF16, sizes, reversed, false, 64 * 256).first, 64u);
+    // Converted on the way (BF16 sent, FP32 stored: 512 bytes each, still back to back): one convert.
+    EXPECT_EQ(coalesce_check(device, DType::kF32, DType::kBF16, sizes, packed, false, 64 * 256).first, 1u);
+    // Runs end where storage has a hole: 100 BF16 elements leave 56 bytes before the next 256-byte slot.
+    const std::vector<int64_t> mixed = {128, 100, 128, 128, 100, 100};
+    EXPECT_EQ(coalesce_check(device, DType::kBF16, DType::kBF16, mixed, packed_offsets(mixed, 2, 256), false, 4096)
+                  .first,
+              3u);  // {0, 1}, {2, 3, 4}, {5}
+  }
+}
+
+TEST(WeightUpdater, MixedDtypesInOneBucketBreakRunsWhereTheDtypeChanges) {
+  // FP32 parameters; entries alternate FP32 and BF16 in pairs: a copy per pair of one dtype.
+  const std::vector<int64_t> sizes(8, 64);  // 256 bytes each as FP32: back to back in storage
+  std::vector<BucketEntry> entries;
+  uint64_t off = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const DType d = (i / 2) % 2 ? DType::kBF16 : DType::kF32;
+    entries.push_back({"p." + std::to_string(i), d, {sizes[i]}, off, static_cast<uint64_t>(sizes[i]) * dtype_size(d)});
+    off += entries.back().nbytes;
+  }
+  const auto bytes = pattern_bytes(off, 3);
+  for (bool device : {true, false}) {
+    CoalesceCase merged(device, DType::kF32, sizes, false), single(device, DType::kF32, sizes, false);
+    EXPECT_EQ(merged.apply(entries, bytes, false), 4u);
+    EXPECT_EQ(single.apply(entries, bytes, true), 8u);
+    EXPECT_EQ(merged.stored(), single.stored());
+  }
+}
+
+TEST(WeightUpdater, ModelBucketEqualsItsEntriesOneByOne) {
+  // The embedded model's whole checkpoint (stacked experts, aliases, norms) in one bucket and
+  // entry by entry: the same parameters, in fewer copies.
+  auto target = model_with_seed(42);
+  const Bucket b = full_bucket(*target);
+  auto merged = model_with_seed(1), single = model_with_seed(1);
+  WeightUpdater um(merged->weights()), us(single->weights());
+  const uint64_t m0 = merged->weights().num_copy_calls(), s0 = single->weights().num_copy_calls();
+  ASSERT_TRUE(push(um, b).ok());
+  auto s = us.begin({}, 60, kNow);
+  ASSERT_TRUE(s.ok());
+  for (const BucketEntry& e : b.entries)
+    ASSERT_TRUE(us.apply_bucket(s->session, std::span(&e, 1), b.bytes, std::nullopt, kNow).ok());
+  ASSERT_TRUE(us.end(s->session, 1, kNow).ok());
+  EXPECT_EQ(storage_of(*merged), storage_of(*single));
+  EXPECT_EQ(storage_of(*merged), storage_of(*target));
+  EXPECT_LE(merged->weights().num_copy_calls() - m0, single->weights().num_copy_calls() - s0);
+}
+
+TEST(WeightUpdater, AFailedMergedCopyFailsTheSessionClosedNamingItsFirstEntry) {
+  const std::vector<int64_t> sizes(16, 128);
+  const auto entries = coalesce_entries(DType::kBF16, sizes, packed_offsets(sizes, 2, 256));
+  const auto bytes = pattern_bytes(16 * 256, 5);
+  CoalesceCase c(true, DType::kBF16, sizes, false);
+  // Entries 0-7 and 8-15 are two copies: a hole between 7 and 8 in the bucket.
+  auto split = entries;
+  std::vector<uint8_t> holed(bytes.size() + 256);
+  for (size_t i = 0; i < split.size(); ++i) {
+    if (i >= 8) split[i].byte_offset += 256;
+    std::memcpy(&holed[split[i].byte_offset], &bytes[entries[i].byte_offset], 256);
+  }
+  WeightUpdater u(*c.reg);
+  auto s = u.begin({}, 60, kNow);
+  ASSERT_TRUE(s.ok());
+  test::emulated_device_counters().reset();
+  test::emulated_device_counters().fail_convert_at = 2;  // the copy of entries 8-15
+  auto r = u.apply_bucket(s->session, split, holed, std::nullopt, kNow, true);
+  test::emulated_device_counters().reset();
+  EXPECT_EQ(r.status().code(), ErrorCode::kCudaError);
+  EXPECT_EQ(r.status().field(), "entries[8]");
+  EXPECT_FALSE(u.session_open());
+  EXPECT_FALSE(u.whole()) << "a device fault mid-bucket leaves the model not whole";
+}
+
+TEST(WeightUpdater, RefusedBucketOfCoalescibleEntriesWritesNothing) {
+  // Every entry is checked before any copy: a bad last entry leaves the first 63 unwritten too.
+  const std::vector<int64_t> sizes(64, 128);
+  auto entries = coalesce_entries(DType::kBF16, sizes, packed_offsets(sizes, 2, 256));
+  const auto bytes = pattern_bytes(64 * 256, 9);
+  for (bool device : {true, false}) {
+    CoalesceCase c(device, DType::kBF16, sizes, false);
+    const auto before = c.stored();
+    WeightUpdater u(*c.reg);
+    auto s = u.begin({}, 60, kNow);
+    ASSERT_TRUE(s.ok());
+    auto bad = entries;
+    bad.back().shape = {64, 2};
+    auto r = u.apply_bucket(s->session, bad, bytes, std::nullopt, kNow, device);
+    EXPECT_EQ(r.status().code(), ErrorCode::kInvalidArgument);
+    EXPECT_EQ(r.status().field(), "entries[63].shape");
+    bad = entries;
+    bad.back().name = "p.0";
+    r = u.apply_bucket(s->session, bad, bytes, std::nullopt, kNow, device);
+    EXPECT_EQ(r.status().field(), "entries[63].name") << r.status().to_string();
+    bad = entries;
+    bad[40].byte_offset = bad[39].byte_offset + 128;  // overlaps entry 39
+    r = u.apply_bucket(s->session, bad, bytes, std::nullopt, kNow, device);
+    EXPECT_EQ(r.status().field(), "entries[40]") << r.status().to_string();
+    EXPECT_TRUE(u.session_open());
+    EXPECT_EQ(c.stored(), before);
+    ASSERT_TRUE(u.end(s->session, 1, kNow).ok());
+    EXPECT_TRUE(u.whole());
+  }
+}
+
+TEST(WeightUpdater, OverlapBehindAnEmptyEntryIsFound) {
+  // [0, 256) and [128, 384) with an empty entry at offset 64 between them in offset order:
+  // comparing offset-order neighbours only (empty ones skipped) let this one through.
+  CoalesceCase c(false, DType::kBF16, {128, 0, 128}, false);
+  const auto before = c.stored();
+  WeightUpdater u(*c.reg);
+  auto s = u.begin({}, 60, kNow);
+  ASSERT_TRUE(s.ok());
+  const std::vector<BucketEntry> entries = {{"p.0", DType::kBF16, {128}, 0, 256},
+                                            {"p.1", DType::kBF16, {0}, 64, 0},
+                                            {"p.2", DType::kBF16, {128}, 128, 256}};
+  auto r = u.apply_bucket(s->session, entries, pattern_bytes(384, 1), std::nullopt, kNow);
+  EXPECT_EQ(r.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(r.status().field(), "entries[2]") << r.status().to_string();
+  EXPECT_EQ(c.stored(), before);
 }
 
 TEST(WeightUpdater, SessionsOutsideTheSelectorCannotWrite) {

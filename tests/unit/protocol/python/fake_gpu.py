@@ -19,6 +19,7 @@ _NEXT = {0: 0x7F0000000000, 1: 0x7F1000000000, None: 0x500000000000}
 _CURRENT = {"device": 0}
 BROADCASTS = {r: queue.Queue() for r in range(1, 9)}  # rank -> bytes of every bcast of rank 0
 HANDLES = {}  # 64-byte handle -> base address
+GATHER_LAUNCHES = []  # (device, rows) of every launch of the trainer's gather kernel
 UUIDS = {0: bytes(range(16)), 1: bytes(range(16, 32))}
 
 
@@ -74,6 +75,8 @@ class Tensor:
         self.ptr, self.shape, self.dtype = ptr, Size(int(d) for d in shape), dtype
         self._dev = find(ptr)[1]
 
+    requires_grad = False
+
     # properties and queries
     @property
     def device(self):
@@ -94,6 +97,9 @@ class Tensor:
 
     def data_ptr(self):
         return self.ptr
+
+    def get_device(self):
+        return -1 if self._dev is None else self._dev
 
     def dim(self):
         return len(self.shape)
@@ -153,7 +159,7 @@ class Tensor:
         out = empty(self.shape, dtype=self.dtype)
         return out.copy_(self)
 
-    def to(self, what):
+    def to(self, what, non_blocking=False):
         if isinstance(what, _DType):
             out = empty(self.shape, dtype=what, device=self.device)
             return out.copy_(self)
@@ -191,9 +197,10 @@ bfloat16 = _DType("bfloat16", 2, np.uint16)  # raw bits
 float16 = _DType("float16", 2, np.float16)
 uint8 = _DType("uint8", 1, np.uint8)
 int8 = _DType("int8", 1, np.int8)
+int64 = _DType("int64", 8, np.int64)
 complex64 = _DType("complex64", 8, np.complex64)
 _NP_TO_DTYPE = {np.dtype(np.float32): float32, np.dtype(np.float16): float16, np.dtype(np.uint8): uint8,
-                np.dtype(np.int8): int8}
+                np.dtype(np.int8): int8, np.dtype(np.int64): int64}
 
 
 def empty(*shape, dtype=float32, device=None):
@@ -273,7 +280,7 @@ class _Ctx:
 def _make_torch():
     torch = types.ModuleType("torch")
     torch.Tensor, torch.Size = Tensor, Size
-    for name in ("float32", "bfloat16", "float16", "uint8", "int8", "complex64", "empty", "zeros", "from_numpy",
+    for name in ("float32", "bfloat16", "float16", "uint8", "int8", "int64", "complex64", "empty", "zeros", "from_numpy",
                  "as_tensor", "_foreach_copy_"):
         setattr(torch, name, globals()[name])
     torch.float = float32
@@ -360,6 +367,49 @@ class NcclCommunicator:
         self.alive = False
 
 
+_CURRENT_STREAM = {"stream": None}
+
+
+class ExternalStream:
+    def __init__(self, ptr, device_id=-1):
+        assert isinstance(ptr, int) and ptr, "a raw stream handle"
+        self.ptr = ptr
+
+    def __enter__(self):
+        self._prev = _CURRENT_STREAM["stream"]
+        _CURRENT_STREAM["stream"] = self
+        return self
+
+    def __exit__(self, *exc):
+        _CURRENT_STREAM["stream"] = self._prev
+        return False
+
+
+class RawKernel:
+    """The trainer's gather kernel, run on the fake memory: rows of (source address, offset, bytes)."""
+
+    def __init__(self, code, name, options=()):
+        assert name in code
+        self.name = name
+
+    def compile(self):
+        pass
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        assert self.name == "rolloutd_gather_bytes" and len(grid) == 1 and len(block) == 1
+        assert isinstance(_CURRENT_STREAM["stream"], ExternalStream), "launched on torch's stream"
+        table, dst, n = args
+        assert isinstance(table, np.uint64) and isinstance(dst, np.uint64) and isinstance(n, np.int32)
+        rows = np.frombuffer(read(int(table), int(n) * 24), dtype=np.int64).reshape(-1, 3)
+        base, dev, mem = find(int(dst))
+        assert dev == _CURRENT["device"] == find(int(table))[1], "kernel, table and buffer on one device"
+        for src, off, size in rows.tolist():
+            assert find(src)[1] == dev, "a source on another device"
+            start = int(dst) - base + off
+            mem[start:start + size] = np.frombuffer(read(src, size), dtype=np.uint8)
+        GATHER_LAUNCHES.append((dev, len(rows)))
+
+
 def _ipc_get_mem_handle(ptr):
     base, _, _ = find(ptr)
     handle = base.to_bytes(8, "little") * 8
@@ -378,8 +428,10 @@ def _make_cupy():
     cupy.__version__ = "fake"
     cupy.uint8 = np.uint8
     cupy.ndarray = _NDArray
+    cupy.RawKernel = RawKernel
     cuda = types.ModuleType("cupy.cuda")
     cuda.Device, cuda.Memory, cuda.MemoryPointer = _CupyDevice, _Memory, _MemoryPointer
+    cuda.ExternalStream = ExternalStream
     runtime = types.SimpleNamespace(ipcGetMemHandle=_ipc_get_mem_handle, memcpy=_memcpy, memcpyDeviceToHost=2,
                                     getDeviceProperties=lambda i: {"uuid": UUIDS[i]})
     cuda.runtime = runtime

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("numpy")
 
 SCENARIOS = ["nccl_group_and_push", "ipc_push", "version_mismatch_refused_locally", "refused_join_is_torn_down",
-             "colocated_daemon_needs_ipc", "device_primitives"]
+             "colocated_daemon_needs_ipc", "device_primitives", "pack_paths"]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -241,6 +241,44 @@ def device_primitives(fake, trainer, torch):
     assert trainer.crc32_of_tensor(t) == zlib.crc32(f32.tobytes())
     sums = trainer.expected_checksums([("w", t.to(torch.bfloat16))], "float32")
     assert sums["w"] == zlib.crc32(f32.tobytes())  # exact in bfloat16: widened back unchanged
+
+
+def pack_paths(fake, trainer, torch):
+    """Packing takes the gather kernel for small contiguous tensors on the staging buffer's device
+    (one launch for all of them) and torch for the others; without the kernel (disabled, or a
+    launch refused) every tensor takes torch, and the bytes are the same on every path."""
+    import numpy as np
+
+    def pack(tensors):
+        staging = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda:1")
+        entries, size = trainer.pack_device_bucket(staging, tensors)
+        for (name, t), e in zip(tensors, entries):
+            assert staging[e.byte_offset:e.byte_offset + e.nbytes]._bytes().tobytes() == t._bytes().tobytes(), name
+        return staging[:size]._bytes().tobytes()
+
+    # Small tensors on cuda:1 (gathered), one above the gather limit, one on cuda:0, one on the host.
+    small = [(f"s.{i}", torch.from_numpy(np.arange(i, i + 7 + i, dtype=np.float32)).to("cuda:1")) for i in range(5)]
+    big = [("big", torch.from_numpy(np.arange(3000, dtype=np.float32)).to("cuda:1"))]
+    other = [("other", torch.from_numpy(np.ones(9, dtype=np.float32)).to("cuda:0")),
+             ("host", torch.from_numpy(np.full(5, 3, dtype=np.int8)))]
+    tensors = small[:2] + big + other + small[2:]
+    trainer._GATHER_MAX_BYTES = 4096  # "big" (12,000 bytes) takes torch
+    fake.GATHER_LAUNCHES.clear()
+    gathered = pack(tensors)
+    assert fake.GATHER_LAUNCHES == [(1, 5)], fake.GATHER_LAUNCHES
+
+    os.environ["ROLLOUTD_PACK_GATHER"] = "0"
+    trainer._GATHER_KERNELS.clear()
+    assert pack(tensors) == gathered and fake.GATHER_LAUNCHES == [(1, 5)]
+    del os.environ["ROLLOUTD_PACK_GATHER"]
+    trainer._GATHER_KERNELS.clear()
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("launch refused")
+
+    fake.RawKernel.__call__ = refuse
+    assert pack(tensors) == gathered
+    assert trainer._GATHER_KERNELS[1] is None, "a refused launch turns the kernel off"
 
 
 if __name__ == "__main__":
