@@ -1054,19 +1054,21 @@ class _TorchBackend:
         placed = [t for t in items if t.nbytes]
         if len(placed) <= 1 and not self.ipc:
             return True  # one tensor is one buffer
+        if not placed:
+            return True
+        # The callers pass tensors in address order (_direct_layout), so they all lie in one
+        # allocation exactly when the first and the last do: two lookups, not one per tensor
+        # (10,000 small tensors of the caching allocator's segments cost ~8 us each in exports).
+        first, last = placed[0], placed[-1]
         try:
             if self.ipc:
-                handles = set()
-                for t in placed:
-                    handle, offset, size = self.exporter.export(t.ptr)
-                    if offset + t.nbytes > size:
-                        return False
-                    handles.add(handle)
-                return len(handles) <= 1
+                h0, off0, size0 = self.exporter.export(first.ptr)
+                h1, off1, size1 = self.exporter.export(last.ptr)
+                return h0 == h1 and off0 + first.nbytes <= size0 and off1 + last.nbytes <= size1
             with _cupy().cuda.Device(self.device):
-                ranges = {_address_range(t.ptr) for t in placed}
-            base, size = next(iter(ranges))
-            return len(ranges) == 1 and placed[-1].ptr + placed[-1].nbytes <= base + size
+                r0, r1 = _address_range(first.ptr), _address_range(last.ptr)
+            base, size = r0
+            return r0 == r1 and last.ptr + last.nbytes <= base + size
         except Exception:  # noqa: BLE001  (not exportable, or no driver range: packed instead)
             return False
 
