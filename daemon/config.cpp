@@ -55,6 +55,11 @@ ParseOutcome parse_config(int argc, const char* const* argv) {
       "quantized to MXFP4 on load and on every weight update; hidden and expert intermediate sizes must be "
       "multiples of 32; a gpt_oss checkpoint must already be MXFP4)")
       ->check(CLI::IsMember({"none", "mxfp4"}));
+  add("--dense-dtype", c.dense_dtype, "ROLLOUTD_DENSE_DTYPE",
+      "dense projections (attention q/k/v/o, LM head) on CUDA: auto (BF16 when the checkpoint's are BF16: "
+      "cuBLAS BF16 GEMMs with FP32 accumulation) or float32 (FP32 GEMMs whatever the checkpoint); the CPU "
+      "always computes in FP32")
+      ->check(CLI::IsMember({"auto", "float32"}));
   add("--device", c.device, "ROLLOUTD_DEVICE", "compute backend (auto: cuda when a GPU is visible, else cpu)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   add("--gpu", c.gpu, "ROLLOUTD_GPU",
@@ -241,6 +246,8 @@ Status validate(const DaemonConfig& c) {
     return Status(ErrorCode::kInvalidArgument, "shm prefix must start with '/' and name something", "shm_prefix");
   if (c.quantize_experts != "none" && c.quantize_experts != "mxfp4")
     return Status(ErrorCode::kInvalidArgument, "--quantize-experts must be none or mxfp4", "quantize_experts");
+  if (c.dense_dtype != "auto" && c.dense_dtype != "float32")
+    return Status(ErrorCode::kInvalidArgument, "--dense-dtype must be auto or float32", "dense_dtype");
   if (c.model.rfind("embedded:", 0) == 0) {
     if (c.model != "embedded:tiny-moe")
       return Status(ErrorCode::kInvalidArgument, "the only embedded model is 'embedded:tiny-moe'", "model");
@@ -276,6 +283,7 @@ nlohmann::json to_json(const DaemonConfig& c) {
       {"model", c.model},
       {"model_seed", c.model_seed},
       {"quantize_experts", c.quantize_experts},
+      {"dense_dtype", c.dense_dtype},
       {"device", c.device},
       {"gpu", c.gpu},
       {"local_index", c.local_index},

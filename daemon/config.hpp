@@ -39,6 +39,9 @@ struct DaemonConfig {
   // Routed experts of a checkpoint: "none" (as the checkpoint has them) or "mxfp4" (qwen3_moe:
   // quantized on load and on every weight update; gpt_oss published as MXFP4: already so).
   std::string quantize_experts = "none";
+  // Dense projections (attention q/k/v/o, LM head) on CUDA: auto = BF16 when the checkpoint's are
+  // BF16 (ModelConfig::dense_bf16), float32 = FP32 whatever the checkpoint. The CPU is FP32.
+  std::string dense_dtype = "auto";
   std::string device = "cpu";         // "cpu" | "cuda" | "auto" (resolve_placement picks one)
   int gpu = -1;                       // CUDA ordinal; -1 with --device cpu, or "pick" before resolve_placement
   // This daemon's index among the daemons of its node: added to non-zero ports and, with

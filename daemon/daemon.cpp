@@ -220,6 +220,7 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
     hf = std::move(*opened);
     mc = hf.config;
     mc.name = config.model;
+    if (config.dense_dtype == "float32") mc.dense_bf16 = false;
   }
   mc.synthetic_param_bytes = config.synthetic_param_bytes;
   mc.synthetic_small_params = config.synthetic_small_params;
@@ -276,6 +277,7 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
   obs::log_info("daemon", "model ready",
                 {{"model", mc.name}, {"family", mc.family}, {"device", ctx.device.to_string()},
                  {"experts", mc.experts_mxfp4 ? "mxfp4" : "fp32"},
+                 {"dense", (*engine)->model().uses_bf16_dense() ? "bf16" : "fp32"},
                  {"seed", embedded ? nlohmann::json(config.model_seed) : nlohmann::json(nullptr)},
                  {"parameters", (*engine)->model().weights().size()}, {"checkpoint_files", checkpoint_files},
                  {"checkpoint_size_bytes", checkpoint_bytes}, {"load_duration_s", load_s}});

@@ -84,10 +84,26 @@ TEST(DaemonConfig, QuantizeExpertsFlagThenEnvironmentThenNone) {
   EXPECT_EQ(to_json(c)["quantize_experts"], "mxfp4");
 }
 
+TEST(DaemonConfig, DenseDtypeFlagThenEnvironmentThenAuto) {
+  unsetenv("ROLLOUTD_DENSE_DTYPE");
+  EXPECT_EQ(parse({}).config.dense_dtype, "auto");
+  setenv("ROLLOUTD_DENSE_DTYPE", "float32", 1);
+  EXPECT_EQ(parse({}).config.dense_dtype, "float32");
+  EXPECT_EQ(parse({"--dense-dtype", "auto"}).config.dense_dtype, "auto");
+  unsetenv("ROLLOUTD_DENSE_DTYPE");
+  EXPECT_EQ(parse({"--dense-dtype", "bf16"}).exit_code, 64);
+  DaemonConfig c;
+  c.dense_dtype = "float16";
+  EXPECT_EQ(validate(c).field(), "dense_dtype");
+  c.dense_dtype = "float32";
+  EXPECT_TRUE(validate(c).ok());
+  EXPECT_EQ(to_json(c)["dense_dtype"], "float32");
+}
+
 TEST(DaemonConfig, JsonHasEverySetting) {
   const auto j = to_json(DaemonConfig{});
   for (const char* k : {"bind", "control_port", "http_port", "model", "device", "max_running", "kv_blocks",
-                        "outbox_limit", "drain_timeout_s", "log_level", "quantize_experts"})
+                        "outbox_limit", "drain_timeout_s", "log_level", "quantize_experts", "dense_dtype"})
     EXPECT_TRUE(j.contains(k)) << k;
 }
 
