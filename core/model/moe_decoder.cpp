@@ -256,8 +256,9 @@ Status MoeDecoder::allocate() {
     RD_RETURN_IF_ERROR(backend_.host_alloc(ctx_, static_cast<size_t>(total) * sizeof(int32_t), &p));
     host_.inputs = static_cast<int32_t*>(p);
     std::fill(host_.inputs, host_.inputs + total, 0);
-    RD_RETURN_IF_ERROR(backend_.host_alloc(ctx_, static_cast<size_t>(S * c.vocab_size) * sizeof(float), &p));
-    host_.logits = static_cast<float*>(p);
+    // host_.logits ([max_seqs, vocab] page-locked) is made by the first step() that returns
+    // logits: with device sampling (step_sample) it is never needed, and at a vocabulary of
+    // 151,936 and 256 sequences it would pin 156 MB of host memory for nothing.
     auto part = [&](int64_t offset, Shape shape) {
       return TensorView::contiguous(static_cast<int32_t*>(ws_.inputs.data) + offset, DType::kI32, shape,
                                     ws_.inputs.device);
@@ -604,8 +605,15 @@ Result<std::span<const float>> MoeDecoder::step_impl(const StepBatch& b, RoutedE
                                                                          : graph_stats_.eager_steps);
     // Logits and records come back asynchronously into page-locked memory; one synchronisation.
     if (R > 0 && sampled) RD_RETURN_IF_ERROR(enqueue_sampling(sample, top_n));
-    if (R > 0 && !sampled)
+    if (R > 0 && !sampled) {
+      if (host_.logits == nullptr) {
+        void* p = nullptr;
+        RD_RETURN_IF_ERROR(backend_.host_alloc(
+            ctx_, static_cast<size_t>(limits_.max_seqs * c.vocab_size) * sizeof(float), &p));
+        host_.logits = static_cast<float*>(p);
+      }
       RD_RETURN_IF_ERROR(backend_.copy(ctx_, host_.logits, ws_.logits.data, num_logits * sizeof(float), d2h));
+    }
     if (record && T > 0) {
       const size_t row_bytes = static_cast<size_t>(T * c.num_experts_per_tok) * sizeof(int32_t);
       RD_RETURN_IF_ERROR(backend_.copy_2d(ctx_, host_.records, row_bytes, routed_table_.data,
