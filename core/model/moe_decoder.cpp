@@ -294,7 +294,12 @@ Status MoeDecoder::allocate() {
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, K}, ws_.topk_weights));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, H}, ws_.moe_out));
   if (dense_bf16_) RD_RETURN_IF_ERROR(ws(DType::kBF16, Shape{std::max(T, S) * std::max(H, QH * D)}, ws_.x_bf16));
-  RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T * std::max(K * I, c.intermediate_size)}, ws_.moe_h));
+  // The expert op's workspace, for the layers that run Backend::moe_experts: MoE layers unless
+  // moe::experts takes them (K * I per token), dense layers (one expert of intermediate_size).
+  int64_t moe_h_per_token = 0;
+  for (const Layer& L : layers_)
+    moe_h_per_token = std::max(moe_h_per_token, !L.moe ? c.intermediate_size : (kernel_experts_ ? 0 : K * I));
+  if (moe_h_per_token > 0) RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T * moe_h_per_token}, ws_.moe_h));
   if (kernel_experts_)
     RD_RETURN_IF_ERROR(ws(DType::kU8, Shape{moe::experts_workspace_bytes(T, K, H, I, E, moe::ActPrecision::kBF16)},
                           ws_.experts_ws));

@@ -170,7 +170,7 @@ class MoeDecoder {
     TensorView inputs;
     TensorView token_ids, positions, seq_of, slot_mapping, ctx_len, block_tables, logits_rows, num_valid;
     TensorView h, x, q, k, v, attn, o, router_logits, topk_ids, topk_weights, moe_out;
-    TensorView moe_h;  // expert-op workspace [T * max(K * I, I_dense)] (MoeExpertsArgs::workspace)
+    TensorView moe_h;  // expert-op workspace [T * (K * I or I_dense)] (MoeExpertsArgs::workspace); empty when no layer runs the op
     TensorView experts_ws;  // kernel_experts_: moe::experts scratch (uint8, sized for max_tokens)
     TensorView final_rows, final_normed, logits;
     TensorView x_bf16;  // dense_bf16_: a dense projection's input rounded to BF16 [max(T, S) * max(H, QH * D)]
