@@ -50,10 +50,22 @@ Result<HfModel> open_hf_model(const std::string& dir, ExpertQuantization quantiz
   // gpt-oss as published: MXFP4 experts, served as they are.
   if (m.config.family == "gpt_oss" && m.checkpoint->find("model.layers.0.mlp.experts.gate_up_proj_blocks"))
     m.config.experts_mxfp4 = true;
-  // BF16 dense projections on CUDA when the checkpoint's own are BF16 (config.json may omit its
-  // dtype, so the tensor decides): storing them in BF16 loses nothing.
-  if (const auto* q = m.checkpoint->find("model.layers.0.self_attn.q_proj.weight"))
-    m.config.dense_bf16 = q->entry->dtype == DType::kBF16;
+  // BF16 dense projections on CUDA when every one the checkpoint holds is BF16 (config.json may
+  // omit its dtype, so the tensors decide): storing them in BF16 then loses nothing. One FP32
+  // projection (an FP32 LM head, say) keeps them all FP32.
+  {
+    bool all_bf16 = true, any = false;
+    for (const auto& [name, t] : m.checkpoint->tensors()) {
+      const bool dense = name == "lm_head.weight" ||
+                         (name.find(".self_attn.") != std::string::npos && name.size() > 7 &&
+                          name.compare(name.size() - 7, 7, ".weight") == 0 &&
+                          (name.find("_proj.weight") != std::string::npos));
+      if (!dense) continue;
+      any = true;
+      all_bf16 = all_bf16 && t.entry->dtype == DType::kBF16;
+    }
+    m.config.dense_bf16 = any && all_bf16;
+  }
   if (Status s = apply_expert_quantization(m.config, quantize_experts); !s.ok()) {
     // A gpt_oss refusal names the tensor that would need the transpose.
     if (s.field() == "quantize_experts" && m.config.family == "gpt_oss" &&

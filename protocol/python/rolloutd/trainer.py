@@ -1050,7 +1050,8 @@ class _TorchBackend:
     def can_direct(self, items: Sequence[TensorInfo]) -> bool:
         """Tensors back to back in one allocation may be sent from where they are. (Two cudaMallocs
         can be adjacent in the address space too; a range across them is not one IPC handle, and
-        NCCL is not promised to treat it as one buffer either: packed.)"""
+        NCCL is not promised to treat it as one buffer either: packed.) `items` must be in address
+        order without overlap, as _direct_layout accepts them: only the first and last are looked up."""
         placed = [t for t in items if t.nbytes]
         if len(placed) <= 1 and not self.ipc:
             return True  # one tensor is one buffer

@@ -423,6 +423,27 @@ void attention_cases() {
   reg("paged_attention_long_context_1000", [](Rng& rng) {
     return attention_case(rng, {{1000, 1}, {777, 2}}, 16, 4, 128, 16, 0);
   });
+  // The CUDA kernel takes up to 8 query heads of one KV head per CTA: more than 8 per KV head
+  // (a second CTA per KV head), 16 and 64 of them, and head dimensions off the common ones
+  // (16, 10: the scalar q.k path; 200, 512: several dimensions per thread).
+  reg("paged_attention_gqa_QH16_KVH1_D64", [](Rng& rng) {
+    return attention_case(rng, {{70, 1}, {9, 9}}, 16, 1, 64, 16, 0);
+  });
+  reg("paged_attention_gqa_QH64_KVH4_D128", [](Rng& rng) {
+    return attention_case(rng, {{33, 1}, {300, 1}}, 64, 4, 128, 16, 1);
+  });
+  reg("paged_attention_ex_sinks_QH2_KVH1_D512", [](Rng& rng) {
+    return attention_case(rng, {{20, 3}}, 2, 1, 512, 4, 0, true, 0);
+  });
+  reg("paged_attention_QH3_KVH1_D200", [](Rng& rng) {
+    return attention_case(rng, {{140, 1}, {5, 5}}, 3, 1, 200, 8, 0);
+  });
+  reg("paged_attention_QH4_KVH2_D16", [](Rng& rng) {
+    return attention_case(rng, {{17, 2}}, 4, 2, 16, 16, 0);
+  });
+  reg("paged_attention_ex_window5_QH2_KVH1_D10", [](Rng& rng) {
+    return attention_case(rng, {{23, 4}, {3, 1}}, 2, 1, 10, 3, 1, true, 5);
+  });
   // gpt-oss options: sinks alone, a window alone (prefill crossing it, decode far past it, a
   // context shorter than it), both with padding rows.
   reg("paged_attention_ex_sinks_decode_and_prefill", [](Rng& rng) {

@@ -19,6 +19,7 @@
 #include "core/model/embedded_model.hpp"
 #include "core/model/hf_config.hpp"
 #include "core/model/test_model.hpp"
+#include "kernels/bf16.hpp"
 #include "core/storage/memory_manager.hpp"
 #include "core/weights/session.hpp"
 #include "kernels/quant/quant_ops.hpp"
@@ -238,6 +239,39 @@ TEST_F(HfCheckpoint, LoadsAndAnUpdateWithItsOwnTensorsIsBitIdentical) {
   ASSERT_TRUE(hf.ok()) << hf.status().to_string();
   EXPECT_TRUE(hf->config.qk_norm);
   expect_update_matches_load(dir(), limits());
+}
+
+TEST_F(HfCheckpoint, DenseBf16OnlyWhenEveryProjectionIsBf16) {
+  // ModelConfig::dense_bf16 (BF16 q/k/v/o and LM head on CUDA) follows the tensors: a BF16
+  // checkpoint sets it, an FP32 one does not, and one FP32 projection in a BF16 checkpoint (here
+  // the LM head, widened exactly) keeps every projection FP32.
+  core::TestModelSpec spec = small_spec();
+  ASSERT_TRUE(core::write_test_model(spec, dir()).ok());
+  auto bf16 = core::open_hf_model(dir());
+  ASSERT_TRUE(bf16.ok()) << bf16.status().to_string();
+  EXPECT_TRUE(bf16->config.dense_bf16);
+  write_edited([](auto& t) {
+    for (auto& x : t) {
+      if (x.name != "lm_head.weight" || x.dtype != DType::kBF16) continue;
+      std::vector<uint8_t> f(x.bytes.size() * 2);
+      for (size_t i = 0; i < x.bytes.size() / 2; ++i) {
+        uint16_t b;
+        std::memcpy(&b, &x.bytes[2 * i], 2);
+        const float v = bf16_bits_to_f32(b);
+        std::memcpy(&f[4 * i], &v, 4);
+      }
+      x.bytes = std::move(f);
+      x.dtype = DType::kF32;
+    }
+  });
+  auto mixed = core::open_hf_model(dir());
+  ASSERT_TRUE(mixed.ok()) << mixed.status().to_string();
+  EXPECT_FALSE(mixed->config.dense_bf16);
+  spec.dtype = "float32";
+  ASSERT_TRUE(core::write_test_model(spec, dir()).ok());
+  auto f32 = core::open_hf_model(dir());
+  ASSERT_TRUE(f32.ok());
+  EXPECT_FALSE(f32->config.dense_bf16);
 }
 
 TEST_F(HfCheckpoint, QkNormChangesTheOutput) {
