@@ -61,8 +61,9 @@ struct ModelConfig {
   std::string checkpoint_dtype = "bfloat16";
   // On CUDA, the dense projections (attention q/k/v/o and the LM head) are stored in BF16 and
   // multiplied by cuBLAS in BF16 with FP32 accumulation (activations rounded to BF16 before each
-  // of them). Set when a checkpoint's dtype is bfloat16: its values then lose nothing. The CPU
-  // decoder ignores it (FP32 everywhere: the reference). Off for built-in configs.
+  // of them). Set by open_hf_model when every such projection in the checkpoint is BF16: their
+  // values then lose nothing. The CPU decoder ignores it (FP32 everywhere: the reference). Off
+  // for built-in configs.
   bool dense_bf16 = false;
   // How a checkpoint's fused `mlp.experts.gate_up_proj` orders its rows: concatenated
   // (gate rows, then up rows: transformers 5) or interleaved (gate j, up j, ...: gpt-oss).
