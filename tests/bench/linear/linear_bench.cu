@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -145,10 +146,16 @@ Status graph_body(void* arg, const ExecContext& ctx) {
   return Status::Ok();
 }
 
-// Microseconds per call: the median over kTimedLaunches replays of the graph.
+// Microseconds per call: the median over kTimedLaunches replays of the graph; NaN when the
+// capture fails (reported, the other rows still run).
 double time_graph(const Backend& b, const ExecContext& ctx, GraphArgs& args) {
   void* graph = nullptr;
-  CHECK_OK(b.graph_capture(ctx, graph_body, &args, &graph));
+  if (const Status st = b.graph_capture(ctx, graph_body, &args, &graph); !st.ok()) {
+    std::fprintf(stderr, "capture failed (%s, M=%lld N=%lld): %s\n",
+                 args.old_path ? "old" : "new", static_cast<long long>(args.m),
+                 static_cast<long long>(args.n), st.to_string().c_str());
+    return std::nan("");
+  }
   for (int i = 0; i < kWarmLaunches; ++i) CHECK_OK(b.graph_launch(ctx, graph));
   cudaEvent_t ev[kTimedLaunches + 1];
   for (cudaEvent_t& e : ev) CHECK_CUDA(cudaEventCreate(&e));
@@ -198,9 +205,11 @@ double copy_bandwidth(size_t bytes) {
 }
 
 // A shape whose first call is captured, replayed, then called eagerly, both outputs against
-// cublasGemmEx's; returns the larger relative difference. As the process's first linear, the
-// captured call takes cublasGemmEx (no cuBLASLt handle yet); after others, the plan is made while
-// capturing (heuristic first) and redone and tuned by the eager call.
+// cublasGemmEx's; returns the larger relative difference, NaN when the capture failed. Run after
+// other calls: the plan is made while capturing (heuristic first), then redone and tuned by the
+// eager call. (As the process's very first linear, the capture fails, as it did before cuBLASLt
+// plans: creating a cuBLAS handle inside a capture gives CUBLAS_STATUS_NOT_INITIALIZED; the
+// engine's eager warm-up steps come first.)
 double capture_first_check(const Backend& b, const ExecContext& ctx, cublasHandle_t handle,
                            int64_t n) {
   GraphArgs a{&b, handle, false, true, 5, n, 2880, {}, nullptr, nullptr};
@@ -236,11 +245,16 @@ double capture_first_check(const Backend& b, const ExecContext& ctx, cublasHandl
   };
   void* graph = nullptr;
   CHECK_CUDA(cudaMemset(y, 0, 5 * n * 4));
-  CHECK_OK(b.graph_capture(ctx, One::body, &a, &graph));
-  CHECK_OK(b.graph_launch(ctx, graph));
-  CHECK_CUDA(cudaDeviceSynchronize());
-  const double captured = rel_diff();
-  CHECK_OK(b.graph_destroy(ctx, graph));
+  double captured = std::nan("");
+  if (const Status st = b.graph_capture(ctx, One::body, &a, &graph); !st.ok()) {
+    std::printf("capture-first check (N=%lld): capture failed: %s\n", static_cast<long long>(n),
+                st.to_string().c_str());
+  } else {
+    CHECK_OK(b.graph_launch(ctx, graph));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    captured = rel_diff();
+    CHECK_OK(b.graph_destroy(ctx, graph));
+  }
   CHECK_CUDA(cudaMemset(y, 0, 5 * n * 4));
   CHECK_OK(new_call(a, ctx, w));
   CHECK_CUDA(cudaDeviceSynchronize());
@@ -248,13 +262,21 @@ double capture_first_check(const Backend& b, const ExecContext& ctx, cublasHandl
   for (void* p : {w, x, static_cast<void*>(y), static_cast<void*>(y_ref)}) CHECK_CUDA(cudaFree(p));
   std::printf("capture-first check (M=5 N=%lld K=2880 bf16): captured %.2e, eager %.2e\n",
               static_cast<long long>(n), captured, eager);
-  return std::max(captured, eager);
+  return std::isnan(captured) ? captured : std::max(captured, eager);
+}
+
+// A JSON number, or null for NaN (a failed capture).
+std::string jnum(double v, const char* fmt) {
+  if (std::isnan(v)) return "null";
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), fmt, v);
+  return buf;
 }
 
 struct Row {
   std::string shape, dtype;
   int64_t m, n, k, weight_bytes, copies;
-  double old_us, new_us, floor_w_us, floor_all_us, max_rel_diff;
+  double old_us, new_us, floor_w_us, floor_all_us, max_rel_diff, first_call_ms;
 };
 
 }  // namespace
@@ -282,13 +304,12 @@ int main(int argc, char** argv) {
   const char* tune_env = std::getenv("ROLLOUTD_LINEAR_TUNE");
   std::printf("device %s, L2 %.1f MiB, D2D copy %.0f GB/s payload, ROLLOUTD_LINEAR_TUNE=%s\n",
               prop.name, l2 / 1048576.0, copy_bps / 1e9, tune_env ? tune_env : "(unset)");
-  std::printf("%-13s %-4s %4s %7s %5s | %9s %9s %7s | %9s %8s %8s | %9s\n", "shape", "type", "M",
-              "N", "K", "old us", "new us", "old/new", "floor us", "old/fl", "new/fl", "rel diff");
+  std::printf("%-13s %-4s %4s %7s %5s | %9s %9s %7s | %9s %8s %8s | %9s %8s\n", "shape", "type",
+              "M", "N", "K", "old us", "new us", "old/new", "floor us", "old/fl", "new/fl",
+              "rel diff", "1st ms");
 
   cublasHandle_t handle = nullptr;
   CHECK_BLAS(cublasCreate(&handle));
-  // First, so that this shape's first call is also the process's first linear (no workspace yet).
-  double capture_first_diff = capture_first_check(*backend, ctx, handle, 96);
   std::vector<Row> rows;
   const std::vector<int64_t> ms = quick ? std::vector<int64_t>{1, 32} : std::vector<int64_t>{1, 8, 32, 256};
   for (const ProjShape& shape : kShapes) {
@@ -320,7 +341,12 @@ int main(int argc, char** argv) {
         args.x = x;
         // Eager: the new path's first call settles its plan; then both outputs for the check.
         args.y = y_new;
+        CHECK_CUDA(cudaDeviceSynchronize());
+        const auto t0 = std::chrono::steady_clock::now();
         CHECK_OK(new_call(args, ctx, args.weights[0]));
+        CHECK_CUDA(cudaDeviceSynchronize());
+        const double first_call_ms =
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
         args.y = y_old;
         CHECK_BLAS(gemm_ex(handle, nullptr, args, args.weights[0]));
         CHECK_CUDA(cudaDeviceSynchronize());
@@ -341,12 +367,12 @@ int main(int argc, char** argv) {
         const int64_t io_bytes = m * shape.k * elt + m * shape.n * 4;
         Row r{shape.name, bf16 ? "bf16" : "f32", m, shape.n, shape.k, weight_bytes, copies, old_us,
               new_us, weight_bytes / copy_bps * 1e6, (weight_bytes + io_bytes) / copy_bps * 1e6,
-              max_abs > 0 ? max_diff / max_abs : max_diff};
-        std::printf("%-13s %-4s %4lld %7lld %5lld | %9.2f %9.2f %7.2f | %9.2f %8.2f %8.2f | %9.2e\n",
+              max_abs > 0 ? max_diff / max_abs : max_diff, first_call_ms};
+        std::printf("%-13s %-4s %4lld %7lld %5lld | %9.2f %9.2f %7.2f | %9.2f %8.2f %8.2f | %9.2e %8.2f\n",
                     r.shape.c_str(), r.dtype.c_str(), static_cast<long long>(m),
                     static_cast<long long>(shape.n), static_cast<long long>(shape.k), old_us,
                     new_us, old_us / new_us, r.floor_w_us, old_us / r.floor_w_us,
-                    new_us / r.floor_w_us, r.max_rel_diff);
+                    new_us / r.floor_w_us, r.max_rel_diff, first_call_ms);
         std::fflush(stdout);
         rows.push_back(r);
         CHECK_CUDA(cudaFree(x));
@@ -357,7 +383,7 @@ int main(int argc, char** argv) {
     }
   }
 
-  capture_first_diff = std::max(capture_first_diff, capture_first_check(*backend, ctx, handle, 80));
+  const double capture_first_diff = capture_first_check(*backend, ctx, handle, 80);
 
   // A decode step's dense GEMMs (attention projections and router per layer, then the head), as
   // engine_bench --models h2880 --dense-bf16 1 runs them: BF16 projections, FP32 router.
@@ -384,11 +410,9 @@ int main(int argc, char** argv) {
     }
     std::printf("  M=%-4lld old %8.1f  new %8.1f  floor %8.1f  saved %7.1f\n",
                 static_cast<long long>(m), old_us, new_us, floor_us, old_us - new_us);
-    char buf[256];
-    std::snprintf(buf, sizeof(buf),
-                  "%s{\"m\":%lld,\"old_us\":%.2f,\"new_us\":%.2f,\"floor_w_us\":%.2f}",
-                  step_json.empty() ? "" : ",", static_cast<long long>(m), old_us, new_us, floor_us);
-    step_json += buf;
+    step_json += std::string(step_json.empty() ? "" : ",") + "{\"m\":" + std::to_string(m) +
+                 ",\"old_us\":" + jnum(old_us, "%.2f") + ",\"new_us\":" + jnum(new_us, "%.2f") +
+                 ",\"floor_w_us\":" + jnum(floor_us, "%.2f") + "}";
   }
 
   if (json_path != nullptr) {
@@ -399,20 +423,22 @@ int main(int argc, char** argv) {
     }
     std::fprintf(f,
                  "{\"bench\":\"linear\",\"device\":\"%s\",\"l2_bytes\":%zu,\"copy_payload_gbps\":%.1f,"
-                 "\"calls_per_graph\":%d,\"linear_tune\":\"%s\",\"capture_first_rel_diff\":%.3e,"
+                 "\"calls_per_graph\":%d,\"linear_tune\":\"%s\",\"capture_first_rel_diff\":%s,"
                  "\"rows\":[",
                  prop.name, l2, copy_bps / 1e9, kCallsPerGraph, tune_env ? tune_env : "",
-                 capture_first_diff);
+                 jnum(capture_first_diff, "%.3e").c_str());
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
       std::fprintf(f,
                    "%s\n{\"shape\":\"%s\",\"dtype\":\"%s\",\"m\":%lld,\"n\":%lld,\"k\":%lld,"
-                   "\"weight_bytes\":%lld,\"weight_copies\":%lld,\"old_us\":%.3f,\"new_us\":%.3f,"
-                   "\"floor_w_us\":%.3f,\"floor_all_us\":%.3f,\"max_rel_diff\":%.3e}",
+                   "\"weight_bytes\":%lld,\"weight_copies\":%lld,\"old_us\":%s,\"new_us\":%s,"
+                   "\"floor_w_us\":%.3f,\"floor_all_us\":%.3f,\"max_rel_diff\":%.3e,"
+                   "\"first_call_ms\":%.2f}",
                    i ? "," : "", r.shape.c_str(), r.dtype.c_str(), static_cast<long long>(r.m),
                    static_cast<long long>(r.n), static_cast<long long>(r.k),
                    static_cast<long long>(r.weight_bytes), static_cast<long long>(r.copies),
-                   r.old_us, r.new_us, r.floor_w_us, r.floor_all_us, r.max_rel_diff);
+                   jnum(r.old_us, "%.3f").c_str(), jnum(r.new_us, "%.3f").c_str(), r.floor_w_us, r.floor_all_us, r.max_rel_diff,
+                   r.first_call_ms);
     }
     std::fprintf(f, "],\n\"decode_step_dense\":[%s]}\n", step_json.c_str());
     std::fclose(f);
