@@ -1,6 +1,10 @@
-// Backend::linear (cuBLASLt plans, kernels/cuda/cuda_backend.cu) against the cublasGemmEx call it
-// replaced, at the decode projections of the hidden-2880 model (engine_bench --models h2880), and
-// the HBM floor from a device-to-device copy measured in the same run.
+// Backend::linear (kernels/cuda/cuda_backend.cu) against a direct cublasGemmEx call, at the
+// decode projections of the hidden-2880 model (engine_bench --models h2880), and the HBM floor from
+// a device-to-device copy measured in the same run. Today Backend::linear *is* that cublasGemmEx
+// call, so "old" and "new" agree; the bench is the harness for a change to `linear`. At commit
+// 27cc2da `linear` ran cuBLASLt plans with timed algo choice (ROLLOUTD_LINEAR_TUNE=0 there: the
+// heuristic's first); result-h200-2026-12-01-lt-*.json hold that run (their floor fields divide by
+// the copy's payload rate, twice the floor below), tests/bench/NOTES.md what came of it.
 //
 //   linear_bench [OUT.json] [--quick]
 //
@@ -8,10 +12,10 @@
 // back-to-back calls (Backend::graph_capture, replayed on the legacy stream), so launch gaps
 // count; the calls cycle through enough copies of the weight to exceed the L2 several times, so
 // each reads its weight from HBM as a decode step does (the router's 0.4-0.7 MB weight cannot:
-// 50 copies still fit in L2). The new path is called once eagerly first (that call tunes its plan,
-// as the engine's warm-up steps do). The two outputs are compared: only the summation order may
-// differ (split-K), both accumulate in FP32. ROLLOUTD_LINEAR_TUNE=0 in the environment times the
-// heuristic's first algo instead of the tuned one.
+// 50 copies still fit in L2). The new path is called once eagerly first, timed ("1st ms": plan
+// set-up or tuning shows there), as the engine's warm-up steps do. The two outputs are compared:
+// both accumulate in FP32, only the summation order may differ (split-K). The floor reads the
+// weight once at the copy's read + write rate (twice its payload rate): a GEMM only reads it.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -113,7 +117,7 @@ struct GraphArgs {
 
 cudaDataType_t data_type(bool bf16) { return bf16 ? CUDA_R_16BF : CUDA_R_32F; }
 
-// The call kernels/cuda/cuda_backend.cu made before cuBLASLt plans (now its linear_gemm_ex).
+// The call kernels/cuda/cuda_backend.cu makes: the reference a change to `linear` is timed against.
 cublasStatus_t gemm_ex(cublasHandle_t h, cudaStream_t s, const GraphArgs& a, const void* w) {
   cublasStatus_t st = cublasSetStream(h, s);
   if (st != CUBLAS_STATUS_SUCCESS) return st;
@@ -206,8 +210,8 @@ double copy_bandwidth(size_t bytes) {
 
 // A shape whose first call is captured, replayed, then called eagerly, both outputs against
 // cublasGemmEx's; returns the larger relative difference, NaN when the capture failed. Run after
-// other calls: the plan is made while capturing (heuristic first), then redone and tuned by the
-// eager call. (As the process's very first linear, the capture fails, as it did before cuBLASLt
+// other calls (at 27cc2da: the plan made while capturing, heuristic first, then redone and tuned by
+// the eager call). (As the process's very first linear, the capture fails, as it did before cuBLASLt
 // plans: creating a cuBLAS handle inside a capture gives CUBLAS_STATUS_NOT_INITIALIZED; the
 // engine's eager warm-up steps come first.)
 double capture_first_check(const Backend& b, const ExecContext& ctx, cublasHandle_t handle,
@@ -301,7 +305,8 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   const size_t l2 = static_cast<size_t>(prop.l2CacheSize);
   const double copy_bps = copy_bandwidth(size_t{1} << 30);
-  const char* tune_env = std::getenv("ROLLOUTD_LINEAR_TUNE");
+  const double read_bps = 2.0 * copy_bps;  // a copy reads and writes its payload
+  const char* tune_env = std::getenv("ROLLOUTD_LINEAR_TUNE");  // read by 27cc2da's linear
   std::printf("device %s, L2 %.1f MiB, D2D copy %.0f GB/s payload, ROLLOUTD_LINEAR_TUNE=%s\n",
               prop.name, l2 / 1048576.0, copy_bps / 1e9, tune_env ? tune_env : "(unset)");
   std::printf("%-13s %-4s %4s %7s %5s | %9s %9s %7s | %9s %8s %8s | %9s %8s\n", "shape", "type",
@@ -339,7 +344,7 @@ int main(int argc, char** argv) {
         CHECK_CUDA(cudaMalloc(&y_new, static_cast<size_t>(m * shape.n * 4)));
         fill(x, bf16, m * shape.k, 5u, 1.0f);
         args.x = x;
-        // Eager: the new path's first call settles its plan; then both outputs for the check.
+        // Eager: the new path's first call (any set-up of its own); then both outputs for the check.
         args.y = y_new;
         CHECK_CUDA(cudaDeviceSynchronize());
         const auto t0 = std::chrono::steady_clock::now();
@@ -366,7 +371,7 @@ int main(int argc, char** argv) {
         const double new_us = time_graph(*backend, ctx, args);
         const int64_t io_bytes = m * shape.k * elt + m * shape.n * 4;
         Row r{shape.name, bf16 ? "bf16" : "f32", m, shape.n, shape.k, weight_bytes, copies, old_us,
-              new_us, weight_bytes / copy_bps * 1e6, (weight_bytes + io_bytes) / copy_bps * 1e6,
+              new_us, weight_bytes / read_bps * 1e6, (weight_bytes + io_bytes) / read_bps * 1e6,
               max_abs > 0 ? max_diff / max_abs : max_diff, first_call_ms};
         std::printf("%-13s %-4s %4lld %7lld %5lld | %9.2f %9.2f %7.2f | %9.2f %8.2f %8.2f | %9.2e %8.2f\n",
                     r.shape.c_str(), r.dtype.c_str(), static_cast<long long>(m),
@@ -423,9 +428,9 @@ int main(int argc, char** argv) {
     }
     std::fprintf(f,
                  "{\"bench\":\"linear\",\"device\":\"%s\",\"l2_bytes\":%zu,\"copy_payload_gbps\":%.1f,"
-                 "\"calls_per_graph\":%d,\"linear_tune\":\"%s\",\"capture_first_rel_diff\":%s,"
+                 "\"floor_read_gbps\":%.1f,\"calls_per_graph\":%d,\"linear_tune\":\"%s\",\"capture_first_rel_diff\":%s,"
                  "\"rows\":[",
-                 prop.name, l2, copy_bps / 1e9, kCallsPerGraph, tune_env ? tune_env : "",
+                 prop.name, l2, copy_bps / 1e9, read_bps / 1e9, kCallsPerGraph, tune_env ? tune_env : "",
                  jnum(capture_first_diff, "%.3e").c_str());
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
@@ -437,8 +442,8 @@ int main(int argc, char** argv) {
                    i ? "," : "", r.shape.c_str(), r.dtype.c_str(), static_cast<long long>(r.m),
                    static_cast<long long>(r.n), static_cast<long long>(r.k),
                    static_cast<long long>(r.weight_bytes), static_cast<long long>(r.copies),
-                   jnum(r.old_us, "%.3f").c_str(), jnum(r.new_us, "%.3f").c_str(), r.floor_w_us, r.floor_all_us, r.max_rel_diff,
-                   r.first_call_ms);
+                   jnum(r.old_us, "%.3f").c_str(), jnum(r.new_us, "%.3f").c_str(), r.floor_w_us,
+                   r.floor_all_us, r.max_rel_diff, r.first_call_ms);
     }
     std::fprintf(f, "],\n\"decode_step_dense\":[%s]}\n", step_json.c_str());
     std::fclose(f);
