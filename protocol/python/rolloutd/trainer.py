@@ -26,7 +26,9 @@ many daemons are kept in flight together with Client.send_request / wait=False i
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
+import gc
 import importlib.util
 import os
 import re
@@ -70,6 +72,24 @@ _IPC_PIPELINE_DEPTH = 4
 # daemon's copy is the other), ~2 x size / 2 TB/s; a bucket more costs ~20-40 us of messages that
 # overlap the copies in flight: the two break even near 40 MB.
 _IPC_SPLIT_DIRECT_BYTES = 64 << 20
+
+# push_weights pauses Python's cyclic garbage collector while it describes and plans: 10,000
+# small tensors make ~30,000 short-lived objects, enough to trigger collections that walk a
+# trainer's whole heap (torch and CuPy imported: millions of objects) in the middle of the loop.
+# Nothing there makes reference cycles; collection resumes (if it was on) right after.
+PAUSE_GC_WHILE_PLANNING = True
+
+
+@contextlib.contextmanager
+def _gc_paused(active: bool):
+    was_enabled = gc.isenabled()
+    if active and was_enabled:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if active and was_enabled:
+            gc.enable()
 # After a failed bucket: how long to wait for broadcasts already posted before giving the
 # group up (aborting it); a broadcast that does not complete means the ranks are out of step.
 _SETTLE_S = 10.0
@@ -1242,20 +1262,21 @@ def push_weights(clients: Sequence[Client], named_tensors: Any, weight_version: 
                 raise ValueError(f"cuda:{dev} is not the daemons' GPU (uuid {wanted.hex()})")
         handle_uuid = wanted
     backend = _backend if _backend is not None else _TorchBackend(dev, ipc=(via == "cuda_ipc"))
-    t_describe = time.monotonic()
-    named = _named(named_tensors)
-    describe_all = getattr(backend, "describe_all", None)
-    items = (describe_all(named) if describe_all is not None
-             else [backend.describe(i, name, t) for i, (name, t) in enumerate(named)])
-    t_plan = time.monotonic()
-    stats["describe_s"] = t_plan - t_describe
-    buckets = plan_buckets(items, bucket_bytes,
-                           max_entries=max(1, min(c.limits.max_bucket_entries for c in clients)),
-                           max_envelope_bytes=min(c.limits.max_envelope_bytes for c in clients),
-                           direct_device=backend.device if direct else None,
-                           can_direct=backend.can_direct,
-                           split_direct_bytes=_IPC_SPLIT_DIRECT_BYTES if via == "cuda_ipc" else None)
-    stats["plan_s"] = time.monotonic() - t_plan
+    with _gc_paused(PAUSE_GC_WHILE_PLANNING):
+        t_describe = time.monotonic()
+        named = _named(named_tensors)
+        describe_all = getattr(backend, "describe_all", None)
+        items = (describe_all(named) if describe_all is not None
+                 else [backend.describe(i, name, t) for i, (name, t) in enumerate(named)])
+        t_plan = time.monotonic()
+        stats["describe_s"] = t_plan - t_describe
+        buckets = plan_buckets(items, bucket_bytes,
+                               max_entries=max(1, min(c.limits.max_bucket_entries for c in clients)),
+                               max_envelope_bytes=min(c.limits.max_envelope_bytes for c in clients),
+                               direct_device=backend.device if direct else None,
+                               can_direct=backend.can_direct,
+                               split_direct_bytes=_IPC_SPLIT_DIRECT_BYTES if via == "cuda_ipc" else None)
+        stats["plan_s"] = time.monotonic() - t_plan
     packed = [b.size for b in buckets if not b.direct]
     if packed:
         backend.allocate(max(packed), min(len(packed), 2))

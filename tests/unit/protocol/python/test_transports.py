@@ -524,6 +524,41 @@ def test_push_nccl_sends_back_to_back_device_tensors_directly(daemon):
     client.close()
 
 
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_push_pauses_gc_while_planning_and_restores_it(daemon, enabled_before):
+    """The collector is off while push_weights describes the tensors and back as it was after."""
+    import gc
+
+    seen = []
+
+    class Recording(FakeBackend):
+        def describe(self, index, name, t):
+            seen.append(gc.isenabled())
+            return super().describe(index, name, t)
+
+    backend = Recording()
+    tensors = [("a", np.arange(8, dtype=np.float32)), ("b", np.ones(4, dtype=np.float16))]
+    box = {}
+
+    def script(d):
+        serve(d, 1, lambda req: box["g"].queues[d.endpoint].get(timeout=5), box.setdefault("state", {}))
+
+    peer = daemon(script)
+    client = Client(peer.endpoint)
+    box["g"] = FakeGroup([client], backend)
+    was = gc.isenabled()
+    (gc.enable if enabled_before else gc.disable)()
+    try:
+        trainer.push_weights([client], tensors, 1, group=box["g"], _backend=backend)
+        assert gc.isenabled() == enabled_before
+    finally:
+        (gc.enable if was else gc.disable)()
+    peer.join()
+    assert seen == [False, False]
+    check_applied(box["state"], tensors)
+    client.close()
+
+
 def test_push_nccl_refusal_keeps_the_group_and_aborts_the_sessions(daemon):
     backend = FakeBackend()
     box = {}
