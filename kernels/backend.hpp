@@ -117,6 +117,23 @@ struct SampleArgs {
   TensorView top_logprobs;  // [R, N] f32, out
 };
 
+// Parameters of rope_qk: the attention block's per-head work between the q/k projections and
+// the KV store, in one call (one CUDA launch) instead of up to four.
+struct RopeQkArgs {
+  TensorView q;          // [T, QH, D] f32, rotated in place
+  TensorView k;          // [T, KVH, D] f32, rotated in place (same T and D as q)
+  TensorView positions;  // [T] int32
+  // Frequencies: inv_freq f32 [D/2] on the context's device when given (rope_table's form,
+  // YaRN and other scaled variants), else theta^(-2i/D) computed as `rope` does.
+  TensorView inv_freq;
+  float theta = 10000.0f;  // read only without inv_freq
+  float scale = 1.0f;      // cos and sin times this (rope_table's `scale`; 1 for rope's form)
+  // Optional Qwen3 QK-norm, both or neither: each head's D values are first replaced by
+  // rmsnorm(x) * q_norm (q) or * k_norm (k), f32 [D], with `eps`.
+  TensorView q_norm, k_norm;
+  float eps = 1e-6f;
+};
+
 struct Backend {
   const char* name;
   DeviceKind kind;
@@ -271,6 +288,23 @@ struct Backend {
   Status (*vm_free)(const ExecContext&, void* base, size_t bytes);
   Status (*vm_map)(const ExecContext&, void* addr, size_t bytes);
   Status (*vm_unmap)(const ExecContext&, void* addr, size_t bytes);
+
+  // ---- fused decoder ops (fewer launches per layer) ----
+  // The residual add and the RMSNorm that follows it, one pass over each row: when r is given
+  // (f32, h's shape) h += r in place first; then, for the (updated) rows of h [..., H] (f32),
+  // out = rmsnorm(h) * w exactly as `rmsnorm` computes it, and out_bf16 = that result rounded
+  // to BF16 as `convert` rounds (nearest even). out (f32) and out_bf16 (bf16) have h's shape
+  // and are each optional (empty view: not written). out may alias h; nothing else aliases.
+  // With r empty it is rmsnorm with an optional BF16 copy (the input of BF16 projections).
+  // Equals add, then rmsnorm, then convert: bit for bit on the CPU; on CUDA it is rmsnorm's
+  // kernel with the add and the rounding folded in (the same reduction order).
+  Status (*add_rmsnorm)(const ExecContext&, TensorView out, TensorView out_bf16, TensorView h, TensorView r,
+                        TensorView w, float eps);
+  // Rotary embedding of q and k (RopeQkArgs), with the optional per-head QK-norm before it.
+  // Equals rmsnorm(q heads), rmsnorm(k heads), then rope / rope_table on q and on k: bit for
+  // bit on the CPU. Checks: rope's / rope_table's on q and on k, k's T and D equal to q's, the
+  // norm weights f32 [D] (both or neither), eps as rmsnorm's.
+  Status (*rope_qk)(const ExecContext&, const RopeQkArgs& args);
 };
 
 const Backend& cpu_backend();

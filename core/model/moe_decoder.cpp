@@ -699,22 +699,45 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   // The input of a dense projection: x itself, or (BF16 weights, dense_bf16_) x rounded to BF16
   // in the x_bf16 workspace, which the projections of one input share.
+  auto bf16_of = [&](const TensorView& xin) {
+    return TensorView::contiguous(ws_.x_bf16.data, DType::kBF16, xin.shape, xin.device);
+  };
   auto dense_input = [&](const TensorView& xin, const TensorView& w, TensorView& out) -> Status {
     if (w.dtype != DType::kBF16) {
       out = xin;
       return Status::Ok();
     }
-    out = TensorView::contiguous(ws_.x_bf16.data, DType::kBF16, xin.shape, xin.device);
+    out = bf16_of(xin);
     return backend_.convert(ctx, out.data, DType::kBF16, xin.data, DType::kF32, static_cast<size_t>(xin.numel()));
   };
+  // A norm whose output feeds dense projections writes their BF16 input in the same pass (one
+  // launch instead of rmsnorm + convert); the FP32 rows are then not needed, and not written.
+  auto norm_for_dense = [&](const TensorView& out, const TensorView& hin, const TensorView& residual,
+                            const TensorView& w, const TensorView& proj, TensorView& xin) -> Status {
+    if (proj.dtype != DType::kBF16) {
+      xin = out;
+      return backend_.add_rmsnorm(ctx, out, {}, hin, residual, w, eps);
+    }
+    xin = bf16_of(out);
+    return backend_.add_rmsnorm(ctx, {}, xin, hin, residual, w, eps);
+  };
   TensorView xd;
+  // The residual not yet added to h: each layer's MoE (or MLP) output joins h in the next layer's
+  // input_layernorm (one launch for add + norm); the last layer's in a plain add.
+  TensorView pending;
+  RopeQkArgs rope_args;
+  rope_args.positions = pos;
+  rope_args.inv_freq = rope_inv_freq_;  // empty: rope's theta form
+  rope_args.theta = theta;
+  rope_args.scale = rope_inv_freq_.data ? rope_attention_factor_ : 1.0f;
+  rope_args.eps = eps;
 
   RD_RETURN_IF_ERROR(backend_.embedding(ctx, h, embed_tokens_, ids));
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     Layer& L = layers_[static_cast<size_t>(l)];
     // Attention block.
-    RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx, x, h, L.input_layernorm, eps));
-    RD_RETURN_IF_ERROR(dense_input(x, L.q_proj, xd));
+    RD_RETURN_IF_ERROR(norm_for_dense(x, h, pending, L.input_layernorm, L.q_proj, xd));
+    pending = {};
     RD_RETURN_IF_ERROR(backend_.linear(ctx, q, xd, L.q_proj));
     RD_RETURN_IF_ERROR(backend_.linear(ctx, k, xd, L.k_proj));
     RD_RETURN_IF_ERROR(backend_.linear(ctx, v, xd, L.v_proj));
@@ -723,18 +746,13 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
       RD_RETURN_IF_ERROR(backend_.add_bias(ctx, k, L.k_bias));
       RD_RETURN_IF_ERROR(backend_.add_bias(ctx, v, L.v_bias));
     }
-    if (c.qk_norm) {
-      // Qwen3: RMSNorm over each head's D values (weight shared by the heads), before rotary.
-      RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx, as_heads(q, QH, D), as_heads(q, QH, D), L.q_norm, eps));
-      RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx, as_heads(k, KVH, D), as_heads(k, KVH, D), L.k_norm, eps));
-    }
-    if (rope_inv_freq_.data) {
-      RD_RETURN_IF_ERROR(backend_.rope_table(ctx, as_heads(q, QH, D), pos, rope_inv_freq_, rope_attention_factor_));
-      RD_RETURN_IF_ERROR(backend_.rope_table(ctx, as_heads(k, KVH, D), pos, rope_inv_freq_, rope_attention_factor_));
-    } else {
-      RD_RETURN_IF_ERROR(backend_.rope(ctx, as_heads(q, QH, D), pos, theta));
-      RD_RETURN_IF_ERROR(backend_.rope(ctx, as_heads(k, KVH, D), pos, theta));
-    }
+    // Rotary on q and k in one launch; Qwen3's QK-norm (RMSNorm over each head's D values, weight
+    // shared by the heads) joins it, before the rotation.
+    rope_args.q = as_heads(q, QH, D);
+    rope_args.k = as_heads(k, KVH, D);
+    rope_args.q_norm = c.qk_norm ? L.q_norm : TensorView{};
+    rope_args.k_norm = c.qk_norm ? L.k_norm : TensorView{};
+    RD_RETURN_IF_ERROR(backend_.rope_qk(ctx, rope_args));
     RD_RETURN_IF_ERROR(backend_.kv_store(ctx, L.k_cache, L.v_cache, as_heads(k, KVH, D),
                                          as_heads(v, KVH, D), slots));
     if (L.sinks.data || L.window > 0) {
@@ -748,9 +766,9 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
     RD_RETURN_IF_ERROR(dense_input(attn, L.o_proj, xd));
     RD_RETURN_IF_ERROR(backend_.linear(ctx, o, xd, L.o_proj));
     if (L.o_bias.data) RD_RETURN_IF_ERROR(backend_.add_bias(ctx, o, L.o_bias));
-    RD_RETURN_IF_ERROR(backend_.add(ctx, h, h, o));
-    // MoE block (or the dense MLP as one expert every token takes with weight 1).
-    RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx, x, h, L.post_attention_layernorm, eps));
+    // MoE block (or the dense MLP as one expert every token takes with weight 1): h += o and its
+    // norm in one launch. The router and the experts read x in FP32.
+    RD_RETURN_IF_ERROR(backend_.add_rmsnorm(ctx, x, {}, h, o, L.post_attention_layernorm, eps));
     if (L.moe) {
       RD_RETURN_IF_ERROR(backend_.linear(ctx, router_logits, x, L.router));
       if (L.router_bias.data) RD_RETURN_IF_ERROR(backend_.add_bias(ctx, router_logits, L.router_bias));
@@ -770,7 +788,7 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
     }
     if (L.moe && kernel_experts_) {
       RD_RETURN_IF_ERROR(kernel_experts(ctx, L, x, moe_out, topk_ids, topk_w, T));
-      RD_RETURN_IF_ERROR(backend_.add(ctx, h, h, moe_out));
+      pending = moe_out;
       continue;
     }
     MoeExpertsArgs args;
@@ -797,8 +815,9 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
       args.swiglu_alpha = 1.702f;  // GptOssExperts.alpha (not a config key)
     }
     RD_RETURN_IF_ERROR(backend_.moe_experts(ctx, args));
-    RD_RETURN_IF_ERROR(backend_.add(ctx, h, h, moe_out));
+    pending = moe_out;
   }
+  if (pending.data) RD_RETURN_IF_ERROR(backend_.add(ctx, h, h, pending));
   if (R == 0) return Status::Ok();
   // Only the rows that sample need the final norm and the LM head: gather them first
   // (embedding is a row gather).
@@ -807,8 +826,7 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
   const TensorView final_normed = rows_of(ws_.final_normed, R);
   const TensorView out_logits = rows_of(ws_.logits, R);
   RD_RETURN_IF_ERROR(backend_.embedding(ctx, final_rows, h, rows_idx));
-  RD_RETURN_IF_ERROR(backend_.rmsnorm(ctx, final_normed, final_rows, final_norm_, eps));
-  RD_RETURN_IF_ERROR(dense_input(final_normed, lm_head_, xd));
+  RD_RETURN_IF_ERROR(norm_for_dense(final_normed, final_rows, {}, final_norm_, lm_head_, xd));
   return backend_.linear(ctx, out_logits, xd, lm_head_);
 }
 

@@ -84,19 +84,46 @@ Status embedding(const ExecContext& ctx, TensorView out, TensorView table, Tenso
   return Status::Ok();
 }
 
+namespace {
+// One row of RMSNorm: the arithmetic every CPU op that normalises shares, so the fused ops equal
+// `rmsnorm` bit for bit. `out` may alias `x`.
+void rmsnorm_row(float* out, const float* x, const float* w, int64_t hidden, float eps) {
+  const float mean_sq = dot(x, x, hidden) / static_cast<float>(hidden);
+  const float inv = 1.0f / std::sqrt(mean_sq + eps);
+  // Hugging Face order: normalise, then scale by the weight.
+  for (int64_t i = 0; i < hidden; ++i) out[i] = w[i] * (x[i] * inv);
+}
+}  // namespace
+
 Status rmsnorm(const ExecContext& ctx, TensorView out, TensorView x, TensorView w, float eps) {
   RD_RETURN_IF_ERROR(check_ctx(ctx));
   RD_RETURN_IF_ERROR(op_checks::rmsnorm(ctx, out, x, w, eps));
   const int64_t hidden = x.size(x.rank() - 1);
   const int64_t rows = x.numel() / hidden;
-  const float* wp = w.as<const float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x.as<const float>() + r * hidden;
-    float* orow = out.as<float>() + r * hidden;
-    const float mean_sq = dot(xr, xr, hidden) / static_cast<float>(hidden);
-    const float inv = 1.0f / std::sqrt(mean_sq + eps);
-    // Hugging Face order: normalise, then scale by the weight. `out` may alias `x`.
-    for (int64_t i = 0; i < hidden; ++i) orow[i] = wp[i] * (xr[i] * inv);
+  for (int64_t r = 0; r < rows; ++r)
+    rmsnorm_row(out.as<float>() + r * hidden, x.as<const float>() + r * hidden, w.as<const float>(), hidden, eps);
+  return Status::Ok();
+}
+
+Status add_rmsnorm(const ExecContext& ctx, TensorView out, TensorView out_bf16, TensorView h, TensorView r,
+                   TensorView w, float eps) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  RD_RETURN_IF_ERROR(op_checks::add_rmsnorm(ctx, out, out_bf16, h, r, w, eps));
+  const int64_t hidden = h.size(h.rank() - 1);
+  const int64_t rows = h.numel() / hidden;
+  std::vector<float> normed(out.data == nullptr ? static_cast<size_t>(hidden) : 0);
+  for (int64_t row = 0; row < rows; ++row) {
+    float* hr = h.as<float>() + row * hidden;
+    if (r.data != nullptr) {
+      const float* rr = r.as<const float>() + row * hidden;
+      for (int64_t i = 0; i < hidden; ++i) hr[i] = hr[i] + rr[i];  // add's one rounding
+    }
+    if (out.data == nullptr && out_bf16.data == nullptr) continue;
+    float* o = out.data != nullptr ? out.as<float>() + row * hidden : normed.data();
+    rmsnorm_row(o, hr, w.as<const float>(), hidden, eps);
+    if (out_bf16.data == nullptr) continue;
+    auto* ob = out_bf16.as<uint16_t>() + row * hidden;
+    for (int64_t i = 0; i < hidden; ++i) ob[i] = f32_to_bf16_bits(o[i]);  // convert's rounding
   }
   return Status::Ok();
 }
@@ -171,21 +198,23 @@ void rotate(TensorView x, TensorView positions, const float* inv_freq, float sca
     }
   }
 }
+
+// theta^(-2i/D) in double, rounded once to float: the CUDA twin computes the same
+// expression, so both start from the same float frequency (Hugging Face keeps
+// inv_freq and the angle in float32 too).
+std::vector<float> theta_inv_freq(float theta, int64_t head_dim) {
+  std::vector<float> inv_freq(static_cast<size_t>(head_dim / 2));
+  for (size_t i = 0; i < inv_freq.size(); ++i)
+    inv_freq[i] = static_cast<float>(
+        1.0 / std::pow(static_cast<double>(theta), 2.0 * static_cast<double>(i) / static_cast<double>(head_dim)));
+  return inv_freq;
+}
 }  // namespace
 
 Status rope(const ExecContext& ctx, TensorView x, TensorView positions, float theta) {
   RD_RETURN_IF_ERROR(check_ctx(ctx));
   RD_RETURN_IF_ERROR(op_checks::rope(ctx, x, positions, theta));
-  const int64_t head_dim = x.size(2), half = head_dim / 2;
-  // theta^(-2i/D) in double, rounded once to float: the CUDA twin computes the same
-  // expression, so both start from the same float frequency (Hugging Face keeps
-  // inv_freq and the angle in float32 too).
-  std::vector<float> inv_freq(static_cast<size_t>(half));
-  for (int64_t i = 0; i < half; ++i)
-    inv_freq[static_cast<size_t>(i)] = static_cast<float>(
-        1.0 / std::pow(static_cast<double>(theta),
-                       2.0 * static_cast<double>(i) / static_cast<double>(head_dim)));
-  rotate(x, positions, inv_freq.data(), 1.0f);
+  rotate(x, positions, theta_inv_freq(theta, x.size(2)).data(), 1.0f);
   return Status::Ok();
 }
 
@@ -193,6 +222,31 @@ Status rope_table(const ExecContext& ctx, TensorView x, TensorView positions, Te
   RD_RETURN_IF_ERROR(check_ctx(ctx));
   RD_RETURN_IF_ERROR(op_checks::rope_table(ctx, x, positions, inv_freq, scale));
   rotate(x, positions, inv_freq.as<const float>(), scale);
+  return Status::Ok();
+}
+
+// The unfused sequence, op by op on the same helpers: rmsnorm of every q head and every k head,
+// then the rotation of q and of k.
+Status rope_qk(const ExecContext& ctx, const RopeQkArgs& a) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  RD_RETURN_IF_ERROR(op_checks::rope_qk(ctx, a));
+  const int64_t head_dim = a.q.size(2);
+  if (a.q_norm.data != nullptr) {
+    for (const auto& [x, w] : {std::pair{a.q, a.q_norm}, std::pair{a.k, a.k_norm}}) {
+      const int64_t rows = x.numel() / head_dim;
+      for (int64_t r = 0; r < rows; ++r)
+        rmsnorm_row(x.as<float>() + r * head_dim, x.as<const float>() + r * head_dim, w.as<const float>(), head_dim,
+                    a.eps);
+    }
+  }
+  if (a.inv_freq.data != nullptr) {
+    rotate(a.q, a.positions, a.inv_freq.as<const float>(), a.scale);
+    rotate(a.k, a.positions, a.inv_freq.as<const float>(), a.scale);
+    return Status::Ok();
+  }
+  const std::vector<float> inv_freq = theta_inv_freq(a.theta, head_dim);
+  rotate(a.q, a.positions, inv_freq.data(), a.scale);
+  rotate(a.k, a.positions, inv_freq.data(), a.scale);
   return Status::Ok();
 }
 
@@ -440,6 +494,8 @@ const Backend& cpu_backend() {
       cpu::vm_free,
       cpu::vm_map,
       cpu::vm_unmap,
+      cpu::add_rmsnorm,
+      cpu::rope_qk,
   };
   return kCpuBackend;
 }

@@ -72,6 +72,17 @@ Status same_shape(const TensorView& v, const TensorView& ref, std::string_view n
                            std::string(ref_name) + " " + ref.shape.to_string());
 }
 
+// Byte ranges of two contiguous views intersect (empty views never do).
+bool overlaps(const TensorView& a, const TensorView& b) {
+  if (a.data == nullptr || b.data == nullptr || a.numel() == 0 || b.numel() == 0) return false;
+  const auto* a0 = static_cast<const char*>(a.data);
+  const auto* b0 = static_cast<const char*>(b.data);
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
+// An optional view: nothing given at all (no data, no shape).
+bool absent(const TensorView& v) { return v.data == nullptr && v.rank() == 0; }
+
 }  // namespace
 
 Status context(const ExecContext& ctx, DeviceKind backend_kind) {
@@ -129,18 +140,29 @@ Status add(const ExecContext& ctx, const TensorView& out, const TensorView& a,
   return same_shape(out, a, "out", "a");
 }
 
-Status rope(const ExecContext& ctx, const TensorView& x, const TensorView& positions,
-            float theta) {
-  RD_RETURN_IF_ERROR(view(ctx, x, "x", DType::kF32, 3, "[T, heads, D]"));
-  RD_RETURN_IF_ERROR(positive(x, 2, "x", "D"));
+namespace {
+// A tensor that rotary embedding rotates: f32 [T, heads, D], D even and positive.
+Status rotary_input(const ExecContext& ctx, const TensorView& x, std::string_view name) {
+  RD_RETURN_IF_ERROR(view(ctx, x, name, DType::kF32, 3, "[T, heads, D]"));
+  RD_RETURN_IF_ERROR(positive(x, 2, name, "D"));
   if (x.size(2) % 2 != 0)
-    return invalid("x", "x: head dimension must be even for rotate_half pairing, got " +
-                            std::to_string(x.size(2)));
-  RD_RETURN_IF_ERROR(view(ctx, positions, "positions", DType::kI32, 1, "[T]"));
-  RD_RETURN_IF_ERROR(dim(positions, 0, x.size(0), "positions", "T", "x"));
+    return invalid(name, std::string(name) + ": head dimension must be even for rotate_half pairing, got " +
+                             std::to_string(x.size(2)));
+  return Status::Ok();
+}
+Status rope_theta(float theta) {
   if (!std::isfinite(theta) || theta <= 0.0f)
     return invalid("theta", "theta must be finite and > 0, got " + std::to_string(theta));
   return Status::Ok();
+}
+}  // namespace
+
+Status rope(const ExecContext& ctx, const TensorView& x, const TensorView& positions,
+            float theta) {
+  RD_RETURN_IF_ERROR(rotary_input(ctx, x, "x"));
+  RD_RETURN_IF_ERROR(view(ctx, positions, "positions", DType::kI32, 1, "[T]"));
+  RD_RETURN_IF_ERROR(dim(positions, 0, x.size(0), "positions", "T", "x"));
+  return rope_theta(theta);
 }
 
 Status kv_store(const ExecContext& ctx, const TensorView& k_cache, const TensorView& v_cache,
@@ -215,6 +237,75 @@ Status rope_table(const ExecContext& ctx, const TensorView& x, const TensorView&
   RD_RETURN_IF_ERROR(dim(inv_freq, 0, x.size(2) / 2, "inv_freq", "D/2", "x"));
   if (!std::isfinite(scale) || scale <= 0.0f)
     return invalid("scale", "scale must be finite and > 0, got " + std::to_string(scale));
+  return Status::Ok();
+}
+
+Status add_rmsnorm(const ExecContext& ctx, const TensorView& out, const TensorView& out_bf16,
+                   const TensorView& h, const TensorView& r, const TensorView& w, float eps) {
+  RD_RETURN_IF_ERROR(view(ctx, h, "h", DType::kF32, kAnyRank, "[..., H]"));
+  RD_RETURN_IF_ERROR(positive(h, h.rank() - 1, "h", "H"));
+  if (!absent(r)) {
+    RD_RETURN_IF_ERROR(view(ctx, r, "r", DType::kF32, kAnyRank, "[..., H]"));
+    RD_RETURN_IF_ERROR(same_shape(r, h, "r", "h"));
+  }
+  RD_RETURN_IF_ERROR(view(ctx, w, "w", DType::kF32, 1, "[H]"));
+  RD_RETURN_IF_ERROR(dim(w, 0, h.size(h.rank() - 1), "w", "H", "h"));
+  if (!absent(out)) {
+    RD_RETURN_IF_ERROR(view(ctx, out, "out", DType::kF32, kAnyRank, "[..., H]"));
+    RD_RETURN_IF_ERROR(same_shape(out, h, "out", "h"));
+  }
+  if (!absent(out_bf16)) {
+    RD_RETURN_IF_ERROR(view(ctx, out_bf16, "out_bf16", DType::kBF16, kAnyRank, "[..., H]"));
+    RD_RETURN_IF_ERROR(same_shape(out_bf16, h, "out_bf16", "h"));
+  }
+  if (!std::isfinite(eps) || eps < 0.0f)
+    return invalid("eps", "eps must be finite and >= 0, got " + std::to_string(eps));
+  // h is written (h += r) while r and w are read, and the outputs are written after: only out
+  // == h exactly is defined (every element is read before it is overwritten).
+  if (overlaps(out, h) && out.data != h.data) return invalid("out", "out: overlaps h without aliasing it exactly");
+  const std::pair<const TensorView*, const char*> views[] = {{&r, "r"}, {&w, "w"}, {&out_bf16, "out_bf16"}};
+  for (size_t i = 0; i < 3; ++i) {
+    const auto& [v, name] = views[i];
+    if (overlaps(*v, h)) return invalid(name, std::string(name) + ": overlaps h");
+    if (overlaps(*v, out)) return invalid(name, std::string(name) + ": overlaps out");
+    for (size_t j = i + 1; j < 3; ++j)
+      if (overlaps(*v, *views[j].first))
+        return invalid(views[j].second, std::string(views[j].second) + ": overlaps " + name);
+  }
+  return Status::Ok();
+}
+
+Status rope_qk(const ExecContext& ctx, const RopeQkArgs& a) {
+  RD_RETURN_IF_ERROR(rotary_input(ctx, a.q, "q"));
+  RD_RETURN_IF_ERROR(rotary_input(ctx, a.k, "k"));
+  RD_RETURN_IF_ERROR(dim(a.k, 0, a.q.size(0), "k", "T", "q"));
+  RD_RETURN_IF_ERROR(dim(a.k, 2, a.q.size(2), "k", "D", "q"));
+  RD_RETURN_IF_ERROR(view(ctx, a.positions, "positions", DType::kI32, 1, "[T]"));
+  RD_RETURN_IF_ERROR(dim(a.positions, 0, a.q.size(0), "positions", "T", "q"));
+  const int64_t d = a.q.size(2);
+  if (!absent(a.inv_freq)) {
+    RD_RETURN_IF_ERROR(view(ctx, a.inv_freq, "inv_freq", DType::kF32, 1, "[D/2]"));
+    RD_RETURN_IF_ERROR(dim(a.inv_freq, 0, d / 2, "inv_freq", "D/2", "q"));
+  } else {
+    RD_RETURN_IF_ERROR(rope_theta(a.theta));
+  }
+  if (!std::isfinite(a.scale) || a.scale <= 0.0f)
+    return invalid("scale", "scale must be finite and > 0, got " + std::to_string(a.scale));
+  if (absent(a.q_norm) != absent(a.k_norm))
+    return invalid(absent(a.q_norm) ? "q_norm" : "k_norm", "q_norm and k_norm: give both or neither");
+  if (!absent(a.q_norm)) {
+    RD_RETURN_IF_ERROR(view(ctx, a.q_norm, "q_norm", DType::kF32, 1, "[D]"));
+    RD_RETURN_IF_ERROR(dim(a.q_norm, 0, d, "q_norm", "D", "q"));
+    RD_RETURN_IF_ERROR(view(ctx, a.k_norm, "k_norm", DType::kF32, 1, "[D]"));
+    RD_RETURN_IF_ERROR(dim(a.k_norm, 0, d, "k_norm", "D", "q"));
+    if (!std::isfinite(a.eps) || a.eps < 0.0f)
+      return invalid("eps", "eps must be finite and >= 0, got " + std::to_string(a.eps));
+  }
+  // Rotated in place while the positions, frequencies and weights are read.
+  if (overlaps(a.q, a.k)) return invalid("k", "k: overlaps q");
+  for (auto [v, name] : {std::pair{&a.positions, "positions"}, std::pair{&a.inv_freq, "inv_freq"},
+                         std::pair{&a.q_norm, "q_norm"}, std::pair{&a.k_norm, "k_norm"}})
+    if (overlaps(*v, a.q) || overlaps(*v, a.k)) return invalid(name, std::string(name) + ": overlaps q or k");
   return Status::Ok();
 }
 

@@ -480,6 +480,8 @@ const Backend* cuda_backend() {
       cuda::vm_free,
       cuda::vm_map,
       cuda::vm_unmap,
+      cuda::add_rmsnorm,
+      cuda::rope_qk,
   };
   return &kCudaBackend;
 }

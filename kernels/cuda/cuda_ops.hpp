@@ -33,6 +33,9 @@ Status rope_table(const ExecContext&, TensorView x, TensorView positions, Tensor
 Status add_bias(const ExecContext&, TensorView y, TensorView bias);
 Status transpose(const ExecContext&, TensorView dst, TensorView src);
 Status copy_valid_rows(const ExecContext&, TensorView dst, TensorView src, TensorView count, int32_t fill);
+Status add_rmsnorm(const ExecContext&, TensorView out, TensorView out_bf16, TensorView h, TensorView r,
+                   TensorView w, float eps);
+Status rope_qk(const ExecContext&, const RopeQkArgs& args);
 Status convert(const ExecContext&, void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t n);
 // sampling.cu
 Status sample(const ExecContext&, const SampleArgs& args);

@@ -1,5 +1,6 @@
 #include <algorithm>
-// CUDA twins of the elementwise ops: embedding, rmsnorm, add, rope, kv_store.
+// CUDA twins of the elementwise ops: embedding, rmsnorm, add, rope, kv_store, and the fused
+// decoder ops add_rmsnorm and rope_qk.
 // Index values live on the device and are not checked on the host (that would need a
 // synchronisation): an embedding id outside [0, V) gives a zero row, a slot outside the
 // cache is skipped. Nothing is ever read or written out of bounds.
@@ -28,14 +29,25 @@ __global__ void embedding_kernel(float* __restrict__ out, const float* __restric
 // One block per row: sum of squares by a block reduction, then the scaled write. Every
 // thread reads its elements before the reduction's barrier and writes the same elements
 // after it, so `out` may alias `x`.
-__global__ void rmsnorm_kernel(float* out, const float* x, const float* __restrict__ w,
+//
+// The same kernel serves add_rmsnorm (kAdd: x += r, written back to x, before the sum of
+// squares; kOut: write the f32 result; kBf16: write it rounded to BF16 as `convert` rounds):
+// one template, so the fused op reduces in exactly rmsnorm's order.
+template <bool kAdd, bool kOut, bool kBf16>
+__global__ void rmsnorm_kernel(float* out, uint16_t* out_bf16, float* x, const float* r, const float* __restrict__ w,
                                int64_t hidden, float eps) {
   __shared__ float warp_partial[kThreads / 32];
   const int64_t row = blockIdx.x;
-  const float* xr = x + row * hidden;
-  float* orow = out + row * hidden;
+  float* xr = x + row * hidden;
   float ss = 0.0f;
-  for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) ss += xr[i] * xr[i];
+  for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
+    float v = xr[i];
+    if constexpr (kAdd) {
+      v = v + r[row * hidden + i];
+      xr[i] = v;  // read back below by this thread alone
+    }
+    ss += v * v;
+  }
   ss = warp_sum(ss);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (lane == 0) warp_partial[warp] = ss;
@@ -47,21 +59,26 @@ __global__ void rmsnorm_kernel(float* out, const float* x, const float* __restri
   }
   __syncthreads();
   const float inv = rsqrtf(warp_partial[0] / static_cast<float>(hidden) + eps);
-  for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) orow[i] = w[i] * (xr[i] * inv);
+  for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
+    const float o = w[i] * (xr[i] * inv);
+    if constexpr (kOut) out[row * hidden + i] = o;
+    if constexpr (kBf16) out_bf16[row * hidden + i] = f32_to_bf16_bits(o);
+  }
 }
 
 // The same op with the row held in registers as float4s (kPer per thread, blockDim.x threads, a
 // multiple of 32): one read of x, every load of a thread issued before the first is used. The
 // loop above issues one dependent-latency load per element pass, ~9 us per 2,880-wide row at
-// one token (ncu). Needs hidden % 4 == 0, 16-byte aligned rows and hidden / 4 <= kPer * blockDim.x.
-template <int kPer>
-__global__ void rmsnorm_vec_kernel(float* out, const float* x, const float* __restrict__ w, int64_t hidden,
-                                   float eps) {
+// one token (ncu). Needs hidden % 4 == 0, 16-byte aligned rows and hidden / 4 <= kPer * blockDim.x
+// (and an 8-byte aligned out_bf16 for kBf16). kAdd / kOut / kBf16 as rmsnorm_kernel's: the residual
+// add joins the load, the BF16 rounding the store, and the reduction is rmsnorm's own.
+template <int kPer, bool kAdd, bool kOut, bool kBf16>
+__global__ void rmsnorm_vec_kernel(float* out, uint16_t* out_bf16, float* x, const float* r,
+                                   const float* __restrict__ w, int64_t hidden, float eps) {
   __shared__ float warp_partial[32];
   const int64_t row = blockIdx.x;
   const int n4 = static_cast<int>(hidden / 4);
-  const float4* xr = reinterpret_cast<const float4*>(x + row * hidden);
-  float4* orow = reinterpret_cast<float4*>(out + row * hidden);
+  float4* xr = reinterpret_cast<float4*>(x + row * hidden);
   const float4* w4 = reinterpret_cast<const float4*>(w);
   float4 v[kPer];
   float ss = 0.0f;
@@ -69,6 +86,17 @@ __global__ void rmsnorm_vec_kernel(float* out, const float* x, const float* __re
   for (int i = 0; i < kPer; ++i) {
     const int idx = threadIdx.x + i * blockDim.x;
     v[i] = idx < n4 ? xr[idx] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+  if constexpr (kAdd) {
+    const float4* rr = reinterpret_cast<const float4*>(r + row * hidden);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int idx = threadIdx.x + i * blockDim.x;
+      if (idx >= n4) continue;
+      const float4 b = rr[idx];
+      v[i] = make_float4(v[i].x + b.x, v[i].y + b.y, v[i].z + b.z, v[i].w + b.w);  // add's one rounding
+      xr[idx] = v[i];
+    }
   }
 #pragma unroll
   for (int i = 0; i < kPer; ++i) ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
@@ -84,7 +112,15 @@ __global__ void rmsnorm_vec_kernel(float* out, const float* x, const float* __re
     const int idx = threadIdx.x + i * blockDim.x;
     if (idx >= n4) continue;
     const float4 g = __ldg(w4 + idx);
-    orow[idx] = make_float4(g.x * (v[i].x * inv), g.y * (v[i].y * inv), g.z * (v[i].z * inv), g.w * (v[i].w * inv));
+    const float4 o =
+        make_float4(g.x * (v[i].x * inv), g.y * (v[i].y * inv), g.z * (v[i].z * inv), g.w * (v[i].w * inv));
+    if constexpr (kOut) reinterpret_cast<float4*>(out + row * hidden)[idx] = o;
+    if constexpr (kBf16) {
+      const uint2 packed = make_uint2(
+          static_cast<uint32_t>(f32_to_bf16_bits(o.x)) | (static_cast<uint32_t>(f32_to_bf16_bits(o.y)) << 16),
+          static_cast<uint32_t>(f32_to_bf16_bits(o.z)) | (static_cast<uint32_t>(f32_to_bf16_bits(o.w)) << 16));
+      reinterpret_cast<uint2*>(out_bf16 + row * hidden)[idx] = packed;  // little-endian: .x first
+    }
   }
 }
 
@@ -170,6 +206,38 @@ Status embedding(const ExecContext& ctx, TensorView out, TensorView table, Tenso
   return Status::Ok();
 }
 
+namespace {
+template <bool A, bool O, bool B>
+struct RmsFlags {
+  static constexpr bool kAdd = A, kOut = O, kBf16 = B;
+};
+
+// rmsnorm and add_rmsnorm: rows of `hidden` floats in x (updated in place by x += r when r is
+// given), out and out_bf16 each optional. The register kernel when the row fits it (float4s
+// rounded up to a warp, at most 256 threads, then 1-8 float4s per thread), the loop otherwise.
+template <bool kAdd, bool kOut, bool kBf16>
+void launch_rmsnorm(cudaStream_t stream, float* out, uint16_t* out_bf16, float* x, const float* r, const float* w,
+                    int64_t rows, int64_t hidden, float eps) {
+  const auto aligned = [](const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; };
+  const int64_t n4 = hidden / 4;
+  if (hidden % 4 == 0 && aligned(out, 16) && aligned(x, 16) && aligned(r, 16) && aligned(w, 16) &&
+      aligned(out_bf16, 8) && n4 <= 8 * 256) {
+    const int threads = static_cast<int>(std::min<int64_t>(256, (n4 + 31) / 32 * 32));
+    const int64_t per = (n4 + threads - 1) / threads;
+    const auto launch = [&](auto kernel) {
+      kernel<<<static_cast<unsigned int>(rows), threads, 0, stream>>>(out, out_bf16, x, r, w, hidden, eps);
+    };
+    if (per <= 1) launch(rmsnorm_vec_kernel<1, kAdd, kOut, kBf16>);
+    else if (per <= 2) launch(rmsnorm_vec_kernel<2, kAdd, kOut, kBf16>);
+    else if (per <= 4) launch(rmsnorm_vec_kernel<4, kAdd, kOut, kBf16>);
+    else launch(rmsnorm_vec_kernel<8, kAdd, kOut, kBf16>);
+    return;
+  }
+  rmsnorm_kernel<kAdd, kOut, kBf16><<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(out, out_bf16, x, r, w,
+                                                                                              hidden, eps);
+}
+}  // namespace
+
 Status rmsnorm(const ExecContext& ctx, TensorView out, TensorView x, TensorView w, float eps) {
   RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCuda));
   RD_RETURN_IF_ERROR(op_checks::rmsnorm(ctx, out, x, w, eps));
@@ -178,26 +246,44 @@ Status rmsnorm(const ExecContext& ctx, TensorView out, TensorView x, TensorView 
   if (rows == 0) return Status::Ok();
   DeviceGuard guard;
   RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
-  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  const int64_t n4 = hidden / 4;
-  if (hidden % 4 == 0 && aligned(out.data) && aligned(x.data) && aligned(w.data) && n4 <= 8 * 256) {
-    // Threads: the float4s rounded up to a warp, at most 256; then float4s per thread.
-    const int threads = static_cast<int>(std::min<int64_t>(256, (n4 + 31) / 32 * 32));
-    const int64_t per = (n4 + threads - 1) / threads;
-    const auto launch = [&](auto kernel) {
-      kernel<<<static_cast<unsigned int>(rows), threads, 0, stream_of(ctx)>>>(out.as<float>(), x.as<const float>(),
-                                                                              w.as<const float>(), hidden, eps);
-    };
-    if (per <= 1) launch(rmsnorm_vec_kernel<1>);
-    else if (per <= 2) launch(rmsnorm_vec_kernel<2>);
-    else if (per <= 4) launch(rmsnorm_vec_kernel<4>);
-    else launch(rmsnorm_vec_kernel<8>);
-    RD_CUDA_CHECK_LAUNCH("rmsnorm_vec_kernel");
-    return Status::Ok();
-  }
-  rmsnorm_kernel<<<static_cast<unsigned int>(rows), kThreads, 0, stream_of(ctx)>>>(
-      out.as<float>(), x.as<const float>(), w.as<const float>(), hidden, eps);
+  // x is only read (kAdd off).
+  launch_rmsnorm<false, true, false>(stream_of(ctx), out.as<float>(), nullptr, x.as<float>(), nullptr,
+                                     w.as<const float>(), rows, hidden, eps);
   RD_CUDA_CHECK_LAUNCH("rmsnorm_kernel");
+  return Status::Ok();
+}
+
+Status add_rmsnorm(const ExecContext& ctx, TensorView out, TensorView out_bf16, TensorView h, TensorView r,
+                   TensorView w, float eps) {
+  RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCuda));
+  RD_RETURN_IF_ERROR(op_checks::add_rmsnorm(ctx, out, out_bf16, h, r, w, eps));
+  const int64_t hidden = h.size(h.rank() - 1);
+  const int64_t rows = h.numel() / hidden;
+  const bool add = r.data != nullptr, f32 = out.data != nullptr, bf16 = out_bf16.data != nullptr;
+  if (rows == 0 || (!add && !f32 && !bf16)) return Status::Ok();
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  const auto launch = [&](auto kernel_flags) {
+    using F = decltype(kernel_flags);
+    launch_rmsnorm<F::kAdd, F::kOut, F::kBf16>(stream_of(ctx), out.as<float>(), out_bf16.as<uint16_t>(),
+                                               h.as<float>(), r.as<const float>(), w.as<const float>(), rows, hidden,
+                                               eps);
+  };
+  // Runtime flags to template parameters; every combination the contract allows.
+  const int which = (add ? 4 : 0) | (f32 ? 2 : 0) | (bf16 ? 1 : 0);
+  switch (which) {
+    case 1: launch(RmsFlags<false, false, true>{}); break;
+    case 2: launch(RmsFlags<false, true, false>{}); break;
+    case 3: launch(RmsFlags<false, true, true>{}); break;
+    case 4:  // no output: the add alone
+      add_kernel<<<blocks_for(h.numel(), kThreads), kThreads, 0, stream_of(ctx)>>>(h.as<float>(), h.as<const float>(),
+                                                                                 r.as<const float>(), h.numel());
+      break;
+    case 5: launch(RmsFlags<true, false, true>{}); break;
+    case 6: launch(RmsFlags<true, true, false>{}); break;
+    default: launch(RmsFlags<true, true, true>{}); break;
+  }
+  RD_CUDA_CHECK_LAUNCH("add_rmsnorm");
   return Status::Ok();
 }
 
@@ -338,6 +424,79 @@ Status rope_table(const ExecContext& ctx, TensorView x, TensorView positions, Te
       x.as<float>(), positions.as<const int32_t>(), inv_freq.as<const float>(), x.size(1), x.size(2), scale,
       total_pairs);
   RD_CUDA_CHECK_LAUNCH("rope_table_kernel");
+  return Status::Ok();
+}
+
+namespace {
+// rope_qk: one warp per (token, head) row of q then k (q's heads first for each token), rows by
+// grid stride. kNorm: the head's RMSNorm first (a warp reduction over its D values; each lane
+// reads, normalises, rotates and writes only its own pairs, so in place is safe); kTable: the
+// frequencies from inv_freq, else theta^(-2i/D) as rope_kernel computes it. The rotation is
+// rope_kernel's / rope_table_kernel's arithmetic.
+constexpr int kRopeWarps = 4;
+
+template <bool kNorm, bool kTable>
+__global__ void rope_qk_kernel(float* q, float* k, const int32_t* __restrict__ positions,
+                               const float* __restrict__ inv_freq, const float* __restrict__ q_norm,
+                               const float* __restrict__ k_norm, int64_t num_tokens, int64_t q_heads,
+                               int64_t kv_heads, int64_t head_dim, float theta, float scale, float eps) {
+  const int64_t half = head_dim / 2, heads = q_heads + kv_heads, total = num_tokens * heads;
+  const int lane = threadIdx.x & 31;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRopeWarps + (threadIdx.x >> 5); row < total;
+       row += static_cast<int64_t>(gridDim.x) * kRopeWarps) {  // warp-uniform: whole warps loop
+    const int64_t t = row / heads, h = row % heads;
+    const bool is_q = h < q_heads;
+    float* x = is_q ? q + (t * q_heads + h) * head_dim : k + (t * kv_heads + (h - q_heads)) * head_dim;
+    float inv = 1.0f;
+    if constexpr (kNorm) {
+      float ss = 0.0f;
+      for (int64_t i = lane; i < half; i += 32) ss += x[i] * x[i] + x[i + half] * x[i + half];
+      ss = warp_sum(ss);
+      inv = rsqrtf(ss / static_cast<float>(head_dim) + eps);
+    }
+    const float* w = is_q ? q_norm : k_norm;
+    const float p = static_cast<float>(positions[t]);
+    for (int64_t i = lane; i < half; i += 32) {
+      float x1 = x[i], x2 = x[i + half];
+      if constexpr (kNorm) {
+        x1 = w[i] * (x1 * inv);
+        x2 = w[i + half] * (x2 * inv);
+      }
+      float f;
+      if constexpr (kTable) {
+        f = inv_freq[i];
+      } else {
+        f = static_cast<float>(
+            1.0 / pow(static_cast<double>(theta), 2.0 * static_cast<double>(i) / static_cast<double>(head_dim)));
+      }
+      const float angle = p * f;
+      const float c = cosf(angle) * scale, s = sinf(angle) * scale;
+      x[i] = x1 * c - x2 * s;
+      x[i + half] = x2 * c + x1 * s;
+    }
+  }
+}
+}  // namespace
+
+Status rope_qk(const ExecContext& ctx, const RopeQkArgs& a) {
+  RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCuda));
+  RD_RETURN_IF_ERROR(op_checks::rope_qk(ctx, a));
+  const int64_t rows = a.q.size(0) * (a.q.size(1) + a.k.size(1));
+  if (rows == 0) return Status::Ok();
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  const bool norm = a.q_norm.data != nullptr, table = a.inv_freq.data != nullptr;
+  const auto launch = [&](auto kernel) {
+    kernel<<<blocks_for(rows, kRopeWarps), kRopeWarps * 32, 0, stream_of(ctx)>>>(
+        a.q.as<float>(), a.k.as<float>(), a.positions.as<const int32_t>(), a.inv_freq.as<const float>(),
+        a.q_norm.as<const float>(), a.k_norm.as<const float>(), a.q.size(0), a.q.size(1), a.k.size(1), a.q.size(2),
+        a.theta, a.scale, a.eps);
+  };
+  if (norm && table) launch(rope_qk_kernel<true, true>);
+  else if (norm) launch(rope_qk_kernel<true, false>);
+  else if (table) launch(rope_qk_kernel<false, true>);
+  else launch(rope_qk_kernel<false, false>);
+  RD_CUDA_CHECK_LAUNCH("rope_qk_kernel");
   return Status::Ok();
 }
 

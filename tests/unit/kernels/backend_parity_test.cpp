@@ -2,7 +2,9 @@
 // of ggml's test-backend-ops: one parameterised test over {op x shape (x dtype: FP32 for
 // now)}. Each case builds random inputs from a fixed seed, poisons its outputs with NaN
 // (INT32_MIN for integer outputs) before every run, checks that every element was written,
-// and compares with ||out - ref|| / ||ref|| <= the op's tolerance (integer outputs: exact).
+// and compares with ||out - ref|| / ||ref|| <= the op's tolerance (integer outputs: exact;
+// BF16 outputs widened to FP32, under their own bound: one rounding step apart where the FP32
+// values straddle a rounding boundary).
 //
 // The CPU half runs everywhere; the CUDA half skips itself without a CUDA build or a GPU.
 #include <gtest/gtest.h>
@@ -74,6 +76,7 @@ struct CaseTensor {
   Shape shape;
   Role role;
   std::vector<uint8_t> bytes;  // initial contents (ignored for kOut: poisoned instead)
+  double tolerance = -1;       // >= 0: this tensor's bound instead of the case's
 };
 
 using OpRun =
@@ -88,7 +91,7 @@ struct ParityCase {
   size_t add(std::string tname, DType dtype, Shape shape, Role role,
              std::vector<uint8_t> bytes = {}) {
     if (role == Role::kOut) bytes.assign(static_cast<size_t>(shape.numel()) * dtype_size(dtype), 0);
-    tensors.push_back({std::move(tname), dtype, shape, role, std::move(bytes)});
+    tensors.push_back({std::move(tname), dtype, shape, role, std::move(bytes), -1});
     return tensors.size() - 1;
   }
   size_t add_f32(std::string tname, Shape shape, Role role, const std::vector<float>& v) {
@@ -685,6 +688,98 @@ void copy_valid_rows_cases() {
   }
 }
 
+// Fused decoder ops. add_rmsnorm: every combination of residual and outputs, on the shapes that
+// take each CUDA path (register kernel at 1/2/4/8 float4s per thread, the loop for H % 4 != 0
+// and H > 8192). The BF16 output's bound: CPU and CUDA round FP32 values that differ by ~1e-7
+// relative, so an element lands one BF16 step (2^-8 relative) apart only where it straddles a
+// rounding boundary; a systematic error (truncation, the wrong half) is ~1e-3.
+constexpr double kBf16OutputTolerance = 2e-4;
+
+void fused_op_cases() {
+  struct P {
+    int64_t rows, h;
+  };
+  enum Outputs { kF32 = 1, kBf16 = 2, kBoth = 3 };
+  const auto add_rmsnorm_case = [](const char* name, P p, bool residual, int outputs, bool alias_out = false) {
+    reg(std::string(name) + dims({{"R", p.rows}, {"H", p.h}}), [=](Rng& rng) {
+      ParityCase c;
+      const int64_t rows = p.rows, h = p.h;
+      c.add_f32("h", {rows, h}, Role::kInOut, random_f32(rng, rows * h, -2, 2));
+      const size_t r = residual ? c.add_f32("r", {rows, h}, Role::kIn, random_f32(rng, rows * h, -1, 1)) : 0;
+      const size_t w = c.add_f32("w", {h}, Role::kIn, random_f32(rng, h, 0.5f, 1.5f));
+      const size_t out = (outputs & kF32) && !alias_out ? c.add_out("out", DType::kF32, {rows, h}) : 0;
+      const size_t out_b = (outputs & kBf16) ? c.add_out("out_bf16", DType::kBF16, {rows, h}) : 0;
+      if (out_b) c.tensors[out_b].tolerance = kBf16OutputTolerance;
+      c.run = [=](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
+        const TensorView none;
+        const TensorView o = alias_out ? a[0] : (out ? a[out] : none);
+        return b.add_rmsnorm(x, o, out_b ? a[out_b] : none, a[0], residual ? a[r] : none, a[w], 1e-6f);
+      };
+      return c;
+    });
+  };
+  for (const P p : {P{1, 64}, P{7, 33}, P{130, 1000}, P{3, 4096}, P{1, 2880}, P{2, 8192}, P{5, 16}, P{1, 9000},
+                    P{4, 2048}, P{32, 2880}})
+    add_rmsnorm_case("add_rmsnorm", p, true, kBoth);
+  add_rmsnorm_case("add_rmsnorm_bf16_only", P{1, 2880}, true, kBf16);
+  add_rmsnorm_case("add_rmsnorm_bf16_only", P{7, 33}, true, kBf16);
+  add_rmsnorm_case("add_rmsnorm_f32_only", P{4, 2880}, true, kF32);
+  add_rmsnorm_case("add_rmsnorm_no_output", P{3, 77}, true, 0);
+  add_rmsnorm_case("add_rmsnorm_out_is_h", P{3, 2880}, true, kF32, true);
+  add_rmsnorm_case("add_rmsnorm_out_is_h", P{2, 9000}, true, kF32, true);
+  add_rmsnorm_case("rmsnorm_bf16", P{1, 2880}, false, kBf16);
+  add_rmsnorm_case("rmsnorm_bf16", P{3, 4096}, false, kBf16);
+  add_rmsnorm_case("rmsnorm_bf16", P{7, 33}, false, kBf16);
+  add_rmsnorm_case("rmsnorm_f32_and_bf16", P{16, 2880}, false, kBoth);
+  add_rmsnorm_case("rmsnorm_f32_and_bf16", P{2, 9000}, false, kBoth);
+
+  // rope_qk: q and k in one launch, theta or table frequencies, with or without the QK-norm;
+  // D below, at and above one warp's pairs (2, 6, 64, 128, 200), GQA ratios 1-8.
+  struct R {
+    int64_t t, qh, kvh, d, max_pos;
+    bool table, norm;
+    float theta_or_scale;
+  };
+  for (const R p : {R{1, 1, 1, 2, 8, false, false, 10000.0f}, R{5, 4, 2, 64, 64, false, false, 10000.0f},
+                    R{17, 8, 4, 128, 4096, false, false, 1e6f}, R{9, 2, 2, 6, 100000, false, false, 500000.0f},
+                    R{1, 32, 4, 128, 4096, false, true, 1e6f}, R{33, 8, 2, 128, 40000, false, true, 1e6f},
+                    R{3, 3, 1, 200, 1000, false, true, 10000.0f}, R{4, 2, 1, 6, 50, false, true, 10000.0f},
+                    R{1, 64, 8, 64, 131072, true, false, 1.3465736f}, R{17, 4, 2, 64, 4096, true, false, 1.0f},
+                    R{9, 2, 1, 6, 4096, true, false, 0.5f}, R{4, 4, 2, 128, 4096, true, true, 1.3465736f}}) {
+    const std::string name = std::string("rope_qk_") + (p.table ? "table" : "theta") + (p.norm ? "_qknorm" : "") +
+                             dims({{"T", p.t}, {"QH", p.qh}, {"KVH", p.kvh}, {"D", p.d}, {"MaxPos", p.max_pos}});
+    reg(name, [=](Rng& rng) {
+      ParityCase c;
+      c.add_f32("q", {p.t, p.qh, p.d}, Role::kInOut, random_f32(rng, p.t * p.qh * p.d, -1, 1));
+      c.add_f32("k", {p.t, p.kvh, p.d}, Role::kInOut, random_f32(rng, p.t * p.kvh * p.d, -1, 1));
+      std::vector<int32_t> pos(static_cast<size_t>(p.t));
+      for (auto& q : pos) q = rng.below(p.max_pos);
+      c.add_i32("positions", {p.t}, pos);
+      c.add_f32("inv_freq", {p.d / 2}, Role::kIn, random_f32(rng, p.d / 2, 1e-4f, 1.0f));
+      c.add_f32("q_norm", {p.d}, Role::kIn, random_f32(rng, p.d, 0.5f, 1.5f));
+      c.add_f32("k_norm", {p.d}, Role::kIn, random_f32(rng, p.d, 0.5f, 1.5f));
+      c.run = [=](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
+        RopeQkArgs args;
+        args.q = a[0];
+        args.k = a[1];
+        args.positions = a[2];
+        if (p.table) {
+          args.inv_freq = a[3];
+          args.scale = p.theta_or_scale;
+        } else {
+          args.theta = p.theta_or_scale;
+        }
+        if (p.norm) {
+          args.q_norm = a[4];
+          args.k_norm = a[5];
+        }
+        args.eps = 1e-6f;
+        return b.rope_qk(x, args);
+      };
+      return c;
+    });
+  }
+}
 
 const std::vector<CaseMaker>& all_cases() {
   static const bool built = [] {
@@ -699,6 +794,7 @@ const std::vector<CaseMaker>& all_cases() {
     router_cases();
     moe_cases();
     copy_valid_rows_cases();
+    fused_op_cases();
     return true;
   }();
   (void)built;
@@ -733,7 +829,10 @@ Status run_case(const Backend& be, const ExecContext& ctx, const ParityCase& c,
     const size_t nbytes = static_cast<size_t>(t.shape.numel()) * dtype_size(t.dtype);
     staged[i] = t.bytes;
     if (t.role == Role::kOut) {
-      if (t.dtype == DType::kF32) {
+      if (t.dtype == DType::kBF16) {
+        const uint16_t nan = 0xffff;  // a BF16 NaN
+        for (size_t j = 0; j < nbytes; j += 2) std::memcpy(&staged[i][j], &nan, 2);
+      } else if (t.dtype == DType::kF32) {
         const float nan = std::numeric_limits<float>::quiet_NaN();
         for (size_t j = 0; j < nbytes; j += 4) std::memcpy(&staged[i][j], &nan, 4);
       } else {
@@ -764,13 +863,23 @@ std::vector<T> as_vec(const std::vector<uint8_t>& b) {
 
 bool is_output(const CaseTensor& t) { return t.role != Role::kIn; }
 
+// A float tensor's values as FP32 (BF16 widened exactly).
+std::vector<float> as_floats(const CaseTensor& t, const std::vector<uint8_t>& b) {
+  if (t.dtype == DType::kF32) return as_vec<float>(b);
+  const auto bits = as_vec<uint16_t>(b);
+  std::vector<float> v(bits.size());
+  for (size_t j = 0; j < v.size(); ++j) v[j] = bf16_bits_to_f32(bits[j]);
+  return v;
+}
+bool is_float(const CaseTensor& t) { return t.dtype == DType::kF32 || t.dtype == DType::kBF16; }
+
 // Every element of a kOut tensor was overwritten (no poison left) and is finite.
 void expect_all_written(const ParityCase& c, const HostResult& r, const char* backend) {
   for (size_t i = 0; i < c.tensors.size(); ++i) {
     const CaseTensor& t = c.tensors[i];
     if (!is_output(t)) continue;
-    if (t.dtype == DType::kF32) {
-      const auto v = as_vec<float>(r[i]);
+    if (is_float(t)) {
+      const auto v = as_floats(t, r[i]);
       const auto bad = std::find_if(v.begin(), v.end(), [](float x) { return !std::isfinite(x); });
       EXPECT_EQ(bad, v.end()) << backend << ": " << t.name << "[" << (bad - v.begin())
                               << "] is not finite (unwritten?)";
@@ -787,13 +896,14 @@ void expect_close(const ParityCase& c, const HostResult& out, const HostResult& 
   for (size_t i = 0; i < c.tensors.size(); ++i) {
     const CaseTensor& t = c.tensors[i];
     if (!is_output(t)) continue;
-    if (t.dtype != DType::kF32) {
+    if (!is_float(t)) {
       const auto a = as_vec<int32_t>(out[i]), b = as_vec<int32_t>(ref[i]);
       for (size_t j = 0; j < a.size(); ++j)
         ASSERT_EQ(a[j], b[j]) << t.name << "[" << j << "] differs";
       continue;
     }
-    const auto a = as_vec<float>(out[i]), b = as_vec<float>(ref[i]);
+    const auto a = as_floats(t, out[i]), b = as_floats(t, ref[i]);
+    const double tolerance = t.tolerance >= 0 ? t.tolerance : c.tolerance;
     double diff2 = 0, ref2 = 0, worst = 0;
     size_t worst_at = 0;
     for (size_t j = 0; j < a.size(); ++j) {
@@ -808,10 +918,10 @@ void expect_close(const ParityCase& c, const HostResult& out, const HostResult& 
     const double rel = ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
     // The margin to the tolerance is what tells a kernel change apart from noise.
     std::printf("[ parity   ] %s %s: relative L2 error %.3g (tolerance %.3g)\n",
-                c.name.c_str(), t.name.c_str(), rel, c.tolerance);
-    EXPECT_LE(rel, c.tolerance) << t.name << ": relative L2 error " << rel << " (tolerance "
-                                << c.tolerance << "); worst element " << worst_at << ": "
-                                << a[worst_at] << " vs reference " << b[worst_at];
+                c.name.c_str(), t.name.c_str(), rel, tolerance);
+    EXPECT_LE(rel, tolerance) << t.name << ": relative L2 error " << rel << " (tolerance "
+                              << tolerance << "); worst element " << worst_at << ": "
+                              << a[worst_at] << " vs reference " << b[worst_at];
   }
 }
 
@@ -976,6 +1086,39 @@ std::vector<BadCall> bad_calls() {
          a.num_valid_tokens = 3;
          return b.moe_experts(x, a);
        }},
+      {"add_rmsnorm residual shape",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         return b.add_rmsnorm(x, f(static_cast<char*>(p) + 256, x, {2, 4}), {}, f(p, x, {2, 4}),
+                              f(static_cast<char*>(p) + 512, x, {4, 2}), f(static_cast<char*>(p) + 768, x, {4}),
+                              1e-6f);
+       }},
+      {"add_rmsnorm f32 view as the bf16 output",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         return b.add_rmsnorm(x, {}, f(static_cast<char*>(p) + 256, x, {2, 4}), f(p, x, {2, 4}), {},
+                              f(static_cast<char*>(p) + 768, x, {4}), 1e-6f);
+       }},
+      {"add_rmsnorm bf16 output over h",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         return b.add_rmsnorm(x, {}, TensorView::contiguous(p, DType::kBF16, {2, 4}, x.device), f(p, x, {2, 4}), {},
+                              f(static_cast<char*>(p) + 768, x, {4}), 1e-6f);
+       }},
+      {"rope_qk k head dim",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         RopeQkArgs a;
+         a.q = f(p, x, {2, 2, 8});
+         a.k = f(static_cast<char*>(p) + 256, x, {2, 1, 6});
+         a.positions = i(static_cast<char*>(p) + 512, x, {2});
+         return b.rope_qk(x, a);
+       }},
+      {"rope_qk one norm weight",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         RopeQkArgs a;
+         a.q = f(p, x, {2, 2, 8});
+         a.k = f(static_cast<char*>(p) + 256, x, {2, 1, 8});
+         a.positions = i(static_cast<char*>(p) + 512, x, {2});
+         a.q_norm = f(static_cast<char*>(p) + 768, x, {8});
+         return b.rope_qk(x, a);
+       }},
       {"view on the other device",
        [=](const Backend& b, const ExecContext& x, void* p) {
          TensorView w = f(p, x, {3, 4});
@@ -1134,6 +1277,91 @@ TEST(CudaBackend, OutOfRangeDeviceIndicesAreClampedOrSkipped) {
   r.logical_to_physical = host_i32(map_ref, {3});
   ASSERT_TRUE(cpu_backend().moe_experts(cpu_ctx, r).ok());
   expect_near_all(d.download(a.out), moe_ref, 1e-5);
+}
+
+// The fused decoder ops against CUDA's own unfused sequence on the same inputs (the parity cases
+// hold both to the CPU): add_rmsnorm is rmsnorm's kernel with the add and the rounding folded in,
+// so FP32 outputs stay within rmsnorm's bound of add + rmsnorm (the reduction order is the same)
+// and the BF16 output is convert's rounding of the FP32 one; rope_qk within rope's bound of
+// rmsnorm (q heads) + rmsnorm (k heads) + rope / rope_table on q and on k.
+TEST(CudaBackend, FusedOpsMatchTheUnfusedCudaSequence) {
+  const Backend* cuda = cuda_backend();
+  if (cuda == nullptr || cuda_device_count() == 0) GTEST_SKIP() << "no CUDA backend or no visible GPU";
+  const ExecContext ctx{Device::cuda(0), nullptr};
+  DeviceArena d(*cuda, ctx);
+  Rng rng(11);
+  const auto rel_l2 = [](const std::vector<float>& a, const std::vector<float>& b) {
+    double num = 0, den = 0;
+    for (size_t j = 0; j < a.size(); ++j) {
+      num += (static_cast<double>(a[j]) - b[j]) * (static_cast<double>(a[j]) - b[j]);
+      den += static_cast<double>(b[j]) * b[j];
+    }
+    return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  };
+  const auto download_bf16 = [&](const void* p, size_t n) {
+    std::vector<uint16_t> bits(n);
+    EXPECT_TRUE(cuda->copy(ctx, bits.data(), p, n * 2, CopyKind::kDeviceToHost).ok());
+    EXPECT_TRUE(cuda->synchronize(ctx).ok());
+    return bits;
+  };
+  for (const auto& [rows, hidden] : std::vector<std::pair<int64_t, int64_t>>{{1, 2880}, {32, 2880}, {3, 4096},
+                                                                             {7, 33}, {2, 9000}}) {
+    const size_t n = static_cast<size_t>(rows * hidden);
+    const Shape shape{rows, hidden};
+    const std::vector<float> h0 = random_f32(rng, static_cast<int64_t>(n), -2, 2);
+    const std::vector<float> r = random_f32(rng, static_cast<int64_t>(n), -1, 1);
+    const std::vector<float> w = random_f32(rng, hidden, 0.5f, 1.5f);
+    const TensorView rv = d.upload(r, shape), wv = d.upload(w, {hidden});
+    // Unfused: add, rmsnorm, convert.
+    const TensorView h_ref = d.upload(h0, shape), x_ref = d.upload(std::vector<float>(n, NAN), shape);
+    const TensorView b_ref = d.upload(std::vector<float>((n + 1) / 2, NAN), {static_cast<int64_t>((n + 1) / 2)});
+    ASSERT_TRUE(cuda->add(ctx, h_ref, h_ref, rv).ok());
+    ASSERT_TRUE(cuda->rmsnorm(ctx, x_ref, h_ref, wv, 1e-6f).ok());
+    ASSERT_TRUE(cuda->convert(ctx, b_ref.data, DType::kBF16, x_ref.data, DType::kF32, n).ok());
+    // Fused.
+    const TensorView h = d.upload(h0, shape), x = d.upload(std::vector<float>(n, NAN), shape);
+    const TensorView b = d.upload(std::vector<float>((n + 1) / 2, NAN), {static_cast<int64_t>((n + 1) / 2)});
+    ASSERT_TRUE(
+        cuda->add_rmsnorm(ctx, x, TensorView::contiguous(b.data, DType::kBF16, shape, ctx.device), h, rv, wv, 1e-6f)
+            .ok());
+    EXPECT_EQ(d.download(h), d.download(h_ref)) << rows << "x" << hidden << ": h += r is add's one rounding";
+    const std::vector<float> xs = d.download(x), xs_ref = d.download(x_ref);
+    EXPECT_LE(rel_l2(xs, xs_ref), 1e-5) << rows << "x" << hidden;
+    const std::vector<uint16_t> bits = download_bf16(b.data, n), bits_ref = download_bf16(b_ref.data, n);
+    for (size_t j = 0; j < n; ++j) {
+      ASSERT_EQ(bits[j], f32_to_bf16_bits(xs[j])) << "out_bf16[" << j << "] is not convert's rounding of out";
+      if (xs[j] == xs_ref[j]) {
+        ASSERT_EQ(bits[j], bits_ref[j]) << "element " << j;
+      }
+    }
+  }
+  for (const bool table : {false, true}) {
+    const int64_t T = 5, QH = 8, KVH = 2, D = 128;
+    const std::vector<float> q0 = random_f32(rng, T * QH * D, -1, 1), k0 = random_f32(rng, T * KVH * D, -1, 1);
+    const TensorView pos = d.upload(std::vector<int32_t>{0, 1, 17, 4095, 40000}, {T});
+    const TensorView inv = d.upload(random_f32(rng, D / 2, 1e-4f, 1.0f), {D / 2});
+    const TensorView qw = d.upload(random_f32(rng, D, 0.5f, 1.5f), {D});
+    const TensorView kw = d.upload(random_f32(rng, D, 0.5f, 1.5f), {D});
+    const float scale = table ? 1.3465736f : 1.0f, theta = 1e6f;
+    const TensorView q_ref = d.upload(q0, {T, QH, D}), k_ref = d.upload(k0, {T, KVH, D});
+    ASSERT_TRUE(cuda->rmsnorm(ctx, q_ref, q_ref, qw, 1e-6f).ok());
+    ASSERT_TRUE(cuda->rmsnorm(ctx, k_ref, k_ref, kw, 1e-6f).ok());
+    for (const TensorView& v : {q_ref, k_ref})
+      ASSERT_TRUE((table ? cuda->rope_table(ctx, v, pos, inv, scale) : cuda->rope(ctx, v, pos, theta)).ok());
+    RopeQkArgs a;
+    a.q = d.upload(q0, {T, QH, D});
+    a.k = d.upload(k0, {T, KVH, D});
+    a.positions = pos;
+    if (table) a.inv_freq = inv;
+    a.theta = theta;
+    a.scale = scale;
+    a.q_norm = qw;
+    a.k_norm = kw;
+    a.eps = 1e-6f;
+    ASSERT_TRUE(cuda->rope_qk(ctx, a).ok());
+    EXPECT_LE(rel_l2(d.download(a.q), d.download(q_ref)), 1e-5) << (table ? "table" : "theta");
+    EXPECT_LE(rel_l2(d.download(a.k), d.download(k_ref)), 1e-5) << (table ? "table" : "theta");
+  }
 }
 
 // The CPU reference refuses a device-held count outside [0, T] and leaves dst untouched (the

@@ -5,10 +5,12 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 #include "kernels/backend.hpp"
+#include "kernels/bf16.hpp"
 #include "kernels/quant/quant_ops.hpp"
 
 namespace rolloutd {
@@ -458,6 +460,117 @@ TEST(CpuBackend, MoeGptOssActivationClampsAndAddsBiases) {
 
 // ---- memory ops -----------------------------------------------------------------------
 
+// ---- fused decoder ops: bit for bit the unfused sequence -----------------------------------
+
+// Deterministic values in [lo, hi) (a linear congruential generator: the test needs variety,
+// not statistics).
+std::vector<float> pseudo_random(size_t n, float lo, float hi, uint32_t seed) {
+  std::vector<float> v(n);
+  for (float& x : v) {
+    seed = seed * 1664525u + 1013904223u;
+    x = lo + (hi - lo) * static_cast<float>(seed >> 8) * (1.0f / 16777216.0f);
+  }
+  return v;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+TEST(CpuBackend, AddRmsnormEqualsAddThenRmsnormThenConvertBitForBit) {
+  struct Case {
+    int64_t rows, hidden;
+  };
+  for (const Case c : {Case{1, 2880}, Case{3, 33}, Case{5, 64}, Case{2, 9000}}) {
+    const size_t n = static_cast<size_t>(c.rows * c.hidden);
+    const std::vector<float> h0 = pseudo_random(n, -3, 3, 1), r = pseudo_random(n, -1, 1, 2);
+    std::vector<float> w = pseudo_random(static_cast<size_t>(c.hidden), 0.5f, 1.5f, 3), rv = r;
+    const Shape shape{c.rows, c.hidden};
+    // Unfused: add, rmsnorm, convert.
+    std::vector<float> h_ref = h0, x_ref(n);
+    std::vector<uint16_t> b_ref(n);
+    ASSERT_TRUE(cpu().add(kCtx, f32(h_ref, shape), f32(h_ref, shape), f32(rv, shape)).ok());
+    ASSERT_TRUE(cpu().rmsnorm(kCtx, f32(x_ref, shape), f32(h_ref, shape), f32(w, {c.hidden}), 1e-6f).ok());
+    ASSERT_TRUE(cpu().convert(kCtx, b_ref.data(), DType::kBF16, x_ref.data(), DType::kF32, n).ok());
+    // Fused, both outputs; then the BF16 output alone (the decoder's dense-input form).
+    std::vector<float> h = h0, x(n, NAN);
+    std::vector<uint16_t> b(n, 0xffff);
+    ASSERT_TRUE(cpu().add_rmsnorm(kCtx, f32(x, shape), TensorView::contiguous(b.data(), DType::kBF16, shape),
+                                  f32(h, shape), f32(rv, shape), f32(w, {c.hidden}), 1e-6f)
+                    .ok());
+    EXPECT_TRUE(same_bits(h, h_ref)) << c.rows << "x" << c.hidden;
+    EXPECT_TRUE(same_bits(x, x_ref)) << c.rows << "x" << c.hidden;
+    EXPECT_EQ(b, b_ref) << c.rows << "x" << c.hidden;
+    h = h0;
+    std::fill(b.begin(), b.end(), uint16_t{0xffff});
+    ASSERT_TRUE(cpu().add_rmsnorm(kCtx, {}, TensorView::contiguous(b.data(), DType::kBF16, shape), f32(h, shape),
+                                  f32(rv, shape), f32(w, {c.hidden}), 1e-6f)
+                    .ok());
+    EXPECT_TRUE(same_bits(h, h_ref));
+    EXPECT_EQ(b, b_ref);
+    // Without r: rmsnorm (+ convert), h untouched; out may alias h.
+    std::vector<float> x2(n, NAN), x2_ref(n);
+    h = h0;
+    ASSERT_TRUE(cpu().rmsnorm(kCtx, f32(x2_ref, shape), f32(h, shape), f32(w, {c.hidden}), 1e-5f).ok());
+    ASSERT_TRUE(cpu().add_rmsnorm(kCtx, f32(x2, shape), {}, f32(h, shape), {}, f32(w, {c.hidden}), 1e-5f).ok());
+    EXPECT_TRUE(same_bits(x2, x2_ref));
+    EXPECT_TRUE(same_bits(h, h0));
+    ASSERT_TRUE(cpu().add_rmsnorm(kCtx, f32(h, shape), {}, f32(h, shape), {}, f32(w, {c.hidden}), 1e-5f).ok());
+    EXPECT_TRUE(same_bits(h, x2_ref));
+    // No output at all: the add alone.
+    h = h0;
+    ASSERT_TRUE(cpu().add_rmsnorm(kCtx, {}, {}, f32(h, shape), f32(rv, shape), f32(w, {c.hidden}), 1e-6f).ok());
+    EXPECT_TRUE(same_bits(h, h_ref));
+  }
+}
+
+TEST(CpuBackend, RopeQkEqualsNormsThenRopesBitForBit) {
+  struct Case {
+    int64_t tokens, q_heads, kv_heads, head_dim;
+    bool norm, table;
+  };
+  for (const Case c : {Case{3, 4, 2, 64, true, false}, Case{2, 8, 1, 128, false, false}, Case{5, 2, 2, 6, true, true},
+                       Case{1, 64, 8, 64, false, true}}) {
+    const int64_t T = c.tokens, D = c.head_dim;
+    const std::vector<float> q0 = pseudo_random(static_cast<size_t>(T * c.q_heads * D), -2, 2, 5);
+    const std::vector<float> k0 = pseudo_random(static_cast<size_t>(T * c.kv_heads * D), -2, 2, 6);
+    std::vector<float> qw = pseudo_random(static_cast<size_t>(D), 0.5f, 1.5f, 7);
+    std::vector<float> kw = pseudo_random(static_cast<size_t>(D), 0.5f, 1.5f, 8);
+    std::vector<float> inv = pseudo_random(static_cast<size_t>(D / 2), 1e-4f, 1.0f, 9);
+    std::vector<int32_t> pos(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) pos[static_cast<size_t>(t)] = static_cast<int32_t>(t * 977 + 3);
+    const float theta = 1e6f, scale = c.table ? 1.3465736f : 1.0f;
+    const Shape qs{T, c.q_heads, D}, ks{T, c.kv_heads, D};
+    std::vector<float> q_ref = q0, k_ref = k0;
+    if (c.norm) {
+      ASSERT_TRUE(cpu().rmsnorm(kCtx, f32(q_ref, qs), f32(q_ref, qs), f32(qw, {D}), 1e-6f).ok());
+      ASSERT_TRUE(cpu().rmsnorm(kCtx, f32(k_ref, ks), f32(k_ref, ks), f32(kw, {D}), 1e-6f).ok());
+    }
+    for (auto [v, s] : {std::pair{&q_ref, qs}, std::pair{&k_ref, ks}}) {
+      if (c.table)
+        ASSERT_TRUE(cpu().rope_table(kCtx, f32(*v, s), i32(pos, {T}), f32(inv, {D / 2}), scale).ok());
+      else
+        ASSERT_TRUE(cpu().rope(kCtx, f32(*v, s), i32(pos, {T}), theta).ok());
+    }
+    std::vector<float> q = q0, k = k0;
+    RopeQkArgs a;
+    a.q = f32(q, qs);
+    a.k = f32(k, ks);
+    a.positions = i32(pos, {T});
+    if (c.table) a.inv_freq = f32(inv, {D / 2});
+    a.theta = theta;
+    a.scale = scale;
+    if (c.norm) {
+      a.q_norm = f32(qw, {D});
+      a.k_norm = f32(kw, {D});
+    }
+    a.eps = 1e-6f;
+    ASSERT_TRUE(cpu().rope_qk(kCtx, a).ok());
+    EXPECT_TRUE(same_bits(q, q_ref)) << T << " " << c.q_heads << " " << D;
+    EXPECT_TRUE(same_bits(k, k_ref)) << T << " " << c.kv_heads << " " << D;
+  }
+}
+
 TEST(CpuBackend, AllocIsAlignedAndCopyRoundTrips) {
   void* p = nullptr;
   ASSERT_TRUE(cpu().alloc(kCtx, 3, &p).ok());
@@ -574,6 +687,87 @@ TEST_F(CpuBackendChecks, RmsNormAddAndRopeChecks) {
                 ErrorCode::kInvalidArgument, "positions");
   EXPECT_STATUS(cpu().rope(kCtx, f32(f, {2, 1, 4}), i32(n, {2}), 0.0f),
                 ErrorCode::kInvalidArgument, "theta");
+}
+
+TEST_F(CpuBackendChecks, AddRmsnormRejectsBadViewsWithoutWriting) {
+  auto bf16 = [](std::vector<float>& v, Shape s) { return TensorView::contiguous(v.data(), DType::kBF16, s); };
+  std::vector<float> h(8, 2.0f), r(8, 1.0f);
+  auto call = [&](TensorView out, TensorView out_b, TensorView hv, TensorView rv, TensorView w, float eps) {
+    return cpu().add_rmsnorm(kCtx, out, out_b, hv, rv, w, eps);
+  };
+  EXPECT_STATUS(call(f32(o, {2, 4}), {}, f32(h, {2, 4}), f32(r, {4, 2}), f32(g, {4}), 1e-6f),
+                ErrorCode::kInvalidArgument, "r");
+  EXPECT_STATUS(call(f32(o, {2, 4}), {}, f32(h, {2, 4}), f32(r, {2, 4}), f32(g, {3}), 1e-6f),
+                ErrorCode::kInvalidArgument, "w");
+  EXPECT_STATUS(call(f32(o, {8}), {}, f32(h, {2, 4}), f32(r, {2, 4}), f32(g, {4}), 1e-6f),
+                ErrorCode::kInvalidArgument, "out");
+  EXPECT_STATUS(call({}, f32(o, {2, 4}), f32(h, {2, 4}), f32(r, {2, 4}), f32(g, {4}), 1e-6f),
+                ErrorCode::kInvalidArgument, "out_bf16");
+  EXPECT_STATUS(call({}, bf16(o, {2, 2}), f32(h, {2, 4}), f32(r, {2, 4}), f32(g, {4}), 1e-6f),
+                ErrorCode::kInvalidArgument, "out_bf16");
+  EXPECT_STATUS(call(f32(o, {2, 4}), {}, i32(n, {2, 4}), f32(r, {2, 4}), f32(g, {4}), 1e-6f),
+                ErrorCode::kInvalidArgument, "h");
+  EXPECT_STATUS(call(f32(o, {2, 4}), {}, f32(h, {2, 4}), f32(r, {2, 4}), f32(g, {4}), -1.0f),
+                ErrorCode::kInvalidArgument, "eps");
+  // Overlaps: out partly over h, out_bf16 over out, r over h.
+  EXPECT_STATUS(call(TensorView::contiguous(h.data() + 1, DType::kF32, {1, 4}), {}, f32(h, {1, 4}), {}, f32(g, {4}),
+                     1e-6f),
+                ErrorCode::kInvalidArgument, "out");
+  EXPECT_STATUS(call(f32(o, {2, 4}), bf16(o, {2, 4}), f32(h, {2, 4}), {}, f32(g, {4}), 1e-6f),
+                ErrorCode::kInvalidArgument, "out_bf16");
+  EXPECT_STATUS(call(f32(o, {1, 4}), {}, f32(h, {1, 4}), f32(h, {1, 4}), f32(g, {4}), 1e-6f),
+                ErrorCode::kInvalidArgument, "r");
+  // Nothing was written: h keeps its values (the add never ran), out its poison.
+  EXPECT_EQ(h, std::vector<float>(8, 2.0f));
+  for (int i = 0; i < 8; ++i) EXPECT_TRUE(std::isnan(o[i]));
+}
+
+TEST_F(CpuBackendChecks, RopeQkRejectsBadViewsWithoutWriting) {
+  std::vector<float> q(64, 1.0f), k(64, 1.0f);
+  auto args = [&] {
+    RopeQkArgs a;
+    a.q = f32(q, {2, 2, 8});
+    a.k = f32(k, {2, 1, 8});
+    a.positions = i32(n, {2});
+    return a;
+  };
+  RopeQkArgs a = args();
+  a.k = f32(k, {2, 1, 6});
+  EXPECT_STATUS(cpu().rope_qk(kCtx, a), ErrorCode::kInvalidArgument, "k");
+  a = args();
+  a.k = f32(k, {3, 1, 8});
+  EXPECT_STATUS(cpu().rope_qk(kCtx, a), ErrorCode::kInvalidArgument, "k");
+  a = args();
+  a.q = f32(q, {2, 2, 7});
+  EXPECT_STATUS(cpu().rope_qk(kCtx, a), ErrorCode::kInvalidArgument, "q");
+  a = args();
+  a.positions = i32(n, {3});
+  EXPECT_STATUS(cpu().rope_qk(kCtx, a), ErrorCode::kInvalidArgument, "positions");
+  a = args();
+  a.theta = 0.0f;
+  EXPECT_STATUS(cpu().rope_qk(kCtx, a), ErrorCode::kInvalidArgument, "theta");
+  a.inv_freq = f32(g, {4});  // the table form never reads theta
+  EXPECT_TRUE(cpu().rope_qk(kCtx, a).ok());
+  std::fill(q.begin(), q.end(), 1.0f);
+  std::fill(k.begin(), k.end(), 1.0f);
+  a.inv_freq = f32(g, {8});
+  EXPECT_STATUS(cpu().rope_qk(kCtx, a), ErrorCode::kInvalidArgument, "inv_freq");
+  a = args();
+  a.scale = 0.0f;
+  EXPECT_STATUS(cpu().rope_qk(kCtx, a), ErrorCode::kInvalidArgument, "scale");
+  a = args();
+  a.q_norm = f32(g, {8});
+  EXPECT_STATUS(cpu().rope_qk(kCtx, a), ErrorCode::kInvalidArgument, "k_norm");
+  a.k_norm = f32(g, {4});
+  EXPECT_STATUS(cpu().rope_qk(kCtx, a), ErrorCode::kInvalidArgument, "k_norm");
+  a.k_norm = f32(g, {8});
+  a.eps = NAN;
+  EXPECT_STATUS(cpu().rope_qk(kCtx, a), ErrorCode::kInvalidArgument, "eps");
+  a = args();
+  a.k = f32(q, {2, 1, 8});  // k inside q
+  EXPECT_STATUS(cpu().rope_qk(kCtx, a), ErrorCode::kInvalidArgument, "k");
+  EXPECT_EQ(q, std::vector<float>(64, 1.0f));
+  EXPECT_EQ(k, std::vector<float>(64, 1.0f));
 }
 
 TEST_F(CpuBackendChecks, KvStoreRejectsSlotsBeyondTheCache) {
