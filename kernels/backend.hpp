@@ -132,6 +132,10 @@ struct RopeQkArgs {
   // rmsnorm(x) * q_norm (q) or * k_norm (k), f32 [D], with `eps`.
   TensorView q_norm, k_norm;
   float eps = 1e-6f;
+  // Optional fused projection: qkv f32 [T, (QH + 2 KVH) * D], each row q | k | v (one GEMM over
+  // the three weights stored back to back). Then q and k are outputs only (read from qkv, written
+  // rotated) and v [T, KVH, D] f32 receives qkv's v columns as they are. Both or neither.
+  TensorView qkv, v;
 };
 
 struct Backend {

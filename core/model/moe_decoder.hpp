@@ -140,6 +140,10 @@ class MoeDecoder {
     // gpt-oss: projection biases (config.attention_bias), learned sinks [QH], the sliding
     // window of this layer (0: full attention), router bias [E], expert biases.
     TensorView q_bias, k_bias, v_bias, o_bias, sinks;
+    // CUDA, when q/k/v weights (and biases) lie back to back in the arena: one view over the three,
+    // [(QH + 2 KVH) * D, H] (and [(QH + 2 KVH) * D]), so q, k and v take one GEMM, split by rope_qk.
+    bool qkv_fused = false;
+    TensorView qkv_proj, qkv_bias;
     int64_t window = 0;
     TensorView router_bias;                            // [E]
     TensorView experts_gate_up_bias, experts_down_bias;  // [E, 2I] (interleaved), [E, H]
@@ -174,6 +178,7 @@ class MoeDecoder {
     TensorView experts_ws;  // kernel_experts_: moe::experts scratch (uint8, sized for max_tokens)
     TensorView final_rows, final_normed, logits;
     TensorView x_bf16;  // dense_bf16_: a dense projection's input rounded to BF16 [max(T, S) * max(H, QH * D)]
+    TensorView qkv;     // a layer with qkv_fused: the fused projection's output [T, (QH + 2 KVH) * D]
   };
 
   MoeDecoder(const ModelConfig& c, const StepLimits& l, const Backend& b, ExecContext ctx);

@@ -231,6 +231,16 @@ Status rope_qk(const ExecContext& ctx, const RopeQkArgs& a) {
   RD_RETURN_IF_ERROR(check_ctx(ctx));
   RD_RETURN_IF_ERROR(op_checks::rope_qk(ctx, a));
   const int64_t head_dim = a.q.size(2);
+  if (a.qkv.data != nullptr) {  // split the fused projection's rows first: q | k | v
+    const int64_t t = a.q.size(0), qd = a.q.size(1) * head_dim, kvd = a.k.size(1) * head_dim;
+    const float* src = a.qkv.as<const float>();
+    for (int64_t r = 0; r < t; ++r) {
+      const float* row = src + r * (qd + 2 * kvd);
+      std::copy(row, row + qd, a.q.as<float>() + r * qd);
+      std::copy(row + qd, row + qd + kvd, a.k.as<float>() + r * kvd);
+      std::copy(row + qd + kvd, row + qd + 2 * kvd, a.v.as<float>() + r * kvd);
+    }
+  }
   if (a.q_norm.data != nullptr) {
     for (const auto& [x, w] : {std::pair{a.q, a.q_norm}, std::pair{a.k, a.k_norm}}) {
       const int64_t rows = x.numel() / head_dim;

@@ -301,11 +301,26 @@ Status rope_qk(const ExecContext& ctx, const RopeQkArgs& a) {
     if (!std::isfinite(a.eps) || a.eps < 0.0f)
       return invalid("eps", "eps must be finite and >= 0, got " + std::to_string(a.eps));
   }
+  if (absent(a.qkv) != absent(a.v)) return invalid(absent(a.qkv) ? "qkv" : "v", "qkv and v: give both or neither");
+  if (!absent(a.qkv)) {
+    const int64_t t = a.q.size(0), width = (a.q.size(1) + 2 * a.k.size(1)) * d;
+    RD_RETURN_IF_ERROR(view(ctx, a.qkv, "qkv", DType::kF32, 2, "[T, (QH + 2 KVH) * D]"));
+    RD_RETURN_IF_ERROR(dim(a.qkv, 0, t, "qkv", "T", "q"));
+    RD_RETURN_IF_ERROR(dim(a.qkv, 1, width, "qkv", "(QH + 2 KVH) * D", "q and k"));
+    RD_RETURN_IF_ERROR(view(ctx, a.v, "v", DType::kF32, 3, "[T, KVH, D]"));
+    RD_RETURN_IF_ERROR(dim(a.v, 0, t, "v", "T", "q"));
+    RD_RETURN_IF_ERROR(dim(a.v, 1, a.k.size(1), "v", "KVH", "k"));
+    RD_RETURN_IF_ERROR(dim(a.v, 2, d, "v", "D", "q"));
+    for (auto [o, name] : {std::pair{&a.q, "q"}, std::pair{&a.k, "k"}, std::pair{&a.v, "v"}})
+      if (overlaps(*o, a.qkv)) return invalid(name, std::string(name) + ": overlaps qkv");
+    if (overlaps(a.v, a.q) || overlaps(a.v, a.k)) return invalid("v", "v: overlaps q or k");
+  }
   // Rotated in place while the positions, frequencies and weights are read.
   if (overlaps(a.q, a.k)) return invalid("k", "k: overlaps q");
   for (auto [v, name] : {std::pair{&a.positions, "positions"}, std::pair{&a.inv_freq, "inv_freq"},
                          std::pair{&a.q_norm, "q_norm"}, std::pair{&a.k_norm, "k_norm"}})
-    if (overlaps(*v, a.q) || overlaps(*v, a.k)) return invalid(name, std::string(name) + ": overlaps q or k");
+    if (overlaps(*v, a.q) || overlaps(*v, a.k) || overlaps(*v, a.v))
+      return invalid(name, std::string(name) + ": overlaps q, k or v");
   return Status::Ok();
 }
 

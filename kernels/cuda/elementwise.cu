@@ -436,28 +436,40 @@ namespace {
 constexpr int kRopeWarps = 4;
 
 template <bool kNorm, bool kTable>
+// With qkv (the fused projection, rows q | k | v), q and k rows are read from it, and v's rows
+// (heads q_heads + kv_heads ..) are copied from it to v.
 __global__ void rope_qk_kernel(float* q, float* k, const int32_t* __restrict__ positions,
                                const float* __restrict__ inv_freq, const float* __restrict__ q_norm,
                                const float* __restrict__ k_norm, int64_t num_tokens, int64_t q_heads,
-                               int64_t kv_heads, int64_t head_dim, float theta, float scale, float eps) {
-  const int64_t half = head_dim / 2, heads = q_heads + kv_heads, total = num_tokens * heads;
+                               int64_t kv_heads, int64_t head_dim, float theta, float scale, float eps,
+                               const float* __restrict__ qkv, float* __restrict__ v) {
+  const int64_t half = head_dim / 2, rot_heads = q_heads + kv_heads;
+  const int64_t heads = rot_heads + (qkv != nullptr ? kv_heads : 0), total = num_tokens * heads;
+  const int64_t width = (q_heads + 2 * kv_heads) * head_dim;
   const int lane = threadIdx.x & 31;
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRopeWarps + (threadIdx.x >> 5); row < total;
        row += static_cast<int64_t>(gridDim.x) * kRopeWarps) {  // warp-uniform: whole warps loop
     const int64_t t = row / heads, h = row % heads;
+    if (h >= rot_heads) {  // a v head: copied as it is
+      const float* src = qkv + t * width + h * head_dim;
+      float* dst = v + (t * kv_heads + (h - rot_heads)) * head_dim;
+      for (int64_t i = lane; i < head_dim; i += 32) dst[i] = src[i];
+      continue;
+    }
     const bool is_q = h < q_heads;
     float* x = is_q ? q + (t * q_heads + h) * head_dim : k + (t * kv_heads + (h - q_heads)) * head_dim;
+    const float* in = qkv != nullptr ? qkv + t * width + h * head_dim : x;
     float inv = 1.0f;
     if constexpr (kNorm) {
       float ss = 0.0f;
-      for (int64_t i = lane; i < half; i += 32) ss += x[i] * x[i] + x[i + half] * x[i + half];
+      for (int64_t i = lane; i < half; i += 32) ss += in[i] * in[i] + in[i + half] * in[i + half];
       ss = warp_sum(ss);
       inv = rsqrtf(ss / static_cast<float>(head_dim) + eps);
     }
     const float* w = is_q ? q_norm : k_norm;
     const float p = static_cast<float>(positions[t]);
     for (int64_t i = lane; i < half; i += 32) {
-      float x1 = x[i], x2 = x[i + half];
+      float x1 = in[i], x2 = in[i + half];
       if constexpr (kNorm) {
         x1 = w[i] * (x1 * inv);
         x2 = w[i + half] * (x2 * inv);
@@ -481,7 +493,7 @@ __global__ void rope_qk_kernel(float* q, float* k, const int32_t* __restrict__ p
 Status rope_qk(const ExecContext& ctx, const RopeQkArgs& a) {
   RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCuda));
   RD_RETURN_IF_ERROR(op_checks::rope_qk(ctx, a));
-  const int64_t rows = a.q.size(0) * (a.q.size(1) + a.k.size(1));
+  const int64_t rows = a.q.size(0) * (a.q.size(1) + a.k.size(1) * (a.qkv.data != nullptr ? 2 : 1));
   if (rows == 0) return Status::Ok();
   DeviceGuard guard;
   RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
@@ -490,7 +502,7 @@ Status rope_qk(const ExecContext& ctx, const RopeQkArgs& a) {
     kernel<<<blocks_for(rows, kRopeWarps), kRopeWarps * 32, 0, stream_of(ctx)>>>(
         a.q.as<float>(), a.k.as<float>(), a.positions.as<const int32_t>(), a.inv_freq.as<const float>(),
         a.q_norm.as<const float>(), a.k_norm.as<const float>(), a.q.size(0), a.q.size(1), a.k.size(1), a.q.size(2),
-        a.theta, a.scale, a.eps);
+        a.theta, a.scale, a.eps, a.qkv.as<const float>(), a.v.as<float>());
   };
   if (norm && table) launch(rope_qk_kernel<true, true>);
   else if (norm) launch(rope_qk_kernel<true, false>);

@@ -779,6 +779,46 @@ void fused_op_cases() {
       return c;
     });
   }
+  // rope_qk from a fused projection's rows (q | k | v): q and k written rotated, v copied.
+  for (const R p : {R{1, 64, 8, 64, 131072, true, false, 1.3465736f}, R{5, 32, 4, 128, 40000, false, true, 1e6f},
+                    R{17, 8, 2, 64, 4096, false, false, 10000.0f}, R{3, 3, 1, 6, 100, true, true, 0.5f}}) {
+    const std::string name = std::string("rope_qk_qkv_") + (p.table ? "table" : "theta") + (p.norm ? "_qknorm" : "") +
+                             dims({{"T", p.t}, {"QH", p.qh}, {"KVH", p.kvh}, {"D", p.d}});
+    reg(name, [=](Rng& rng) {
+      ParityCase c;
+      const int64_t width = (p.qh + 2 * p.kvh) * p.d;
+      c.add_f32("qkv", {p.t, width}, Role::kIn, random_f32(rng, p.t * width, -1, 1));
+      c.add_out("q", DType::kF32, {p.t, p.qh, p.d});
+      c.add_out("k", DType::kF32, {p.t, p.kvh, p.d});
+      c.add_out("v", DType::kF32, {p.t, p.kvh, p.d});
+      std::vector<int32_t> pos(static_cast<size_t>(p.t));
+      for (auto& q : pos) q = rng.below(p.max_pos);
+      c.add_i32("positions", {p.t}, pos);
+      c.add_f32("inv_freq", {p.d / 2}, Role::kIn, random_f32(rng, p.d / 2, 1e-4f, 1.0f));
+      c.add_f32("q_norm", {p.d}, Role::kIn, random_f32(rng, p.d, 0.5f, 1.5f));
+      c.add_f32("k_norm", {p.d}, Role::kIn, random_f32(rng, p.d, 0.5f, 1.5f));
+      c.run = [=](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
+        RopeQkArgs args;
+        args.qkv = a[0];
+        args.q = a[1];
+        args.k = a[2];
+        args.v = a[3];
+        args.positions = a[4];
+        if (p.table) {
+          args.inv_freq = a[5];
+          args.scale = p.theta_or_scale;
+        } else {
+          args.theta = p.theta_or_scale;
+        }
+        if (p.norm) {
+          args.q_norm = a[6];
+          args.k_norm = a[7];
+        }
+        return b.rope_qk(x, args);
+      };
+      return c;
+    });
+  }
 }
 
 const std::vector<CaseMaker>& all_cases() {
@@ -1108,6 +1148,25 @@ std::vector<BadCall> bad_calls() {
          a.q = f(p, x, {2, 2, 8});
          a.k = f(static_cast<char*>(p) + 256, x, {2, 1, 6});
          a.positions = i(static_cast<char*>(p) + 512, x, {2});
+         return b.rope_qk(x, a);
+       }},
+      {"rope_qk qkv without v",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         RopeQkArgs a;
+         a.q = f(p, x, {2, 2, 8});
+         a.k = f(static_cast<char*>(p) + 256, x, {2, 1, 8});
+         a.positions = i(static_cast<char*>(p) + 512, x, {2});
+         a.qkv = f(static_cast<char*>(p) + 1024, x, {2, 32});
+         return b.rope_qk(x, a);
+       }},
+      {"rope_qk qkv width",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         RopeQkArgs a;
+         a.q = f(p, x, {2, 2, 8});
+         a.k = f(static_cast<char*>(p) + 256, x, {2, 1, 8});
+         a.positions = i(static_cast<char*>(p) + 512, x, {2});
+         a.qkv = f(static_cast<char*>(p) + 1024, x, {2, 24});
+         a.v = f(static_cast<char*>(p) + 768, x, {2, 1, 8});
          return b.rope_qk(x, a);
        }},
       {"rope_qk one norm weight",
