@@ -73,11 +73,14 @@ _IPC_PIPELINE_DEPTH = 4
 # overlap the copies in flight: the two break even near 40 MB.
 _IPC_SPLIT_DIRECT_BYTES = 64 << 20
 
-# push_weights pauses Python's cyclic garbage collector while it describes and plans: 10,000
-# small tensors make ~30,000 short-lived objects, enough to trigger collections that walk a
-# trainer's whole heap (torch and CuPy imported: millions of objects) in the middle of the loop.
-# Nothing there makes reference cycles; collection resumes (if it was on) right after.
-PAUSE_GC_WHILE_PLANNING = True
+# push_weights pauses Python's cyclic garbage collector from describing the tensors to the last
+# reply: 10,000 small tensors make ~30,000 objects that live until the push ends, enough to set
+# off collections that walk a trainer's whole heap (torch and CuPy imported: millions of objects)
+# in the middle of it (describe went from 1.3 to 10+ us per tensor in such reps on the H200, and
+# the push's own objects were promoted to older generations on the way). Nothing the push makes
+# forms reference cycles, so they are freed by reference counting when it returns; collection
+# resumes (if it was on) right after.
+PAUSE_GC_DURING_PUSH = True
 
 
 @contextlib.contextmanager
@@ -1262,21 +1265,32 @@ def push_weights(clients: Sequence[Client], named_tensors: Any, weight_version: 
                 raise ValueError(f"cuda:{dev} is not the daemons' GPU (uuid {wanted.hex()})")
         handle_uuid = wanted
     backend = _backend if _backend is not None else _TorchBackend(dev, ipc=(via == "cuda_ipc"))
-    with _gc_paused(PAUSE_GC_WHILE_PLANNING):
-        t_describe = time.monotonic()
-        named = _named(named_tensors)
-        describe_all = getattr(backend, "describe_all", None)
-        items = (describe_all(named) if describe_all is not None
-                 else [backend.describe(i, name, t) for i, (name, t) in enumerate(named)])
-        t_plan = time.monotonic()
-        stats["describe_s"] = t_plan - t_describe
-        buckets = plan_buckets(items, bucket_bytes,
-                               max_entries=max(1, min(c.limits.max_bucket_entries for c in clients)),
-                               max_envelope_bytes=min(c.limits.max_envelope_bytes for c in clients),
-                               direct_device=backend.device if direct else None,
-                               can_direct=backend.can_direct,
-                               split_direct_bytes=_IPC_SPLIT_DIRECT_BYTES if via == "cuda_ipc" else None)
-        stats["plan_s"] = time.monotonic() - t_plan
+    if via == "nccl":
+        handle_uuid = None
+    with _gc_paused(PAUSE_GC_DURING_PUSH):
+        return _push(clients, named_tensors, weight_version, via, group, bucket_bytes, checksum, selector, timeout_s,
+                     direct, stats, backend, handle_uuid, t_start)
+
+
+def _push(clients: List[Client], named_tensors: Any, weight_version: int, via: str, group: Optional[NcclWeightGroup],
+          bucket_bytes: int, checksum: bool, selector: Optional[Sequence[str]], timeout_s: float, direct: bool,
+          stats: Dict[str, Any], backend: Any, handle_uuid: Optional[bytes],
+          t_start: float) -> List[EndWeightUpdateReply]:
+    """push_weights from describing the tensors to the end replies (the collector paused)."""
+    t_describe = time.monotonic()
+    named = _named(named_tensors)
+    describe_all = getattr(backend, "describe_all", None)
+    items = (describe_all(named) if describe_all is not None
+             else [backend.describe(i, name, t) for i, (name, t) in enumerate(named)])
+    t_plan = time.monotonic()
+    stats["describe_s"] = t_plan - t_describe
+    buckets = plan_buckets(items, bucket_bytes,
+                           max_entries=max(1, min(c.limits.max_bucket_entries for c in clients)),
+                           max_envelope_bytes=min(c.limits.max_envelope_bytes for c in clients),
+                           direct_device=backend.device if direct else None,
+                           can_direct=backend.can_direct,
+                           split_direct_bytes=_IPC_SPLIT_DIRECT_BYTES if via == "cuda_ipc" else None)
+    stats["plan_s"] = time.monotonic() - t_plan
     packed = [b.size for b in buckets if not b.direct]
     if packed:
         backend.allocate(max(packed), min(len(packed), 2))

@@ -446,13 +446,13 @@ def bench_small(args):
                     best_push(client, tensors, "nccl", group, "nccl")
             on_daemon_gpu = [(n, t.to(f"cuda:{DAEMON_GPU}")) for n, t in tensors]
             best_push(client, on_daemon_gpu, "cuda_ipc", None, "ipc")
-            # The same push with the garbage collector left on while planning (the A/B of
-            # trainer.PAUSE_GC_WHILE_PLANNING).
-            trainer.PAUSE_GC_WHILE_PLANNING = False
+            # The same push with the garbage collector left on (the A/B of
+            # trainer.PAUSE_GC_DURING_PUSH).
+            trainer.PAUSE_GC_DURING_PUSH = False
             try:
                 best_push(client, on_daemon_gpu, "cuda_ipc", None, "ipc_gc_on")
             finally:
-                trainer.PAUSE_GC_WHILE_PLANNING = True
+                trainer.PAUSE_GC_DURING_PUSH = True
             # The same push with the multi-tensor copy instead of the gather kernel.
             os.environ["ROLLOUTD_PACK_GATHER"] = "0"
             trainer._GATHER_KERNELS.clear()
