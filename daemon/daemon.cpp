@@ -278,6 +278,7 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
                 {{"model", mc.name}, {"family", mc.family}, {"device", ctx.device.to_string()},
                  {"experts", mc.experts_mxfp4 ? "mxfp4" : "fp32"},
                  {"dense", (*engine)->model().uses_bf16_dense() ? "bf16" : "fp32"},
+                 {"qkv_fused_layers", (*engine)->model().qkv_fused_layers()},
                  {"seed", embedded ? nlohmann::json(config.model_seed) : nlohmann::json(nullptr)},
                  {"parameters", (*engine)->model().weights().size()}, {"checkpoint_files", checkpoint_files},
                  {"checkpoint_size_bytes", checkpoint_bytes}, {"load_duration_s", load_s}});

@@ -8,6 +8,7 @@
 // CUDA, BF16 dense projections (ModelConfig::dense_bf16) and MXFP4 experts on moe::experts (BF16
 // activations inside the expert GEMMs). All compute goes through the
 // Backend op table, so the same code runs on the CPU reference and on CUDA.
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -113,6 +114,10 @@ class MoeDecoder {
   bool uses_kernel_experts() const { return kernel_experts_; }
   // Whether the dense projections are BF16 parameters (CUDA and ModelConfig::dense_bf16).
   bool uses_bf16_dense() const { return dense_bf16_; }
+  // Layers whose q, k and v projections run as one GEMM (CUDA, weights back to back).
+  int64_t qkv_fused_layers() const {
+    return std::count_if(layers_.begin(), layers_.end(), [](const Layer& L) { return L.qkv_fused; });
+  }
   // The bucket a decode step of n sequences runs in; 0 when it runs eagerly.
   int64_t bucket_for(int64_t num_seqs) const;
   // Device table of the last step's routed-expert ids: [num_moe_layers, max_tokens, top_k] int32

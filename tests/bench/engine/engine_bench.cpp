@@ -362,10 +362,13 @@ int main(int argc, char** argv) {
       }
       const size_t free_after = device_free_bytes();
       const core::GraphStats& gs = (*e)->model().graph_stats();
-      std::printf("%s: dense projections %s\n", model.c_str(), (*e)->model().uses_bf16_dense() ? "BF16" : "FP32");
+      std::printf("%s: dense projections %s, q/k/v as one GEMM in %lld layers\n", model.c_str(),
+                  (*e)->model().uses_bf16_dense() ? "BF16" : "FP32",
+                  static_cast<long long>((*e)->model().qkv_fused_layers()));
       nlohmann::json entry = {{"model", model},
                               {"graphs", graphs},
                               {"dense_bf16", (*e)->model().uses_bf16_dense()},
+                              {"qkv_fused_layers", (*e)->model().qkv_fused_layers()},
                               {"num_graphs", gs.num_graphs},
                               {"buckets", gs.buckets},
                               {"capture_s", gs.capture_s},
