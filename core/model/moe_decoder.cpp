@@ -99,21 +99,18 @@ Status MoeDecoder::allocate() {
       RD_RETURN_IF_ERROR(param(p + "self_attn.o_proj.bias", Shape{H}, L.o_bias));
     }
     // One GEMM for q, k and v on CUDA (two launches fewer per layer, each ~6 us at decode sizes)
-    // when the arena placed their weights, and biases, back to back (it allocates in order, so
-    // they are unless a segment ended between them). The CPU keeps three: its results stay
-    // those of the checkpoint's three projections, bit for bit.
-    if (ctx_.device.kind == DeviceKind::kCuda) {
+    // when the arena placed their weights back to back (it allocates in order, so they are
+    // unless a segment ended between them). Not with projection biases (gpt-oss): the arena
+    // pads small bias vectors apart, and the biased form has not run on a GPU yet. The CPU keeps
+    // three: its results stay those of the checkpoint's three projections, bit for bit.
+    if (ctx_.device.kind == DeviceKind::kCuda && !c.attention_bias) {
       const auto next_to = [](const TensorView& a, const TensorView& b) {
         return static_cast<const char*>(a.data) + a.nbytes() == static_cast<const char*>(b.data);
       };
-      L.qkv_fused = next_to(L.q_proj, L.k_proj) && next_to(L.k_proj, L.v_proj) &&
-                    (!c.attention_bias || (next_to(L.q_bias, L.k_bias) && next_to(L.k_bias, L.v_bias)));
-      if (L.qkv_fused) {
+      L.qkv_fused = next_to(L.q_proj, L.k_proj) && next_to(L.k_proj, L.v_proj);
+      if (L.qkv_fused)
         L.qkv_proj = TensorView::contiguous(L.q_proj.data, L.q_proj.dtype, Shape{(QH + 2 * KVH) * D, H},
                                             L.q_proj.device);
-        if (c.attention_bias)
-          L.qkv_bias = TensorView::contiguous(L.q_bias.data, DType::kF32, Shape{(QH + 2 * KVH) * D}, L.q_bias.device);
-      }
     }
     if (gpt_oss) RD_RETURN_IF_ERROR(param(p + "self_attn.sinks", Shape{QH}, L.sinks));
     if (!c.layer_types.empty() && c.layer_types[static_cast<size_t>(l)] == "sliding_attention")
@@ -758,10 +755,9 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
     RD_RETURN_IF_ERROR(norm_for_dense(x, h, pending, L.input_layernorm, L.q_proj, xd));
     pending = {};
     if (L.qkv_fused) {
-      // One GEMM (and one bias add) into rows q | k | v; rope_qk splits them.
+      // One GEMM into rows q | k | v; rope_qk splits them.
       const TensorView qkv = rows_of(ws_.qkv, T);
       RD_RETURN_IF_ERROR(backend_.linear(ctx, qkv, xd, L.qkv_proj));
-      if (L.qkv_bias.data) RD_RETURN_IF_ERROR(backend_.add_bias(ctx, qkv, L.qkv_bias));
       rope_args.qkv = qkv;
       rope_args.v = as_heads(v, KVH, D);
     } else {

@@ -145,10 +145,10 @@ class MoeDecoder {
     // gpt-oss: projection biases (config.attention_bias), learned sinks [QH], the sliding
     // window of this layer (0: full attention), router bias [E], expert biases.
     TensorView q_bias, k_bias, v_bias, o_bias, sinks;
-    // CUDA, when q/k/v weights (and biases) lie back to back in the arena: one view over the three,
-    // [(QH + 2 KVH) * D, H] (and [(QH + 2 KVH) * D]), so q, k and v take one GEMM, split by rope_qk.
+    // CUDA, no projection biases, q/k/v weights back to back in the arena: one view over the
+    // three, [(QH + 2 KVH) * D, H], so q, k and v take one GEMM, split by rope_qk.
     bool qkv_fused = false;
-    TensorView qkv_proj, qkv_bias;
+    TensorView qkv_proj;
     int64_t window = 0;
     TensorView router_bias;                            // [E]
     TensorView experts_gate_up_bias, experts_down_bias;  // [E, 2I] (interleaved), [E, H]
