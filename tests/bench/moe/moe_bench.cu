@@ -31,29 +31,11 @@
 #include <vector>
 
 #include "core/moe/layer/moe_layer.hpp"
+#include "tests/bench/bench_checks.hpp"
 
 namespace {
 
 using namespace rolloutd;
-
-#define CHECK_CUDA(expr)                                                              \
-  do {                                                                                \
-    const cudaError_t e_ = (expr);                                                    \
-    if (e_ != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #expr, cudaGetErrorString(e_), \
-                   __FILE__, __LINE__);                                               \
-      std::exit(2);                                                                   \
-    }                                                                                 \
-  } while (0)
-
-#define CHECK_OK(expr)                                                        \
-  do {                                                                        \
-    const ::rolloutd::Status s_ = (expr);                                     \
-    if (!s_.ok()) {                                                           \
-      std::fprintf(stderr, "%s failed: %s\n", #expr, s_.to_string().c_str()); \
-      std::exit(2);                                                           \
-    }                                                                         \
-  } while (0)
 
 // Deterministic bytes: a hash of the index.
 __device__ __forceinline__ uint32_t mix(uint64_t i, uint32_t seed) {

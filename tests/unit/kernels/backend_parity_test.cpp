@@ -740,85 +740,65 @@ void fused_op_cases() {
     bool table, norm;
     float theta_or_scale;
   };
-  for (const R p : {R{1, 1, 1, 2, 8, false, false, 10000.0f}, R{5, 4, 2, 64, 64, false, false, 10000.0f},
-                    R{17, 8, 4, 128, 4096, false, false, 1e6f}, R{9, 2, 2, 6, 100000, false, false, 500000.0f},
-                    R{1, 32, 4, 128, 4096, false, true, 1e6f}, R{33, 8, 2, 128, 40000, false, true, 1e6f},
-                    R{3, 3, 1, 200, 1000, false, true, 10000.0f}, R{4, 2, 1, 6, 50, false, true, 10000.0f},
-                    R{1, 64, 8, 64, 131072, true, false, 1.3465736f}, R{17, 4, 2, 64, 4096, true, false, 1.0f},
-                    R{9, 2, 1, 6, 4096, true, false, 0.5f}, R{4, 4, 2, 128, 4096, true, true, 1.3465736f}}) {
-    const std::string name = std::string("rope_qk_") + (p.table ? "table" : "theta") + (p.norm ? "_qknorm" : "") +
-                             dims({{"T", p.t}, {"QH", p.qh}, {"KVH", p.kvh}, {"D", p.d}, {"MaxPos", p.max_pos}});
+  // fused: the qkv form (rows q | k | v of one projection in; q, k written rotated, v copied).
+  const auto rope_qk_case = [](const R p, bool fused) {
+    const std::string name = std::string(fused ? "rope_qk_qkv_" : "rope_qk_") + (p.table ? "table" : "theta") +
+                             (p.norm ? "_qknorm" : "") +
+                             (fused ? dims({{"T", p.t}, {"QH", p.qh}, {"KVH", p.kvh}, {"D", p.d}})
+                                    : dims({{"T", p.t}, {"QH", p.qh}, {"KVH", p.kvh}, {"D", p.d}, {"MaxPos", p.max_pos}}));
     reg(name, [=](Rng& rng) {
       ParityCase c;
-      c.add_f32("q", {p.t, p.qh, p.d}, Role::kInOut, random_f32(rng, p.t * p.qh * p.d, -1, 1));
-      c.add_f32("k", {p.t, p.kvh, p.d}, Role::kInOut, random_f32(rng, p.t * p.kvh * p.d, -1, 1));
+      size_t qkv = 0, v = 0;
+      if (fused) {
+        const int64_t width = (p.qh + 2 * p.kvh) * p.d;
+        qkv = c.add_f32("qkv", {p.t, width}, Role::kIn, random_f32(rng, p.t * width, -1, 1));
+      }
+      const size_t q = fused ? c.add_out("q", DType::kF32, {p.t, p.qh, p.d})
+                             : c.add_f32("q", {p.t, p.qh, p.d}, Role::kInOut, random_f32(rng, p.t * p.qh * p.d, -1, 1));
+      const size_t k = fused ? c.add_out("k", DType::kF32, {p.t, p.kvh, p.d})
+                             : c.add_f32("k", {p.t, p.kvh, p.d}, Role::kInOut, random_f32(rng, p.t * p.kvh * p.d, -1, 1));
+      if (fused) v = c.add_out("v", DType::kF32, {p.t, p.kvh, p.d});
       std::vector<int32_t> pos(static_cast<size_t>(p.t));
-      for (auto& q : pos) q = rng.below(p.max_pos);
-      c.add_i32("positions", {p.t}, pos);
-      c.add_f32("inv_freq", {p.d / 2}, Role::kIn, random_f32(rng, p.d / 2, 1e-4f, 1.0f));
-      c.add_f32("q_norm", {p.d}, Role::kIn, random_f32(rng, p.d, 0.5f, 1.5f));
-      c.add_f32("k_norm", {p.d}, Role::kIn, random_f32(rng, p.d, 0.5f, 1.5f));
+      for (auto& x : pos) x = rng.below(p.max_pos);
+      const size_t positions = c.add_i32("positions", {p.t}, pos);
+      const size_t inv_freq = c.add_f32("inv_freq", {p.d / 2}, Role::kIn, random_f32(rng, p.d / 2, 1e-4f, 1.0f));
+      const size_t q_norm = c.add_f32("q_norm", {p.d}, Role::kIn, random_f32(rng, p.d, 0.5f, 1.5f));
+      const size_t k_norm = c.add_f32("k_norm", {p.d}, Role::kIn, random_f32(rng, p.d, 0.5f, 1.5f));
       c.run = [=](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
         RopeQkArgs args;
-        args.q = a[0];
-        args.k = a[1];
-        args.positions = a[2];
+        args.q = a[q];
+        args.k = a[k];
+        if (fused) {
+          args.qkv = a[qkv];
+          args.v = a[v];
+        }
+        args.positions = a[positions];
         if (p.table) {
-          args.inv_freq = a[3];
+          args.inv_freq = a[inv_freq];
           args.scale = p.theta_or_scale;
         } else {
           args.theta = p.theta_or_scale;
         }
         if (p.norm) {
-          args.q_norm = a[4];
-          args.k_norm = a[5];
+          args.q_norm = a[q_norm];
+          args.k_norm = a[k_norm];
         }
         args.eps = 1e-6f;
         return b.rope_qk(x, args);
       };
       return c;
     });
-  }
-  // rope_qk from a fused projection's rows (q | k | v): q and k written rotated, v copied.
+  };
+  for (const R p : {R{1, 1, 1, 2, 8, false, false, 10000.0f}, R{5, 4, 2, 64, 64, false, false, 10000.0f},
+                    R{17, 8, 4, 128, 4096, false, false, 1e6f}, R{9, 2, 2, 6, 100000, false, false, 500000.0f},
+                    R{1, 32, 4, 128, 4096, false, true, 1e6f}, R{33, 8, 2, 128, 40000, false, true, 1e6f},
+                    R{3, 3, 1, 200, 1000, false, true, 10000.0f}, R{4, 2, 1, 6, 50, false, true, 10000.0f},
+                    R{1, 64, 8, 64, 131072, true, false, 1.3465736f}, R{17, 4, 2, 64, 4096, true, false, 1.0f},
+                    R{9, 2, 1, 6, 4096, true, false, 0.5f}, R{4, 4, 2, 128, 4096, true, true, 1.3465736f}})
+    rope_qk_case(p, false);
   for (const R p : {R{1, 64, 8, 64, 131072, true, false, 1.3465736f}, R{5, 32, 4, 128, 40000, false, true, 1e6f},
-                    R{17, 8, 2, 64, 4096, false, false, 10000.0f}, R{3, 3, 1, 6, 100, true, true, 0.5f}}) {
-    const std::string name = std::string("rope_qk_qkv_") + (p.table ? "table" : "theta") + (p.norm ? "_qknorm" : "") +
-                             dims({{"T", p.t}, {"QH", p.qh}, {"KVH", p.kvh}, {"D", p.d}});
-    reg(name, [=](Rng& rng) {
-      ParityCase c;
-      const int64_t width = (p.qh + 2 * p.kvh) * p.d;
-      c.add_f32("qkv", {p.t, width}, Role::kIn, random_f32(rng, p.t * width, -1, 1));
-      c.add_out("q", DType::kF32, {p.t, p.qh, p.d});
-      c.add_out("k", DType::kF32, {p.t, p.kvh, p.d});
-      c.add_out("v", DType::kF32, {p.t, p.kvh, p.d});
-      std::vector<int32_t> pos(static_cast<size_t>(p.t));
-      for (auto& q : pos) q = rng.below(p.max_pos);
-      c.add_i32("positions", {p.t}, pos);
-      c.add_f32("inv_freq", {p.d / 2}, Role::kIn, random_f32(rng, p.d / 2, 1e-4f, 1.0f));
-      c.add_f32("q_norm", {p.d}, Role::kIn, random_f32(rng, p.d, 0.5f, 1.5f));
-      c.add_f32("k_norm", {p.d}, Role::kIn, random_f32(rng, p.d, 0.5f, 1.5f));
-      c.run = [=](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
-        RopeQkArgs args;
-        args.qkv = a[0];
-        args.q = a[1];
-        args.k = a[2];
-        args.v = a[3];
-        args.positions = a[4];
-        if (p.table) {
-          args.inv_freq = a[5];
-          args.scale = p.theta_or_scale;
-        } else {
-          args.theta = p.theta_or_scale;
-        }
-        if (p.norm) {
-          args.q_norm = a[6];
-          args.k_norm = a[7];
-        }
-        return b.rope_qk(x, args);
-      };
-      return c;
-    });
-  }
+                    R{17, 8, 2, 64, 4096, false, false, 10000.0f}, R{3, 3, 1, 6, 100, true, true, 0.5f}})
+    rope_qk_case(p, true);
 }
 
 const std::vector<CaseMaker>& all_cases() {
