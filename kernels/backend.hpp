@@ -307,7 +307,9 @@ struct Backend {
   // Rotary embedding of q and k (RopeQkArgs), with the optional per-head QK-norm before it.
   // Equals rmsnorm(q heads), rmsnorm(k heads), then rope / rope_table on q and on k: bit for
   // bit on the CPU. Checks: rope's / rope_table's on q and on k, k's T and D equal to q's, the
-  // norm weights f32 [D] (both or neither), eps as rmsnorm's.
+  // norm weights f32 [D] (both or neither), eps as rmsnorm's. With qkv (and v): q and k are
+  // read from qkv's rows and written, v gets qkv's v columns; qkv [T, (QH + 2 KVH) * D] and
+  // v [T, KVH, D] f32, both or neither, not overlapping q, k or each other.
   Status (*rope_qk)(const ExecContext&, const RopeQkArgs& args);
 };
 

@@ -843,8 +843,8 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
     RD_RETURN_IF_ERROR(backend_.moe_experts(ctx, args));
     pending = moe_out;
   }
+  if (R == 0) return Status::Ok();  // nothing reads h after the last layer unless rows sample
   if (pending.data) RD_RETURN_IF_ERROR(backend_.add(ctx, h, h, pending));
-  if (R == 0) return Status::Ok();
   // Only the rows that sample need the final norm and the LM head: gather them first
   // (embedding is a row gather).
   const TensorView rows_idx = rows_of(ws_.logits_rows, R);

@@ -42,7 +42,9 @@ Status rope_table(const ExecContext& ctx, const TensorView& x, const TensorView&
 Status add_rmsnorm(const ExecContext& ctx, const TensorView& out, const TensorView& out_bf16,
                    const TensorView& h, const TensorView& r, const TensorView& w, float eps);
 // rope_qk: rope's checks on q and on k (rope_table's with inv_freq), k's T and D equal to q's,
-// scale finite and > 0, the norm weights both given or neither (f32 [D], eps as rmsnorm's).
+// scale finite and > 0, the norm weights both given or neither (f32 [D], eps as rmsnorm's);
+// qkv and v both or neither: qkv f32 [T, (QH + 2 KVH) * D], v f32 [T, KVH, D], neither
+// overlapping q, k or each other.
 Status rope_qk(const ExecContext& ctx, const RopeQkArgs& args);
 Status add_bias(const ExecContext& ctx, const TensorView& y, const TensorView& bias);
 Status transpose(const ExecContext& ctx, const TensorView& dst, const TensorView& src);

@@ -249,7 +249,7 @@ Status rmsnorm(const ExecContext& ctx, TensorView out, TensorView x, TensorView 
   // x is only read (kAdd off).
   launch_rmsnorm<false, true, false>(stream_of(ctx), out.as<float>(), nullptr, x.as<float>(), nullptr,
                                      w.as<const float>(), rows, hidden, eps);
-  RD_CUDA_CHECK_LAUNCH("rmsnorm_kernel");
+  RD_CUDA_CHECK_LAUNCH("rmsnorm");
   return Status::Ok();
 }
 

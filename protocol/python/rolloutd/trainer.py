@@ -79,20 +79,38 @@ _IPC_SPLIT_DIRECT_BYTES = 64 << 20
 # in the middle of it (describe went from 1.3 to 10+ us per tensor in such reps on the H200, and
 # the push's own objects were promoted to older generations on the way). Nothing the push makes
 # forms reference cycles, so they are freed by reference counting when it returns; collection
-# resumes (if it was on) right after.
+# resumes (if it was on) right after. The pause spans the push's waits for replies and
+# broadcasts too: other threads' cyclic garbage waits for the end of the push (set this False
+# in a process whose other threads make much of it while pushes run).
 PAUSE_GC_DURING_PUSH = True
+_gc_lock = threading.Lock()
+_gc_depth = 0           # pushes inside _gc_paused now (pushes on several threads at once)
+_gc_reenable = False    # the outermost pause found the collector on
 
 
 @contextlib.contextmanager
 def _gc_paused(active: bool):
-    was_enabled = gc.isenabled()
-    if active and was_enabled:
-        gc.disable()
+    """The collector off while any push runs; back on when the last one ends, and only if it was
+    on when the first one began (a pause nested or overlapping on another thread neither turns
+    it on early nor leaves it off)."""
+    global _gc_depth, _gc_reenable
+    if not active:
+        yield
+        return
+    with _gc_lock:
+        if _gc_depth == 0:
+            _gc_reenable = gc.isenabled()
+            gc.disable()
+        _gc_depth += 1
     try:
         yield
     finally:
-        if active and was_enabled:
-            gc.enable()
+        with _gc_lock:
+            _gc_depth -= 1
+            if _gc_depth == 0 and _gc_reenable:
+                gc.enable()
+
+
 # After a failed bucket: how long to wait for broadcasts already posted before giving the
 # group up (aborting it); a broadcast that does not complete means the ranks are out of step.
 _SETTLE_S = 10.0

@@ -563,6 +563,54 @@ def test_push_pauses_gc_while_planning_and_restores_it(daemon, enabled_before):
     client.close()
 
 
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_push_refused_restores_gc(daemon, enabled_before):
+    """A push that fails (a refused bucket) leaves the collector as it found it."""
+    import gc
+
+    backend = FakeBackend()
+    box = {}
+
+    def script(d):
+        fail = (1, "invalid_argument", "checksum mismatch", "body.checksum")
+        serve(d, 5, lambda req: box["g"].queues[d.endpoint].get(timeout=5), box.setdefault("state", {}), fail_at=fail)
+
+    peer = daemon(script)
+    client = Client(peer.endpoint)
+    box["g"] = FakeGroup([client], backend)
+    was = gc.isenabled()
+    (gc.enable if enabled_before else gc.disable)()
+    try:
+        with pytest.raises(RolloutdError):
+            trainer.push_weights([client], TENSORS, 3, group=box["g"], bucket_bytes=64, _backend=backend)
+        assert gc.isenabled() == enabled_before
+    finally:
+        (gc.enable if was else gc.disable)()
+    peer.join()
+    client.close()
+
+
+def test_gc_pauses_overlapping_on_threads_end_with_the_last():
+    """Two pushes' pauses overlapping (two threads): the collector stays off until both end."""
+    import gc
+
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        outer = trainer._gc_paused(True)
+        inner = trainer._gc_paused(True)
+        outer.__enter__()
+        inner.__enter__()
+        outer.__exit__(None, None, None)  # the first push ends while the other still runs
+        assert not gc.isenabled()
+        inner.__exit__(None, None, None)
+        assert gc.isenabled()
+        with trainer._gc_paused(False):
+            assert gc.isenabled()  # PAUSE_GC_DURING_PUSH off: untouched
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
 def test_push_nccl_refusal_keeps_the_group_and_aborts_the_sessions(daemon):
     backend = FakeBackend()
     box = {}
