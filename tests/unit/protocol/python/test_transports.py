@@ -1,6 +1,8 @@
 """GPU weight transports (SPEC §11.7) without a GPU: the wire messages, the Client calls and
 PendingReply, and rolloutd.trainer's planning, checksums and push orchestration, the latter
 driven through a fake device backend (numpy memory) against scripted fake daemons (zmtp_peer)."""
+import contextlib
+import gc
 import os
 import queue
 import struct
@@ -524,11 +526,20 @@ def test_push_nccl_sends_back_to_back_device_tensors_directly(daemon):
     client.close()
 
 
+@contextlib.contextmanager
+def gc_set(enabled):
+    """The collector on or off for the block, then back as it was."""
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        yield
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
 @pytest.mark.parametrize("enabled_before", [True, False])
 def test_push_pauses_gc_while_planning_and_restores_it(daemon, enabled_before):
     """The collector is off while push_weights describes and sends the tensors, back as it was after."""
-    import gc
-
     seen = []
 
     class Recording(FakeBackend):
@@ -550,13 +561,9 @@ def test_push_pauses_gc_while_planning_and_restores_it(daemon, enabled_before):
     peer = daemon(script)
     client = Client(peer.endpoint)
     box["g"] = FakeGroup([client], backend)
-    was = gc.isenabled()
-    (gc.enable if enabled_before else gc.disable)()
-    try:
+    with gc_set(enabled_before):
         trainer.push_weights([client], tensors, 1, group=box["g"], _backend=backend)
         assert gc.isenabled() == enabled_before
-    finally:
-        (gc.enable if was else gc.disable)()
     peer.join()
     assert seen and not any(seen)  # describe twice, then every bucket's preparation
     check_applied(box["state"], tensors)
@@ -566,8 +573,6 @@ def test_push_pauses_gc_while_planning_and_restores_it(daemon, enabled_before):
 @pytest.mark.parametrize("enabled_before", [True, False])
 def test_push_refused_restores_gc(daemon, enabled_before):
     """A push that fails (a refused bucket) leaves the collector as it found it."""
-    import gc
-
     backend = FakeBackend()
     box = {}
 
@@ -578,25 +583,17 @@ def test_push_refused_restores_gc(daemon, enabled_before):
     peer = daemon(script)
     client = Client(peer.endpoint)
     box["g"] = FakeGroup([client], backend)
-    was = gc.isenabled()
-    (gc.enable if enabled_before else gc.disable)()
-    try:
+    with gc_set(enabled_before):
         with pytest.raises(RolloutdError):
             trainer.push_weights([client], TENSORS, 3, group=box["g"], bucket_bytes=64, _backend=backend)
         assert gc.isenabled() == enabled_before
-    finally:
-        (gc.enable if was else gc.disable)()
     peer.join()
     client.close()
 
 
 def test_gc_pauses_overlapping_on_threads_end_with_the_last():
     """Two pushes' pauses overlapping (two threads): the collector stays off until both end."""
-    import gc
-
-    was = gc.isenabled()
-    gc.enable()
-    try:
+    with gc_set(True):
         outer = trainer._gc_paused(True)
         inner = trainer._gc_paused(True)
         outer.__enter__()
@@ -607,8 +604,6 @@ def test_gc_pauses_overlapping_on_threads_end_with_the_last():
         assert gc.isenabled()
         with trainer._gc_paused(False):
             assert gc.isenabled()  # PAUSE_GC_DURING_PUSH off: untouched
-    finally:
-        (gc.enable if was else gc.disable)()
 
 
 def test_push_nccl_refusal_keeps_the_group_and_aborts_the_sessions(daemon):
