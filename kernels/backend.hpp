@@ -136,6 +136,10 @@ struct RopeQkArgs {
   // the three weights stored back to back). Then q and k are outputs only (read from qkv, written
   // rotated) and v [T, KVH, D] f32 receives qkv's v columns as they are. Both or neither.
   TensorView qkv, v;
+  // Optional projection biases of the fused form (gpt-oss): f32 [QH * D], [KVH * D], [KVH * D],
+  // added to qkv's q, k and v columns first (before the norm and the rotation), as add_bias
+  // after each projection would. All three or none, and only with qkv.
+  TensorView q_bias, k_bias, v_bias;
 };
 
 struct Backend {
@@ -171,7 +175,8 @@ struct Backend {
                      TensorView v, TensorView slot_mapping);
   // Causal attention over a paged cache. q[T, QH, D]; token t belongs to sequence seq_of[t]
   // and sees cache positions [0, ctx_len[t]); block_tables[S, max_blocks] int32. GQA: query
-  // head h reads kv head h / (QH / KVH). out[T, QH, D]. ctx_len 0 (a padding row) gives
+  // head h reads kv head h / (QH / KVH). out[T, QH, D], FP32 or BF16 (the FP32 result rounded
+  // once, for a BF16 projection to read directly). ctx_len 0 (a padding row) gives
   // zeros. CPU: seq_of, ctx_len and every block id followed are checked (kOutOfRange).
   // CUDA: a bad sequence gives a zero row, ctx_len is clamped to the table, positions in
   // a bad block are skipped; head dimensions above 512 are kUnimplemented for now.

@@ -100,10 +100,10 @@ Status MoeDecoder::allocate() {
     }
     // One GEMM for q, k and v on CUDA (two launches fewer per layer, each ~6 us at decode sizes)
     // when the arena placed their weights back to back (it allocates in order, so they are
-    // unless a segment ended between them). Not with projection biases (gpt-oss): the arena
-    // pads small bias vectors apart, and the biased form has not run on a GPU yet. The CPU keeps
-    // three: its results stay those of the checkpoint's three projections, bit for bit.
-    if (ctx_.device.kind == DeviceKind::kCuda && !c.attention_bias) {
+    // unless a segment ended between them). Projection biases (gpt-oss) are added by rope_qk as
+    // it splits the rows (three add_bias launches fewer). The CPU keeps three projections: its
+    // results stay those of the checkpoint's, bit for bit.
+    if (ctx_.device.kind == DeviceKind::kCuda) {
       const auto next_to = [](const TensorView& a, const TensorView& b) {
         return static_cast<const char*>(a.data) + a.nbytes() == static_cast<const char*>(b.data);
       };
@@ -713,18 +713,10 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float theta = static_cast<float>(c.rope_theta);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  // The input of a dense projection: x itself, or (BF16 weights, dense_bf16_) x rounded to BF16
-  // in the x_bf16 workspace, which the projections of one input share.
+  // The BF16 input of dense projections with BF16 weights (dense_bf16_): the x_bf16 workspace,
+  // which the projections of one input share, written by the op before them (a norm, attention).
   auto bf16_of = [&](const TensorView& xin) {
     return TensorView::contiguous(ws_.x_bf16.data, DType::kBF16, xin.shape, xin.device);
-  };
-  auto dense_input = [&](const TensorView& xin, const TensorView& w, TensorView& out) -> Status {
-    if (w.dtype != DType::kBF16) {
-      out = xin;
-      return Status::Ok();
-    }
-    out = bf16_of(xin);
-    return backend_.convert(ctx, out.data, DType::kBF16, xin.data, DType::kF32, static_cast<size_t>(xin.numel()));
   };
   // A norm whose output feeds dense projections writes their BF16 input in the same pass (one
   // launch instead of rmsnorm + convert); the FP32 rows are then not needed, and not written.
@@ -760,6 +752,9 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
       RD_RETURN_IF_ERROR(backend_.linear(ctx, qkv, xd, L.qkv_proj));
       rope_args.qkv = qkv;
       rope_args.v = as_heads(v, KVH, D);
+      rope_args.q_bias = L.q_bias;  // empty without projection biases
+      rope_args.k_bias = L.k_bias;
+      rope_args.v_bias = L.v_bias;
     } else {
       RD_RETURN_IF_ERROR(backend_.linear(ctx, q, xd, L.q_proj));
       RD_RETURN_IF_ERROR(backend_.linear(ctx, k, xd, L.k_proj));
@@ -771,6 +766,7 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
       }
       rope_args.qkv = {};
       rope_args.v = {};
+      rope_args.q_bias = rope_args.k_bias = rope_args.v_bias = {};
     }
     // Rotary on q and k in one launch; Qwen3's QK-norm (RMSNorm over each head's D values, weight
     // shared by the heads) joins it, before the rotation.
@@ -781,15 +777,17 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
     RD_RETURN_IF_ERROR(backend_.rope_qk(ctx, rope_args));
     RD_RETURN_IF_ERROR(backend_.kv_store(ctx, L.k_cache, L.v_cache, as_heads(k, KVH, D),
                                          as_heads(v, KVH, D), slots));
+    // With BF16 o_proj weights the attention writes o_proj's BF16 input itself (the same rounding
+    // as a separate convert, one launch fewer).
+    xd = L.o_proj.dtype == DType::kBF16 ? bf16_of(attn) : attn;
     if (L.sinks.data || L.window > 0) {
-      RD_RETURN_IF_ERROR(backend_.paged_attention_ex(ctx, as_heads(attn, QH, D), as_heads(q, QH, D), L.k_cache,
+      RD_RETURN_IF_ERROR(backend_.paged_attention_ex(ctx, as_heads(xd, QH, D), as_heads(q, QH, D), L.k_cache,
                                                      L.v_cache, tables, seq_of, ctx_len, scale,
                                                      AttentionOptions{L.sinks, L.window}));
     } else {
-      RD_RETURN_IF_ERROR(backend_.paged_attention(ctx, as_heads(attn, QH, D), as_heads(q, QH, D),
+      RD_RETURN_IF_ERROR(backend_.paged_attention(ctx, as_heads(xd, QH, D), as_heads(q, QH, D),
                                                   L.k_cache, L.v_cache, tables, seq_of, ctx_len, scale));
     }
-    RD_RETURN_IF_ERROR(dense_input(attn, L.o_proj, xd));
     RD_RETURN_IF_ERROR(backend_.linear(ctx, o, xd, L.o_proj));
     if (L.o_bias.data) RD_RETURN_IF_ERROR(backend_.add_bias(ctx, o, L.o_bias));
     // MoE block (or the dense MLP as one expert every token takes with weight 1): h += o and its

@@ -3,9 +3,11 @@
 // sliding window (gpt-oss).
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <vector>
 
+#include "kernels/bf16.hpp"
 #include "kernels/cpu/cpu_ops.hpp"
 #include "kernels/cpu/op_checks.hpp"
 
@@ -66,17 +68,29 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
   const int64_t group = q_heads / kv_heads;  // GQA: query heads sharing one kv head
   std::vector<float> score(static_cast<size_t>(longest));
   std::vector<float> acc(static_cast<size_t>(head_dim));
+  std::vector<float> row(static_cast<size_t>(head_dim));  // one output row before it is stored
   const float* kc = k_cache.as<const float>();
   const float* vc = v_cache.as<const float>();
+  // A BF16 output holds the FP32 row rounded once (kernels/bf16.hpp), as a convert would.
+  const bool out_bf16 = out.dtype == DType::kBF16;
+  auto store = [&](int64_t t, int64_t h) {
+    const int64_t base = (t * q_heads + h) * head_dim;
+    if (out_bf16) {
+      uint16_t* o = out.as<uint16_t>() + base;
+      for (int64_t d = 0; d < head_dim; ++d) o[d] = f32_to_bf16_bits(row[static_cast<size_t>(d)]);
+    } else {
+      std::copy(row.begin(), row.end(), out.as<float>() + base);
+    }
+  };
   for (int64_t t = 0; t < num_tokens; ++t) {
     const int32_t* row_table = table + seq[t] * max_blocks;
     const int64_t n = len[t];
     for (int64_t h = 0; h < q_heads; ++h) {
       const float* qr = q.as<const float>() + (t * q_heads + h) * head_dim;
-      float* orow = out.as<float>() + (t * q_heads + h) * head_dim;
       // A token that sees nothing (a padding row) gets zeros, not a 0/0.
       if (n == 0) {
-        std::fill(orow, orow + head_dim, 0.0f);
+        std::fill(row.begin(), row.end(), 0.0f);
+        store(t, h);
         continue;
       }
       const int64_t kvh = h / group;
@@ -102,7 +116,8 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
         for (int64_t d = 0; d < head_dim; ++d) acc[static_cast<size_t>(d)] += p * vr[d];
       }
       const float inv = 1.0f / sum;
-      for (int64_t d = 0; d < head_dim; ++d) orow[d] = acc[static_cast<size_t>(d)] * inv;
+      for (int64_t d = 0; d < head_dim; ++d) row[static_cast<size_t>(d)] = acc[static_cast<size_t>(d)] * inv;
+      store(t, h);
     }
   }
   return Status::Ok();

@@ -240,6 +240,13 @@ Status rope_qk(const ExecContext& ctx, const RopeQkArgs& a) {
       std::copy(row + qd, row + qd + kvd, a.k.as<float>() + r * kvd);
       std::copy(row + qd + kvd, row + qd + 2 * kvd, a.v.as<float>() + r * kvd);
     }
+    if (a.q_bias.data != nullptr) {  // add_bias's arithmetic, on each of the three
+      for (const auto& [y, b] : {std::pair{a.q, a.q_bias}, std::pair{a.k, a.k_bias}, std::pair{a.v, a.v_bias}}) {
+        const int64_t n = b.size(0);
+        for (int64_t r = 0; r < t; ++r)
+          for (int64_t i = 0; i < n; ++i) y.as<float>()[r * n + i] += b.as<const float>()[i];
+      }
+    }
   }
   if (a.q_norm.data != nullptr) {
     for (const auto& [x, w] : {std::pair{a.q, a.q_norm}, std::pair{a.k, a.k_norm}}) {

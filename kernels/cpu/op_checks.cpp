@@ -203,7 +203,8 @@ Status paged_attention(const ExecContext& ctx, const TensorView& out, const Tens
     return invalid("q", "q: " + std::to_string(q.size(1)) +
                             " query heads are not a multiple of " +
                             std::to_string(k_cache.size(2)) + " kv heads");
-  RD_RETURN_IF_ERROR(view(ctx, out, "out", DType::kF32, 3, "[T, QH, D]"));
+  // out: FP32, or BF16 when it feeds a BF16 projection (o_proj) directly.
+  RD_RETURN_IF_ERROR(view(ctx, out, "out", out.dtype == DType::kBF16 ? DType::kBF16 : DType::kF32, 3, "[T, QH, D]"));
   RD_RETURN_IF_ERROR(same_shape(out, q, "out", "q"));
   RD_RETURN_IF_ERROR(
       view(ctx, block_tables, "block_tables", DType::kI32, 2, "[S, max_blocks]"));
@@ -314,6 +315,19 @@ Status rope_qk(const ExecContext& ctx, const RopeQkArgs& a) {
     for (auto [o, name] : {std::pair{&a.q, "q"}, std::pair{&a.k, "k"}, std::pair{&a.v, "v"}})
       if (overlaps(*o, a.qkv)) return invalid(name, std::string(name) + ": overlaps qkv");
     if (overlaps(a.v, a.q) || overlaps(a.v, a.k)) return invalid("v", "v: overlaps q or k");
+  }
+  const bool any_bias = !absent(a.q_bias) || !absent(a.k_bias) || !absent(a.v_bias);
+  if (any_bias) {
+    if (absent(a.qkv)) return invalid("q_bias", "q_bias, k_bias, v_bias: only with the fused qkv");
+    for (auto [b, name, n] : {std::tuple{&a.q_bias, "q_bias", a.q.size(1) * d},
+                              std::tuple{&a.k_bias, "k_bias", a.k.size(1) * d},
+                              std::tuple{&a.v_bias, "v_bias", a.k.size(1) * d}}) {
+      if (absent(*b)) return invalid(name, "q_bias, k_bias, v_bias: give all three or none");
+      RD_RETURN_IF_ERROR(view(ctx, *b, name, DType::kF32, 1, "[heads * D]"));
+      RD_RETURN_IF_ERROR(dim(*b, 0, n, name, "heads * D", "q or k"));
+      if (overlaps(*b, a.q) || overlaps(*b, a.k) || overlaps(*b, a.v))
+        return invalid(name, std::string(name) + ": overlaps q, k or v");
+    }
   }
   // Rotated in place while the positions, frequencies and weights are read.
   if (overlaps(a.q, a.k)) return invalid("k", "k: overlaps q");

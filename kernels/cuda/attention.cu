@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/bf16.hpp"
 #include "kernels/cpu/op_checks.hpp"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_ops.hpp"
@@ -35,6 +36,7 @@ struct AttentionShape {
   const float* sinks;  // [q_heads] or nullptr
   int64_t window;      // 0: whole context
   int head_groups;     // CTAs per KV head: ceil((q_heads / kv_heads) / kAttnHeads)
+  bool out_bf16;       // out holds BF16 (the FP32 result rounded once) instead of FP32
 };
 
 constexpr int kAttnThreads = 128;
@@ -69,7 +71,7 @@ __device__ __forceinline__ void block_reduce_heads(float (&v)[kAttnHeads], float
 // kVec: D % 4 == 0 and 16-byte aligned rows, so q.k reads float4.
 template <int kPer, bool kVec>
 __global__ void __launch_bounds__(kAttnThreads)
-    paged_attention_kernel(float* __restrict__ out, const float* __restrict__ q,
+    paged_attention_kernel(void* __restrict__ out, const float* __restrict__ q,
                            const float* __restrict__ k_cache, const float* __restrict__ v_cache,
                            const int32_t* __restrict__ block_tables,
                            const int32_t* __restrict__ seq_of, const int32_t* __restrict__ ctx_len,
@@ -221,7 +223,7 @@ __global__ void __launch_bounds__(kAttnThreads)
   for (int h = 0; h < kAttnHeads; ++h) {
     if (h >= nh) break;  // uniform across the CTA (the barriers below)
     const float inv = denom[h] > 0.0f ? 1.0f / denom[h] : 0.0f;
-    float* orow = out + (t * s.q_heads + h0 + h) * D;
+    const int64_t orow = (t * s.q_heads + h0 + h) * D;
 #pragma unroll
     for (int i = 0; i < kPer; ++i) part[i * kAttnThreads + tid] = acc[h][i];
     __syncthreads();
@@ -232,7 +234,11 @@ __global__ void __launch_bounds__(kAttnThreads)
         if (d >= D) continue;
         float v = part[i * kAttnThreads + d0];
         for (int gg = 1; gg < groups; ++gg) v += part[i * kAttnThreads + gg * dim_lanes + d0];
-        orow[d] = v * inv;
+        // BF16: rounded here as the convert before o_proj did (kernels/bf16.hpp), one launch fewer.
+        if (s.out_bf16)
+          static_cast<uint16_t*>(out)[orow + d] = f32_to_bf16_bits(v * inv);
+        else
+          static_cast<float*>(out)[orow + d] = v * inv;
       }
     }
     __syncthreads();  // part is rewritten for the next head
@@ -258,7 +264,7 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
                          k_cache.size(0), k_cache.size(1),      block_tables.size(0),
                          block_tables.size(1), scale,
                          options.sinks.data ? options.sinks.as<const float>() : nullptr, options.window,
-                         0};
+                         0, out.dtype == DType::kBF16};
   if (s.head_dim > 512)
     return Status(ErrorCode::kUnimplemented,
                   "head dimension " + std::to_string(s.head_dim) +
@@ -280,7 +286,7 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
   const int per = static_cast<int>((s.head_dim + kAttnThreads - 1) / kAttnThreads);
   const bool vec = s.head_dim % 4 == 0 && reinterpret_cast<uintptr_t>(k_cache.data) % 16 == 0;
   auto launch = [&](auto kernel) {
-    kernel<<<grid, kAttnThreads, 0, stream_of(ctx)>>>(out.as<float>(), q.as<const float>(),
+    kernel<<<grid, kAttnThreads, 0, stream_of(ctx)>>>(out.data, q.as<const float>(),
                                                       k_cache.as<const float>(), v_cache.as<const float>(),
                                                       block_tables.as<const int32_t>(),
                                                       seq_of.as<const int32_t>(),

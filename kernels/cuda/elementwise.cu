@@ -442,7 +442,8 @@ __global__ void rope_qk_kernel(float* q, float* k, const int32_t* __restrict__ p
                                const float* __restrict__ inv_freq, const float* __restrict__ q_norm,
                                const float* __restrict__ k_norm, int64_t num_tokens, int64_t q_heads,
                                int64_t kv_heads, int64_t head_dim, float theta, float scale, float eps,
-                               const float* __restrict__ qkv, float* __restrict__ v) {
+                               const float* __restrict__ qkv, float* __restrict__ v, const float* __restrict__ q_bias,
+                               const float* __restrict__ k_bias, const float* __restrict__ v_bias) {
   const int64_t half = head_dim / 2, rot_heads = q_heads + kv_heads;
   const int64_t heads = rot_heads + (qkv != nullptr ? kv_heads : 0), total = num_tokens * heads;
   const int64_t width = (q_heads + 2 * kv_heads) * head_dim;
@@ -453,23 +454,32 @@ __global__ void rope_qk_kernel(float* q, float* k, const int32_t* __restrict__ p
     if (h >= rot_heads) {  // a v head: copied as it is
       const float* src = qkv + t * width + h * head_dim;
       float* dst = v + (t * kv_heads + (h - rot_heads)) * head_dim;
-      for (int64_t i = lane; i < head_dim; i += 32) dst[i] = src[i];
+      const float* vb = v_bias != nullptr ? v_bias + (h - rot_heads) * head_dim : nullptr;
+      for (int64_t i = lane; i < head_dim; i += 32) dst[i] = vb != nullptr ? src[i] + vb[i] : src[i];
       continue;
     }
     const bool is_q = h < q_heads;
     float* x = is_q ? q + (t * q_heads + h) * head_dim : k + (t * kv_heads + (h - q_heads)) * head_dim;
     const float* in = qkv != nullptr ? qkv + t * width + h * head_dim : x;
+    // The projection's bias (fused form only), added as add_bias would before anything else.
+    const float* b = q_bias == nullptr ? nullptr
+                     : is_q            ? q_bias + h * head_dim
+                                       : k_bias + (h - q_heads) * head_dim;
+    const auto at = [&](int64_t i) { return b != nullptr ? in[i] + b[i] : in[i]; };
     float inv = 1.0f;
     if constexpr (kNorm) {
       float ss = 0.0f;
-      for (int64_t i = lane; i < half; i += 32) ss += in[i] * in[i] + in[i + half] * in[i + half];
+      for (int64_t i = lane; i < half; i += 32) {
+        const float u1 = at(i), u2 = at(i + half);
+        ss += u1 * u1 + u2 * u2;
+      }
       ss = warp_sum(ss);
       inv = rsqrtf(ss / static_cast<float>(head_dim) + eps);
     }
     const float* w = is_q ? q_norm : k_norm;
     const float p = static_cast<float>(positions[t]);
     for (int64_t i = lane; i < half; i += 32) {
-      float x1 = in[i], x2 = in[i + half];
+      float x1 = at(i), x2 = at(i + half);
       if constexpr (kNorm) {
         x1 = w[i] * (x1 * inv);
         x2 = w[i + half] * (x2 * inv);
@@ -502,7 +512,8 @@ Status rope_qk(const ExecContext& ctx, const RopeQkArgs& a) {
     kernel<<<blocks_for(rows, kRopeWarps), kRopeWarps * 32, 0, stream_of(ctx)>>>(
         a.q.as<float>(), a.k.as<float>(), a.positions.as<const int32_t>(), a.inv_freq.as<const float>(),
         a.q_norm.as<const float>(), a.k_norm.as<const float>(), a.q.size(0), a.q.size(1), a.k.size(1), a.q.size(2),
-        a.theta, a.scale, a.eps, a.qkv.as<const float>(), a.v.as<float>());
+        a.theta, a.scale, a.eps, a.qkv.as<const float>(), a.v.as<float>(), a.q_bias.as<const float>(),
+        a.k_bias.as<const float>(), a.v_bias.as<const float>());
   };
   if (norm && table) launch(rope_qk_kernel<true, true>);
   else if (norm) launch(rope_qk_kernel<true, false>);

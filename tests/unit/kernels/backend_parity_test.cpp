@@ -337,6 +337,11 @@ void kv_store_cases() {
   }
 }
 
+// The BF16 output's bound: CPU and CUDA round FP32 values that differ by ~1e-7
+// relative, so an element lands one BF16 step (2^-8 relative) apart only where it straddles a
+// rounding boundary; a systematic error (truncation, the wrong half) is ~1e-3.
+constexpr double kBf16OutputTolerance = 2e-4;
+
 // Sequences are described by (tokens already in the cache + new tokens, new tokens): the
 // new tokens are the last positions, token i of them seeing ctx = total - new + i + 1.
 // Decode is new = 1; prefill is new = total; chunked prefill anything between.
@@ -346,7 +351,7 @@ struct SeqSpec {
 
 ParityCase attention_case(Rng& rng, std::vector<SeqSpec> seqs, int64_t q_heads, int64_t kv_heads,
                           int64_t d, int64_t block_size, int64_t padding_tokens, bool sinks = false,
-                          int64_t window = 0) {
+                          int64_t window = 0, bool out_bf16 = false) {
   ParityCase c;
   int64_t max_blocks = 1, blocks_needed = 0, num_tokens = padding_tokens;
   for (const auto& s : seqs) {
@@ -387,7 +392,9 @@ ParityCase attention_case(Rng& rng, std::vector<SeqSpec> seqs, int64_t q_heads, 
   c.add_i32("block_tables", {num_seqs, max_blocks}, table);
   c.add_i32("seq_of", {num_tokens}, seq_of);
   c.add_i32("ctx_len", {num_tokens}, ctx_len);
-  c.add_out("out", DType::kF32, {num_tokens, q_heads, d});
+  // BF16 out (the decoder's o_proj input): the FP32 result rounded once.
+  const size_t out_i = c.add_out("out", out_bf16 ? DType::kBF16 : DType::kF32, {num_tokens, q_heads, d});
+  if (out_bf16) c.tensors[out_i].tolerance = kBf16OutputTolerance;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   if (!sinks && window == 0) {
     c.run = [scale](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
@@ -460,6 +467,13 @@ void attention_cases() {
   });
   reg("paged_attention_ex_window1_block3", [](Rng& rng) {
     return attention_case(rng, {{11, 4}, {7, 7}}, 6, 3, 40, 3, 1, true, 1);
+  });
+  // BF16 output, plain and with gpt-oss options, padding rows (zeros) included.
+  reg("paged_attention_bf16_out_gqa_padding", [](Rng& rng) {
+    return attention_case(rng, {{37, 1}, {1, 1}, {100, 1}, {16, 16}}, 8, 2, 64, 16, 2, false, 0, true);
+  });
+  reg("paged_attention_ex_bf16_out_sinks_window8_D200", [](Rng& rng) {
+    return attention_case(rng, {{40, 40}, {300, 1}}, 16, 2, 200, 16, 1, true, 8, true);
   });
 }
 
@@ -690,10 +704,7 @@ void copy_valid_rows_cases() {
 
 // Fused decoder ops. add_rmsnorm: every combination of residual and outputs, on the shapes that
 // take each CUDA path (register kernel at 1/2/4/8 float4s per thread, the loop for H % 4 != 0
-// and H > 8192). The BF16 output's bound: CPU and CUDA round FP32 values that differ by ~1e-7
-// relative, so an element lands one BF16 step (2^-8 relative) apart only where it straddles a
-// rounding boundary; a systematic error (truncation, the wrong half) is ~1e-3.
-constexpr double kBf16OutputTolerance = 2e-4;
+// and H > 8192). BF16 outputs: kBf16OutputTolerance (above attention_case).
 
 void fused_op_cases() {
   struct P {
@@ -740,10 +751,11 @@ void fused_op_cases() {
     bool table, norm;
     float theta_or_scale;
   };
-  // fused: the qkv form (rows q | k | v of one projection in; q, k written rotated, v copied).
-  const auto rope_qk_case = [](const R p, bool fused) {
+  // fused: the qkv form (rows q | k | v of one projection in; q, k written rotated, v copied);
+  // bias: with the projections' biases (gpt-oss), fused form only.
+  const auto rope_qk_case = [](const R p, bool fused, bool bias) {
     const std::string name = std::string(fused ? "rope_qk_qkv_" : "rope_qk_") + (p.table ? "table" : "theta") +
-                             (p.norm ? "_qknorm" : "") +
+                             (p.norm ? "_qknorm" : "") + (bias ? "_bias" : "") +
                              (fused ? dims({{"T", p.t}, {"QH", p.qh}, {"KVH", p.kvh}, {"D", p.d}})
                                     : dims({{"T", p.t}, {"QH", p.qh}, {"KVH", p.kvh}, {"D", p.d}, {"MaxPos", p.max_pos}}));
     reg(name, [=](Rng& rng) {
@@ -764,6 +776,12 @@ void fused_op_cases() {
       const size_t inv_freq = c.add_f32("inv_freq", {p.d / 2}, Role::kIn, random_f32(rng, p.d / 2, 1e-4f, 1.0f));
       const size_t q_norm = c.add_f32("q_norm", {p.d}, Role::kIn, random_f32(rng, p.d, 0.5f, 1.5f));
       const size_t k_norm = c.add_f32("k_norm", {p.d}, Role::kIn, random_f32(rng, p.d, 0.5f, 1.5f));
+      size_t q_bias = 0, k_bias = 0, v_bias = 0;
+      if (bias) {
+        q_bias = c.add_f32("q_bias", {p.qh * p.d}, Role::kIn, random_f32(rng, p.qh * p.d, -2, 2));
+        k_bias = c.add_f32("k_bias", {p.kvh * p.d}, Role::kIn, random_f32(rng, p.kvh * p.d, -2, 2));
+        v_bias = c.add_f32("v_bias", {p.kvh * p.d}, Role::kIn, random_f32(rng, p.kvh * p.d, -2, 2));
+      }
       c.run = [=](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
         RopeQkArgs args;
         args.q = a[q];
@@ -771,6 +789,11 @@ void fused_op_cases() {
         if (fused) {
           args.qkv = a[qkv];
           args.v = a[v];
+        }
+        if (bias) {
+          args.q_bias = a[q_bias];
+          args.k_bias = a[k_bias];
+          args.v_bias = a[v_bias];
         }
         args.positions = a[positions];
         if (p.table) {
@@ -795,10 +818,14 @@ void fused_op_cases() {
                     R{3, 3, 1, 200, 1000, false, true, 10000.0f}, R{4, 2, 1, 6, 50, false, true, 10000.0f},
                     R{1, 64, 8, 64, 131072, true, false, 1.3465736f}, R{17, 4, 2, 64, 4096, true, false, 1.0f},
                     R{9, 2, 1, 6, 4096, true, false, 0.5f}, R{4, 4, 2, 128, 4096, true, true, 1.3465736f}})
-    rope_qk_case(p, false);
+    rope_qk_case(p, false, false);
   for (const R p : {R{1, 64, 8, 64, 131072, true, false, 1.3465736f}, R{5, 32, 4, 128, 40000, false, true, 1e6f},
                     R{17, 8, 2, 64, 4096, false, false, 10000.0f}, R{3, 3, 1, 6, 100, true, true, 0.5f}})
-    rope_qk_case(p, true);
+    rope_qk_case(p, true, false);
+  // gpt-oss's shape (YaRN table, no norm) at decode and prefill sizes; the norm with biases.
+  for (const R p : {R{1, 64, 8, 64, 131072, true, false, 1.3465736f}, R{33, 64, 8, 64, 4096, true, false, 1.3465736f},
+                    R{3, 3, 1, 6, 100, false, true, 10000.0f}})
+    rope_qk_case(p, true, true);
 }
 
 const std::vector<CaseMaker>& all_cases() {
@@ -1147,6 +1174,42 @@ std::vector<BadCall> bad_calls() {
          a.positions = i(static_cast<char*>(p) + 512, x, {2});
          a.qkv = f(static_cast<char*>(p) + 1024, x, {2, 24});
          a.v = f(static_cast<char*>(p) + 768, x, {2, 1, 8});
+         return b.rope_qk(x, a);
+       }},
+      {"rope_qk bias without qkv",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         RopeQkArgs a;
+         a.q = f(p, x, {2, 2, 8});
+         a.k = f(static_cast<char*>(p) + 256, x, {2, 1, 8});
+         a.positions = i(static_cast<char*>(p) + 512, x, {2});
+         a.q_bias = f(static_cast<char*>(p) + 1536, x, {16});
+         a.k_bias = f(static_cast<char*>(p) + 1600, x, {8});
+         a.v_bias = f(static_cast<char*>(p) + 1632, x, {8});
+         return b.rope_qk(x, a);
+       }},
+      {"rope_qk two biases of three",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         RopeQkArgs a;
+         a.q = f(p, x, {2, 2, 8});
+         a.k = f(static_cast<char*>(p) + 256, x, {2, 1, 8});
+         a.positions = i(static_cast<char*>(p) + 512, x, {2});
+         a.qkv = f(static_cast<char*>(p) + 1024, x, {2, 32});
+         a.v = f(static_cast<char*>(p) + 768, x, {2, 1, 8});
+         a.q_bias = f(static_cast<char*>(p) + 1536, x, {16});
+         a.k_bias = f(static_cast<char*>(p) + 1600, x, {8});
+         return b.rope_qk(x, a);
+       }},
+      {"rope_qk k_bias length",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         RopeQkArgs a;
+         a.q = f(p, x, {2, 2, 8});
+         a.k = f(static_cast<char*>(p) + 256, x, {2, 1, 8});
+         a.positions = i(static_cast<char*>(p) + 512, x, {2});
+         a.qkv = f(static_cast<char*>(p) + 1024, x, {2, 32});
+         a.v = f(static_cast<char*>(p) + 768, x, {2, 1, 8});
+         a.q_bias = f(static_cast<char*>(p) + 1536, x, {16});
+         a.k_bias = f(static_cast<char*>(p) + 1600, x, {16});
+         a.v_bias = f(static_cast<char*>(p) + 1664, x, {8});
          return b.rope_qk(x, a);
        }},
       {"rope_qk one norm weight",

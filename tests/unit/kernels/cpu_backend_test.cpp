@@ -233,6 +233,33 @@ TEST(CpuBackend, AttentionWithEmptyContextWritesZeros) {
   EXPECT_EQ(out, (std::vector<float>{0, 0}));
 }
 
+// A BF16 out (o_proj's input on CUDA) holds the FP32 result rounded once, padding rows zero; an
+// out of any other dtype is refused, naming it.
+TEST(CpuBackend, AttentionBf16OutIsTheFp32ResultRounded) {
+  TinyCache c;
+  c.k = {0.3f, -1.1f, 0.7f, 0.2f, 0, 0, 0, 0};
+  c.v = {1.0f / 3, -2.71828f, 0.1f, 1e-3f, 0, 0, 0, 0};
+  std::vector<float> q{0.9f, -0.4f, 1.3f, 0.25f, 5, 5}, out(6, NAN);
+  std::vector<int32_t> table{0, 1}, seq{0, 0, 0}, len{1, 2, 0};
+  ASSERT_TRUE(cpu().paged_attention(kCtx, f32(out, {3, 1, 2}), f32(q, {3, 1, 2}), c.kv(c.k, 1, 2), c.kv(c.v, 1, 2),
+                                    i32(table, {1, 2}), i32(seq, {3}), i32(len, {3}), 0.8f)
+                  .ok());
+  std::vector<uint16_t> got(6, 0xffff);
+  ASSERT_TRUE(cpu().paged_attention(kCtx, TensorView::contiguous(got.data(), DType::kBF16, Shape{3, 1, 2}),
+                                    f32(q, {3, 1, 2}), c.kv(c.k, 1, 2), c.kv(c.v, 1, 2), i32(table, {1, 2}),
+                                    i32(seq, {3}), i32(len, {3}), 0.8f)
+                  .ok());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], f32_to_bf16_bits(out[i])) << i;
+  EXPECT_EQ(got[4], 0u);  // the padding row
+  EXPECT_EQ(got[5], 0u);
+  EXPECT_NE(got[0], f32_to_bf16_bits(0.0f));  // real rows are not zero
+  std::vector<int32_t> bad(6, 0);
+  EXPECT_STATUS(cpu().paged_attention(kCtx, i32(bad, {3, 1, 2}), f32(q, {3, 1, 2}), c.kv(c.k, 1, 2), c.kv(c.v, 1, 2),
+                                      i32(table, {1, 2}), i32(seq, {3}), i32(len, {3}), 0.8f),
+                ErrorCode::kInvalidArgument, "out");
+  EXPECT_EQ(bad, std::vector<int32_t>(6, 0));  // refused before anything was written
+}
+
 TEST(CpuBackend, AttentionSinkJoinsTheDenominatorOnly) {
   // The three-position case above with a sink of ln 5: token 1's weights 1/10, 3/10, 1/10 (the
   // sink takes the other 5/10 and brings no value).

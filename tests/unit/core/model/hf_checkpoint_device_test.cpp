@@ -93,10 +93,10 @@ TEST_P(HfCheckpointDevice, CudaLoadMatchesCpu) {
   EXPECT_EQ((*gpu)->uses_kernel_experts(), mxfp4 && !old_op) << "which expert op the CUDA decoder runs";
   EXPECT_FALSE((*cpu)->uses_bf16_dense());
   EXPECT_EQ((*gpu)->uses_bf16_dense(), !f32_dense);
-  // The arena places each layer's q/k/v weights back to back: one GEMM on CUDA, except with
-  // projection biases (gpt_oss), which keep three.
+  // The arena places each layer's q/k/v weights back to back: one GEMM on CUDA, with projection
+  // biases (gpt_oss) too (rope_qk adds them).
   EXPECT_EQ((*cpu)->qkv_fused_layers(), 0);
-  EXPECT_EQ((*gpu)->qkv_fused_layers(), hf->config.attention_bias ? 0 : hf->config.num_hidden_layers);
+  EXPECT_EQ((*gpu)->qkv_fused_layers(), hf->config.num_hidden_layers);
   const bool bf16 = mxfp4 || !f32_dense;  // some CUDA GEMM takes BF16 activations
   ASSERT_TRUE(core::load_checkpoint(**cpu, *hf->checkpoint).ok());
   Status s = core::load_checkpoint(**gpu, *hf->checkpoint);
