@@ -400,12 +400,24 @@ int main(int argc, char** argv) {
               const auto& pb = peer["batches"][std::to_string(batch)];
               const double ratio = r.decode_tokens_per_s / pb["decode_tokens_per_s"].get<double>();
               const auto first = std::vector<int32_t>(r.tokens.begin(), r.tokens.begin() + new_tokens);
-              const bool same = pb["first_tokens"].get<std::vector<int32_t>>() == first;
+              const auto theirs = pb["first_tokens"].get<std::vector<int32_t>>();
+              const bool same = theirs == first;
+              // Where the two greedy sequences part (-1: equal), and ours, to tell a late
+              // near-tie from an early bug.
+              int64_t parted = -1;
+              for (size_t i = 0; !same && i < first.size(); ++i)
+                if (i >= theirs.size() || theirs[i] != first[i]) {
+                  parted = static_cast<int64_t>(i);
+                  break;
+                }
               br["peer_decode_tokens_per_s"] = pb["decode_tokens_per_s"];
               br["over_peer"] = ratio;
               br["first_request_tokens_equal_peer"] = same;
+              br["first_request_tokens"] = first;
+              br["first_request_parts_from_peer_at"] = parted;
               std::printf(", HF peer %.0f tok/s: %.2f x peer, request 0 greedy tokens %s", 
                           pb["decode_tokens_per_s"].get<double>(), ratio, same ? "equal" : "differ");
+              if (!same) std::printf(" from token %lld", static_cast<long long>(parted));
             }
             std::printf("\n");
           }
