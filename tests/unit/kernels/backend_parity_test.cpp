@@ -1042,6 +1042,15 @@ std::vector<BadCall> bad_calls() {
   auto i = [](void* p, const ExecContext& x, Shape s) {
     return TensorView::contiguous(p, DType::kI32, s, x.device);
   };
+  // rope_qk's calls: q [2, 2, 8], k [2, 1, k_dim], positions [2]; the rest at byte offsets of p.
+  auto rope = [=](void* p, const ExecContext& x, int64_t k_dim = 8) {
+    RopeQkArgs a;
+    a.q = f(p, x, {2, 2, 8});
+    a.k = f(static_cast<char*>(p) + 256, x, {2, 1, k_dim});
+    a.positions = i(static_cast<char*>(p) + 512, x, {2});
+    return a;
+  };
+  auto fat = [=](void* p, int64_t offset, const ExecContext& x, Shape s) { return f(static_cast<char*>(p) + offset, x, s); };
   return {
       {"linear K mismatch",
        [=](const Backend& b, const ExecContext& x, void* p) {
@@ -1151,74 +1160,53 @@ std::vector<BadCall> bad_calls() {
        }},
       {"rope_qk k head dim",
        [=](const Backend& b, const ExecContext& x, void* p) {
-         RopeQkArgs a;
-         a.q = f(p, x, {2, 2, 8});
-         a.k = f(static_cast<char*>(p) + 256, x, {2, 1, 6});
-         a.positions = i(static_cast<char*>(p) + 512, x, {2});
+         RopeQkArgs a = rope(p, x, 6);
          return b.rope_qk(x, a);
        }},
       {"rope_qk qkv without v",
        [=](const Backend& b, const ExecContext& x, void* p) {
-         RopeQkArgs a;
-         a.q = f(p, x, {2, 2, 8});
-         a.k = f(static_cast<char*>(p) + 256, x, {2, 1, 8});
-         a.positions = i(static_cast<char*>(p) + 512, x, {2});
-         a.qkv = f(static_cast<char*>(p) + 1024, x, {2, 32});
+         RopeQkArgs a = rope(p, x);
+         a.qkv = fat(p, 1024, x, {2, 32});
          return b.rope_qk(x, a);
        }},
       {"rope_qk qkv width",
        [=](const Backend& b, const ExecContext& x, void* p) {
-         RopeQkArgs a;
-         a.q = f(p, x, {2, 2, 8});
-         a.k = f(static_cast<char*>(p) + 256, x, {2, 1, 8});
-         a.positions = i(static_cast<char*>(p) + 512, x, {2});
-         a.qkv = f(static_cast<char*>(p) + 1024, x, {2, 24});
-         a.v = f(static_cast<char*>(p) + 768, x, {2, 1, 8});
+         RopeQkArgs a = rope(p, x);
+         a.qkv = fat(p, 1024, x, {2, 24});
+         a.v = fat(p, 768, x, {2, 1, 8});
          return b.rope_qk(x, a);
        }},
       {"rope_qk bias without qkv",
        [=](const Backend& b, const ExecContext& x, void* p) {
-         RopeQkArgs a;
-         a.q = f(p, x, {2, 2, 8});
-         a.k = f(static_cast<char*>(p) + 256, x, {2, 1, 8});
-         a.positions = i(static_cast<char*>(p) + 512, x, {2});
-         a.q_bias = f(static_cast<char*>(p) + 1536, x, {16});
-         a.k_bias = f(static_cast<char*>(p) + 1600, x, {8});
-         a.v_bias = f(static_cast<char*>(p) + 1632, x, {8});
+         RopeQkArgs a = rope(p, x);
+         a.q_bias = fat(p, 1536, x, {16});
+         a.k_bias = fat(p, 1600, x, {8});
+         a.v_bias = fat(p, 1632, x, {8});
          return b.rope_qk(x, a);
        }},
       {"rope_qk two biases of three",
        [=](const Backend& b, const ExecContext& x, void* p) {
-         RopeQkArgs a;
-         a.q = f(p, x, {2, 2, 8});
-         a.k = f(static_cast<char*>(p) + 256, x, {2, 1, 8});
-         a.positions = i(static_cast<char*>(p) + 512, x, {2});
-         a.qkv = f(static_cast<char*>(p) + 1024, x, {2, 32});
-         a.v = f(static_cast<char*>(p) + 768, x, {2, 1, 8});
-         a.q_bias = f(static_cast<char*>(p) + 1536, x, {16});
-         a.k_bias = f(static_cast<char*>(p) + 1600, x, {8});
+         RopeQkArgs a = rope(p, x);
+         a.qkv = fat(p, 1024, x, {2, 32});
+         a.v = fat(p, 768, x, {2, 1, 8});
+         a.q_bias = fat(p, 1536, x, {16});
+         a.k_bias = fat(p, 1600, x, {8});
          return b.rope_qk(x, a);
        }},
       {"rope_qk k_bias length",
        [=](const Backend& b, const ExecContext& x, void* p) {
-         RopeQkArgs a;
-         a.q = f(p, x, {2, 2, 8});
-         a.k = f(static_cast<char*>(p) + 256, x, {2, 1, 8});
-         a.positions = i(static_cast<char*>(p) + 512, x, {2});
-         a.qkv = f(static_cast<char*>(p) + 1024, x, {2, 32});
-         a.v = f(static_cast<char*>(p) + 768, x, {2, 1, 8});
-         a.q_bias = f(static_cast<char*>(p) + 1536, x, {16});
-         a.k_bias = f(static_cast<char*>(p) + 1600, x, {16});
-         a.v_bias = f(static_cast<char*>(p) + 1664, x, {8});
+         RopeQkArgs a = rope(p, x);
+         a.qkv = fat(p, 1024, x, {2, 32});
+         a.v = fat(p, 768, x, {2, 1, 8});
+         a.q_bias = fat(p, 1536, x, {16});
+         a.k_bias = fat(p, 1600, x, {16});
+         a.v_bias = fat(p, 1664, x, {8});
          return b.rope_qk(x, a);
        }},
       {"rope_qk one norm weight",
        [=](const Backend& b, const ExecContext& x, void* p) {
-         RopeQkArgs a;
-         a.q = f(p, x, {2, 2, 8});
-         a.k = f(static_cast<char*>(p) + 256, x, {2, 1, 8});
-         a.positions = i(static_cast<char*>(p) + 512, x, {2});
-         a.q_norm = f(static_cast<char*>(p) + 768, x, {8});
+         RopeQkArgs a = rope(p, x);
+         a.q_norm = fat(p, 768, x, {8});
          return b.rope_qk(x, a);
        }},
       {"view on the other device",
