@@ -134,7 +134,7 @@ struct RopeQkArgs {
   float eps = 1e-6f;
   // Optional fused projection: qkv f32 [T, (QH + 2 KVH) * D], each row q | k | v (one GEMM over
   // the three weights stored back to back). Then q and k are outputs only (read from qkv, written
-  // rotated) and v [T, KVH, D] f32 receives qkv's v columns as they are. Both or neither.
+  // rotated) and v [T, KVH, D] f32 receives qkv's v columns (plus v_bias, if given). Both or neither.
   TensorView qkv, v;
   // Optional projection biases of the fused form (gpt-oss): f32 [QH * D], [KVH * D], [KVH * D],
   // added to qkv's q, k and v columns first (before the norm and the rotation), as add_bias
@@ -314,7 +314,9 @@ struct Backend {
   // bit on the CPU. Checks: rope's / rope_table's on q and on k, k's T and D equal to q's, the
   // norm weights f32 [D] (both or neither), eps as rmsnorm's. With qkv (and v): q and k are
   // read from qkv's rows and written, v gets qkv's v columns; qkv [T, (QH + 2 KVH) * D] and
-  // v [T, KVH, D] f32, both or neither, not overlapping q, k or each other.
+  // v [T, KVH, D] f32, both or neither, not overlapping q, k or each other. With q/k/v biases
+  // (only with qkv; all three or none; f32 [QH * D], [KVH * D], [KVH * D], not overlapping q, k
+  // or v): add_bias on q, k and v first, bit for bit on the CPU.
   Status (*rope_qk)(const ExecContext&, const RopeQkArgs& args);
 };
 

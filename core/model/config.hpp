@@ -65,6 +65,10 @@ struct ModelConfig {
   // values then lose nothing. The CPU decoder ignores it (FP32 everywhere: the reference). Off
   // for built-in configs.
   bool dense_bf16 = false;
+  // On CUDA, one GEMM for a layer's q, k and v when their weights lie back to back (rope_qk then
+  // splits the rows and adds the projection biases). false keeps the checkpoint's three GEMMs:
+  // an A/B switch for benchmarks and for telling a numerical difference from a bug.
+  bool fuse_qkv = true;
   // How a checkpoint's fused `mlp.experts.gate_up_proj` orders its rows: concatenated
   // (gate rows, then up rows: transformers 5) or interleaved (gate j, up j, ...: gpt-oss).
   bool gate_up_checkpoint_interleaved = false;

@@ -103,7 +103,7 @@ Status MoeDecoder::allocate() {
     // unless a segment ended between them). Projection biases (gpt-oss) are added by rope_qk as
     // it splits the rows (three add_bias launches fewer). The CPU keeps three projections: its
     // results stay those of the checkpoint's, bit for bit.
-    if (ctx_.device.kind == DeviceKind::kCuda) {
+    if (ctx_.device.kind == DeviceKind::kCuda && c.fuse_qkv) {
       const auto next_to = [](const TensorView& a, const TensorView& b) {
         return static_cast<const char*>(a.data) + a.nbytes() == static_cast<const char*>(b.data);
       };

@@ -145,8 +145,9 @@ class MoeDecoder {
     // gpt-oss: projection biases (config.attention_bias), learned sinks [QH], the sliding
     // window of this layer (0: full attention), router bias [E], expert biases.
     TensorView q_bias, k_bias, v_bias, o_bias, sinks;
-    // CUDA, no projection biases, q/k/v weights back to back in the arena: one view over the
-    // three, [(QH + 2 KVH) * D, H], so q, k and v take one GEMM, split by rope_qk.
+    // CUDA, q/k/v weights back to back in the arena: one view over the three,
+    // [(QH + 2 KVH) * D, H], so q, k and v take one GEMM, split by rope_qk (which adds the
+    // projection biases, if any).
     bool qkv_fused = false;
     TensorView qkv_proj;
     int64_t window = 0;

@@ -225,8 +225,9 @@ Status rope_table(const ExecContext& ctx, TensorView x, TensorView positions, Te
   return Status::Ok();
 }
 
-// The unfused sequence, op by op on the same helpers: rmsnorm of every q head and every k head,
-// then the rotation of q and of k.
+// The unfused sequence, op by op on the same helpers: (fused form) the split of qkv's rows and
+// add_bias on q, k and v, then rmsnorm of every q head and every k head, then the rotation of q
+// and of k.
 Status rope_qk(const ExecContext& ctx, const RopeQkArgs& a) {
   RD_RETURN_IF_ERROR(check_ctx(ctx));
   RD_RETURN_IF_ERROR(op_checks::rope_qk(ctx, a));

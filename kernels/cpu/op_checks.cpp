@@ -204,7 +204,9 @@ Status paged_attention(const ExecContext& ctx, const TensorView& out, const Tens
                             " query heads are not a multiple of " +
                             std::to_string(k_cache.size(2)) + " kv heads");
   // out: FP32, or BF16 when it feeds a BF16 projection (o_proj) directly.
-  RD_RETURN_IF_ERROR(view(ctx, out, "out", out.dtype == DType::kBF16 ? DType::kBF16 : DType::kF32, 3, "[T, QH, D]"));
+  const bool out_bf16 = out.dtype == DType::kBF16;
+  RD_RETURN_IF_ERROR(view(ctx, out, "out", out_bf16 ? DType::kBF16 : DType::kF32, 3,
+                          out_bf16 ? "[T, QH, D]" : "(or bf16) [T, QH, D]"));
   RD_RETURN_IF_ERROR(same_shape(out, q, "out", "q"));
   RD_RETURN_IF_ERROR(
       view(ctx, block_tables, "block_tables", DType::kI32, 2, "[S, max_blocks]"));
@@ -214,6 +216,11 @@ Status paged_attention(const ExecContext& ctx, const TensorView& out, const Tens
   RD_RETURN_IF_ERROR(dim(ctx_len, 0, q.size(0), "ctx_len", "T", "q"));
   if (!std::isfinite(scale))
     return invalid("scale", "scale must be finite, got " + std::to_string(scale));
+  // The kernels read the inputs while other CTAs write out.
+  for (auto [v, name] : {std::pair{&q, "q"}, std::pair{&k_cache, "k_cache"}, std::pair{&v_cache, "v_cache"},
+                         std::pair{&block_tables, "block_tables"}, std::pair{&seq_of, "seq_of"},
+                         std::pair{&ctx_len, "ctx_len"}})
+    if (overlaps(out, *v)) return invalid("out", std::string("out: overlaps ") + name);
   return Status::Ok();
 }
 
@@ -225,6 +232,7 @@ Status paged_attention_ex(const ExecContext& ctx, const TensorView& out, const T
   if (options.sinks.data != nullptr) {
     RD_RETURN_IF_ERROR(view(ctx, options.sinks, "sinks", DType::kF32, 1, "[QH]"));
     RD_RETURN_IF_ERROR(dim(options.sinks, 0, q.size(1), "sinks", "QH", "q"));
+    if (overlaps(out, options.sinks)) return invalid("out", "out: overlaps sinks");
   }
   if (options.window < 0)
     return invalid("window", "window must be >= 0 (0: no sliding window), got " + std::to_string(options.window));

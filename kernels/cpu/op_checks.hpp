@@ -25,6 +25,9 @@ Status rope(const ExecContext& ctx, const TensorView& x, const TensorView& posit
             float theta);
 Status kv_store(const ExecContext& ctx, const TensorView& k_cache, const TensorView& v_cache,
                 const TensorView& k, const TensorView& v, const TensorView& slot_mapping);
+// paged_attention: q f32 [T, QH, D], caches f32 [blocks, block_size, KVH, D] (QH a multiple of
+// KVH), out f32 or bf16 of q's shape overlapping none of the inputs, block_tables i32
+// [S, max_blocks], seq_of and ctx_len i32 [T], scale finite.
 Status paged_attention(const ExecContext& ctx, const TensorView& out, const TensorView& q,
                        const TensorView& k_cache, const TensorView& v_cache,
                        const TensorView& block_tables, const TensorView& seq_of,
@@ -44,7 +47,8 @@ Status add_rmsnorm(const ExecContext& ctx, const TensorView& out, const TensorVi
 // rope_qk: rope's checks on q and on k (rope_table's with inv_freq), k's T and D equal to q's,
 // scale finite and > 0, the norm weights both given or neither (f32 [D], eps as rmsnorm's);
 // qkv and v both or neither: qkv f32 [T, (QH + 2 KVH) * D], v f32 [T, KVH, D], neither
-// overlapping q, k or each other.
+// overlapping q, k or each other; q_bias, k_bias, v_bias all or none, only with qkv, f32
+// [QH * D], [KVH * D], [KVH * D], none overlapping q, k or v.
 Status rope_qk(const ExecContext& ctx, const RopeQkArgs& args);
 Status add_bias(const ExecContext& ctx, const TensorView& y, const TensorView& bias);
 Status transpose(const ExecContext& ctx, const TensorView& dst, const TensorView& src);

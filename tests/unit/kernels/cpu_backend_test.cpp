@@ -598,6 +598,59 @@ TEST(CpuBackend, RopeQkEqualsNormsThenRopesBitForBit) {
   }
 }
 
+// The fused form with projection biases equals the unfused sequence: split qkv's rows, add_bias
+// on q, k and v, then rope_qk on q and k (with and without the QK-norm, which sees the biased
+// values), bit for bit.
+TEST(CpuBackend, RopeQkBiasesEqualSplitAddBiasThenRopeQk) {
+  for (const bool norm : {false, true}) {
+    const int64_t T = 3, QH = 4, KVH = 2, D = 8, W = (QH + 2 * KVH) * D;
+    std::vector<float> qkv = pseudo_random(static_cast<size_t>(T * W), -2, 2, 11);
+    std::vector<float> qb = pseudo_random(static_cast<size_t>(QH * D), -1, 1, 12);
+    std::vector<float> kb = pseudo_random(static_cast<size_t>(KVH * D), -1, 1, 13);
+    std::vector<float> vb = pseudo_random(static_cast<size_t>(KVH * D), -1, 1, 14);
+    std::vector<float> qw = pseudo_random(static_cast<size_t>(D), 0.5f, 1.5f, 15);
+    std::vector<float> kw = pseudo_random(static_cast<size_t>(D), 0.5f, 1.5f, 16);
+    std::vector<int32_t> pos{0, 7, 300};
+    const Shape qs{T, QH, D}, ks{T, KVH, D};
+    // Reference: the unfused ops.
+    std::vector<float> q_ref, k_ref, v_ref;
+    for (int64_t t = 0; t < T; ++t) {
+      const float* row = qkv.data() + t * W;
+      q_ref.insert(q_ref.end(), row, row + QH * D);
+      k_ref.insert(k_ref.end(), row + QH * D, row + (QH + KVH) * D);
+      v_ref.insert(v_ref.end(), row + (QH + KVH) * D, row + W);
+    }
+    ASSERT_TRUE(cpu().add_bias(kCtx, f32(q_ref, {T, QH * D}), f32(qb, {QH * D})).ok());
+    ASSERT_TRUE(cpu().add_bias(kCtx, f32(k_ref, {T, KVH * D}), f32(kb, {KVH * D})).ok());
+    ASSERT_TRUE(cpu().add_bias(kCtx, f32(v_ref, {T, KVH * D}), f32(vb, {KVH * D})).ok());
+    RopeQkArgs r;
+    r.q = f32(q_ref, qs);
+    r.k = f32(k_ref, ks);
+    r.positions = i32(pos, {T});
+    r.theta = 150000.0f;
+    if (norm) {
+      r.q_norm = f32(qw, {D});
+      r.k_norm = f32(kw, {D});
+    }
+    ASSERT_TRUE(cpu().rope_qk(kCtx, r).ok());
+    // Fused, biases inside.
+    std::vector<float> q(q_ref.size(), NAN), k(k_ref.size(), NAN), v(v_ref.size(), NAN);
+    RopeQkArgs a = r;
+    a.q = f32(q, qs);
+    a.k = f32(k, ks);
+    a.qkv = f32(qkv, {T, W});
+    a.v = f32(v, ks);
+    a.q_bias = f32(qb, {QH * D});
+    a.k_bias = f32(kb, {KVH * D});
+    a.v_bias = f32(vb, {KVH * D});
+    ASSERT_TRUE(cpu().rope_qk(kCtx, a).ok());
+    EXPECT_TRUE(same_bits(q, q_ref)) << norm;
+    EXPECT_TRUE(same_bits(k, k_ref)) << norm;
+    EXPECT_TRUE(same_bits(v, v_ref)) << norm;
+    EXPECT_FALSE(same_bits(v, std::vector<float>(qkv.begin() + (QH + KVH) * D, qkv.begin() + W)));  // v_bias applied
+  }
+}
+
 TEST(CpuBackend, AllocIsAlignedAndCopyRoundTrips) {
   void* p = nullptr;
   ASSERT_TRUE(cpu().alloc(kCtx, 3, &p).ok());
@@ -815,6 +868,44 @@ TEST_F(CpuBackendChecks, KvStoreRejectsSlotsBeyondTheCache) {
                 ErrorCode::kInvalidArgument, "slot_mapping");
 }
 
+// Misplaced projection biases are refused naming the bias; nothing is written.
+TEST_F(CpuBackendChecks, RopeQkRefusesMisplacedBiases) {
+  // q [1, 2, 4], k and v [1, 1, 4], qkv [1, 16]; biases 8 / 4 / 4 floats, all in separate vectors.
+  std::vector<float> q(8, 0), k(4, 0), v(4, 0), qkv(16, 1), qb(8, 1), kb(4, 1), vb(4, 1), wide(8, 1);
+  std::vector<int32_t> pos{0};
+  auto args = [&] {
+    RopeQkArgs a;
+    a.q = f32(q, {1, 2, 4});
+    a.k = f32(k, {1, 1, 4});
+    a.positions = i32(pos, {1});
+    a.qkv = f32(qkv, {1, 16});
+    a.v = f32(v, {1, 1, 4});
+    a.q_bias = f32(qb, {8});
+    a.k_bias = f32(kb, {4});
+    a.v_bias = f32(vb, {4});
+    return a;
+  };
+  ASSERT_TRUE(cpu().rope_qk(kCtx, args()).ok());
+  std::fill(q.begin(), q.end(), 0.0f);
+  RopeQkArgs a = args();
+  a.qkv = {};
+  a.v = {};
+  EXPECT_STATUS(cpu().rope_qk(kCtx, a), ErrorCode::kInvalidArgument, "q_bias");  // biases without qkv
+  a = args();
+  a.v_bias = {};
+  EXPECT_STATUS(cpu().rope_qk(kCtx, a), ErrorCode::kInvalidArgument, "v_bias");  // two of three
+  a = args();
+  a.k_bias = f32(wide, {8});
+  EXPECT_STATUS(cpu().rope_qk(kCtx, a), ErrorCode::kInvalidArgument, "k_bias");  // length
+  a = args();
+  a.q_bias = i32(m, {8});
+  EXPECT_STATUS(cpu().rope_qk(kCtx, a), ErrorCode::kInvalidArgument, "q_bias");  // dtype
+  a = args();
+  a.v_bias = f32(q, {4});
+  EXPECT_STATUS(cpu().rope_qk(kCtx, a), ErrorCode::kInvalidArgument, "v_bias");  // overlaps q
+  EXPECT_EQ(q, std::vector<float>(8, 0.0f));  // no refused call wrote q
+}
+
 TEST_F(CpuBackendChecks, AttentionRejectsBadIndicesAndShapes) {
   // 2 blocks of 2 slots, KVH = 1, D = 2; one sequence with 2 table entries.
   const TensorView cache = f32(f, {2, 2, 1, 2});
@@ -841,6 +932,9 @@ TEST_F(CpuBackendChecks, AttentionRejectsBadIndicesAndShapes) {
   EXPECT_STATUS(cpu().paged_attention(kCtx, out, f32(g, {1, 2, 4}), cache, cache, i32(t, {1, 2}),
                                       i32(s, {1}), i32(l, {1}), 1.0f),
                 ErrorCode::kInvalidArgument, "k_cache");
+  EXPECT_STATUS(cpu().paged_attention(kCtx, f32(g, {1, 2, 2}), q, cache, cache, i32(t, {1, 2}), i32(s, {1}),
+                                      i32(l, {1}), 1.0f),
+                ErrorCode::kInvalidArgument, "out");  // out over q: read while written
   EXPECT_STATUS(cpu().paged_attention(kCtx, out, q, cache, f32(f, {2, 1, 1, 2}), i32(t, {1, 2}),
                                       i32(s, {1}), i32(l, {1}), 1.0f),
                 ErrorCode::kInvalidArgument, "v_cache");
