@@ -413,6 +413,7 @@ int main(int argc, char** argv) {
                   parted = static_cast<int64_t>(i);
                   break;
                 }
+              if (!same && parted < 0) parted = static_cast<int64_t>(first.size());  // ours is a prefix of theirs
               br["peer_decode_tokens_per_s"] = pb["decode_tokens_per_s"];
               br["over_peer"] = ratio;
               br["first_request_tokens_equal_peer"] = same;
