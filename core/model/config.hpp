@@ -69,6 +69,11 @@ struct ModelConfig {
   // splits the rows and adds the projection biases). false keeps the checkpoint's three GEMMs:
   // an A/B switch for benchmarks and for telling a numerical difference from a bug.
   bool fuse_qkv = true;
+  // On CUDA, MXFP4 routed experts (H and I multiples of 64) run on moe::experts' grouped kernels
+  // with BF16 GEMM inputs. false keeps Backend::moe_experts (FP32 activations, one (token, expert)
+  // pair at a time, much slower): an A/B switch, like fuse_qkv, for telling the BF16 rounding of
+  // the expert inputs from a bug.
+  bool grouped_experts = true;
   // How a checkpoint's fused `mlp.experts.gate_up_proj` orders its rows: concatenated
   // (gate rows, then up rows: transformers 5) or interleaved (gate j, up j, ...: gpt-oss).
   bool gate_up_checkpoint_interleaved = false;

@@ -65,7 +65,7 @@ Status MoeDecoder::allocate() {
                 KVH = c.num_key_value_heads, E = c.num_experts, I = c.moe_intermediate_size;
 
   const bool gpt_oss = c.family == "gpt_oss";
-  kernel_experts_ = c.experts_mxfp4 && ctx_.device.kind == DeviceKind::kCuda && H % 64 == 0 && I % 64 == 0;
+  kernel_experts_ = c.grouped_experts && c.experts_mxfp4 && ctx_.device.kind == DeviceKind::kCuda && H % 64 == 0 && I % 64 == 0;
   RD_RETURN_IF_ERROR(param("model.embed_tokens.weight", Shape{c.vocab_size, H}, embed_tokens_));
   if (c.rope_type != "default") {
     // Scaled rotary frequencies, computed once on the host as transformers computes them; like
@@ -301,7 +301,13 @@ Status MoeDecoder::allocate() {
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, QH * D}, ws_.q));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, KVH * D}, ws_.k));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, KVH * D}, ws_.v));
-  RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, QH * D}, ws_.attn));
+  // Attention's FP32 output feeds only FP32 o_projs; with every o_proj in BF16 the attention
+  // writes o_proj's input into x_bf16, and ws_.attn keeps only its shape (no memory: T * QH * D
+  // floats, 128 MiB at 8,192 tokens and 64 x 64 heads).
+  if (std::any_of(layers_.begin(), layers_.end(), [](const Layer& L) { return L.o_proj.dtype != DType::kBF16; }))
+    RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, QH * D}, ws_.attn));
+  else
+    ws_.attn = TensorView::contiguous(nullptr, DType::kF32, Shape{T, QH * D}, ctx_.device);
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, H}, ws_.o));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, E}, ws_.router_logits));
   RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{T, K}, ws_.topk_ids));

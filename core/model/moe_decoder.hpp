@@ -179,6 +179,7 @@ class MoeDecoder {
     // [logits_rows : max_seqs][num_valid : 1][block_tables : max_seqs x max_blocks_per_seq].
     TensorView inputs;
     TensorView token_ids, positions, seq_of, slot_mapping, ctx_len, block_tables, logits_rows, num_valid;
+    // attn: shape only (no memory) when every o_proj is BF16 (attention then writes x_bf16).
     TensorView h, x, q, k, v, attn, o, router_logits, topk_ids, topk_weights, moe_out;
     TensorView moe_h;  // expert-op workspace [T * (K * I or I_dense)] (MoeExpertsArgs::workspace); empty when no layer runs the op
     TensorView experts_ws;  // kernel_experts_: moe::experts scratch (uint8, sized for max_tokens)

@@ -5,7 +5,7 @@
 //
 //   engine_bench [--json FILE] [--models tiny,mid] [--batches 1,32,256] [--new-tokens N]
 //                [--model-dir DIR [--peer PEER.json]] [--host-sampling 1] [--quantize-experts mxfp4]
-//                [--graphs on|off|both] [--dense-bf16 1] [--fuse-qkv 0]
+//                [--graphs on|off|both] [--dense-bf16 1] [--fuse-qkv 0] [--grouped-experts 0]
 //
 // --model-dir adds model "ckpt": a Hugging Face checkpoint (rolloutctl make-test-model), which
 // tests/bench/engine/hf_peer.py runs with transformers `generate` in the same job; --peer reads
@@ -264,6 +264,7 @@ int main(int argc, char** argv) {
   std::string graphs_arg = "both";    // --graphs on|off|both (one mode: e.g. under a profiler)
   bool dense_bf16 = false;            // --dense-bf16 1: the built-in models' dense projections in BF16
   bool fuse_qkv = true;               // --fuse-qkv 0: three q/k/v GEMMs (ModelConfig::fuse_qkv), every model
+  bool grouped_experts = true;        // --grouped-experts 0: ModelConfig::grouped_experts off (FP32 expert op)
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--json") json_path = argv[i + 1];
@@ -277,6 +278,7 @@ int main(int argc, char** argv) {
     else if (a == "--graphs") graphs_arg = argv[i + 1];
     else if (a == "--dense-bf16") dense_bf16 = std::atoi(argv[i + 1]) != 0;
     else if (a == "--fuse-qkv") fuse_qkv = std::atoi(argv[i + 1]) != 0;
+    else if (a == "--grouped-experts") grouped_experts = std::atoi(argv[i + 1]) != 0;
   }
   std::vector<bool> graph_modes;
   if (graphs_arg != "on") graph_modes.push_back(false);
@@ -332,6 +334,7 @@ int main(int argc, char** argv) {
       mc.dense_bf16 = dense_bf16;
     }
     mc.fuse_qkv = fuse_qkv;
+    mc.grouped_experts = grouped_experts;
     for (const bool graphs : graph_modes) {
       core::StepLimits limits;
       limits.max_seqs = max_batch;

@@ -11,9 +11,10 @@ token lies. Before the first parting position both runs saw the same context, so
 position the gap says whether the two runs disagree on a near-tie (a gap about the size of the
 numeric difference between them) or on a clear choice (a bug).
 
-It also runs the same forward with the input of every MoE experts module rounded to BF16, which
-is what rolloutd's MXFP4 expert kernels do to their activations: if that variant picks our token
-at the parting position, the rounding alone explains the difference.
+It also runs the same forward with the input of every MoE experts module rounded to BF16, then
+with the SwiGLU output (`_apply_gate`, the down projection's input) rounded too: that is what
+rolloutd's grouped MXFP4 expert kernels do to their GEMM inputs. If the variant picks our token
+at the parting position, or moves the gap by about as much, the rounding explains the difference.
 
 Runs on the GPU host (torch + transformers from ../shared/gpu/NOTES.md).
 """
@@ -84,6 +85,13 @@ def main():
     hooks = [m.register_forward_pre_hook(bf16_round_hook, with_kwargs=True)
              for name, m in model.named_modules() if name.endswith("mlp.experts")]
     bf16 = analyse(forward_logits(model, ids), ours, len(p))
+    gated = 0
+    for name, m in model.named_modules():
+        if name.endswith("mlp.experts") and hasattr(m, "_apply_gate"):
+            orig = m._apply_gate
+            m._apply_gate = (lambda o: lambda gu: (lambda y: y.to(torch.bfloat16).to(y.dtype))(o(gu)))(orig)
+            gated += 1
+    bf16_h = analyse(forward_logits(model, ids), ours, len(p)) if gated else None
     for h in hooks:
         h.remove()
     part = next((r["pos"] for r in fp32 if r["hf_argmax"] != r["ours"]), -1)
@@ -96,10 +104,14 @@ def main():
         "at_parting": fp32[part] if part >= 0 else None,
         "bf16_experts_at_parting": bf16[part] if part >= 0 else None,
         "bf16_experts_parts_at": next((r["pos"] for r in bf16 if r["hf_argmax"] != r["ours"]), -1),
+        "gates_hooked": gated,
+        "bf16_experts_and_swiglu_at_parting": bf16_h[part] if (bf16_h and part >= 0) else None,
+        "bf16_experts_and_swiglu_parts_at":
+            next((r["pos"] for r in bf16_h if r["hf_argmax"] != r["ours"]), -1) if bf16_h else None,
     }
     print(json.dumps(summary, indent=1), file=sys.stderr)
     with open(a.json, "w") as f:
-        json.dump({"summary": summary, "fp32": fp32, "bf16_experts": bf16}, f)
+        json.dump({"summary": summary, "fp32": fp32, "bf16_experts": bf16, "bf16_experts_and_swiglu": bf16_h}, f)
 
 
 if __name__ == "__main__":
