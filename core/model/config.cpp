@@ -65,10 +65,10 @@ Status ModelConfig::validate() const {
                       "MXFP4 experts quantize blocks of 32 values along " + std::string(field) + ", which is " +
                           std::to_string(v) + ", not a multiple of 32",
                       field);
-    if (family == "qwen3_moe" && gate_up_checkpoint_interleaved)
+    if (moe_layout == MoeLayout::kOutputMajor && gate_up_checkpoint_interleaved)
       return Status(ErrorCode::kUnimplemented,
-                    "MXFP4 qwen3_moe experts keep gate rows then up rows: an interleaved fused gate_up_proj is not "
-                    "supported with them",
+                    "MXFP4 output-major experts (" + family + ") keep gate rows then up rows: an interleaved fused "
+                    "gate_up_proj is not supported with them",
                     "gate_up_checkpoint_interleaved");
   }
   return Status::Ok();
@@ -87,20 +87,15 @@ const char* expert_quantization_name(ExpertQuantization q) {
 
 Status apply_expert_quantization(ModelConfig& c, ExpertQuantization q) {
   if (q == ExpertQuantization::kNone) return Status::Ok();
-  if (c.family == "gpt_oss") {
+  if (c.moe_layout == MoeLayout::kInputMajorBiased) {
     if (c.experts_mxfp4) return Status::Ok();  // already MXFP4 as published: served as they are
     return Status(ErrorCode::kUnimplemented,
-                  "--quantize-experts mxfp4: this gpt_oss checkpoint has BF16/FP32 experts, which transformers "
+                  "--quantize-experts mxfp4: this " + c.family + " checkpoint has BF16/FP32 experts, which transformers "
                   "stores input-major (gate_up_proj [E, hidden, 2*intermediate]); MXFP4 blocks run along the "
                   "input dimension of output-major rows, so they would need a transpose on load, which is not "
                   "supported. Serve them unquantized, or use the published MXFP4 checkpoint (*_blocks/*_scales)",
                   "quantize_experts");
   }
-  if (c.family != "qwen3_moe")
-    return Status(ErrorCode::kUnimplemented,
-                  "--quantize-experts mxfp4 is supported for qwen3_moe (and gpt_oss published as MXFP4), not " +
-                      c.family,
-                  "quantize_experts");
   ModelConfig want = c;
   want.experts_mxfp4 = true;
   if (Status s = want.validate(); !s.ok())

@@ -9,9 +9,36 @@
 
 namespace rolloutd::core {
 
+// How a MoE layer's router and experts are named and laid out in the checkpoint (and therefore
+// in the weight registry).
+enum class MoeLayout : uint8_t {
+  // Router `mlp.gate.weight` [E, H], no bias. Experts output-major: stacked
+  // `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows then up rows, or interleaved when
+  // gate_up_checkpoint_interleaved) and `mlp.experts.down_proj` [E, H, I], or per expert
+  // `mlp.experts.{e}.{gate,up,down}_proj.weight`; no expert biases. BF16/FP32, quantized to MXFP4
+  // on arrival on request (Qwen3-MoE; Mixtral-style experts as transformers 5 names them).
+  kOutputMajor,
+  // Router `mlp.router.{weight,bias}`. Experts input-major with biases: `mlp.experts.gate_up_proj`
+  // [E, H, 2I] (gate/up columns interleaved), `down_proj` [E, I, H], `*_bias`; or MXFP4
+  // `*_blocks` / `*_scales` [E, out, in/32(, 16)] as published (gpt-oss).
+  kInputMajorBiased,
+};
+
+// The experts' gated activation.
+enum class ExpertActivation : uint8_t {
+  kSiLU,           // silu(g) * u
+  kClampedSwiGLU,  // gpt-oss: g = min(g, limit), u = clamp(u, +-limit), g * sigmoid(alpha * g) * (u + 1)
+};
+
 struct ModelConfig {
   std::string name = "tiny-moe";
-  std::string family = "qwen3_moe";   // router/activation conventions
+  std::string family = "qwen3_moe";   // config.json's model_type (core/model/family.hpp)
+  // Architecture traits, set by the family's parse_config (defaults: the Qwen3-MoE conventions
+  // of the built-in models). The decoder reads these, never `family`.
+  MoeLayout moe_layout = MoeLayout::kOutputMajor;
+  bool attention_sinks = false;       // learned per-head sinks `self_attn.sinks` [QH] (gpt-oss)
+  ExpertActivation expert_activation = ExpertActivation::kSiLU;
+  double swiglu_alpha = 1.702;        // kClampedSwiGLU (GptOssExperts.alpha, not a config key)
   int64_t vocab_size = 256;
   int64_t hidden_size = 64;
   int64_t num_hidden_layers = 4;

@@ -47,8 +47,8 @@ Result<HfModel> open_hf_model(const std::string& dir, ExpertQuantization quantiz
   RD_ASSIGN_OR_RETURN(m.config, load_hf_config(dir + "/config.json"));
   RD_RETURN_IF_ERROR(check_decoder_supports(m.config));
   RD_ASSIGN_OR_RETURN(m.checkpoint, SafetensorsCheckpoint::open(dir));
-  // gpt-oss as published: MXFP4 experts, served as they are.
-  if (m.config.family == "gpt_oss" && m.checkpoint->find("model.layers.0.mlp.experts.gate_up_proj_blocks"))
+  // Input-major experts as published (gpt-oss): MXFP4, served as they are.
+  if (m.config.moe_layout == MoeLayout::kInputMajorBiased && m.checkpoint->find("model.layers.0.mlp.experts.gate_up_proj_blocks"))
     m.config.experts_mxfp4 = true;
   // BF16 dense projections on CUDA when every one the checkpoint holds is BF16 (config.json may
   // omit its dtype, so the tensors decide): storing them in BF16 then loses nothing. One FP32
@@ -67,8 +67,8 @@ Result<HfModel> open_hf_model(const std::string& dir, ExpertQuantization quantiz
     m.config.dense_bf16 = any && all_bf16;
   }
   if (Status s = apply_expert_quantization(m.config, quantize_experts); !s.ok()) {
-    // A gpt_oss refusal names the tensor that would need the transpose.
-    if (s.field() == "quantize_experts" && m.config.family == "gpt_oss" &&
+    // An input-major refusal names the tensor that would need the transpose.
+    if (s.field() == "quantize_experts" && m.config.moe_layout == MoeLayout::kInputMajorBiased &&
         m.checkpoint->find("model.layers.0.mlp.experts.gate_up_proj"))
       return Status(s.code(), s.message(), "model.layers.0.mlp.experts.gate_up_proj");
     return s;
@@ -98,7 +98,7 @@ Status load_checkpoint(MoeDecoder& model, const SafetensorsCheckpoint& ckpt) {
     };
     if (!ct && (ends_with("_blocks") || ends_with("_scales")))
       return Status(ErrorCode::kUnimplemented,
-                    "checkpoint tensor '" + name + "' is MXFP4 (blocks/scales): served for gpt_oss experts only; this " +
+                    "checkpoint tensor '" + name + "' is MXFP4 (blocks/scales): served for input-major experts as published (gpt_oss) only; this " +
                         model.config().family + " model takes BF16/FP32 tensors (save a dequantized copy with "
                         "transformers)",
                     name);

@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <fstream>
 
+#include "core/model/family.hpp"
+#include "core/model/hf_keys.hpp"
+
 namespace rolloutd::core {
-namespace {
+namespace hf_keys {
 
 using nlohmann::json;
 
@@ -52,10 +55,7 @@ Status get_string(const json& j, const std::string& key, std::string& out) {
   return Status::Ok();
 }
 
-constexpr int64_t kMaxDim = int64_t{1} << 20;    // hidden, intermediate, heads x head_dim
-constexpr int64_t kMaxVocab = (int64_t{1} << 31) - 1;
-constexpr int64_t kMaxLayers = 4096;
-constexpr int64_t kMaxExperts = 1 << 16;
+namespace {
 
 // Rotary settings: transformers 5 writes `rope_parameters` {rope_type, rope_theta, ...};
 // earlier versions `rope_theta` at the top and `rope_scaling` (null or {rope_type|type, ...}).
@@ -113,6 +113,8 @@ Status parse_dtype(const json& j, ModelConfig& c) {
   return Status::Ok();
 }
 
+}  // namespace
+
 Status parse_common(const json& j, ModelConfig& c) {
   RD_RETURN_IF_ERROR(get_int(j, "vocab_size", c.vocab_size, 1, kMaxVocab, true));
   RD_RETURN_IF_ERROR(get_int(j, "hidden_size", c.hidden_size, 1, kMaxDim, true));
@@ -136,74 +138,25 @@ Status parse_common(const json& j, ModelConfig& c) {
   return Status::Ok();
 }
 
-Status parse_qwen3_moe(const json& j, ModelConfig& c) {
-  // Qwen3MoeConfig defaults where a key may be absent.
-  c.norm_topk_prob = false;
-  c.rms_norm_eps = 1e-6;
-  c.qk_norm = true;
-  RD_RETURN_IF_ERROR(parse_common(j, c));
-  RD_RETURN_IF_ERROR(get_int(j, "num_experts", c.num_experts, 1, kMaxExperts, true));
-  RD_RETURN_IF_ERROR(get_int(j, "num_experts_per_tok", c.num_experts_per_tok, 1, kMaxExperts, true));
-  RD_RETURN_IF_ERROR(get_int(j, "moe_intermediate_size", c.moe_intermediate_size, 1, kMaxDim, true));
-  c.intermediate_size = 6144;  // Qwen3MoeConfig's default: only dense layers use it
-  RD_RETURN_IF_ERROR(get_int(j, "intermediate_size", c.intermediate_size, 1, kMaxDim, false));
-  RD_RETURN_IF_ERROR(get_bool(j, "norm_topk_prob", c.norm_topk_prob));
-  RD_RETURN_IF_ERROR(get_int(j, "decoder_sparse_step", c.decoder_sparse_step, 1, kMaxLayers, false));
-  if (j.contains("mlp_only_layers") && !j["mlp_only_layers"].is_null()) {
-    const json& m = j["mlp_only_layers"];
-    if (!m.is_array()) return bad("mlp_only_layers", "must be a list of layer indices");
-    for (const auto& v : m) {
-      if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= c.num_hidden_layers)
-        return bad("mlp_only_layers", "entries must be layer indices in [0, num_hidden_layers)");
-      c.mlp_only_layers.push_back(v.get<int64_t>());
-    }
+Status parse_layer_types(const json& j, ModelConfig& c) {
+  if (!j.contains("layer_types") || j["layer_types"].is_null()) return Status::Ok();
+  const json& t = j["layer_types"];
+  if (!t.is_array() || static_cast<int64_t>(t.size()) != c.num_hidden_layers)
+    return bad("layer_types", "must list one type per layer (num_hidden_layers)");
+  c.layer_types.clear();
+  for (const auto& v : t) {
+    if (!v.is_string() || (v != "sliding_attention" && v != "full_attention"))
+      return bad("layer_types", "entries must be \"sliding_attention\" or \"full_attention\"");
+    c.layer_types.push_back(v.get<std::string>());
   }
-  bool sliding = false;
-  RD_RETURN_IF_ERROR(get_bool(j, "use_sliding_window", sliding));
-  if (sliding)
-    return Status(ErrorCode::kUnimplemented, "use_sliding_window: sliding-window attention is not supported for qwen3_moe yet",
-                  "use_sliding_window");
   return Status::Ok();
 }
 
-Status parse_gpt_oss(const json& j, ModelConfig& c) {
-  // GptOssConfig defaults where a key may be absent.
-  c.rms_norm_eps = 1e-5;
-  c.rope_theta = 150000.0;
-  c.attention_bias = true;
-  c.norm_topk_prob = true;  // softmax over the top-k logits
-  c.sliding_window = 128;
-  c.swiglu_limit = 7.0;
-  c.gate_up_checkpoint_interleaved = true;
-  RD_RETURN_IF_ERROR(parse_common(j, c));
-  RD_RETURN_IF_ERROR(get_int(j, "num_local_experts", c.num_experts, 1, kMaxExperts, true));
-  RD_RETURN_IF_ERROR(get_int(j, "num_experts_per_tok", c.num_experts_per_tok, 1, kMaxExperts, false));
-  if (!j.contains("num_experts_per_tok"))
-    RD_RETURN_IF_ERROR(get_int(j, "experts_per_token", c.num_experts_per_tok, 1, kMaxExperts, true));
-  RD_RETURN_IF_ERROR(get_int(j, "intermediate_size", c.moe_intermediate_size, 1, kMaxDim, true));
-  c.intermediate_size = c.moe_intermediate_size;
-  RD_RETURN_IF_ERROR(get_int(j, "sliding_window", c.sliding_window, 1, kMaxVocab, false));
-  RD_RETURN_IF_ERROR(get_double(j, "swiglu_limit", c.swiglu_limit, true));
-  if (j.contains("layer_types") && !j["layer_types"].is_null()) {
-    const json& t = j["layer_types"];
-    if (!t.is_array() || static_cast<int64_t>(t.size()) != c.num_hidden_layers)
-      return bad("layer_types", "must list one type per layer (num_hidden_layers)");
-    for (const auto& v : t) {
-      if (!v.is_string() || (v != "sliding_attention" && v != "full_attention"))
-        return bad("layer_types", "entries must be \"sliding_attention\" or \"full_attention\"");
-      c.layer_types.push_back(v.get<std::string>());
-    }
-  } else {
-    // GptOssConfig: sliding on even layers, full on odd ones.
-    for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-      c.layer_types.push_back(l % 2 == 0 ? "sliding_attention" : "full_attention");
-  }
-  if (c.moe_intermediate_size % 32 != 0 || c.hidden_size % 32 != 0)
-    return bad("intermediate_size", "gpt_oss MXFP4 experts need hidden_size and intermediate_size multiples of 32");
-  return Status::Ok();
-}
+}  // namespace hf_keys
 
-}  // namespace
+using nlohmann::json;
+using hf_keys::bad;
+using hf_keys::get_string;
 
 Result<ModelConfig> model_config_from_hf(const json& j) {
   if (!j.is_object()) return bad("config", "config.json is not a JSON object");
@@ -212,15 +165,11 @@ Result<ModelConfig> model_config_from_hf(const json& j) {
   ModelConfig c;
   c.family = type;
   c.synthetic_param_bytes = 0;
-  if (type == "qwen3_moe") {
-    RD_RETURN_IF_ERROR(parse_qwen3_moe(j, c));
-  } else if (type == "gpt_oss") {
-    RD_RETURN_IF_ERROR(parse_gpt_oss(j, c));
-  } else {
+  const ModelFamily* family = find_model_family(type);
+  if (family == nullptr)
     return Status(ErrorCode::kUnimplemented,
-                  "model_type '" + type + "' is not supported (qwen3_moe, gpt_oss)",
-                  "model_type");
-  }
+                  "model_type '" + type + "' is not supported (" + model_family_list() + ")", "model_type");
+  RD_RETURN_IF_ERROR(family->parse_config(j, c));
   c.name = type;
   if (j.contains("_name_or_path") && j["_name_or_path"].is_string() && !j["_name_or_path"].get<std::string>().empty())
     c.name = j["_name_or_path"].get<std::string>();
@@ -273,32 +222,7 @@ json model_config_to_hf(const ModelConfig& c) {
     rope["truncate"] = c.rope_truncate;
   }
   j["rope_parameters"] = rope;
-  if (c.family == "qwen3_moe") {
-    j["architectures"] = {"Qwen3MoeForCausalLM"};
-    j["num_experts"] = c.num_experts;
-    j["num_experts_per_tok"] = c.num_experts_per_tok;
-    j["moe_intermediate_size"] = c.moe_intermediate_size;
-    j["intermediate_size"] = c.intermediate_size > 0 ? c.intermediate_size : c.moe_intermediate_size * 3;
-    j["norm_topk_prob"] = c.norm_topk_prob;
-    j["decoder_sparse_step"] = c.decoder_sparse_step;
-    j["mlp_only_layers"] = c.mlp_only_layers;
-    j["use_sliding_window"] = false;
-    j["sliding_window"] = nullptr;
-    j["max_window_layers"] = c.num_hidden_layers;
-    j["output_router_logits"] = false;
-    j["router_aux_loss_coef"] = 0.001;
-  } else if (c.family == "gpt_oss") {
-    j["architectures"] = {"GptOssForCausalLM"};
-    j["num_local_experts"] = c.num_experts;
-    j["num_experts_per_tok"] = c.num_experts_per_tok;
-    j["experts_per_token"] = c.num_experts_per_tok;
-    j["intermediate_size"] = c.moe_intermediate_size;
-    j["sliding_window"] = c.sliding_window;
-    j["layer_types"] = c.layer_types;
-    j["swiglu_limit"] = c.swiglu_limit;
-    j["output_router_logits"] = false;
-    j["router_aux_loss_coef"] = 0.9;
-  }
+  if (const ModelFamily* family = find_model_family(c.family)) family->write_config(c, j);
   return j;
 }
 
@@ -307,13 +231,13 @@ Status check_decoder_supports(const ModelConfig& c) {
     return Status(ErrorCode::kUnimplemented,
                   "model family " + c.family + " is not supported yet by the decoder: " + what, field);
   };
-  if (c.family != "qwen3_moe" && c.family != "gpt_oss") return no("unknown family", "model_type");
+  const ModelFamily* family = find_model_family(c.family);
+  if (family == nullptr) return no("unknown family (" + model_family_list() + ")", "model_type");
   if (c.tie_word_embeddings) return no("tie_word_embeddings = true (lm_head shared with embed_tokens)", "tie_word_embeddings");
-  if (c.family == "qwen3_moe" && c.attention_bias) return no("attention_bias = true", "attention_bias");
   if (c.rope_type != "default" && c.rope_type != "yarn") return no("rope_type '" + c.rope_type + "'", "rope_parameters");
-  if (c.family == "gpt_oss" && !(c.swiglu_limit > 0))
+  if (c.expert_activation == ExpertActivation::kClampedSwiGLU && !(c.swiglu_limit > 0))
     return no("swiglu_limit must be positive (the clamped SwiGLU)", "swiglu_limit");
-  return Status::Ok();
+  return family->check_supported(c);
 }
 
 }  // namespace rolloutd::core

@@ -1,17 +1,18 @@
 #pragma once
-// Hugging Face `config.json` <-> ModelConfig, per model family (`model_type`).
+// Hugging Face `config.json` <-> ModelConfig. The keys every family shares are read by
+// hf_keys::parse_common (core/model/hf_keys.hpp); each family's own keys, defaults and
+// architecture traits by its file under core/model/families/ (core/model/family.hpp), found by
+// `model_type`:
 //
-//  - qwen3_moe: served by MoeDecoder (QK-norm, softmax top-k with norm_topk_prob, dense layers
-//    from mlp_only_layers / decoder_sparse_step).
-//  - gpt_oss: served by MoeDecoder: projection/router/expert biases, learned sinks,
-//    sliding-window layers (layer_types), YaRN rotary scaling, the clamped SwiGLU; experts from
-//    BF16/FP32 tensors (transformers' layout) or MXFP4 `*_blocks`/`*_scales` as published.
+//  - qwen3_moe: QK-norm, softmax top-k with norm_topk_prob, dense layers from mlp_only_layers /
+//    decoder_sparse_step, output-major experts.
+//  - gpt_oss: projection/router/expert biases, learned sinks, sliding-window layers
+//    (layer_types), YaRN rotary scaling, the clamped SwiGLU; input-major experts from BF16/FP32
+//    tensors (transformers' layout) or MXFP4 `*_blocks`/`*_scales` as published.
 //
 // Absent keys take the transformers defaults of that family's config class; present keys
 // must have the right JSON type and a sane range. Errors are kInvalidArgument (kUnimplemented
 // for a valid setting the decoder cannot run) with the config key as the field.
-// Adding a family is one function here (its keys), one in make-test-model's writer, and the
-// decoder options it needs.
 #include <string>
 
 #include <nlohmann/json.hpp>

@@ -64,7 +64,7 @@ Status MoeDecoder::allocate() {
   const int64_t H = c.hidden_size, D = c.head_dim, QH = c.num_attention_heads,
                 KVH = c.num_key_value_heads, E = c.num_experts, I = c.moe_intermediate_size;
 
-  const bool gpt_oss = c.family == "gpt_oss";
+  const bool input_major = c.moe_layout == MoeLayout::kInputMajorBiased;
   kernel_experts_ = c.grouped_experts && c.experts_mxfp4 && ctx_.device.kind == DeviceKind::kCuda && H % 64 == 0 && I % 64 == 0;
   RD_RETURN_IF_ERROR(param("model.embed_tokens.weight", Shape{c.vocab_size, H}, embed_tokens_));
   if (c.rope_type != "default") {
@@ -112,7 +112,7 @@ Status MoeDecoder::allocate() {
         L.qkv_proj = TensorView::contiguous(L.q_proj.data, L.q_proj.dtype, Shape{(QH + 2 * KVH) * D, H},
                                             L.q_proj.device);
     }
-    if (gpt_oss) RD_RETURN_IF_ERROR(param(p + "self_attn.sinks", Shape{QH}, L.sinks));
+    if (c.attention_sinks) RD_RETURN_IF_ERROR(param(p + "self_attn.sinks", Shape{QH}, L.sinks));
     if (!c.layer_types.empty() && c.layer_types[static_cast<size_t>(l)] == "sliding_attention")
       L.window = c.sliding_window;
     const Shape cache{limits_.num_kv_blocks, limits_.kv_block_size, KVH, D};
@@ -148,8 +148,8 @@ Status MoeDecoder::allocate() {
             weights_->static_state().add("model.dense_mlp.expert_weights", MemoryTag::kWeights, dense_weights_));
       }
       L.expert_map = ExpertMap::identity(1);
-    } else if (gpt_oss) {
-      // transformers' GptOssExperts: router with bias; stacked experts stored input-major
+    } else if (input_major) {
+      // MoeLayout::kInputMajorBiased, transformers' GptOssExperts: router with bias; stacked experts stored input-major
       // (gate_up_proj [E, H, 2I] with gate/up columns interleaved, down_proj [E, I, H]), used as
       // x @ W[e] + b[e]. The kernel layout is their transpose: [E, 2I, H] with interleaved rows,
       // [E, H, I] (TransposeMethod, same memory viewed in each layout).
@@ -343,7 +343,7 @@ Status MoeDecoder::add_loader_aliases(int64_t l) {
   const auto& c = config_;
   const int64_t H = c.hidden_size, D = c.head_dim, QH = c.num_attention_heads, KVH = c.num_key_value_heads;
   const std::string p = "model.layers." + std::to_string(l) + ".";
-  if (layers_[static_cast<size_t>(l)].moe && c.family != "gpt_oss") RD_RETURN_IF_ERROR(add_expert_aliases(l));
+  if (layers_[static_cast<size_t>(l)].moe && c.moe_layout == MoeLayout::kOutputMajor) RD_RETURN_IF_ERROR(add_expert_aliases(l));
   // Fused QKV (rows q, then k, then v).
   const size_t q = weights_->index_of(p + "self_attn.q_proj.weight");
   const size_t k = weights_->index_of(p + "self_attn.k_proj.weight");
@@ -803,9 +803,9 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
       RD_RETURN_IF_ERROR(backend_.linear(ctx, router_logits, x, L.router));
       if (L.router_bias.data) RD_RETURN_IF_ERROR(backend_.add_bias(ctx, router_logits, L.router_bias));
       // gpt-oss's router (top-k of the logits, softmax over those k) is this op with
-      // renormalisation: p_i / sum_k p_k = exp(l_i) / sum_k exp(l_k), the same experts.
-      RD_RETURN_IF_ERROR(
-          backend_.router_softmax_topk(ctx, topk_ids, topk_w, router_logits, c.norm_topk_prob || c.family == "gpt_oss"));
+      // renormalisation (its family sets norm_topk_prob): p_i / sum_k p_k = exp(l_i) / sum_k exp(l_k),
+      // the same experts.
+      RD_RETURN_IF_ERROR(backend_.router_softmax_topk(ctx, topk_ids, topk_w, router_logits, c.norm_topk_prob));
       // The single capture point: logical ids straight from the router, into this layer's rows
       // of the record table; rows at or past the step's real count (read on the device) are
       // written -1, so padding is never recorded.
@@ -839,10 +839,10 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
     args.w_down_scales = L.dn_scales;
     args.b_gate_up = L.experts_gate_up_bias;
     args.b_down = L.experts_down_bias;
-    if (c.family == "gpt_oss") {
+    if (c.expert_activation == ExpertActivation::kClampedSwiGLU) {
       args.activation = MoeExpertsArgs::Activation::kGptOss;
       args.swiglu_limit = static_cast<float>(c.swiglu_limit);
-      args.swiglu_alpha = 1.702f;  // GptOssExperts.alpha (not a config key)
+      args.swiglu_alpha = static_cast<float>(c.swiglu_alpha);
     }
     RD_RETURN_IF_ERROR(backend_.moe_experts(ctx, args));
     pending = moe_out;
@@ -879,10 +879,10 @@ Status MoeDecoder::kernel_experts(const ExecContext& ctx, const Layer& L, const 
   a.weights.down_scales = L.dn_kernel_scales;
   a.weights.gate_up_bias = L.experts_gate_up_bias;
   a.weights.down_bias = L.experts_down_bias;
-  if (c.family == "gpt_oss") {
+  if (c.expert_activation == ExpertActivation::kClampedSwiGLU) {
     a.activation.kind = moe::ActivationKind::kGptOssSwiGLU;
     a.activation.limit = static_cast<float>(c.swiglu_limit);
-    a.activation.alpha = 1.702f;  // GptOssExperts.alpha (not a config key)
+    a.activation.alpha = static_cast<float>(c.swiglu_alpha);
   }
   // The CUDA kernels take BF16 or MXFP8 GEMM inputs (FP32 is the CPU reference's mode): x and the
   // SwiGLU output round to BF16, the FP32 accumulation and everything outside the op stay FP32.

@@ -7,91 +7,13 @@
 #include <filesystem>
 #include <fstream>
 
+#include "core/model/family.hpp"
 #include "core/model/hf_config.hpp"
 #include "core/model/random_init.hpp"
 #include "core/model/safetensors.hpp"
 #include "kernels/bf16.hpp"
 
 namespace rolloutd::core {
-namespace {
-
-enum class Init { kNorm, kEmbedding, kMatrix, kRouter, kLmHead, kSmall };
-
-struct Spec {
-  std::string name;
-  std::vector<int64_t> shape;
-  Init init;
-};
-
-std::vector<Spec> qwen3_moe_tensors(const ModelConfig& c) {
-  const int64_t H = c.hidden_size, D = c.head_dim, QH = c.num_attention_heads, KVH = c.num_key_value_heads,
-                E = c.num_experts, I = c.moe_intermediate_size;
-  std::vector<Spec> t;
-  t.push_back({"model.embed_tokens.weight", {c.vocab_size, H}, Init::kEmbedding});
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    const std::string p = "model.layers." + std::to_string(l) + ".";
-    t.push_back({p + "input_layernorm.weight", {H}, Init::kNorm});
-    t.push_back({p + "self_attn.q_proj.weight", {QH * D, H}, Init::kMatrix});
-    t.push_back({p + "self_attn.k_proj.weight", {KVH * D, H}, Init::kMatrix});
-    t.push_back({p + "self_attn.v_proj.weight", {KVH * D, H}, Init::kMatrix});
-    t.push_back({p + "self_attn.o_proj.weight", {H, QH * D}, Init::kMatrix});
-    t.push_back({p + "self_attn.q_norm.weight", {D}, Init::kNorm});
-    t.push_back({p + "self_attn.k_norm.weight", {D}, Init::kNorm});
-    t.push_back({p + "post_attention_layernorm.weight", {H}, Init::kNorm});
-    if (!c.is_moe_layer(l)) {
-      const int64_t Id = c.intermediate_size;
-      t.push_back({p + "mlp.gate_proj.weight", {Id, H}, Init::kMatrix});
-      t.push_back({p + "mlp.up_proj.weight", {Id, H}, Init::kMatrix});
-      t.push_back({p + "mlp.down_proj.weight", {H, Id}, Init::kMatrix});
-      continue;
-    }
-    t.push_back({p + "mlp.gate.weight", {E, H}, Init::kRouter});
-    // Per-expert tensors: what transformers 5 saves (it fuses them into
-    // mlp.experts.gate_up_proj / down_proj in memory and splits them again on save), and what
-    // the published Qwen3-MoE checkpoints hold.
-    for (int64_t e = 0; e < E; ++e) {
-      const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
-      t.push_back({x + "gate_proj.weight", {I, H}, Init::kMatrix});
-      t.push_back({x + "up_proj.weight", {I, H}, Init::kMatrix});
-      t.push_back({x + "down_proj.weight", {H, I}, Init::kMatrix});
-    }
-  }
-  t.push_back({"model.norm.weight", {H}, Init::kNorm});
-  t.push_back({"lm_head.weight", {c.vocab_size, H}, Init::kLmHead});
-  return t;
-}
-
-// transformers' GptOssForCausalLM state dict in BF16 (save_pretrained of a model built from
-// a config; the published checkpoints hold the experts as MXFP4 *_blocks/*_scales instead).
-std::vector<Spec> gpt_oss_tensors(const ModelConfig& c) {
-  const int64_t H = c.hidden_size, D = c.head_dim, QH = c.num_attention_heads, KVH = c.num_key_value_heads,
-                E = c.num_experts, I = c.moe_intermediate_size;
-  std::vector<Spec> t;
-  t.push_back({"model.embed_tokens.weight", {c.vocab_size, H}, Init::kEmbedding});
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    const std::string p = "model.layers." + std::to_string(l) + ".";
-    t.push_back({p + "input_layernorm.weight", {H}, Init::kNorm});
-    for (const auto& [n, rows] : {std::pair<const char*, int64_t>{"q_proj", QH * D}, {"k_proj", KVH * D}, {"v_proj", KVH * D}}) {
-      t.push_back({p + "self_attn." + n + ".weight", {rows, H}, Init::kMatrix});
-      t.push_back({p + "self_attn." + n + ".bias", {rows}, Init::kSmall});
-    }
-    t.push_back({p + "self_attn.o_proj.weight", {H, QH * D}, Init::kMatrix});
-    t.push_back({p + "self_attn.o_proj.bias", {H}, Init::kSmall});
-    t.push_back({p + "self_attn.sinks", {QH}, Init::kSmall});
-    t.push_back({p + "post_attention_layernorm.weight", {H}, Init::kNorm});
-    t.push_back({p + "mlp.router.weight", {E, H}, Init::kRouter});
-    t.push_back({p + "mlp.router.bias", {E}, Init::kSmall});
-    t.push_back({p + "mlp.experts.gate_up_proj", {E, H, 2 * I}, Init::kMatrix});
-    t.push_back({p + "mlp.experts.gate_up_proj_bias", {E, 2 * I}, Init::kSmall});
-    t.push_back({p + "mlp.experts.down_proj", {E, I, H}, Init::kMatrix});
-    t.push_back({p + "mlp.experts.down_proj_bias", {E, H}, Init::kSmall});
-  }
-  t.push_back({"model.norm.weight", {H}, Init::kNorm});
-  t.push_back({"lm_head.weight", {c.vocab_size, H}, Init::kLmHead});
-  return t;
-}
-
-}  // namespace
 
 Result<ModelConfig> test_model_config(const TestModelSpec& s) {
   ModelConfig c;
@@ -111,43 +33,33 @@ Result<ModelConfig> test_model_config(const TestModelSpec& s) {
   c.checkpoint_dtype = s.dtype;
   if (s.dtype != "bfloat16" && s.dtype != "float32")
     return Status(ErrorCode::kInvalidArgument, "dtype must be bfloat16 or float32", "dtype");
-  if (s.family == "qwen3_moe") {
-    c.mlp_only_layers = s.mlp_only_layers;
-    c.decoder_sparse_step = s.decoder_sparse_step;
-    c.qk_norm = true;
-    c.norm_topk_prob = true;
-    c.rope_theta = 1000000.0;
-    c.rms_norm_eps = 1e-6;
-  } else if (s.family == "gpt_oss") {
-    c.attention_bias = true;
-    c.rope_theta = 150000.0;
-    c.rms_norm_eps = 1e-5;
-    c.sliding_window = s.sliding_window;
-    c.swiglu_limit = 7.0;
-    c.rope_type = "yarn";
-    c.rope_factor = 32.0;
-    c.rope_original_max_position_embeddings = 4096;
-    c.rope_truncate = false;
-    c.gate_up_checkpoint_interleaved = true;
-    for (int64_t l = 0; l < s.layers; ++l) c.layer_types.push_back(l % 2 == 0 ? "sliding_attention" : "full_attention");
-  } else {
-    return Status(ErrorCode::kInvalidArgument, "family must be qwen3_moe or gpt_oss", "family");
-  }
-  if (s.experts_mxfp4 && s.family != "gpt_oss")
-    return Status(ErrorCode::kInvalidArgument, "MXFP4 experts are a gpt_oss option", "experts_mxfp4");
+  const ModelFamily* family = find_model_family(s.family);
+  if (family == nullptr)
+    return Status(ErrorCode::kInvalidArgument, "family must be one of " + model_family_list(), "family");
+  RD_RETURN_IF_ERROR(family->test_config(s, c));
   // Round-trip through config.json: what a reader of the written checkpoint gets (the expert
   // format is read from the tensors, not from config.json).
   RD_ASSIGN_OR_RETURN(ModelConfig back, model_config_from_hf(model_config_to_hf(c)));
+  // Published MXFP4 experts (*_blocks / *_scales) exist for input-major experts (gpt-oss);
+  // output-major families quantize on load instead (--quantize-experts mxfp4).
+  if (s.experts_mxfp4 && back.moe_layout != MoeLayout::kInputMajorBiased)
+    return Status(ErrorCode::kInvalidArgument,
+                  "MXFP4 experts are written as published for input-major experts (gpt_oss); " + s.family +
+                      " quantizes on load instead (--quantize-experts mxfp4)",
+                  "experts_mxfp4");
   back.experts_mxfp4 = s.experts_mxfp4;
   return back;
 }
 
 Result<std::vector<TestTensor>> make_test_tensors(const ModelConfig& c, uint64_t seed) {
-  const std::vector<Spec> specs = c.family == "gpt_oss" ? gpt_oss_tensors(c) : qwen3_moe_tensors(c);
+  const ModelFamily* family = find_model_family(c.family);
+  if (family == nullptr)
+    return Status(ErrorCode::kInvalidArgument, "family must be one of " + model_family_list(), "family");
+  const std::vector<TestTensorSpec> specs = family->test_tensors(c);
   const DType dt = c.checkpoint_dtype == "float32" ? DType::kF32 : DType::kBF16;
   std::vector<TestTensor> out;
   std::vector<float> v;
-  for (const Spec& s : specs) {
+  for (const TestTensorSpec& s : specs) {
     int64_t n = 1;
     for (int64_t d : s.shape) n *= d;
     if (n > (int64_t{1} << 32))
@@ -155,15 +67,15 @@ Result<std::vector<TestTensor>> make_test_tensors(const ModelConfig& c, uint64_t
     v.resize(static_cast<size_t>(n));
     // fan_in: the input dimension of the matrix as the forward pass multiplies it.
     int64_t fan_in = s.shape.back();
-    if (c.family == "gpt_oss" && s.shape.size() == 3) fan_in = s.shape[1];  // [E, in, out]
+    if (c.moe_layout == MoeLayout::kInputMajorBiased && s.shape.size() == 3) fan_in = s.shape[1];  // [E, in, out]
     switch (s.init) {
-      case Init::kNorm: fill_uniform(v, seed, s.name, 0.1f, 1.0f); break;
-      case Init::kEmbedding: fill_uniform(v, seed, s.name, 1.0f); break;
-      case Init::kSmall: fill_uniform(v, seed, s.name, 0.1f); break;
-      case Init::kMatrix:
-      case Init::kRouter:
-      case Init::kLmHead: {
-        const float gain = s.init == Init::kRouter ? 2.0f : s.init == Init::kLmHead ? 4.0f : 1.0f;
+      case TestInit::kNorm: fill_uniform(v, seed, s.name, 0.1f, 1.0f); break;
+      case TestInit::kEmbedding: fill_uniform(v, seed, s.name, 1.0f); break;
+      case TestInit::kSmall: fill_uniform(v, seed, s.name, 0.1f); break;
+      case TestInit::kMatrix:
+      case TestInit::kRouter:
+      case TestInit::kLmHead: {
+        const float gain = s.init == TestInit::kRouter ? 2.0f : s.init == TestInit::kLmHead ? 4.0f : 1.0f;
         fill_uniform(v, seed, s.name, gain / std::sqrt(static_cast<float>(fan_in)));
         break;
       }

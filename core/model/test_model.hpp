@@ -18,7 +18,7 @@
 namespace rolloutd::core {
 
 struct TestModelSpec {
-  std::string family = "qwen3_moe";   // qwen3_moe | gpt_oss
+  std::string family = "qwen3_moe";   // a model_type of core/model/families/ (qwen3_moe, gpt_oss)
   int64_t layers = 2;
   int64_t hidden = 64;
   int64_t experts = 8;

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "build_info.hpp"
+#include "core/model/family.hpp"
 #include "core/model/test_model.hpp"
 #include "kernels/status.hpp"
 #include "protocol/client.hpp"
@@ -402,7 +403,7 @@ Command add_make_test_model(CLI::App& root) {
   auto out = std::make_shared<std::string>();
   app->add_option("--family", spec->family, "Model family")
       ->capture_default_str()
-      ->check(CLI::IsMember({"qwen3_moe", "gpt_oss"}));
+      ->check(CLI::IsMember(rolloutd::core::model_family_names()));
   app->add_option("--layers", spec->layers, "Decoder layers")->capture_default_str()->check(CLI::Range(1, 256));
   app->add_option("--hidden", spec->hidden, "Hidden size")->capture_default_str()->check(CLI::Range(1, 16384));
   app->add_option("--experts", spec->experts, "Routed experts per layer")->capture_default_str()->check(CLI::Range(1, 1024));

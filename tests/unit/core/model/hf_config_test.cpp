@@ -1,6 +1,8 @@
 // core/model/hf_config: Hugging Face config.json of qwen3_moe and gpt_oss into ModelConfig.
 #include "core/model/hf_config.hpp"
 
+#include "core/model/family.hpp"
+
 #include <cmath>
 
 #include <gtest/gtest.h>
@@ -204,6 +206,43 @@ TEST(HfConfig, WriterRoundTrips) {
     ASSERT_TRUE(back.ok()) << back.status().to_string();
     EXPECT_EQ(core::model_config_to_hf(*back), core::model_config_to_hf(*c));
   }
+}
+
+// The families come from core/model/families/ (one file each): the registry finds them by
+// model_type, refuses the others naming the known ones, and each family's parser sets the
+// architecture traits the decoder reads (the reference models' facts: gpt-oss has sinks, biased
+// input-major experts and the clamped SwiGLU; Qwen3-MoE none of them).
+TEST(HfConfig, FamiliesAreFoundByModelTypeAndSetTheTraits) {
+  EXPECT_EQ(core::model_family_names(), (std::vector<std::string>{"gpt_oss", "qwen3_moe"}));
+  for (const std::string& name : core::model_family_names()) {
+    const core::ModelFamily* f = core::find_model_family(name);
+    ASSERT_NE(f, nullptr) << name;
+    EXPECT_EQ(f->model_type, name);
+  }
+  EXPECT_EQ(core::find_model_family("mixtral"), nullptr);
+  EXPECT_EQ(core::find_model_family(""), nullptr);
+  json j = qwen3_30b();
+  j["model_type"] = "mixtral";
+  auto unknown = core::model_config_from_hf(j);
+  EXPECT_EQ(unknown.status().code(), ErrorCode::kUnimplemented);
+  EXPECT_EQ(unknown.status().field(), "model_type");
+  EXPECT_NE(unknown.status().message().find("gpt_oss, qwen3_moe"), std::string::npos) << unknown.status().to_string();
+  core::ModelConfig unknown_family;
+  unknown_family.family = "mixtral";
+  EXPECT_EQ(core::check_decoder_supports(unknown_family).field(), "model_type");
+
+  auto q = core::model_config_from_hf(qwen3_30b());
+  ASSERT_TRUE(q.ok());
+  EXPECT_EQ(q->moe_layout, core::MoeLayout::kOutputMajor);
+  EXPECT_FALSE(q->attention_sinks);
+  EXPECT_EQ(q->expert_activation, core::ExpertActivation::kSiLU);
+  auto g = core::model_config_from_hf(gpt_oss_20b());
+  ASSERT_TRUE(g.ok());
+  EXPECT_EQ(g->moe_layout, core::MoeLayout::kInputMajorBiased);
+  EXPECT_TRUE(g->attention_sinks);
+  EXPECT_EQ(g->expert_activation, core::ExpertActivation::kClampedSwiGLU);
+  EXPECT_FLOAT_EQ(static_cast<float>(g->swiglu_alpha), 1.702f);
+  EXPECT_TRUE(g->norm_topk_prob);  // top-k logits softmaxed = softmax top-k renormalised
 }
 
 }  // namespace
