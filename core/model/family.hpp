@@ -46,8 +46,10 @@ struct ModelFamily {
   // make-test-model: the family's conventions on top of the spec's sizes in `c`; kInvalidArgument
   // for a spec option the family does not have.
   Status (*test_config)(const TestModelSpec& s, ModelConfig& c);
-  // make-test-model: every checkpoint tensor, in the order transformers lists them.
-  std::vector<TestTensorSpec> (*test_tensors)(const ModelConfig& c);
+  // make-test-model: the checkpoint tensors of layer l, in the order transformers lists them
+  // (make_test_tensors adds model.embed_tokens.weight before the layers, model.norm.weight and
+  // lm_head.weight after them).
+  std::vector<TestTensorSpec> (*test_layer_tensors)(const ModelConfig& c, int64_t l);
 };
 
 // The family of a model_type, or nullptr.

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
 #include "core/model/family.hpp"
 #include "core/model/hf_config.hpp"
@@ -55,7 +56,13 @@ Result<std::vector<TestTensor>> make_test_tensors(const ModelConfig& c, uint64_t
   const ModelFamily* family = find_model_family(c.family);
   if (family == nullptr)
     return Status(ErrorCode::kInvalidArgument, "family must be one of " + model_family_list(), "family");
-  const std::vector<TestTensorSpec> specs = family->test_tensors(c);
+  std::vector<TestTensorSpec> specs = {{"model.embed_tokens.weight", {c.vocab_size, c.hidden_size}, TestInit::kEmbedding}};
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    std::vector<TestTensorSpec> layer = family->test_layer_tensors(c, l);
+    specs.insert(specs.end(), std::make_move_iterator(layer.begin()), std::make_move_iterator(layer.end()));
+  }
+  specs.push_back({"model.norm.weight", {c.hidden_size}, TestInit::kNorm});
+  specs.push_back({"lm_head.weight", {c.vocab_size, c.hidden_size}, TestInit::kLmHead});
   const DType dt = c.checkpoint_dtype == "float32" ? DType::kF32 : DType::kBF16;
   std::vector<TestTensor> out;
   std::vector<float> v;
