@@ -48,7 +48,7 @@ ParseOutcome parse_config(int argc, const char* const* argv) {
       ->envname("ROLLOUTD_INSECURE_BIND_ANY");
   add("--model", c.model, "ROLLOUTD_MODEL",
       "model to serve: embedded:tiny-moe, or a Hugging Face checkpoint directory (config.json + "
-      "model.safetensors or model.safetensors.index.json; qwen3_moe)");
+      "model.safetensors or model.safetensors.index.json; model_type qwen3_moe or gpt_oss)");
   add("--model-seed", c.model_seed, "ROLLOUTD_MODEL_SEED", "seed of the embedded model's weights");
   add("--quantize-experts", c.quantize_experts, "ROLLOUTD_QUANTIZE_EXPERTS",
       "routed experts of a --model checkpoint: none (as stored), or mxfp4 (qwen3_moe: BF16/FP32 experts "

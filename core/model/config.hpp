@@ -77,9 +77,10 @@ struct ModelConfig {
   double swiglu_limit = 0.0;
   // Routed experts stored as MXFP4 (`mlp.experts.{gate_up,down}_proj_{blocks,scales}`) and
   // computed from those bytes, instead of FP32 (hidden_size and moe_intermediate_size multiples
-  // of 32). gpt_oss: as OpenAI publishes them (gate/up rows interleaved), set by open_hf_model()
-  // when the checkpoint holds them (and by make-test-model --experts-mxfp4). qwen3_moe: on
-  // request (apply_expert_quantization, the daemon's --quantize-experts mxfp4); the checkpoint's
+  // of 32). Input-major experts (gpt_oss): as OpenAI publishes them (gate/up rows interleaved),
+  // set by open_hf_model() when the checkpoint holds them (and by make-test-model
+  // --experts-mxfp4). Output-major experts (qwen3_moe): on request (apply_expert_quantization,
+  // the daemon's --quantize-experts mxfp4); the checkpoint's
   // BF16/FP32 expert tensors, per-expert or stacked, are quantized on arrival, at load and in
   // every weight update (gate rows then up rows, as the stacked gate_up_proj orders them).
   // Dense layers keep their FP32 MLP.
@@ -142,8 +143,8 @@ enum class ExpertQuantization : uint8_t { kNone, kMxfp4 };
 Result<ExpertQuantization> parse_expert_quantization(const std::string& name);
 const char* expert_quantization_name(ExpertQuantization q);
 // Applies a request to `c` (before MoeDecoder::create): kMxfp4 sets experts_mxfp4 for
-// qwen3_moe, and is a no-op for a gpt_oss model whose experts are already MXFP4. Refused, with
-// `c` unchanged: a gpt_oss model with BF16/FP32 experts (transformers stores them input-major, so
+// output-major experts (qwen3_moe), and is a no-op for input-major ones already MXFP4 (gpt_oss
+// as published). Refused, with `c` unchanged: input-major BF16/FP32 experts (transformers' gpt_oss layout, so
 // quantizing along the MXFP4 blocks' axis would need a transpose: kUnimplemented, field
 // "quantize_experts"); hidden_size or moe_intermediate_size not a multiple of 32 (the MXFP4
 // block: kInvalidArgument naming that field).

@@ -6,7 +6,8 @@
 // of that folder (core/CMakeLists.txt generates the registry), so adding a family is adding that
 // file: its config.json keys and defaults (parse_config / write_config), the settings of its
 // config the decoder cannot run (check_supported), and its random test checkpoint (test_config /
-// test_tensors, for `rolloutctl make-test-model`). What the decoder runs is described by the
+// test_layer_tensors, for `rolloutctl make-test-model`). Every .cpp in that folder is a family:
+// shared helpers live outside it (hf_keys.hpp). What the decoder runs is described by the
 // architecture traits of ModelConfig that parse_config sets (moe_layout, attention_sinks,
 // expert_activation, qk_norm, attention_bias, layer_types, ...): the decoder, the checkpoint
 // loader and the quantization options read those traits, never a family's name.

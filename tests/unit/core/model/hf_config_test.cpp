@@ -3,6 +3,7 @@
 
 #include "core/model/family.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include <gtest/gtest.h>
@@ -213,7 +214,10 @@ TEST(HfConfig, WriterRoundTrips) {
 // architecture traits the decoder reads (the reference models' facts: gpt-oss has sinks, biased
 // input-major experts and the clamped SwiGLU; Qwen3-MoE none of them).
 TEST(HfConfig, FamiliesAreFoundByModelTypeAndSetTheTraits) {
-  EXPECT_EQ(core::model_family_names(), (std::vector<std::string>{"gpt_oss", "qwen3_moe"}));
+  const std::vector<std::string> names = core::model_family_names();
+  EXPECT_TRUE(std::is_sorted(names.begin(), names.end()));
+  for (const char* known : {"gpt_oss", "qwen3_moe"})
+    EXPECT_NE(std::find(names.begin(), names.end(), known), names.end()) << known;
   for (const std::string& name : core::model_family_names()) {
     const core::ModelFamily* f = core::find_model_family(name);
     ASSERT_NE(f, nullptr) << name;
@@ -243,6 +247,24 @@ TEST(HfConfig, FamiliesAreFoundByModelTypeAndSetTheTraits) {
   EXPECT_EQ(g->expert_activation, core::ExpertActivation::kClampedSwiGLU);
   EXPECT_FLOAT_EQ(static_cast<float>(g->swiglu_alpha), 1.702f);
   EXPECT_TRUE(g->norm_topk_prob);  // top-k logits softmaxed = softmax top-k renormalised
+  EXPECT_TRUE(core::check_decoder_supports(*g).ok());
+  // gpt-oss's router renormalises whatever a stray key says (GptOssConfig has no such key).
+  json stray = gpt_oss_20b();
+  stray["norm_topk_prob"] = false;
+  EXPECT_TRUE(core::model_config_from_hf(stray)->norm_topk_prob);
+  // A config built in code under gpt_oss's name but with the default (Qwen3) traits is refused
+  // before a decoder would run it with the wrong layout; so are traits of another family.
+  core::ModelConfig in_code = *q;
+  in_code.family = "gpt_oss";
+  in_code.swiglu_limit = 7.0;
+  in_code.attention_bias = true;
+  const Status s = core::check_decoder_supports(in_code);
+  EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument) << s.to_string();
+  EXPECT_EQ(s.field(), "model_type");
+  core::ModelConfig sinks = *q;
+  sinks.attention_sinks = true;
+  EXPECT_EQ(core::check_decoder_supports(sinks).field(), "model_type");
+  EXPECT_TRUE(core::check_decoder_supports(*q).ok());
 }
 
 }  // namespace
