@@ -514,7 +514,6 @@ const Backend& cpu_backend() {
       cpu::vm_unmap,
       cpu::add_rmsnorm,
       cpu::rope_qk,
-      cpu::router,
   };
   return kCpuBackend;
 }

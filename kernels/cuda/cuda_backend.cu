@@ -482,7 +482,6 @@ const Backend* cuda_backend() {
       cuda::vm_unmap,
       cuda::add_rmsnorm,
       cuda::rope_qk,
-      cuda::router,
   };
   return &kCudaBackend;
 }
