@@ -4,7 +4,8 @@
 // A family is one file, core/model/families/<model_type>.cpp, defining
 // `const ModelFamily& model_family_<model_type>()` in rolloutd::core. The build lists every file
 // of that folder (core/CMakeLists.txt generates the registry), so adding a family is adding that
-// file: its config.json keys and defaults (parse_config / write_config), the settings of its
+// file: its architecture traits (set_traits), its config.json keys and defaults (parse_config /
+// write_config: the writer must write back every key the parser needs), the settings of its
 // config the decoder cannot run (check_supported), and its random test checkpoint (test_config /
 // test_layer_tensors, for `rolloutctl make-test-model`). Every .cpp in that folder is a family:
 // shared helpers live outside it (hf_keys.hpp). What the decoder runs is described by the
@@ -36,8 +37,12 @@ struct TestTensorSpec {
 struct ModelFamily {
   // config.json's model_type (and the file's name).
   std::string_view model_type;
-  // config.json -> ModelConfig: the family's config class defaults, hf_keys::parse_common for
-  // the keys every family shares, then its own keys; sets the architecture traits.
+  // Sets the family's architecture traits (moe_layout, attention_sinks, expert_activation,
+  // swiglu_alpha): what the decoder reads instead of the family's name. parse_config calls it;
+  // check_decoder_supports compares a config's traits with it.
+  void (*set_traits)(ModelConfig& c);
+  // config.json -> ModelConfig: the family's config class defaults and traits, hf_keys::parse_common
+  // for the keys every family shares, then its own keys.
   Status (*parse_config)(const nlohmann::json& j, ModelConfig& c);
   // ModelConfig -> the family's own keys of config.json (model_config_to_hf writes the shared ones).
   void (*write_config)(const ModelConfig& c, nlohmann::json& j);

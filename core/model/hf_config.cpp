@@ -239,17 +239,13 @@ Status check_decoder_supports(const ModelConfig& c) {
     return no("swiglu_limit must be positive (the clamped SwiGLU)", "swiglu_limit");
   // The traits the decoder reads must be the family's: a config built in code with another
   // family's name and the default traits would otherwise run the wrong layout quietly.
-  auto own = model_config_from_hf(model_config_to_hf(c));
-  if (!own.ok())
-    return Status(ErrorCode::kInvalidArgument,
-                  "the config is not one model_type " + c.family + " can describe (" + own.status().to_string() +
-                      "): build it with that family's parser (model_config_from_hf)",
-                  "model_type");
-  if (own->moe_layout != c.moe_layout || own->attention_sinks != c.attention_sinks ||
-      own->expert_activation != c.expert_activation)
+  ModelConfig own;
+  family->set_traits(own);
+  if (own.moe_layout != c.moe_layout || own.attention_sinks != c.attention_sinks ||
+      own.expert_activation != c.expert_activation || own.swiglu_alpha != c.swiglu_alpha)
     return Status(ErrorCode::kInvalidArgument,
                   "the config's architecture traits (moe_layout, attention_sinks, expert_activation) are not those "
-                  "of model_type " + c.family + ": build it with that family's parser (model_config_from_hf)",
+                  "of model_type " + c.family + ": build it with that family's parser (model_config_from_hf) or set_traits",
                   "model_type");
   return family->check_supported(c);
 }

@@ -13,6 +13,13 @@ namespace {
 using nlohmann::json;
 using namespace hf_keys;
 
+void traits(ModelConfig& c) {
+  c.moe_layout = MoeLayout::kInputMajorBiased;
+  c.attention_sinks = true;
+  c.expert_activation = ExpertActivation::kClampedSwiGLU;
+  c.swiglu_alpha = 1.702;  // GptOssExperts.alpha (not a config key)
+}
+
 Status parse(const json& j, ModelConfig& c) {
   // GptOssConfig defaults where a key may be absent.
   c.rms_norm_eps = 1e-5;
@@ -22,10 +29,7 @@ Status parse(const json& j, ModelConfig& c) {
   c.sliding_window = 128;
   c.swiglu_limit = 7.0;
   c.gate_up_checkpoint_interleaved = true;
-  c.moe_layout = MoeLayout::kInputMajorBiased;
-  c.attention_sinks = true;
-  c.expert_activation = ExpertActivation::kClampedSwiGLU;
-  c.swiglu_alpha = 1.702;  // GptOssExperts.alpha (not a config key)
+  traits(c);
   RD_RETURN_IF_ERROR(parse_common(j, c));
   RD_RETURN_IF_ERROR(get_int(j, "num_local_experts", c.num_experts, 1, kMaxExperts, true));
   RD_RETURN_IF_ERROR(get_int(j, "num_experts_per_tok", c.num_experts_per_tok, 1, kMaxExperts, false));
@@ -105,7 +109,7 @@ std::vector<TestTensorSpec> layer_tensors(const ModelConfig& c, int64_t l) {
 }  // namespace
 
 const ModelFamily& model_family_gpt_oss() {
-  static const ModelFamily f{"gpt_oss", parse, write, check, test_config, layer_tensors};
+  static const ModelFamily f{"gpt_oss", traits, parse, write, check, test_config, layer_tensors};
   return f;
 }
 

@@ -12,12 +12,18 @@ namespace {
 using nlohmann::json;
 using namespace hf_keys;
 
+void traits(ModelConfig& c) {
+  c.moe_layout = MoeLayout::kOutputMajor;
+  c.attention_sinks = false;
+  c.expert_activation = ExpertActivation::kSiLU;
+}
+
 Status parse(const json& j, ModelConfig& c) {
   // Qwen3MoeConfig defaults where a key may be absent.
   c.norm_topk_prob = false;
   c.rms_norm_eps = 1e-6;
   c.qk_norm = true;
-  c.moe_layout = MoeLayout::kOutputMajor;
+  traits(c);
   RD_RETURN_IF_ERROR(parse_common(j, c));
   RD_RETURN_IF_ERROR(get_int(j, "num_experts", c.num_experts, 1, kMaxExperts, true));
   RD_RETURN_IF_ERROR(get_int(j, "num_experts_per_tok", c.num_experts_per_tok, 1, kMaxExperts, true));
@@ -112,7 +118,7 @@ std::vector<TestTensorSpec> layer_tensors(const ModelConfig& c, int64_t l) {
 }  // namespace
 
 const ModelFamily& model_family_qwen3_moe() {
-  static const ModelFamily f{"qwen3_moe", parse, write, check, test_config, layer_tensors};
+  static const ModelFamily f{"qwen3_moe", traits, parse, write, check, test_config, layer_tensors};
   return f;
 }
 

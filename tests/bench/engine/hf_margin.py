@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
 """Why do rolloutd's greedy tokens part from Hugging Face's? A diagnosis for engine_bench.
 
+The parting position reported is the first where Hugging Face's teacher-forced argmax (its
+choice given our tokens as context) differs from our token; with our tokens as context it is
+where engine_bench's `first_request_parts_from_peer_at` says the two greedy runs part.
+
     hf_margin.py --model DIR --bench ENGINE.json --json OUT.json [--batch 1]
 
 Reads request 0's greedy tokens that engine_bench recorded for the checkpoint (`ckpt` runs,
@@ -94,6 +98,9 @@ def main():
     bf16_h = analyse(forward_logits(model, ids), ours, len(p)) if gated else None
     for h in hooks:
         h.remove()
+    for name, m in model.named_modules():
+        if name.endswith("mlp.experts") and "_apply_gate" in vars(m):
+            del m._apply_gate  # the instance patch; the class method is back
     part = next((r["pos"] for r in fp32 if r["hf_argmax"] != r["ours"]), -1)
     margins = sorted(r["hf_margin"] for r in fp32)
     summary = {

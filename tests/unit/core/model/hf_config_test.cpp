@@ -180,11 +180,13 @@ TEST(HfConfig, GptOssIsParsedAndServed) {
   nf["rope_scaling"].erase("factor");
   auto derived = core::model_config_from_hf(nf);
   ASSERT_TRUE(derived.ok());
+  EXPECT_TRUE(core::check_decoder_supports(*derived).ok()) << core::check_decoder_supports(*derived).to_string();
   EXPECT_EQ(core::rope_frequencies(*derived).inv_freq, rf.inv_freq);
   // Without either, the original length is max_position_embeddings: factor 1, no scaling.
   nf["rope_scaling"].erase("original_max_position_embeddings");
   auto plain = core::model_config_from_hf(nf);
   ASSERT_TRUE(plain.ok());
+  EXPECT_TRUE(core::check_decoder_supports(*plain).ok()) << core::check_decoder_supports(*plain).to_string();
   const core::RopeFrequencies pf = core::rope_frequencies(*plain);
   EXPECT_FLOAT_EQ(pf.attention_factor, 1.0f);
   for (size_t i = 0; i < pf.inv_freq.size(); ++i)
@@ -265,6 +267,13 @@ TEST(HfConfig, FamiliesAreFoundByModelTypeAndSetTheTraits) {
   sinks.attention_sinks = true;
   EXPECT_EQ(core::check_decoder_supports(sinks).field(), "model_type");
   EXPECT_TRUE(core::check_decoder_supports(*q).ok());
+  // The check compares traits, not a config.json round trip: keys a writer leaves out (YaRN
+  // without original_max_position_embeddings) do not refuse a config that parsed.
+  json yarn = qwen3_30b();
+  yarn["rope_scaling"] = {{"type", "yarn"}, {"factor", 4.0}};
+  auto y = core::model_config_from_hf(yarn);
+  ASSERT_TRUE(y.ok()) << y.status().to_string();
+  EXPECT_TRUE(core::check_decoder_supports(*y).ok()) << core::check_decoder_supports(*y).to_string();
 }
 
 }  // namespace
