@@ -7,7 +7,7 @@
 // file: its architecture traits (set_traits), its config.json keys and defaults (parse_config /
 // write_config: the writer must write back every key the parser needs), the settings of its
 // config the decoder cannot run (check_supported), and its random test checkpoint (test_config /
-// test_layer_tensors, for `rolloutctl make-test-model`). Every .cpp in that folder is a family:
+// test_mlp_tensors, for `rolloutctl make-test-model`). Every .cpp in that folder is a family:
 // shared helpers live outside it (hf_keys.hpp). What the decoder runs is described by the
 // architecture traits of ModelConfig that parse_config sets (moe_layout, attention_sinks,
 // expert_activation, qk_norm, attention_bias, layer_types, ...): the decoder, the checkpoint
@@ -52,10 +52,11 @@ struct ModelFamily {
   // make-test-model: the family's conventions on top of the spec's sizes in `c`; kInvalidArgument
   // for a spec option the family does not have.
   Status (*test_config)(const TestModelSpec& s, ModelConfig& c);
-  // make-test-model: the checkpoint tensors of layer l, in the order transformers lists them
-  // (make_test_tensors adds model.embed_tokens.weight before the layers, model.norm.weight and
-  // lm_head.weight after them).
-  std::vector<TestTensorSpec> (*test_layer_tensors)(const ModelConfig& c, int64_t l);
+  // make-test-model: the checkpoint tensors of layer l's MLP (`model.layers.{l}.mlp.*`), in the
+  // order transformers lists them. make_test_tensors writes the rest from the traits: the
+  // embedding, each layer's norms and attention (projection biases with attention_bias, sinks
+  // with attention_sinks, q/k norms with qk_norm), the final norm and the LM head.
+  std::vector<TestTensorSpec> (*test_mlp_tensors)(const ModelConfig& c, int64_t l);
 };
 
 // The family of a model_type, or nullptr.

@@ -58,8 +58,27 @@ Result<std::vector<TestTensor>> make_test_tensors(const ModelConfig& c, uint64_t
     return Status(ErrorCode::kInvalidArgument, "family must be one of " + model_family_list(), "family");
   std::vector<TestTensorSpec> specs = {{"model.embed_tokens.weight", {c.vocab_size, c.hidden_size}, TestInit::kEmbedding}};
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    std::vector<TestTensorSpec> layer = family->test_layer_tensors(c, l);
-    specs.insert(specs.end(), std::make_move_iterator(layer.begin()), std::make_move_iterator(layer.end()));
+    // The attention block as every family's decoder layer names it, from the traits.
+    const int64_t H = c.hidden_size, D = c.head_dim, QH = c.num_attention_heads, KVH = c.num_key_value_heads;
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    specs.push_back({p + "input_layernorm.weight", {H}, TestInit::kNorm});
+    struct Proj {
+      const char* name;
+      int64_t out, in;
+    };
+    for (const Proj& j : {Proj{"q_proj", QH * D, H}, Proj{"k_proj", KVH * D, H}, Proj{"v_proj", KVH * D, H},
+                          Proj{"o_proj", H, QH * D}}) {
+      specs.push_back({p + "self_attn." + j.name + ".weight", {j.out, j.in}, TestInit::kMatrix});
+      if (c.attention_bias) specs.push_back({p + "self_attn." + j.name + ".bias", {j.out}, TestInit::kSmall});
+    }
+    if (c.attention_sinks) specs.push_back({p + "self_attn.sinks", {QH}, TestInit::kSmall});
+    if (c.qk_norm) {
+      specs.push_back({p + "self_attn.q_norm.weight", {D}, TestInit::kNorm});
+      specs.push_back({p + "self_attn.k_norm.weight", {D}, TestInit::kNorm});
+    }
+    specs.push_back({p + "post_attention_layernorm.weight", {H}, TestInit::kNorm});
+    std::vector<TestTensorSpec> mlp = family->test_mlp_tensors(c, l);
+    specs.insert(specs.end(), std::make_move_iterator(mlp.begin()), std::make_move_iterator(mlp.end()));
   }
   specs.push_back({"model.norm.weight", {c.hidden_size}, TestInit::kNorm});
   specs.push_back({"lm_head.weight", {c.vocab_size, c.hidden_size}, TestInit::kLmHead});

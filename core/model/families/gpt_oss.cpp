@@ -80,36 +80,24 @@ Status test_config(const TestModelSpec& s, ModelConfig& c) {
   return Status::Ok();
 }
 
-// transformers' GptOssForCausalLM state dict in BF16 (save_pretrained of a model built from
-// a config; the published checkpoints hold the experts as MXFP4 *_blocks/*_scales instead, which
-// make_test_tensors writes from these when the spec asks).
-std::vector<TestTensorSpec> layer_tensors(const ModelConfig& c, int64_t l) {
-  const int64_t H = c.hidden_size, D = c.head_dim, QH = c.num_attention_heads, KVH = c.num_key_value_heads,
-                E = c.num_experts, I = c.moe_intermediate_size;
-  const std::string p = "model.layers." + std::to_string(l) + ".";
-  std::vector<TestTensorSpec> t;
-  t.push_back({p + "input_layernorm.weight", {H}, TestInit::kNorm});
-  for (const auto& [n, rows] : {std::pair<const char*, int64_t>{"q_proj", QH * D}, {"k_proj", KVH * D}, {"v_proj", KVH * D}}) {
-    t.push_back({p + "self_attn." + n + ".weight", {rows, H}, TestInit::kMatrix});
-    t.push_back({p + "self_attn." + n + ".bias", {rows}, TestInit::kSmall});
-  }
-  t.push_back({p + "self_attn.o_proj.weight", {H, QH * D}, TestInit::kMatrix});
-  t.push_back({p + "self_attn.o_proj.bias", {H}, TestInit::kSmall});
-  t.push_back({p + "self_attn.sinks", {QH}, TestInit::kSmall});
-  t.push_back({p + "post_attention_layernorm.weight", {H}, TestInit::kNorm});
-  t.push_back({p + "mlp.router.weight", {E, H}, TestInit::kRouter});
-  t.push_back({p + "mlp.router.bias", {E}, TestInit::kSmall});
-  t.push_back({p + "mlp.experts.gate_up_proj", {E, H, 2 * I}, TestInit::kMatrix});
-  t.push_back({p + "mlp.experts.gate_up_proj_bias", {E, 2 * I}, TestInit::kSmall});
-  t.push_back({p + "mlp.experts.down_proj", {E, I, H}, TestInit::kMatrix});
-  t.push_back({p + "mlp.experts.down_proj_bias", {E, H}, TestInit::kSmall});
-  return t;
+// The MLP of transformers' GptOssForCausalLM state dict in BF16 (save_pretrained of a model
+// built from a config; the published checkpoints hold the experts as MXFP4 *_blocks/*_scales
+// instead, which make_test_tensors writes from these when the spec asks).
+std::vector<TestTensorSpec> mlp_tensors(const ModelConfig& c, int64_t l) {
+  const int64_t H = c.hidden_size, E = c.num_experts, I = c.moe_intermediate_size;
+  const std::string p = "model.layers." + std::to_string(l) + ".mlp.";
+  return {{p + "router.weight", {E, H}, TestInit::kRouter},
+          {p + "router.bias", {E}, TestInit::kSmall},
+          {p + "experts.gate_up_proj", {E, H, 2 * I}, TestInit::kMatrix},
+          {p + "experts.gate_up_proj_bias", {E, 2 * I}, TestInit::kSmall},
+          {p + "experts.down_proj", {E, I, H}, TestInit::kMatrix},
+          {p + "experts.down_proj_bias", {E, H}, TestInit::kSmall}};
 }
 
 }  // namespace
 
 const ModelFamily& model_family_gpt_oss() {
-  static const ModelFamily f{"gpt_oss", traits, parse, write, check, test_config, layer_tensors};
+  static const ModelFamily f{"gpt_oss", traits, parse, write, check, test_config, mlp_tensors};
   return f;
 }
 

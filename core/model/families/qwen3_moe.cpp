@@ -82,32 +82,21 @@ Status test_config(const TestModelSpec& s, ModelConfig& c) {
   return Status::Ok();
 }
 
-std::vector<TestTensorSpec> layer_tensors(const ModelConfig& c, int64_t l) {
-  const int64_t H = c.hidden_size, D = c.head_dim, QH = c.num_attention_heads, KVH = c.num_key_value_heads,
-                E = c.num_experts, I = c.moe_intermediate_size;
-  const std::string p = "model.layers." + std::to_string(l) + ".";
-  std::vector<TestTensorSpec> t;
-  t.push_back({p + "input_layernorm.weight", {H}, TestInit::kNorm});
-  t.push_back({p + "self_attn.q_proj.weight", {QH * D, H}, TestInit::kMatrix});
-  t.push_back({p + "self_attn.k_proj.weight", {KVH * D, H}, TestInit::kMatrix});
-  t.push_back({p + "self_attn.v_proj.weight", {KVH * D, H}, TestInit::kMatrix});
-  t.push_back({p + "self_attn.o_proj.weight", {H, QH * D}, TestInit::kMatrix});
-  t.push_back({p + "self_attn.q_norm.weight", {D}, TestInit::kNorm});
-  t.push_back({p + "self_attn.k_norm.weight", {D}, TestInit::kNorm});
-  t.push_back({p + "post_attention_layernorm.weight", {H}, TestInit::kNorm});
+// A layer's MLP as transformers saves it: a dense SwiGLU for mlp_only_layers, else the router
+// and per-expert tensors (what transformers 5 saves: it fuses them into mlp.experts.gate_up_proj
+// / down_proj in memory and splits them again on save, and what the published checkpoints hold).
+std::vector<TestTensorSpec> mlp_tensors(const ModelConfig& c, int64_t l) {
+  const int64_t H = c.hidden_size, E = c.num_experts, I = c.moe_intermediate_size;
+  const std::string p = "model.layers." + std::to_string(l) + ".mlp.";
   if (!c.is_moe_layer(l)) {
     const int64_t Id = c.intermediate_size;
-    t.push_back({p + "mlp.gate_proj.weight", {Id, H}, TestInit::kMatrix});
-    t.push_back({p + "mlp.up_proj.weight", {Id, H}, TestInit::kMatrix});
-    t.push_back({p + "mlp.down_proj.weight", {H, Id}, TestInit::kMatrix});
-    return t;
+    return {{p + "gate_proj.weight", {Id, H}, TestInit::kMatrix},
+            {p + "up_proj.weight", {Id, H}, TestInit::kMatrix},
+            {p + "down_proj.weight", {H, Id}, TestInit::kMatrix}};
   }
-  t.push_back({p + "mlp.gate.weight", {E, H}, TestInit::kRouter});
-  // Per-expert tensors: what transformers 5 saves (it fuses them into
-  // mlp.experts.gate_up_proj / down_proj in memory and splits them again on save), and what
-  // the published Qwen3-MoE checkpoints hold.
+  std::vector<TestTensorSpec> t = {{p + "gate.weight", {E, H}, TestInit::kRouter}};
   for (int64_t e = 0; e < E; ++e) {
-    const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+    const std::string x = p + "experts." + std::to_string(e) + ".";
     t.push_back({x + "gate_proj.weight", {I, H}, TestInit::kMatrix});
     t.push_back({x + "up_proj.weight", {I, H}, TestInit::kMatrix});
     t.push_back({x + "down_proj.weight", {H, I}, TestInit::kMatrix});
@@ -118,7 +107,7 @@ std::vector<TestTensorSpec> layer_tensors(const ModelConfig& c, int64_t l) {
 }  // namespace
 
 const ModelFamily& model_family_qwen3_moe() {
-  static const ModelFamily f{"qwen3_moe", traits, parse, write, check, test_config, layer_tensors};
+  static const ModelFamily f{"qwen3_moe", traits, parse, write, check, test_config, mlp_tensors};
   return f;
 }
 
