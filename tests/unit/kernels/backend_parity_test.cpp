@@ -1051,6 +1051,13 @@ std::vector<BadCall> bad_calls() {
     return a;
   };
   auto fat = [=](void* p, int64_t offset, const ExecContext& x, Shape s) { return f(static_cast<char*>(p) + offset, x, s); };
+  // rope_qk's fused form: q/k as above, the projection rows qkv [2, width] and v [2, 1, 8].
+  auto rope_fused = [=](void* p, const ExecContext& x, int64_t width = 32) {
+    RopeQkArgs a = rope(p, x);
+    a.qkv = fat(p, 1024, x, {2, width});
+    a.v = fat(p, 768, x, {2, 1, 8});
+    return a;
+  };
   return {
       {"linear K mismatch",
        [=](const Backend& b, const ExecContext& x, void* p) {
@@ -1171,9 +1178,7 @@ std::vector<BadCall> bad_calls() {
        }},
       {"rope_qk qkv width",
        [=](const Backend& b, const ExecContext& x, void* p) {
-         RopeQkArgs a = rope(p, x);
-         a.qkv = fat(p, 1024, x, {2, 24});
-         a.v = fat(p, 768, x, {2, 1, 8});
+         RopeQkArgs a = rope_fused(p, x, 24);
          return b.rope_qk(x, a);
        }},
       {"rope_qk bias without qkv",
@@ -1186,18 +1191,14 @@ std::vector<BadCall> bad_calls() {
        }},
       {"rope_qk two biases of three",
        [=](const Backend& b, const ExecContext& x, void* p) {
-         RopeQkArgs a = rope(p, x);
-         a.qkv = fat(p, 1024, x, {2, 32});
-         a.v = fat(p, 768, x, {2, 1, 8});
+         RopeQkArgs a = rope_fused(p, x);
          a.q_bias = fat(p, 1536, x, {16});
          a.k_bias = fat(p, 1600, x, {8});
          return b.rope_qk(x, a);
        }},
       {"rope_qk k_bias length",
        [=](const Backend& b, const ExecContext& x, void* p) {
-         RopeQkArgs a = rope(p, x);
-         a.qkv = fat(p, 1024, x, {2, 32});
-         a.v = fat(p, 768, x, {2, 1, 8});
+         RopeQkArgs a = rope_fused(p, x);
          a.q_bias = fat(p, 1536, x, {16});
          a.k_bias = fat(p, 1600, x, {16});
          a.v_bias = fat(p, 1664, x, {8});
