@@ -2,8 +2,10 @@
 //   permute (one CTA) -> activations to bf16 / MXFP8 -> grouped gate_up GEMM with bias and
 //   SwiGLU in the epilogue -> [h to MXFP8] -> grouped down GEMM with bias -> combine in k order.
 // MXFP4 weights with few tokens per expert (pairs / active experts < 48) take the decode kernels
-// further down (decode_gemm_kernel: mma.sync with the weights as A, see its NOTES); the tiled
-// WMMA GEMM below serves bf16 weights and the prefill sizes.
+// further down (decode_gemm_kernel: mma.sync with the weights as A, see its NOTES); with more,
+// and bf16 activations, the prefill kernel (prefill_gemm_kernel: weight tiles dequantized once
+// per CTA into shared memory, ldmatrix + mma.sync over 64 or 128 tokens); the tiled WMMA GEMM
+// below serves bf16 weights and MXFP8 activations at prefill sizes.
 //
 // Permutation: every valid (token, k) pair gets its physical expert e = l2p[id] (a bad id or
 // map entry: the pair is dropped); a counting sort groups pairs by expert (order inside one
@@ -1047,6 +1049,266 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
   return Status::Ok();
 }
 
+// ---- prefill: MXFP4 weights x bf16 activations, many tokens per expert ---------------------
+// A CTA computes kPfBM pair rows x 128 kernel rows of one expert (kPfBM 64 or 128), K in steps
+// of 64 (one MXFP4 tile column). Per step, cp.async brings the token rows (bf16) and the raw
+// MXFP4 tile (4 KiB of codes, 256 B of scales) into a 3-stage ring; the CTA dequantizes the raw
+// tile once into a bf16 weight tile (lookup table and one bf16x2 multiply by the block scale,
+// the same exact arithmetic as gemm_kernel), and 8 warps (2 along M x 4 along N, 32 kernel rows
+// each) multiply with ldmatrix + mma.sync m16n8k16, FP32 accumulators in registers. The weight
+// tile is dequantized once for all kPfBM tokens (the decode kernel dequantizes per 8-32 tokens),
+// so at hundreds of tokens per expert the tensor cores, not the dequantization, set the pace.
+// A warp's 32 kernel rows are exactly one (16 gate, 16 up) group, so gate_up's SwiGLU epilogue
+// runs from registers. The grid is (N tiles, M tiles): consecutive CTAs share the token rows of
+// one M tile and the weights of one expert (both stay in L2). N % 64 == 0: the last N tile may
+// hold 64 rows (gpt-oss's H = 2880); K % 64 == 0 (host-checked).
+constexpr int kPfThreads = 256;
+constexpr int kPfBN = 128;
+constexpr int kPfBK = 64;
+constexpr int kPfStages = 3;
+constexpr int kPfLd = kPfBK + 8;              // bf16 row stride in shared memory (144 B: ldmatrix conflict-free)
+constexpr int kPfRawBytes = 128 * 32 + 8 * 32;  // 8 row tiles of 512 B codes + 32 B scales
+
+template <int BM>
+struct PfShape {
+  static constexpr int kMt = BM / 2 / 16;  // m16 tiles per warp
+  static constexpr int kABytes = BM * kPfLd * 2;
+  static constexpr int kBBytes = kPfBN * kPfLd * 2;
+  static constexpr int kSmem = kPfStages * (kABytes + kPfRawBytes) + 2 * kBBytes;
+};
+
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(gmem), "r"(n) : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+template <int BM, bool kGateUp>
+__global__ void __launch_bounds__(kPfThreads, 2) prefill_gemm_kernel(const GemmArgs g) {
+  using S = PfShape<BM>;
+  extern __shared__ __align__(128) uint8_t pf_smem[];
+  __shared__ int64_t row_src[BM];
+  __shared__ uint32_t lut_fp4x2[256];
+
+  const int tile = blockIdx.y;
+  if (tile >= g.meta[0]) return;  // whole CTA
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int e = g.tile_expert[tile];
+  const int row0 = g.tile_row0[tile];
+  const int base = g.expert_offsets[e];
+  const int count = g.expert_offsets[e + 1] - base;
+  const int rows = count - row0 < BM ? count - row0 : BM;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kPfBN;
+  const int64_t kdim = g.k, ndim = g.n;
+
+  uint8_t* a_ring = pf_smem;
+  uint8_t* raw_ring = a_ring + kPfStages * S::kABytes;
+  uint8_t* b_tiles = raw_ring + kPfStages * kPfRawBytes;
+
+  if (tid < BM) {
+    int64_t src = -1;
+    if (tid < rows) {
+      const int s = base + row0 + tid;
+      src = kGateUp ? g.sorted_pair[s] / g.top_k : s;
+    }
+    row_src[tid] = src;
+  }
+  {
+    const uint32_t lo = f32_to_bf16_bits(quant::f32_from_bits(quant::e2m1_decode_bits(tid & 15u, 0)));
+    const uint32_t hi = f32_to_bf16_bits(quant::f32_from_bits(quant::e2m1_decode_bits((tid >> 4) & 15u, 0)));
+    lut_fp4x2[tid] = lo | (hi << 16);
+  }
+  __syncthreads();
+
+  const int64_t k_tiles = kdim / 64;
+  const int64_t steps = k_tiles;
+  const uint8_t* wblk = g.w_blocks + static_cast<int64_t>(e) * ndim * kdim / 2;
+  const uint8_t* wsc = g.w_scales + static_cast<int64_t>(e) * ndim * kdim / 32;
+  const int64_t rt_base = n0 / 16;
+  const int64_t row_tiles = ndim / 16;
+
+  auto issue = [&](int64_t st) {
+    const int slot = static_cast<int>(st % kPfStages);
+    uint8_t* as = a_ring + slot * S::kABytes;
+    const int64_t k0 = st * kPfBK;
+#pragma unroll
+    for (int j = 0; j < BM * 8 / kPfThreads; ++j) {
+      const int c = tid + j * kPfThreads;
+      const int m = c >> 3, kc = c & 7;
+      const int64_t src = row_src[m];
+      const uint16_t* p = g.a_bf16 + (src >= 0 ? src * kdim + k0 + kc * 8 : 0);
+      cp_async16_zfill(as + m * kPfLd * 2 + kc * 16, p, src >= 0);
+    }
+    uint8_t* raw = raw_ring + slot * kPfRawBytes;
+    {
+      const int rt = tid >> 5, w = tid & 31;
+      const bool ok = rt_base + rt < row_tiles;
+      const int64_t ti = ok ? (rt_base + rt) * k_tiles + st : 0;
+      cp_async16_zfill(raw + tid * 16, wblk + ti * 512 + w * 16, ok);
+      if (tid < 16) {
+        const int rs = tid >> 1, part = tid & 1;
+        const bool oks = rt_base + rs < row_tiles;
+        const int64_t ts = oks ? (rt_base + rs) * k_tiles + st : 0;
+        cp_async16_zfill(raw + 4096 + tid * 16, wsc + ts * 32 + part * 16, oks);
+      }
+    }
+  };
+
+  // Dequantize the raw tile of step st into bf16 weight tile buffer st % 2: thread t expands
+  // the 32 codes of row (t / 32) * 16 + (t % 32) / 2, K half (t % 2) of the step.
+  auto dequant = [&](int64_t st) {
+    const uint8_t* raw = raw_ring + static_cast<int>(st % kPfStages) * kPfRawBytes;
+    uint16_t* bt = reinterpret_cast<uint16_t*>(b_tiles + static_cast<int>(st % 2) * S::kBBytes);
+    const int rt = tid >> 5, within = tid & 31, row = within >> 1, half = within & 1;
+    const uint4 v = *reinterpret_cast<const uint4*>(raw + tid * 16);
+    const uint32_t sc = scale_bf16x2(raw[4096 + rt * 32 + row * 2 + half]);
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    uint32_t o[16];
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+      for (int bb = 0; bb < 4; ++bb) o[4 * q + bb] = bf16x2_mul(lut_fp4x2[(words[q] >> (8 * bb)) & 0xffu], sc);
+    uint4* dst = reinterpret_cast<uint4*>(bt + (rt * 16 + row) * kPfLd + half * 32);
+    dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+    dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+    dst[2] = make_uint4(o[8], o[9], o[10], o[11]);
+    dst[3] = make_uint4(o[12], o[13], o[14], o[15]);
+  };
+
+  const int wm = warp >> 2, wn = warp & 3;
+  float acc[S::kMt][4][4];
+#pragma unroll
+  for (int i = 0; i < S::kMt; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.0f;
+
+  // Prologue: stages 0 and 1 in flight, stage 0 dequantized.
+  issue(0);
+  cp_async_commit();
+  if (steps > 1) issue(1);
+  cp_async_commit();
+  cp_async_wait<1>();
+  __syncthreads();
+  dequant(0);
+  __syncthreads();
+
+  const int a_row = wm * (BM / 2) + (lane & 15), a_col = (lane >> 4) * 8;
+  const int b_row = wn * 32 + (lane & 7) + ((lane >> 4) << 3), b_col = ((lane >> 3) & 1) * 8;
+  for (int64_t st = 0; st < steps; ++st) {
+    // Slot (st + 2) % 3 last held step st - 1, whose A rows the previous iteration's mma read
+    // and whose raw tile was dequantized before that: both done (the barrier below).
+    if (st + 2 < steps) issue(st + 2);
+    cp_async_commit();
+    const uint16_t* as = reinterpret_cast<const uint16_t*>(a_ring + static_cast<int>(st % kPfStages) * S::kABytes);
+    const uint16_t* bt = reinterpret_cast<const uint16_t*>(b_tiles + static_cast<int>(st % 2) * S::kBBytes);
+#pragma unroll
+    for (int kk = 0; kk < kPfBK; kk += 16) {
+      uint32_t af[S::kMt][4];
+      uint32_t bf[2][4];
+#pragma unroll
+      for (int i = 0; i < S::kMt; ++i) ldmatrix_x4(af[i], as + (a_row + i * 16) * kPfLd + kk + a_col);
+#pragma unroll
+      for (int p = 0; p < 2; ++p) ldmatrix_x4(bf[p], bt + (b_row + p * 16) * kPfLd + kk + b_col);
+#pragma unroll
+      for (int i = 0; i < S::kMt; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) mma_bf16_16816(acc[i][j], af[i], bf[j >> 1][(j & 1) * 2], bf[j >> 1][(j & 1) * 2 + 1]);
+    }
+    if (st + 1 < steps) {
+      cp_async_wait<1>();  // step st + 1's copies (this thread's) landed; st + 2 may be in flight
+      __syncthreads();     // everyone's copies visible; weight tile (st + 1) % 2 no longer read
+      dequant(st + 1);
+      __syncthreads();
+    }
+  }
+  cp_async_wait_all();
+
+  // Epilogue from registers: acc[i][j][c] is row wm * BM/2 + 16 i + lane/4 (+8 for c >= 2),
+  // column wn * 32 + 8 j + 2 (lane % 4) (+1 for odd c).
+  const int64_t wcol0 = n0 + wn * 32;
+  if (wcol0 >= ndim) return;  // the empty half of a 64-row last N tile
+  const float* bias = g.bias ? g.bias + static_cast<int64_t>(e) * ndim : nullptr;
+  const int q2 = 2 * (lane & 3);
+#pragma unroll
+  for (int i = 0; i < S::kMt; ++i) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int m = wm * (BM / 2) + i * 16 + (lane >> 2) + hr * 8;
+      if (m >= rows) continue;
+      const int64_t s = base + row0 + m;
+      if constexpr (kGateUp) {
+        // Columns 0..15 of the warp are the gate rows of features (wcol0 / 32) * 16 + 0..15,
+        // columns 16..31 their up rows.
+        const auto order = static_cast<quant::Mxfp4RowOrder>(g.row_order);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          float hv[2];
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int col = j * 8 + q2 + c;
+            float gv = acc[i][j][hr * 2 + c], uv = acc[i][j + 2][hr * 2 + c];
+            if (bias) {
+              gv = math::add(gv, bias[quant::mxfp4_checkpoint_row(wcol0 + col, ndim, order)]);
+              uv = math::add(uv, bias[quant::mxfp4_checkpoint_row(wcol0 + col + 16, ndim, order)]);
+            }
+            hv[c] = math::activate(g.act_kind, g.limit, g.alpha, gv, uv);
+          }
+          const int64_t jf = (wcol0 / 32) * 16 + j * 8 + q2;
+          *reinterpret_cast<uint32_t*>(g.h_bf16 + s * g.inter + jf) =
+              f32_to_bf16_bits(hv[0]) | (f32_to_bf16_bits(hv[1]) << 16);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int64_t col = wcol0 + j * 8 + q2;
+          float2 v = make_float2(acc[i][j][hr * 2], acc[i][j][hr * 2 + 1]);
+          if (bias) {
+            v.x = math::add(v.x, bias[col]);
+            v.y = math::add(v.y, bias[col + 1]);
+          }
+          *reinterpret_cast<float2*>(g.y + s * ndim + col) = v;
+        }
+      }
+    }
+  }
+}
+
+template <int BM, bool kGateUp>
+Status prefill_opt_in() {
+  static std::atomic<bool> opted{false};
+  if (!opted.load(std::memory_order_relaxed)) {
+    RD_CUDA_CHECK(cudaFuncSetAttribute(prefill_gemm_kernel<BM, kGateUp>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       PfShape<BM>::kSmem));
+    opted.store(true, std::memory_order_relaxed);
+  }
+  return Status::Ok();
+}
+
+template <bool kGateUp>
+Status launch_prefill(const ExecContext& ctx, const GemmArgs& g, int bm, int64_t max_tiles) {
+  if (max_tiles == 0) return Status::Ok();
+  if (max_tiles > 65535) return Status(ErrorCode::kUnimplemented, "too many row tiles for one MoE launch", "x");
+  const dim3 grid(static_cast<unsigned int>((g.n + kPfBN - 1) / kPfBN), static_cast<unsigned int>(max_tiles));
+  cudaStream_t s = stream_of(ctx);
+  if (bm == 128) {
+    RD_RETURN_IF_ERROR((prefill_opt_in<128, kGateUp>()));
+    prefill_gemm_kernel<128, kGateUp><<<grid, kPfThreads, PfShape<128>::kSmem, s>>>(g);
+  } else {
+    RD_RETURN_IF_ERROR((prefill_opt_in<64, kGateUp>()));
+    prefill_gemm_kernel<64, kGateUp><<<grid, kPfThreads, PfShape<64>::kSmem, s>>>(g);
+  }
+  RD_CUDA_CHECK_LAUNCH("moe prefill_gemm_kernel");
+  return Status::Ok();
+}
+
 template <bool kGateUp>
 Status launch_gemm(const ExecContext& ctx, const GemmArgs& g, int bm, bool bf16_weights, bool mx8,
                    int64_t max_tiles) {
@@ -1089,10 +1351,14 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
   if (pairs > 0) {
     // Tile height: 16 rows when experts see few tokens each (decode), 64 otherwise.
     const int64_t busy = pairs < ep ? pairs : ep;
-    const int bm = pairs / busy >= 48 ? 64 : 16;
+    int bm = pairs / busy >= 48 ? 64 : 16;
     // MXFP4 weights with few tokens per expert take the decode kernel (one "tile" per active
-    // expert: the permutation lists the active experts in order).
+    // expert: the permutation lists the active experts in order); with many, and bf16
+    // activations, the prefill kernel (tiles of 64 or 128 rows).
+    const bool mx8 = p.precision == ActPrecision::kMXFP8;
     const bool decode = p.format == WeightFormat::kMXFP4 && bm == 16;
+    const bool prefill = p.format == WeightFormat::kMXFP4 && bm == 64 && !mx8;
+    if (prefill && pairs / busy >= 128) bm = 128;
     const int64_t max_tiles = max_m_tiles(pairs, ep, bm);
     if (max_tiles > INT_MAX)
       return Status(ErrorCode::kUnimplemented, "too many rows for one MoE launch", "x");
@@ -1117,7 +1383,6 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
     permute_kernel<<<1, kPermuteThreads, psmem, stream>>>(pa);
     RD_CUDA_CHECK_LAUNCH("moe permute_kernel");
 
-    const bool mx8 = p.precision == ActPrecision::kMXFP8;
     const bool bf16w = p.format == WeightFormat::kBF16;
     if (decode) {
       int num_sms = 0;
@@ -1231,7 +1496,10 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
       g.h_f32 = static_cast<float*>(at(ws.h));
     else
       g.h_bf16 = static_cast<uint16_t*>(at(ws.h));
-    RD_RETURN_IF_ERROR(launch_gemm<true>(ctx, g, bm, bf16w, mx8, max_tiles));
+    if (prefill)
+      RD_RETURN_IF_ERROR(launch_prefill<true>(ctx, g, bm, max_tiles));
+    else
+      RD_RETURN_IF_ERROR(launch_gemm<true>(ctx, g, bm, bf16w, mx8, max_tiles));
 
     // GEMM-2 operand: h (sorted rows), bf16 or MXFP8.
     GemmArgs d = g;
@@ -1258,7 +1526,10 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
     d.h_bf16 = nullptr;
     d.h_f32 = nullptr;
     d.y = y;
-    RD_RETURN_IF_ERROR(launch_gemm<false>(ctx, d, bm, bf16w, mx8, max_tiles));
+    if (prefill)
+      RD_RETURN_IF_ERROR(launch_prefill<false>(ctx, d, bm, max_tiles));
+    else
+      RD_RETURN_IF_ERROR(launch_gemm<false>(ctx, d, bm, bf16w, mx8, max_tiles));
     }
   }
 

@@ -6,6 +6,7 @@
 //   engine_bench [--json FILE] [--models tiny,mid] [--batches 1,32,256] [--new-tokens N]
 //                [--model-dir DIR [--peer PEER.json]] [--host-sampling 1] [--quantize-experts mxfp4]
 //                [--graphs on|off|both] [--dense-bf16 1] [--fuse-qkv 0] [--grouped-experts 0]
+//                [--prefill R,L]
 //
 // --model-dir adds model "ckpt": a Hugging Face checkpoint (rolloutctl make-test-model), which
 // tests/bench/engine/hf_peer.py runs with transformers `generate` in the same job; --peer reads
@@ -27,6 +28,11 @@
 // still runs the unquantized model. --dense-bf16 1 stores the built-in models' dense projections
 // in BF16 (ModelConfig::dense_bf16, what a BF16 checkpoint gets; the checkpoint follows its own
 // dtype).
+//
+// Prefill: --prefill R,L (default 8,512; 0 to skip) submits R requests of L-token prompts and one
+// new token each, with a step token budget of R * L (so one step holds the whole batch when the
+// KV pool allows), and reports prompt tokens / s from the first step to the last event, best of
+// two runs after a warm-up (the peer: a forward of the same prompts, hf_peer.py --prefill).
 #include <algorithm>
 #include <cmath>
 #include <chrono>
@@ -210,6 +216,45 @@ RunResult run(Engine& e, int64_t batch, uint32_t new_tokens, bool records, const
   return r;
 }
 
+struct PrefillResult {
+  double tokens_per_s = 0;
+  double ms = 0;
+  int64_t steps = 0;
+};
+
+// R requests of L-token prompts, max_new_tokens 1, greedy, records off; the time from the first
+// step to the last one (every request finished).
+PrefillResult run_prefill(Engine& e, int64_t requests, int64_t len, const std::string& tag) {
+  for (int64_t i = 0; i < requests; ++i) {
+    core::RequestSpec s;
+    char rid[32];
+    std::snprintf(rid, sizeof rid, "%s%06lld", tag.c_str(), static_cast<long long>(i));
+    s.rid = rid;
+    for (int64_t t = 0; t < len; ++t)
+      s.input_ids.push_back(static_cast<int32_t>((i * 131 + t * 17 + 1) % e.model_config().vocab_size));
+    s.max_new_tokens = 1;
+    s.sampling.temperature = 0.0f;
+    if (!e.submit(s).ok()) {
+      std::fprintf(stderr, "submit failed\n");
+      std::exit(1);
+    }
+  }
+  std::vector<EngineEvent> events;
+  PrefillResult r;
+  const auto t0 = Clock::now();
+  while (e.has_work()) {
+    if (Status st = e.step(events); !st.ok()) {
+      std::fprintf(stderr, "step failed: %s\n", st.to_string().c_str());
+      std::exit(1);
+    }
+    ++r.steps;
+  }
+  const double sec = std::chrono::duration<double>(Clock::now() - t0).count();
+  r.ms = sec * 1e3;
+  r.tokens_per_s = sec > 0 ? static_cast<double>(requests * len) / sec : 0;
+  return r;
+}
+
 // A full weight update with the model's own parameters (what a trainer's push costs the
 // decoder: every parameter rewritten, layouts restored and re-applied).
 void push_own_weights(Engine& e, uint64_t version) {
@@ -265,6 +310,7 @@ int main(int argc, char** argv) {
   bool dense_bf16 = false;            // --dense-bf16 1: the built-in models' dense projections in BF16
   bool fuse_qkv = true;               // --fuse-qkv 0: three q/k/v GEMMs (ModelConfig::fuse_qkv), every model
   bool grouped_experts = true;        // --grouped-experts 0: ModelConfig::grouped_experts off (FP32 expert op)
+  std::string prefill_arg = "8,512";  // --prefill R,L (0: skip)
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--json") json_path = argv[i + 1];
@@ -279,6 +325,7 @@ int main(int argc, char** argv) {
     else if (a == "--dense-bf16") dense_bf16 = std::atoi(argv[i + 1]) != 0;
     else if (a == "--fuse-qkv") fuse_qkv = std::atoi(argv[i + 1]) != 0;
     else if (a == "--grouped-experts") grouped_experts = std::atoi(argv[i + 1]) != 0;
+    else if (a == "--prefill") prefill_arg = argv[i + 1];
   }
   std::vector<bool> graph_modes;
   if (graphs_arg != "on") graph_modes.push_back(false);
@@ -297,6 +344,12 @@ int main(int argc, char** argv) {
   std::vector<int64_t> batches;
   for (const auto& b : split(batches_arg)) batches.push_back(std::atoll(b.c_str()));
   const int64_t max_batch = *std::max_element(batches.begin(), batches.end());
+  int64_t prefill_requests = 0, prefill_len = 0;
+  if (const auto pf = split(prefill_arg); pf.size() == 2) {
+    prefill_requests = std::atoll(pf[0].c_str());
+    prefill_len = std::atoll(pf[1].c_str());
+  }
+  if (prefill_requests <= 0 || prefill_len <= 0) prefill_requests = prefill_len = 0;
 
   nlohmann::json peer;
   if (!peer_path.empty()) {
@@ -338,10 +391,12 @@ int main(int argc, char** argv) {
     for (const bool graphs : graph_modes) {
       core::StepLimits limits;
       limits.max_seqs = max_batch;
-      limits.max_tokens = std::max<int64_t>(max_batch * 16, 512);
+      limits.max_tokens = std::max<int64_t>({max_batch * 16, 512, prefill_requests * prefill_len});
       limits.kv_block_size = 16;
-      limits.max_blocks_per_seq = 16;
-      limits.num_kv_blocks = max_batch * ((16 + new_tokens + 15) / 16 + 1) + 16;
+      const int64_t prefill_blocks = (prefill_len + 1 + 15) / 16 + 1;
+      limits.max_blocks_per_seq = std::max<int64_t>(16, prefill_blocks);
+      limits.num_kv_blocks =
+          std::max(max_batch * ((16 + new_tokens + 15) / 16 + 1), prefill_requests * prefill_blocks) + 16;
       limits.graph_max_batch = graphs ? max_batch : 0;
       auto m = core::MoeDecoder::create(mc, limits, *cuda, ctx);
       if (!m.ok()) {
@@ -382,6 +437,27 @@ int main(int argc, char** argv) {
                               {"batches", nlohmann::json::array()}};
       // Warm-up: lazy initialisation (cuBLAS handle, first-touch) stays out of the figures.
       run(**e, std::min<int64_t>(max_batch, 4), 4, false, "w");
+      if (prefill_requests > 0 && graphs == graph_modes.back()) {
+        run_prefill(**e, prefill_requests, prefill_len, "pw");
+        PrefillResult best;
+        for (int i = 0; i < 2; ++i) {
+          const PrefillResult r = run_prefill(**e, prefill_requests, prefill_len, "p" + std::to_string(i));
+          if (r.tokens_per_s > best.tokens_per_s) best = r;
+        }
+        nlohmann::json pj = {{"requests", prefill_requests}, {"prompt_len", prefill_len},
+                             {"tokens_per_s", best.tokens_per_s}, {"ms", best.ms}, {"steps", best.steps}};
+        std::printf("%-5s prefill %lld x %lld tokens: %.0f tok/s (%.2f ms, %lld steps)", model.c_str(),
+                    static_cast<long long>(prefill_requests), static_cast<long long>(prefill_len), best.tokens_per_s,
+                    best.ms, static_cast<long long>(best.steps));
+        if (model == "ckpt" && peer.contains("prefill")) {
+          const double theirs = peer["prefill"]["tokens_per_s"].get<double>();
+          pj["peer_tokens_per_s"] = theirs;
+          pj["over_peer"] = theirs > 0 ? best.tokens_per_s / theirs : 0;
+          std::printf(", HF peer %.0f tok/s: %.2f x peer", theirs, theirs > 0 ? best.tokens_per_s / theirs : 0.0);
+        }
+        std::printf("\n");
+        entry["prefill"] = pj;
+      }
       for (const int64_t batch : batches) {
         nlohmann::json br = {{"batch", batch}};
         const double floor_ms = bw > 0 ? decode_step_bytes((*e)->model(), batch, 16.0 + new_tokens / 2.0) / bw * 1e3 : 0;

@@ -1,7 +1,8 @@
 // CUDA against the CPU reference for every router and for every activation x weight format x
 // activation precision of the experts, on random sizes: a single token, empty experts,
 // padding rows (NaN activations, garbage ids), redundant replicas, K tails (hidden not a
-// multiple of the 128-wide K step), both tile heights (decode and prefill), the MXFP4 decode
+// multiple of the 128-wide K step), every tile height (decode and prefill; the MXFP4 prefill
+// kernel's 64 and 128 rows, a half-empty last N tile, a single K step), the MXFP4 decode
 // kernel (several passes of 8 tokens per expert, K split 1, 2 and 8; passes of 16 and 32 tokens,
 // K staged in segments, the same bits whatever the tokens per pass), accumulate. The
 // workspace starts poisoned, so reading anything the kernels did not write shows up.
@@ -142,6 +143,11 @@ TEST_F(MoeParity, Experts) {
       {"decode_one_token", 1, 1, 4, 16, 0, 128, 64},        // 12 empty experts, BM 16
       {"small_k_tail_replicas", 37, 33, 2, 8, 2, 192, 128},  // K step 128 + a 64 tail
       {"prefill_tile64", 256, 250, 4, 8, 0, 256, 128},       // about 125 rows per expert: BM 64
+      // ~262 rows per expert: MXFP4 prefill tiles of 128 rows (two full and a partial per
+      // expert), a replica, down's N = 192 (the last 128-row N tile holds 64)
+      {"prefill_tile128", 600, 590, 4, 8, 1, 192, 320},
+      // one 64-wide K step in both GEMMs, N = 64 in down
+      {"prefill_one_k_step", 300, 300, 2, 4, 0, 64, 64},
       {"empty_experts", 3, 3, 2, 64, 1, 320, 192},           // hidden and intermediate with tails
       // MXFP4 decode kernel: ~30 pairs per expert (several passes of 8 tokens), K split 8
       {"decode_hot_experts", 64, 60, 8, 16, 0, 256, 128},
