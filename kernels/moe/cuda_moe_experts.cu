@@ -5,7 +5,7 @@
 // further down (decode_gemm_kernel: mma.sync with the weights as A, see its NOTES); with more,
 // and bf16 activations, the prefill kernel (prefill_gemm_kernel: weight tiles dequantized once
 // per CTA into shared memory, ldmatrix + mma.sync over 64 or 128 tokens); the tiled WMMA GEMM
-// below serves bf16 weights and MXFP8 activations at prefill sizes.
+// below serves bf16 weights at prefill sizes.
 //
 // Permutation: every valid (token, k) pair gets its physical expert e = l2p[id] (a bad id or
 // map entry: the pair is dropped); a counting sort groups pairs by expert (order inside one
@@ -1049,38 +1049,47 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
   return Status::Ok();
 }
 
-// ---- prefill: MXFP4 weights x bf16 activations, many tokens per expert ---------------------
-// A CTA computes kPfBM pair rows x 128 kernel rows of one expert (kPfBM 64 or 128), K in steps
-// of 64 (one MXFP4 tile column). Per step, cp.async brings the token rows (bf16) and the raw
-// MXFP4 tile (4 KiB of codes, 256 B of scales) into a 3-stage ring; the CTA dequantizes the raw
-// tile once into a bf16 weight tile (lookup table and one bf16x2 multiply by the block scale,
-// the same exact arithmetic as gemm_kernel), and 8 warps (2 along M x 4 along N, 32 kernel rows
-// each) multiply with ldmatrix + mma.sync m16n8k16, FP32 accumulators in registers. The weight
-// tile is dequantized once for all kPfBM tokens (the decode kernel dequantizes per 8-32 tokens),
-// so at hundreds of tokens per expert the tensor cores, not the dequantization, set the pace.
-// A warp's 32 kernel rows are exactly one (16 gate, 16 up) group, so gate_up's SwiGLU epilogue
-// runs from registers. The grid is (N tiles, M tiles): consecutive CTAs share the token rows of
-// one M tile and the weights of one expert (both stay in L2). N % 64 == 0: the last N tile may
-// hold 64 rows (gpt-oss's H = 2880); K % 64 == 0 (host-checked).
+// ---- prefill: MXFP4 weights, many tokens per expert ---------------------------------------
+// A CTA computes BM pair rows (32, 64 or 128) x 128 kernel rows of one expert, K in steps of 64
+// (one MXFP4 tile column). Per step, cp.async brings the token rows (bf16) and the raw MXFP4
+// tile (4 KiB of codes; per thread the aligned scale word holding its block's scale) into a
+// 3-stage ring; each thread dequantizes the 32 codes it copied itself (lookup table and one bf16x2
+// multiply by the block scale: the same exact arithmetic as gemm_kernel) into a double-buffered
+// bf16 weight tile, so the only CTA barrier per step is the one that publishes that tile and the
+// next token rows. 8 warps (2 along M x 4 along N, 32 kernel rows each) multiply with ldmatrix +
+// mma.sync m16n8k16, FP32 accumulators in registers, while the same warps dequantize the next
+// step's tile. A weight tile is dequantized once for all BM tokens (the decode kernel: per 8-32
+// tokens), so at many tokens per expert the tensor cores, not the dequantization, set the pace.
+// A warp's 32 kernel rows are one (16 gate, 16 up) group, so gate_up's SwiGLU epilogue runs from
+// registers. The grid is (N tiles, M tiles): consecutive CTAs share the token rows of one M tile
+// and the weights of one expert (both stay in L2). N % 64 == 0: the last N tile may hold 64 rows
+// (gpt-oss's H = 2880); K % 64 == 0 (host-checked). MXFP8 activations reach it dequantized to
+// bf16 (exact: E4M3 times a power of two is a bf16 number).
 constexpr int kPfThreads = 256;
 constexpr int kPfBN = 128;
 constexpr int kPfBK = 64;
 constexpr int kPfStages = 3;
-constexpr int kPfLd = kPfBK + 8;              // bf16 row stride in shared memory (144 B: ldmatrix conflict-free)
-constexpr int kPfRawBytes = 128 * 32 + 8 * 32;  // 8 row tiles of 512 B codes + 32 B scales
+constexpr int kPfLd = kPfBK + 8;                  // bf16 row stride in shared memory (144 B: ldmatrix conflict-free)
+constexpr int kPfRawBytes = 4096 + kPfThreads * 4;  // 8 row tiles of 512 B codes + one scale word per thread
 
 template <int BM>
 struct PfShape {
-  static constexpr int kMt = BM / 2 / 16;  // m16 tiles per warp
+  static constexpr int kMt = BM / 32;  // m16 tiles per warp (2 warps along M)
   static constexpr int kABytes = BM * kPfLd * 2;
   static constexpr int kBBytes = kPfBN * kPfLd * 2;
   static constexpr int kSmem = kPfStages * (kABytes + kPfRawBytes) + 2 * kBBytes;
+  static_assert(kMt >= 1 && BM % 32 == 0, "tile height");
 };
 
 __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int n = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(gmem), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_async4_zfill(void* smem, const void* gmem, bool valid) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int n = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(gmem), "r"(n) : "memory");
 }
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
   const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
@@ -1126,12 +1135,14 @@ __global__ void __launch_bounds__(kPfThreads, 2) prefill_gemm_kernel(const GemmA
   }
   __syncthreads();
 
-  const int64_t k_tiles = kdim / 64;
-  const int64_t steps = k_tiles;
+  const int64_t steps = kdim / kPfBK;  // = MXFP4 K tiles per row tile
   const uint8_t* wblk = g.w_blocks + static_cast<int64_t>(e) * ndim * kdim / 2;
   const uint8_t* wsc = g.w_scales + static_cast<int64_t>(e) * ndim * kdim / 32;
-  const int64_t rt_base = n0 / 16;
-  const int64_t row_tiles = ndim / 16;
+  // Thread tid's weight block: row tile rt, row, K half of the step (16 B of codes, one scale).
+  const int rt = tid >> 5, within = tid & 31, wrow = within >> 1, whalf = within & 1;
+  const int sc_idx = wrow * 2 + whalf;  // the block's scale byte within the tile's 32
+  const bool w_ok = n0 / 16 + rt < ndim / 16;
+  const int64_t w_tile0 = w_ok ? (n0 / 16 + rt) * steps : 0;
 
   auto issue = [&](int64_t st) {
     const int slot = static_cast<int>(st % kPfStages);
@@ -1146,35 +1157,25 @@ __global__ void __launch_bounds__(kPfThreads, 2) prefill_gemm_kernel(const GemmA
       cp_async16_zfill(as + m * kPfLd * 2 + kc * 16, p, src >= 0);
     }
     uint8_t* raw = raw_ring + slot * kPfRawBytes;
-    {
-      const int rt = tid >> 5, w = tid & 31;
-      const bool ok = rt_base + rt < row_tiles;
-      const int64_t ti = ok ? (rt_base + rt) * k_tiles + st : 0;
-      cp_async16_zfill(raw + tid * 16, wblk + ti * 512 + w * 16, ok);
-      if (tid < 16) {
-        const int rs = tid >> 1, part = tid & 1;
-        const bool oks = rt_base + rs < row_tiles;
-        const int64_t ts = oks ? (rt_base + rs) * k_tiles + st : 0;
-        cp_async16_zfill(raw + 4096 + tid * 16, wsc + ts * 32 + part * 16, oks);
-      }
-    }
+    const int64_t ti = w_ok ? w_tile0 + st : 0;
+    cp_async16_zfill(raw + tid * 16, wblk + ti * 512 + within * 16, w_ok);
+    cp_async4_zfill(raw + 4096 + tid * 4, wsc + ti * 32 + (sc_idx & ~3), w_ok);
   };
 
-  // Dequantize the raw tile of step st into bf16 weight tile buffer st % 2: thread t expands
-  // the 32 codes of row (t / 32) * 16 + (t % 32) / 2, K half (t % 2) of the step.
+  // Dequantize this thread's block of step st (copied by this thread: its own wait_group is the
+  // only synchronisation needed) into weight tile buffer st % 2.
   auto dequant = [&](int64_t st) {
     const uint8_t* raw = raw_ring + static_cast<int>(st % kPfStages) * kPfRawBytes;
     uint16_t* bt = reinterpret_cast<uint16_t*>(b_tiles + static_cast<int>(st % 2) * S::kBBytes);
-    const int rt = tid >> 5, within = tid & 31, row = within >> 1, half = within & 1;
     const uint4 v = *reinterpret_cast<const uint4*>(raw + tid * 16);
-    const uint32_t sc = scale_bf16x2(raw[4096 + rt * 32 + row * 2 + half]);
+    const uint32_t sc = scale_bf16x2(raw[4096 + tid * 4 + (sc_idx & 3)]);
     const uint32_t words[4] = {v.x, v.y, v.z, v.w};
     uint32_t o[16];
 #pragma unroll
     for (int q = 0; q < 4; ++q)
 #pragma unroll
       for (int bb = 0; bb < 4; ++bb) o[4 * q + bb] = bf16x2_mul(lut_fp4x2[(words[q] >> (8 * bb)) & 0xffu], sc);
-    uint4* dst = reinterpret_cast<uint4*>(bt + (rt * 16 + row) * kPfLd + half * 32);
+    uint4* dst = reinterpret_cast<uint4*>(bt + (rt * 16 + wrow) * kPfLd + whalf * 32);
     dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
     dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
     dst[2] = make_uint4(o[8], o[9], o[10], o[11]);
@@ -1190,21 +1191,20 @@ __global__ void __launch_bounds__(kPfThreads, 2) prefill_gemm_kernel(const GemmA
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.0f;
 
-  // Prologue: stages 0 and 1 in flight, stage 0 dequantized.
+  // Prologue: steps 0 and 1 in flight, step 0 dequantized and published.
   issue(0);
   cp_async_commit();
   if (steps > 1) issue(1);
   cp_async_commit();
   cp_async_wait<1>();
-  __syncthreads();
   dequant(0);
   __syncthreads();
 
   const int a_row = wm * (BM / 2) + (lane & 15), a_col = (lane >> 4) * 8;
   const int b_row = wn * 32 + (lane & 7) + ((lane >> 4) << 3), b_col = ((lane >> 3) & 1) * 8;
   for (int64_t st = 0; st < steps; ++st) {
-    // Slot (st + 2) % 3 last held step st - 1, whose A rows the previous iteration's mma read
-    // and whose raw tile was dequantized before that: both done (the barrier below).
+    // Slot (st + 2) % 3 last held step st - 1: its token rows were read by the previous step's
+    // mma (every warp passed the barrier since), its raw tile by this thread's dequant before.
     if (st + 2 < steps) issue(st + 2);
     cp_async_commit();
     const uint16_t* as = reinterpret_cast<const uint16_t*>(a_ring + static_cast<int>(st % kPfStages) * S::kABytes);
@@ -1224,10 +1224,9 @@ __global__ void __launch_bounds__(kPfThreads, 2) prefill_gemm_kernel(const GemmA
     }
     if (st + 1 < steps) {
       cp_async_wait<1>();  // step st + 1's copies (this thread's) landed; st + 2 may be in flight
-      __syncthreads();     // everyone's copies visible; weight tile (st + 1) % 2 no longer read
-      dequant(st + 1);
-      __syncthreads();
+      dequant(st + 1);     // into the other buffer: every warp finished reading it last step
     }
+    __syncthreads();  // publishes weight tile st + 1 and everyone's token rows of step st + 1
   }
   cp_async_wait_all();
 
@@ -1262,8 +1261,11 @@ __global__ void __launch_bounds__(kPfThreads, 2) prefill_gemm_kernel(const GemmA
             hv[c] = math::activate(g.act_kind, g.limit, g.alpha, gv, uv);
           }
           const int64_t jf = (wcol0 / 32) * 16 + j * 8 + q2;
-          *reinterpret_cast<uint32_t*>(g.h_bf16 + s * g.inter + jf) =
-              f32_to_bf16_bits(hv[0]) | (f32_to_bf16_bits(hv[1]) << 16);
+          if (g.h_bf16)
+            *reinterpret_cast<uint32_t*>(g.h_bf16 + s * g.inter + jf) =
+                f32_to_bf16_bits(hv[0]) | (f32_to_bf16_bits(hv[1]) << 16);
+          else
+            *reinterpret_cast<float2*>(g.h_f32 + s * g.inter + jf) = make_float2(hv[0], hv[1]);
         }
       } else {
 #pragma unroll
@@ -1292,21 +1294,22 @@ Status prefill_opt_in() {
   return Status::Ok();
 }
 
+template <int BM, bool kGateUp>
+Status launch_prefill_bm(const ExecContext& ctx, const GemmArgs& g, const dim3 grid) {
+  RD_RETURN_IF_ERROR((prefill_opt_in<BM, kGateUp>()));
+  prefill_gemm_kernel<BM, kGateUp><<<grid, kPfThreads, PfShape<BM>::kSmem, stream_of(ctx)>>>(g);
+  RD_CUDA_CHECK_LAUNCH("moe prefill_gemm_kernel");
+  return Status::Ok();
+}
+
 template <bool kGateUp>
 Status launch_prefill(const ExecContext& ctx, const GemmArgs& g, int bm, int64_t max_tiles) {
   if (max_tiles == 0) return Status::Ok();
   if (max_tiles > 65535) return Status(ErrorCode::kUnimplemented, "too many row tiles for one MoE launch", "x");
   const dim3 grid(static_cast<unsigned int>((g.n + kPfBN - 1) / kPfBN), static_cast<unsigned int>(max_tiles));
-  cudaStream_t s = stream_of(ctx);
-  if (bm == 128) {
-    RD_RETURN_IF_ERROR((prefill_opt_in<128, kGateUp>()));
-    prefill_gemm_kernel<128, kGateUp><<<grid, kPfThreads, PfShape<128>::kSmem, s>>>(g);
-  } else {
-    RD_RETURN_IF_ERROR((prefill_opt_in<64, kGateUp>()));
-    prefill_gemm_kernel<64, kGateUp><<<grid, kPfThreads, PfShape<64>::kSmem, s>>>(g);
-  }
-  RD_CUDA_CHECK_LAUNCH("moe prefill_gemm_kernel");
-  return Status::Ok();
+  if (bm == 128) return launch_prefill_bm<128, kGateUp>(ctx, g, grid);
+  if (bm == 64) return launch_prefill_bm<64, kGateUp>(ctx, g, grid);
+  return launch_prefill_bm<32, kGateUp>(ctx, g, grid);
 }
 
 template <bool kGateUp>
@@ -1354,10 +1357,10 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
     int bm = pairs / busy >= 48 ? 64 : 16;
     // MXFP4 weights with few tokens per expert take the decode kernel (one "tile" per active
     // expert: the permutation lists the active experts in order); with many, and bf16
-    // activations, the prefill kernel (tiles of 64 or 128 rows).
+    // the prefill kernel (tiles of 64 or 128 rows).
     const bool mx8 = p.precision == ActPrecision::kMXFP8;
     const bool decode = p.format == WeightFormat::kMXFP4 && bm == 16;
-    const bool prefill = p.format == WeightFormat::kMXFP4 && bm == 64 && !mx8;
+    const bool prefill = p.format == WeightFormat::kMXFP4 && bm == 64;
     if (prefill && pairs / busy >= 128) bm = 128;
     const int64_t max_tiles = max_m_tiles(pairs, ep, bm);
     if (max_tiles > INT_MAX)
@@ -1473,8 +1476,15 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
     if (mx8) {
       RD_RETURN_IF_ERROR(quant::quantize_mxfp8(ctx, x_rows, dev_view(ctx, at(ws.xa), DType::kU8, Shape{nv, h}),
                                                dev_view(ctx, at(ws.xa_scales), DType::kU8, Shape{nv, h / 32})));
-      g.a_q = static_cast<const uint8_t*>(at(ws.xa));
-      g.a_scales = static_cast<const uint8_t*>(at(ws.xa_scales));
+      if (prefill) {  // the prefill kernel takes the MXFP8 values as bf16, in y's space (unused until down)
+        RD_RETURN_IF_ERROR(quant::dequantize_mxfp8(ctx, dev_view(ctx, at(ws.xa), DType::kU8, Shape{nv, h}),
+                                                   dev_view(ctx, at(ws.xa_scales), DType::kU8, Shape{nv, h / 32}),
+                                                   dev_view(ctx, at(ws.y), DType::kBF16, Shape{nv, h})));
+        g.a_bf16 = static_cast<const uint16_t*>(at(ws.y));
+      } else {
+        g.a_q = static_cast<const uint8_t*>(at(ws.xa));
+        g.a_scales = static_cast<const uint8_t*>(at(ws.xa_scales));
+      }
     } else if (p.x_bf16) {
       g.a_bf16 = static_cast<const uint16_t*>(p.x);
     } else {
@@ -1511,8 +1521,15 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
           ctx, dev_view(ctx, at(ws.h), DType::kF32, Shape{pairs, inter}),
           dev_view(ctx, at(ws.h_q), DType::kU8, Shape{pairs, inter}),
           dev_view(ctx, at(ws.h_scales), DType::kU8, Shape{pairs, inter / 32})));
-      d.a_q = static_cast<const uint8_t*>(at(ws.h_q));
-      d.a_scales = static_cast<const uint8_t*>(at(ws.h_scales));
+      if (prefill) {  // as bf16 again, over h's float32 rows (read by the quantization before)
+        RD_RETURN_IF_ERROR(quant::dequantize_mxfp8(ctx, dev_view(ctx, at(ws.h_q), DType::kU8, Shape{pairs, inter}),
+                                                   dev_view(ctx, at(ws.h_scales), DType::kU8, Shape{pairs, inter / 32}),
+                                                   dev_view(ctx, at(ws.h), DType::kBF16, Shape{pairs, inter})));
+        d.a_bf16 = static_cast<const uint16_t*>(at(ws.h));
+      } else {
+        d.a_q = static_cast<const uint8_t*>(at(ws.h_q));
+        d.a_scales = static_cast<const uint8_t*>(at(ws.h_scales));
+      }
     } else {
       d.a_bf16 = static_cast<const uint16_t*>(at(ws.h));
     }
