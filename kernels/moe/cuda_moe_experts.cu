@@ -1050,49 +1050,35 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
 }
 
 // ---- prefill: MXFP4 weights, many tokens per expert ---------------------------------------
-// A Hopper mixed-input GEMM. A CTA computes BM pair rows (64 or 128) x 256 kernel rows of one
-// expert, K in steps of 64 (one MXFP4 tile column). Per step, cp.async brings the token rows
-// (bf16) and the raw MXFP4 tile (8 KiB of codes; per thread the aligned scale words holding its
-// blocks' scales) into a 4-stage ring; each thread dequantizes the 64 codes it copied itself
-// (lookup table and one bf16x2 multiply by the block scale: the same exact arithmetic as
-// gemm_kernel) into a double-buffered bf16 weight tile. Two warpgroups multiply with
-// wgmma.mma_async, both operands read from shared memory (tokens as A, M = 64 per warpgroup;
-// weights as B), FP32 accumulators in registers: the wgmma of step s runs while the same warps
-// dequantize step s + 1, and one CTA barrier per step publishes the next tile. A weight tile is
-// dequantized once for all BM tokens (the decode kernel: per 8-32 tokens), so at many tokens per
-// expert the tensor cores, not the dequantization, set the pace. BM 128: warpgroup g takes token
-// rows 64 g.., all 256 kernel rows (m64n256); BM 64: all 64 rows, kernel rows 128 g.. (m64n128).
-// Why 256 kernel rows: every N tile re-reads its token rows from L2 (ncu at 128 rows: L2-bound,
-// the tensor pipe under a third busy). Shared tiles are K-major without swizzle: 16-byte units
-// of 8 K values of one row, unit (row r, K octet o) at o * ld + r * 16 (ld = rows * 16, plus 64
-// for the token tile so that a thread pair's two octets land in different banks), so every
-// 8 x 16-byte core matrix is 128 contiguous bytes (descriptor: LBO = ld, the next K octet;
-// SBO = 128, the next 8 rows).
-// A warpgroup's accumulator is, per warp, mma.sync m16n8 tiles: a warp's 32 kernel rows j..j+31
-// (j % 32 == 0) are one (16 gate, 16 up) group, so gate_up's SwiGLU epilogue runs from
+// A CTA computes BM pair rows (64 or 128) x 128 kernel rows of one expert, K in steps of 64
+// (one MXFP4 tile column). Per step, cp.async brings the token rows (bf16) and the raw MXFP4
+// tile (4 KiB of codes; per thread the aligned scale word holding its block's scale) into a
+// 3-stage ring; each thread dequantizes the 32 codes it copied itself (lookup table and one bf16x2
+// multiply by the block scale: the same exact arithmetic as gemm_kernel) into a double-buffered
+// bf16 weight tile, so the only CTA barrier per step is the one that publishes that tile and the
+// next token rows. 8 warps (2 along M x 4 along N, 32 kernel rows each) multiply with ldmatrix +
+// mma.sync m16n8k16, FP32 accumulators in registers, while the same warps dequantize the next
+// step's tile. A weight tile is dequantized once for all BM tokens (the decode kernel: per 8-32
+// tokens), so at many tokens per expert the tensor cores, not the dequantization, set the pace.
+// A warp's 32 kernel rows are one (16 gate, 16 up) group, so gate_up's SwiGLU epilogue runs from
 // registers. The grid is (N tiles, M tiles): consecutive CTAs share the token rows of one M tile
-// and the weights of one expert (both stay in L2). N % 64 == 0: the last N tile may hold 64
-// rows (gpt-oss's H = 2880); K % 64 == 0 (host-checked). MXFP8 activations reach it dequantized
-// to bf16 (exact: E4M3 times a power of two is a bf16 number). sm_90a only (wgmma): other
-// devices take gemm_kernel.
+// and the weights of one expert (both stay in L2). N % 64 == 0: the last N tile may hold 64 rows
+// (gpt-oss's H = 2880); K % 64 == 0 (host-checked). MXFP8 activations reach it dequantized to
+// bf16 (exact: E4M3 times a power of two is a bf16 number).
 constexpr int kPfThreads = 256;
-constexpr int kPfBN = 256;
+constexpr int kPfBN = 128;
 constexpr int kPfBK = 64;
-constexpr int kPfStages = 4;
-constexpr int kPfBlocks = kPfBN / 128;  // MXFP4 blocks (16 B of codes) per thread and step
-constexpr int kPfRawBytes = kPfBN * 32 + kPfThreads * kPfBlocks * 4;  // codes + a scale word per block
+constexpr int kPfStages = 3;
+constexpr int kPfLd = kPfBK + 8;                  // bf16 row stride in shared memory (144 B: ldmatrix conflict-free)
+constexpr int kPfRawBytes = 4096 + kPfThreads * 4;  // 8 row tiles of 512 B codes + one scale word per thread
 
 template <int BM>
 struct PfShape {
-  static constexpr int kWgN = BM == 128 ? kPfBN : kPfBN / 2;  // kernel rows per warpgroup
-  static constexpr int kAcc = kWgN / 2;                       // accumulator floats per thread
-  static constexpr int kALd = BM * 16 + 64;                   // bytes per K octet of the token tile
-  static constexpr int kABytes = 8 * kALd;
-  static constexpr int kBLd = kPfBN * 16;
-  static constexpr int kBBytes = 8 * kBLd;
+  static constexpr int kMt = BM / 32;  // m16 tiles per warp (2 warps along M)
+  static constexpr int kABytes = BM * kPfLd * 2;
+  static constexpr int kBBytes = kPfBN * kPfLd * 2;
   static constexpr int kSmem = kPfStages * (kABytes + kPfRawBytes) + 2 * kBBytes;
   static_assert(BM == 64 || BM == 128, "tile height");
-  static_assert(kSmem + 2048 <= 227 * 1024, "shared memory");
 };
 
 __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
@@ -1105,75 +1091,15 @@ __device__ __forceinline__ void cp_async4_zfill(void* smem, const void* gmem, bo
   const int n = valid ? 4 : 0;
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(gmem), "r"(n) : "memory");
 }
-
-// Shared memory matrix descriptor, no swizzle: start address, LBO and SBO in 16-byte units.
-__device__ __forceinline__ uint64_t wgmma_desc(const void* smem, uint32_t lbo, uint32_t sbo) {
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
   const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  return static_cast<uint64_t>((a >> 4) & 0x3FFFu) | (static_cast<uint64_t>((lbo >> 4) & 0x3FFFu) << 16) |
-         (static_cast<uint64_t>((sbo >> 4) & 0x3FFFu) << 32);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
 }
-
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define RD_PF_WGMMA 1
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-      "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(1));
-}
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(1));
-}
-#endif
 
 template <int BM, bool kGateUp>
-__global__ void __launch_bounds__(kPfThreads, 1) prefill_gemm_kernel(const GemmArgs g) {
-#if defined(RD_PF_WGMMA)
+__global__ void __launch_bounds__(kPfThreads, 2) prefill_gemm_kernel(const GemmArgs g) {
   using S = PfShape<BM>;
   extern __shared__ __align__(128) uint8_t pf_smem[];
   __shared__ int64_t row_src[BM];
@@ -1181,7 +1107,7 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_gemm_kernel(const GemmA
 
   const int tile = blockIdx.y;
   if (tile >= g.meta[0]) return;  // whole CTA
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = tid >> 7;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int e = g.tile_expert[tile];
   const int row0 = g.tile_row0[tile];
   const int base = g.expert_offsets[e];
@@ -1212,18 +1138,11 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_gemm_kernel(const GemmA
   const int64_t steps = kdim / kPfBK;  // = MXFP4 K tiles per row tile
   const uint8_t* wblk = g.w_blocks + static_cast<int64_t>(e) * ndim * kdim / 2;
   const uint8_t* wsc = g.w_scales + static_cast<int64_t>(e) * ndim * kdim / 32;
-  // Thread tid's weight blocks b: row tile warp + 8 b, row wrow, K half whalf of the step (16 B
-  // of codes, one scale each); lanes 0-15 take the first halves, so the dequantized stores of 8
-  // consecutive lanes fill 128 contiguous bytes.
-  const int wrow = lane & 15, whalf = lane >> 4;
-  const int blk = wrow * 2 + whalf;  // the block within its tile (16 B of codes, scale byte)
-  bool w_ok[kPfBlocks];
-  int64_t w_tile0[kPfBlocks];
-#pragma unroll
-  for (int b = 0; b < kPfBlocks; ++b) {
-    w_ok[b] = n0 / 16 + warp + 8 * b < ndim / 16;
-    w_tile0[b] = w_ok[b] ? (n0 / 16 + warp + 8 * b) * steps : 0;
-  }
+  // Thread tid's weight block: row tile rt, row, K half of the step (16 B of codes, one scale).
+  const int rt = tid >> 5, within = tid & 31, wrow = within >> 1, whalf = within & 1;
+  const int sc_idx = wrow * 2 + whalf;  // the block's scale byte within the tile's 32
+  const bool w_ok = n0 / 16 + rt < ndim / 16;
+  const int64_t w_tile0 = w_ok ? (n0 / 16 + rt) * steps : 0;
 
   auto issue = [&](int64_t st) {
     const int slot = static_cast<int>(st % kPfStages);
@@ -1231,105 +1150,102 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_gemm_kernel(const GemmA
     const int64_t k0 = st * kPfBK;
 #pragma unroll
     for (int j = 0; j < BM * 8 / kPfThreads; ++j) {
-      // A thread pair reads 32 contiguous bytes (one sector) of a row: octets o and o + 1.
-      const int c = tid + j * kPfThreads, pr = c >> 1;
-      const int m = pr % BM, o = 2 * (pr / BM) + (c & 1);
+      const int c = tid + j * kPfThreads;
+      const int m = c >> 3, kc = c & 7;
       const int64_t src = row_src[m];
-      const uint16_t* p = g.a_bf16 + (src >= 0 ? src * kdim + k0 + o * 8 : 0);
-      cp_async16_zfill(as + o * S::kALd + m * 16, p, src >= 0);
+      const uint16_t* p = g.a_bf16 + (src >= 0 ? src * kdim + k0 + kc * 8 : 0);
+      cp_async16_zfill(as + m * kPfLd * 2 + kc * 16, p, src >= 0);
     }
     uint8_t* raw = raw_ring + slot * kPfRawBytes;
-#pragma unroll
-    for (int b = 0; b < kPfBlocks; ++b) {
-      const int64_t ti = w_ok[b] ? w_tile0[b] + st : 0;
-      cp_async16_zfill(raw + (b * kPfThreads + tid) * 16, wblk + ti * 512 + blk * 16, w_ok[b]);
-      cp_async4_zfill(raw + kPfBN * 32 + (b * kPfThreads + tid) * 4, wsc + ti * 32 + (blk & ~3), w_ok[b]);
-    }
+    const int64_t ti = w_ok ? w_tile0 + st : 0;
+    cp_async16_zfill(raw + tid * 16, wblk + ti * 512 + within * 16, w_ok);
+    cp_async4_zfill(raw + 4096 + tid * 4, wsc + ti * 32 + (sc_idx & ~3), w_ok);
   };
 
   // Dequantize this thread's block of step st (copied by this thread: its own wait_group is the
-  // only synchronisation needed) into weight tile buffer st % 2, then make the writes visible to
-  // the async proxy (wgmma reads shared memory through it).
+  // only synchronisation needed) into weight tile buffer st % 2.
   auto dequant = [&](int64_t st) {
     const uint8_t* raw = raw_ring + static_cast<int>(st % kPfStages) * kPfRawBytes;
-    uint8_t* bt = b_tiles + static_cast<int>(st % 2) * S::kBBytes;
+    uint16_t* bt = reinterpret_cast<uint16_t*>(b_tiles + static_cast<int>(st % 2) * S::kBBytes);
+    const uint4 v = *reinterpret_cast<const uint4*>(raw + tid * 16);
+    const uint32_t sc = scale_bf16x2(raw[4096 + tid * 4 + (sc_idx & 3)]);
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    uint32_t o[16];
 #pragma unroll
-    for (int b = 0; b < kPfBlocks; ++b) {
-      const uint4 v = *reinterpret_cast<const uint4*>(raw + (b * kPfThreads + tid) * 16);
-      const uint32_t sc = scale_bf16x2(raw[kPfBN * 32 + (b * kPfThreads + tid) * 4 + (blk & 3)]);
-      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-      const int n = (warp + 8 * b) * 16 + wrow;
+    for (int q = 0; q < 4; ++q)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        uint32_t o[4];
-#pragma unroll
-        for (int bb = 0; bb < 4; ++bb) o[bb] = bf16x2_mul(lut_fp4x2[(words[q] >> (8 * bb)) & 0xffu], sc);
-        *reinterpret_cast<uint4*>(bt + (whalf * 4 + q) * S::kBLd + n * 16) = make_uint4(o[0], o[1], o[2], o[3]);
-      }
-    }
+      for (int bb = 0; bb < 4; ++bb) o[4 * q + bb] = bf16x2_mul(lut_fp4x2[(words[q] >> (8 * bb)) & 0xffu], sc);
+    uint4* dst = reinterpret_cast<uint4*>(bt + (rt * 16 + wrow) * kPfLd + whalf * 32);
+    dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+    dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+    dst[2] = make_uint4(o[8], o[9], o[10], o[11]);
+    dst[3] = make_uint4(o[12], o[13], o[14], o[15]);
   };
 
-  float acc[S::kAcc];
+  const int wm = warp >> 2, wn = warp & 3;
+  float acc[S::kMt][4][4];
 #pragma unroll
-  for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.0f;
-  const int a_m0 = BM == 128 ? wg * 64 : 0;       // this warpgroup's token rows
-  const int b_n0 = BM == 128 ? 0 : wg * S::kWgN;  // and kernel rows within the tile
+  for (int i = 0; i < S::kMt; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.0f;
 
-  // Prologue: steps 0, 1 and 2 in flight, step 0 dequantized and published.
-#pragma unroll
-  for (int i = 0; i < kPfStages - 1; ++i) {
-    if (i < steps) issue(i);
-    cp_async_commit();
-  }
-  cp_async_wait<kPfStages - 2>();
+  // Prologue: steps 0 and 1 in flight, step 0 dequantized and published.
+  issue(0);
+  cp_async_commit();
+  if (steps > 1) issue(1);
+  cp_async_commit();
+  cp_async_wait<1>();
   dequant(0);
-  fence_proxy_async();
   __syncthreads();
 
+  const int a_row = wm * (BM / 2) + (lane & 15), a_col = (lane >> 4) * 8;
+  const int b_row = wn * 32 + (lane & 7) + ((lane >> 4) << 3), b_col = ((lane >> 3) & 1) * 8;
   for (int64_t st = 0; st < steps; ++st) {
-    // Slot (st + 3) % 4 last held step st - 1: its token rows were read by the previous step's
-    // wgmma (complete before the barrier), its raw tile by this thread's dequant before that.
-    if (st + kPfStages - 1 < steps) issue(st + kPfStages - 1);
+    // Slot (st + 2) % 3 last held step st - 1: its token rows were read by the previous step's
+    // mma (every warp passed the barrier since), its raw tile by this thread's dequant before.
+    if (st + 2 < steps) issue(st + 2);
     cp_async_commit();
-    const uint8_t* as = a_ring + static_cast<int>(st % kPfStages) * S::kABytes;
-    const uint8_t* bt = b_tiles + static_cast<int>(st % 2) * S::kBBytes;
-    wgmma_fence();
+    const uint16_t* as = reinterpret_cast<const uint16_t*>(a_ring + static_cast<int>(st % kPfStages) * S::kABytes);
+    const uint16_t* bt = reinterpret_cast<const uint16_t*>(b_tiles + static_cast<int>(st % 2) * S::kBBytes);
 #pragma unroll
-    for (int q = 0; q < kPfBK / 16; ++q) {
-      const uint64_t da = wgmma_desc(as + 2 * q * S::kALd + a_m0 * 16, S::kALd, 128);
-      const uint64_t db = wgmma_desc(bt + 2 * q * S::kBLd + b_n0 * 16, S::kBLd, 128);
-      if constexpr (BM == 128)
-        wgmma_m64n256k16(acc, da, db);
-      else
-        wgmma_m64n128k16(acc, da, db);
+    for (int kk = 0; kk < kPfBK; kk += 16) {
+      uint32_t af[S::kMt][4];
+      uint32_t bf[2][4];
+#pragma unroll
+      for (int i = 0; i < S::kMt; ++i) ldmatrix_x4(af[i], as + (a_row + i * 16) * kPfLd + kk + a_col);
+#pragma unroll
+      for (int p = 0; p < 2; ++p) ldmatrix_x4(bf[p], bt + (b_row + p * 16) * kPfLd + kk + b_col);
+#pragma unroll
+      for (int i = 0; i < S::kMt; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) mma_bf16_16816(acc[i][j], af[i], bf[j >> 1][(j & 1) * 2], bf[j >> 1][(j & 1) * 2 + 1]);
     }
-    wgmma_commit();
     if (st + 1 < steps) {
-      cp_async_wait<kPfStages - 2>();  // step st + 1's copies (this thread's) landed
-      dequant(st + 1);     // into the other buffer: the last wgmma reading it completed
-      fence_proxy_async();
+      cp_async_wait<1>();  // step st + 1's copies (this thread's) landed; st + 2 may be in flight
+      dequant(st + 1);     // into the other buffer: every warp finished reading it last step
     }
-    wgmma_wait_all();
     __syncthreads();  // publishes weight tile st + 1 and everyone's token rows of step st + 1
   }
   cp_async_wait_all();
 
-  // Epilogue from registers: acc[4 j + c] is token row a_m0 + 16 (warp % 4) + lane / 4 (+8 for
-  // c >= 2), kernel row n0 + b_n0 + 8 j + 2 (lane % 4) (+1 for odd c).
+  // Epilogue from registers: acc[i][j][c] is row wm * BM/2 + 16 i + lane/4 (+8 for c >= 2),
+  // column wn * 32 + 8 j + 2 (lane % 4) (+1 for odd c).
+  const int64_t wcol0 = n0 + wn * 32;
+  if (wcol0 >= ndim) return;  // the empty half of a 64-row last N tile
   const float* bias = g.bias ? g.bias + static_cast<int64_t>(e) * ndim : nullptr;
   const int q2 = 2 * (lane & 3);
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int m = a_m0 + 16 * (warp & 3) + (lane >> 2) + hr * 8;
-    if (m >= rows) continue;
-    const int64_t s = base + row0 + m;
+  for (int i = 0; i < S::kMt; ++i) {
 #pragma unroll
-    for (int grp = 0; grp < S::kWgN / 32; ++grp) {
-      const int64_t gcol0 = n0 + b_n0 + grp * 32;  // one 32-row group
-      if (gcol0 >= ndim) break;                    // the empty half of a 64-row last N tile
+    for (int hr = 0; hr < 2; ++hr) {
+      const int m = wm * (BM / 2) + i * 16 + (lane >> 2) + hr * 8;
+      if (m >= rows) continue;
+      const int64_t s = base + row0 + m;
       if constexpr (kGateUp) {
-        // Rows gcol0 + 0..15 are the gate rows of features (gcol0 / 32) * 16 + 0..15, rows
-        // gcol0 + 16..31 their up rows.
+        // Columns 0..15 of the warp are the gate rows of features (wcol0 / 32) * 16 + 0..15,
+        // columns 16..31 their up rows.
         const auto order = static_cast<quant::Mxfp4RowOrder>(g.row_order);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
@@ -1337,14 +1253,14 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_gemm_kernel(const GemmA
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int col = j * 8 + q2 + c;
-            float gv = acc[(grp * 4 + j) * 4 + hr * 2 + c], uv = acc[(grp * 4 + j + 2) * 4 + hr * 2 + c];
+            float gv = acc[i][j][hr * 2 + c], uv = acc[i][j + 2][hr * 2 + c];
             if (bias) {
-              gv = math::add(gv, bias[quant::mxfp4_checkpoint_row(gcol0 + col, ndim, order)]);
-              uv = math::add(uv, bias[quant::mxfp4_checkpoint_row(gcol0 + col + 16, ndim, order)]);
+              gv = math::add(gv, bias[quant::mxfp4_checkpoint_row(wcol0 + col, ndim, order)]);
+              uv = math::add(uv, bias[quant::mxfp4_checkpoint_row(wcol0 + col + 16, ndim, order)]);
             }
             hv[c] = math::activate(g.act_kind, g.limit, g.alpha, gv, uv);
           }
-          const int64_t jf = (gcol0 / 32) * 16 + j * 8 + q2;
+          const int64_t jf = (wcol0 / 32) * 16 + j * 8 + q2;
           if (g.h_bf16)
             *reinterpret_cast<uint32_t*>(g.h_bf16 + s * g.inter + jf) =
                 f32_to_bf16_bits(hv[0]) | (f32_to_bf16_bits(hv[1]) << 16);
@@ -1354,8 +1270,8 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_gemm_kernel(const GemmA
       } else {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const int64_t col = gcol0 + j * 8 + q2;
-          float2 v = make_float2(acc[(grp * 4 + j) * 4 + hr * 2], acc[(grp * 4 + j) * 4 + hr * 2 + 1]);
+          const int64_t col = wcol0 + j * 8 + q2;
+          float2 v = make_float2(acc[i][j][hr * 2], acc[i][j][hr * 2 + 1]);
           if (bias) {
             v.x = math::add(v.x, bias[col]);
             v.y = math::add(v.y, bias[col + 1]);
@@ -1365,9 +1281,6 @@ __global__ void __launch_bounds__(kPfThreads, 1) prefill_gemm_kernel(const GemmA
       }
     }
   }
-#else
-  __trap();  // never launched: the host takes gemm_kernel on devices without wgmma
-#endif
 }
 
 template <int BM, bool kGateUp>
@@ -1446,9 +1359,7 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
     // the prefill kernel (tiles of 64 or 128 rows).
     const bool mx8 = p.precision == ActPrecision::kMXFP8;
     const bool decode = p.format == WeightFormat::kMXFP4 && bm == 16;
-    int cc_major = 0;
-    RD_CUDA_CHECK(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, ctx.device.index));
-    const bool prefill = p.format == WeightFormat::kMXFP4 && bm == 64 && cc_major == 9;  // wgmma: sm_90a
+    const bool prefill = p.format == WeightFormat::kMXFP4 && bm == 64;
     if (prefill && pairs / busy >= 128) bm = 128;
     const int64_t max_tiles = max_m_tiles(pairs, ep, bm);
     if (max_tiles > INT_MAX)

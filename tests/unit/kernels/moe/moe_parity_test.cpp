@@ -144,12 +144,12 @@ TEST_F(MoeParity, Experts) {
       {"small_k_tail_replicas", 37, 33, 2, 8, 2, 192, 128},  // K step 128 + a 64 tail
       {"prefill_tile64", 256, 250, 4, 8, 0, 256, 128},       // about 125 rows per expert: BM 64
       // ~262 rows per expert: MXFP4 prefill tiles of 128 rows (two full and a partial per
-      // expert), a replica, N tails (gate_up 640 = 2.5 tiles of 256 kernel rows, down 192)
+      // expert), a replica, down's N = 192 (the last 128-row N tile holds 64)
       {"prefill_tile128", 600, 590, 4, 8, 1, 192, 320},
       // one 64-wide K step in both GEMMs, N = 64 in down
       {"prefill_one_k_step", 300, 300, 2, 4, 0, 64, 64},
-      // ~100 rows per expert (tiles of 64): gate_up's N = 128 leaves the second warpgroup's
-      // 128 kernel rows empty, down's N = 192 half of them
+      // ~100 rows per expert (tiles of 64), down's N = 192 (its second 128-row N tile half
+      // empty) and a single K step
       {"prefill_tile64_n_tails", 200, 200, 2, 4, 0, 192, 64},
       {"empty_experts", 3, 3, 2, 64, 1, 320, 192},           // hidden and intermediate with tails
       // MXFP4 decode kernel: ~30 pairs per expert (several passes of 8 tokens), K split 8
