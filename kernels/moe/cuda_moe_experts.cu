@@ -3,16 +3,18 @@
 //   SwiGLU in the epilogue -> [h to MXFP8] -> grouped down GEMM with bias -> combine in k order.
 // MXFP4 weights with few tokens per expert (pairs / active experts < 48) take the decode kernels
 // further down (decode_gemm_kernel: mma.sync with the weights as A, see its NOTES); with more,
-// and bf16 activations, the prefill kernel (prefill_gemm_kernel: weight tiles dequantized once
-// per CTA into shared memory, ldmatrix + mma.sync over 64 or 128 tokens); the tiled WMMA GEMM
-// below serves bf16 weights at prefill sizes.
+// the prefill kernel (prefill_gemm_kernel: weight tiles dequantized once per CTA into shared
+// memory, ldmatrix + mma.sync over 64 or 128 tokens; MXFP8 activations reach it as bf16); the
+// tiled WMMA GEMM below serves bf16 weights at prefill sizes (and MXFP4 past the prefill grid's
+// 65,535 M tiles).
 //
 // Permutation: every valid (token, k) pair gets its physical expert e = l2p[id] (a bad id or
 // map entry: the pair is dropped); a counting sort groups pairs by expert (order inside one
 // expert is whatever the atomics give: each GEMM row depends only on its own pair, and the
 // combine reads rows back by pair in k order, so results do not depend on it). The M tiles
 // of every expert (ceil(count / BM) each) are listed in a tile table; the GEMM grid is
-// (max_m_tiles(P, E, BM), N / 64) for P pairs, a bound known on the host without a sync (the
+// (max_m_tiles(P, E, BM), N / 64) for P pairs (the prefill kernel's: (N / 128, max_m_tiles)),
+// a bound known on the host without a sync (the
 // grid does not depend on the routing, which keeps the launch capturable in a CUDA graph), and
 // CTAs past the real tile count exit at once. Experts with no tokens cost nothing.
 //
@@ -999,16 +1001,22 @@ int decode_ksplit(int64_t bound_experts, int64_t n, int num_sms) {
   return kDecWarps;
 }
 
-// Opt in to more than 48 KiB once per process and kernel (the most the decode path asks for).
-template <bool kGateUp, int kMaxNt>
-Status decode_opt_in() {
-  static std::atomic<bool> opted{false};
-  if (!opted.load(std::memory_order_relaxed)) {
-    RD_CUDA_CHECK(cudaFuncSetAttribute(decode_gemm_kernel<kGateUp, kMaxNt>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kDecSmemMax)));
-    opted.store(true, std::memory_order_relaxed);
-  }
+// Opt `kernel` in to `bytes` of dynamic shared memory once per device (the attribute is set for
+// the current device; `opted` holds a bit per device index, larger indices set it every call).
+template <typename Kernel>
+Status opt_in_smem(std::atomic<uint64_t>& opted, Kernel* kernel, int bytes, int device) {
+  const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
+  if (bit != 0 && (opted.load(std::memory_order_relaxed) & bit) != 0) return Status::Ok();
+  RD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  opted.fetch_or(bit, std::memory_order_relaxed);
   return Status::Ok();
+}
+
+// More than 48 KiB: the most the decode path asks for.
+template <bool kGateUp, int kMaxNt>
+Status decode_opt_in(int device) {
+  static std::atomic<uint64_t> opted{0};
+  return opt_in_smem(opted, decode_gemm_kernel<kGateUp, kMaxNt>, static_cast<int>(kDecSmemMax), device);
 }
 
 template <bool kGateUp>
@@ -1036,13 +1044,13 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
   cfg.attrs = attr;
   cfg.numAttrs = kGateUp ? 0 : 1;
   if (a.tok_cap > 16) {
-    RD_RETURN_IF_ERROR((decode_opt_in<kGateUp, 4>()));
+    RD_RETURN_IF_ERROR((decode_opt_in<kGateUp, 4>(ctx.device.index)));
     RD_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_gemm_kernel<kGateUp, 4>, a));
   } else if (a.tok_cap > 8) {
-    RD_RETURN_IF_ERROR((decode_opt_in<kGateUp, 2>()));
+    RD_RETURN_IF_ERROR((decode_opt_in<kGateUp, 2>(ctx.device.index)));
     RD_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_gemm_kernel<kGateUp, 2>, a));
   } else {
-    RD_RETURN_IF_ERROR((decode_opt_in<kGateUp, 1>()));
+    RD_RETURN_IF_ERROR((decode_opt_in<kGateUp, 1>(ctx.device.index)));
     RD_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_gemm_kernel<kGateUp, 1>, a));
   }
   RD_CUDA_CHECK_LAUNCH("moe decode_gemm_kernel");
@@ -1066,6 +1074,7 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
 // (gpt-oss's H = 2880); K % 64 == 0 (host-checked). MXFP8 activations reach it dequantized to
 // bf16 (exact: E4M3 times a power of two is a bf16 number).
 constexpr int kPfThreads = 256;
+constexpr int64_t kMaxGridY = 65535;  // CUDA's limit on gridDim.y: the prefill kernel's M tiles
 constexpr int kPfBN = 128;
 constexpr int kPfBK = 64;
 constexpr int kPfStages = 3;
@@ -1284,19 +1293,14 @@ __global__ void __launch_bounds__(kPfThreads, 2) prefill_gemm_kernel(const GemmA
 }
 
 template <int BM, bool kGateUp>
-Status prefill_opt_in() {
-  static std::atomic<bool> opted{false};
-  if (!opted.load(std::memory_order_relaxed)) {
-    RD_CUDA_CHECK(cudaFuncSetAttribute(prefill_gemm_kernel<BM, kGateUp>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       PfShape<BM>::kSmem));
-    opted.store(true, std::memory_order_relaxed);
-  }
-  return Status::Ok();
+Status prefill_opt_in(int device) {
+  static std::atomic<uint64_t> opted{0};
+  return opt_in_smem(opted, prefill_gemm_kernel<BM, kGateUp>, PfShape<BM>::kSmem, device);
 }
 
 template <int BM, bool kGateUp>
 Status launch_prefill_bm(const ExecContext& ctx, const GemmArgs& g, const dim3 grid) {
-  RD_RETURN_IF_ERROR((prefill_opt_in<BM, kGateUp>()));
+  RD_RETURN_IF_ERROR((prefill_opt_in<BM, kGateUp>(ctx.device.index)));
   prefill_gemm_kernel<BM, kGateUp><<<grid, kPfThreads, PfShape<BM>::kSmem, stream_of(ctx)>>>(g);
   RD_CUDA_CHECK_LAUNCH("moe prefill_gemm_kernel");
   return Status::Ok();
@@ -1305,7 +1309,7 @@ Status launch_prefill_bm(const ExecContext& ctx, const GemmArgs& g, const dim3 g
 template <bool kGateUp>
 Status launch_prefill(const ExecContext& ctx, const GemmArgs& g, int bm, int64_t max_tiles) {
   if (max_tiles == 0) return Status::Ok();
-  if (max_tiles > 65535) return Status(ErrorCode::kUnimplemented, "too many row tiles for one MoE launch", "x");
+  if (max_tiles > kMaxGridY) return Status(ErrorCode::kInternal, "too many row tiles for the prefill grid", "x");
   const dim3 grid(static_cast<unsigned int>((g.n + kPfBN - 1) / kPfBN), static_cast<unsigned int>(max_tiles));
   if (bm == 128) return launch_prefill_bm<128, kGateUp>(ctx, g, grid);
   return launch_prefill_bm<64, kGateUp>(ctx, g, grid);
@@ -1355,12 +1359,15 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
     const int64_t busy = pairs < ep ? pairs : ep;
     int bm = pairs / busy >= 48 ? 64 : 16;
     // MXFP4 weights with few tokens per expert take the decode kernel (one "tile" per active
-    // expert: the permutation lists the active experts in order); with many, and bf16
-    // the prefill kernel (tiles of 64 or 128 rows).
+    // expert: the permutation lists the active experts in order); with many, the prefill
+    // kernel (tiles of 64 or 128 rows).
     const bool mx8 = p.precision == ActPrecision::kMXFP8;
     const bool decode = p.format == WeightFormat::kMXFP4 && bm == 16;
-    const bool prefill = p.format == WeightFormat::kMXFP4 && bm == 64;
-    if (prefill && pairs / busy >= 128) bm = 128;
+    // (The prefill grid puts the tiles on y: past 65,535 of them, gemm_kernel takes over.)
+    const int pf_bm = pairs / busy >= 128 ? 128 : 64;
+    const bool prefill =
+        p.format == WeightFormat::kMXFP4 && bm == 64 && max_m_tiles(pairs, ep, pf_bm) <= kMaxGridY;
+    if (prefill) bm = pf_bm;
     const int64_t max_tiles = max_m_tiles(pairs, ep, bm);
     if (max_tiles > INT_MAX)
       return Status(ErrorCode::kUnimplemented, "too many rows for one MoE launch", "x");

@@ -341,6 +341,12 @@ Result<ExpertsPlan> check_experts(const ExecContext& ctx, const ExpertsArgs& a) 
           std::pair{&w.down, "weights.down"}})
       if (reinterpret_cast<uintptr_t>(v->data) % 16 != 0)
         return invalid(name, "must be 16-byte aligned on CUDA");
+    // The MXFP4 kernels copy scales as 4-byte words.
+    if (w.format == WeightFormat::kMXFP4)
+      for (const auto& [v, name] : {std::pair{&w.gate_up_scales, "weights.gate_up_scales"},
+                                    std::pair{&w.down_scales, "weights.down_scales"}})
+        if (reinterpret_cast<uintptr_t>(v->data) % 4 != 0)
+          return invalid(name, "must be 4-byte aligned on CUDA");
     p.workspace = a.workspace.as<uint8_t>();
     p.workspace_bytes = a.workspace.size(0);
   }

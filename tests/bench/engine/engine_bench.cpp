@@ -29,10 +29,11 @@
 // in BF16 (ModelConfig::dense_bf16, what a BF16 checkpoint gets; the checkpoint follows its own
 // dtype).
 //
-// Prefill: --prefill R,L (default 8,512; 0 to skip) submits R requests of L-token prompts and one
-// new token each, with a step token budget of R * L (so one step holds the whole batch when the
-// KV pool allows), and reports prompt tokens / s from the first step to the last event, best of
-// two runs after a warm-up (the peer: a forward of the same prompts, hf_peer.py --prefill).
+// Prefill: --prefill R,L (default 8,512; 0 to skip) builds a second engine per model, after the
+// decode runs (whose limits it leaves alone), with room for R sequences of L + 1 tokens and a step
+// token budget of R * L, submits R requests of L-token prompts and one new token each, and
+// reports prompt tokens / s from the first step to the last one, best of two runs after a
+// warm-up (JSON "prefill"; the peer: one forward of the same prompts, hf_peer.py --prefill).
 #include <algorithm>
 #include <cmath>
 #include <chrono>
@@ -365,7 +366,7 @@ int main(int argc, char** argv) {
   nlohmann::json out = {{"bench", "engine"}, {"new_tokens", new_tokens}, {"copy_bandwidth_bytes_per_s", bw},
                         {"device_sampling", !host_sampling},
                         {"quantize_experts", core::expert_quantization_name(*quantize)},
-                        {"runs", nlohmann::json::array()}};
+                        {"runs", nlohmann::json::array()}, {"prefill", nlohmann::json::array()}};
   if (!peer.is_null() && !peer.is_discarded()) out["peer"] = peer;
   std::printf("%-5s %5s %-7s %-7s %12s %10s %10s %10s %8s\n", "model", "batch", "graphs", "records", "decode tok/s",
               "step p50", "step p90", "1st step", "graph/eager");
@@ -388,82 +389,65 @@ int main(int argc, char** argv) {
     }
     mc.fuse_qkv = fuse_qkv;
     mc.grouped_experts = grouped_experts;
-    for (const bool graphs : graph_modes) {
-      core::StepLimits limits;
-      limits.max_seqs = max_batch;
-      limits.max_tokens = std::max<int64_t>({max_batch * 16, 512, prefill_requests * prefill_len});
-      limits.kv_block_size = 16;
-      const int64_t prefill_blocks = (prefill_len + 1 + 15) / 16 + 1;
-      limits.max_blocks_per_seq = std::max<int64_t>(16, prefill_blocks);
-      limits.num_kv_blocks =
-          std::max(max_batch * ((16 + new_tokens + 15) / 16 + 1), prefill_requests * prefill_blocks) + 16;
-      limits.graph_max_batch = graphs ? max_batch : 0;
+    // The model with its weights (the checkpoint's, or random ones) inside an engine.
+    auto build = [&](const core::StepLimits& limits, int64_t max_running) -> std::unique_ptr<Engine> {
       auto m = core::MoeDecoder::create(mc, limits, *cuda, ctx);
       if (!m.ok()) {
         std::fprintf(stderr, "model: %s\n", m.status().to_string().c_str());
-        return 1;
+        return nullptr;
       }
       if (model == "ckpt") {
         if (Status st = core::load_checkpoint(**m, *hf.checkpoint); !st.ok()) {
           std::fprintf(stderr, "load: %s\n", st.to_string().c_str());
-          return 1;
+          return nullptr;
         }
       } else if (!core::init_random_weights(**m, 7).ok()) {
-        return 1;
+        return nullptr;
       }
       core::EngineOptions eo;
-      eo.max_running = max_batch;
+      eo.max_running = max_running;
       eo.step = limits;
       eo.device_sampling = !host_sampling;
-      const size_t free_before = device_free_bytes();
       auto e = Engine::create(std::move(*m), eo);
       if (!e.ok()) {
         std::fprintf(stderr, "engine: %s\n", e.status().to_string().c_str());
-        return 1;
+        return nullptr;
       }
+      return std::move(*e);
+    };
+    for (const bool graphs : graph_modes) {
+      core::StepLimits limits;
+      limits.max_seqs = max_batch;
+      limits.max_tokens = std::max<int64_t>(max_batch * 16, 512);
+      limits.kv_block_size = 16;
+      limits.max_blocks_per_seq = 16;
+      limits.num_kv_blocks = max_batch * ((16 + new_tokens + 15) / 16 + 1) + 16;
+      limits.graph_max_batch = graphs ? max_batch : 0;
+      const size_t free_before = device_free_bytes();
+      std::unique_ptr<Engine> e = build(limits, max_batch);
+      if (!e) return 1;
       const size_t free_after = device_free_bytes();
-      const core::GraphStats& gs = (*e)->model().graph_stats();
+      const core::GraphStats& gs = e->model().graph_stats();
       std::printf("%s: dense projections %s, q/k/v as one GEMM in %lld layers\n", model.c_str(),
-                  (*e)->model().uses_bf16_dense() ? "BF16" : "FP32",
-                  static_cast<long long>((*e)->model().qkv_fused_layers()));
+                  e->model().uses_bf16_dense() ? "BF16" : "FP32",
+                  static_cast<long long>(e->model().qkv_fused_layers()));
       nlohmann::json entry = {{"model", model},
                               {"graphs", graphs},
-                              {"dense_bf16", (*e)->model().uses_bf16_dense()},
-                              {"qkv_fused_layers", (*e)->model().qkv_fused_layers()},
+                              {"dense_bf16", e->model().uses_bf16_dense()},
+                              {"qkv_fused_layers", e->model().qkv_fused_layers()},
                               {"num_graphs", gs.num_graphs},
                               {"buckets", gs.buckets},
                               {"capture_s", gs.capture_s},
                               {"capture_device_bytes", free_before > free_after ? free_before - free_after : 0},
                               {"batches", nlohmann::json::array()}};
       // Warm-up: lazy initialisation (cuBLAS handle, first-touch) stays out of the figures.
-      run(**e, std::min<int64_t>(max_batch, 4), 4, false, "w");
-      if (prefill_requests > 0 && graphs == graph_modes.back()) {
-        run_prefill(**e, prefill_requests, prefill_len, "pw");
-        PrefillResult best;
-        for (int i = 0; i < 2; ++i) {
-          const PrefillResult r = run_prefill(**e, prefill_requests, prefill_len, "p" + std::to_string(i));
-          if (r.tokens_per_s > best.tokens_per_s) best = r;
-        }
-        nlohmann::json pj = {{"requests", prefill_requests}, {"prompt_len", prefill_len},
-                             {"tokens_per_s", best.tokens_per_s}, {"ms", best.ms}, {"steps", best.steps}};
-        std::printf("%-5s prefill %lld x %lld tokens: %.0f tok/s (%.2f ms, %lld steps)", model.c_str(),
-                    static_cast<long long>(prefill_requests), static_cast<long long>(prefill_len), best.tokens_per_s,
-                    best.ms, static_cast<long long>(best.steps));
-        if (model == "ckpt" && peer.contains("prefill")) {
-          const double theirs = peer["prefill"]["tokens_per_s"].get<double>();
-          pj["peer_tokens_per_s"] = theirs;
-          pj["over_peer"] = theirs > 0 ? best.tokens_per_s / theirs : 0;
-          std::printf(", HF peer %.0f tok/s: %.2f x peer", theirs, theirs > 0 ? best.tokens_per_s / theirs : 0.0);
-        }
-        std::printf("\n");
-        entry["prefill"] = pj;
-      }
+      run(*e, std::min<int64_t>(max_batch, 4), 4, false, "w");
       for (const int64_t batch : batches) {
         nlohmann::json br = {{"batch", batch}};
-        const double floor_ms = bw > 0 ? decode_step_bytes((*e)->model(), batch, 16.0 + new_tokens / 2.0) / bw * 1e3 : 0;
+        const double floor_ms = bw > 0 ? decode_step_bytes(e->model(), batch, 16.0 + new_tokens / 2.0) / bw * 1e3 : 0;
         br["floor_ms"] = floor_ms;
         for (const bool records : {false, true}) {
-          const RunResult r = run(**e, batch, new_tokens, records, records ? "r" : "n");
+          const RunResult r = run(*e, batch, new_tokens, records, records ? "r" : "n");
           std::printf("%-5s %5lld %-7s %-7s %12.0f %9.3fms %9.3fms %9.3fms %5llu/%llu\n", model.c_str(),
                       static_cast<long long>(batch), graphs ? "on" : "off", records ? "on" : "off",
                       r.decode_tokens_per_s, r.step_median_ms, r.step_p90_ms, r.first_step_ms,
@@ -506,8 +490,8 @@ int main(int argc, char** argv) {
           }
         }
         // The first decode step after a full weight update, against the steady state.
-        push_own_weights(**e, static_cast<uint64_t>(batch));
-        const RunResult after = run(**e, batch, new_tokens, false, "u");
+        push_own_weights(*e, static_cast<uint64_t>(batch));
+        const RunResult after = run(*e, batch, new_tokens, false, "u");
         std::printf("%-5s %5lld %-7s after a weight update: first decode step %.3f ms, median %.3f ms\n",
                     model.c_str(), static_cast<long long>(batch), graphs ? "on" : "off", after.first_step_ms,
                     after.step_median_ms);
@@ -515,6 +499,38 @@ int main(int argc, char** argv) {
         entry["batches"].push_back(br);
       }
       out["runs"].push_back(entry);
+    }
+    // Prefill, on an engine of its own (the decode runs above keep their limits): R sequences,
+    // a step token budget of R * L, blocks for L + 1 tokens each; eager (graphs serve decode).
+    if (prefill_requests > 0) {
+      core::StepLimits pl;
+      pl.max_seqs = prefill_requests;
+      pl.max_tokens = prefill_requests * prefill_len;
+      pl.kv_block_size = 16;
+      pl.max_blocks_per_seq = (prefill_len + 1 + 15) / 16 + 1;
+      pl.num_kv_blocks = prefill_requests * pl.max_blocks_per_seq + 16;
+      pl.graph_max_batch = 0;
+      std::unique_ptr<Engine> pe = build(pl, prefill_requests);
+      if (!pe) return 1;
+      run_prefill(*pe, prefill_requests, prefill_len, "pw");  // warm-up
+      PrefillResult best;
+      for (int i = 0; i < 2; ++i) {
+        const PrefillResult r = run_prefill(*pe, prefill_requests, prefill_len, "p" + std::to_string(i));
+        if (r.tokens_per_s > best.tokens_per_s) best = r;
+      }
+      nlohmann::json pj = {{"model", model},         {"requests", prefill_requests}, {"prompt_len", prefill_len},
+                           {"tokens_per_s", best.tokens_per_s}, {"ms", best.ms}, {"steps", best.steps}};
+      std::printf("%-5s prefill %lld x %lld tokens: %.0f tok/s (%.2f ms, %lld steps)", model.c_str(),
+                  static_cast<long long>(prefill_requests), static_cast<long long>(prefill_len), best.tokens_per_s,
+                  best.ms, static_cast<long long>(best.steps));
+      if (model == "ckpt" && peer.contains("prefill")) {
+        const double theirs = peer["prefill"]["tokens_per_s"].get<double>();
+        pj["peer_tokens_per_s"] = theirs;
+        pj["over_peer"] = theirs > 0 ? best.tokens_per_s / theirs : 0;
+        std::printf(", HF peer %.0f tok/s: %.2f x peer", theirs, theirs > 0 ? best.tokens_per_s / theirs : 0.0);
+      }
+      std::printf("\n");
+      out["prefill"].push_back(pj);
     }
   }
   // Graphs must not change what is generated (greedy, same weights).
