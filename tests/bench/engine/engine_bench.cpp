@@ -6,7 +6,7 @@
 //   engine_bench [--json FILE] [--models tiny,mid] [--batches 1,32,256] [--new-tokens N]
 //                [--model-dir DIR [--peer PEER.json]] [--host-sampling 1] [--quantize-experts mxfp4]
 //                [--graphs on|off|both] [--dense-bf16 1] [--fuse-qkv 0] [--grouped-experts 0]
-//                [--prefill R,L]
+//                [--prefill R,L] [--device cuda|cpu]
 //
 // --model-dir adds model "ckpt": a Hugging Face checkpoint (rolloutctl make-test-model), which
 // tests/bench/engine/hf_peer.py runs with transformers `generate` in the same job; --peer reads
@@ -312,6 +312,7 @@ int main(int argc, char** argv) {
   bool fuse_qkv = true;               // --fuse-qkv 0: three q/k/v GEMMs (ModelConfig::fuse_qkv), every model
   bool grouped_experts = true;        // --grouped-experts 0: ModelConfig::grouped_experts off (FP32 expert op)
   std::string prefill_arg = "8,512";  // --prefill R,L (0: skip)
+  std::string device_arg = "cuda";    // --device cpu: a smoke run on the CPU backend
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--json") json_path = argv[i + 1];
@@ -327,6 +328,7 @@ int main(int argc, char** argv) {
     else if (a == "--fuse-qkv") fuse_qkv = std::atoi(argv[i + 1]) != 0;
     else if (a == "--grouped-experts") grouped_experts = std::atoi(argv[i + 1]) != 0;
     else if (a == "--prefill") prefill_arg = argv[i + 1];
+    else if (a == "--device") device_arg = argv[i + 1];
   }
   std::vector<bool> graph_modes;
   if (graphs_arg != "on") graph_modes.push_back(false);
@@ -336,12 +338,22 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", quantize.status().to_string().c_str());
     return 2;
   }
-  const Backend* cuda = cuda_backend();
-  if (cuda == nullptr || cuda_device_count() == 0) {
-    std::fprintf(stderr, "engine_bench needs a GPU\n");
+  // --device cpu: the same flow on the CPU backend (a smoke test of the bench itself in CI; the
+  // figures mean nothing there: no copy bandwidth, no floor, no graphs).
+  if (device_arg != "cpu" && device_arg != "cuda") {
+    std::fprintf(stderr, "--device: cuda or cpu, got %s\n", device_arg.c_str());
     return 2;
   }
-  const ExecContext ctx{Device::cuda(0), nullptr};
+  if (device_arg == "cpu" && graphs_arg != "off") {
+    std::fprintf(stderr, "--device cpu runs without CUDA graphs: add --graphs off\n");
+    return 2;
+  }
+  const Backend* backend = device_arg == "cpu" ? &cpu_backend() : cuda_backend();
+  if (device_arg != "cpu" && (backend == nullptr || cuda_device_count() == 0)) {
+    std::fprintf(stderr, "engine_bench needs a GPU (or --device cpu)\n");
+    return 2;
+  }
+  const ExecContext ctx{device_arg == "cpu" ? Device::cpu() : Device::cuda(0), nullptr};
   std::vector<int64_t> batches;
   for (const auto& b : split(batches_arg)) batches.push_back(std::atoll(b.c_str()));
   const int64_t max_batch = *std::max_element(batches.begin(), batches.end());
@@ -357,7 +369,7 @@ int main(int argc, char** argv) {
     std::ifstream f(peer_path);
     if (f) peer = nlohmann::json::parse(f, nullptr, false);
   }
-  const double bw = copy_bandwidth();
+  const double bw = device_arg == "cpu" ? 0.0 : copy_bandwidth();
   std::printf("device copy bandwidth (same run): %.1f GB/s\n", bw / 1e9);
   std::vector<std::string> model_names = split(models);
   if (!model_dir.empty()) model_names.push_back("ckpt");
@@ -391,7 +403,7 @@ int main(int argc, char** argv) {
     mc.grouped_experts = grouped_experts;
     // The model with its weights (the checkpoint's, or random ones) inside an engine.
     auto build = [&](const core::StepLimits& limits, int64_t max_running) -> std::unique_ptr<Engine> {
-      auto m = core::MoeDecoder::create(mc, limits, *cuda, ctx);
+      auto m = core::MoeDecoder::create(mc, limits, *backend, ctx);
       if (!m.ok()) {
         std::fprintf(stderr, "model: %s\n", m.status().to_string().c_str());
         return nullptr;
