@@ -332,7 +332,7 @@ TEST_F(MoeParity, DecodeBitsDoNotDependOnTokensPerPass) {
   }
 }
 
-TEST_F(MoeParity, RefusesFloat32PrecisionAndSmallWorkspace) {
+TEST_F(MoeParity, RefusesFloat32PrecisionSmallWorkspaceAndMisalignedScales) {
   Arena a(true);
   Rng rng(5);
   test::Mxfp4Host gu = test::random_mxfp4(rng, 2, 128, 64), dn = test::random_mxfp4(rng, 2, 64, 64);
@@ -350,6 +350,15 @@ TEST_F(MoeParity, RefusesFloat32PrecisionAndSmallWorkspace) {
   const int64_t need = experts_workspace_bytes(2, 1, 64, 64, 2, ActPrecision::kMXFP8);
   args.workspace = a.make(DType::kU8, Shape{need - 1});
   MOE_EXPECT_STATUS(experts(a.ctx(), args), ErrorCode::kInvalidArgument, "workspace");
+  // The MXFP4 kernels copy scales as 4-byte words: a scale view at an odd address is refused.
+  args.precision = ActPrecision::kBF16;
+  args.workspace = test::experts_workspace(a, 2, 1, 64, 64, 2, ActPrecision::kBF16);
+  ASSERT_TRUE(experts(a.ctx(), args).ok());
+  const TensorView gus = args.weights.gate_up_scales;
+  const TensorView spare = a.make(DType::kU8, Shape{gus.numel() + 4});
+  args.weights.gate_up_scales = TensorView::contiguous(static_cast<uint8_t*>(spare.data) + 1, gus.dtype,
+                                                        Shape{2, 128, 2}, gus.device);
+  MOE_EXPECT_STATUS(experts(a.ctx(), args), ErrorCode::kInvalidArgument, "weights.gate_up_scales");
 }
 
 }  // namespace
