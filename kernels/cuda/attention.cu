@@ -2,7 +2,8 @@
 // denominator (gpt-oss) and a sliding window (the last `window` positions of the context).
 //
 // One CTA of 128 threads per (token, KV head, group of up to kAttnHeads query heads that read
-// that KV head): a key's K and V rows are read once for every query head of the group (GQA).
+// that KV head; kAttnFewHeads in small grids): a key's K and V rows are read once for every
+// query head of the group (GQA).
 // The context is taken in chunks of kAttnChunk keys: every thread scores one key for each head
 // of the group (q . k in registers, q broadcast from shared memory), the CTA reduces each head's
 // chunk max and sum, then thread (key group g, dimension d) accumulates p_j[h] * v_j[d] over the
@@ -19,6 +20,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/bf16.hpp"
 #include "kernels/cpu/op_checks.hpp"
@@ -42,24 +44,25 @@ struct AttentionShape {
 constexpr int kAttnThreads = 128;
 constexpr int kAttnWarps = kAttnThreads / 32;
 constexpr int kAttnChunk = kAttnThreads;  // keys per chunk: one per thread
-constexpr int kAttnHeads = 8;             // query heads per CTA
+constexpr int kAttnHeads = 8;             // query heads per CTA (at most; kAttnFewHeads at small grids)
+constexpr int kAttnFewHeads = 2;          // query heads per CTA when 8 would leave the GPU mostly idle
 constexpr int kAttnMaxDim = 512;
 constexpr int kAttnBatch = 8;             // keys whose V loads a thread issues together
 
-// Per-head block reductions of v[0..kAttnHeads) (max or sum); every thread gets the results.
-template <bool kMax>
-__device__ __forceinline__ void block_reduce_heads(float (&v)[kAttnHeads], float (*red)[kAttnHeads]) {
+// Per-head block reductions of v[0..kH) (max or sum); every thread gets the results.
+template <bool kMax, int kH>
+__device__ __forceinline__ void block_reduce_heads(float (&v)[kH], float (*red)[kH]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
-  for (int h = 0; h < kAttnHeads; ++h) v[h] = kMax ? warp_max(v[h]) : warp_sum(v[h]);
+  for (int h = 0; h < kH; ++h) v[h] = kMax ? warp_max(v[h]) : warp_sum(v[h]);
   __syncthreads();  // red[] may still be read by the previous reduction
   if (lane == 0) {
 #pragma unroll
-    for (int h = 0; h < kAttnHeads; ++h) red[warp][h] = v[h];
+    for (int h = 0; h < kH; ++h) red[warp][h] = v[h];
   }
   __syncthreads();
 #pragma unroll
-  for (int h = 0; h < kAttnHeads; ++h) {
+  for (int h = 0; h < kH; ++h) {
     float r = red[0][h];
 #pragma unroll
     for (int w = 1; w < kAttnWarps; ++w) r = kMax ? fmaxf(r, red[w][h]) : r + red[w][h];
@@ -67,30 +70,32 @@ __device__ __forceinline__ void block_reduce_heads(float (&v)[kAttnHeads], float
   }
 }
 
-// kPer: head dimensions per thread in the p.v phase (1 for D <= 128, else ceil(D / 128));
-// kVec: D % 4 == 0 and 16-byte aligned rows, so q.k reads float4.
-template <int kPer, bool kVec>
+// kH: query heads per CTA (kAttnHeads, or kAttnFewHeads where the grid would be small: at one
+// token and 8 KV heads, 8 CTAs of 8 heads each left the GPU idle behind one long chain of loads
+// and reductions per CTA); kPer: head dimensions per thread in the p.v phase (1 for D <= 128,
+// else ceil(D / 128)); kVec: D % 4 == 0 and 16-byte aligned rows, so q.k reads float4.
+template <int kH, int kPer, bool kVec>
 __global__ void __launch_bounds__(kAttnThreads)
     paged_attention_kernel(void* __restrict__ out, const float* __restrict__ q,
                            const float* __restrict__ k_cache, const float* __restrict__ v_cache,
                            const int32_t* __restrict__ block_tables,
                            const int32_t* __restrict__ seq_of, const int32_t* __restrict__ ctx_len,
                            AttentionShape s, int dim_lanes) {
-  __shared__ __align__(16) float q_s[kAttnHeads][kAttnMaxDim];
-  __shared__ float p_s[kAttnHeads][kAttnChunk];
+  constexpr int kPRows = kH > kPer ? kH : kPer;  // p_s also holds the groups' partial sums at the end
+  __shared__ __align__(16) float q_s[kH][kAttnMaxDim];
+  __shared__ float p_s[kPRows][kAttnChunk];
   __shared__ int64_t row_s[kAttnChunk];  // cache row (block * block_size + offset) of a key, -1: skipped
-  __shared__ float red[kAttnWarps][kAttnHeads];
+  __shared__ float red[kAttnWarps][kH];
   const int64_t t = blockIdx.x;
   const int64_t kvh = blockIdx.y / s.head_groups;
   const int64_t per_kv = s.q_heads / s.kv_heads;
-  const int64_t h0 = kvh * per_kv + (blockIdx.y % s.head_groups) * kAttnHeads;
-  const int nh = static_cast<int>(per_kv - (h0 - kvh * per_kv) < kAttnHeads ? per_kv - (h0 - kvh * per_kv)
-                                                                               : kAttnHeads);
+  const int64_t h0 = kvh * per_kv + (blockIdx.y % s.head_groups) * kH;
+  const int nh = static_cast<int>(per_kv - (h0 - kvh * per_kv) < kH ? per_kv - (h0 - kvh * per_kv) : kH);
   const int tid = threadIdx.x;
   const int64_t D = s.head_dim;
-  // Heads past nh get zeros: the loops below run all kAttnHeads heads without branches (so
-  // their loads can be issued together) and those heads' results are never written.
-  for (int hh = 0; hh < kAttnHeads; ++hh)
+  // Heads past nh get zeros: the loops below run all kH heads without branches (so their
+  // loads can be issued together) and those heads' results are never written.
+  for (int hh = 0; hh < kH; ++hh)
     for (int64_t d = tid; d < D; d += kAttnThreads) q_s[hh][d] = hh < nh ? q[(t * s.q_heads + h0 + hh) * D + d] : 0.0f;
 
   const int64_t seq = seq_of[t];
@@ -104,11 +109,11 @@ __global__ void __launch_bounds__(kAttnThreads)
   // p.v layout: thread = (group g, lane d0); dims d0 + dim_lanes * i, keys j = g (mod groups).
   const int groups = kAttnThreads / dim_lanes;
   const int g = tid / dim_lanes, d0 = tid - g * dim_lanes;
-  float acc[kAttnHeads][kPer];
+  float acc[kH][kPer];
   // A sink is one more logit with no value: it starts the running max and the denominator.
-  float running_max[kAttnHeads], denom[kAttnHeads];
+  float running_max[kH], denom[kH];
 #pragma unroll
-  for (int h = 0; h < kAttnHeads; ++h) {
+  for (int h = 0; h < kH; ++h) {
     const bool sink = s.sinks && len > 0 && h < nh;
     running_max[h] = sink ? s.sinks[h0 + h] : -INFINITY;
     denom[h] = sink ? 1.0f : 0.0f;  // sum of exp(score - running_max)
@@ -119,9 +124,9 @@ __global__ void __launch_bounds__(kAttnThreads)
 
   for (int64_t c0 = first; c0 < len; c0 += kAttnChunk) {
     const int n = len - c0 < kAttnChunk ? static_cast<int>(len - c0) : kAttnChunk;
-    float score[kAttnHeads];
+    float score[kH];
 #pragma unroll
-    for (int h = 0; h < kAttnHeads; ++h) score[h] = -INFINITY;
+    for (int h = 0; h < kH; ++h) score[h] = -INFINITY;
     int64_t row = -1;
     if (tid < n) {
       const int64_t j = c0 + tid;
@@ -129,9 +134,9 @@ __global__ void __launch_bounds__(kAttnThreads)
       if (block >= 0 && block < s.num_blocks) {
         row = block * s.block_size + j % s.block_size;
         const float* kr = k_cache + row * row_stride + kvh * D;
-        float dot[kAttnHeads];
+        float dot[kH];
 #pragma unroll
-        for (int h = 0; h < kAttnHeads; ++h) dot[h] = 0.0f;
+        for (int h = 0; h < kH; ++h) dot[h] = 0.0f;
         if constexpr (kVec) {
           const float4* k4 = reinterpret_cast<const float4*>(kr);
           const int n4 = static_cast<int>(D / 4);
@@ -139,7 +144,7 @@ __global__ void __launch_bounds__(kAttnThreads)
           for (int i = 0; i < n4; ++i) {
             const float4 a = __ldg(k4 + i);
 #pragma unroll
-            for (int h = 0; h < kAttnHeads; ++h) {
+            for (int h = 0; h < kH; ++h) {
               const float4 b = reinterpret_cast<const float4*>(q_s[h])[i];
               dot[h] += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
             }
@@ -149,25 +154,25 @@ __global__ void __launch_bounds__(kAttnThreads)
           for (int d = 0; d < static_cast<int>(D); ++d) {
             const float a = __ldg(kr + d);
 #pragma unroll
-            for (int h = 0; h < kAttnHeads; ++h) {
+            for (int h = 0; h < kH; ++h) {
               dot[h] += a * q_s[h][d];
             }
           }
         }
 #pragma unroll
-        for (int h = 0; h < kAttnHeads; ++h)
+        for (int h = 0; h < kH; ++h)
           if (h < nh) score[h] = dot[h] * s.scale;
       }
     }
     row_s[tid] = row;
-    float m[kAttnHeads];
+    float m[kH];
 #pragma unroll
-    for (int h = 0; h < kAttnHeads; ++h) m[h] = score[h];
-    block_reduce_heads<true>(m, red);
-    float sum[kAttnHeads], correction[kAttnHeads];
+    for (int h = 0; h < kH; ++h) m[h] = score[h];
+    block_reduce_heads<true, kH>(m, red);
+    float sum[kH], correction[kH];
     bool any = false;
 #pragma unroll
-    for (int h = 0; h < kAttnHeads; ++h) {
+    for (int h = 0; h < kH; ++h) {
       const float new_max = fmaxf(running_max[h], m[h]);
       // Every key so far skipped and no sink: nothing to add (and -inf - -inf would be NaN).
       const bool live = new_max != -INFINITY;
@@ -178,9 +183,9 @@ __global__ void __launch_bounds__(kAttnThreads)
       sum[h] = p;
       if (live) running_max[h] = new_max;
     }
-    block_reduce_heads<false>(sum, red);  // its barriers also publish p_s and row_s
+    block_reduce_heads<false, kH>(sum, red);  // its barriers also publish p_s and row_s
 #pragma unroll
-    for (int h = 0; h < kAttnHeads; ++h) {
+    for (int h = 0; h < kH; ++h) {
       denom[h] = denom[h] * correction[h] + sum[h];
 #pragma unroll
       for (int i = 0; i < kPer; ++i) acc[h][i] *= correction[h];
@@ -206,7 +211,7 @@ __global__ void __launch_bounds__(kAttnThreads)
           const int jj = jb + u * groups;
           if (jj >= n) break;
 #pragma unroll
-          for (int h = 0; h < kAttnHeads; ++h) {
+          for (int h = 0; h < kH; ++h) {
             const float p = p_s[h][jj];
 #pragma unroll
             for (int i = 0; i < kPer; ++i) acc[h][i] += p * vv[u][i];
@@ -218,9 +223,9 @@ __global__ void __launch_bounds__(kAttnThreads)
   }
   // Groups' partial sums, added in group order through shared memory (p_s is free now: one
   // head at a time); a row that saw nothing is zero, not 0/0.
-  float* part = &p_s[0][0];  // kAttnHeads * kAttnChunk floats >= kPer * kAttnThreads for kPer <= 8
+  float* part = &p_s[0][0];  // kPRows * kAttnChunk floats >= kPer * kAttnThreads
 #pragma unroll
-  for (int h = 0; h < kAttnHeads; ++h) {
+  for (int h = 0; h < kH; ++h) {
     if (h >= nh) break;  // uniform across the CTA (the barriers below)
     const float inv = denom[h] > 0.0f ? 1.0f / denom[h] : 0.0f;
     const int64_t orow = (t * s.q_heads + h0 + h) * D;
@@ -270,8 +275,14 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
                   "head dimension " + std::to_string(s.head_dim) +
                       " above 512 is not supported by the CUDA attention kernel",
                   "q");
+  // kAttnFewHeads query heads per CTA while the grid with kAttnHeads would be at most ~2 CTAs
+  // per SM of an H200 (decode steps of up to 32 tokens at 8 KV heads): more, shorter CTAs. Each
+  // head's arithmetic is the same either way (the heads of a CTA never mix).
+  const int64_t per_kv = s.q_heads / s.kv_heads;
+  const bool few = num_tokens * s.kv_heads * ((per_kv + kAttnHeads - 1) / kAttnHeads) <= 256 && per_kv > kAttnFewHeads;
+  const int heads = few ? kAttnFewHeads : kAttnHeads;
   AttentionShape sh = s;
-  sh.head_groups = static_cast<int>((s.q_heads / s.kv_heads + kAttnHeads - 1) / kAttnHeads);
+  sh.head_groups = static_cast<int>((per_kv + heads - 1) / heads);
   if (s.kv_heads * sh.head_groups > 65535 || num_tokens > INT_MAX)
     return Status(ErrorCode::kUnimplemented, "attention grid too large", "q");
   if (num_tokens == 0) return Status::Ok();
@@ -292,9 +303,14 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
                                                       seq_of.as<const int32_t>(),
                                                       ctx_len.as<const int32_t>(), sh, dim_lanes);
   };
-  if (per <= 1) vec ? launch(paged_attention_kernel<1, true>) : launch(paged_attention_kernel<1, false>);
-  else if (per <= 2) vec ? launch(paged_attention_kernel<2, true>) : launch(paged_attention_kernel<2, false>);
-  else vec ? launch(paged_attention_kernel<4, true>) : launch(paged_attention_kernel<4, false>);
+  auto launch_heads = [&](auto kh) {
+    constexpr int kH = decltype(kh)::value;
+    if (per <= 1) vec ? launch(paged_attention_kernel<kH, 1, true>) : launch(paged_attention_kernel<kH, 1, false>);
+    else if (per <= 2) vec ? launch(paged_attention_kernel<kH, 2, true>) : launch(paged_attention_kernel<kH, 2, false>);
+    else vec ? launch(paged_attention_kernel<kH, 4, true>) : launch(paged_attention_kernel<kH, 4, false>);
+  };
+  if (few) launch_heads(std::integral_constant<int, kAttnFewHeads>{});
+  else launch_heads(std::integral_constant<int, kAttnHeads>{});
   RD_CUDA_CHECK_LAUNCH("paged_attention_kernel");
   return Status::Ok();
 }

@@ -581,7 +581,10 @@ __device__ __forceinline__ uint32_t dec_big_factor(uint32_t s) {
   const uint32_t b = (s > 128u && s < 255u) ? s << 7 : 0x3F80u;  // 2^(s - 127), else 1
   return b | (b << 16);
 }
-__device__ __forceinline__ bool dec_is_big(uint32_t s) { return s > 128u && s < 255u; }
+// dec_factor() for s <= 128 in one integer multiply-add: (s + 126) << 7 in both halves. The
+// chunk loop takes it when no lane of the warp has a larger code (one vote on the maximum), and
+// dec_factor() / dec_big_factor() otherwise: the scale costs two instructions per 32 weights.
+__device__ __forceinline__ uint32_t dec_factor_small(uint32_t s) { return s * 0x00800080u + 0x3F003F00u; }
 
 // Stage B rows base + g0 + n (n < nrows) into shared memory as bf16, permuted: the 16 bytes at
 // n*stride + slot*256 + wi*64 + c*16 hold the pairs (3,7), (2,6), (1,5), (0,4) of elements
@@ -729,7 +732,7 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
   const uint8_t* pv = wblk + t0 * 512 + r * 32 + (c & 1) * 16;
   const uint8_t* ps = wsc + t0 * 32 + ((r * 2) & ~3);
   const int tstride_v = k_tiles * 512, tstride_s = k_tiles * 32;  // one 16-row tile (8 K < 2^31)
-  const int sshift = 8 * ((r & 1) * 2 + (c & 1));
+  const uint32_t ssel = 0x4440u | static_cast<uint32_t>((r & 1) * 2 + (c & 1));  // __byte_perm: the lane's scale byte
   auto issue = [&](int kc) {
     if (kc >= kc_end) return;
     uint8_t* st = ring + ((kc - kc_begin) % kDecStages) * kDecStageBytes;
@@ -766,23 +769,31 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
       cp_async_wait<kDecStages - 1>();
       const uint8_t* st = ring + ((kc - kc_begin) % kDecStages) * kDecStageBytes;
       DecChunk ch;
-      bool big = false;
+      uint32_t sc[2][2];
+      uint32_t smax = 0;
 #pragma unroll
       for (int t = 0; t < 2; ++t)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int v = t * 2 + hh;
           ch.v[t][hh] = *reinterpret_cast<const uint4*>(st + (v * 32 + lane) * 16);
-          const uint32_t sc = (*reinterpret_cast<const uint32_t*>(st + 2048 + (v * 32 + lane) * 4) >> sshift) & 0xffu;
-          ch.f[t][hh] = dec_factor(sc);
-          ch.g[t][hh] = dec_big_factor(sc);
-          big |= dec_is_big(sc);
+          sc[t][hh] = __byte_perm(*reinterpret_cast<const uint32_t*>(st + 2048 + (v * 32 + lane) * 4), 0u, ssel);
+          ch.f[t][hh] = dec_factor_small(sc[t][hh]);
+          smax = max(smax, sc[t][hh]);
         }
       const int koff = (kc + slot0) * 256;
-      if (__any_sync(0xffffffffu, big))
+      if (__any_sync(0xffffffffu, smax > 128u)) {  // some lane's block scale is large or NaN
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            ch.f[t][hh] = dec_factor(sc[t][hh]);
+            ch.g[t][hh] = dec_big_factor(sc[t][hh]);
+          }
         dec_compute<true, NT>(acc, ch, bsm, stride, koff, lane);
-      else
+      } else {
         dec_compute<false, NT>(acc, ch, bsm, stride, koff, lane);
+      }
     }
   }
   cp_async_wait_all();

@@ -445,6 +445,18 @@ void attention_cases() {
   reg("paged_attention_ex_sinks_QH2_KVH1_D512", [](Rng& rng) {
     return attention_case(rng, {{20, 3}}, 2, 1, 512, 4, 0, true, 0);
   });
+  // The CUDA kernel takes 2 query heads per CTA while the grid with 8 would be at most 256
+  // CTAs (the cases above); these grids are larger (8 heads per CTA), and the last takes 2 heads
+  // per CTA with 4 dimensions per thread (the partial sums' buffer is sized for it).
+  reg("paged_attention_prefill_300_tokens_QH8_KVH1", [](Rng& rng) {
+    return attention_case(rng, {{300, 300}}, 8, 1, 64, 16, 0);
+  });
+  reg("paged_attention_ex_sinks_window_prefill_QH16_KVH2", [](Rng& rng) {
+    return attention_case(rng, {{200, 90}, {40, 1}}, 16, 2, 64, 16, 2, true, 33);
+  });
+  reg("paged_attention_decode_QH8_KVH1_D512", [](Rng& rng) {
+    return attention_case(rng, {{45, 1}, {7, 1}}, 8, 1, 512, 8, 0);
+  });
   reg("paged_attention_QH3_KVH1_D200", [](Rng& rng) {
     return attention_case(rng, {{140, 1}, {5, 5}}, 3, 1, 200, 8, 0);
   });
