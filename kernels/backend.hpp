@@ -117,6 +117,17 @@ struct SampleArgs {
   TensorView top_logprobs;  // [R, N] f32, out
 };
 
+// Parameters of router: a MoE layer's gate GEMM and expert selection in one call.
+struct RouterArgs {
+  TensorView ids;      // out: int32 [T, K]
+  TensorView weights;  // out: f32 [T, K]
+  TensorView logits;   // out: f32 [T, E], the router logits (bias included)
+  TensorView x;        // f32 [T, H]
+  TensorView w;        // f32 [E, H]
+  TensorView bias;     // f32 [E], or empty
+  bool renormalize = false;
+};
+
 // Parameters of rope_qk: the attention block's per-head work between the q/k projections and
 // the KV store, in one call (one CUDA launch) instead of up to four.
 struct RopeQkArgs {
@@ -318,6 +329,13 @@ struct Backend {
   // (only with qkv; all three or none; f32 [QH * D], [KVH * D], [KVH * D], not overlapping q, k
   // or v): add_bias on q, k and v first, bit for bit on the CPU.
   Status (*rope_qk)(const ExecContext&, const RopeQkArgs& args);
+  // A MoE layer's router (RouterArgs): logits = x . w^T (+ bias), then router_softmax_topk on
+  // them (its ranking, ties and weights). Checks: linear's on x and w (FP32), bias f32 [E] or
+  // empty, logits f32 [T, E], router_softmax_topk's on ids, weights and logits; logits may not
+  // overlap x, w or bias. Equals linear, add_bias, router_softmax_topk bit for bit on the CPU;
+  // on CUDA, up to kRouterFusedMaxTokens tokens (decode) take one launch whose dot products sum
+  // in another order than cuBLAS's (FP32 both), more tokens take those three ops.
+  Status (*router)(const ExecContext&, const RouterArgs& args);
 };
 
 const Backend& cpu_backend();

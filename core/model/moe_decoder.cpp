@@ -800,12 +800,19 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
     // norm in one launch. The router and the experts read x in FP32.
     RD_RETURN_IF_ERROR(backend_.add_rmsnorm(ctx, x, {}, h, o, L.post_attention_layernorm, eps));
     if (L.moe) {
-      RD_RETURN_IF_ERROR(backend_.linear(ctx, router_logits, x, L.router));
-      if (L.router_bias.data) RD_RETURN_IF_ERROR(backend_.add_bias(ctx, router_logits, L.router_bias));
-      // gpt-oss's router (top-k of the logits, softmax over those k) is this op with
+      // Gate GEMM, bias and selection in one op (one launch on CUDA for decode steps). gpt-oss's
+      // router (top-k of the logits, softmax over those k) is the softmax top-k with
       // renormalisation (its family sets norm_topk_prob): p_i / sum_k p_k = exp(l_i) / sum_k exp(l_k),
       // the same experts.
-      RD_RETURN_IF_ERROR(backend_.router_softmax_topk(ctx, topk_ids, topk_w, router_logits, c.norm_topk_prob));
+      RouterArgs ra;
+      ra.ids = topk_ids;
+      ra.weights = topk_w;
+      ra.logits = router_logits;
+      ra.x = x;
+      ra.w = L.router;
+      ra.bias = L.router_bias;  // empty without a router bias
+      ra.renormalize = c.norm_topk_prob;
+      RD_RETURN_IF_ERROR(backend_.router(ctx, ra));
       // The single capture point: logical ids straight from the router, into this layer's rows
       // of the record table; rows at or past the step's real count (read on the device) are
       // written -1, so padding is never recorded.

@@ -514,6 +514,7 @@ const Backend& cpu_backend() {
       cpu::vm_unmap,
       cpu::add_rmsnorm,
       cpu::rope_qk,
+      cpu::router,
   };
   return kCpuBackend;
 }

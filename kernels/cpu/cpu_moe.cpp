@@ -86,6 +86,15 @@ Status router_softmax_topk(const ExecContext& ctx, TensorView ids, TensorView we
   return Status::Ok();
 }
 
+Status router(const ExecContext& ctx, const RouterArgs& a) {
+  RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCpu));
+  RD_RETURN_IF_ERROR(op_checks::router(ctx, a));
+  // The three ops it stands for, so the CPU decoder's results stay what they were.
+  RD_RETURN_IF_ERROR(linear(ctx, a.logits, a.x, a.w));
+  if (a.bias.data != nullptr) RD_RETURN_IF_ERROR(add_bias(ctx, a.logits, a.bias));
+  return router_softmax_topk(ctx, a.ids, a.weights, a.logits, a.renormalize);
+}
+
 Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
   RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCpu));
   RD_RETURN_IF_ERROR(op_checks::moe_experts(ctx, a));

@@ -42,6 +42,7 @@ Status moe_experts(const ExecContext&, const MoeExpertsArgs& args);
 Status add_rmsnorm(const ExecContext&, TensorView out, TensorView out_bf16, TensorView h, TensorView r,
                    TensorView w, float eps);
 Status rope_qk(const ExecContext&, const RopeQkArgs& args);
+Status router(const ExecContext&, const RouterArgs& args);
 
 Status convert(const ExecContext&, void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t n);
 

@@ -384,6 +384,30 @@ Status router_softmax_topk(const ExecContext& ctx, const TensorView& ids,
   return same_shape(weights, ids, "weights", "ids");
 }
 
+Status router(const ExecContext& ctx, const RouterArgs& a) {
+  RD_RETURN_IF_ERROR(view(ctx, a.w, "w", DType::kF32, 2, "[E, H]"));
+  RD_RETURN_IF_ERROR(positive(a.w, 0, "w", "E"));
+  RD_RETURN_IF_ERROR(positive(a.w, 1, "w", "H"));
+  RD_RETURN_IF_ERROR(view(ctx, a.x, "x", DType::kF32, 2, "[T, H]"));
+  RD_RETURN_IF_ERROR(dim(a.x, 1, a.w.size(1), "x", "H", "w"));
+  RD_RETURN_IF_ERROR(view(ctx, a.logits, "logits", DType::kF32, 2, "[T, E]"));
+  RD_RETURN_IF_ERROR(dim(a.logits, 0, a.x.size(0), "logits", "T", "x"));
+  RD_RETURN_IF_ERROR(dim(a.logits, 1, a.w.size(0), "logits", "E", "w"));
+  if (a.bias.data != nullptr) {
+    RD_RETURN_IF_ERROR(view(ctx, a.bias, "bias", DType::kF32, 1, "[E]"));
+    RD_RETURN_IF_ERROR(dim(a.bias, 0, a.w.size(0), "bias", "E", "w"));
+  }
+  for (const auto& [v, name] : {std::pair<const TensorView*, const char*>{&a.x, "x"}, {&a.w, "w"}, {&a.bias, "bias"}})
+    if (overlaps(a.logits, *v)) return invalid("logits", std::string("logits: overlaps ") + name);
+  RD_RETURN_IF_ERROR(router_softmax_topk(ctx, a.ids, a.weights, a.logits));
+  for (const auto& [v, name] : {std::pair<const TensorView*, const char*>{&a.x, "x"}, {&a.w, "w"},
+                                {&a.bias, "bias"}, {&a.logits, "logits"}})
+    if (overlaps(a.ids, *v) || overlaps(a.weights, *v))
+      return invalid("ids", std::string("ids/weights: overlap ") + name);
+  if (overlaps(a.ids, a.weights)) return invalid("weights", "weights: overlaps ids");
+  return Status::Ok();
+}
+
 Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& a) {
   RD_RETURN_IF_ERROR(view(ctx, a.x, "x", DType::kF32, 2, "[T, H]"));
   RD_RETURN_IF_ERROR(positive(a.x, 1, "x", "H"));

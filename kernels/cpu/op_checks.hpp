@@ -52,6 +52,8 @@ Status add_rmsnorm(const ExecContext& ctx, const TensorView& out, const TensorVi
 Status rope_qk(const ExecContext& ctx, const RopeQkArgs& args);
 Status add_bias(const ExecContext& ctx, const TensorView& y, const TensorView& bias);
 Status transpose(const ExecContext& ctx, const TensorView& dst, const TensorView& src);
+// router: see Backend::router.
+Status router(const ExecContext& ctx, const RouterArgs& args);
 Status router_softmax_topk(const ExecContext& ctx, const TensorView& ids,
                            const TensorView& weights, const TensorView& logits);
 Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& args);

@@ -482,6 +482,7 @@ const Backend* cuda_backend() {
       cuda::vm_unmap,
       cuda::add_rmsnorm,
       cuda::rope_qk,
+      cuda::router,
   };
   return &kCudaBackend;
 }

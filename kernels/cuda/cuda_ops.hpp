@@ -36,6 +36,9 @@ Status copy_valid_rows(const ExecContext&, TensorView dst, TensorView src, Tenso
 Status add_rmsnorm(const ExecContext&, TensorView out, TensorView out_bf16, TensorView h, TensorView r,
                    TensorView w, float eps);
 Status rope_qk(const ExecContext&, const RopeQkArgs& args);
+Status router(const ExecContext&, const RouterArgs& args);
+// Backend::router takes one launch up to this many tokens (decode steps), cuBLAS + two kernels above.
+inline constexpr int64_t kRouterFusedMaxTokens = 64;
 Status convert(const ExecContext&, void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t n);
 // sampling.cu
 Status sample(const ExecContext&, const SampleArgs& args);

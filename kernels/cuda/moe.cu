@@ -9,6 +9,8 @@
 #include <climits>
 #include <cmath>
 
+#include <cooperative_groups.h>
+
 #include "kernels/cpu/op_checks.hpp"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_ops.hpp"
@@ -16,6 +18,8 @@
 
 namespace rolloutd::cuda {
 namespace {
+
+namespace cg = cooperative_groups;
 
 constexpr int kRouterWarpsPerBlock = 4;
 constexpr int kMoeThreads = 256;
@@ -31,15 +35,11 @@ __device__ __forceinline__ bool ranks_before(float va, int a, float vb, int b) {
   return va > vb || (va == vb && a < b);
 }
 
-// Round k picks the best expert ranked after round k-1's pick, so no "taken" set is needed.
-__global__ void router_softmax_topk_kernel(int32_t* __restrict__ ids, float* __restrict__ weights,
-                                           const float* __restrict__ logits, int64_t num_tokens,
-                                           int num_experts, int top_k, bool renormalize) {
-  const int64_t t = blockIdx.x * static_cast<int64_t>(kRouterWarpsPerBlock) + threadIdx.x / 32;
-  if (t >= num_tokens) return;  // whole warp
-  const int lane = threadIdx.x & 31;
-  const float* l = logits + t * num_experts;
-
+// One warp routes one token: logits l[0, E) -> ids[0, K), weights[0, K) (router_softmax_topk's
+// arithmetic). Round k picks the best expert ranked after round k-1's pick, so no "taken" set
+// is needed.
+__device__ __forceinline__ void select_topk(const float* l, int num_experts, int top_k, bool renormalize,
+                                            int32_t* ids, float* weights, int lane) {
   float max_logit = -INFINITY;
   for (int e = lane; e < num_experts; e += 32) max_logit = fmaxf(max_logit, l[e]);
   max_logit = warp_max(max_logit);
@@ -76,12 +76,95 @@ __global__ void router_softmax_topk_kernel(int32_t* __restrict__ ids, float* __r
     const float p = expf(l[best] - max_logit) / sum;
     picked_sum += p;
     if (lane == 0) {
-      ids[t * top_k + k] = best;
-      weights[t * top_k + k] = p;
+      ids[k] = best;
+      weights[k] = p;
     }
   }
   if (renormalize && lane == 0)
-    for (int k = 0; k < top_k; ++k) weights[t * top_k + k] = weights[t * top_k + k] / picked_sum;
+    for (int k = 0; k < top_k; ++k) weights[k] = weights[k] / picked_sum;
+}
+
+__global__ void router_softmax_topk_kernel(int32_t* __restrict__ ids, float* __restrict__ weights,
+                                           const float* __restrict__ logits, int64_t num_tokens,
+                                           int num_experts, int top_k, bool renormalize) {
+  const int64_t t = blockIdx.x * static_cast<int64_t>(kRouterWarpsPerBlock) + threadIdx.x / 32;
+  if (t >= num_tokens) return;  // whole warp
+  select_topk(logits + t * num_experts, num_experts, top_k, renormalize, ids + t * top_k, weights + t * top_k,
+              threadIdx.x & 31);
+}
+
+// The router in one launch for a few tokens (Backend::router): a thread block cluster of
+// kRouterCluster CTAs per token. Each CTA stages the token's x in shared memory; the cluster's
+// 64 warps share the work items (expert e, part p): the dot product of expert e's row with x
+// over the p-th of P equal K ranges (P = 64 / E rounded down to a power of two, at least 1, so
+// 32 experts keep every warp busy), kRouterUnroll float4 loads in flight per lane, a warp sum
+// per item. CTA 0 gathers the partial sums through distributed shared memory, adds the parts in
+// order and the bias (as linear + add_bias would: one FP32 add), writes the logits, and its
+// first warp selects as router_softmax_topk does. Replaces cuBLAS's GEMV (two kernels at one
+// token), add_bias and the selection kernel: ~10 us per layer of a decode step at one token.
+constexpr int kRouterCluster = 8;
+constexpr int kRouterFusedWarps = 8;
+constexpr int kRouterStride = kRouterCluster * kRouterFusedWarps;
+constexpr int kRouterFusedMaxExperts = 1024;
+constexpr int kRouterFusedMaxHidden = 8192;  // x staged in shared memory: 32 KiB
+constexpr int kRouterUnroll = 8;
+
+__global__ void __cluster_dims__(kRouterCluster, 1, 1) __launch_bounds__(kRouterFusedWarps * 32)
+    router_fused_kernel(int32_t* __restrict__ ids, float* __restrict__ weights, float* __restrict__ logits,
+                        const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
+                        int hidden, int num_experts, int parts, int top_k, bool renormalize) {
+  __shared__ __align__(16) float4 xs[kRouterFusedMaxHidden / 4];
+  __shared__ float part[kRouterFusedMaxExperts];  // this CTA's items' sums, at their item index
+  __shared__ float all[kRouterFusedMaxExperts];   // CTA 0: every expert's logit
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int64_t t = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int n4 = hidden / 4;
+  const float4* x4 = reinterpret_cast<const float4*>(x + t * hidden);
+  for (int i = threadIdx.x; i < n4; i += blockDim.x) xs[i] = __ldg(x4 + i);
+  __syncthreads();
+  const int items = num_experts * parts;
+  for (int it = rank * kRouterFusedWarps + warp; it < items; it += kRouterStride) {
+    const int e = it / parts, p = it - e * parts;
+    const int i0 = static_cast<int>(static_cast<int64_t>(n4) * p / parts);
+    const int i1 = static_cast<int>(static_cast<int64_t>(n4) * (p + 1) / parts);
+    const float4* w4 = reinterpret_cast<const float4*>(w + static_cast<int64_t>(e) * hidden);
+    float acc = 0.0f;
+    for (int b = i0 + lane; b < i1; b += 32 * kRouterUnroll) {
+      float4 a[kRouterUnroll];
+#pragma unroll
+      for (int u = 0; u < kRouterUnroll; ++u) {
+        const int i = b + 32 * u;
+        a[u] = i < i1 ? __ldg(w4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+#pragma unroll
+      for (int u = 0; u < kRouterUnroll; ++u) {
+        const int i = b + 32 * u;
+        if (i < i1) {
+          const float4 c = xs[i];
+          acc += a[u].x * c.x + a[u].y * c.y + a[u].z * c.z + a[u].w * c.w;
+        }
+      }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) part[it] = acc;
+  }
+  cluster.sync();  // every CTA's part[] written and visible to the cluster
+  if (rank == 0)
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+      float v = 0.0f;
+      for (int p = 0; p < parts; ++p) {
+        const int it = e * parts + p;
+        v += cluster.map_shared_rank(part, (it % kRouterStride) / kRouterFusedWarps)[it];
+      }
+      if (bias != nullptr) v += bias[e];
+      all[e] = v;
+      logits[t * num_experts + e] = v;
+    }
+  cluster.sync();  // CTA 0's remote reads done before any CTA exits; all[] visible in CTA 0
+  if (rank == 0 && warp == 0)
+    select_topk(all, num_experts, top_k, renormalize, ids + t * top_k, weights + t * top_k, lane);
 }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
@@ -305,6 +388,33 @@ Status router_softmax_topk(const ExecContext& ctx, TensorView ids, TensorView we
       ids.as<int32_t>(), weights.as<float>(), logits.as<const float>(), num_tokens,
       static_cast<int>(logits.size(1)), static_cast<int>(ids.size(1)), renormalize);
   RD_CUDA_CHECK_LAUNCH("router_softmax_topk_kernel");
+  return Status::Ok();
+}
+
+Status router(const ExecContext& ctx, const RouterArgs& a) {
+  RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCuda));
+  RD_RETURN_IF_ERROR(op_checks::router(ctx, a));
+  const int64_t num_tokens = a.x.size(0), num_experts = a.w.size(0), hidden = a.w.size(1);
+  if (num_tokens == 0) return Status::Ok();
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool fused = num_tokens <= kRouterFusedMaxTokens && num_experts <= kRouterFusedMaxExperts &&
+                     hidden % 4 == 0 && hidden <= kRouterFusedMaxHidden && aligned(a.x.data) && aligned(a.w.data);
+  if (!fused) {
+    // Prefill-sized steps: cuBLAS's GEMM, the bias, the selection kernel.
+    RD_RETURN_IF_ERROR(linear(ctx, a.logits, a.x, a.w));
+    if (a.bias.data != nullptr) RD_RETURN_IF_ERROR(add_bias(ctx, a.logits, a.bias));
+    return router_softmax_topk(ctx, a.ids, a.weights, a.logits, a.renormalize);
+  }
+  DeviceGuard guard;
+  RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  const dim3 grid(kRouterCluster, static_cast<unsigned int>(num_tokens));
+  int parts = 1;  // items per expert: the cluster's warps all busy when experts are few
+  while (parts * 2 * num_experts <= kRouterStride) parts *= 2;
+  router_fused_kernel<<<grid, kRouterFusedWarps * 32, 0, stream_of(ctx)>>>(
+      a.ids.as<int32_t>(), a.weights.as<float>(), a.logits.as<float>(), a.x.as<const float>(), a.w.as<const float>(),
+      a.bias.data != nullptr ? a.bias.as<const float>() : nullptr, static_cast<int>(hidden),
+      static_cast<int>(num_experts), parts, static_cast<int>(a.ids.size(1)), a.renormalize);
+  RD_CUDA_CHECK_LAUNCH("router_fused_kernel");
   return Status::Ok();
 }
 

@@ -577,6 +577,45 @@ void router_cases() {
   }
 }
 
+// Backend::router: the gate GEMM, the bias and the selection. CUDA takes one launch up to 64
+// tokens (a thread block cluster per token, its own dot-product order), cuBLAS + two kernels
+// above; H % 4 != 0 takes the three ops at any T. Ids must be equal: the random logits' gaps are
+// far above the FP32 summation-order differences (an equal-logit tie cannot arise from random
+// products).
+void router_fused_cases() {
+  struct P {
+    int64_t t, h, e, k;
+    bool bias, renormalize;
+  };
+  for (const P p : {P{1, 2880, 32, 4, true, true}, P{1, 2048, 128, 8, false, true}, P{7, 64, 8, 2, true, false},
+                    P{64, 2880, 128, 4, true, true}, P{65, 256, 16, 4, false, false}, P{130, 2880, 32, 4, true, true},
+                    P{3, 102, 12, 3, true, false}, P{2, 512, 1024, 8, false, true}}) {
+    reg("router" + dims({{"T", p.t}, {"H", p.h}, {"E", p.e}, {"K", p.k}}) + (p.bias ? "_bias" : "") +
+            (p.renormalize ? "_renorm" : "_plain"),
+        [=](Rng& rng) {
+          ParityCase c;
+          c.add_f32("x", {p.t, p.h}, Role::kIn, random_f32(rng, p.t * p.h, -1, 1));
+          c.add_f32("w", {p.e, p.h}, Role::kIn, random_f32(rng, p.e * p.h, -0.05f, 0.05f));
+          c.add_f32("bias", {p.e}, Role::kIn, random_f32(rng, p.e, -0.1f, 0.1f));
+          c.add_out("logits", DType::kF32, {p.t, p.e});
+          c.add_out("ids", DType::kI32, {p.t, p.k});
+          c.add_out("weights", DType::kF32, {p.t, p.k});
+          c.run = [p](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
+            RouterArgs r;
+            r.x = a[0];
+            r.w = a[1];
+            if (p.bias) r.bias = a[2];
+            r.logits = a[3];
+            r.ids = a[4];
+            r.weights = a[5];
+            r.renormalize = p.renormalize;
+            return b.router(x, r);
+          };
+          return c;
+        });
+  }
+}
+
 void moe_cases() {
   struct P {
     int64_t t, valid, h, inter, e_logical, e_phys, k;
@@ -851,6 +890,7 @@ const std::vector<CaseMaker>& all_cases() {
     attention_cases();
     gpt_oss_op_cases();
     router_cases();
+    router_fused_cases();
     moe_cases();
     copy_valid_rows_cases();
     fused_op_cases();
@@ -1221,6 +1261,37 @@ std::vector<BadCall> bad_calls() {
          RopeQkArgs a = rope(p, x);
          a.q_norm = fat(p, 768, x, {8});
          return b.rope_qk(x, a);
+       }},
+      {"router x / w hidden mismatch",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         RouterArgs a;
+         a.x = fat(p, 0, x, {2, 8});
+         a.w = fat(p, 256, x, {4, 7});
+         a.logits = fat(p, 512, x, {2, 4});
+         a.ids = i(static_cast<char*>(p) + 768, x, {2, 2});
+         a.weights = fat(p, 1024, x, {2, 2});
+         return b.router(x, a);
+       }},
+      {"router logits overlapping x",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         RouterArgs a;
+         a.x = fat(p, 0, x, {2, 8});
+         a.w = fat(p, 256, x, {4, 8});
+         a.logits = fat(p, 16, x, {2, 4});
+         a.ids = i(static_cast<char*>(p) + 768, x, {2, 2});
+         a.weights = fat(p, 1024, x, {2, 2});
+         return b.router(x, a);
+       }},
+      {"router bias length",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         RouterArgs a;
+         a.x = fat(p, 0, x, {2, 8});
+         a.w = fat(p, 256, x, {4, 8});
+         a.bias = fat(p, 1280, x, {3});
+         a.logits = fat(p, 512, x, {2, 4});
+         a.ids = i(static_cast<char*>(p) + 768, x, {2, 2});
+         a.weights = fat(p, 1024, x, {2, 2});
+         return b.router(x, a);
        }},
       {"view on the other device",
        [=](const Backend& b, const ExecContext& x, void* p) {

@@ -3,6 +3,7 @@
 // backend_parity_test.cpp.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -147,6 +148,67 @@ TEST(CpuBackend, SoftmaxTopKBreaksTiesByLowerId) {
   EXPECT_EQ(ids2, (std::vector<int32_t>{1, 2}));
   EXPECT_FLOAT_EQ(w2[0], 0.5f);
   EXPECT_FLOAT_EQ(w2[1], 0.5f);
+}
+
+// Backend::router is linear, add_bias and router_softmax_topk in one call: bit for bit on the
+// CPU (the decoder's CPU results do not move), with and without a bias, plain and renormalised;
+// refusals name the argument and write nothing.
+TEST(CpuBackend, RouterIsLinearBiasThenSoftmaxTopK) {
+  const int64_t T = 5, H = 12, E = 9, K = 3;
+  std::vector<float> x(T * H), w(E * H), bias(E);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.37f * static_cast<float>(i)) * 1.5f;
+  for (size_t i = 0; i < w.size(); ++i) w[i] = std::cos(0.11f * static_cast<float>(i * i % 97));
+  for (size_t i = 0; i < bias.size(); ++i) bias[i] = 0.25f * static_cast<float>(i % 4) - 0.4f;
+  for (const bool with_bias : {false, true})
+    for (const bool renorm : {false, true}) {
+      SCOPED_TRACE(std::to_string(with_bias) + std::to_string(renorm));
+      std::vector<float> logits(T * E, NAN), ref_logits(T * E, NAN), wt(T * K, NAN), ref_wt(T * K, NAN);
+      std::vector<int32_t> ids(T * K, -7), ref_ids(T * K, -7);
+      ASSERT_TRUE(cpu().linear(kCtx, f32(ref_logits, {T, E}), f32(x, {T, H}), f32(w, {E, H})).ok());
+      if (with_bias) {
+        ASSERT_TRUE(cpu().add_bias(kCtx, f32(ref_logits, {T, E}), f32(bias, {E})).ok());
+      }
+      ASSERT_TRUE(cpu().router_softmax_topk(kCtx, i32(ref_ids, {T, K}), f32(ref_wt, {T, K}), f32(ref_logits, {T, E}),
+                                            renorm).ok());
+      RouterArgs a;
+      a.ids = i32(ids, {T, K});
+      a.weights = f32(wt, {T, K});
+      a.logits = f32(logits, {T, E});
+      a.x = f32(x, {T, H});
+      a.w = f32(w, {E, H});
+      if (with_bias) a.bias = f32(bias, {E});
+      a.renormalize = renorm;
+      ASSERT_TRUE(cpu().router(kCtx, a).ok());
+      EXPECT_EQ(ids, ref_ids);
+      EXPECT_EQ(std::memcmp(wt.data(), ref_wt.data(), wt.size() * sizeof(float)), 0);
+      EXPECT_EQ(std::memcmp(logits.data(), ref_logits.data(), logits.size() * sizeof(float)), 0);
+    }
+
+  std::vector<float> logits(T * E, NAN), wt(T * K, NAN), short_bias(E - 1);
+  std::vector<int32_t> ids(T * K, -7);
+  RouterArgs good;
+  good.ids = i32(ids, {T, K});
+  good.weights = f32(wt, {T, K});
+  good.logits = f32(logits, {T, E});
+  good.x = f32(x, {T, H});
+  good.w = f32(w, {E, H});
+  RouterArgs bad = good;
+  bad.w = f32(w, {E, H - 1});
+  EXPECT_STATUS(cpu().router(kCtx, bad), ErrorCode::kInvalidArgument, "x");
+  bad = good;
+  bad.bias = f32(short_bias, {E - 1});
+  EXPECT_STATUS(cpu().router(kCtx, bad), ErrorCode::kInvalidArgument, "bias");
+  bad = good;
+  bad.logits = TensorView::contiguous(x.data(), DType::kF32, Shape{T, E});  // inside x
+  EXPECT_STATUS(cpu().router(kCtx, bad), ErrorCode::kInvalidArgument, "logits");
+  bad = good;
+  bad.weights = TensorView::contiguous(logits.data(), DType::kF32, Shape{T, K});
+  EXPECT_STATUS(cpu().router(kCtx, bad), ErrorCode::kInvalidArgument, "ids");
+  bad = good;
+  bad.logits = f32(logits, {T, E - 1});
+  EXPECT_STATUS(cpu().router(kCtx, bad), ErrorCode::kInvalidArgument, "logits");
+  EXPECT_TRUE(std::all_of(ids.begin(), ids.end(), [](int32_t v) { return v == -7; }));
+  EXPECT_TRUE(std::all_of(logits.begin(), logits.end(), [](float v) { return std::isnan(v); }));
 }
 
 TEST(CpuBackend, SoftmaxTopKRenormalisesByTheSumOfTheK) {
