@@ -569,7 +569,6 @@ struct DecodeArgs {
   int ksplit;                     // 1, 2, 4 or 8 warps along K
   int tok_cap;                    // staged rows per pass (<= 8 kDecMaxNt; the smem size)
   int seg_chunks, num_segs;       // K staged in num_segs segments of seg_chunks chunks per slice
-  int row_blocks;                 // blocks of kDecWarps / ksplit 32-row groups per expert (>= gridDim.x)
   const float* bias;              // [E, N] checkpoint rows, nullable
   int act_kind;
   float limit, alpha;
@@ -686,10 +685,9 @@ struct DecChunk {
 // tokens; the chunk's staged rows start at byte koff. The dequantized A fragments serve all NT
 // n-tiles; each n-tile's accumulator sees the same mma sequence whatever NT is.
 template <bool kBig, int NT>
-__device__ __forceinline__ void dec_compute(float (&acc)[2][NT][4], const DecChunk& ch, const uint8_t* bsm,
-                                            int stride, int koff, int lane) {
-  const int c = lane & 3, nrow = lane >> 2;
-  const uint8_t* brow = bsm + nrow * stride + koff + c * 16;
+__device__ __forceinline__ void dec_compute(float (&acc)[2][NT][4], const DecChunk& ch, const uint8_t* blane,
+                                            int stride, int koff) {
+  const uint8_t* brow = blane + koff;
 #pragma unroll
   for (int wi = 0; wi < 4; ++wi) {
     uint4 bq[NT];
@@ -750,7 +748,7 @@ static_assert(2 * kDecMaxNt * 4 * 32 * 4 <= kDecWarpRing, "split-K partials fit 
 template <int NT, typename Stage>
 __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* wblk, const uint8_t* wsc,
                                          int rt0, int k_tiles, int kc_begin, int kc_end, int wk, int seg_chunks,
-                                         int num_segs, const uint8_t* bsm, int stride, uint8_t* ring, int lane,
+                                         int num_segs, const uint8_t* bsm, int stride, int staged, uint8_t* ring, int lane,
                                          Stage&& stage) {
   const int r = lane >> 2, c = lane & 3;
 #pragma unroll
@@ -759,6 +757,11 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[t][nt][i] = 0.0f;
+  // The lane's B row (token r of each n-tile). A one-n-tile launch may stage fewer than 8 rows
+  // (tok_cap = the pairs, below 8 at batch 1): lanes of the absent rows read row 0 instead, whose
+  // products land in columns the epilogue drops; reading row r there left the staged area (and,
+  // at one staged row and K = 8512, the CTA's shared memory).
+  const uint8_t* blane = bsm + (r < staged ? r : 0) * stride + c * 16;
   // The lane's vector of (tile t, half hh) at chunk 0; chunk kc is 2 K tiles on (1024 value
   // bytes, 64 scale bytes). Scales are fetched as the aligned 4-byte word that holds them.
   const int64_t t0 = static_cast<int64_t>(rt0) * k_tiles + (c >> 1);
@@ -823,9 +826,9 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
             ch.f[t][hh] = dec_factor(sc[t][hh]);
             ch.g[t][hh] = dec_big_factor(sc[t][hh]);
           }
-        dec_compute<true, NT>(acc, ch, bsm, stride, koff, lane);
+        dec_compute<true, NT>(acc, ch, blane, stride, koff);
       } else {
-        dec_compute<false, NT>(acc, ch, bsm, stride, koff, lane);
+        dec_compute<false, NT>(acc, ch, blane, stride, koff);
       }
     }
   }
@@ -846,24 +849,20 @@ struct DecCta {
   const float* bias;
 };
 
-// One pass: rows base + g0 .. + nrows (nrows <= 8 NT) of the expert through NT n-tiles. Without
-// stage_rows the rows staged by the CTA's previous block (the same rows, all of K) are used.
+// One pass: rows base + g0 .. + nrows (nrows <= 8 NT) of the expert through NT n-tiles.
 template <int NT, bool kGateUp>
-__device__ __forceinline__ void dec_rows(const DecodeArgs& g, const DecCta& a, uint8_t* dsm, int g0, int nrows,
-                                         bool stage_rows) {
+__device__ __forceinline__ void dec_rows(const DecodeArgs& g, const DecCta& a, uint8_t* dsm, int g0, int nrows) {
   float acc[2][NT][4];
   uint8_t* ring = a.rings + a.warp * kDecWarpRing;
   dec_pass<NT>(acc, a.wblk, a.wsc, a.grp * 2, a.k_tiles, a.kc_begin, a.kc_end, a.wk, g.seg_chunks, g.num_segs, dsm,
-               a.stride, ring, a.lane, [&](int seg) {
+               a.stride, g.tok_cap, ring, a.lane, [&](int seg) {
                  if (seg > 0) {
                    __syncthreads();  // every warp is done with the previous segment's rows
                  } else if constexpr (!kGateUp) {
                    if (g0 == 0) asm volatile("griddepcontrol.wait;" ::: "memory");  // h is written
                  }
-                 if (seg > 0 || stage_rows) {
-                   dec_stage(g, dsm, a.stride, a.slots, a.chunks, a.base, g0, nrows, seg);
-                   __syncthreads();
-                 }
+                 dec_stage(g, dsm, a.stride, a.slots, a.chunks, a.base, g0, nrows, seg);
+                 __syncthreads();
                });
   const int ks = a.ks, lane = a.lane;
   if (ks > 1) {
@@ -964,9 +963,12 @@ __global__ void __launch_bounds__(kDecThreads, 2) decode_gemm_kernel(const Decod
   a.ks = g.ksplit;
   a.wk = a.warp % a.ks;
   const int wr = a.warp / a.ks, groups_per_cta = kDecWarps / a.ks;
+  a.grp = blockIdx.x * groups_per_cta + wr;
+  a.has_rows = a.grp * 32 < g.n;
   a.k_tiles = g.k / 64;
   a.chunks = (g.k + 127) / 128;
   a.kc_begin = a.chunks * a.wk / a.ks;
+  a.kc_end = a.has_rows ? a.chunks * (a.wk + 1) / a.ks : a.kc_begin;
   a.slots = g.num_segs == 1 ? a.chunks : a.ks * g.seg_chunks;
   a.stride = a.slots * 256 + 64;
   a.wblk = g.w_blocks + static_cast<int64_t>(e) * g.n * g.k / 2;
@@ -980,41 +982,23 @@ __global__ void __launch_bounds__(kDecThreads, 2) decode_gemm_kernel(const Decod
   // gate_up started) and the weights, so its first weight loads overlap gate_up's tail.
   if constexpr (kGateUp) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
-  // One row block (groups_per_cta 32-row groups) of the expert.
-  auto run_block = [&](int blk) {
-    a.grp = blk * groups_per_cta + wr;
-    a.has_rows = a.grp * 32 < g.n;
-    a.kc_end = a.has_rows ? a.chunks * (a.wk + 1) / a.ks : a.kc_begin;
-    // A later block of a one-pass expert with K staged whole finds its rows staged already.
-    const bool stage_rows = blk == static_cast<int>(blockIdx.x) || a.count > g.tok_cap || g.num_segs > 1;
-    for (int g0 = 0; g0 < a.count; g0 += g.tok_cap) {
-      const int nrows = a.count - g0 < g.tok_cap ? a.count - g0 : g.tok_cap;
-      // The previous pass (or block) is done with the staged rows and (split K) with every
-      // warp's ring.
-      if (g0 > 0 || blk != static_cast<int>(blockIdx.x)) __syncthreads();
-      if constexpr (kMaxNt >= 4) {
-        if (nrows > 16) {
-          dec_rows<4, kGateUp>(g, a, dsm, g0, nrows, stage_rows);
-          continue;
-        }
+  for (int g0 = 0; g0 < a.count; g0 += g.tok_cap) {
+    const int nrows = a.count - g0 < g.tok_cap ? a.count - g0 : g.tok_cap;
+    // The previous pass is done with the staged rows and (split K) with every warp's ring.
+    if (g0 > 0) __syncthreads();
+    if constexpr (kMaxNt >= 4) {
+      if (nrows > 16) {
+        dec_rows<4, kGateUp>(g, a, dsm, g0, nrows);
+        continue;
       }
-      if constexpr (kMaxNt >= 2) {
-        if (nrows > 8) {
-          dec_rows<2, kGateUp>(g, a, dsm, g0, nrows, stage_rows);
-          continue;
-        }
-      }
-      dec_rows<1, kGateUp>(g, a, dsm, g0, nrows, stage_rows);
     }
-  };
-  // One-n-tile launches may give an expert fewer CTAs than row blocks (launch_decode: where each
-  // block is a few chunks per warp): blocks blockIdx.x, + gridDim.x, ..., so that a CTA's start
-  // (the launch, the routing loads, the staging of its rows) is paid once for several short
-  // blocks. Wider launches have a CTA per block (and keep the registers the loop would take).
-  if constexpr (kMaxNt == 1) {
-    for (int blk = blockIdx.x; blk < g.row_blocks; blk += gridDim.x) run_block(blk);
-  } else {
-    run_block(blockIdx.x);
+    if constexpr (kMaxNt >= 2) {
+      if (nrows > 8) {
+        dec_rows<2, kGateUp>(g, a, dsm, g0, nrows);
+        continue;
+      }
+    }
+    dec_rows<1, kGateUp>(g, a, dsm, g0, nrows);
   }
 }
 
@@ -1092,19 +1076,7 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
   a.seg_chunks = shape.seg_chunks;
   a.num_segs = shape.num_segs;
   const int64_t groups = a.n / 32, per_cta = kDecWarps / a.ksplit;
-  const int64_t blocks = (groups + per_cta - 1) / per_cta;
-  a.row_blocks = static_cast<int>(blocks);
-  // K split 8 ways (few experts: a block is one 32-row group, ~K / 1024 chunks per warp), one
-  // n-tile, and more blocks than the SMs hold at once (two CTAs each, one past kDecSmemTwoCtas):
-  // one wave of CTAs, each looping over blocks of its expert. The routing loads, the CTA launch and the first staging were most of such a
-  // CTA's time (gpt-oss gate_up at one token: 720 CTAs of one block, ~2.7 waves).
-  int64_t ctas = blocks;
-  const int64_t resident = (shape.smem <= kDecSmemTwoCtas ? 2 : 1) * static_cast<int64_t>(num_sms);
-  if (a.ksplit == kDecWarps && a.tok_cap <= 8 && blocks * bound > resident) {
-    const int64_t per_expert = resident / bound;
-    ctas = per_expert < 1 ? 1 : per_expert;
-  }
-  const dim3 grid(static_cast<unsigned int>(ctas), static_cast<unsigned int>(bound));
+  const dim3 grid(static_cast<unsigned int>((groups + per_cta - 1) / per_cta), static_cast<unsigned int>(bound));
   if (shape.smem > kDecSmemMax) return Status(ErrorCode::kUnimplemented, "hidden size too large for the decode kernel", "x");
   // The down kernel is launched as a programmatic dependent of whatever precedes it (gate_up,
   // which triggers early; the MXFP8 quantization of h, which does not, so down then waits for it).
