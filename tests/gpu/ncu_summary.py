@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """Sums an `ncu --csv --page raw --metrics gpu__time_duration.sum` log per kernel name and per
-step (a step = one launch of the sampling kernel), largest first. Plain python3 (no packages)."""
+step (a step = one launch of the sampling kernel), largest first, with each kernel's mean time
+per launch. The window rarely holds whole steps, so a per-layer kernel shows 7.2-7.6 launches
+per 8-layer step and its per-step sum moves with the window: compare runs per launch.
+Plain python3 (no packages)."""
 import csv
 import re
 import sys
@@ -38,7 +41,8 @@ def main(path: str) -> None:
     grand = sum(total.values())
     print(f"{len(rows)} kernels, {steps} steps; per step {grand / steps / 1e3:.1f} us of kernel time")
     for n in sorted(total, key=total.get, reverse=True)[:40]:
-        print(f"{total[n] / steps / 1e3:9.1f} us/step {count[n] / steps:6.1f} launches/step  {n}")
+        print(f"{total[n] / steps / 1e3:9.1f} us/step {count[n] / steps:6.1f} launches/step "
+              f"{total[n] / count[n] / 1e3:8.2f} us/launch  {n}")
 
 
 if __name__ == "__main__":
