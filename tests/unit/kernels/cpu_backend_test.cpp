@@ -156,6 +156,16 @@ TEST(CpuBackend, SoftmaxTopKBreaksTiesByLowerId) {
 TEST(CpuBackend, RouterIsLinearBiasThenSoftmaxTopK) {
   const int64_t T = 5, H = 12, E = 9, K = 3;
   std::vector<float> x(T * H), w(E * H), bias(E);
+  // The router's views over the test's buffers (no bias).
+  const auto args = [&](std::vector<int32_t>& ids, std::vector<float>& wt, std::vector<float>& logits) {
+    RouterArgs a;
+    a.ids = i32(ids, {T, K});
+    a.weights = f32(wt, {T, K});
+    a.logits = f32(logits, {T, E});
+    a.x = f32(x, {T, H});
+    a.w = f32(w, {E, H});
+    return a;
+  };
   for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.37f * static_cast<float>(i)) * 1.5f;
   for (size_t i = 0; i < w.size(); ++i) w[i] = std::cos(0.11f * static_cast<float>(i * i % 97));
   for (size_t i = 0; i < bias.size(); ++i) bias[i] = 0.25f * static_cast<float>(i % 4) - 0.4f;
@@ -170,12 +180,7 @@ TEST(CpuBackend, RouterIsLinearBiasThenSoftmaxTopK) {
       }
       ASSERT_TRUE(cpu().router_softmax_topk(kCtx, i32(ref_ids, {T, K}), f32(ref_wt, {T, K}), f32(ref_logits, {T, E}),
                                             renorm).ok());
-      RouterArgs a;
-      a.ids = i32(ids, {T, K});
-      a.weights = f32(wt, {T, K});
-      a.logits = f32(logits, {T, E});
-      a.x = f32(x, {T, H});
-      a.w = f32(w, {E, H});
+      RouterArgs a = args(ids, wt, logits);
       if (with_bias) a.bias = f32(bias, {E});
       a.renormalize = renorm;
       ASSERT_TRUE(cpu().router(kCtx, a).ok());
@@ -186,12 +191,7 @@ TEST(CpuBackend, RouterIsLinearBiasThenSoftmaxTopK) {
 
   std::vector<float> logits(T * E, NAN), wt(T * K, NAN), short_bias(E - 1);
   std::vector<int32_t> ids(T * K, -7);
-  RouterArgs good;
-  good.ids = i32(ids, {T, K});
-  good.weights = f32(wt, {T, K});
-  good.logits = f32(logits, {T, E});
-  good.x = f32(x, {T, H});
-  good.w = f32(w, {E, H});
+  const RouterArgs good = args(ids, wt, logits);
   RouterArgs bad = good;
   bad.w = f32(w, {E, H - 1});
   EXPECT_STATUS(cpu().router(kCtx, bad), ErrorCode::kInvalidArgument, "x");
