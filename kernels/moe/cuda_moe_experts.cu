@@ -569,6 +569,7 @@ struct DecodeArgs {
   int ksplit;                     // 1, 2, 4 or 8 warps along K
   int tok_cap;                    // staged rows per pass (<= 8 kDecMaxNt; the smem size)
   int seg_chunks, num_segs;       // K staged in num_segs segments of seg_chunks chunks per slice
+  int row_blocks;                 // blocks of kDecWarps / ksplit 32-row groups per expert (>= gridDim.x)
   const float* bias;              // [E, N] checkpoint rows, nullable
   int act_kind;
   float limit, alpha;
@@ -849,9 +850,11 @@ struct DecCta {
   const float* bias;
 };
 
-// One pass: rows base + g0 .. + nrows (nrows <= 8 NT) of the expert through NT n-tiles.
+// One pass: rows base + g0 .. + nrows (nrows <= 8 NT) of the expert through NT n-tiles. Without
+// stage_rows the rows staged by the CTA's previous block (the same rows, all of K) are used.
 template <int NT, bool kGateUp>
-__device__ __forceinline__ void dec_rows(const DecodeArgs& g, const DecCta& a, uint8_t* dsm, int g0, int nrows) {
+__device__ __forceinline__ void dec_rows(const DecodeArgs& g, const DecCta& a, uint8_t* dsm, int g0, int nrows,
+                                         bool stage_rows) {
   float acc[2][NT][4];
   uint8_t* ring = a.rings + a.warp * kDecWarpRing;
   dec_pass<NT>(acc, a.wblk, a.wsc, a.grp * 2, a.k_tiles, a.kc_begin, a.kc_end, a.wk, g.seg_chunks, g.num_segs, dsm,
@@ -861,8 +864,10 @@ __device__ __forceinline__ void dec_rows(const DecodeArgs& g, const DecCta& a, u
                  } else if constexpr (!kGateUp) {
                    if (g0 == 0) asm volatile("griddepcontrol.wait;" ::: "memory");  // h is written
                  }
-                 dec_stage(g, dsm, a.stride, a.slots, a.chunks, a.base, g0, nrows, seg);
-                 __syncthreads();
+                 if (seg > 0 || stage_rows) {
+                   dec_stage(g, dsm, a.stride, a.slots, a.chunks, a.base, g0, nrows, seg);
+                   __syncthreads();
+                 }
                });
   const int ks = a.ks, lane = a.lane;
   if (ks > 1) {
@@ -963,12 +968,9 @@ __global__ void __launch_bounds__(kDecThreads, 2) decode_gemm_kernel(const Decod
   a.ks = g.ksplit;
   a.wk = a.warp % a.ks;
   const int wr = a.warp / a.ks, groups_per_cta = kDecWarps / a.ks;
-  a.grp = blockIdx.x * groups_per_cta + wr;
-  a.has_rows = a.grp * 32 < g.n;
   a.k_tiles = g.k / 64;
   a.chunks = (g.k + 127) / 128;
   a.kc_begin = a.chunks * a.wk / a.ks;
-  a.kc_end = a.has_rows ? a.chunks * (a.wk + 1) / a.ks : a.kc_begin;
   a.slots = g.num_segs == 1 ? a.chunks : a.ks * g.seg_chunks;
   a.stride = a.slots * 256 + 64;
   a.wblk = g.w_blocks + static_cast<int64_t>(e) * g.n * g.k / 2;
@@ -982,23 +984,41 @@ __global__ void __launch_bounds__(kDecThreads, 2) decode_gemm_kernel(const Decod
   // gate_up started) and the weights, so its first weight loads overlap gate_up's tail.
   if constexpr (kGateUp) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
-  for (int g0 = 0; g0 < a.count; g0 += g.tok_cap) {
-    const int nrows = a.count - g0 < g.tok_cap ? a.count - g0 : g.tok_cap;
-    // The previous pass is done with the staged rows and (split K) with every warp's ring.
-    if (g0 > 0) __syncthreads();
-    if constexpr (kMaxNt >= 4) {
-      if (nrows > 16) {
-        dec_rows<4, kGateUp>(g, a, dsm, g0, nrows);
-        continue;
+  // One row block (groups_per_cta 32-row groups) of the expert.
+  auto run_block = [&](int blk) {
+    a.grp = blk * groups_per_cta + wr;
+    a.has_rows = a.grp * 32 < g.n;
+    a.kc_end = a.has_rows ? a.chunks * (a.wk + 1) / a.ks : a.kc_begin;
+    // A later block of a one-pass expert with K staged whole finds its rows staged already.
+    const bool stage_rows = blk == static_cast<int>(blockIdx.x) || a.count > g.tok_cap || g.num_segs > 1;
+    for (int g0 = 0; g0 < a.count; g0 += g.tok_cap) {
+      const int nrows = a.count - g0 < g.tok_cap ? a.count - g0 : g.tok_cap;
+      // The previous pass (or block) is done with the staged rows and (split K) with every
+      // warp's ring.
+      if (g0 > 0 || blk != static_cast<int>(blockIdx.x)) __syncthreads();
+      if constexpr (kMaxNt >= 4) {
+        if (nrows > 16) {
+          dec_rows<4, kGateUp>(g, a, dsm, g0, nrows, stage_rows);
+          continue;
+        }
       }
-    }
-    if constexpr (kMaxNt >= 2) {
-      if (nrows > 8) {
-        dec_rows<2, kGateUp>(g, a, dsm, g0, nrows);
-        continue;
+      if constexpr (kMaxNt >= 2) {
+        if (nrows > 8) {
+          dec_rows<2, kGateUp>(g, a, dsm, g0, nrows, stage_rows);
+          continue;
+        }
       }
+      dec_rows<1, kGateUp>(g, a, dsm, g0, nrows, stage_rows);
     }
-    dec_rows<1, kGateUp>(g, a, dsm, g0, nrows);
+  };
+  // One-n-tile launches may give an expert fewer CTAs than row blocks (launch_decode: where each
+  // block is a few chunks per warp): blocks blockIdx.x, + gridDim.x, ..., so that a CTA's start
+  // (the launch, the routing loads, the staging of its rows) is paid once for several short
+  // blocks. Wider launches have a CTA per block (and keep the registers the loop would take).
+  if constexpr (kMaxNt == 1) {
+    for (int blk = blockIdx.x; blk < g.row_blocks; blk += gridDim.x) run_block(blk);
+  } else {
+    run_block(blockIdx.x);
   }
 }
 
@@ -1076,7 +1096,19 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
   a.seg_chunks = shape.seg_chunks;
   a.num_segs = shape.num_segs;
   const int64_t groups = a.n / 32, per_cta = kDecWarps / a.ksplit;
-  const dim3 grid(static_cast<unsigned int>((groups + per_cta - 1) / per_cta), static_cast<unsigned int>(bound));
+  const int64_t blocks = (groups + per_cta - 1) / per_cta;
+  a.row_blocks = static_cast<int>(blocks);
+  // K split 8 ways (few experts: a block is one 32-row group, ~K / 1024 chunks per warp), one
+  // n-tile, and more blocks than the SMs hold at once (two CTAs each, one past kDecSmemTwoCtas):
+  // one wave of CTAs, each looping over blocks of its expert. The routing loads, the CTA launch and the first staging were most of such a
+  // CTA's time (gpt-oss gate_up at one token: 720 CTAs of one block, ~2.7 waves).
+  int64_t ctas = blocks;
+  const int64_t resident = (shape.smem <= kDecSmemTwoCtas ? 2 : 1) * static_cast<int64_t>(num_sms);
+  if (a.ksplit == kDecWarps && a.tok_cap <= 8 && blocks * bound > resident) {
+    const int64_t per_expert = resident / bound;
+    ctas = per_expert < 1 ? 1 : per_expert;
+  }
+  const dim3 grid(static_cast<unsigned int>(ctas), static_cast<unsigned int>(bound));
   if (shape.smem > kDecSmemMax) return Status(ErrorCode::kUnimplemented, "hidden size too large for the decode kernel", "x");
   // The down kernel is launched as a programmatic dependent of whatever precedes it (gate_up,
   // which triggers early; the MXFP8 quantization of h, which does not, so down then waits for it).

@@ -160,6 +160,11 @@ TEST_F(MoeParity, Experts) {
       // lanes of the 7 absent rows must stay inside it (they read past the CTA's shared memory:
       // an illegal address on the H200 on 2026-12-01, found by this case)
       {"decode_one_row_long_k", 1, 1, 1, 1, 0, 8512, 128},
+      // decode kernel, K split 8, more 32-row groups than two CTAs per SM on an H200: CTAs loop
+      // over row blocks of their expert (gate_up: 268 groups, 2 chunks per warp; down: 266
+      // groups, 1 chunk per warp, two tokens)
+      {"decode_row_blocks_gate_up", 1, 1, 1, 1, 0, 2048, 4288},
+      {"decode_row_blocks_down", 2, 2, 1, 1, 0, 8512, 1024},
   };
   const ActivationParams acts[] = {{ActivationKind::kSwiGLU, 7.0f, 1.702f},
                                    {ActivationKind::kGptOssSwiGLU, 7.0f, 1.702f},
