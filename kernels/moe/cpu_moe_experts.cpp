@@ -71,13 +71,15 @@ void dequantize_expert(const ExpertsPlan& p, bool gate_up, int64_t e, std::vecto
     for (int64_t kb = 0; kb < k / 32; ++kb) {
       const E8M0 s{scales[quant::mxfp4_kernel_scale_offset(r, kb, n, k / 32, order)]};
       const int se = quant::e8m0_exponent(s);
-      for (int64_t b = kb * 16; b < kb * 16 + 16; ++b) {
-        const quant::Fp4x2 pair{blocks[quant::mxfp4_kernel_value_offset(r, b, n, k / 2, order)]};
-        const uint32_t codes[2] = {quant::fp4x2_even(pair), quant::fp4x2_odd(pair)};
-        for (int j = 0; j < 2; ++j)
-          w[static_cast<size_t>(r * k + 2 * b + j)] =
+      for (int64_t b0 = kb * 16; b0 < kb * 16 + 16; b0 += 4) {
+        // One arranged word of 8 elements (its 4 bytes stay together in the kernel layout).
+        uint8_t word[4];
+        std::memcpy(word, blocks + quant::mxfp4_kernel_value_offset(r, b0, n, k / 2, order), 4);
+        quant::mxfp4_arrange_bytes(word, false);
+        for (int64_t j = 0; j < 8; ++j)
+          w[static_cast<size_t>(r * k + 2 * b0 + j)] =
               quant::e8m0_is_nan(s) ? quant::f32_from_bits(quant::kF32CanonicalNan)
-                                    : quant::f32_from_bits(quant::e2m1_decode_bits(codes[j], se));
+                                    : quant::f32_from_bits(quant::e2m1_decode_bits((word[j / 2] >> (4 * (j % 2))) & 15u, se));
       }
     }
   }

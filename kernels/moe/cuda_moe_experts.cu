@@ -21,11 +21,12 @@
 // GEMM (simple, no wgmma, no TMA): a CTA computes BM pair rows x 64 kernel rows of one expert,
 // K in steps of 256 (BM 16) or 128 (BM 64) through shared memory as bf16, WMMA m16n16k16 (bf16
 // in, fp32 accumulate), 4 warps. Global loads are 16-byte vectors, prefetched into registers one step ahead. Weights
-// and MXFP8 activations are dequantized on the way into shared memory with lookup tables
-// (exact: E2M1 and E4M3 values times a power of two are bf16 numbers), so the tensor cores see
-// exactly the dequantized operands the CPU reference multiplies in FP32.
+// and MXFP8 activations are dequantized on the way into shared memory (E2M1 from the arranged
+// words by bit moves, E4M3 with a lookup table; exact: E2M1 and E4M3 values times a power of
+// two are bf16 numbers), so the tensor cores see exactly the dequantized operands the CPU
+// reference multiplies in FP32.
 // - MXFP4 weights: the tiled kernel layout (kernels/quant/mxfp4.hpp): one 16-byte vector is one
-//   32-element block of one row, a 16 x 64 tile is 512 contiguous bytes; gate/up rows come in
+//   32-element block of one row (4 arranged words), a 16 x 64 tile is 512 contiguous bytes; gate/up rows come in
 //   groups of 32 (16 gate then the 16 up rows of the same features), so a 64-row CTA holds 32
 //   complete (gate, up) pairs and applies SwiGLU in its epilogue.
 // - bf16 weights: checkpoint rows, read in that same kernel-row order
@@ -122,6 +123,63 @@ __device__ __forceinline__ uint32_t scale_bf16x2(uint8_t s) {
   return b | (b << 16);
 }
 
+__device__ __forceinline__ uint32_t bf16x2_mul_rn(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// The four bf16 pairs of an arranged MXFP4 word (kernels/quant/mxfp4.hpp, layout step 4):
+// p[q] holds elements (3 - q, 7 - q) of the word's 8, each as the bf16 bits of E2M1 * 2^-126
+// (sign at bit 15 / 31, e1 e0 m at bits 8..6 / 24..22): 9 integer instructions per word.
+__device__ __forceinline__ void e2m1_pairs_raw(uint32_t a, uint32_t (&p)[4]) {
+  constexpr uint32_t kM = 0x81C081C0u;
+  p[0] = a & kM;
+  p[1] = __funnelshift_r(a, a, 4) & kM;
+  p[2] = __funnelshift_r(a, a, 10) & kM;
+  p[3] = (__funnelshift_r(a, a, 6) & 0x81808180u) | (__funnelshift_r(a, a, 14) & 0x00400040u);
+}
+
+// The bf16x2 factor that turns e2m1_pairs_raw() into E2M1 * 2^(s - 127): 2^(s - 1) for scale
+// codes s <= 128; for 128 < s < 255 that overflows bf16, so such codes take 2^126 here and
+// dec_big_factor() afterwards (a warp takes that slower path only when one of its lanes needs
+// it: real expert weights never do); s = 255 (NaN) gives NaN.
+__device__ __forceinline__ uint32_t dec_factor(uint32_t s) {
+  const uint32_t b = s == 255u ? 0x7FC0u : (s <= 128u ? (s + 126u) << 7 : 0x7E80u);
+  return b | (b << 16);
+}
+__device__ __forceinline__ uint32_t dec_big_factor(uint32_t s) {
+  const uint32_t b = (s > 128u && s < 255u) ? s << 7 : 0x3F80u;  // 2^(s - 127), else 1
+  return b | (b << 16);
+}
+// dec_factor() for s <= 128 in one integer multiply-add: (s + 126) << 7 in both halves. The
+// chunk loop takes it when no lane of the warp has a larger code (one vote on the maximum), and
+// dec_factor() / dec_big_factor() otherwise: the scale costs two instructions per 32 weights.
+__device__ __forceinline__ uint32_t dec_factor_small(uint32_t s) { return s * 0x00800080u + 0x3F003F00u; }
+
+
+// The 8 elements of an arranged word in K order as bf16 pairs (0,1), (2,3), (4,5), (6,7), times
+// 2^(s - 127) for block scale code s: the bits of the E2M1 value times scale_bf16x2(s), as the
+// byte lookup table of the layout's v1 gave them (both products are exact; a scale code above
+// 128 goes through the E2M1 value first, since 2^(s - 1) is not a bf16 number).
+__device__ __forceinline__ void e2m1_word_bf16(uint32_t a, uint32_t s, uint32_t* o) {
+  uint32_t p[4];
+  e2m1_pairs_raw(a, p);
+  if (s <= 128u) {
+    const uint32_t f = dec_factor_small(s);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) p[q] = bf16x2_mul_rn(p[q], f);
+  } else {
+    const uint32_t f = scale_bf16x2(static_cast<uint8_t>(s));
+#pragma unroll
+    for (int q = 0; q < 4; ++q) p[q] = bf16x2_mul_rn(bf16x2_mul_rn(p[q], 0x7E807E80u), f);  // x 2^126: the E2M1 value
+  }
+  o[0] = __byte_perm(p[3], p[2], 0x5410);  // low halves of (0,4) and (1,5)
+  o[1] = __byte_perm(p[1], p[0], 0x5410);
+  o[2] = __byte_perm(p[3], p[2], 0x7632);  // high halves
+  o[3] = __byte_perm(p[1], p[0], 0x7632);
+}
+
 // Occupancy: the MXFP4 kernels are held to 128 (decode) / 168 (prefill) registers so that 4 / 3
 // CTAs share an SM (a few bytes spill in the prefill tile); the bf16-weight kernels keep their
 // registers (their 16-vector prefetch would spill kilobytes).
@@ -131,7 +189,6 @@ __global__ void __launch_bounds__(kThreads, kBf16W ? 1 : (BM == 16 ? 4 : 3)) gem
   constexpr int kBK = S::kBK, kLdAB = S::kLdAB;
   __shared__ __align__(128) uint8_t smem[S::kSmem];
   __shared__ int64_t row_src[BM];
-  __shared__ uint32_t lut_fp4x2[256];  // byte of two E2M1 codes -> two bf16 (scale 2^0)
   __shared__ uint16_t lut_e4m3[256];   // E4M3 code -> bf16 (scale 2^0)
 
   const int tile = blockIdx.x;
@@ -154,11 +211,6 @@ __global__ void __launch_bounds__(kThreads, kBf16W ? 1 : (BM == 16 ? 4 : 3)) gem
     row_src[tid] = src;
   }
   for (int i = tid; i < 256; i += kThreads) {
-    if constexpr (!kBf16W) {
-      const uint32_t lo = f32_to_bf16_bits(quant::f32_from_bits(quant::e2m1_decode_bits(i & 15u, 0)));
-      const uint32_t hi = f32_to_bf16_bits(quant::f32_from_bits(quant::e2m1_decode_bits(i >> 4, 0)));
-      lut_fp4x2[i] = lo | (hi << 16);
-    }
     if constexpr (kMx8A)
       lut_e4m3[i] = f32_to_bf16_bits(quant::f32_from_bits(
           quant::e4m3_decode_bits(quant::E4M3{static_cast<uint8_t>(i)}, 0)));
@@ -264,15 +316,10 @@ __global__ void __launch_bounds__(kThreads, kBf16W ? 1 : (BM == 16 ? 4 : 3)) gem
         const int ti = c >> 5, within = c & 31;
         const int rt = ti / (kBK / 64), kt = ti % (kBK / 64);
         const int row = within >> 1, half = within & 1;
-        const uint32_t sc = scale_bf16x2(b_sc[j]);
         const uint32_t words[4] = {b_reg[j].x, b_reg[j].y, b_reg[j].z, b_reg[j].w};
         uint32_t o[16];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-#pragma unroll
-          for (int bb = 0; bb < 4; ++bb)
-            o[4 * q + bb] = bf16x2_mul(lut_fp4x2[(words[q] >> (8 * bb)) & 0xffu], sc);
-        }
+        for (int q = 0; q < 4; ++q) e2m1_word_bf16(words[q], b_sc[j], o + 4 * q);
         uint4* dst = reinterpret_cast<uint4*>(bs_u + (rt * 16 + row) * kLdAB + kt * 64 + half * 32);
         dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
         dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
@@ -579,12 +626,6 @@ struct DecodeArgs {
   float* y;          // down out [P, N] fp32 (sorted rows)
 };
 
-__device__ __forceinline__ uint32_t bf16x2_mul_rn(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                                uint32_t b1) {
   asm volatile(
@@ -593,31 +634,6 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-
-// Nibbles i and i + 4 of w (i = 3 - j/4... see callers) as bf16 bits of E2M1 * 2^-126:
-// sign to bit 15 / 31, exponent and mantissa to bits 6..8 / 22..24.
-template <int kShl>
-__device__ __forceinline__ uint32_t e2m1_pair_raw(uint32_t w) {
-  const uint32_t t = w << kShl;
-  return (t & 0x80008000u) | ((t >> 6) & 0x01C001C0u);
-}
-
-// The bf16x2 factor that turns e2m1_pair_raw() into E2M1 * 2^(s - 127): 2^(s - 1) for scale
-// codes s <= 128; for 128 < s < 255 that overflows bf16, so such codes take 2^126 here and
-// dec_big_factor() afterwards (a warp takes that slower path only when one of its lanes needs
-// it: real expert weights never do); s = 255 (NaN) gives NaN.
-__device__ __forceinline__ uint32_t dec_factor(uint32_t s) {
-  const uint32_t b = s == 255u ? 0x7FC0u : (s <= 128u ? (s + 126u) << 7 : 0x7E80u);
-  return b | (b << 16);
-}
-__device__ __forceinline__ uint32_t dec_big_factor(uint32_t s) {
-  const uint32_t b = (s > 128u && s < 255u) ? s << 7 : 0x3F80u;  // 2^(s - 127), else 1
-  return b | (b << 16);
-}
-// dec_factor() for s <= 128 in one integer multiply-add: (s + 126) << 7 in both halves. The
-// chunk loop takes it when no lane of the warp has a larger code (one vote on the maximum), and
-// dec_factor() / dec_big_factor() otherwise: the scale costs two instructions per 32 weights.
-__device__ __forceinline__ uint32_t dec_factor_small(uint32_t s) { return s * 0x00800080u + 0x3F003F00u; }
 
 // Stage B rows base + g0 + n (n < nrows) into shared memory as bf16, permuted: the 16 bytes at
 // n*stride + slot*256 + wi*64 + c*16 hold the pairs (3,7), (2,6), (1,5), (0,4) of elements
@@ -700,10 +716,9 @@ __device__ __forceinline__ void dec_compute(float (&acc)[2][NT][4], const DecChu
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const uint32_t w = wi == 0 ? ch.v[t][hh].x : wi == 1 ? ch.v[t][hh].y : wi == 2 ? ch.v[t][hh].z : ch.v[t][hh].w;
-        p[hh][0] = bf16x2_mul_rn(e2m1_pair_raw<0>(w), ch.f[t][hh]);
-        p[hh][1] = bf16x2_mul_rn(e2m1_pair_raw<4>(w), ch.f[t][hh]);
-        p[hh][2] = bf16x2_mul_rn(e2m1_pair_raw<8>(w), ch.f[t][hh]);
-        p[hh][3] = bf16x2_mul_rn(e2m1_pair_raw<12>(w), ch.f[t][hh]);
+        e2m1_pairs_raw(w, p[hh]);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) p[hh][q] = bf16x2_mul_rn(p[hh][q], ch.f[t][hh]);
         if constexpr (kBig) {
 #pragma unroll
           for (int q = 0; q < 4; ++q) p[hh][q] = bf16x2_mul_rn(p[hh][q], ch.g[t][hh]);
@@ -1191,7 +1206,6 @@ __global__ void __launch_bounds__(kPfThreads, 2) prefill_gemm_kernel(const GemmA
   using S = PfShape<BM>;
   extern __shared__ __align__(128) uint8_t pf_smem[];
   __shared__ int64_t row_src[BM];
-  __shared__ uint32_t lut_fp4x2[256];
 
   const int tile = blockIdx.y;
   if (tile >= g.meta[0]) return;  // whole CTA
@@ -1215,11 +1229,6 @@ __global__ void __launch_bounds__(kPfThreads, 2) prefill_gemm_kernel(const GemmA
       src = kGateUp ? g.sorted_pair[s] / g.top_k : s;
     }
     row_src[tid] = src;
-  }
-  {
-    const uint32_t lo = f32_to_bf16_bits(quant::f32_from_bits(quant::e2m1_decode_bits(tid & 15u, 0)));
-    const uint32_t hi = f32_to_bf16_bits(quant::f32_from_bits(quant::e2m1_decode_bits((tid >> 4) & 15u, 0)));
-    lut_fp4x2[tid] = lo | (hi << 16);
   }
   __syncthreads();
 
@@ -1256,13 +1265,11 @@ __global__ void __launch_bounds__(kPfThreads, 2) prefill_gemm_kernel(const GemmA
     const uint8_t* raw = raw_ring + static_cast<int>(st % kPfStages) * kPfRawBytes;
     uint16_t* bt = reinterpret_cast<uint16_t*>(b_tiles + static_cast<int>(st % 2) * S::kBBytes);
     const uint4 v = *reinterpret_cast<const uint4*>(raw + tid * 16);
-    const uint32_t sc = scale_bf16x2(raw[4096 + tid * 4 + (sc_idx & 3)]);
+    const uint32_t sc = raw[4096 + tid * 4 + (sc_idx & 3)];
     const uint32_t words[4] = {v.x, v.y, v.z, v.w};
     uint32_t o[16];
 #pragma unroll
-    for (int q = 0; q < 4; ++q)
-#pragma unroll
-      for (int bb = 0; bb < 4; ++bb) o[4 * q + bb] = bf16x2_mul(lut_fp4x2[(words[q] >> (8 * bb)) & 0xffu], sc);
+    for (int q = 0; q < 4; ++q) e2m1_word_bf16(words[q], sc, o + 4 * q);
     uint4* dst = reinterpret_cast<uint4*>(bt + (rt * 16 + wrow) * kPfLd + whalf * 32);
     dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
     dst[1] = make_uint4(o[4], o[5], o[6], o[7]);

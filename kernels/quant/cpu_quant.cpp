@@ -41,17 +41,18 @@ void cpu_quantize_mx(const MxQuantPlan& p) {
       const int se = e8m0_exponent(s);
       p.scales[r * p.num_kb + kb] = s;
       if (p.fp4) {
-        for (int j = 0; j < kMxfp4BytesPerBlock; ++j) {
-          const Fp4x2 b = poisoned ? Fp4x2{0}
-                                   : fp4x2_pack(e2m1_encode(v[2 * j], se),
-                                                e2m1_encode(v[2 * j + 1], se));
+        uint8_t codes[kMxfp4BytesPerBlock];
+        for (int j = 0; j < kMxfp4BytesPerBlock; ++j)
+          codes[j] = poisoned ? 0 : fp4x2_pack(e2m1_encode(v[2 * j], se), e2m1_encode(v[2 * j + 1], se)).bits;
+        // The kernel layout keeps each 4-byte word together (a 16-byte block never straddles a
+        // tile row) and stores it arranged.
+        for (int j = 0; j < kMxfp4BytesPerBlock; j += 4) {
           const int64_t byte = kb * kMxfp4BytesPerBlock + j;
-          if (p.kernel_layout) {
-            p.blocks[expert * p.rows_per_expert * row_bytes +
-                     mxfp4_kernel_value_offset(lr, byte, p.rows_per_expert, row_bytes, p.order)] = b;
-          } else {
-            p.blocks[r * row_bytes + byte] = b;
-          }
+          Fp4x2* dst = p.kernel_layout ? p.blocks + expert * p.rows_per_expert * row_bytes +
+                                             mxfp4_kernel_value_offset(lr, byte, p.rows_per_expert, row_bytes, p.order)
+                                       : p.blocks + r * row_bytes + byte;
+          std::memcpy(dst, codes + j, 4);
+          if (p.kernel_layout) mxfp4_arrange_bytes(&dst->bits, true);
         }
         if (p.kernel_layout)
           p.kernel_scales[expert * p.rows_per_expert * p.num_kb +
@@ -85,6 +86,11 @@ void cpu_dequantize_mx(const MxDequantPlan& p) {
 
 namespace {
 
+// Step 4 of the kernel layout on `bytes` (a multiple of 4) bytes from a word boundary.
+void arrange_words(Fp4x2* p, int64_t bytes, bool arrange) {
+  for (int64_t i = 0; i < bytes; i += 4) mxfp4_arrange_bytes(&p[i].bits, arrange);
+}
+
 // kPlain, kGateUpInterleaved: one closed group of rows at a time through a group-sized
 // scratch buffer (the permutation maps the bytes of rows [g*G, (g+1)*G) onto themselves).
 void layout_by_groups(const LayoutPlan& p) {
@@ -96,6 +102,7 @@ void layout_by_groups(const LayoutPlan& p) {
     for (int64_t g0 = 0; g0 < p.n; g0 += group) {
       Fp4x2* base = mat + g0 * p.row_bytes;
       std::memcpy(scratch.data(), base, static_cast<size_t>(span));
+      if (!p.to_kernel) arrange_words(scratch.data(), span, false);
       for (int64_t lr = 0; lr < group; ++lr) {
         for (int64_t b = 0; b < p.row_bytes; ++b) {
           const int64_t kernel_pos =
@@ -105,12 +112,16 @@ void layout_by_groups(const LayoutPlan& p) {
           else base[ckpt_pos] = scratch[static_cast<size_t>(kernel_pos)];
         }
       }
+      if (p.to_kernel) arrange_words(base, span, true);
     }
   }
 }
 
-// One 16-row tile between checkpoint rows [16][row_bytes] and the kernel tiles [K/64][16][32].
-void transpose_tile(const Fp4x2* src, Fp4x2* dst, int64_t row_bytes, bool to_kernel) {
+// One 16-row tile between checkpoint rows [16][row_bytes] and the kernel tiles [K/64][16][32]
+// (words arranged); src is scratch and may be changed.
+void transpose_tile(Fp4x2* src, Fp4x2* dst, int64_t row_bytes, bool to_kernel) {
+  const int64_t tile = kMxfp4TileRows * row_bytes;
+  if (!to_kernel) arrange_words(src, tile, false);
   for (int64_t i = 0; i < kMxfp4TileRows; ++i) {
     for (int64_t b = 0; b < row_bytes; ++b) {
       const int64_t ckpt = i * row_bytes + b;
@@ -120,6 +131,7 @@ void transpose_tile(const Fp4x2* src, Fp4x2* dst, int64_t row_bytes, bool to_ker
       else dst[ckpt] = src[kern];
     }
   }
+  if (to_kernel) arrange_words(dst, tile, true);
 }
 
 // kGateUpConcatenated: whole tiles follow the cycles of the gate/up shuffle; each move

@@ -379,7 +379,7 @@ __global__ void __launch_bounds__(kThreads) mx_quantize_kernel(const MxQuantPlan
         if (poisoned) q0 = q1 = 0;
         // Lane h stores bytes [8h, 8h + 8) of the block's 16: chunks 2h and 2h + 1.
         const uint32_t other = __shfl_xor_sync(0xffffffffu, h ? q0 : q1, 1);
-        const uint32_t lo = h ? other : q0, hi = h ? q1 : other;
+        uint32_t lo = h ? other : q0, hi = h ? q1 : other;
         if (lane >= l.lanes) continue;
         uint8_t* blocks = reinterpret_cast<uint8_t*>(p.blocks);
         if constexpr (kMode == kMxfp4Kernel) {
@@ -402,6 +402,8 @@ __global__ void __launch_bounds__(kThreads) mx_quantize_kernel(const MxQuantPlan
           }
           dst = blocks + expert_base * p.num_kb * kMxfp4BytesPerBlock + value_off;
           if (h == 0) p.kernel_scales[expert_base * p.num_kb + scale_off] = s;
+          lo = mxfp4_arrange_word(lo);  // step 4 of the kernel layout: both words stay whole
+          hi = mxfp4_arrange_word(hi);
         } else {
           // Checkpoint blocks [rows, num_kb, 16] are flat in the block index either way.
           dst = blocks + blk * kMxfp4BytesPerBlock + 8 * h;
@@ -648,9 +650,31 @@ __device__ __forceinline__ int tile_source(int off, int row_bytes, bool to_kerne
   return (b / kMxfp4TileRowBytes) * kMxfp4TileBytes + i * kMxfp4TileRowBytes + b % kMxfp4TileRowBytes;
 }
 
+// Chunk `from` (byte offset) of the staged bytes, with step 4 of the kernel layout applied on
+// the way (arrange: words arranged; otherwise undone). A chunk of 16 bytes is 4 whole words;
+// a 1-byte chunk (misaligned tensors) maps the word holding it and keeps its byte. Words
+// start at multiples of 4 from the staged base in both layouts (rows are multiples of 32 B).
+template <typename Chunk>
+__device__ __forceinline__ Chunk mapped_chunk(const unsigned char* staged, int from, bool arrange) {
+  if constexpr (sizeof(Chunk) == 16) {
+    uint4 v = *reinterpret_cast<const uint4*>(staged + from);
+    uint32_t* w = reinterpret_cast<uint32_t*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = arrange ? mxfp4_arrange_word(w[i]) : mxfp4_unarrange_word(w[i]);
+    return v;
+  } else {
+    uint8_t word[4];
+    const int w0 = from & ~3;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) word[i] = staged[w0 + i];
+    mxfp4_arrange_bytes(word, arrange);
+    return word[from & 3];
+  }
+}
+
 // kPlain / kGateUpInterleaved: one closed group of rows per CTA. Read the group's span into
 // shared memory, then write each chunk (16 bytes, or 1 on a misaligned tensor) from where
-// the other layout keeps it.
+// the other layout keeps it, arranging (to_kernel) or restoring its words on the way.
 template <typename Chunk>
 __global__ void __launch_bounds__(kLayoutThreads) mxfp4_layout_kernel(const LayoutPlan p) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -679,7 +703,7 @@ __global__ void __launch_bounds__(kLayoutThreads) mxfp4_layout_kernel(const Layo
       from = (kr / kMxfp4TileRows) * tile_bytes +
              tile_source((kr % kMxfp4TileRows) * row_bytes + off % row_bytes, row_bytes, false);
     }
-    base[c] = staged[from / kW];
+    base[c] = mapped_chunk<Chunk>(smem, from, p.to_kernel);
   }
 }
 
@@ -704,9 +728,10 @@ __global__ void __launch_bounds__(kLayoutThreads) mxfp4_tile_cycle_kernel(const 
   auto tile = [&](int64_t t) { return reinterpret_cast<Chunk*>(mat + t * kMxfp4TileRows * p.row_bytes); };
   Chunk* saved = reinterpret_cast<Chunk*>(smem);
   Chunk* work = saved + chunks;
-  auto move = [&](const Chunk* from, Chunk* to) {  // shared -> global, transposing
+  auto move = [&](const Chunk* from, Chunk* to) {  // shared -> global, transposing, words mapped
     for (int c = threadIdx.x; c < chunks; c += blockDim.x)
-      to[c] = from[tile_source(c * kW, row_bytes, p.to_kernel) / kW];
+      to[c] = mapped_chunk<Chunk>(reinterpret_cast<const unsigned char*>(from),
+                                  tile_source(c * kW, row_bytes, p.to_kernel), p.to_kernel);
   };
   const Chunk* first = tile(start);
   for (int c = threadIdx.x; c < chunks; c += blockDim.x) saved[c] = first[c];

@@ -26,7 +26,7 @@
 // Checkpoint layout (gpt-oss `*_blocks` / `*_scales`): blocks uint8 [E, N, K/32, 16],
 // scales uint8 [E, N, K/32], row-major, one row of the weight per output feature n.
 //
-// Kernel layout ("tiled v1", what the expert GEMM reads; the helpers at the end):
+// Kernel layout ("tiled v2", what the expert GEMM reads; the helpers at the end):
 // 1. Rows. kPlain keeps the checkpoint row order (down_proj, any matrix). The two gate/up
 //    orders name how the checkpoint stores a fused gate_up_proj of N = 2I rows:
 //    kGateUpInterleaved (gpt-oss: row 2j = gate j, row 2j+1 = up j) and kGateUpConcatenated
@@ -42,6 +42,19 @@
 // 3. Scales (a separate copy; the checkpoint scales are never touched, the weight registry
 //    restores from them): the 2 scales of each tile row, [N/16][K/64][16][2], 32 contiguous
 //    bytes per tile in the same tile order as the values: two 16-byte loads per tile.
+// 4. Words (v2; v1 stopped at 3). Each aligned 32-bit word of the tiled values (bytes 4w..4w+3
+//    of a tile row, little-endian: element j of the word's 8 in bits 4j..4j+3, code bits
+//    m, e0, e1, sign from low to high) is stored with its bits moved by mxfp4_arrange_word().
+//    The decode kernel wants each word as four bf16 pairs (elements (3,7), (2,6), (1,5),
+//    (0,4), low half first), each element as the bf16 bits of E2M1 * 2^-126: sign at bit 15,
+//    e1 e0 m at bits 8..6 (+16 for the high half), so one multiply by 2^(scale - 1) gives
+//    the value. From the v1 word that costs 15 integer instructions (each nibble's sign and
+//    magnitude need different shifts); from the arranged word A it costs 9, with
+//    M = 0x81C081C0 and rotr a 32-bit rotate right:
+//      pair (3,7) = A & M               pair (2,6) = rotr(A, 4) & M
+//      pair (1,5) = rotr(A, 10) & M     pair (0,4) = (rotr(A, 6) & 0x81808180) | (rotr(A, 14) & 0x00400040)
+//    (no four rotations of M tile the word, so the last pair takes two). The arrangement
+//    moves whole words, so it commutes with steps 1 and 2; the scales are untouched.
 // Requirements: K % 64 == 0 and N % 16 == 0 (N % 32 == 0 for the gate/up orders).
 // In place, with no second tensor: kPlain and kGateUpInterleaved permute within closed
 // groups of 16 / 32 rows (one group of scratch); kGateUpConcatenated moves whole 16-row
@@ -85,7 +98,7 @@ RD_HOST_DEVICE inline uint32_t e2m1_decode_bits(uint32_t code, int scale_exp) {
   return v | ((code & 0x8u) << 28);
 }
 
-// ---- kernel layout ("tiled v1") -----------------------------------------------------------
+// ---- kernel layout ("tiled v2") -----------------------------------------------------------
 
 enum class Mxfp4RowOrder : uint8_t {
   kPlain = 0,               // rows keep their order
@@ -93,7 +106,7 @@ enum class Mxfp4RowOrder : uint8_t {
   kGateUpConcatenated = 2,  // checkpoint rows gate0..gate(I-1), up0..up(I-1)
 };
 
-inline constexpr int kMxfp4LayoutVersion = 1;
+inline constexpr int kMxfp4LayoutVersion = 2;
 inline constexpr int kMxfp4TileRows = 16;
 inline constexpr int kMxfp4TileK = 64;                 // elements
 inline constexpr int kMxfp4TileRowBytes = 32;          // kMxfp4TileK / 2
@@ -148,6 +161,33 @@ RD_HOST_DEVICE inline int64_t mxfp4_kernel_scale_offset(int64_t r, int64_t kb, i
   const int64_t k_tiles = row_blocks / 2;
   return ((kr / kMxfp4TileRows) * k_tiles + kb / 2) * kMxfp4TileScales +
          (kr % kMxfp4TileRows) * 2 + kb % 2;
+}
+
+// Step 4 of the layout: the bits of one 32-bit word (v1 order: element j in bits 4j..4j+3) in
+// the arranged order, and back. Seven groups of bits move together, each by one rotation:
+// the signs of elements 3 and 7 stay, their magnitudes go right 6; magnitudes of 2 and 6 left
+// 2, their signs left 8; magnitudes of 1 and 5 with e0 e1 of 0 and 4 left 12; the signs of 0,
+// 1, 4 and 5 left 18; m of 0 and 4 left 20. tests/unit/kernels/quant/mxfp4_test.cpp checks
+// it against the bit-by-bit definition and the decode formulas above.
+RD_HOST_DEVICE inline constexpr uint32_t mxfp4_rotl(uint32_t x, int r) {
+  return r == 0 ? x : (x << r) | (x >> (32 - r));
+}
+RD_HOST_DEVICE inline constexpr uint32_t mxfp4_arrange_word(uint32_t w) {
+  return (w & 0x80008000u) | mxfp4_rotl(w & 0x70007000u, 26) | mxfp4_rotl(w & 0x07000700u, 2) |
+         mxfp4_rotl(w & 0x08000800u, 8) | mxfp4_rotl(w & 0x00760076u, 12) |
+         mxfp4_rotl(w & 0x00880088u, 18) | mxfp4_rotl(w & 0x00010001u, 20);
+}
+RD_HOST_DEVICE inline constexpr uint32_t mxfp4_unarrange_word(uint32_t a) {
+  return (a & 0x80008000u) | mxfp4_rotl(a & mxfp4_rotl(0x70007000u, 26), 6) |
+         mxfp4_rotl(a & mxfp4_rotl(0x07000700u, 2), 30) | mxfp4_rotl(a & mxfp4_rotl(0x08000800u, 8), 24) |
+         mxfp4_rotl(a & mxfp4_rotl(0x00760076u, 12), 20) | mxfp4_rotl(a & mxfp4_rotl(0x00880088u, 18), 14) |
+         mxfp4_rotl(a & mxfp4_rotl(0x00010001u, 20), 12);
+}
+// The word of four little-endian bytes at p (any alignment) arranged (or back), in place.
+RD_HOST_DEVICE inline void mxfp4_arrange_bytes(uint8_t* p, bool arrange) {
+  const uint32_t v = uint32_t{p[0]} | uint32_t{p[1]} << 8 | uint32_t{p[2]} << 16 | uint32_t{p[3]} << 24;
+  const uint32_t w = arrange ? mxfp4_arrange_word(v) : mxfp4_unarrange_word(v);
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(w >> (8 * i));
 }
 
 // kGateUpConcatenated moves whole 16-row tiles: kernel tile k holds checkpoint tile

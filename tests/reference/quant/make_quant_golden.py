@@ -6,7 +6,8 @@ MXFP4 kernel layout), written from the spec rules, not from the C++:
   magnitudes (E2M1: 8 values, E4M3: 127 values) in float64, ties to the even code, saturating;
 - the MX scale is floor(log2(amax)) - emax_elem via np.frexp (OCP MX v1.0 section 6.3);
 - the UE8M0 scale is the power of two at or above float32(amax) / float32(448) via np.frexp;
-- the kernel layout is a chain of reshapes and transposes, not index arithmetic.
+- the kernel layout is a chain of reshapes and transposes, not index arithmetic, then a bit
+  permutation of each word derived from the decode kernel's extraction formulas.
 
 The policies for zeros, NaN/Inf and partial blocks are the ones stated in kernels/quant/*.hpp.
 
@@ -227,6 +228,33 @@ def kernel_blocks(blocks, order):
     return rows.reshape(e, n // 16, 16, kb // 2, 32).transpose(0, 1, 3, 2, 4).reshape(e, n, kb, 16)
 
 
+# Step 4 (layout v2): the bits of every 32-bit word of the tiled values move so that the decode
+# kernel reads pair q (elements 3 - q and 7 - q, as bf16 bits of E2M1 * 2^-126: sign at bit 15,
+# e1 e0 m at 8..6, +16 for the second) as rotr(word, r) & mask. Written from those formulas:
+# (output bit, code bit) per pair and the rotation that reads it.
+BF16_BIT_OF_CODE_BIT = {0: 6, 1: 7, 2: 8, 3: 15}  # m, e0, e1, sign
+
+
+def word_bit_destinations():
+    """dst[4 * element + code_bit] = the bit of the arranged word that holds it."""
+    dst = np.full(32, -1)
+    for q in range(4):
+        for half, elem in ((0, 3 - q), (1, 7 - q)):
+            for cb, bf in BF16_BIT_OF_CODE_BIT.items():
+                rot = (0, 4, 10, 14 if cb == 0 else 6)[q]  # pair (0,4) reads m with another rotation
+                dst[4 * elem + cb] = (bf + 16 * half + rot) % 32
+    assert sorted(dst) == list(range(32)), "the arrangement is a permutation"
+    return dst
+
+
+def kernel_words(tiled):
+    """uint8 [..., 16] tiled values -> the same with each little-endian word's bits arranged."""
+    bits = np.unpackbits(np.ascontiguousarray(tiled).reshape(-1, 4), axis=1, bitorder="little")
+    out = np.zeros_like(bits)
+    out[:, word_bit_destinations()] = bits
+    return np.packbits(out, axis=1, bitorder="little").reshape(tiled.shape)
+
+
 def kernel_scales(scales, order):
     e, n, kb = scales.shape
     rows = kernel_row_order(scales, order)
@@ -363,7 +391,7 @@ def layout_case(records, order, case, rng, e, n, k):
     records.append((f"{op}/{case}/x", "bfloat16", x_stored))
     records.append((f"{op}/{case}/blocks", "uint8", blocks))
     records.append((f"{op}/{case}/scales", "uint8", scales))
-    records.append((f"{op}/{case}/kernel_blocks", "uint8", kernel_blocks(blocks, order)))
+    records.append((f"{op}/{case}/kernel_blocks", "uint8", kernel_words(kernel_blocks(blocks, order))))
     records.append((f"{op}/{case}/kernel_scales", "uint8", kernel_scales(scales, order)))
 
 
@@ -385,6 +413,17 @@ def self_checks():
             == b.reshape(2, 64, 64)[1, 32, 0])  # kernel row 16 = up 0 = checkpoint row 32
     assert (kernel_blocks(b, "concat").reshape(2, 4, 2, 16, 32)[1, 2, 0, 0, 0]
             == b.reshape(2, 64, 64)[1, 16, 0])  # kernel row 32 = gate 16 = checkpoint row 16
+    # Arranged words decode by the kernel's formulas to the E2M1 codes of the v1 word.
+    M = 0x81C081C0
+    rotr = lambda x, r: ((x >> r) | (x << (32 - r))) & 0xFFFFFFFF  # noqa: E731
+    raw = lambda c: ((c >> 3) << 15) | ((c & 7) << 6)  # noqa: E731  E2M1 code -> bf16 bits of value * 2^-126
+    w = np.random.default_rng(5).integers(0, 2**32, size=64, dtype=np.uint64).astype(np.uint32)
+    a = kernel_words(w.view(np.uint8)).view(np.uint32)
+    for v1, arr in zip(w.tolist(), a.tolist()):
+        pairs = [arr & M, rotr(arr, 4) & M, rotr(arr, 10) & M,
+                 (rotr(arr, 6) & 0x81808180) | (rotr(arr, 14) & 0x00400040)]
+        for q in range(4):
+            assert pairs[q] == raw((v1 >> (4 * (3 - q))) & 15) | (raw((v1 >> (4 * (7 - q))) & 15) << 16)
 
 
 def main():

@@ -192,6 +192,31 @@ def kernel_blocks(blocks, order):
     return rows.reshape(e, n // 16, 16, kb // 2, 32).permute(0, 1, 3, 2, 4).reshape(e, n, kb, 16)
 
 
+def kernel_words(tiled):
+    """Step 4 of the kernel layout (v2), as the inverse of the decode kernel's extraction: the
+    word holds pair q (elements 3 - q and 7 - q as bf16 bits of E2M1 * 2^-126: sign at bit 15,
+    e1 e0 m at 8..6, +16 for the second element) at the bits that rotr(word, r_q) & M reads,
+    r = 0, 4, 10, and 6 / 14 for the last pair's sign-exponent / mantissa bits."""
+    w = tiled.contiguous().reshape(-1, 4).to(torch.int64)
+    v1 = w[:, 0] | (w[:, 1] << 8) | (w[:, 2] << 16) | (w[:, 3] << 24)
+    mask32 = 0xFFFFFFFF
+
+    def raw(code):  # E2M1 code -> bf16 bits of its value * 2^-126
+        return ((code >> 3) << 15) | ((code & 7) << 6)
+
+    def rotl(x, r):
+        return ((x << r) | (x >> (32 - r))) & mask32 if r else x
+
+    out = torch.zeros_like(v1)
+    for q, parts in enumerate(([(0x81C081C0, 0)], [(0x81C081C0, 4)], [(0x81C081C0, 10)],
+                               [(0x81808180, 6), (0x00400040, 14)])):
+        pair = raw((v1 >> (4 * (3 - q))) & 15) | (raw((v1 >> (4 * (7 - q))) & 15) << 16)
+        for m, r in parts:
+            out |= rotl(pair & m, r)
+    b = torch.stack([(out >> (8 * i)) & 0xFF for i in range(4)], dim=1).to(torch.uint8)
+    return b.reshape(tiled.shape)
+
+
 def kernel_scales(scales, order):
     e, n, kb = scales.shape
     rows = kernel_rows(scales, order)
@@ -306,7 +331,7 @@ def layout_case(rec, order, case, g, e, n, k):
     rec.append((f"{op}/{case}/x", "bfloat16", bits))
     rec.append((f"{op}/{case}/blocks", "uint8", blocks.numpy()))
     rec.append((f"{op}/{case}/scales", "uint8", scales.numpy()))
-    rec.append((f"{op}/{case}/kernel_blocks", "uint8", kernel_blocks(blocks, order).contiguous().numpy()))
+    rec.append((f"{op}/{case}/kernel_blocks", "uint8", kernel_words(kernel_blocks(blocks, order)).numpy()))
     rec.append((f"{op}/{case}/kernel_scales", "uint8", kernel_scales(scales, order).contiguous().numpy()))
     return blocks, scales
 

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -238,7 +239,54 @@ TEST(Mxfp4, StridedInputMatchesContiguous) {
 
 // ---- kernel layout --------------------------------------------------------------------------
 
-// mxfp4.hpp's "tiled v1" written out as loops over tiles, independently of its index helpers.
+// Step 4 of mxfp4.hpp's "tiled v2" from its decode formulas, bit by bit: pair q holds
+// elements 3 - q and 7 - q as bf16 bits of E2M1 * 2^-126 (code bits m, e0, e1, sign at bf16
+// bits 6, 7, 8, 15, +16 for the second element) and is read as rotr(word, r) & mask.
+uint32_t arranged_by_bits(uint32_t v1) {
+  const int bf16_bit[4] = {6, 7, 8, 15};
+  uint32_t out = 0;
+  for (int q = 0; q < 4; ++q)
+    for (int half = 0; half < 2; ++half) {
+      const int elem = half * 4 + 3 - q;
+      for (int cb = 0; cb < 4; ++cb) {
+        const int rot = q == 0 ? 0 : q == 1 ? 4 : q == 2 ? 10 : (cb == 0 ? 14 : 6);
+        const int dst = (bf16_bit[cb] + 16 * half + rot) % 32;
+        out |= ((v1 >> (4 * elem + cb)) & 1u) << dst;
+      }
+    }
+  return out;
+}
+
+uint32_t rotr(uint32_t x, int r) { return r == 0 ? x : (x >> r) | (x << (32 - r)); }
+
+TEST(Mxfp4Layout, WordArrangementMatchesItsDefinitionAndTheDecodeFormulas) {
+  test::Rng rng(11);
+  for (int i = 0; i < 20000; ++i) {
+    const uint32_t v1 = i < 16 ? 0x11111111u * static_cast<uint32_t>(i) : static_cast<uint32_t>(rng.next());
+    const uint32_t a = mxfp4_arrange_word(v1);
+    ASSERT_EQ(a, arranged_by_bits(v1)) << std::hex << v1;
+    ASSERT_EQ(mxfp4_unarrange_word(a), v1) << std::hex << v1;
+    // The header's decode formulas give each element's E2M1 value * 2^-126 as bf16 bits.
+    const uint32_t m = 0x81C081C0u;
+    const uint32_t pairs[4] = {a & m, rotr(a, 4) & m, rotr(a, 10) & m,
+                               (rotr(a, 6) & 0x81808180u) | (rotr(a, 14) & 0x00400040u)};
+    for (int q = 0; q < 4; ++q)
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t code = (v1 >> (4 * (half * 4 + 3 - q))) & 15u;
+        const uint32_t want = f32_to_bf16_bits(f32_from_bits(e2m1_decode_bits(code, -126)));
+        ASSERT_EQ((pairs[q] >> (16 * half)) & 0xffffu, want) << std::hex << v1 << " pair " << q;
+      }
+  }
+  uint8_t bytes[4] = {0x10, 0x32, 0x54, 0x76};
+  mxfp4_arrange_bytes(bytes, true);
+  EXPECT_EQ(uint32_t{bytes[0]} | uint32_t{bytes[1]} << 8 | uint32_t{bytes[2]} << 16 | uint32_t{bytes[3]} << 24,
+            arranged_by_bits(0x76543210u));
+  mxfp4_arrange_bytes(bytes, false);
+  EXPECT_EQ(bytes[0], 0x10);
+  EXPECT_EQ(bytes[3], 0x76);
+}
+
+// mxfp4.hpp's "tiled v2" written out as loops over tiles, independently of its index helpers.
 // Kernel group g holds gate rows 16g..16g+15 then the up rows of the same features.
 int64_t checkpoint_row_of(int64_t kr, int64_t n, Mxfp4RowOrder order) {
   if (order == Mxfp4RowOrder::kPlain) return kr;
@@ -260,6 +308,12 @@ std::vector<uint8_t> tiled_blocks(const std::vector<uint8_t>& ckpt, int64_t expe
         for (int64_t i = 0; i < 16; ++i)
           for (int64_t j = 0; j < 32; ++j)
             out[o++] = ckpt[static_cast<size_t>((e * n + checkpoint_row_of(rt * 16 + i, n, order)) * row_bytes + kt * 32 + j)];
+  for (size_t w = 0; w < out.size(); w += 4) {
+    uint32_t v = 0;
+    for (size_t i = 0; i < 4; ++i) v |= uint32_t{out[w + i]} << (8 * i);
+    v = arranged_by_bits(v);
+    for (size_t i = 0; i < 4; ++i) out[w + i] = static_cast<uint8_t>(v >> (8 * i));
+  }
   return out;
 }
 
@@ -307,11 +361,15 @@ TEST(Mxfp4Layout, InPlaceForwardMatchesTheTiledLayoutAndInverseRestores) {
     if (s.k > 64 || s.order == Mxfp4RowOrder::kGateUpInterleaved) {
       EXPECT_NE(data, original);
     }
-    // The header's index helpers agree with the loops.
+    // The header's index helpers agree with the loops: the word holding byte b of row r, back
+    // in v1 order, holds the checkpoint byte there.
     for (int64_t r = 0; r < s.n; r += 7)
-      for (int64_t b = 0; b < row_bytes; b += 5)
-        EXPECT_EQ(data[static_cast<size_t>(mxfp4_kernel_value_offset(r, b, s.n, row_bytes, s.order))],
-                  original[static_cast<size_t>(r * row_bytes + b)]);
+      for (int64_t b = 0; b < row_bytes; b += 5) {
+        uint8_t word[4];
+        std::memcpy(word, &data[static_cast<size_t>(mxfp4_kernel_value_offset(r, b & ~3, s.n, row_bytes, s.order))], 4);
+        mxfp4_arrange_bytes(word, false);
+        EXPECT_EQ(word[b & 3], original[static_cast<size_t>(r * row_bytes + b)]);
+      }
     ASSERT_OK(mxfp4_blocks_to_checkpoint_layout(kCpu, v, s.order));
     EXPECT_EQ(data, original) << "restore after postprocess is the identity";
   }
