@@ -130,8 +130,9 @@ __device__ __forceinline__ uint32_t bf16x2_mul_rn(uint32_t a, uint32_t b) {
 }
 
 // The four bf16 pairs of an arranged MXFP4 word (kernels/quant/mxfp4.hpp, layout step 4):
-// p[q] holds elements (3 - q, 7 - q) of the word's 8, each as the bf16 bits of E2M1 * 2^-126
-// (sign at bit 15 / 31, e1 e0 m at bits 8..6 / 24..22): 9 integer instructions per word.
+// slots p[0..3] hold elements (0,4), (1,5), (3,7), (2,6) of the word's 8, each as the bf16 bits
+// of E2M1 * 2^-126 (sign at bit 15 / 31, e1 e0 m at bits 8..6 / 24..22): 9 integer
+// instructions per word.
 __device__ __forceinline__ void e2m1_pairs_raw(uint32_t a, uint32_t (&p)[4]) {
   constexpr uint32_t kM = 0x81C081C0u;
   p[0] = a & kM;
@@ -174,10 +175,10 @@ __device__ __forceinline__ void e2m1_word_bf16(uint32_t a, uint32_t s, uint32_t*
 #pragma unroll
     for (int q = 0; q < 4; ++q) p[q] = bf16x2_mul_rn(bf16x2_mul_rn(p[q], 0x7E807E80u), f);  // x 2^126: the E2M1 value
   }
-  o[0] = __byte_perm(p[3], p[2], 0x5410);  // low halves of (0,4) and (1,5)
-  o[1] = __byte_perm(p[1], p[0], 0x5410);
-  o[2] = __byte_perm(p[3], p[2], 0x7632);  // high halves
-  o[3] = __byte_perm(p[1], p[0], 0x7632);
+  o[0] = __byte_perm(p[0], p[1], 0x5410);  // low halves of (0,4) and (1,5)
+  o[1] = __byte_perm(p[3], p[2], 0x5410);  // low halves of (2,6) and (3,7)
+  o[2] = __byte_perm(p[0], p[1], 0x7632);  // high halves
+  o[3] = __byte_perm(p[3], p[2], 0x7632);
 }
 
 // Occupancy: the MXFP4 kernels are held to 128 (decode) / 168 (prefill) registers so that 4 / 3
@@ -570,12 +571,13 @@ __global__ void __launch_bounds__(kCombineThreads)
 //   r + 8 of a 16-row tile, one 32-element block each, lanes 4r..4r+3 covering a 128-wide K
 //   chunk: two 256-byte runs per copy instruction, whole sectors) through a per-warp cp.async
 //   ring in shared memory (3 stages: chunks i + 1 and i + 2 in flight while chunk i is used, no
-//   register cost; every lane reads back only its own bytes), and dequantizes in registers: E2M1 nibbles are moved into bf16 bit positions (value * 2^-126, subnormal for
+//   register cost; every lane reads back only its own bytes), and dequantizes in registers: E2M1 codes are moved into bf16 bit positions (value * 2^-126, subnormal for
 //   +-0.5) and multiplied by the block scale 2^(s-127) * 2^126 (exact: every E2M1 value times a
-//   power of two is a bf16 number; scales above 2^1 take a second multiply).
-// - The K order inside a chunk is permuted (nibbles i and i + 4 of a 32-bit word form one bf16
-//   pair, Marlin's trick: one shift per pair), so the activations are staged in shared memory once
-//   per CTA in the same permuted order, as bf16 (rounded exactly as the other path rounds them).
+//   power of two is a bf16 number; scales above 2^1 take a second multiply). The layout stores
+//   each word's bits arranged for this (mxfp4.hpp, step 4): a rotate and an AND per pair.
+// - The K order inside a chunk is permuted (a 32-bit word's pairs are its elements (0,4), (1,5),
+//   (3,7), (2,6)), so the activations are staged in shared memory once per CTA in the same
+//   permuted order, as bf16 (rounded exactly as the other path rounds them).
 // - A warp owns 32 kernel rows (for gate_up: 16 gate and the 16 up rows of the same features, so
 //   SwiGLU runs in registers); the CTA's 8 warps split K (1-8 ways, reduced through shared
 //   memory in a fixed order: deterministic) or take more rows, whichever gives enough CTAs.
@@ -636,7 +638,7 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a
 }
 
 // Stage B rows base + g0 + n (n < nrows) into shared memory as bf16, permuted: the 16 bytes at
-// n*stride + slot*256 + wi*64 + c*16 hold the pairs (3,7), (2,6), (1,5), (0,4) of elements
+// n*stride + slot*256 + wi*64 + c*16 hold the pairs (0,4), (1,5), (3,7), (2,6) of elements
 // kc*128 + 32c + 8wi + 0..7 of the K chunk kc in that slot; zeros past K. One segment: slot kc
 // holds chunk kc (all of K). Several: slot q*W + l holds chunk kc_begin(q) + seg*W + l, the W
 // chunks that the warps of K slice q work through in segment seg (W = g.seg_chunks).
@@ -688,7 +690,7 @@ __device__ __forceinline__ void dec_stage(const DecodeArgs& g, uint8_t* smem, in
     }
     const int c = g8 >> 2, wi = g8 & 3;
     *reinterpret_cast<uint4*>(smem + n * stride + slot * 256 + wi * 64 + c * 16) =
-        make_uint4(v[3] | (v[7] << 16), v[2] | (v[6] << 16), v[1] | (v[5] << 16), v[0] | (v[4] << 16));
+        make_uint4(v[0] | (v[4] << 16), v[1] | (v[5] << 16), v[3] | (v[7] << 16), v[2] | (v[6] << 16));
   }
 }
 
@@ -712,7 +714,7 @@ __device__ __forceinline__ void dec_compute(float (&acc)[2][NT][4], const DecChu
     for (int nt = 0; nt < NT; ++nt) bq[nt] = *reinterpret_cast<const uint4*>(brow + nt * 8 * stride + wi * 64);
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
-      uint32_t p[2][4];  // [half][pair (3,7) (2,6) (1,5) (0,4)]
+      uint32_t p[2][4];  // [half][slot: pairs (0,4) (1,5) (3,7) (2,6)]
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const uint32_t w = wi == 0 ? ch.v[t][hh].x : wi == 1 ? ch.v[t][hh].y : wi == 2 ? ch.v[t][hh].z : ch.v[t][hh].w;

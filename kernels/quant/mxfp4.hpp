@@ -45,16 +45,19 @@
 // 4. Words (v2; v1 stopped at 3). Each aligned 32-bit word of the tiled values (bytes 4w..4w+3
 //    of a tile row, little-endian: element j of the word's 8 in bits 4j..4j+3, code bits
 //    m, e0, e1, sign from low to high) is stored with its bits moved by mxfp4_arrange_word().
-//    The decode kernel wants each word as four bf16 pairs (elements (3,7), (2,6), (1,5),
-//    (0,4), low half first), each element as the bf16 bits of E2M1 * 2^-126: sign at bit 15,
-//    e1 e0 m at bits 8..6 (+16 for the high half), so one multiply by 2^(scale - 1) gives
-//    the value. From the v1 word that costs 15 integer instructions (each nibble's sign and
-//    magnitude need different shifts); from the arranged word A it costs 9, with
+//    The decode kernel wants each word as four bf16 pairs, slot by slot elements (0,4), (1,5),
+//    (3,7), (2,6) (low half first), each element as the bf16 bits of E2M1 * 2^-126: sign at
+//    bit 15, e1 e0 m at bits 8..6 (+16 for the high half), so one multiply by 2^(scale - 1)
+//    gives the value. From the v1 word that costs 15 integer instructions (each nibble's sign
+//    and magnitude need different shifts); from the arranged word A it costs 9, with
 //    M = 0x81C081C0 and rotr a 32-bit rotate right:
-//      pair (3,7) = A & M               pair (2,6) = rotr(A, 4) & M
-//      pair (1,5) = rotr(A, 10) & M     pair (0,4) = (rotr(A, 6) & 0x81808180) | (rotr(A, 14) & 0x00400040)
-//    (no four rotations of M tile the word, so the last pair takes two). The arrangement
-//    moves whole words, so it commutes with steps 1 and 2; the scales are untouched.
+//      slot 0 = A & M                slot 1 = rotr(A, 4) & M
+//      slot 2 = rotr(A, 10) & M      slot 3 = (rotr(A, 6) & 0x81808180) | (rotr(A, 14) & 0x00400040)
+//    No four rotations of M tile the word, so one slot takes two. Of the layouts these
+//    formulas allow (which elements share a slot, which slot takes which rotations), this one
+//    needs the fewest bit groups to arrange a v1 word: four, each one rotation (a search over
+//    all of them; the quantizers and layout moves pay ~8 instructions per word). The
+//    arrangement moves whole words, so it commutes with steps 1 and 2; scales are untouched.
 // Requirements: K % 64 == 0 and N % 16 == 0 (N % 32 == 0 for the gate/up orders).
 // In place, with no second tensor: kPlain and kGateUpInterleaved permute within closed
 // groups of 16 / 32 rows (one group of scratch); kGateUpConcatenated moves whole 16-row
@@ -164,24 +167,20 @@ RD_HOST_DEVICE inline int64_t mxfp4_kernel_scale_offset(int64_t r, int64_t kb, i
 }
 
 // Step 4 of the layout: the bits of one 32-bit word (v1 order: element j in bits 4j..4j+3) in
-// the arranged order, and back. Seven groups of bits move together, each by one rotation:
-// the signs of elements 3 and 7 stay, their magnitudes go right 6; magnitudes of 2 and 6 left
-// 2, their signs left 8; magnitudes of 1 and 5 with e0 e1 of 0 and 4 left 12; the signs of 0,
-// 1, 4 and 5 left 18; m of 0 and 4 left 20. tests/unit/kernels/quant/mxfp4_test.cpp checks
-// it against the bit-by-bit definition and the decode formulas above.
+// the arranged order, and back. Four groups of bits move together, each by one left rotation:
+// v1 bits 0x76007600 by 4, 0x00770077 by 6, 0x88008800 by 10, 0x01880188 by 12 (a rotate and
+// a masked OR per group). tests/unit/kernels/quant/mxfp4_test.cpp checks it against the
+// bit-by-bit definition and the decode formulas above.
 RD_HOST_DEVICE inline constexpr uint32_t mxfp4_rotl(uint32_t x, int r) {
   return r == 0 ? x : (x << r) | (x >> (32 - r));
 }
 RD_HOST_DEVICE inline constexpr uint32_t mxfp4_arrange_word(uint32_t w) {
-  return (w & 0x80008000u) | mxfp4_rotl(w & 0x70007000u, 26) | mxfp4_rotl(w & 0x07000700u, 2) |
-         mxfp4_rotl(w & 0x08000800u, 8) | mxfp4_rotl(w & 0x00760076u, 12) |
-         mxfp4_rotl(w & 0x00880088u, 18) | mxfp4_rotl(w & 0x00010001u, 20);
+  return (mxfp4_rotl(w, 4) & mxfp4_rotl(0x76007600u, 4)) | (mxfp4_rotl(w, 6) & mxfp4_rotl(0x00770077u, 6)) |
+         (mxfp4_rotl(w, 10) & mxfp4_rotl(0x88008800u, 10)) | (mxfp4_rotl(w, 12) & mxfp4_rotl(0x01880188u, 12));
 }
 RD_HOST_DEVICE inline constexpr uint32_t mxfp4_unarrange_word(uint32_t a) {
-  return (a & 0x80008000u) | mxfp4_rotl(a & mxfp4_rotl(0x70007000u, 26), 6) |
-         mxfp4_rotl(a & mxfp4_rotl(0x07000700u, 2), 30) | mxfp4_rotl(a & mxfp4_rotl(0x08000800u, 8), 24) |
-         mxfp4_rotl(a & mxfp4_rotl(0x00760076u, 12), 20) | mxfp4_rotl(a & mxfp4_rotl(0x00880088u, 18), 14) |
-         mxfp4_rotl(a & mxfp4_rotl(0x00010001u, 20), 12);
+  return (mxfp4_rotl(a, 28) & 0x76007600u) | (mxfp4_rotl(a, 26) & 0x00770077u) | (mxfp4_rotl(a, 22) & 0x88008800u) |
+         (mxfp4_rotl(a, 20) & 0x01880188u);
 }
 // The word of four little-endian bytes at p (any alignment) arranged (or back), in place.
 RD_HOST_DEVICE inline void mxfp4_arrange_bytes(uint8_t* p, bool arrange) {

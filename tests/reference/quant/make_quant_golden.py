@@ -229,17 +229,18 @@ def kernel_blocks(blocks, order):
 
 
 # Step 4 (layout v2): the bits of every 32-bit word of the tiled values move so that the decode
-# kernel reads pair q (elements 3 - q and 7 - q, as bf16 bits of E2M1 * 2^-126: sign at bit 15,
-# e1 e0 m at 8..6, +16 for the second) as rotr(word, r) & mask. Written from those formulas:
-# (output bit, code bit) per pair and the rotation that reads it.
+# kernel reads slot q (elements SLOT_LOW[q] and SLOT_LOW[q] + 4, as bf16 bits of E2M1 * 2^-126:
+# sign at bit 15, e1 e0 m at 8..6, +16 for the second) as rotr(word, r) & mask. Written from
+# those formulas: (output bit, code bit) per slot and the rotation that reads it.
 BF16_BIT_OF_CODE_BIT = {0: 6, 1: 7, 2: 8, 3: 15}  # m, e0, e1, sign
+SLOT_LOW = (0, 1, 3, 2)
 
 
 def word_bit_destinations():
     """dst[4 * element + code_bit] = the bit of the arranged word that holds it."""
     dst = np.full(32, -1)
     for q in range(4):
-        for half, elem in ((0, 3 - q), (1, 7 - q)):
+        for half, elem in ((0, SLOT_LOW[q]), (1, SLOT_LOW[q] + 4)):
             for cb, bf in BF16_BIT_OF_CODE_BIT.items():
                 rot = (0, 4, 10, 14 if cb == 0 else 6)[q]  # pair (0,4) reads m with another rotation
                 dst[4 * elem + cb] = (bf + 16 * half + rot) % 32
@@ -423,7 +424,8 @@ def self_checks():
         pairs = [arr & M, rotr(arr, 4) & M, rotr(arr, 10) & M,
                  (rotr(arr, 6) & 0x81808180) | (rotr(arr, 14) & 0x00400040)]
         for q in range(4):
-            assert pairs[q] == raw((v1 >> (4 * (3 - q))) & 15) | (raw((v1 >> (4 * (7 - q))) & 15) << 16)
+            lo = SLOT_LOW[q]
+            assert pairs[q] == raw((v1 >> (4 * lo)) & 15) | (raw((v1 >> (4 * (lo + 4))) & 15) << 16)
 
 
 def main():

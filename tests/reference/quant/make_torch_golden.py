@@ -194,9 +194,10 @@ def kernel_blocks(blocks, order):
 
 def kernel_words(tiled):
     """Step 4 of the kernel layout (v2), as the inverse of the decode kernel's extraction: the
-    word holds pair q (elements 3 - q and 7 - q as bf16 bits of E2M1 * 2^-126: sign at bit 15,
-    e1 e0 m at 8..6, +16 for the second element) at the bits that rotr(word, r_q) & M reads,
-    r = 0, 4, 10, and 6 / 14 for the last pair's sign-exponent / mantissa bits."""
+    word holds slot q (elements (0,4), (1,5), (3,7), (2,6) for q = 0..3, as bf16 bits of
+    E2M1 * 2^-126: sign at bit 15, e1 e0 m at 8..6, +16 for the second element) at the bits
+    that rotr(word, r_q) & M reads, r = 0, 4, 10, and 6 / 14 for the last slot's
+    sign-exponent / mantissa bits."""
     w = tiled.contiguous().reshape(-1, 4).to(torch.int64)
     v1 = w[:, 0] | (w[:, 1] << 8) | (w[:, 2] << 16) | (w[:, 3] << 24)
     mask32 = 0xFFFFFFFF
@@ -210,7 +211,8 @@ def kernel_words(tiled):
     out = torch.zeros_like(v1)
     for q, parts in enumerate(([(0x81C081C0, 0)], [(0x81C081C0, 4)], [(0x81C081C0, 10)],
                                [(0x81808180, 6), (0x00400040, 14)])):
-        pair = raw((v1 >> (4 * (3 - q))) & 15) | (raw((v1 >> (4 * (7 - q))) & 15) << 16)
+        lo = (0, 1, 3, 2)[q]
+        pair = raw((v1 >> (4 * lo)) & 15) | (raw((v1 >> (4 * (lo + 4))) & 15) << 16)
         for m, r in parts:
             out |= rotl(pair & m, r)
     b = torch.stack([(out >> (8 * i)) & 0xFF for i in range(4)], dim=1).to(torch.uint8)

@@ -239,15 +239,18 @@ TEST(Mxfp4, StridedInputMatchesContiguous) {
 
 // ---- kernel layout --------------------------------------------------------------------------
 
-// Step 4 of mxfp4.hpp's "tiled v2" from its decode formulas, bit by bit: pair q holds
-// elements 3 - q and 7 - q as bf16 bits of E2M1 * 2^-126 (code bits m, e0, e1, sign at bf16
-// bits 6, 7, 8, 15, +16 for the second element) and is read as rotr(word, r) & mask.
+// Step 4 of mxfp4.hpp's "tiled v2" from its decode formulas, bit by bit: slot q holds the
+// pair of elements kSlotLow[q] and kSlotLow[q] + 4 as bf16 bits of E2M1 * 2^-126 (code bits m,
+// e0, e1, sign at bf16 bits 6, 7, 8, 15, +16 for the second element), read as
+// rotr(word, r) & mask.
+constexpr int kSlotLow[4] = {0, 1, 3, 2};
+
 uint32_t arranged_by_bits(uint32_t v1) {
   const int bf16_bit[4] = {6, 7, 8, 15};
   uint32_t out = 0;
   for (int q = 0; q < 4; ++q)
     for (int half = 0; half < 2; ++half) {
-      const int elem = half * 4 + 3 - q;
+      const int elem = half * 4 + kSlotLow[q];
       for (int cb = 0; cb < 4; ++cb) {
         const int rot = q == 0 ? 0 : q == 1 ? 4 : q == 2 ? 10 : (cb == 0 ? 14 : 6);
         const int dst = (bf16_bit[cb] + 16 * half + rot) % 32;
@@ -272,7 +275,7 @@ TEST(Mxfp4Layout, WordArrangementMatchesItsDefinitionAndTheDecodeFormulas) {
                                (rotr(a, 6) & 0x81808180u) | (rotr(a, 14) & 0x00400040u)};
     for (int q = 0; q < 4; ++q)
       for (int half = 0; half < 2; ++half) {
-        const uint32_t code = (v1 >> (4 * (half * 4 + 3 - q))) & 15u;
+        const uint32_t code = (v1 >> (4 * (half * 4 + kSlotLow[q]))) & 15u;
         const uint32_t want = f32_to_bf16_bits(f32_from_bits(e2m1_decode_bits(code, -126)));
         ASSERT_EQ((pairs[q] >> (16 * half)) & 0xffffu, want) << std::hex << v1 << " pair " << q;
       }
