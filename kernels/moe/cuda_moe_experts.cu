@@ -1028,10 +1028,10 @@ __global__ void __launch_bounds__(kDecThreads, 2) decode_gemm_kernel(const Decod
       dec_rows<1, kGateUp>(g, a, dsm, g0, nrows, stage_rows);
     }
   };
-  // One-n-tile launches may give an expert fewer CTAs than row blocks (launch_decode: when the
-  // blocks are more than the SMs hold at once): blocks blockIdx.x, + gridDim.x, ..., so that a
-  // CTA's start (the launch, the routing loads, the staging of its rows) is paid once for
-  // several blocks. Wider launches have a CTA per block (and keep the registers the loop would take).
+  // One-n-tile launches may give an expert fewer CTAs than row blocks (launch_decode: where each
+  // block is a few chunks per warp): blocks blockIdx.x, + gridDim.x, ..., so that a CTA's start
+  // (the launch, the routing loads, the staging of its rows) is paid once for several short
+  // blocks. Wider launches have a CTA per block (and keep the registers the loop would take).
   if constexpr (kMaxNt == 1) {
     for (int blk = blockIdx.x; blk < g.row_blocks; blk += gridDim.x) run_block(blk);
   } else {
@@ -1115,18 +1115,15 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
   const int64_t groups = a.n / 32, per_cta = kDecWarps / a.ksplit;
   const int64_t blocks = (groups + per_cta - 1) / per_cta;
   a.row_blocks = static_cast<int>(blocks);
-  // One n-tile and more blocks than the SMs hold at once (two CTAs each, one past
-  // kDecSmemTwoCtas): one wave of CTAs, each looping over blocks of its expert, as few per
-  // expert as still take the same number of rounds. The routing loads, the CTA launch and the
-  // staging of the rows are paid once per CTA (gpt-oss gate_up at one token: 720 CTAs of one
-  // block, ~2.7 waves, where they were most of a CTA's time), and the last wave is not a
-  // partial one (h2880 at batch 32: 736 CTAs, 2.8 waves).
+  // K split 8 ways (few experts: a block is one 32-row group, ~K / 1024 chunks per warp), one
+  // n-tile, and more blocks than the SMs hold at once (two CTAs each, one past kDecSmemTwoCtas):
+  // one wave of CTAs, each looping over blocks of its expert. The routing loads, the CTA launch and the first staging were most of such a
+  // CTA's time (gpt-oss gate_up at one token: 720 CTAs of one block, ~2.7 waves).
   int64_t ctas = blocks;
   const int64_t resident = (shape.smem <= kDecSmemTwoCtas ? 2 : 1) * static_cast<int64_t>(num_sms);
-  if (a.tok_cap <= 8 && blocks * bound > resident) {
-    const int64_t most = resident / bound < 1 ? 1 : resident / bound;
-    const int64_t rounds = (blocks + most - 1) / most;
-    ctas = (blocks + rounds - 1) / rounds;
+  if (a.ksplit == kDecWarps && a.tok_cap <= 8 && blocks * bound > resident) {
+    const int64_t per_expert = resident / bound;
+    ctas = per_expert < 1 ? 1 : per_expert;
   }
   const dim3 grid(static_cast<unsigned int>(ctas), static_cast<unsigned int>(bound));
   if (shape.smem > kDecSmemMax) return Status(ErrorCode::kUnimplemented, "hidden size too large for the decode kernel", "x");
