@@ -1157,8 +1157,8 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
 // A CTA computes BM pair rows (64 or 128) x 128 kernel rows of one expert, K in steps of 64
 // (one MXFP4 tile column). Per step, cp.async brings the token rows (bf16) and the raw MXFP4
 // tile (4 KiB of codes; per thread the aligned scale word holding its block's scale) into a
-// 3-stage ring; each thread dequantizes the 32 codes it copied itself (lookup table and one bf16x2
-// multiply by the block scale: the same exact arithmetic as gemm_kernel) into a double-buffered
+// 3-stage ring; each thread dequantizes the 32 codes it copied itself (e2m1_word_bf16: bit moves
+// and one bf16x2 multiply by the block scale, the same exact arithmetic as gemm_kernel) into a double-buffered
 // bf16 weight tile, so the only CTA barrier per step is the one that publishes that tile and the
 // next token rows. 8 warps (2 along M x 4 along N, 32 kernel rows each) multiply with ldmatrix +
 // mma.sync m16n8k16, FP32 accumulators in registers, while the same warps dequantize the next
