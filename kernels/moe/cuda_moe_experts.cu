@@ -102,7 +102,7 @@ struct TileShape {
   static constexpr int kCBytes = BM * kLdC * 4;
   static constexpr int kSmem = (kABytes + kBBytes) > kCBytes ? (kABytes + kBBytes) : kCBytes;
   static_assert(kFragM * kWarpsM * 16 == BM && kFragN * kWarpsN * 16 == kBN, "tile split");
-  static_assert(kSmem + BM * 8 + 256 * 6 <= 48 * 1024, "static shared memory");
+  static_assert(kSmem + BM * 8 + 256 * 2 <= 48 * 1024, "static shared memory");
   static_assert(kABytes % 32 == 0 && (16 * kLdAB * 2) % 32 == 0, "WMMA pointer alignment");
 };
 
@@ -574,7 +574,8 @@ __global__ void __launch_bounds__(kCombineThreads)
 //   register cost; every lane reads back only its own bytes), and dequantizes in registers: E2M1 codes are moved into bf16 bit positions (value * 2^-126, subnormal for
 //   +-0.5) and multiplied by the block scale 2^(s-127) * 2^126 (exact: every E2M1 value times a
 //   power of two is a bf16 number; scales above 2^1 take a second multiply). The layout stores
-//   each word's bits arranged for this (mxfp4.hpp, step 4): a rotate and an AND per pair.
+//   each word's bits arranged for this (mxfp4.hpp, step 4): 9 integer instructions for its 4
+//   pairs (an AND; a rotate and an AND twice; two of each and an OR).
 // - The K order inside a chunk is permuted (a 32-bit word's pairs are its elements (0,4), (1,5),
 //   (3,7), (2,6)), so the activations are staged in shared memory once per CTA in the same
 //   permuted order, as bf16 (rounded exactly as the other path rounds them).

@@ -129,7 +129,8 @@ struct ExpertWeights {
   GateUpOrder gate_up_order = GateUpOrder::kConcatenated;
   // kBF16: gate_up [E, 2I, H], down [E, H, I]; scales absent.
   // kMXFP4: gate_up [E, 2I, H/32, 16] uint8|float4_e2m1fn_x2 in the kernel layout made from
-  // `gate_up_order` (mxfp4_blocks_to_kernel_layout), gate_up_scales [E, 2I, H/32]
+  // `gate_up_order` (mxfp4_blocks_to_kernel_layout; its bytes are no longer nibble pairs, see
+  // mxfp4.hpp step 4), gate_up_scales [E, 2I, H/32]
   // uint8|float8_e8m0fnu kernel-layout scales; down [E, H, I/32, 16] (kPlain), down_scales
   // [E, H, I/32].
   TensorView gate_up, gate_up_scales, down, down_scales;

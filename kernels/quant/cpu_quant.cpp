@@ -52,7 +52,7 @@ void cpu_quantize_mx(const MxQuantPlan& p) {
                                              mxfp4_kernel_value_offset(lr, byte, p.rows_per_expert, row_bytes, p.order)
                                        : p.blocks + r * row_bytes + byte;
           std::memcpy(dst, codes + j, 4);
-          if (p.kernel_layout) mxfp4_arrange_bytes(&dst->bits, true);
+          if (p.kernel_layout) mxfp4_arrange_bytes(reinterpret_cast<uint8_t*>(dst), true);
         }
         if (p.kernel_layout)
           p.kernel_scales[expert * p.rows_per_expert * p.num_kb +
@@ -88,7 +88,7 @@ namespace {
 
 // Step 4 of the kernel layout on `bytes` (a multiple of 4) bytes from a word boundary.
 void arrange_words(Fp4x2* p, int64_t bytes, bool arrange) {
-  for (int64_t i = 0; i < bytes; i += 4) mxfp4_arrange_bytes(&p[i].bits, arrange);
+  for (int64_t i = 0; i < bytes; i += 4) mxfp4_arrange_bytes(reinterpret_cast<uint8_t*>(p + i), arrange);
 }
 
 // kPlain, kGateUpInterleaved: one closed group of rows at a time through a group-sized

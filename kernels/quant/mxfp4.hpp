@@ -76,7 +76,8 @@ inline constexpr int kE2M1EmaxElem = 2;             // 6 = 1.5 * 2^2
 inline constexpr float kE2M1Max = 6.0f;
 inline constexpr uint8_t kE2M1MaxCode = 7;
 
-// Two E2M1 codes: element 2j in bits 0..3, element 2j+1 in bits 4..7.
+// Two E2M1 codes: element 2j in bits 0..3, element 2j+1 in bits 4..7 (the checkpoint layout;
+// the kernel layout's bytes are not such pairs: step 4 arranges the bits of each word).
 struct Fp4x2 {
   uint8_t bits;
 };

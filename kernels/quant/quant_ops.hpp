@@ -36,7 +36,7 @@ namespace rolloutd::quant {
 Status quantize_mxfp4(const ExecContext& ctx, TensorView x, TensorView blocks, TensorView scales);
 
 // x [.., N, K] -> blocks in the kernel layout (shape [.., N, K/32, 16]: the storage of the
-// checkpoint layout, bytes permuted), scales in the checkpoint layout [.., N, K/32] and the
+// checkpoint layout, 4-byte words permuted and the bits of each word arranged), scales in the checkpoint layout [.., N, K/32] and the
 // kernel-layout scales [.., N, K/32]. The same bytes as quantize_mxfp4 followed by
 // mxfp4_blocks_to_kernel_layout and mxfp4_scales_to_kernel_layout, in one pass.
 Status quantize_mxfp4_to_kernel_layout(const ExecContext& ctx, TensorView x, TensorView blocks,

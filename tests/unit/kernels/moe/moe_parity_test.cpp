@@ -313,6 +313,51 @@ TEST_F(MoeParity, DecodeTokensPerPass) {
   }
 }
 
+// Block scales above 2^1 (codes 129 and 130) take the decode kernel's second multiply and the
+// prefill kernel's other branch, and a NaN scale (255) poisons its block: every kernel must give
+// the CPU reference's values, NaN exactly where the reference has NaN. Decode: ~4 tokens per
+// expert; prefill: ~300.
+TEST_F(MoeParity, LargeAndNanBlockScales) {
+  struct Case {
+    std::string name;
+    int64_t t, k, e, h, inter;
+  };
+  const Case cases[] = {{"decode", 8, 4, 8, 256, 128}, {"prefill", 600, 2, 4, 256, 128}};
+  Rng rng(91);
+  for (const Case& c : cases) {
+    test::Mxfp4Host gu = test::random_mxfp4(rng, c.e, 2 * c.inter, c.h, -2, 3),
+                    dn = test::random_mxfp4(rng, c.e, c.h, c.inter, -3, 2);
+    gu.scales[static_cast<size_t>(1 * 2 * c.inter * (c.h / 32) + 5)] = 255;  // expert 1, row 0, block 5
+    dn.scales[static_cast<size_t>(2 * c.h * (c.inter / 32) + 7 * (c.inter / 32))] = 255;  // expert 2, row 7
+    const std::vector<float> gub = test::gauss_vec(rng, c.e * 2 * c.inter, 0.5f), dnb = test::gauss_vec(rng, c.e * c.h, 0.5f);
+    const std::vector<float> x = test::gauss_vec(rng, c.t * c.h, 1.0f), w = test::gauss_vec(rng, c.t * c.k, 0.5f);
+    std::vector<int32_t> ids(static_cast<size_t>(c.t * c.k));
+    for (int64_t t = 0; t < c.t; ++t)
+      for (int64_t j = 0; j < c.k; ++j)
+        ids[static_cast<size_t>(t * c.k + j)] = static_cast<int32_t>((rng.below(c.e) + j * (c.e / c.k)) % c.e);
+    for (const ActPrecision prec : {ActPrecision::kBF16, ActPrecision::kMXFP8}) {
+      SCOPED_TRACE(c.name + " " + act_precision_name(prec));
+      const std::vector<float> ref = run_mxfp4_experts(false, prec, c.e, c.k, c.h, c.inter, gu, dn, gub, dnb, x, ids, w);
+      const std::vector<float> got = run_mxfp4_experts(true, prec, c.e, c.k, c.h, c.inter, gu, dn, gub, dnb, x, ids, w);
+      ASSERT_EQ(got.size(), ref.size());
+      std::vector<float> ref_finite, got_finite;
+      size_t nans = 0;
+      for (size_t i = 0; i < ref.size(); ++i) {
+        ASSERT_EQ(std::isnan(got[i]), std::isnan(ref[i])) << i;
+        if (std::isnan(ref[i])) {
+          ++nans;
+          continue;
+        }
+        ref_finite.push_back(ref[i]);
+        got_finite.push_back(got[i]);
+      }
+      EXPECT_GT(nans, 0u) << "the NaN scales reached no output";
+      EXPECT_GT(ref_finite.size(), ref.size() / 4) << "too few finite outputs to compare";
+      EXPECT_LE(test::rel_l2(got_finite, ref_finite), prec == ActPrecision::kBF16 ? 1e-3 : 5e-3);
+    }
+  }
+}
+
 // Every token gets the same bits whether its expert's pass holds 8, 16 or 32 tokens: four
 // experts take every token while 64 exist, so the grid bound and the K split stay the same and
 // only the tokens per expert (16, 80, 150: 1, 2 and 4 n-tiles per pass) change.
