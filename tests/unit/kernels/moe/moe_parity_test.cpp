@@ -277,15 +277,34 @@ std::vector<float> run_mxfp4_experts(bool gpu, ActPrecision prec, int64_t e, int
   return test::read_f32(a, args.out);
 }
 
+// A routed MXFP4 experts case for run_mxfp4_experts, and its random inputs besides the weights:
+// biases, x (sigma x_sigma), combine weights and ids that spread each token's k choices.
+struct MxCase {
+  std::string name;
+  int64_t t, k, e, h, inter;
+};
+struct MxInputs {
+  std::vector<float> gub, dnb, x, w;
+  std::vector<int32_t> ids;
+};
+MxInputs mx_inputs(Rng& rng, const MxCase& c, float x_sigma) {
+  MxInputs in;
+  in.gub = test::gauss_vec(rng, c.e * 2 * c.inter, 0.5f);
+  in.dnb = test::gauss_vec(rng, c.e * c.h, 0.5f);
+  in.x = test::gauss_vec(rng, c.t * c.h, x_sigma);
+  in.w = test::gauss_vec(rng, c.t * c.k, 0.5f);
+  in.ids.resize(static_cast<size_t>(c.t * c.k));
+  for (int64_t t = 0; t < c.t; ++t)
+    for (int64_t j = 0; j < c.k; ++j)
+      in.ids[static_cast<size_t>(t * c.k + j)] = static_cast<int32_t>((rng.below(c.e) + j * (c.e / c.k)) % c.e);
+  return in;
+}
+
 // The MXFP4 decode kernel with more than 8 tokens per pass (2 and 4 n-tiles), its K staged whole
 // or in segments, K split 1, 2, 4 and 8 ways, experts with more tokens than a pass (a remainder
 // pass of fewer n-tiles): CUDA against the CPU reference.
 TEST_F(MoeParity, DecodeTokensPerPass) {
-  struct Case {
-    std::string name;
-    int64_t t, k, e, h, inter;
-  };
-  const Case cases[] = {
+  const MxCase cases[] = {
       // tokens per expert ~10: 32-token passes; gate_up K split 1 in 2 segments, down 4 in 3
       {"nt4_segments_ksplit1_4", 160, 4, 64, 896, 1088},
       {"nt4_segments_ksplit2_4", 96, 4, 32, 1088, 1088},  // ~12 per expert; K split 2 and 4
@@ -295,20 +314,17 @@ TEST_F(MoeParity, DecodeTokensPerPass) {
       {"nt2_whole_k", 28, 4, 16, 256, 128},                // ~7 per expert: 16-token passes
   };
   Rng rng(77);
-  for (const Case& c : cases) {
+  for (const MxCase& c : cases) {
     const test::Mxfp4Host gu = test::random_mxfp4(rng, c.e, 2 * c.inter, c.h), dn = test::random_mxfp4(rng, c.e, c.h, c.inter);
-    const std::vector<float> gub = test::gauss_vec(rng, c.e * 2 * c.inter, 0.5f), dnb = test::gauss_vec(rng, c.e * c.h, 0.5f);
-    const std::vector<float> x = test::gauss_vec(rng, c.t * c.h, 5.0f), w = test::gauss_vec(rng, c.t * c.k, 0.5f);
-    std::vector<int32_t> ids(static_cast<size_t>(c.t * c.k));
-    for (int64_t t = 0; t < c.t; ++t)
-      for (int64_t j = 0; j < c.k; ++j)
-        ids[static_cast<size_t>(t * c.k + j)] = static_cast<int32_t>((rng.below(c.e) + j * (c.e / c.k)) % c.e);
+    const MxInputs in = mx_inputs(rng, c, 5.0f);
     for (const ActPrecision prec : {ActPrecision::kBF16, ActPrecision::kMXFP8}) {
       SCOPED_TRACE(c.name + " " + act_precision_name(prec));
-      const std::vector<float> ref = run_mxfp4_experts(false, prec, c.e, c.k, c.h, c.inter, gu, dn, gub, dnb, x, ids, w);
-      const std::vector<float> got = run_mxfp4_experts(true, prec, c.e, c.k, c.h, c.inter, gu, dn, gub, dnb, x, ids, w);
+      auto run = [&](bool gpu) {
+        return run_mxfp4_experts(gpu, prec, c.e, c.k, c.h, c.inter, gu, dn, in.gub, in.dnb, in.x, in.ids, in.w);
+      };
+      const std::vector<float> ref = run(false), got = run(true);
       EXPECT_LE(test::rel_l2(got, ref), prec == ActPrecision::kBF16 ? 1e-3 : 5e-3);
-      EXPECT_EQ(run_mxfp4_experts(true, prec, c.e, c.k, c.h, c.inter, gu, dn, gub, dnb, x, ids, w), got);
+      EXPECT_EQ(run(true), got);
     }
   }
 }
@@ -318,27 +334,20 @@ TEST_F(MoeParity, DecodeTokensPerPass) {
 // the CPU reference's values, NaN exactly where the reference has NaN. Decode: ~4 tokens per
 // expert; prefill: ~300.
 TEST_F(MoeParity, LargeAndNanBlockScales) {
-  struct Case {
-    std::string name;
-    int64_t t, k, e, h, inter;
-  };
-  const Case cases[] = {{"decode", 8, 4, 8, 256, 128}, {"prefill", 600, 2, 4, 256, 128}};
+  const MxCase cases[] = {{"decode", 8, 4, 8, 256, 128}, {"prefill", 600, 2, 4, 256, 128}};
   Rng rng(91);
-  for (const Case& c : cases) {
+  for (const MxCase& c : cases) {
     test::Mxfp4Host gu = test::random_mxfp4(rng, c.e, 2 * c.inter, c.h, -2, 3),
                     dn = test::random_mxfp4(rng, c.e, c.h, c.inter, -3, 2);
     gu.scales[static_cast<size_t>(1 * 2 * c.inter * (c.h / 32) + 5)] = 255;  // expert 1, row 0, block 5
     dn.scales[static_cast<size_t>(2 * c.h * (c.inter / 32) + 7 * (c.inter / 32))] = 255;  // expert 2, row 7
-    const std::vector<float> gub = test::gauss_vec(rng, c.e * 2 * c.inter, 0.5f), dnb = test::gauss_vec(rng, c.e * c.h, 0.5f);
-    const std::vector<float> x = test::gauss_vec(rng, c.t * c.h, 1.0f), w = test::gauss_vec(rng, c.t * c.k, 0.5f);
-    std::vector<int32_t> ids(static_cast<size_t>(c.t * c.k));
-    for (int64_t t = 0; t < c.t; ++t)
-      for (int64_t j = 0; j < c.k; ++j)
-        ids[static_cast<size_t>(t * c.k + j)] = static_cast<int32_t>((rng.below(c.e) + j * (c.e / c.k)) % c.e);
+    const MxInputs in = mx_inputs(rng, c, 1.0f);
     for (const ActPrecision prec : {ActPrecision::kBF16, ActPrecision::kMXFP8}) {
       SCOPED_TRACE(c.name + " " + act_precision_name(prec));
-      const std::vector<float> ref = run_mxfp4_experts(false, prec, c.e, c.k, c.h, c.inter, gu, dn, gub, dnb, x, ids, w);
-      const std::vector<float> got = run_mxfp4_experts(true, prec, c.e, c.k, c.h, c.inter, gu, dn, gub, dnb, x, ids, w);
+      auto run = [&](bool gpu) {
+        return run_mxfp4_experts(gpu, prec, c.e, c.k, c.h, c.inter, gu, dn, in.gub, in.dnb, in.x, in.ids, in.w);
+      };
+      const std::vector<float> ref = run(false), got = run(true);
       ASSERT_EQ(got.size(), ref.size());
       std::vector<float> ref_finite, got_finite;
       size_t nans = 0;
