@@ -282,9 +282,17 @@ Status Client::Impl::send_frames(const std::vector<std::string_view>& parts,
   for (;;) {
     zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLOUT, 0};
     try {
-      zmq::poll(&item, 1, remaining(deadline));
+      // In slices, as recv_frames does: TCP may connect (which counts as connected without
+      // CURVE) before the daemon refuses the handshake, and then no queue slot ever opens; the
+      // refusal must end the wait, not the deadline (seen under ASan on a loaded 2-core host,
+      // where the refusal came after the connect event had been read).
+      zmq::poll(&item, 1, std::min(remaining(deadline), kHandshakeCheckInterval));
     } catch (const zmq::error_t& e) {
       if (e.num() != EINTR) return Status(ErrorCode::kUnavailable, std::string("poll: ") + e.what());
+    }
+    if (!(item.revents & ZMQ_POLLOUT)) {
+      monitor.pump();
+      RD_RETURN_IF_ERROR(monitor.refusal(options.endpoint));
     }
     if (item.revents & ZMQ_POLLOUT) {
       try {
