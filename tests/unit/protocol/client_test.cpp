@@ -2,7 +2,11 @@
 // loopback port, driven by a test thread with the real codec.
 #include "protocol/client.hpp"
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <functional>
@@ -429,6 +433,47 @@ TEST(ClientTest, NoDaemonIsUnavailable) {
   auto nothing = client->recv_raw(50);
   ASSERT_TRUE(nothing.ok());
   EXPECT_FALSE(nothing->has_value());
+}
+
+// A daemon that requires CURVE, as a plain client sees it: TCP connects at once (which counts as
+// connected without CURVE), the request is queued, and the refusal (the daemon's greeting names
+// the CURVE mechanism) comes 300 ms later. The wait for the reply must end on the refusal, not on
+// its deadline. (The send side's wait for a slot, fixed in 0ca2242 for the same reason, is hit
+// only when the refusal lands between the monitor's check and the send: a race this test cannot
+// force.) One connection is accepted, then the listener closes, so reconnections are refused by
+// TCP and the refusal stays the last word.
+TEST(ClientTest, RefusalAfterTheRequestWasQueuedIsUnauthenticatedAtOnce) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::listen(listener, 4), 0);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const std::string endpoint = "tcp://127.0.0.1:" + std::to_string(ntohs(addr.sin_port));
+  std::thread server([listener] {
+    const int conn = ::accept(listener, nullptr, nullptr);
+    ::close(listener);
+    if (conn < 0) return;
+    std::this_thread::sleep_for(milliseconds(300));
+    // ZMTP 3.0 greeting (RFC 23): signature, version 3.0, mechanism "CURVE", as-server, filler.
+    unsigned char greeting[64] = {0xFF, 0, 0, 0, 0, 0, 0, 0, 1, 0x7F, 3, 0, 'C', 'U', 'R', 'V', 'E'};
+    greeting[32] = 1;
+    (void)!::send(conn, greeting, sizeof greeting, MSG_NOSIGNAL);
+    std::this_thread::sleep_for(milliseconds(500));
+    ::close(conn);
+  });
+  auto client = connect_to(endpoint, /*request_timeout_ms=*/8000);
+  const auto start = Clock::now();
+  auto hello = client->hello();
+  const auto took = Clock::now() - start;
+  server.join();
+  ASSERT_FALSE(hello.ok());
+  EXPECT_EQ(hello.status().code(), ErrorCode::kUnauthenticated) << hello.status().to_string();
+  EXPECT_LT(took, milliseconds(4000)) << "the call waited for its deadline";
 }
 
 TEST(ClientTest, BadEndpointIsInvalidArgument) {
