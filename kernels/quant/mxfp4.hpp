@@ -53,10 +53,11 @@
 //    M = 0x81C081C0 and rotr a 32-bit rotate right:
 //      slot 0 = A & M                slot 1 = rotr(A, 4) & M
 //      slot 2 = rotr(A, 10) & M      slot 3 = (rotr(A, 6) & 0x81808180) | (rotr(A, 14) & 0x00400040)
-//    No four rotations of M tile the word, so one slot takes two. Of the layouts these
-//    formulas allow (which elements share a slot, which slot takes which rotations), this one
-//    needs the fewest bit groups to arrange a v1 word: four, each one rotation (a search over
-//    all of them; the quantizers and layout moves pay ~8 instructions per word). The
+//    No four rotations of M tile the word, so one slot takes two. Of the arrangements with
+//    this decode shape (one slot unrotated, two rotated once, one split over two rotations:
+//    96 sets of rotations that tile the word, times every placement of the 8 elements), this
+//    one needs the fewest bit groups to arrange a v1 word: four, each one rotation (found by
+//    an exhaustive search; the quantizers and layout moves pay ~8 instructions per word). The
 //    arrangement moves whole words, so it commutes with steps 1 and 2; scales are untouched.
 // Requirements: K % 64 == 0 and N % 16 == 0 (N % 32 == 0 for the gate/up orders).
 // In place, with no second tensor: kPlain and kGateUpInterleaved permute within closed
