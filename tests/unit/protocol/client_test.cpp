@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -451,6 +452,9 @@ TEST(ClientTest, RefusalAfterTheRequestWasQueuedIsUnauthenticatedAtOnce) {
   addr.sin_port = 0;
   ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
   ASSERT_EQ(::listen(listener, 4), 0);
+  // accept() gives up after 10 s (SO_RCVTIMEO) should the client never connect: no hang.
+  const timeval accept_limit{10, 0};
+  ASSERT_EQ(::setsockopt(listener, SOL_SOCKET, SO_RCVTIMEO, &accept_limit, sizeof accept_limit), 0);
   socklen_t len = sizeof addr;
   ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
   const std::string endpoint = "tcp://127.0.0.1:" + std::to_string(ntohs(addr.sin_port));
