@@ -643,55 +643,151 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a
 // kc*128 + 32c + 8wi + 0..7 of the K chunk kc in that slot; zeros past K. One segment: slot kc
 // holds chunk kc (all of K). Several: slot q*W + l holds chunk kc_begin(q) + seg*W + l, the W
 // chunks that the warps of K slice q work through in segment seg (W = g.seg_chunks).
-__device__ __forceinline__ void dec_stage(const DecodeArgs& g, uint8_t* smem, int stride, int slots, int chunks,
-                                          int base, int g0, int nrows, int seg) {
+//
+// An item is one 8-element group (row n, group gi = slot * 16 + g8). Two ways to walk them, each
+// where it measured faster (same-run A/B, tests/bench/NOTES.md "Staging"): passes of one n-tile
+// (decode: a few rows, K whole, once per CTA while its first weight chunks are in flight) take
+// one item per loop step (dec_stage_each); wider passes (16-48 tokens per expert, 2-4 K
+// segments per pass, each a CTA-wide stall) issue the loads of several items before converting
+// any (dec_stage_batched): one L2 round trip per batch rather than per item.
+
+// The chunk of staged slot `slot` in segment `seg`; false where no warp reads it (past its K
+// slice's end).
+__device__ __forceinline__ bool dec_slot_chunk(const DecodeArgs& g, int chunks, int slot, int seg, int& kc) {
+  kc = slot;
+  if (g.num_segs == 1) return true;
+  const int q = g.ksplit == 1 ? 0 : slot / g.seg_chunks, l = slot - q * g.seg_chunks;
+  kc = chunks * q / g.ksplit + seg * g.seg_chunks + l;
+  return kc < chunks * (q + 1) / g.ksplit;
+}
+
+// One item's source: 8 elements of B row `row` from k8 (< K), as loaded (kSrc's raw words).
+template <int kSrc>
+struct DecRaw {
+  uint32_t w[kSrc == kSrcF32 ? 8 : kSrc == kSrcBf16 ? 4 : 2];
+  uint32_t scale;  // MXFP8: the block's UE8M0 scale
+};
+template <int kSrc>
+__device__ __forceinline__ void dec_load_item(const DecodeArgs& g, int64_t row, int k8, DecRaw<kSrc>& r) {
+  if constexpr (kSrc == kSrcF32) {
+    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(g.b) + row * g.k + k8);
+    const float4 a = __ldg(p), b = __ldg(p + 1);
+    const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) r.w[i] = __float_as_uint(f[i]);
+  } else if constexpr (kSrc == kSrcBf16) {
+    const uint4 a = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(g.b) + row * g.k + k8));
+    r.w[0] = a.x, r.w[1] = a.y, r.w[2] = a.z, r.w[3] = a.w;
+  } else {
+    const uint2 q = __ldg(reinterpret_cast<const uint2*>(g.b_q + row * g.k + k8));
+    r.w[0] = q.x, r.w[1] = q.y;
+    r.scale = g.b_scales[row * (g.k / 32) + k8 / 32];
+  }
+}
+// The item as bf16 (rounded as the other path rounds), its pairs permuted, into shared memory.
+template <int kSrc>
+__device__ __forceinline__ void dec_store_item(const DecRaw<kSrc>& r, uint8_t* dst) {
+  uint32_t v[8];
+  if constexpr (kSrc == kSrcF32) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = f32_to_bf16_bits(__uint_as_float(r.w[i]));
+  } else if constexpr (kSrc == kSrcBf16) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = r.w[i] & 0xffffu;
+      v[2 * i + 1] = r.w[i] >> 16;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint8_t code = static_cast<uint8_t>(r.w[i / 4] >> (8 * (i % 4)));
+      const uint32_t f = r.scale == 255u ? quant::kF32CanonicalNan
+                                         : quant::e4m3_decode_bits(quant::E4M3{code}, static_cast<int>(r.scale) - 127);
+      v[i] = f32_to_bf16_bits(quant::f32_from_bits(f));
+    }
+  }
+  *reinterpret_cast<uint4*>(dst) =
+      make_uint4(v[0] | (v[4] << 16), v[1] | (v[5] << 16), v[3] | (v[7] << 16), v[2] | (v[6] << 16));
+}
+
+__device__ __forceinline__ int64_t dec_source_row(const DecodeArgs& g, int s) {
+  return g.sorted_pair != nullptr ? g.sorted_pair[s] / g.top_k : s;
+}
+
+// One item per loop step (passes of one n-tile).
+__device__ __forceinline__ void dec_stage_each(const DecodeArgs& g, uint8_t* smem, int stride, int slots, int chunks,
+                                               int base, int g0, int nrows, int seg) {
   const int groups = slots * 16;
   for (int idx = threadIdx.x; idx < nrows * groups; idx += kDecThreads) {
     const int n = idx / groups, gi = idx - n * groups, slot = gi >> 4, g8 = gi & 15;
-    int kc = slot;
-    if (g.num_segs > 1) {
-      const int q = slot / g.seg_chunks, l = slot - q * g.seg_chunks;
-      kc = chunks * q / g.ksplit + seg * g.seg_chunks + l;
-      if (kc >= chunks * (q + 1) / g.ksplit) continue;  // past the slice's end: never read
-    }
+    int kc;
+    if (!dec_slot_chunk(g, chunks, slot, seg, kc)) continue;
+    uint8_t* dst = smem + n * stride + slot * 256 + (g8 & 3) * 64 + (g8 >> 2) * 16;
     const int k8 = kc * 128 + g8 * 8;
-    uint32_t v[8];
     if (k8 >= g.k) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = 0;
-    } else {
-      const int s = base + g0 + n;
-      const int64_t row = g.sorted_pair != nullptr ? g.sorted_pair[s] / g.top_k : s;
-      if (g.src == kSrcF32) {
-        const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(g.b) + row * g.k + k8);
-        const float4 a = __ldg(p), b = __ldg(p + 1);
-        const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = f32_to_bf16_bits(f[i]);
-      } else if (g.src == kSrcBf16) {
-        const uint4 a = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(g.b) + row * g.k + k8));
-        const uint32_t w[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          v[2 * i] = w[i] & 0xffffu;
-          v[2 * i + 1] = w[i] >> 16;
-        }
-      } else {
-        const uint2 q = __ldg(reinterpret_cast<const uint2*>(g.b_q + row * g.k + k8));
-        const uint32_t s = g.b_scales[row * (g.k / 32) + k8 / 32];
-        const uint32_t w[2] = {q.x, q.y};
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const uint8_t code = static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4)));
-          const uint32_t f = s == 255u ? quant::kF32CanonicalNan
-                                       : quant::e4m3_decode_bits(quant::E4M3{code}, static_cast<int>(s) - 127);
-          v[i] = f32_to_bf16_bits(quant::f32_from_bits(f));
-        }
-      }
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+      continue;
     }
-    const int c = g8 >> 2, wi = g8 & 3;
-    *reinterpret_cast<uint4*>(smem + n * stride + slot * 256 + wi * 64 + c * 16) =
-        make_uint4(v[0] | (v[4] << 16), v[1] | (v[5] << 16), v[3] | (v[7] << 16), v[2] | (v[6] << 16));
+    const int64_t row = dec_source_row(g, base + g0 + n);
+    if (g.src == kSrcF32) {
+      DecRaw<kSrcF32> r;
+      dec_load_item(g, row, k8, r);
+      dec_store_item(r, dst);
+    } else if (g.src == kSrcBf16) {
+      DecRaw<kSrcBf16> r;
+      dec_load_item(g, row, k8, r);
+      dec_store_item(r, dst);
+    } else {
+      DecRaw<kSrcMx8> r;
+      dec_load_item(g, row, k8, r);
+      dec_store_item(r, dst);
+    }
+  }
+}
+
+// kU items' loads before their conversions (passes of several n-tiles); (n, gi) walked by adding.
+template <int kSrc>
+__device__ __forceinline__ void dec_stage_batched(const DecodeArgs& g, uint8_t* smem, int stride, int slots,
+                                                  int chunks, int base, int g0, int nrows, int seg) {
+  constexpr int kU = kSrc == kSrcF32 ? 2 : 4;
+  const int groups = slots * 16, total = nrows * groups;
+  const int step_n = kDecThreads / groups, step_g = kDecThreads - step_n * groups;
+  int n = static_cast<int>(threadIdx.x) / groups, gi = static_cast<int>(threadIdx.x) - n * groups;
+  for (int i0 = threadIdx.x; i0 < total; i0 += kU * kDecThreads) {
+    int dst[kU];  // byte offset in smem; -1: nothing to store
+    DecRaw<kSrc> r[kU];  // zeros past K (+0.0 in every source format)
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      dst[u] = -1;
+      r[u] = DecRaw<kSrc>{};
+      int kc;
+      if (i0 + u * kDecThreads < total && dec_slot_chunk(g, chunks, gi >> 4, seg, kc)) {
+        const int g8 = gi & 15, k8 = kc * 128 + g8 * 8;
+        dst[u] = n * stride + (gi >> 4) * 256 + (g8 & 3) * 64 + (g8 >> 2) * 16;
+        if (k8 < g.k) dec_load_item(g, dec_source_row(g, base + g0 + n), k8, r[u]);
+      }
+      gi += step_g;
+      n += step_n;
+      if (gi >= groups) gi -= groups, ++n;
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      if (dst[u] >= 0) dec_store_item(r[u], smem + dst[u]);
+    }
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void dec_stage(const DecodeArgs& g, uint8_t* smem, int stride, int slots, int chunks,
+                                          int base, int g0, int nrows, int seg) {
+  if constexpr (NT == 1) {
+    dec_stage_each(g, smem, stride, slots, chunks, base, g0, nrows, seg);
+  } else if (g.src == kSrcF32) {
+    dec_stage_batched<kSrcF32>(g, smem, stride, slots, chunks, base, g0, nrows, seg);
+  } else if (g.src == kSrcBf16) {
+    dec_stage_batched<kSrcBf16>(g, smem, stride, slots, chunks, base, g0, nrows, seg);
+  } else {
+    dec_stage_batched<kSrcMx8>(g, smem, stride, slots, chunks, base, g0, nrows, seg);
   }
 }
 
@@ -788,9 +884,13 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
   const uint8_t* ps = wsc + t0 * 32 + ((r * 2) & ~3);
   const int tstride_v = k_tiles * 512, tstride_s = k_tiles * 32;  // one 16-row tile (8 K < 2^31)
   const uint32_t ssel = 0x4440u | static_cast<uint32_t>((r & 1) * 2 + (c & 1));  // __byte_perm: the lane's scale byte
+  // Ring slots rotate with the chunks (chunk kc sits in slot (kc - kc_begin) % kDecStages): counters
+  // instead of a modulo per issue and per use.
+  int issue_slot = 0, use_slot = 0;
   auto issue = [&](int kc) {
     if (kc >= kc_end) return;
-    uint8_t* st = ring + ((kc - kc_begin) % kDecStages) * kDecStageBytes;
+    uint8_t* st = ring + issue_slot * kDecStageBytes;
+    issue_slot = issue_slot == kDecStages - 1 ? 0 : issue_slot + 1;
     if (kc * 2 + (c >> 1) < k_tiles) {
 #pragma unroll
       for (int t = 0; t < 2; ++t)
@@ -822,7 +922,8 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
       issue(kc + kDecStages - 1);
       cp_async_commit();
       cp_async_wait<kDecStages - 1>();
-      const uint8_t* st = ring + ((kc - kc_begin) % kDecStages) * kDecStageBytes;
+      const uint8_t* st = ring + use_slot * kDecStageBytes;
+      use_slot = use_slot == kDecStages - 1 ? 0 : use_slot + 1;
       DecChunk ch;
       uint32_t sc[2][2];
       uint32_t smax = 0;
@@ -883,7 +984,7 @@ __device__ __forceinline__ void dec_rows(const DecodeArgs& g, const DecCta& a, u
                    if (g0 == 0) asm volatile("griddepcontrol.wait;" ::: "memory");  // h is written
                  }
                  if (seg > 0 || stage_rows) {
-                   dec_stage(g, dsm, a.stride, a.slots, a.chunks, a.base, g0, nrows, seg);
+                   dec_stage<NT>(g, dsm, a.stride, a.slots, a.chunks, a.base, g0, nrows, seg);
                    __syncthreads();
                  }
                });

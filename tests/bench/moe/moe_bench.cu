@@ -140,17 +140,31 @@ std::map<std::pair<std::string, int64_t>, double> read_peer(const std::string& p
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: %s OUT.json [--peer PEER.tsv] [--quick]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s OUT.json [--peer PEER.tsv] [--quick] [--only SHAPE] [--tokens 1,8,...]\n", argv[0]);
     return 2;
   }
   const std::string json_path = argv[1];
   std::string peer_path;
   bool quick = false;
-  std::string only;
+  std::string only, tokens_arg;
   for (int i = 2; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
     if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc) only = argv[++i];
     if (std::strcmp(argv[i], "--peer") == 0 && i + 1 < argc) peer_path = argv[++i];
+    if (std::strcmp(argv[i], "--tokens") == 0 && i + 1 < argc) tokens_arg = argv[++i];
+  }
+  // --tokens: the token counts to run (ascending; an A/B of kernel variants needs only a few).
+  std::vector<int64_t> tokens_list;
+  for (size_t pos = 0; pos < tokens_arg.size();) {
+    size_t end = tokens_arg.find(',', pos);
+    if (end == std::string::npos) end = tokens_arg.size();
+    const long long v = std::atoll(tokens_arg.substr(pos, end - pos).c_str());
+    if (v < 1 || v > 65536 || (!tokens_list.empty() && v <= tokens_list.back())) {
+      std::fprintf(stderr, "--tokens: ascending counts in [1, 65536], comma-separated\n");
+      return 2;
+    }
+    tokens_list.push_back(v);
+    pos = end + 1;
   }
   const auto peer = peer_path.empty() ? std::map<std::pair<std::string, int64_t>, double>{} : read_peer(peer_path);
 
@@ -179,7 +193,9 @@ int main(int argc, char** argv) {
   const std::vector<ShapeSpec> shapes{{"gpt-oss-120b", 128, 2880, 2880, 4, true},
                                       {"qwen3-30b-a3b", 128, 2048, 768, 8, false}};
   const std::vector<int64_t> token_counts =
-      quick ? std::vector<int64_t>{1, 64} : std::vector<int64_t>{1, 8, 64, 256, 1024, 8192};
+      !tokens_list.empty() ? tokens_list
+      : quick              ? std::vector<int64_t>{1, 64}
+                           : std::vector<int64_t>{1, 8, 64, 256, 1024, 8192};
   const int64_t max_tokens = token_counts.back();
   std::vector<Row> rows;
 
