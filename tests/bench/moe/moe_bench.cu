@@ -9,8 +9,9 @@
 // Shapes: gpt-oss-120b (128 experts, hidden 2880, intermediate 2880, top-4) and Qwen3-30B-A3B
 // (128 experts, hidden 2048, intermediate 768, top-8), at 1, 8, 64, 256, 1024 and 8192 tokens.
 //
-//   moe_bench OUT.json [--peer PEER.tsv] [--quick] [--only SHAPE:TOKENS:ACT]
-// (--only runs one case, e.g. gpt-oss-120b:64:bf16: for a profiler)
+//   moe_bench OUT.json [--peer PEER.tsv] [--quick] [--only SHAPE:TOKENS:ACT] [--tokens 1,8,...]
+// (--only runs one case, e.g. gpt-oss-120b:64:bf16: for a profiler; --tokens only those token
+// counts, ascending: a same-run A/B of kernel builds needs a few)
 //
 // tests/bench/moe/NOTES.md has the floor arithmetic; tests/gpu/bench-moe.sh runs this.
 #include <cuda_runtime.h>
@@ -140,7 +141,7 @@ std::map<std::pair<std::string, int64_t>, double> read_peer(const std::string& p
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: %s OUT.json [--peer PEER.tsv] [--quick] [--only SHAPE] [--tokens 1,8,...]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s OUT.json [--peer PEER.tsv] [--quick] [--only SHAPE:TOKENS:ACT] [--tokens 1,8,...]\n", argv[0]);
     return 2;
   }
   const std::string json_path = argv[1];

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Same-run A/B of kernel source variants: one build of the tree, then each variant file swapped in
+# for SRC and only the benches rebuilt (incremental: one translation unit and two links), every
+# binary kept apart, then the benches run in interleaved rounds on the same machine. Variants on
+# different machines differ by more than most kernel changes (METHOD.md): this is how a kernel
+# change is judged here (tests/bench/NOTES.md, "Staging the token rows in batches of loads").
+#   ab-kernels.sh BUILD_DIR OUT_DIR SRC VARIANT.cu...   (on the GPU host, from the repository root;
+#   BUILD_DIR configured for CUDA as tests/gpu/run.sh configures it)
+# The tree's own SRC is variant "tree"; each VARIANT.cu is named by its file name. Environment:
+#   AB_TOKENS   moe_bench --tokens (default 1,8,64,1024)     AB_ROUNDS  rounds (default 2)
+#   AB_BATCHES  engine_bench h2880 batches (default 1,32; empty: no engine runs)
+#   AB_ENGINE_ARGS  (default --quantize-experts mxfp4 --dense-bf16 1 --graphs on --prefill 0)
+# Writes OUT_DIR/ab.log (every row) and prints the per-case summary (tests/gpu/ab_summary.py).
+# SRC is restored on exit. Run the GPU tests on whichever variant lands.
+set -uo pipefail
+build=${1:?usage: ab-kernels.sh BUILD_DIR OUT_DIR SRC VARIANT.cu...}
+out=${2:?usage}
+src=${3:?usage}
+shift 3
+here=$(cd "$(dirname "$0")/../.." && pwd)
+[ -f "$src" ] || { echo "no such source: $src"; exit 2; }
+mkdir -p "$out"
+log=$out/ab.log
+bins=$(mktemp -d)
+keep=$(mktemp)
+cp "$src" "$keep"
+trap 'cp "$keep" "$src"; rm -rf "$bins" "$keep"' EXIT
+targets=(engine_bench moe_bench)
+save() {  # save NAME: the built benches under $bins/NAME
+  mkdir -p "$bins/$1"
+  cp "$build/tests/bench/engine/engine_bench" "$build/tests/bench/moe/moe_bench" "$bins/$1/"
+}
+timeout 600 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" >"$out/ab-build.log" 2>&1 \
+  || { echo "build of the tree failed"; tail -20 "$out/ab-build.log"; exit 1; }
+save tree
+names=(tree)
+for v in "$@"; do
+  name=$(basename "$v" .cu)
+  cp "$v" "$src"
+  if timeout 300 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" >>"$out/ab-build.log" 2>&1; then
+    save "$name"
+    names+=("$name")
+  else
+    echo "variant $name failed to build (skipped):"; grep -E "error" "$out/ab-build.log" | tail -5
+  fi
+done
+cp "$keep" "$src"
+: >"$log"
+for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+  for n in "${names[@]}"; do
+    echo "== moe $n round $r" >>"$log"
+    timeout 120 "$bins/$n/moe_bench" "$bins/moe.json" --tokens "${AB_TOKENS:-1,8,64,1024}" 2>/dev/null \
+      | grep -E " (bf16|mxfp8) " >>"$log"
+    if [ -n "${AB_BATCHES-1,32}" ]; then
+      echo "== engine $n round $r" >>"$log"
+      # shellcheck disable=SC2086
+      timeout 120 "$bins/$n/engine_bench" --models h2880 --batches "${AB_BATCHES-1,32}" \
+        ${AB_ENGINE_ARGS:---quantize-experts mxfp4 --dense-bf16 1 --graphs on --prefill 0} 2>&1 \
+        | grep -E "^h2880 +[0-9]+ +(on|off) +(on|off) " >>"$log"
+    fi
+  done
+done
+python3 "$here/tests/gpu/ab_summary.py" "$log"

@@ -1,0 +1,41 @@
+#!/usr/bin/env python3
+"""Summarise tests/gpu/ab-kernels.sh's log: per case, every variant's times over the rounds.
+
+MoE rows: graph-replay ms of moe_bench (shape, activations, tokens). Engine rows: median step ms
+of engine_bench h2880 (batch, records off/on). Standard library only (any python3).
+"""
+import collections
+import re
+import sys
+
+
+def main(path):
+    moe = collections.defaultdict(lambda: collections.defaultdict(list))
+    eng = collections.defaultdict(lambda: collections.defaultdict(list))
+    names = []
+    kind = name = None
+    with open(path) as f:
+        for line in f:
+            m = re.match(r"== (moe|engine) (\S+)(?: round \d+)?$", line)
+            if m:
+                kind, name = m.group(1), m.group(2)
+                if name not in names:
+                    names.append(name)
+                continue
+            fields = line.split()
+            if kind == "moe" and len(fields) > 4 and fields[1] in ("bf16", "mxfp8"):
+                moe[(fields[0], fields[1], int(fields[2]))][name].append(float(fields[4]))
+            elif kind == "engine" and len(fields) > 5 and fields[5].endswith("ms"):
+                eng[("h2880 batch " + fields[1], "records " + fields[3])][name].append(float(fields[5][:-2]))
+    print("case | " + " | ".join(names) + "   (ms; one figure per round)")
+    for table in (moe, eng):
+        for case in sorted(table):
+            row = table[case]
+            cells = ["/".join("%.4f" % x for x in row.get(n, [])) or "-" for n in names]
+            print(" ".join(str(c) for c in case) + " | " + " | ".join(cells))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: ab_summary.py AB_LOG")
+    main(sys.argv[1])
