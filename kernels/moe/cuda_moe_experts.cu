@@ -1700,6 +1700,15 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
         dg.b_q = static_cast<const uint8_t*>(at(ws.xa));
         dg.b_scales = static_cast<const uint8_t*>(at(ws.xa_scales));
         dg.h_f32 = static_cast<float*>(at(ws.h));
+      } else if (!p.x_bf16 && max_nt == 1) {
+        // One-n-tile passes read bf16 rows straight from memory (direct B): FP32 x rounded to
+        // bf16 once here, by the function the staging rounds with (same products, same results).
+        to_bf16_kernel<<<cuda::blocks_for(nv * h, 256, 4096), 256, 0, stream>>>(
+            static_cast<uint16_t*>(at(ws.xa)), static_cast<const float*>(p.x), nv * h);
+        RD_CUDA_CHECK_LAUNCH("moe to_bf16_kernel");
+        dg.src = kSrcBf16;
+        dg.b = at(ws.xa);
+        dg.h_bf16 = static_cast<uint16_t*>(at(ws.h));
       } else {
         dg.src = p.x_bf16 ? kSrcBf16 : kSrcF32;
         dg.b = p.x;
