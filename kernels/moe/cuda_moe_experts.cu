@@ -906,7 +906,7 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
   const uint8_t* ps = wsc + t0 * 32 + ((r * 2) & ~3);
   const int tstride_v = k_tiles * 512, tstride_s = k_tiles * 32;  // one 16-row tile (8 K < 2^31)
   const uint32_t ssel = 0x4440u | static_cast<uint32_t>((r & 1) * 2 + (c & 1));  // __byte_perm: the lane's scale byte
-  // Ring slots rotate with the chunks (chunk kc sits in slot (kc - kc_begin) % kDecStages): counters
+  // Ring slots rotate with the chunks (chunk kc sits in slot (kc - kc_begin) % kStages): counters
   // instead of a modulo per issue and per use.
   int issue_slot = 0, use_slot = 0;
   // The lane's B bytes of chunk kc (direct): elements kc*128 + 32c + 8wi .. + 7 of its row, zeros
@@ -1294,6 +1294,8 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
   DecodeShape shape = decode_shape(a.k, a.ksplit, max_nt, pairs);
   // One-n-tile passes over bf16 rows take B straight from global memory (16-byte copies: rows
   // of K % 8 == 0 bf16 from a 16-byte aligned base); f32 and MXFP8 rows are staged (converted).
+  // The zeros past K are decided per 64-wide tile as for the weights: K % 64 == 0 (moe_checks'
+  // kKAlign, which every decode launch has passed).
   const bool direct = shape.tok_cap <= 8 && a.src == kSrcBf16 && a.k % 8 == 0 &&
                       reinterpret_cast<uintptr_t>(a.b) % 16 == 0;
   if (direct) shape.smem = kDirSmem;
