@@ -10,7 +10,11 @@
 #   AB_TOKENS   moe_bench --tokens (default 1,8,64,1024)     AB_ROUNDS  rounds (default 2)
 #   AB_BATCHES  engine_bench h2880 batches (default 1,32; empty: no engine runs)
 #   AB_ENGINE_ARGS  (default --quantize-experts mxfp4 --dense-bf16 1 --graphs on --prefill 0)
-# Writes OUT_DIR/ab.log (every row) and prints the per-case summary (tests/gpu/ab_summary.py).
+#   AB_TESTS    gtest targets built and run for every variant before any timing, e.g.
+#               "moe_parity_test moe_layer_gpu_test" (default none; a variant whose test fails
+#               is still timed, and the log says FAILED)
+# Writes OUT_DIR/ab.log (every row), ab-build.log, ab-tests.log (AB_TESTS) and prints the per-case
+# summary (tests/gpu/ab_summary.py).
 # SRC is restored on exit. Run the GPU tests on whichever variant lands.
 set -uo pipefail
 build=${1:?usage: ab-kernels.sh BUILD_DIR OUT_DIR SRC VARIANT.cu...}
@@ -26,9 +30,21 @@ keep=$(mktemp)
 cp "$src" "$keep"
 trap 'cp "$keep" "$src"; rm -rf "$bins" "$keep"' EXIT
 targets=(engine_bench moe_bench)
-save() {  # save NAME: the built benches under $bins/NAME
+read -r -a tests <<<"${AB_TESTS:-}"
+targets+=("${tests[@]}")
+save() {  # save NAME: the built benches under $bins/NAME, and run AB_TESTS on it
   mkdir -p "$bins/$1"
   cp "$build/tests/bench/engine/engine_bench" "$build/tests/bench/moe/moe_bench" "$bins/$1/"
+  for t in "${tests[@]}"; do
+    bin=$(find "$build/tests" -name "$t" -type f -perm -u+x | head -1)
+    if [ -z "$bin" ]; then echo "test $t ($1): not built" | tee -a "$out/ab-tests.log"; continue; fi
+    if timeout 300 "$bin" >"$bins/test.log" 2>&1; then
+      echo "test $t ($1): passed" | tee -a "$out/ab-tests.log"
+    else
+      echo "test $t ($1): FAILED (rc $?)" | tee -a "$out/ab-tests.log"
+      grep -E "FAILED|Failure|error" "$bins/test.log" | head -30 | tee -a "$out/ab-tests.log"
+    fi
+  done
 }
 timeout 600 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" >"$out/ab-build.log" 2>&1 \
   || { echo "build of the tree failed"; tail -20 "$out/ab-build.log"; exit 1; }
