@@ -863,6 +863,7 @@ static_assert(2 * kDecMaxNt * 4 * 32 * 4 <= kDecWarpRing, "split-K partials fit 
 // fragments of the chunk, 4 vectors of 16 B ([wi][lane]: conflict-free reads); two stages, so
 // that three CTAs fit an SM (3 x 72 KiB).
 constexpr int kDirStages = 2;
+constexpr int kDirCtas = 3;  // CTAs per SM (launch bounds, the block loop's residency)
 constexpr int kDirStageBytes = kDecStageBytes + 4 * 16 * 32;  // 4.5 KiB
 constexpr int kDirWarpRing = kDirStages * kDirStageBytes;
 static_assert(2 * 1 * 4 * 32 * 4 <= kDirWarpRing, "split-K partials fit in a direct warp's ring");
@@ -1146,7 +1147,7 @@ __device__ __forceinline__ void dec_rows(const DecodeArgs& g, const DecCta& a, u
 // that cover its rows. kDirect (kMaxNt 1, bf16 B): nothing staged, only the warps' rings in shared
 // memory, three CTAs per SM.
 template <bool kGateUp, int kMaxNt, bool kDirect = false>
-__global__ void __launch_bounds__(kDecThreads, kDirect ? 3 : 2) decode_gemm_kernel(const DecodeArgs g) {
+__global__ void __launch_bounds__(kDecThreads, kDirect ? kDirCtas : 2) decode_gemm_kernel(const DecodeArgs g) {
   static_assert(!kDirect || kMaxNt == 1, "direct B: one n-tile per pass");
   extern __shared__ __align__(16) uint8_t dsm[];
   const int j = blockIdx.y;
@@ -1284,7 +1285,7 @@ Status decode_opt_in(int device) {
 
 // Shared memory of a direct-B CTA: the warps' rings only.
 constexpr size_t kDirSmem = static_cast<size_t>(kDecWarps) * kDirWarpRing;
-static_assert(3 * (kDirSmem + 1024) <= 228 * 1024, "three direct-B CTAs fit an SM");
+static_assert(kDirCtas * (kDirSmem + 1024) <= 228 * 1024, "kDirCtas direct-B CTAs fit an SM");
 
 template <bool kGateUp>
 Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound, int num_sms, int max_nt,
@@ -1310,7 +1311,7 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
   // one wave of CTAs, each looping over blocks of its expert. The routing loads, the CTA launch and the first staging were most of such a
   // CTA's time (gpt-oss gate_up at one token: 720 CTAs of one block, ~2.7 waves).
   int64_t ctas = blocks;
-  const int64_t resident = (direct ? 3 : shape.smem <= kDecSmemTwoCtas ? 2 : 1) * static_cast<int64_t>(num_sms);
+  const int64_t resident = (direct ? kDirCtas : shape.smem <= kDecSmemTwoCtas ? 2 : 1) * static_cast<int64_t>(num_sms);
   if (a.ksplit == kDecWarps && a.tok_cap <= 8 && blocks * bound > resident) {
     const int64_t per_expert = resident / bound;
     ctas = per_expert < 1 ? 1 : per_expert;
