@@ -1107,7 +1107,12 @@ __device__ __forceinline__ void dec_rows(const DecodeArgs& g, const DecCta& a, u
       else
         g.h_f32[s * g.inter + jf] = hv;
     };
-    if constexpr (NT == 1) {
+    if constexpr (NT == 1 && kDirect) {
+      // At 80 registers (three CTAs per SM) the unrolled activation spilled 76 bytes (ptxas);
+      // one emit at a time keeps the accumulators in 32 bytes of local memory here instead.
+#pragma unroll 1
+      for (int i = 0; i < 4; ++i) emit(0, i, acc[0][0][i], acc[1][0][i]);
+    } else if constexpr (NT == 1) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) emit(0, i, acc[0][0][i], acc[1][0][i]);
     } else {
