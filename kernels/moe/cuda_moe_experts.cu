@@ -948,6 +948,11 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
     stage(0);
     if (kc_begin < kc_end) issue_b(kc_begin, ring);
     cp_async_commit();
+#pragma unroll
+    for (int d = 1; d < kStages - 1; ++d) {  // the rest of the prologue (kDirStages > 2)
+      issue(kc_begin + d, true);
+      cp_async_commit();
+    }
   } else {
 #pragma unroll
     for (int d = 0; d < kDecStages - 1; ++d) {
