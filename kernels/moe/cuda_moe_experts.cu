@@ -800,15 +800,15 @@ struct DecChunk {
 // acc[tile][n-tile][4] += one K chunk (128 wide) of 2 row tiles times NT staged n-tiles of 8
 // tokens; the chunk's staged rows start at byte koff. The dequantized A fragments serve all NT
 // n-tiles; each n-tile's accumulator sees the same mma sequence whatever NT is.
-template <bool kBig, int NT>
-__device__ __forceinline__ void dec_compute(float (&acc)[2][NT][4], const DecChunk& ch, const uint8_t* blane,
-                                            int stride, int koff) {
-  const uint8_t* brow = blane + koff;
+// load_b(wi, nt): the lane's B fragment of n-tile nt for the chunk's 16-wide K step wi, its pairs
+// in the permuted order.
+template <bool kBig, int NT, typename LoadB>
+__device__ __forceinline__ void dec_compute(float (&acc)[2][NT][4], const DecChunk& ch, LoadB&& load_b) {
 #pragma unroll
   for (int wi = 0; wi < 4; ++wi) {
     uint4 bq[NT];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) bq[nt] = *reinterpret_cast<const uint4*>(brow + nt * 8 * stride + wi * 64);
+    for (int nt = 0; nt < NT; ++nt) bq[nt] = load_b(wi, nt);
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
       uint32_t p[2][4];  // [half][slot: pairs (0,4) (1,5) (3,7) (2,6)]
@@ -838,6 +838,12 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(gmem) : "memory");
 }
+// 16 bytes through L1 (B rows: every warp of the CTA reads the same ones), or 16 zero bytes where
+// !valid (gmem is then not read).
+__device__ __forceinline__ void cp_async16_ca_zfill(void* smem, const void* gmem, bool valid) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
+}
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(gmem) : "memory");
@@ -853,6 +859,14 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 constexpr int kDecStageBytes = 4 * 16 * 32 + 4 * 4 * 32;  // 2.5 KiB
 constexpr int kDecWarpRing = kDecStages * kDecStageBytes;
 static_assert(2 * kDecMaxNt * 4 * 32 * 4 <= kDecWarpRing, "split-K partials fit in a warp's ring");
+// Direct B (one-n-tile passes over bf16 rows, no staged rows): a stage also holds the lane's B
+// fragments of the chunk, 4 vectors of 16 B ([wi][lane]: conflict-free reads); two stages, so
+// that three CTAs fit an SM (3 x 72 KiB).
+constexpr int kDirStages = 2;
+constexpr int kDirCtas = 3;  // CTAs per SM (launch bounds, the block loop's residency)
+constexpr int kDirStageBytes = kDecStageBytes + 4 * 16 * 32;  // 4.5 KiB
+constexpr int kDirWarpRing = kDirStages * kDirStageBytes;
+static_assert(2 * 1 * 4 * 32 * 4 <= kDirWarpRing, "split-K partials fit in a direct warp's ring");
 
 // The weights of one warp (2 row tiles from rt0, K chunks [kc_begin, kc_end) of K slice wk)
 // against the staged B rows; acc[tile][n-tile][4]. K goes in num_segs segments of seg_chunks
@@ -860,11 +874,20 @@ static_assert(2 * kDecMaxNt * 4 * 32 * 4 <= kDecWarpRing, "split-K partials fit 
 // works through it. The ring runs on across segment boundaries, so the next chunks' loads are in
 // flight while the CTA stages; stage(0) runs between issuing the first chunks and waiting for
 // them (the first staging overlaps the first weight loads).
-template <int NT, typename Stage>
+//
+// kDirect (one n-tile, K whole, bf16 B rows in global memory in their natural order): no staged
+// rows; each lane copies its own B bytes with the chunk's weights (bg: its token's row at byte
+// c * 64; !bvalid: zeros, a lane past the pass's rows) and swaps their pairs into the permuted
+// order in registers; stage(0) only waits for the producer of B (down), between the first chunk's
+// weight copies and its B copies.
+template <int NT, bool kDirect, typename Stage>
 __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* wblk, const uint8_t* wsc,
                                          int rt0, int k_tiles, int kc_begin, int kc_end, int wk, int seg_chunks,
                                          int num_segs, const uint8_t* bsm, int stride, int staged, uint8_t* ring, int lane,
-                                         Stage&& stage) {
+                                         const uint8_t* bg, bool bvalid, Stage&& stage) {
+  static_assert(!kDirect || NT == 1, "direct B: one n-tile per pass");
+  constexpr int kStages = kDirect ? kDirStages : kDecStages;
+  constexpr int kStageBytes = kDirect ? kDirStageBytes : kDecStageBytes;
   const int r = lane >> 2, c = lane & 3;
 #pragma unroll
   for (int t = 0; t < 2; ++t)
@@ -884,13 +907,24 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
   const uint8_t* ps = wsc + t0 * 32 + ((r * 2) & ~3);
   const int tstride_v = k_tiles * 512, tstride_s = k_tiles * 32;  // one 16-row tile (8 K < 2^31)
   const uint32_t ssel = 0x4440u | static_cast<uint32_t>((r & 1) * 2 + (c & 1));  // __byte_perm: the lane's scale byte
-  // Ring slots rotate with the chunks (chunk kc sits in slot (kc - kc_begin) % kDecStages): counters
+  // Ring slots rotate with the chunks (chunk kc sits in slot (kc - kc_begin) % kStages): counters
   // instead of a modulo per issue and per use.
   int issue_slot = 0, use_slot = 0;
-  auto issue = [&](int kc) {
+  // The lane's B bytes of chunk kc (direct): elements kc*128 + 32c + 8wi .. + 7 of its row, zeros
+  // past K (the zero weights there would turn garbage into NaN) and for lanes without a row.
+  auto issue_b = [&](int kc, uint8_t* st) {
+    const bool valid = bvalid && kc * 2 + (c >> 1) < k_tiles;
+#pragma unroll
+    for (int wi = 0; wi < 4; ++wi)
+      cp_async16_ca_zfill(st + kDecStageBytes + (wi * 32 + lane) * 16, valid ? bg + kc * 256 + wi * 16 : bg, valid);
+  };
+  auto issue = [&](int kc, bool with_b) {
     if (kc >= kc_end) return;
-    uint8_t* st = ring + issue_slot * kDecStageBytes;
-    issue_slot = issue_slot == kDecStages - 1 ? 0 : issue_slot + 1;
+    uint8_t* st = ring + issue_slot * kStageBytes;
+    issue_slot = issue_slot == kStages - 1 ? 0 : issue_slot + 1;
+    if constexpr (kDirect) {
+      if (with_b) issue_b(kc, st);
+    }
     if (kc * 2 + (c >> 1) < k_tiles) {
 #pragma unroll
       for (int t = 0; t < 2; ++t)
@@ -908,22 +942,35 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
       }
     }
   };
-#pragma unroll
-  for (int d = 0; d < kDecStages - 1; ++d) {
-    issue(kc_begin + d);
+  if constexpr (kDirect) {
+    // The first chunk's weights, the wait for B's producer (stage(0)), then its B.
+    issue(kc_begin, false);
+    stage(0);
+    if (kc_begin < kc_end) issue_b(kc_begin, ring);
     cp_async_commit();
+#pragma unroll
+    for (int d = 1; d < kStages - 1; ++d) {  // the rest of the prologue (kDirStages > 2)
+      issue(kc_begin + d, true);
+      cp_async_commit();
+    }
+  } else {
+#pragma unroll
+    for (int d = 0; d < kDecStages - 1; ++d) {
+      issue(kc_begin + d, true);
+      cp_async_commit();
+    }
   }
   for (int seg = 0; seg < num_segs; ++seg) {
-    stage(seg);
+    if constexpr (!kDirect) stage(seg);
     const int s_begin = kc_begin + seg * seg_chunks;
     const int s_end = kc_end < s_begin + seg_chunks ? kc_end : s_begin + seg_chunks;
     const int slot0 = num_segs == 1 ? 0 : wk * seg_chunks - s_begin;  // chunk kc is in slot kc + slot0
     for (int kc = s_begin; kc < s_end; ++kc) {
-      issue(kc + kDecStages - 1);
+      issue(kc + kStages - 1, true);
       cp_async_commit();
-      cp_async_wait<kDecStages - 1>();
-      const uint8_t* st = ring + use_slot * kDecStageBytes;
-      use_slot = use_slot == kDecStages - 1 ? 0 : use_slot + 1;
+      cp_async_wait<kStages - 1>();
+      const uint8_t* st = ring + use_slot * kStageBytes;
+      use_slot = use_slot == kStages - 1 ? 0 : use_slot + 1;
       DecChunk ch;
       uint32_t sc[2][2];
       uint32_t smax = 0;
@@ -937,7 +984,18 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
           ch.f[t][hh] = dec_factor_small(sc[t][hh]);
           smax = max(smax, sc[t][hh]);
         }
-      const int koff = (kc + slot0) * 256;
+      const uint8_t* brow = blane + (kc + slot0) * 256;
+      const uint8_t* bst = st + kDecStageBytes + lane * 16;
+      auto load_b = [&](int wi, int nt) -> uint4 {
+        if constexpr (kDirect) {
+          // Natural order e0e1 e2e3 e4e5 e6e7 -> pairs (0,4), (1,5), (3,7), (2,6).
+          const uint4 v = *reinterpret_cast<const uint4*>(bst + wi * 512);
+          return make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
+                            __byte_perm(v.y, v.w, 0x7632), __byte_perm(v.y, v.w, 0x5410));
+        } else {
+          return *reinterpret_cast<const uint4*>(brow + nt * 8 * stride + wi * 64);
+        }
+      };
       if (__any_sync(0xffffffffu, smax > 128u)) {  // some lane's block scale is large or NaN
 #pragma unroll
         for (int t = 0; t < 2; ++t)
@@ -946,9 +1004,9 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
             ch.f[t][hh] = dec_factor(sc[t][hh]);
             ch.g[t][hh] = dec_big_factor(sc[t][hh]);
           }
-        dec_compute<true, NT>(acc, ch, blane, stride, koff);
+        dec_compute<true, NT>(acc, ch, load_b);
       } else {
-        dec_compute<false, NT>(acc, ch, blane, stride, koff);
+        dec_compute<false, NT>(acc, ch, load_b);
       }
     }
   }
@@ -965,19 +1023,38 @@ struct DecCta {
   int slots, stride;    // staged chunks per row, bytes per staged row
   const uint8_t* wblk;
   const uint8_t* wsc;
-  uint8_t* rings;       // [kDecWarps][kDecWarpRing] after the staged rows
+  uint8_t* rings;       // [kDecWarps][kDecWarpRing] after the staged rows ([kDirWarpRing], direct)
   const float* bias;
 };
 
 // One pass: rows base + g0 .. + nrows (nrows <= 8 NT) of the expert through NT n-tiles. Without
 // stage_rows the rows staged by the CTA's previous block (the same rows, all of K) are used.
-template <int NT, bool kGateUp>
+// kDirect: B straight from g.b (bf16 rows), nothing staged (dec_pass); first: the CTA's first pass,
+// where down waits for gate_up.
+template <int NT, bool kGateUp, bool kDirect = false>
 __device__ __forceinline__ void dec_rows(const DecodeArgs& g, const DecCta& a, uint8_t* dsm, int g0, int nrows,
-                                         bool stage_rows) {
+                                         bool stage_rows, bool first = false) {
+  constexpr int kRing = kDirect ? kDirWarpRing : kDecWarpRing;
   float acc[2][NT][4];
-  uint8_t* ring = a.rings + a.warp * kDecWarpRing;
-  dec_pass<NT>(acc, a.wblk, a.wsc, a.grp * 2, a.k_tiles, a.kc_begin, a.kc_end, a.wk, g.seg_chunks, g.num_segs, dsm,
-               a.stride, g.tok_cap, ring, a.lane, [&](int seg) {
+  uint8_t* ring = a.rings + a.warp * kRing;
+  const uint8_t* bg = nullptr;
+  bool bvalid = false;
+  if constexpr (kDirect) {
+    // The lane's token (row r of the pass); lanes past the pass's rows copy zeros.
+    const int r = a.lane >> 2;
+    bvalid = r < nrows;
+    const int s = a.base + g0 + (bvalid ? r : 0);
+    const int64_t row = kGateUp ? dec_source_row(g, s) : s;
+    bg = static_cast<const uint8_t*>(g.b) + (row * g.k + (a.lane & 3) * 32) * 2;
+  }
+  dec_pass<NT, kDirect>(acc, a.wblk, a.wsc, a.grp * 2, a.k_tiles, a.kc_begin, a.kc_end, a.wk, g.seg_chunks,
+                        g.num_segs, dsm, a.stride, g.tok_cap, ring, a.lane, bg, bvalid, [&](int seg) {
+                 if constexpr (kDirect) {
+                   if constexpr (!kGateUp) {
+                     if (first) asm volatile("griddepcontrol.wait;" ::: "memory");  // h is written
+                   }
+                   return;
+                 }
                  if (seg > 0) {
                    __syncthreads();  // every warp is done with the previous segment's rows
                  } else if constexpr (!kGateUp) {
@@ -1003,7 +1080,7 @@ __device__ __forceinline__ void dec_rows(const DecodeArgs& g, const DecCta& a, u
     __syncthreads();
     if (a.wk == 0) {
       for (int q = 1; q < ks; ++q) {
-        const float* src = reinterpret_cast<const float*>(a.rings + (a.warp + q) * kDecWarpRing) + lane;
+        const float* src = reinterpret_cast<const float*>(a.rings + (a.warp + q) * kRing) + lane;
 #pragma unroll
         for (int t = 0; t < 2; ++t)
 #pragma unroll
@@ -1035,7 +1112,12 @@ __device__ __forceinline__ void dec_rows(const DecodeArgs& g, const DecCta& a, u
       else
         g.h_f32[s * g.inter + jf] = hv;
     };
-    if constexpr (NT == 1) {
+    if constexpr (NT == 1 && kDirect) {
+      // At 80 registers (three CTAs per SM) the unrolled activation spilled 76 bytes (ptxas);
+      // one emit at a time keeps the accumulators in 32 bytes of local memory here instead.
+#pragma unroll 1
+      for (int i = 0; i < 4; ++i) emit(0, i, acc[0][0][i], acc[1][0][i]);
+    } else if constexpr (NT == 1) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) emit(0, i, acc[0][0][i], acc[1][0][i]);
     } else {
@@ -1072,9 +1154,11 @@ __device__ __forceinline__ void dec_rows(const DecodeArgs& g, const DecCta& a, u
 }
 
 // kMaxNt: n-tiles per pass at most (g.tok_cap <= 8 kMaxNt); a pass takes the fewest of 1, 2, 4
-// that cover its rows.
-template <bool kGateUp, int kMaxNt>
-__global__ void __launch_bounds__(kDecThreads, 2) decode_gemm_kernel(const DecodeArgs g) {
+// that cover its rows. kDirect (kMaxNt 1, bf16 B): nothing staged, only the warps' rings in shared
+// memory, three CTAs per SM.
+template <bool kGateUp, int kMaxNt, bool kDirect = false>
+__global__ void __launch_bounds__(kDecThreads, kDirect ? kDirCtas : 2) decode_gemm_kernel(const DecodeArgs g) {
+  static_assert(!kDirect || kMaxNt == 1, "direct B: one n-tile per pass");
   extern __shared__ __align__(16) uint8_t dsm[];
   const int j = blockIdx.y;
   if (j >= g.meta[0]) return;  // whole CTA: fewer active experts than the bound
@@ -1095,7 +1179,7 @@ __global__ void __launch_bounds__(kDecThreads, 2) decode_gemm_kernel(const Decod
   a.wblk = g.w_blocks + static_cast<int64_t>(e) * g.n * g.k / 2;
   a.wsc = g.w_scales + static_cast<int64_t>(e) * g.n * g.k / 32;
   // A warp's split-K partials go into its own ring once its pass is done.
-  a.rings = dsm + g.tok_cap * a.stride;
+  a.rings = kDirect ? dsm : dsm + g.tok_cap * a.stride;
   a.bias = g.bias ? g.bias + static_cast<int64_t>(e) * g.n : nullptr;
 
   // Programmatic dependent launch: the down kernel may start while gate_up's last CTAs run;
@@ -1115,6 +1199,10 @@ __global__ void __launch_bounds__(kDecThreads, 2) decode_gemm_kernel(const Decod
       // The previous pass (or block) is done with the staged rows and (split K) with every
       // warp's ring.
       if (g0 > 0 || blk != static_cast<int>(blockIdx.x)) __syncthreads();
+      if constexpr (kDirect) {
+        dec_rows<1, kGateUp, true>(g, a, dsm, g0, nrows, false, g0 == 0 && blk == static_cast<int>(blockIdx.x));
+        continue;
+      }
       if constexpr (kMaxNt >= 4) {
         if (nrows > 16) {
           dec_rows<4, kGateUp>(g, a, dsm, g0, nrows, stage_rows);
@@ -1199,18 +1287,29 @@ Status opt_in_smem(std::atomic<uint64_t>& opted, Kernel* kernel, int bytes, int 
 }
 
 // More than 48 KiB: the most the decode path asks for.
-template <bool kGateUp, int kMaxNt>
+template <bool kGateUp, int kMaxNt, bool kDirect = false>
 Status decode_opt_in(int device) {
   static std::atomic<uint64_t> opted{0};
-  return opt_in_smem(opted, decode_gemm_kernel<kGateUp, kMaxNt>, static_cast<int>(kDecSmemMax), device);
+  return opt_in_smem(opted, decode_gemm_kernel<kGateUp, kMaxNt, kDirect>, static_cast<int>(kDecSmemMax), device);
 }
+
+// Shared memory of a direct-B CTA: the warps' rings only.
+constexpr size_t kDirSmem = static_cast<size_t>(kDecWarps) * kDirWarpRing;
+static_assert(kDirCtas * (kDirSmem + 1024) <= 228 * 1024, "kDirCtas direct-B CTAs fit an SM");
 
 template <bool kGateUp>
 Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound, int num_sms, int max_nt,
                      int64_t pairs) {
   DecodeArgs a = g;
   a.ksplit = decode_ksplit(bound, a.n, num_sms);
-  const DecodeShape shape = decode_shape(a.k, a.ksplit, max_nt, pairs);
+  DecodeShape shape = decode_shape(a.k, a.ksplit, max_nt, pairs);
+  // One-n-tile passes over bf16 rows take B straight from global memory (16-byte copies: rows
+  // of K % 8 == 0 bf16 from a 16-byte aligned base); f32 and MXFP8 rows are staged (converted).
+  // The zeros past K are decided per 64-wide tile as for the weights: K % 64 == 0 (moe_checks'
+  // kKAlign, which every decode launch has passed).
+  const bool direct = shape.tok_cap <= 8 && a.src == kSrcBf16 && a.k % 8 == 0 &&
+                      reinterpret_cast<uintptr_t>(a.b) % 16 == 0;
+  if (direct) shape.smem = kDirSmem;
   a.tok_cap = shape.tok_cap;
   a.seg_chunks = shape.seg_chunks;
   a.num_segs = shape.num_segs;
@@ -1222,7 +1321,7 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
   // one wave of CTAs, each looping over blocks of its expert. The routing loads, the CTA launch and the first staging were most of such a
   // CTA's time (gpt-oss gate_up at one token: 720 CTAs of one block, ~2.7 waves).
   int64_t ctas = blocks;
-  const int64_t resident = (shape.smem <= kDecSmemTwoCtas ? 2 : 1) * static_cast<int64_t>(num_sms);
+  const int64_t resident = (direct ? kDirCtas : shape.smem <= kDecSmemTwoCtas ? 2 : 1) * static_cast<int64_t>(num_sms);
   if (a.ksplit == kDecWarps && a.tok_cap <= 8 && blocks * bound > resident) {
     const int64_t per_expert = resident / bound;
     ctas = per_expert < 1 ? 1 : per_expert;
@@ -1247,6 +1346,9 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
   } else if (a.tok_cap > 8) {
     RD_RETURN_IF_ERROR((decode_opt_in<kGateUp, 2>(ctx.device.index)));
     RD_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_gemm_kernel<kGateUp, 2>, a));
+  } else if (direct) {
+    RD_RETURN_IF_ERROR((decode_opt_in<kGateUp, 1, true>(ctx.device.index)));
+    RD_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_gemm_kernel<kGateUp, 1, true>, a));
   } else {
     RD_RETURN_IF_ERROR((decode_opt_in<kGateUp, 1>(ctx.device.index)));
     RD_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_gemm_kernel<kGateUp, 1>, a));
@@ -1611,6 +1713,15 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
         dg.b_q = static_cast<const uint8_t*>(at(ws.xa));
         dg.b_scales = static_cast<const uint8_t*>(at(ws.xa_scales));
         dg.h_f32 = static_cast<float*>(at(ws.h));
+      } else if (!p.x_bf16 && max_nt == 1) {
+        // One-n-tile passes read bf16 rows straight from memory (direct B): FP32 x rounded to
+        // bf16 once here, by the function the staging rounds with (same products, same results).
+        to_bf16_kernel<<<cuda::blocks_for(nv * h, 256, 4096), 256, 0, stream>>>(
+            static_cast<uint16_t*>(at(ws.xa)), static_cast<const float*>(p.x), nv * h);
+        RD_CUDA_CHECK_LAUNCH("moe to_bf16_kernel");
+        dg.src = kSrcBf16;
+        dg.b = at(ws.xa);
+        dg.h_bf16 = static_cast<uint16_t*>(at(ws.h));
       } else {
         dg.src = p.x_bf16 ? kSrcBf16 : kSrcF32;
         dg.b = p.x;

@@ -13,6 +13,7 @@
 #   AB_TESTS    gtest targets built and run for every variant before any timing, e.g.
 #               "moe_parity_test moe_layer_gpu_test" (default none; a variant whose test fails
 #               is still timed, and the log says FAILED)
+#   AB_TEST_TREE  0: run AB_TESTS on the variants only, not on the tree (default 1)
 # Writes OUT_DIR/ab.log (every row), ab-build.log, ab-tests.log (AB_TESTS) and prints the per-case
 # summary (tests/gpu/ab_summary.py).
 # SRC is restored on exit. Run the GPU tests on whichever variant lands.
@@ -35,6 +36,7 @@ targets+=("${tests[@]}")
 save() {  # save NAME: the built benches under $bins/NAME, and run AB_TESTS on it
   mkdir -p "$bins/$1"
   cp "$build/tests/bench/engine/engine_bench" "$build/tests/bench/moe/moe_bench" "$bins/$1/"
+  if [ "$1" = tree ] && [ "${AB_TEST_TREE:-1}" = 0 ]; then return; fi
   for t in "${tests[@]}"; do
     bin=$(find "$build/tests" -name "$t" -type f -perm -u+x | head -1)
     if [ -z "$bin" ]; then echo "test $t ($1): not built" | tee -a "$out/ab-tests.log"; continue; fi
