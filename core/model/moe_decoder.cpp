@@ -313,7 +313,9 @@ Status MoeDecoder::allocate() {
   RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{T, K}, ws_.topk_ids));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, K}, ws_.topk_weights));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, H}, ws_.moe_out));
-  if (dense_bf16_) RD_RETURN_IF_ERROR(ws(DType::kBF16, Shape{std::max(T, S) * std::max(H, QH * D)}, ws_.x_bf16));
+  // Also the MXFP4 expert kernels' BF16 input, written by post_attention_layernorm.
+  if (dense_bf16_ || kernel_experts_)
+    RD_RETURN_IF_ERROR(ws(DType::kBF16, Shape{std::max(T, S) * std::max(H, QH * D)}, ws_.x_bf16));
   if (std::any_of(layers_.begin(), layers_.end(), [](const Layer& L) { return L.qkv_fused; }))
     RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{T, (QH + 2 * KVH) * D}, ws_.qkv));
   // The expert op's workspace, for the layers that run Backend::moe_experts: MoE layers unless
@@ -797,8 +799,13 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
     RD_RETURN_IF_ERROR(backend_.linear(ctx, o, xd, L.o_proj));
     if (L.o_bias.data) RD_RETURN_IF_ERROR(backend_.add_bias(ctx, o, L.o_bias));
     // MoE block (or the dense MLP as one expert every token takes with weight 1): h += o and its
-    // norm in one launch. The router and the experts read x in FP32.
-    RD_RETURN_IF_ERROR(backend_.add_rmsnorm(ctx, x, {}, h, o, L.post_attention_layernorm, eps));
+    // norm in one launch. The router reads x in FP32; the MXFP4 expert kernels take x rounded to
+    // BF16 (their GEMM input), which the norm then writes in the same pass into x_bf16 (free once
+    // o_proj has read it): the rounding the kernels would do themselves, one launch fewer.
+    const bool experts_bf16 = L.moe && kernel_experts_;
+    const TensorView x_experts = experts_bf16 ? bf16_of(x) : x;
+    RD_RETURN_IF_ERROR(backend_.add_rmsnorm(ctx, x, experts_bf16 ? x_experts : TensorView{}, h, o,
+                                            L.post_attention_layernorm, eps));
     if (L.moe) {
       // Gate GEMM, bias and selection in one op (one launch on CUDA for decode steps). gpt-oss's
       // router (top-k of the logits, softmax over those k) is the softmax top-k with
@@ -824,7 +831,7 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
       }
     }
     if (L.moe && kernel_experts_) {
-      RD_RETURN_IF_ERROR(kernel_experts(ctx, L, x, moe_out, topk_ids, topk_w, T));
+      RD_RETURN_IF_ERROR(kernel_experts(ctx, L, x_experts, moe_out, topk_ids, topk_w, T));
       pending = moe_out;
       continue;
     }

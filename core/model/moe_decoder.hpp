@@ -184,7 +184,7 @@ class MoeDecoder {
     TensorView moe_h;  // expert-op workspace [T * (K * I or I_dense)] (MoeExpertsArgs::workspace); empty when no layer runs the op
     TensorView experts_ws;  // kernel_experts_: moe::experts scratch (uint8, sized for max_tokens)
     TensorView final_rows, final_normed, logits;
-    TensorView x_bf16;  // dense_bf16_: a dense projection's input rounded to BF16 [max(T, S) * max(H, QH * D)]
+    TensorView x_bf16;  // dense_bf16_ or kernel_experts_: BF16 GEMM inputs [max(T, S) * max(H, QH * D)]
     TensorView qkv;     // a layer with qkv_fused: the fused projection's output [T, (QH + 2 KVH) * D]
   };
 

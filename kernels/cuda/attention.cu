@@ -86,6 +86,7 @@ __global__ void __launch_bounds__(kAttnThreads)
   __shared__ float p_s[kPRows][kAttnChunk];
   __shared__ int64_t row_s[kAttnChunk];  // cache row (block * block_size + offset) of a key, -1: skipped
   __shared__ float red[kAttnWarps][kH];
+  pdl_begin();
   const int64_t t = blockIdx.x;
   const int64_t kvh = blockIdx.y / s.head_groups;
   const int64_t per_kv = s.q_heads / s.kv_heads;
@@ -297,11 +298,9 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
   const int per = static_cast<int>((s.head_dim + kAttnThreads - 1) / kAttnThreads);
   const bool vec = s.head_dim % 4 == 0 && reinterpret_cast<uintptr_t>(k_cache.data) % 16 == 0;
   auto launch = [&](auto kernel) {
-    kernel<<<grid, kAttnThreads, 0, stream_of(ctx)>>>(out.data, q.as<const float>(),
-                                                      k_cache.as<const float>(), v_cache.as<const float>(),
-                                                      block_tables.as<const int32_t>(),
-                                                      seq_of.as<const int32_t>(),
-                                                      ctx_len.as<const int32_t>(), sh, dim_lanes);
+    (void)launch_dependent(kernel, grid, kAttnThreads, 0, stream_of(ctx), out.data, q.as<const float>(),
+                           k_cache.as<const float>(), v_cache.as<const float>(), block_tables.as<const int32_t>(),
+                           seq_of.as<const int32_t>(), ctx_len.as<const int32_t>(), sh, dim_lanes);
   };
   auto launch_heads = [&](auto kh) {
     constexpr int kH = decltype(kh)::value;

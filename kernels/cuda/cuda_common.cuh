@@ -5,6 +5,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
+#include <utility>
 
 #include "kernels/backend.hpp"
 
@@ -54,6 +57,54 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int offset = 16; offset > 0; offset >>= 1)
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
   return v;
+}
+
+// ---- programmatic dependent launch (PDL, sm_90) ------------------------------------------------
+// A decode step is ~15 short kernels a layer (2-15 us each at small batches) back to back in one
+// stream; between two of them the GPU drains the first grid before it launches the second. A
+// kernel launched by launch_dependent() may instead be launched while the kernel ahead of it in
+// the stream still runs, once every CTA of that kernel has called pdl_trigger() (or exited); its
+// CTAs then sit in pdl_wait() until that kernel has completed and its writes are visible. So a
+// kernel launched this way must call pdl_wait() before it reads or writes any global memory
+// that another kernel touches, in every CTA (pdl_begin() at the top does both in that order).
+// Ordering stays transitive: a kernel completes only after its own wait, so waiting for the
+// kernel just ahead also waits for everything before it. Without the launch attribute (or before
+// sm_90) both instructions are no-ops; cuBLAS's kernels and copies between ours keep the
+// ordinary full ordering.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void pdl_begin() {
+  pdl_wait();
+  pdl_trigger();
+}
+
+// ROLLOUTD_PDL=0 launches every kernel with the ordinary ordering (for an A/B, or to rule PDL
+// out when chasing a race); read once per process.
+inline bool pdl_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("ROLLOUTD_PDL");
+    return v == nullptr || std::string_view(v) != "0";
+  }();
+  return on;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...) as a programmatic dependent of the kernel ahead
+// of it (see above: the kernel must begin with pdl_wait()). Errors also land in the thread's
+// last-error slot, so RD_CUDA_CHECK_LAUNCH after it reports them as after a <<<...>>>.
+template <typename... Params, typename... Args>
+cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                             Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 }  // namespace rolloutd::cuda

@@ -18,6 +18,7 @@ constexpr int kThreads = 256;
 __global__ void embedding_kernel(float* __restrict__ out, const float* __restrict__ table,
                                  const int32_t* __restrict__ ids, int64_t vocab,
                                  int64_t hidden) {
+  pdl_begin();
   const int64_t t = blockIdx.x;
   const int32_t id = ids[t];
   const bool valid = id >= 0 && id < vocab;
@@ -37,6 +38,7 @@ template <bool kAdd, bool kOut, bool kBf16>
 __global__ void rmsnorm_kernel(float* out, uint16_t* out_bf16, float* x, const float* r, const float* __restrict__ w,
                                int64_t hidden, float eps) {
   __shared__ float warp_partial[kThreads / 32];
+  pdl_begin();
   const int64_t row = blockIdx.x;
   float* xr = x + row * hidden;
   float ss = 0.0f;
@@ -76,6 +78,7 @@ template <int kPer, bool kAdd, bool kOut, bool kBf16>
 __global__ void rmsnorm_vec_kernel(float* out, uint16_t* out_bf16, float* x, const float* r,
                                    const float* __restrict__ w, int64_t hidden, float eps) {
   __shared__ float warp_partial[32];
+  pdl_begin();
   const int64_t row = blockIdx.x;
   const int n4 = static_cast<int>(hidden / 4);
   float4* xr = reinterpret_cast<float4*>(x + row * hidden);
@@ -125,6 +128,7 @@ __global__ void rmsnorm_vec_kernel(float* out, uint16_t* out_bf16, float* x, con
 }
 
 __global__ void add_kernel(float* out, const float* a, const float* b, int64_t n) {
+  pdl_begin();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     out[i] = a[i] + b[i];
@@ -156,6 +160,7 @@ __global__ void kv_store_kernel(float* __restrict__ k_cache, float* __restrict__
                                 const float* __restrict__ k, const float* __restrict__ v,
                                 const int32_t* __restrict__ slots, int64_t num_slots,
                                 int64_t row) {
+  pdl_begin();
   const int64_t t = blockIdx.x;
   const int64_t slot = slots[t];
   if (slot < 0 || slot >= num_slots) return;  // padding (or a bad slot: skipped)
@@ -171,6 +176,7 @@ __global__ void kv_store_kernel(float* __restrict__ k_cache, float* __restrict__
 __global__ void copy_valid_rows_kernel(int32_t* __restrict__ dst, const int32_t* __restrict__ src,
                                        const int32_t* __restrict__ count, int64_t rows, int64_t cols,
                                        int32_t fill) {
+  pdl_begin();
   int64_t n = *count;
   n = n < 0 ? 0 : (n > rows ? rows : n);
   const int64_t total = rows * cols;
@@ -186,8 +192,9 @@ Status copy_valid_rows(const ExecContext& ctx, TensorView dst, TensorView src, T
   if (total == 0) return Status::Ok();
   DeviceGuard guard;
   RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
-  copy_valid_rows_kernel<<<blocks_for(total, kThreads, 1024), kThreads, 0, stream_of(ctx)>>>(
-      dst.as<int32_t>(), src.as<const int32_t>(), count.as<const int32_t>(), src.size(0), src.size(1), fill);
+  (void)launch_dependent(copy_valid_rows_kernel, blocks_for(total, kThreads, 1024), kThreads, 0, stream_of(ctx),
+                         dst.as<int32_t>(), src.as<const int32_t>(), count.as<const int32_t>(), src.size(0),
+                         src.size(1), fill);
   RD_CUDA_CHECK_LAUNCH("copy_valid_rows_kernel");
   return Status::Ok();
 }
@@ -199,9 +206,9 @@ Status embedding(const ExecContext& ctx, TensorView out, TensorView table, Tenso
   if (num_tokens == 0) return Status::Ok();
   DeviceGuard guard;
   RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
-  embedding_kernel<<<static_cast<unsigned int>(num_tokens), kThreads, 0, stream_of(ctx)>>>(
-      out.as<float>(), table.as<const float>(), ids.as<const int32_t>(), table.size(0),
-      table.size(1));
+  (void)launch_dependent(embedding_kernel, static_cast<unsigned int>(num_tokens), kThreads, 0, stream_of(ctx),
+                         out.as<float>(), table.as<const float>(), ids.as<const int32_t>(), table.size(0),
+                         table.size(1));
   RD_CUDA_CHECK_LAUNCH("embedding_kernel");
   return Status::Ok();
 }
@@ -225,7 +232,8 @@ void launch_rmsnorm(cudaStream_t stream, float* out, uint16_t* out_bf16, float* 
     const int threads = static_cast<int>(std::min<int64_t>(256, (n4 + 31) / 32 * 32));
     const int64_t per = (n4 + threads - 1) / threads;
     const auto launch = [&](auto kernel) {
-      kernel<<<static_cast<unsigned int>(rows), threads, 0, stream>>>(out, out_bf16, x, r, w, hidden, eps);
+      (void)launch_dependent(kernel, static_cast<unsigned int>(rows), threads, 0, stream, out, out_bf16, x, r, w,
+                             hidden, eps);
     };
     if (per <= 1) launch(rmsnorm_vec_kernel<1, kAdd, kOut, kBf16>);
     else if (per <= 2) launch(rmsnorm_vec_kernel<2, kAdd, kOut, kBf16>);
@@ -233,8 +241,8 @@ void launch_rmsnorm(cudaStream_t stream, float* out, uint16_t* out_bf16, float* 
     else launch(rmsnorm_vec_kernel<8, kAdd, kOut, kBf16>);
     return;
   }
-  rmsnorm_kernel<kAdd, kOut, kBf16><<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(out, out_bf16, x, r, w,
-                                                                                              hidden, eps);
+  (void)launch_dependent(rmsnorm_kernel<kAdd, kOut, kBf16>, static_cast<unsigned int>(rows), kThreads, 0, stream, out,
+                         out_bf16, x, r, w, hidden, eps);
 }
 }  // namespace
 
@@ -276,8 +284,8 @@ Status add_rmsnorm(const ExecContext& ctx, TensorView out, TensorView out_bf16, 
     case 2: launch(RmsFlags<false, true, false>{}); break;
     case 3: launch(RmsFlags<false, true, true>{}); break;
     case 4:  // no output: the add alone
-      add_kernel<<<blocks_for(h.numel(), kThreads), kThreads, 0, stream_of(ctx)>>>(h.as<float>(), h.as<const float>(),
-                                                                                 r.as<const float>(), h.numel());
+      (void)launch_dependent(add_kernel, blocks_for(h.numel(), kThreads), kThreads, 0, stream_of(ctx), h.as<float>(),
+                             h.as<const float>(), r.as<const float>(), h.numel());
       break;
     case 5: launch(RmsFlags<true, false, true>{}); break;
     case 6: launch(RmsFlags<true, true, false>{}); break;
@@ -294,8 +302,8 @@ Status add(const ExecContext& ctx, TensorView out, TensorView a, TensorView b) {
   if (n == 0) return Status::Ok();
   DeviceGuard guard;
   RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
-  add_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream_of(ctx)>>>(
-      out.as<float>(), a.as<const float>(), b.as<const float>(), n);
+  (void)launch_dependent(add_kernel, blocks_for(n, kThreads), kThreads, 0, stream_of(ctx), out.as<float>(),
+                         a.as<const float>(), b.as<const float>(), n);
   RD_CUDA_CHECK_LAUNCH("add_kernel");
   return Status::Ok();
 }
@@ -321,7 +329,8 @@ Status kv_store(const ExecContext& ctx, TensorView k_cache, TensorView v_cache, 
   if (num_tokens == 0) return Status::Ok();
   DeviceGuard guard;
   RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
-  kv_store_kernel<<<static_cast<unsigned int>(num_tokens), kThreads, 0, stream_of(ctx)>>>(
+  (void)launch_dependent(
+      kv_store_kernel, static_cast<unsigned int>(num_tokens), kThreads, 0, stream_of(ctx),
       k_cache.as<float>(), v_cache.as<float>(), k.as<const float>(), v.as<const float>(),
       slot_mapping.as<const int32_t>(), k_cache.size(0) * k_cache.size(1),
       k_cache.size(2) * k_cache.size(3));
@@ -444,6 +453,7 @@ __global__ void rope_qk_kernel(float* q, float* k, const int32_t* __restrict__ p
                                int64_t kv_heads, int64_t head_dim, float theta, float scale, float eps,
                                const float* __restrict__ qkv, float* __restrict__ v, const float* __restrict__ q_bias,
                                const float* __restrict__ k_bias, const float* __restrict__ v_bias) {
+  pdl_begin();
   const int64_t half = head_dim / 2, rot_heads = q_heads + kv_heads;
   const int64_t heads = rot_heads + (qkv != nullptr ? kv_heads : 0), total = num_tokens * heads;
   const int64_t width = (q_heads + 2 * kv_heads) * head_dim;
@@ -509,8 +519,9 @@ Status rope_qk(const ExecContext& ctx, const RopeQkArgs& a) {
   RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
   const bool norm = a.q_norm.data != nullptr, table = a.inv_freq.data != nullptr;
   const auto launch = [&](auto kernel) {
-    kernel<<<blocks_for(rows, kRopeWarps), kRopeWarps * 32, 0, stream_of(ctx)>>>(
-        a.q.as<float>(), a.k.as<float>(), a.positions.as<const int32_t>(), a.inv_freq.as<const float>(),
+    (void)launch_dependent(
+        kernel, blocks_for(rows, kRopeWarps), kRopeWarps * 32, 0, stream_of(ctx), a.q.as<float>(), a.k.as<float>(),
+        a.positions.as<const int32_t>(), a.inv_freq.as<const float>(),
         a.q_norm.as<const float>(), a.k_norm.as<const float>(), a.q.size(0), a.q.size(1), a.k.size(1), a.q.size(2),
         a.theta, a.scale, a.eps, a.qkv.as<const float>(), a.v.as<float>(), a.q_bias.as<const float>(),
         a.k_bias.as<const float>(), a.v_bias.as<const float>());

@@ -116,6 +116,7 @@ __global__ void __cluster_dims__(kRouterCluster, 1, 1) __launch_bounds__(kRouter
   __shared__ __align__(16) float4 xs[kRouterFusedMaxHidden / 4];
   __shared__ float part[kRouterFusedMaxExperts];  // this CTA's items' sums, at their item index
   __shared__ float all[kRouterFusedMaxExperts];   // CTA 0: every expert's logit
+  pdl_begin();
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
   const int64_t t = blockIdx.y;
@@ -410,8 +411,8 @@ Status router(const ExecContext& ctx, const RouterArgs& a) {
   const dim3 grid(kRouterCluster, static_cast<unsigned int>(num_tokens));
   int parts = 1;  // items per expert: the cluster's warps all busy when experts are few
   while (parts * 2 * num_experts <= kRouterStride) parts *= 2;
-  router_fused_kernel<<<grid, kRouterFusedWarps * 32, 0, stream_of(ctx)>>>(
-      a.ids.as<int32_t>(), a.weights.as<float>(), a.logits.as<float>(), a.x.as<const float>(), a.w.as<const float>(),
+  (void)launch_dependent(
+      router_fused_kernel, grid, kRouterFusedWarps * 32, 0, stream_of(ctx), a.ids.as<int32_t>(), a.weights.as<float>(), a.logits.as<float>(), a.x.as<const float>(), a.w.as<const float>(),
       a.bias.data != nullptr ? a.bias.as<const float>() : nullptr, static_cast<int>(hidden),
       static_cast<int>(num_experts), parts, static_cast<int>(a.ids.size(1)), a.renormalize);
   RD_CUDA_CHECK_LAUNCH("router_fused_kernel");

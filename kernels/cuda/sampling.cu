@@ -326,6 +326,7 @@ __global__ void __launch_bounds__(kThreads, 2) sample_kernel(int32_t* __restrict
                                                           int top_n, int32_t* __restrict__ top_ids,
                                                           float* __restrict__ top_lps) {
   __shared__ SampleSmem sm;
+  pdl_begin();
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t r = blockIdx.x;
   const float* __restrict__ l = logits + r * V;
@@ -498,8 +499,9 @@ Status sample(const ExecContext& ctx, const SampleArgs& a) {
   const int top_n = a.top_ids.data != nullptr ? static_cast<int>(a.top_ids.size(1)) : 0;
   DeviceGuard guard;
   RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
-  sample_kernel<<<static_cast<unsigned int>(rows), kThreads, 0, stream_of(ctx)>>>(
-      a.tokens.as<int32_t>(), a.logprobs.as<float>(), a.logits.as<const float>(),
+  (void)launch_dependent(
+      sample_kernel, static_cast<unsigned int>(rows), kThreads, 0, stream_of(ctx), a.tokens.as<int32_t>(),
+      a.logprobs.as<float>(), a.logits.as<const float>(),
       static_cast<const SamplingRow*>(a.rows.data), V, top_n, top_n > 0 ? a.top_ids.as<int32_t>() : nullptr,
       top_n > 0 ? a.top_logprobs.as<float>() : nullptr);
   RD_CUDA_CHECK_LAUNCH("sample_kernel");

@@ -430,6 +430,7 @@ struct PermuteArgs {
 // One CTA: count pairs per expert, scan, scatter, list the M tiles.
 __global__ void __launch_bounds__(kPermuteThreads) permute_kernel(const PermuteArgs a) {
   extern __shared__ int32_t sh[];
+  cuda::pdl_begin();
   int32_t* cnt = sh;                      // [E]: counts, then scatter cursors
   int32_t* toff = sh + a.num_physical;    // [E + 1]: first tile of each expert
   const int tid = threadIdx.x;
@@ -519,6 +520,7 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_kernel(const PermuteA
 }
 
 __global__ void to_bf16_kernel(uint16_t* __restrict__ out, const float* __restrict__ in, int64_t n) {
+  cuda::pdl_begin();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
     out[i] = f32_to_bf16_bits(in[i]);
@@ -532,6 +534,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     combine_kernel(float* __restrict__ out, const float* __restrict__ y, const int32_t* __restrict__ pair_pos,
                    const float* __restrict__ w, int64_t num_valid, const int32_t* __restrict__ num_valid_device,
                    int64_t hidden, int top_k, bool accumulate) {
+  cuda::pdl_begin();
   const int64_t t = blockIdx.x;
   const int64_t c = (static_cast<int64_t>(blockIdx.y) * kCombineThreads + threadIdx.x) * 4;
   if (c >= hidden) return;
@@ -1160,6 +1163,10 @@ template <bool kGateUp, int kMaxNt, bool kDirect = false>
 __global__ void __launch_bounds__(kDecThreads, kDirect ? kDirCtas : 2) decode_gemm_kernel(const DecodeArgs g) {
   static_assert(!kDirect || kMaxNt == 1, "direct B: one n-tile per pass");
   extern __shared__ __align__(16) uint8_t dsm[];
+  // gate_up as a programmatic dependent: the permutation (and x's rounding) complete before any
+  // read. down's reads before its griddepcontrol.wait (the permutation, weights) are complete by
+  // the time it launches: every gate_up CTA has passed this wait when it triggers below.
+  if constexpr (kGateUp) cuda::pdl_wait();
   const int j = blockIdx.y;
   if (j >= g.meta[0]) return;  // whole CTA: fewer active experts than the bound
   const int e = g.active[j];
@@ -1184,8 +1191,9 @@ __global__ void __launch_bounds__(kDecThreads, kDirect ? kDirCtas : 2) decode_ge
 
   // Programmatic dependent launch: the down kernel may start while gate_up's last CTAs run;
   // everything it does before griddepcontrol.wait reads only the permutation (complete before
-  // gate_up started) and the weights, so its first weight loads overlap gate_up's tail.
-  if constexpr (kGateUp) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  // gate_up passed its wait) and the weights, so its first weight loads overlap gate_up's tail.
+  // down triggers too: combine (which waits at its top) is launched while down's last CTAs run.
+  cuda::pdl_trigger();
 
   // One row block (groups_per_cta 32-row groups) of the expert.
   auto run_block = [&](int blk) {
@@ -1330,6 +1338,8 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
   if (shape.smem > kDecSmemMax) return Status(ErrorCode::kUnimplemented, "hidden size too large for the decode kernel", "x");
   // The down kernel is launched as a programmatic dependent of whatever precedes it (gate_up,
   // which triggers early; the MXFP8 quantization of h, which does not, so down then waits for it).
+  // gate_up is one too (of the permutation or x's rounding) unless ROLLOUTD_PDL=0: it waits at
+  // its top (cuda_common.cuh), down only before it first reads h.
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(kDecThreads);
@@ -1339,7 +1349,7 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = kGateUp ? 0 : 1;
+  cfg.numAttrs = kGateUp && !cuda::pdl_enabled() ? 0 : 1;
   if (a.tok_cap > 16) {
     RD_RETURN_IF_ERROR((decode_opt_in<kGateUp, 4>(ctx.device.index)));
     RD_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_gemm_kernel<kGateUp, 4>, a));
@@ -1681,7 +1691,7 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
     pa.tile_row0 = static_cast<int32_t*>(at(ws.tile_row0));
     pa.meta = static_cast<int32_t*>(at(ws.meta));
     const size_t psmem = static_cast<size_t>(2 * ep + 1) * sizeof(int32_t);
-    permute_kernel<<<1, kPermuteThreads, psmem, stream>>>(pa);
+    (void)cuda::launch_dependent(permute_kernel, 1, kPermuteThreads, psmem, stream, pa);
     RD_CUDA_CHECK_LAUNCH("moe permute_kernel");
 
     const bool bf16w = p.format == WeightFormat::kBF16;
@@ -1716,8 +1726,8 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
       } else if (!p.x_bf16 && max_nt == 1) {
         // One-n-tile passes read bf16 rows straight from memory (direct B): FP32 x rounded to
         // bf16 once here, by the function the staging rounds with (same products, same results).
-        to_bf16_kernel<<<cuda::blocks_for(nv * h, 256, 4096), 256, 0, stream>>>(
-            static_cast<uint16_t*>(at(ws.xa)), static_cast<const float*>(p.x), nv * h);
+        (void)cuda::launch_dependent(to_bf16_kernel, cuda::blocks_for(nv * h, 256, 4096), 256, 0, stream,
+                                     static_cast<uint16_t*>(at(ws.xa)), static_cast<const float*>(p.x), nv * h);
         RD_CUDA_CHECK_LAUNCH("moe to_bf16_kernel");
         dg.src = kSrcBf16;
         dg.b = at(ws.xa);
@@ -1795,8 +1805,8 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
     } else if (p.x_bf16) {
       g.a_bf16 = static_cast<const uint16_t*>(p.x);
     } else {
-      to_bf16_kernel<<<cuda::blocks_for(nv * h, 256, 4096), 256, 0, stream>>>(
-          static_cast<uint16_t*>(at(ws.xa)), static_cast<const float*>(p.x), nv * h);
+      (void)cuda::launch_dependent(to_bf16_kernel, cuda::blocks_for(nv * h, 256, 4096), 256, 0, stream,
+                                   static_cast<uint16_t*>(at(ws.xa)), static_cast<const float*>(p.x), nv * h);
       RD_CUDA_CHECK_LAUNCH("moe to_bf16_kernel");
       g.a_bf16 = static_cast<const uint16_t*>(at(ws.xa));
     }
@@ -1860,8 +1870,8 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
   if (t > INT_MAX) return Status(ErrorCode::kUnimplemented, "too many tokens", "x");
   const dim3 combine_grid(static_cast<unsigned int>(t),
                           static_cast<unsigned int>((h / 4 + kCombineThreads - 1) / kCombineThreads));
-  combine_kernel<<<combine_grid, kCombineThreads, 0, stream>>>(
-      p.out, y, pair_pos, p.topk_weights, nv, p.num_valid_device, h, static_cast<int>(k), p.accumulate);
+  (void)cuda::launch_dependent(combine_kernel, combine_grid, kCombineThreads, 0, stream, p.out, y, pair_pos,
+                               p.topk_weights, nv, p.num_valid_device, h, static_cast<int>(k), p.accumulate);
   RD_CUDA_CHECK_LAUNCH("moe combine_kernel");
   return Status::Ok();
 }
