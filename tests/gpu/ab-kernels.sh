@@ -4,9 +4,12 @@
 # binary kept apart, then the benches run in interleaved rounds on the same machine. Variants on
 # different machines differ by more than most kernel changes (METHOD.md): this is how a kernel
 # change is judged here (tests/bench/NOTES.md, "Staging the token rows in batches of loads").
-#   ab-kernels.sh BUILD_DIR OUT_DIR SRC VARIANT.cu...   (on the GPU host, from the repository root;
+#   ab-kernels.sh BUILD_DIR OUT_DIR SRC VARIANT...   (on the GPU host, from the repository root;
 #   BUILD_DIR configured for CUDA as tests/gpu/run.sh configures it)
-# The tree's own SRC is variant "tree"; each VARIANT.cu is named by its file name. Environment:
+# The tree's own SRC is variant "tree"; each VARIANT.cu is named by its file name. A VARIANT that
+# is a directory is a whole source tree (e.g. another commit's `git archive`, for a change that
+# touches several files): it is configured and built on its own, in a build folder beside the
+# benches, and named by its directory name. Environment:
 #   AB_TOKENS   moe_bench --tokens (default 1,8,64,1024)     AB_ROUNDS  rounds (default 2)
 #   AB_BATCHES  engine_bench h2880 batches (default 1,32; empty: no engine runs)
 #   AB_ENGINE_ARGS  (default --quantize-experts mxfp4 --dense-bf16 1 --graphs on --prefill 0)
@@ -14,6 +17,10 @@
 #               "moe_parity_test moe_layer_gpu_test" (default none; a variant whose test fails
 #               is still timed, and the log says FAILED)
 #   AB_TEST_TREE  0: run AB_TESTS on the variants only, not on the tree (default 1)
+#   AB_ENVS     space-separated VAR=VALUE settings: every variant also runs with each (one at a
+#               time), named VARIANT:VAR=VALUE, e.g. AB_ENVS=ROLLOUTD_PDL=0
+# The engine rows include each batch's greedy-token digest; the summary says whether the variants'
+# tokens agree (they must, for a change meant to leave the results bit for bit the same).
 # Writes OUT_DIR/ab.log (every row), ab-build.log, ab-tests.log (AB_TESTS) and prints the per-case
 # summary (tests/gpu/ab_summary.py).
 # SRC is restored on exit. Run the GPU tests on whichever variant lands.
@@ -33,12 +40,13 @@ trap 'cp "$keep" "$src"; rm -rf "$bins" "$keep"' EXIT
 targets=(engine_bench moe_bench)
 read -r -a tests <<<"${AB_TESTS:-}"
 targets+=("${tests[@]}")
-save() {  # save NAME: the built benches under $bins/NAME, and run AB_TESTS on it
+save() {  # save NAME [BUILD]: the built benches under $bins/NAME, and run AB_TESTS on it
+  local from=${2:-$build}
   mkdir -p "$bins/$1"
-  cp "$build/tests/bench/engine/engine_bench" "$build/tests/bench/moe/moe_bench" "$bins/$1/"
+  cp "$from/tests/bench/engine/engine_bench" "$from/tests/bench/moe/moe_bench" "$bins/$1/"
   if [ "$1" = tree ] && [ "${AB_TEST_TREE:-1}" = 0 ]; then return; fi
   for t in "${tests[@]}"; do
-    bin=$(find "$build/tests" -name "$t" -type f -perm -u+x | head -1)
+    bin=$(find "$from/tests" -name "$t" -type f -perm -u+x | head -1)
     if [ -z "$bin" ]; then echo "test $t ($1): not built" | tee -a "$out/ab-tests.log"; continue; fi
     if timeout 300 "$bin" >"$bins/test.log" 2>&1; then
       echo "test $t ($1): passed" | tee -a "$out/ab-tests.log"
@@ -54,6 +62,18 @@ save tree
 names=(tree)
 for v in "$@"; do
   name=$(basename "$v" .cu)
+  if [ -d "$v" ]; then  # a whole tree: its own configure and build
+    vb="$bins/build-$name"
+    if cmake -S "$v" -B "$vb" -G Ninja -DCMAKE_BUILD_TYPE=Release -DROLLOUTD_ENABLE_CUDA=ON \
+         -DCMAKE_CUDA_ARCHITECTURES=90a -DPython3_EXECUTABLE="$(command -v python3)" >>"$out/ab-build.log" 2>&1 &&
+       timeout 400 cmake --build "$vb" -j "$(nproc)" --target "${targets[@]}" >>"$out/ab-build.log" 2>&1; then
+      save "$name" "$vb"
+      names+=("$name")
+    else
+      echo "variant $name (a tree) failed to build (skipped):"; grep -E "error" "$out/ab-build.log" | tail -5
+    fi
+    continue
+  fi
   cp "$v" "$src"
   if timeout 300 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" >>"$out/ab-build.log" 2>&1; then
     save "$name"
@@ -64,18 +84,23 @@ for v in "$@"; do
 done
 cp "$keep" "$src"
 : >"$log"
+read -r -a envs <<<"${AB_ENVS:-}"
 for r in $(seq 1 "${AB_ROUNDS:-2}"); do
   for n in "${names[@]}"; do
-    echo "== moe $n round $r" >>"$log"
-    timeout 120 "$bins/$n/moe_bench" "$bins/moe.json" --tokens "${AB_TOKENS:-1,8,64,1024}" 2>/dev/null \
-      | grep -E " (bf16|mxfp8) " >>"$log"
-    if [ -n "${AB_BATCHES-1,32}" ]; then
-      echo "== engine $n round $r" >>"$log"
+    for e in "" "${envs[@]}"; do
+      label=$n${e:+:$e}
+      echo "== moe $label round $r" >>"$log"
       # shellcheck disable=SC2086
-      timeout 120 "$bins/$n/engine_bench" --models h2880 --batches "${AB_BATCHES-1,32}" \
-        ${AB_ENGINE_ARGS:---quantize-experts mxfp4 --dense-bf16 1 --graphs on --prefill 0} 2>&1 \
-        | grep -E "^h2880 +[0-9]+ +(on|off) +(on|off) " >>"$log"
-    fi
+      env $e timeout 120 "$bins/$n/moe_bench" "$bins/moe.json" --tokens "${AB_TOKENS:-1,8,64,1024}" 2>/dev/null \
+        | grep -E " (bf16|mxfp8) " >>"$log"
+      if [ -n "${AB_BATCHES-1,32}" ]; then
+        echo "== engine $label round $r" >>"$log"
+        # shellcheck disable=SC2086
+        env $e timeout 180 "$bins/$n/engine_bench" --models h2880 --batches "${AB_BATCHES-1,32}" \
+          ${AB_ENGINE_ARGS:---quantize-experts mxfp4 --dense-bf16 1 --graphs on --prefill 0} 2>&1 \
+          | grep -E "^h2880 +[0-9]+ +(on|off) +((on|off) |floor )" >>"$log"
+      fi
+    done
   done
 done
 python3 "$here/tests/gpu/ab_summary.py" "$log"

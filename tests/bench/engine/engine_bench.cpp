@@ -469,11 +469,15 @@ int main(int argc, char** argv) {
               {"step_p90_ms", r.step_p90_ms}, {"first_step_ms", r.first_step_ms},
               {"graph_steps", r.graph_steps}, {"eager_steps", r.eager_steps}};
           if (!records) {
-            br["tokens_digest"] = std::hash<std::string>{}(
+            const size_t digest = std::hash<std::string>{}(
                 std::string(reinterpret_cast<const char*>(r.tokens.data()), r.tokens.size() * 4));
+            br["tokens_digest"] = digest;
             br["step_over_floor"] = floor_ms > 0 ? r.step_median_ms / floor_ms : 0;
-            std::printf("%-5s %5lld %-7s floor %.3f ms: step / floor %.2f", model.c_str(), static_cast<long long>(batch),
-                        graphs ? "on" : "off", floor_ms, floor_ms > 0 ? r.step_median_ms / floor_ms : 0.0);
+            // The digest in the text too: an A/B of two builds (tests/gpu/ab-kernels.sh) compares
+            // the greedy tokens from the tables alone.
+            std::printf("%-5s %5lld %-7s floor %.3f ms: step / floor %.2f, tokens %016zx", model.c_str(),
+                        static_cast<long long>(batch), graphs ? "on" : "off", floor_ms,
+                        floor_ms > 0 ? r.step_median_ms / floor_ms : 0.0, digest);
             if (model == "ckpt" && peer.contains("batches") && peer["batches"].contains(std::to_string(batch))) {
               const auto& pb = peer["batches"][std::to_string(batch)];
               const double ratio = r.decode_tokens_per_s / pb["decode_tokens_per_s"].get<double>();
