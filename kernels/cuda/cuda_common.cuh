@@ -66,11 +66,12 @@ __device__ __forceinline__ float warp_max(float v) {
 // the stream still runs, once every CTA of that kernel has called pdl_trigger() (or exited); its
 // CTAs then sit in pdl_wait() until that kernel has completed and its writes are visible. So a
 // kernel launched this way must call pdl_wait() before it reads or writes any global memory
-// that another kernel touches, in every CTA (pdl_begin() at the top does both in that order).
-// Ordering stays transitive: a kernel completes only after its own wait, so waiting for the
-// kernel just ahead also waits for everything before it. Without the launch attribute (or before
-// sm_90) both instructions are no-ops; cuBLAS's kernels and copies between ours keep the
-// ordinary full ordering.
+// that another kernel touches, in every CTA (pdl_begin() at the top does both in that order),
+// and read the previous kernels' outputs with ordinary or L2 loads, not __ldg (an invariant load
+// the compiler may hoist above the wait). Ordering stays transitive: every CTA waits, so a kernel
+// completes only after the one ahead of it did, and waiting for the kernel just ahead also waits
+// for everything before it. Without the launch attribute (or before sm_90) both instructions are
+// no-ops; cuBLAS's kernels and copies between ours keep the ordinary full ordering.
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void pdl_begin() {
@@ -78,8 +79,8 @@ __device__ __forceinline__ void pdl_begin() {
   pdl_trigger();
 }
 
-// ROLLOUTD_PDL=0 launches every kernel with the ordinary ordering (for an A/B, or to rule PDL
-// out when chasing a race); read once per process.
+// ROLLOUTD_PDL=0 launches every kernel with the ordinary ordering, the MoE down GEMM's too (for
+// an A/B, or to rule PDL out when chasing a race); read once per process.
 inline bool pdl_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("ROLLOUTD_PDL");

@@ -123,7 +123,9 @@ __global__ void __cluster_dims__(kRouterCluster, 1, 1) __launch_bounds__(kRouter
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int n4 = hidden / 4;
   const float4* x4 = reinterpret_cast<const float4*>(x + t * hidden);
-  for (int i = threadIdx.x; i < n4; i += blockDim.x) xs[i] = __ldg(x4 + i);
+  // x is the previous kernel's output: a coherent load after the wait, not __ldg (an invariant
+  // load the compiler may move above the wait's asm).
+  for (int i = threadIdx.x; i < n4; i += blockDim.x) xs[i] = __ldcg(x4 + i);
   __syncthreads();
   const int items = num_experts * parts;
   for (int it = rank * kRouterFusedWarps + warp; it < items; it += kRouterStride) {

@@ -1166,13 +1166,19 @@ __global__ void __launch_bounds__(kDecThreads, kDirect ? kDirCtas : 2) decode_ge
   // gate_up as a programmatic dependent: the permutation (and x's rounding) complete before any
   // read. down's reads before its griddepcontrol.wait (the permutation, weights) are complete by
   // the time it launches: every gate_up CTA has passed this wait when it triggers below.
+  // down reads the permutation before its wait through L2 (ld.global.cg): the PTX ISA promises
+  // visibility of a prerequisite grid's writes only after griddepcontrol.wait, and the
+  // permutation's own grid is two launches back; L2 is where its completed writes are.
   if constexpr (kGateUp) cuda::pdl_wait();
   const int j = blockIdx.y;
-  if (j >= g.meta[0]) return;  // whole CTA: fewer active experts than the bound
-  const int e = g.active[j];
+  if (j >= __ldcg(g.meta)) {  // whole CTA: fewer active experts than the bound
+    if constexpr (!kGateUp) cuda::pdl_wait();  // every CTA of a dependent grid waits (cuda_common.cuh)
+    return;
+  }
+  const int e = __ldcg(g.active + j);
   DecCta a;
-  a.base = g.expert_offsets[e];
-  a.count = g.expert_offsets[e + 1] - a.base;
+  a.base = __ldcg(g.expert_offsets + e);
+  a.count = __ldcg(g.expert_offsets + e + 1) - a.base;
   a.warp = threadIdx.x >> 5;
   a.lane = threadIdx.x & 31;
   a.ks = g.ksplit;
@@ -1338,8 +1344,8 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
   if (shape.smem > kDecSmemMax) return Status(ErrorCode::kUnimplemented, "hidden size too large for the decode kernel", "x");
   // The down kernel is launched as a programmatic dependent of whatever precedes it (gate_up,
   // which triggers early; the MXFP8 quantization of h, which does not, so down then waits for it).
-  // gate_up is one too (of the permutation or x's rounding) unless ROLLOUTD_PDL=0: it waits at
-  // its top (cuda_common.cuh), down only before it first reads h.
+  // gate_up is one too (of the permutation or x's rounding): it waits at its top
+  // (cuda_common.cuh), down only before it first reads h. ROLLOUTD_PDL=0: neither.
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(kDecThreads);
@@ -1349,7 +1355,7 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = kGateUp && !cuda::pdl_enabled() ? 0 : 1;
+  cfg.numAttrs = cuda::pdl_enabled() ? 1 : 0;
   if (a.tok_cap > 16) {
     RD_RETURN_IF_ERROR((decode_opt_in<kGateUp, 4>(ctx.device.index)));
     RD_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_gemm_kernel<kGateUp, 4>, a));

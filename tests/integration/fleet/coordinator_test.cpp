@@ -286,7 +286,10 @@ TEST_F(Fleet, KilledDaemonRequestsAreResubmittedWhenAsked) {
   CoordinatorOptions o;
   o.resubmit = true;
   start(2, o);
-  constexpr uint32_t kTokens = 2000;
+  // Long enough that the victim's requests are still running at the kill (200 ms in; ~3 ms a
+  // token in a release build), short enough for the ASan stage on two loaded cores (2,000 tokens
+  // took 90-128 s there, past the old 120 s deadline once; 1,000 took 30 s).
+  constexpr uint32_t kTokens = 1000;
   std::set<std::string> rids;
   std::map<std::string, std::string> where;
   for (int i = 0; i < 4; ++i) {
@@ -298,7 +301,7 @@ TEST_F(Fleet, KilledDaemonRequestsAreResubmittedWhenAsked) {
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   daemons_[0]->kill_now();
   std::map<std::string, std::vector<FleetEvent>> all;
-  auto done = finals(rids, 120000, &all);
+  auto done = finals(rids, 180000, &all);
   ASSERT_EQ(done.size(), rids.size());
   int resubmitted = 0;
   for (const auto& [rid, ev] : done) {
