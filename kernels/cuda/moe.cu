@@ -414,7 +414,8 @@ Status router(const ExecContext& ctx, const RouterArgs& a) {
   int parts = 1;  // items per expert: the cluster's warps all busy when experts are few
   while (parts * 2 * num_experts <= kRouterStride) parts *= 2;
   (void)launch_dependent(
-      router_fused_kernel, grid, kRouterFusedWarps * 32, 0, stream_of(ctx), a.ids.as<int32_t>(), a.weights.as<float>(), a.logits.as<float>(), a.x.as<const float>(), a.w.as<const float>(),
+      router_fused_kernel, grid, kRouterFusedWarps * 32, 0, stream_of(ctx), a.ids.as<int32_t>(), a.weights.as<float>(),
+      a.logits.as<float>(), a.x.as<const float>(), a.w.as<const float>(),
       a.bias.data != nullptr ? a.bias.as<const float>() : nullptr, static_cast<int>(hidden),
       static_cast<int>(num_experts), parts, static_cast<int>(a.ids.size(1)), a.renormalize);
   RD_CUDA_CHECK_LAUNCH("router_fused_kernel");

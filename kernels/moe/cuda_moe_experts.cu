@@ -1346,28 +1346,21 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
   // which triggers early; the MXFP8 quantization of h, which does not, so down then waits for it).
   // gate_up is one too (of the permutation or x's rounding): it waits at its top
   // (cuda_common.cuh), down only before it first reads h. ROLLOUTD_PDL=0: neither.
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(kDecThreads);
-  cfg.dynamicSmemBytes = shape.smem;
-  cfg.stream = stream_of(ctx);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = cuda::pdl_enabled() ? 1 : 0;
+  const auto launch = [&](auto kernel) {
+    return cuda::launch_dependent(kernel, grid, kDecThreads, shape.smem, stream_of(ctx), a);
+  };
   if (a.tok_cap > 16) {
     RD_RETURN_IF_ERROR((decode_opt_in<kGateUp, 4>(ctx.device.index)));
-    RD_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_gemm_kernel<kGateUp, 4>, a));
+    RD_CUDA_CHECK(launch(decode_gemm_kernel<kGateUp, 4>));
   } else if (a.tok_cap > 8) {
     RD_RETURN_IF_ERROR((decode_opt_in<kGateUp, 2>(ctx.device.index)));
-    RD_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_gemm_kernel<kGateUp, 2>, a));
+    RD_CUDA_CHECK(launch(decode_gemm_kernel<kGateUp, 2>));
   } else if (direct) {
     RD_RETURN_IF_ERROR((decode_opt_in<kGateUp, 1, true>(ctx.device.index)));
-    RD_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_gemm_kernel<kGateUp, 1, true>, a));
+    RD_CUDA_CHECK(launch(decode_gemm_kernel<kGateUp, 1, true>));
   } else {
     RD_RETURN_IF_ERROR((decode_opt_in<kGateUp, 1>(ctx.device.index)));
-    RD_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_gemm_kernel<kGateUp, 1>, a));
+    RD_CUDA_CHECK(launch(decode_gemm_kernel<kGateUp, 1>));
   }
   RD_CUDA_CHECK_LAUNCH("moe decode_gemm_kernel");
   return Status::Ok();
