@@ -151,6 +151,12 @@ struct RopeQkArgs {
   // added to qkv's q, k and v columns first (before the norm and the rotation), as add_bias
   // after each projection would. All three or none, and only with qkv.
   TensorView q_bias, k_bias, v_bias;
+  // Optional KV store, fused form only: k_cache and v_cache f32 [blocks, block_size, KVH, D] and
+  // slot_mapping int32 [T], all three or none. Each token's rotated k and its v are also written
+  // at its slot, exactly as kv_store(k_cache, v_cache, k, v, slot_mapping) after this op would
+  // (a negative slot is a padding row: not written; CPU refuses a slot past the cache before
+  // writing anything, as kv_store does).
+  TensorView k_cache, v_cache, slot_mapping;
 };
 
 struct Backend {

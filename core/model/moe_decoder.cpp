@@ -782,9 +782,13 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
     rope_args.k = as_heads(k, KVH, D);
     rope_args.q_norm = c.qk_norm ? L.q_norm : TensorView{};
     rope_args.k_norm = c.qk_norm ? L.k_norm : TensorView{};
+    // The fused form also stores k and v at their cache slots (one launch instead of two).
+    rope_args.k_cache = L.qkv_fused ? L.k_cache : TensorView{};
+    rope_args.v_cache = L.qkv_fused ? L.v_cache : TensorView{};
+    rope_args.slot_mapping = L.qkv_fused ? slots : TensorView{};
     RD_RETURN_IF_ERROR(backend_.rope_qk(ctx, rope_args));
-    RD_RETURN_IF_ERROR(backend_.kv_store(ctx, L.k_cache, L.v_cache, as_heads(k, KVH, D),
-                                         as_heads(v, KVH, D), slots));
+    if (!L.qkv_fused)
+      RD_RETURN_IF_ERROR(backend_.kv_store(ctx, L.k_cache, L.v_cache, as_heads(k, KVH, D), as_heads(v, KVH, D), slots));
     // With BF16 o_proj weights the attention writes o_proj's BF16 input itself (the same rounding
     // as a separate convert, one launch fewer).
     xd = L.o_proj.dtype == DType::kBF16 ? bf16_of(attn) : attn;

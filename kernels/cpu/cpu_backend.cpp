@@ -225,12 +225,26 @@ Status rope_table(const ExecContext& ctx, TensorView x, TensorView positions, Te
   return Status::Ok();
 }
 
+Status kv_store(const ExecContext& ctx, TensorView k_cache, TensorView v_cache, TensorView k, TensorView v,
+                TensorView slot_mapping);
+Status kv_slots_in_range(const TensorView& k_cache, const TensorView& slot_mapping);
+Status rope_qk_rows(const RopeQkArgs& a);
+
 // The unfused sequence, op by op on the same helpers: (fused form) the split of qkv's rows and
 // add_bias on q, k and v, then rmsnorm of every q head and every k head, then the rotation of q
-// and of k.
+// and of k, then (with the caches) kv_store of k and v.
 Status rope_qk(const ExecContext& ctx, const RopeQkArgs& a) {
   RD_RETURN_IF_ERROR(check_ctx(ctx));
   RD_RETURN_IF_ERROR(op_checks::rope_qk(ctx, a));
+  // A slot past the cache is refused before anything is written, as kv_store refuses it.
+  if (a.k_cache.data != nullptr) RD_RETURN_IF_ERROR(kv_slots_in_range(a.k_cache, a.slot_mapping));
+  RD_RETURN_IF_ERROR(rope_qk_rows(a));
+  if (a.k_cache.data == nullptr) return Status::Ok();
+  return kv_store(ctx, a.k_cache, a.v_cache, a.k, a.v, a.slot_mapping);
+}
+
+// rope_qk's arithmetic on checked arguments.
+Status rope_qk_rows(const RopeQkArgs& a) {
   const int64_t head_dim = a.q.size(2);
   if (a.qkv.data != nullptr) {  // split the fused projection's rows first: q | k | v
     const int64_t t = a.q.size(0), qd = a.q.size(1) * head_dim, kvd = a.k.size(1) * head_dim;
@@ -294,21 +308,28 @@ Status transpose(const ExecContext& ctx, TensorView dst, TensorView src) {
   return Status::Ok();
 }
 
-Status kv_store(const ExecContext& ctx, TensorView k_cache, TensorView v_cache, TensorView k,
-                TensorView v, TensorView slot_mapping) {
-  RD_RETURN_IF_ERROR(check_ctx(ctx));
-  RD_RETURN_IF_ERROR(op_checks::kv_store(ctx, k_cache, v_cache, k, v, slot_mapping));
-  const int64_t num_tokens = k.size(0);
+// Every slot of slot_mapping below the cache's block_size * blocks (negative: padding).
+Status kv_slots_in_range(const TensorView& k_cache, const TensorView& slot_mapping) {
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  const int64_t row = k_cache.size(2) * k_cache.size(3);
   const int32_t* slot = slot_mapping.as<const int32_t>();
-  for (int64_t t = 0; t < num_tokens; ++t) {
+  for (int64_t t = 0; t < slot_mapping.size(0); ++t) {
     if (slot[t] >= num_slots)
       return Status(ErrorCode::kOutOfRange,
                     "slot " + std::to_string(slot[t]) + " at row " + std::to_string(t) +
                         " outside the cache's " + std::to_string(num_slots) + " slots",
                     "slot_mapping");
   }
+  return Status::Ok();
+}
+
+Status kv_store(const ExecContext& ctx, TensorView k_cache, TensorView v_cache, TensorView k,
+                TensorView v, TensorView slot_mapping) {
+  RD_RETURN_IF_ERROR(check_ctx(ctx));
+  RD_RETURN_IF_ERROR(op_checks::kv_store(ctx, k_cache, v_cache, k, v, slot_mapping));
+  const int64_t num_tokens = k.size(0);
+  const int64_t row = k_cache.size(2) * k_cache.size(3);
+  const int32_t* slot = slot_mapping.as<const int32_t>();
+  RD_RETURN_IF_ERROR(kv_slots_in_range(k_cache, slot_mapping));
   const size_t row_bytes = static_cast<size_t>(row) * sizeof(float);
   for (int64_t t = 0; t < num_tokens; ++t) {
     if (slot[t] < 0) continue;  // padding row

@@ -337,6 +337,20 @@ Status rope_qk(const ExecContext& ctx, const RopeQkArgs& a) {
         return invalid(name, std::string(name) + ": overlaps q, k or v");
     }
   }
+  const bool any_store = !absent(a.k_cache) || !absent(a.v_cache) || !absent(a.slot_mapping);
+  if (any_store) {
+    if (absent(a.qkv)) return invalid("k_cache", "k_cache, v_cache, slot_mapping: only with the fused qkv");
+    if (absent(a.k_cache) || absent(a.v_cache) || absent(a.slot_mapping))
+      return invalid(absent(a.k_cache) ? "k_cache" : absent(a.v_cache) ? "v_cache" : "slot_mapping",
+                     "k_cache, v_cache, slot_mapping: give all three or none");
+    RD_RETURN_IF_ERROR(kv_store(ctx, a.k_cache, a.v_cache, a.k, a.v, a.slot_mapping));
+    // The caches are written while every other view is read (or written, q/k/v).
+    for (auto [c, name] : {std::pair{&a.k_cache, "k_cache"}, std::pair{&a.v_cache, "v_cache"}})
+      for (const TensorView* o : {&a.q, &a.k, &a.v, &a.qkv, &a.positions, &a.inv_freq, &a.q_norm, &a.k_norm,
+                                  &a.q_bias, &a.k_bias, &a.v_bias, &a.slot_mapping})
+        if (overlaps(*c, *o)) return invalid(name, std::string(name) + ": overlaps another argument");
+    if (overlaps(a.k_cache, a.v_cache)) return invalid("v_cache", "v_cache: overlaps k_cache");
+  }
   // Rotated in place while the positions, frequencies and weights are read.
   if (overlaps(a.q, a.k)) return invalid("k", "k: overlaps q");
   for (auto [v, name] : {std::pair{&a.positions, "positions"}, std::pair{&a.inv_freq, "inv_freq"},

@@ -446,13 +446,16 @@ constexpr int kRopeWarps = 4;
 
 template <bool kNorm, bool kTable>
 // With qkv (the fused projection, rows q | k | v), q and k rows are read from it, and v's rows
-// (heads q_heads + kv_heads ..) are copied from it to v.
+// (heads q_heads + kv_heads ..) are copied from it to v. With slots (and the caches), every k and
+// v row is also written at its token's cache slot: kv_store in the same launch.
 __global__ void rope_qk_kernel(float* q, float* k, const int32_t* __restrict__ positions,
                                const float* __restrict__ inv_freq, const float* __restrict__ q_norm,
                                const float* __restrict__ k_norm, int64_t num_tokens, int64_t q_heads,
                                int64_t kv_heads, int64_t head_dim, float theta, float scale, float eps,
                                const float* __restrict__ qkv, float* __restrict__ v, const float* __restrict__ q_bias,
-                               const float* __restrict__ k_bias, const float* __restrict__ v_bias) {
+                               const float* __restrict__ k_bias, const float* __restrict__ v_bias,
+                               float* __restrict__ k_cache, float* __restrict__ v_cache,
+                               const int32_t* __restrict__ slots, int64_t num_slots) {
   pdl_begin();
   const int64_t half = head_dim / 2, rot_heads = q_heads + kv_heads;
   const int64_t heads = rot_heads + (qkv != nullptr ? kv_heads : 0), total = num_tokens * heads;
@@ -461,11 +464,23 @@ __global__ void rope_qk_kernel(float* q, float* k, const int32_t* __restrict__ p
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRopeWarps + (threadIdx.x >> 5); row < total;
        row += static_cast<int64_t>(gridDim.x) * kRopeWarps) {  // warp-uniform: whole warps loop
     const int64_t t = row / heads, h = row % heads;
+    // With the caches: the token's k and v head rows at its slot too (kv_store_kernel's rule: a
+    // slot outside [0, num_slots) is not written).
+    int64_t slot = -1;
+    if (slots != nullptr && h >= q_heads) {
+      slot = slots[t];
+      if (slot >= num_slots) slot = -1;
+    }
     if (h >= rot_heads) {  // a v head: copied as it is
       const float* src = qkv + t * width + h * head_dim;
       float* dst = v + (t * kv_heads + (h - rot_heads)) * head_dim;
+      float* cdst = slot >= 0 ? v_cache + (slot * kv_heads + (h - rot_heads)) * head_dim : nullptr;
       const float* vb = v_bias != nullptr ? v_bias + (h - rot_heads) * head_dim : nullptr;
-      for (int64_t i = lane; i < head_dim; i += 32) dst[i] = vb != nullptr ? src[i] + vb[i] : src[i];
+      for (int64_t i = lane; i < head_dim; i += 32) {
+        const float val = vb != nullptr ? src[i] + vb[i] : src[i];
+        dst[i] = val;
+        if (cdst != nullptr) cdst[i] = val;
+      }
       continue;
     }
     const bool is_q = h < q_heads;
@@ -487,6 +502,7 @@ __global__ void rope_qk_kernel(float* q, float* k, const int32_t* __restrict__ p
       inv = rsqrtf(ss / static_cast<float>(head_dim) + eps);
     }
     const float* w = is_q ? q_norm : k_norm;
+    float* kc = !is_q && slot >= 0 ? k_cache + (slot * kv_heads + (h - q_heads)) * head_dim : nullptr;
     const float p = static_cast<float>(positions[t]);
     for (int64_t i = lane; i < half; i += 32) {
       float x1 = at(i), x2 = at(i + half);
@@ -503,8 +519,13 @@ __global__ void rope_qk_kernel(float* q, float* k, const int32_t* __restrict__ p
       }
       const float angle = p * f;
       const float c = cosf(angle) * scale, s = sinf(angle) * scale;
-      x[i] = x1 * c - x2 * s;
-      x[i + half] = x2 * c + x1 * s;
+      const float y1 = x1 * c - x2 * s, y2 = x2 * c + x1 * s;
+      x[i] = y1;
+      x[i + half] = y2;
+      if (kc != nullptr) {
+        kc[i] = y1;
+        kc[i + half] = y2;
+      }
     }
   }
 }
@@ -524,7 +545,8 @@ Status rope_qk(const ExecContext& ctx, const RopeQkArgs& a) {
         a.positions.as<const int32_t>(), a.inv_freq.as<const float>(),
         a.q_norm.as<const float>(), a.k_norm.as<const float>(), a.q.size(0), a.q.size(1), a.k.size(1), a.q.size(2),
         a.theta, a.scale, a.eps, a.qkv.as<const float>(), a.v.as<float>(), a.q_bias.as<const float>(),
-        a.k_bias.as<const float>(), a.v_bias.as<const float>());
+        a.k_bias.as<const float>(), a.v_bias.as<const float>(), a.k_cache.as<float>(), a.v_cache.as<float>(),
+        a.slot_mapping.as<const int32_t>(), a.k_cache.data != nullptr ? a.k_cache.size(0) * a.k_cache.size(1) : 0);
   };
   if (norm && table) launch(rope_qk_kernel<true, true>);
   else if (norm) launch(rope_qk_kernel<true, false>);

@@ -803,10 +803,11 @@ void fused_op_cases() {
     float theta_or_scale;
   };
   // fused: the qkv form (rows q | k | v of one projection in; q, k written rotated, v copied);
-  // bias: with the projections' biases (gpt-oss), fused form only.
-  const auto rope_qk_case = [](const R p, bool fused, bool bias) {
+  // bias: with the projections' biases (gpt-oss), fused form only; store: with the KV caches and
+  // slots (fused form only: k and v also written at each token's slot, one padding row).
+  const auto rope_qk_case = [](const R p, bool fused, bool bias, bool store = false) {
     const std::string name = std::string(fused ? "rope_qk_qkv_" : "rope_qk_") + (p.table ? "table" : "theta") +
-                             (p.norm ? "_qknorm" : "") + (bias ? "_bias" : "") +
+                             (p.norm ? "_qknorm" : "") + (bias ? "_bias" : "") + (store ? "_store" : "") +
                              (fused ? dims({{"T", p.t}, {"QH", p.qh}, {"KVH", p.kvh}, {"D", p.d}})
                                     : dims({{"T", p.t}, {"QH", p.qh}, {"KVH", p.kvh}, {"D", p.d}, {"MaxPos", p.max_pos}}));
     reg(name, [=](Rng& rng) {
@@ -833,6 +834,20 @@ void fused_op_cases() {
         k_bias = c.add_f32("k_bias", {p.kvh * p.d}, Role::kIn, random_f32(rng, p.kvh * p.d, -2, 2));
         v_bias = c.add_f32("v_bias", {p.kvh * p.d}, Role::kIn, random_f32(rng, p.kvh * p.d, -2, 2));
       }
+      size_t k_cache = 0, v_cache = 0, slot_mapping = 0;
+      if (store) {
+        // Caches start random (a slot written by mistake, or not written, shows); distinct slots,
+        // the last row padding (-1) when there are two or more.
+        const int64_t blocks = (p.t + 7) / 8 + 1, cache = blocks * 8 * p.kvh * p.d;
+        k_cache = c.add_f32("k_cache", {blocks, 8, p.kvh, p.d}, Role::kInOut, random_f32(rng, cache, -1, 1));
+        v_cache = c.add_f32("v_cache", {blocks, 8, p.kvh, p.d}, Role::kInOut, random_f32(rng, cache, -1, 1));
+        std::vector<int32_t> slots(static_cast<size_t>(blocks * 8));
+        std::iota(slots.begin(), slots.end(), 0);
+        rng.shuffle(slots);
+        slots.resize(static_cast<size_t>(p.t));
+        if (p.t > 1) slots.back() = -1;
+        slot_mapping = c.add_i32("slot_mapping", {p.t}, slots);
+      }
       c.run = [=](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
         RopeQkArgs args;
         args.q = a[q];
@@ -858,6 +873,11 @@ void fused_op_cases() {
           args.k_norm = a[k_norm];
         }
         args.eps = 1e-6f;
+        if (store) {
+          args.k_cache = a[k_cache];
+          args.v_cache = a[v_cache];
+          args.slot_mapping = a[slot_mapping];
+        }
         return b.rope_qk(x, args);
       };
       return c;
@@ -877,6 +897,10 @@ void fused_op_cases() {
   for (const R p : {R{1, 64, 8, 64, 131072, true, false, 1.3465736f}, R{33, 64, 8, 64, 4096, true, false, 1.3465736f},
                     R{3, 3, 1, 6, 100, false, true, 10000.0f}})
     rope_qk_case(p, true, true);
+  // The KV store in the same launch: gpt-oss's shape at decode and prefill sizes, Qwen3's norm.
+  for (const R p : {R{1, 64, 8, 64, 131072, true, false, 1.3465736f}, R{33, 64, 8, 64, 4096, true, false, 1.3465736f}})
+    rope_qk_case(p, true, true, true);
+  rope_qk_case(R{5, 32, 4, 128, 40000, false, true, 1e6f}, true, false, true);
 }
 
 const std::vector<CaseMaker>& all_cases() {

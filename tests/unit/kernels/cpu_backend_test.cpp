@@ -713,6 +713,54 @@ TEST(CpuBackend, RopeQkBiasesEqualSplitAddBiasThenRopeQk) {
   }
 }
 
+// With the caches, the fused form also stores every token's rotated k and its v at the token's
+// slot: the same bits as rope_qk without them followed by kv_store (a padding row, slot -1, is
+// stored nowhere; the rest of the caches keeps its values).
+TEST(CpuBackend, RopeQkWithCachesEqualsRopeQkThenKvStore) {
+  const int64_t T = 3, QH = 4, KVH = 2, D = 8, W = (QH + 2 * KVH) * D, NB = 2, BS = 4;
+  std::vector<float> qkv = pseudo_random(static_cast<size_t>(T * W), -2, 2, 21);
+  std::vector<float> qw = pseudo_random(static_cast<size_t>(D), 0.5f, 1.5f, 22);
+  std::vector<float> kw = pseudo_random(static_cast<size_t>(D), 0.5f, 1.5f, 23);
+  const std::vector<float> cache0 = pseudo_random(static_cast<size_t>(NB * BS * KVH * D), -1, 1, 24);
+  std::vector<int32_t> pos{0, 7, 300}, slots{5, -1, 2};
+  const Shape qs{T, QH, D}, ks{T, KVH, D}, cs{NB, BS, KVH, D};
+  auto base = [&](std::vector<float>& q, std::vector<float>& k, std::vector<float>& v) {
+    RopeQkArgs a;
+    a.q = f32(q, qs);
+    a.k = f32(k, ks);
+    a.v = f32(v, ks);
+    a.qkv = f32(qkv, {T, W});
+    a.positions = i32(pos, {T});
+    a.theta = 150000.0f;
+    a.q_norm = f32(qw, {D});
+    a.k_norm = f32(kw, {D});
+    return a;
+  };
+  std::vector<float> q_ref(static_cast<size_t>(T * QH * D)), k_ref(static_cast<size_t>(T * KVH * D)),
+      v_ref(k_ref.size()), kc_ref = cache0, vc_ref = cache0;
+  ASSERT_TRUE(cpu().rope_qk(kCtx, base(q_ref, k_ref, v_ref)).ok());
+  ASSERT_TRUE(cpu().kv_store(kCtx, f32(kc_ref, cs), f32(vc_ref, cs), f32(k_ref, ks), f32(v_ref, ks), i32(slots, {T})).ok());
+  std::vector<float> q(q_ref.size(), NAN), k(k_ref.size(), NAN), v(v_ref.size(), NAN), kc = cache0, vc = cache0;
+  RopeQkArgs a = base(q, k, v);
+  a.k_cache = f32(kc, cs);
+  a.v_cache = f32(vc, cs);
+  a.slot_mapping = i32(slots, {T});
+  ASSERT_TRUE(cpu().rope_qk(kCtx, a).ok());
+  EXPECT_TRUE(same_bits(q, q_ref));
+  EXPECT_TRUE(same_bits(k, k_ref));
+  EXPECT_TRUE(same_bits(v, v_ref));
+  EXPECT_TRUE(same_bits(kc, kc_ref));
+  EXPECT_TRUE(same_bits(vc, vc_ref));
+  // Slot 5 holds token 0's rotated k and slot 2 token 2's v; untouched slots keep their values.
+  const int64_t row = KVH * D;
+  EXPECT_TRUE(same_bits(std::vector<float>(kc.begin() + 5 * row, kc.begin() + 6 * row),
+                        std::vector<float>(k.begin(), k.begin() + row)));
+  EXPECT_TRUE(same_bits(std::vector<float>(vc.begin() + 2 * row, vc.begin() + 3 * row),
+                        std::vector<float>(v.begin() + 2 * row, v.begin() + 3 * row)));
+  EXPECT_TRUE(same_bits(std::vector<float>(kc.begin(), kc.begin() + row),
+                        std::vector<float>(cache0.begin(), cache0.begin() + row)));
+}
+
 TEST(CpuBackend, AllocIsAlignedAndCopyRoundTrips) {
   void* p = nullptr;
   ASSERT_TRUE(cpu().alloc(kCtx, 3, &p).ok());
@@ -928,6 +976,57 @@ TEST_F(CpuBackendChecks, KvStoreRejectsSlotsBeyondTheCache) {
                 ErrorCode::kInvalidArgument, "v");
   EXPECT_STATUS(cpu().kv_store(kCtx, kc, kc, f32(f, {2, 1, 2}), f32(g, {2, 1, 2}), i32(z, {1})),
                 ErrorCode::kInvalidArgument, "slot_mapping");
+}
+
+// The fused store's arguments: all three caches-and-slots or none, only with qkv, shapes as
+// kv_store's, no overlap with the other arguments; a slot past the cache is refused before
+// anything (q, k, v or the caches) is written.
+TEST_F(CpuBackendChecks, RopeQkRefusesBadCachesWithoutWriting) {
+  // q [1, 2, 4], k and v [1, 1, 4], qkv [1, 16]; caches [2, 2, 1, 4] (4 slots).
+  std::vector<float> q(8, 1.0f), k(4, 1.0f), v(4, 1.0f), qkv(16, 0.5f), kc(16, 3.0f), vc(16, 3.0f);
+  std::vector<int32_t> pos{1}, slot{1}, far{4};
+  auto args = [&] {
+    RopeQkArgs a;
+    a.q = f32(q, {1, 2, 4});
+    a.k = f32(k, {1, 1, 4});
+    a.v = f32(v, {1, 1, 4});
+    a.qkv = f32(qkv, {1, 16});
+    a.positions = i32(pos, {1});
+    a.k_cache = f32(kc, {2, 2, 1, 4});
+    a.v_cache = f32(vc, {2, 2, 1, 4});
+    a.slot_mapping = i32(slot, {1});
+    return a;
+  };
+  RopeQkArgs a = args();
+  a.slot_mapping = {};
+  EXPECT_STATUS(cpu().rope_qk(kCtx, a), ErrorCode::kInvalidArgument, "slot_mapping");
+  a = args();
+  a.v_cache = {};
+  EXPECT_STATUS(cpu().rope_qk(kCtx, a), ErrorCode::kInvalidArgument, "v_cache");
+  a = args();
+  a.qkv = {};
+  a.v = {};
+  EXPECT_STATUS(cpu().rope_qk(kCtx, a), ErrorCode::kInvalidArgument, "k_cache");
+  a = args();
+  a.k_cache = f32(kc, {2, 2, 2, 2});  // KVH 2, D 2: not k's heads
+  a.v_cache = f32(vc, {2, 2, 2, 2});
+  EXPECT_STATUS(cpu().rope_qk(kCtx, a), ErrorCode::kInvalidArgument, "k");
+  a = args();
+  a.v_cache = f32(kc, {2, 2, 1, 4});  // the same memory as k_cache
+  EXPECT_STATUS(cpu().rope_qk(kCtx, a), ErrorCode::kInvalidArgument, "v_cache");
+  a = args();
+  a.k_cache = f32(qkv, {2, 2, 1, 4});  // the projection rows, read while the cache is written
+  EXPECT_STATUS(cpu().rope_qk(kCtx, a), ErrorCode::kInvalidArgument, "k_cache");
+  a = args();
+  a.slot_mapping = i32(far, {1});
+  EXPECT_STATUS(cpu().rope_qk(kCtx, a), ErrorCode::kOutOfRange, "slot_mapping");
+  EXPECT_EQ(q, std::vector<float>(8, 1.0f));
+  EXPECT_EQ(k, std::vector<float>(4, 1.0f));
+  EXPECT_EQ(v, std::vector<float>(4, 1.0f));
+  EXPECT_EQ(kc, std::vector<float>(16, 3.0f));
+  EXPECT_EQ(vc, std::vector<float>(16, 3.0f));
+  EXPECT_TRUE(cpu().rope_qk(kCtx, args()).ok());  // and the good call stores at slot 1
+  EXPECT_EQ(std::vector<float>(vc.begin() + 4, vc.begin() + 8), std::vector<float>(4, 0.5f));
 }
 
 // Misplaced projection biases are refused naming the bias; nothing is written.
