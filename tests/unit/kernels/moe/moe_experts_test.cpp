@@ -5,7 +5,9 @@
 // the argument checks.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -293,6 +295,142 @@ TEST(MoeExperts, AccumulateAddsToOut) {
     const float want = i < b.num_valid * kH ? init[static_cast<size_t>(i)] + plain.out[static_cast<size_t>(i)] : 0.0f;
     EXPECT_NEAR(acc.out[static_cast<size_t>(i)], want, 1e-5 * (1 + std::fabs(want))) << i;
   }
+}
+
+// ExpertsArgs::residual: the op's out, then residual += out and the next norm, bit for bit what
+// the CPU backend's add / add_rmsnorm compute after a plain call (padding rows included: they add
+// out's zeros and are normalised like any row).
+struct ResidualRun {
+  Status status;
+  std::vector<float> out, residual, norm_out;
+  std::vector<uint16_t> norm_bf16;
+};
+
+std::vector<float> residual_init(int64_t t) {
+  std::vector<float> h(static_cast<size_t>(t * kH));
+  for (size_t i = 0; i < h.size(); ++i) h[i] = 0.25f * static_cast<float>(static_cast<int>(i % 11) - 5) + 0.0625f;
+  return h;
+}
+
+std::vector<float> norm_weight() {
+  std::vector<float> w(static_cast<size_t>(kH));
+  for (size_t i = 0; i < w.size(); ++i) w[i] = 0.5f + 0.03125f * static_cast<float>(i);
+  return w;
+}
+
+// mode: 0 the add alone, 1 FP32 norm, 2 BF16 norm, 3 both. edit: changes the arguments (refusals).
+ResidualRun run_residual(const Batch& b, const ExpertWeights& w, int mode,
+                         const std::function<void(ExpertsArgs&, ResidualRun&)>& edit = {}) {
+  Batch c = b;
+  ResidualRun r;
+  r.out.assign(static_cast<size_t>(b.t * kH), -3.0f);
+  r.residual = residual_init(b.t);
+  r.norm_out.assign(static_cast<size_t>(b.t * kH), -7.0f);
+  r.norm_bf16.assign(static_cast<size_t>(b.t * kH), 0xdeadu & 0xffffu);
+  std::vector<float> nw = norm_weight();
+  ExpertsArgs a;
+  a.out = TensorView::contiguous(r.out.data(), DType::kF32, Shape{b.t, kH});
+  a.x = TensorView::contiguous(c.x.data(), DType::kF32, Shape{b.t, kH});
+  a.topk_ids = TensorView::contiguous(c.ids.data(), DType::kI32, Shape{b.t, b.k});
+  a.topk_weights = TensorView::contiguous(c.w.data(), DType::kF32, Shape{b.t, b.k});
+  a.logical_to_physical = TensorView::contiguous(c.l2p.data(), DType::kI32, Shape{static_cast<int64_t>(c.l2p.size())});
+  a.num_valid_tokens = b.num_valid;
+  a.weights = w;
+  a.activation = kActs[1];
+  a.precision = ActPrecision::kBF16;
+  a.residual = TensorView::contiguous(r.residual.data(), DType::kF32, Shape{b.t, kH});
+  if (mode != 0) {
+    a.norm_weight = TensorView::contiguous(nw.data(), DType::kF32, Shape{kH});
+    a.norm_eps = 1e-5f;
+  }
+  if (mode & 1) a.norm_out = TensorView::contiguous(r.norm_out.data(), DType::kF32, Shape{b.t, kH});
+  if (mode & 2) a.norm_out_bf16 = TensorView::contiguous(r.norm_bf16.data(), DType::kBF16, Shape{b.t, kH});
+  if (edit) edit(a, r);
+  r.status = experts(kCpu, a);
+  return r;
+}
+
+TEST(MoeExperts, ResidualAndNormEqualTheBackendOpsAfterTheCombine) {
+  const Batch b = batch();
+  const OneHot oh = one_hot(GateUpOrder::kInterleaved);
+  test::Arena arena(false);
+  const ExpertWeights w = test::upload_experts(arena, WeightFormat::kMXFP4, GateUpOrder::kInterleaved, oh.gu, oh.dn);
+  const ExpertRun plain = run_experts(b, w, kActs[1], ActPrecision::kBF16);
+  ASSERT_TRUE(plain.status.ok()) << plain.status.to_string();
+  std::vector<float> nw = norm_weight();
+  std::vector<float> out = plain.out;
+  const TensorView out_v = TensorView::contiguous(out.data(), DType::kF32, Shape{b.t, kH});
+  for (int mode = 0; mode < 4; ++mode) {
+    SCOPED_TRACE("mode " + std::to_string(mode));
+    // The reference: the backend's own ops after the plain call.
+    std::vector<float> h = residual_init(b.t), n32(static_cast<size_t>(b.t * kH), -7.0f);
+    std::vector<uint16_t> n16(static_cast<size_t>(b.t * kH), 0xdeadu);
+    const TensorView h_v = TensorView::contiguous(h.data(), DType::kF32, Shape{b.t, kH});
+    if (mode == 0) {
+      ASSERT_TRUE(cpu_backend().add(kCpu, h_v, h_v, out_v).ok());
+    } else {
+      ASSERT_TRUE(cpu_backend()
+                      .add_rmsnorm(kCpu, (mode & 1) ? TensorView::contiguous(n32.data(), DType::kF32, Shape{b.t, kH}) : TensorView{},
+                                   (mode & 2) ? TensorView::contiguous(n16.data(), DType::kBF16, Shape{b.t, kH}) : TensorView{},
+                                   h_v, out_v, TensorView::contiguous(nw.data(), DType::kF32, Shape{kH}), 1e-5f)
+                      .ok());
+    }
+    const ResidualRun r = run_residual(b, w, mode);
+    ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+    EXPECT_EQ(r.out, plain.out);
+    EXPECT_EQ(r.residual, h);
+    EXPECT_EQ(r.norm_out, n32);
+    EXPECT_EQ(r.norm_bf16, n16);
+    // The padding row added zeros; the real rows changed.
+    const std::vector<float> init = residual_init(b.t);
+    EXPECT_TRUE(std::equal(r.residual.begin() + 2 * kH, r.residual.end(), init.begin() + 2 * kH));
+    EXPECT_FALSE(std::equal(r.residual.begin(), r.residual.begin() + 2 * kH, init.begin()));
+  }
+}
+
+TEST(MoeExperts, ResidualRefusalsWriteNothing) {
+  const Batch b = batch();
+  const OneHot oh = one_hot(GateUpOrder::kConcatenated);
+  test::Arena arena(false);
+  const ExpertWeights w = test::upload_experts(arena, WeightFormat::kBF16, GateUpOrder::kConcatenated, oh.gu, oh.dn);
+  std::vector<float> other(static_cast<size_t>(b.t * kH));
+  const struct {
+    int mode;
+    const char* field;
+    std::function<void(ExpertsArgs&, ResidualRun&)> edit;
+  } cases[] = {
+      {1, "norm_weight", [](ExpertsArgs& a, ResidualRun&) { a.residual = {}; }},
+      {2, "norm_out_bf16", [](ExpertsArgs& a, ResidualRun&) { a.norm_weight = {}; }},
+      {1, "residual", [](ExpertsArgs& a, ResidualRun&) { a.accumulate = true; }},
+      {1, "residual", [](ExpertsArgs& a, ResidualRun& r) {
+         a.residual = TensorView::contiguous(r.residual.data(), DType::kF32, Shape{2, kH});
+       }},
+      {1, "residual", [](ExpertsArgs& a, ResidualRun&) { a.residual = a.out; }},
+      {0, "residual", [](ExpertsArgs& a, ResidualRun&) { a.residual = a.topk_weights; }},
+      {1, "norm_out", [](ExpertsArgs& a, ResidualRun&) { a.norm_out = a.residual; }},
+      {3, "norm_out_bf16", [](ExpertsArgs& a, ResidualRun& r) {
+         a.norm_out_bf16 = TensorView::contiguous(r.norm_out.data(), DType::kBF16, Shape{a.x.size(0), kH});
+       }},
+      {2, "norm_out_bf16", [&](ExpertsArgs& a, ResidualRun&) {
+         a.norm_out_bf16 = TensorView::contiguous(other.data(), DType::kF32, Shape{a.x.size(0), kH});
+       }},
+      {1, "norm_eps", [](ExpertsArgs& a, ResidualRun&) { a.norm_eps = -1.0f; }},
+      {1, "norm_weight", [](ExpertsArgs& a, ResidualRun&) { a.norm_weight.shape = Shape{kH / 2}; }},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.field);
+    const ResidualRun r = run_residual(b, w, c.mode, c.edit);
+    MOE_EXPECT_STATUS(r.status, ErrorCode::kInvalidArgument, c.field);
+    for (float v : r.out) EXPECT_EQ(v, -3.0f);
+    EXPECT_EQ(r.residual, residual_init(b.t));
+    for (float v : r.norm_out) EXPECT_EQ(v, -7.0f);
+    for (uint16_t v : r.norm_bf16) EXPECT_EQ(v, 0xdeadu);
+  }
+  // The norm outputs may overlap x (written after every read of x): accepted.
+  const ResidualRun ok = run_residual(b, w, 1, [](ExpertsArgs& a, ResidualRun& r) {
+    a.x = TensorView::contiguous(r.norm_out.data(), DType::kF32, Shape{a.x.size(0), kH});
+  });
+  EXPECT_TRUE(ok.status.ok()) << ok.status.to_string();
 }
 
 TEST(MoeExperts, EmptyAndAllPaddingBatches) {

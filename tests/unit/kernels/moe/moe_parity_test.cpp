@@ -401,6 +401,89 @@ TEST_F(MoeParity, DecodeBitsDoNotDependOnTokensPerPass) {
   }
 }
 
+// ExpertsArgs::residual on CUDA: the combine, the residual add and the next RMSNorm in one kernel
+// (rows that fit the norm's register form, 16-byte aligned) or the combine then the backend's
+// add / add_rmsnorm (a row too wide, a misaligned view): either way bit for bit what the plain op
+// followed by Backend::add / add_rmsnorm on the same device gives, for every output form, the
+// decode and prefill kernels, and padding rows from the device count.
+TEST_F(MoeParity, ResidualAndNormInTheCombineEqualTheUnfusedOps) {
+  const MxCase cases[] = {
+      {"decode_h2880", 5, 4, 16, 2880, 128},  // 720 float4s: 256 threads, 3 (of 4) each
+      {"decode_h512", 3, 2, 8, 512, 128},     // 128 threads, 1 each
+      {"prefill_h1024", 300, 2, 4, 1024, 128},
+      {"wide_h9216", 2, 2, 4, 9216, 64},      // 2,304 float4s: no register form, the fallback
+  };
+  const Backend* cuda = cuda_backend();
+  ASSERT_NE(cuda, nullptr);
+  Rng rng(123);
+  for (const MxCase& c : cases) {
+    const test::Mxfp4Host gu = test::random_mxfp4(rng, c.e, 2 * c.inter, c.h), dn = test::random_mxfp4(rng, c.e, c.h, c.inter);
+    const MxInputs in = mx_inputs(rng, c, 2.0f);
+    const std::vector<float> h0 = test::gauss_vec(rng, c.t * c.h, 1.0f), nw = test::gauss_vec(rng, c.h, 1.0f);
+    for (int mode = 0; mode < 4; ++mode)
+      for (const size_t misalign : {size_t{0}, size_t{4}}) {
+        if (misalign != 0 && mode != 3) continue;
+        SCOPED_TRACE(c.name + " mode " + std::to_string(mode) + " misalign " + std::to_string(misalign));
+        const int32_t live = static_cast<int32_t>(c.t - 1);  // the last row is padding (device count)
+        struct Outs {
+          std::vector<float> out, residual, norm_out;
+          std::vector<uint8_t> norm_bf16;
+        };
+        auto run = [&](bool fused) {
+          Arena a(true);
+          ExpertsArgs args;
+          args.weights = test::upload_experts(a, WeightFormat::kMXFP4, GateUpOrder::kInterleaved, gu, dn, &in.gub, &in.dnb);
+          args.x = a.make(DType::kF32, Shape{c.t, c.h}, in.x);
+          args.topk_ids = a.make(DType::kI32, Shape{c.t, c.k}, in.ids);
+          args.topk_weights = a.make(DType::kF32, Shape{c.t, c.k}, in.w);
+          std::vector<int32_t> l2p(static_cast<size_t>(c.e));
+          for (int64_t i = 0; i < c.e; ++i) l2p[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+          args.logical_to_physical = a.make(DType::kI32, Shape{c.e}, l2p);
+          args.num_valid_device = a.make(DType::kI32, Shape{1}, std::vector<int32_t>{live});
+          args.activation = {ActivationKind::kGptOssSwiGLU, 7.0f, 1.702f};
+          args.out = a.make(DType::kF32, Shape{c.t, c.h});
+          args.workspace = test::experts_workspace(a, c.t, c.k, c.h, c.inter, c.e, ActPrecision::kBF16);
+          const TensorView res = a.make(DType::kF32, Shape{c.t, c.h}, h0, misalign);
+          const TensorView w = a.make(DType::kF32, Shape{c.h}, nw);
+          const TensorView n32 = (mode & 1) ? a.make(DType::kF32, Shape{c.t, c.h}) : TensorView{};
+          const TensorView n16 = (mode & 2) ? a.make(DType::kBF16, Shape{c.t, c.h}) : TensorView{};
+          const float eps = 1e-5f;
+          if (fused) {
+            args.residual = res;
+            if (mode != 0) {
+              args.norm_weight = w;
+              args.norm_eps = eps;
+            }
+            args.norm_out = n32;
+            args.norm_out_bf16 = n16;
+            const Status st = experts(a.ctx(), args);
+            EXPECT_TRUE(st.ok()) << st.to_string();
+          } else {
+            Status st = experts(a.ctx(), args);
+            EXPECT_TRUE(st.ok()) << st.to_string();
+            st = mode == 0 ? cuda->add(a.ctx(), res, res, args.out)
+                           : cuda->add_rmsnorm(a.ctx(), n32, n16, res, args.out, w, eps);
+            EXPECT_TRUE(st.ok()) << st.to_string();
+          }
+          Outs o;
+          o.out = test::read_f32(a, args.out);
+          o.residual = test::read_f32(a, res);
+          if (mode & 1) o.norm_out = test::read_f32(a, n32);
+          if (mode & 2) o.norm_bf16 = a.read(n16);
+          return o;
+        };
+        const Outs want = run(false), got = run(true);
+        EXPECT_EQ(got.out, want.out);
+        EXPECT_EQ(got.residual, want.residual);
+        EXPECT_EQ(got.norm_out, want.norm_out);
+        EXPECT_EQ(got.norm_bf16, want.norm_bf16);
+        // The padding row added zeros; the live rows changed.
+        EXPECT_TRUE(std::equal(got.residual.end() - c.h, got.residual.end(), h0.end() - c.h));
+        EXPECT_FALSE(std::equal(got.residual.begin(), got.residual.begin() + c.h, h0.begin()));
+      }
+  }
+}
+
 TEST_F(MoeParity, RefusesFloat32PrecisionSmallWorkspaceAndMisalignedScales) {
   Arena a(true);
   Rng rng(5);
