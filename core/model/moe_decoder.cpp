@@ -4,10 +4,8 @@
 #include <chrono>
 #include <utility>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <string>
-#include <string_view>
 
 #include "kernels/cpu/cpu_sampling.hpp"
 #include "kernels/moe/moe_ops.hpp"
@@ -706,19 +704,6 @@ Status MoeDecoder::capture_graphs() {
   return Status::Ok();
 }
 
-namespace {
-// ROLLOUTD_FOLD_COMBINE=0: the expert op's combine writes out alone and the next layer's
-// add_rmsnorm (or the final add) runs as its own launch, as before the fold (for a same-binary
-// A/B; the results are the same bits either way). Read once per process.
-bool fold_combine() {
-  static const bool on = [] {
-    const char* v = std::getenv("ROLLOUTD_FOLD_COMBINE");
-    return v == nullptr || std::string_view(v) != "0";
-  }();
-  return on;
-}
-}  // namespace
-
 Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int64_t R, bool record) {
   const auto& c = config_;
   const int64_t D = c.head_dim, QH = c.num_attention_heads, KVH = c.num_key_value_heads, K = c.num_experts_per_tok;
@@ -861,11 +846,6 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
       // The combine also adds the output to h and normalises the next layer's input (one launch
       // instead of the combine's and the next add_rmsnorm's); after the last layer, the add alone.
       ResidualStep rs;
-      if (!fold_combine()) {
-        RD_RETURN_IF_ERROR(kernel_experts(ctx, L, x_experts, moe_out, topk_ids, topk_w, T, rs));
-        pending = moe_out;
-        continue;
-      }
       rs.residual = h;
       if (l + 1 < c.num_hidden_layers) {
         const Layer& next = layers_[static_cast<size_t>(l + 1)];

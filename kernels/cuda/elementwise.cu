@@ -78,7 +78,7 @@ __global__ void rmsnorm_vec_kernel(float* out, uint16_t* out_bf16, float* x, con
   pdl_begin();
   const int64_t row = blockIdx.x;
   rmsnorm_vec_row<kPer, kAdd, kOut, kBf16>(
-      out, out_bf16, x, [&](int, int idx) { return reinterpret_cast<const float4*>(r + row * hidden)[idx]; }, w, row,
+      out, out_bf16, x, [&](int idx) { return reinterpret_cast<const float4*>(r + row * hidden)[idx]; }, w, row,
       hidden, eps);
 }
 

@@ -11,9 +11,8 @@
 namespace rolloutd::cuda {
 
 // Row `row` of x ([rows, hidden] f32), kPer float4s per thread, blockDim.x threads (a multiple of
-// 32, at most 32 warps): with kAdd, x += r (load_r(i, idx): r's float4 idx = threadIdx.x + i *
-// blockDim.x of this row, called once per idx after every x load of the thread is issued) written
-// back to x; then the sum of squares
+// 32, at most 32 warps): with kAdd, x += r (load_r(idx): r's float4 idx of this row, called once
+// per idx after every x load of the thread is issued) written back to x; then the sum of squares
 // by a block reduction and w * (x * rsqrt(mean + eps)) written to out (kOut) and/or out_bf16
 // rounded as `convert` rounds (kBf16). Every thread reads its x before the barrier and writes
 // after it, so out may alias x. Needs hidden % 4 == 0, 16-byte aligned rows and w, an 8-byte
@@ -38,7 +37,7 @@ __device__ __forceinline__ void rmsnorm_vec_row(float* out, uint16_t* out_bf16, 
     for (int i = 0; i < kPer; ++i) {
       const int idx = threadIdx.x + i * blockDim.x;
       if (idx >= n4) continue;
-      const float4 b = load_r(i, idx);
+      const float4 b = load_r(idx);
       v[i] = make_float4(v[i].x + b.x, v[i].y + b.y, v[i].z + b.z, v[i].w + b.w);  // add's one rounding
       xr[idx] = v[i];
     }

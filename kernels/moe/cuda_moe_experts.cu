@@ -567,14 +567,10 @@ __global__ void __launch_bounds__(kCombineThreads)
 }
 
 // The combine with ExpertsArgs::residual: one CTA per token row, the row in registers
-// (rmsnorm_vec_row, the add_rmsnorm kernels' own code): out[t] = the combine above (the same
-// k-ordered sum), residual[t] += out[t], then the RMSNorm into norm_out (kOut) and/or norm_out_bf16
-// (kBf16). Bit for bit combine_kernel then Backend::add_rmsnorm, one launch. The row's pair
-// positions and weights are loaded first (top_k <= kCombineMaxK), then the y loads of the thread
-// for 4 pairs at a time (2 with 8 float4s a thread; a pair without a row reads row 0 and is not
-// added), so the row costs two or three dependent L2 trips, not one per pair. pair_pos, the weights and y come from earlier kernels
-// of the step: L2 loads after the wait.
-constexpr int kCombineMaxK = 8;
+// (rmsnorm_vec_row, the add_rmsnorm kernel's own code): out[t] = the combine above (the same
+// k-ordered sum), residual[t] += out[t], then (kNorm) the RMSNorm into norm_out (kOut) and/or
+// norm_out_bf16 (kBf16). Bit for bit combine_kernel then Backend::add_rmsnorm, one launch.
+// pair_pos, the weights and y come from earlier kernels of the step: L2 loads after the wait.
 template <int kPer, bool kOut, bool kBf16>
 __global__ void combine_residual_kernel(float* __restrict__ out, float* residual, const float* y,
                                         const int32_t* pair_pos, const float* w, int64_t num_valid,
@@ -588,55 +584,26 @@ __global__ void combine_residual_kernel(float* __restrict__ out, float* residual
     if (d < num_valid) num_valid = d < 0 ? 0 : d;
   }
   const bool live = t < num_valid;
-  const int n4 = static_cast<int>(hidden / 4);
-  int32_t pos[kCombineMaxK];
-  float wk[kCombineMaxK];
-#pragma unroll
-  for (int j = 0; j < kCombineMaxK; ++j) {
-    pos[j] = live && j < top_k ? __ldcg(pair_pos + t * top_k + j) : -1;
-    wk[j] = live && j < top_k ? __ldcg(w + t * top_k + j) : 0.0f;
-  }
-  float4 acc[kPer];
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  if (live) {
-    // kG pairs' rows at a time: every load of the group issued before the first add.
-    constexpr int kG = kPer >= 8 ? 2 : 4;
-#pragma unroll
-    for (int j0 = 0; j0 < kCombineMaxK; j0 += kG) {
-      if (j0 >= top_k) break;
-      float4 v[kG][kPer];
-#pragma unroll
-      for (int jj = 0; jj < kG; ++jj) {
-        const int j = j0 + jj;
-        const float4* yr = reinterpret_cast<const float4*>(y + static_cast<int64_t>(pos[j] < 0 ? 0 : pos[j]) * hidden);
-#pragma unroll
-        for (int i = 0; i < kPer; ++i) {
-          const int idx = threadIdx.x + i * blockDim.x;
-          v[jj][i] = j < top_k && idx < n4 ? __ldcg(yr + idx) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
-      }
-#pragma unroll
-      for (int jj = 0; jj < kG; ++jj) {
-        const int j = j0 + jj;
-        if (j >= top_k || pos[j] < 0) continue;
-#pragma unroll
-        for (int i = 0; i < kPer; ++i) {
-          acc[i].x = math::add(acc[i].x, math::mul(wk[j], v[jj][i].x));
-          acc[i].y = math::add(acc[i].y, math::mul(wk[j], v[jj][i].y));
-          acc[i].z = math::add(acc[i].z, math::mul(wk[j], v[jj][i].z));
-          acc[i].w = math::add(acc[i].w, math::mul(wk[j], v[jj][i].w));
-        }
+  auto combined = [&](int idx) {
+    const int64_t c = static_cast<int64_t>(idx) * 4;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (live) {
+      for (int j = 0; j < top_k; ++j) {
+        const int32_t pos = __ldcg(pair_pos + t * top_k + j);
+        if (pos < 0) continue;
+        const float wk = __ldcg(w + t * top_k + j);
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(y + static_cast<int64_t>(pos) * hidden + c));
+        acc.x = math::add(acc.x, math::mul(wk, v.x));
+        acc.y = math::add(acc.y, math::mul(wk, v.y));
+        acc.z = math::add(acc.z, math::mul(wk, v.z));
+        acc.w = math::add(acc.w, math::mul(wk, v.w));
       }
     }
-  }
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int idx = threadIdx.x + i * blockDim.x;
-    if (idx < n4) reinterpret_cast<float4*>(out + t * hidden)[idx] = acc[i];
-  }
-  cuda::rmsnorm_vec_row<kPer, true, kOut, kBf16>(
-      norm_out, norm_out_bf16, residual, [&](int i, int) { return acc[i]; }, norm_w, t, hidden, eps);
+    *reinterpret_cast<float4*>(out + t * hidden + c) = acc;
+    return acc;
+  };
+  cuda::rmsnorm_vec_row<kPer, true, kOut, kBf16>(norm_out, norm_out_bf16, residual, combined, norm_w, t, hidden,
+                                                 eps);
 }
 
 // The fused combine for plan p, when the row fits rmsnorm_vec_row and every row is 16-byte
@@ -644,7 +611,7 @@ __global__ void combine_residual_kernel(float* __restrict__ out, float* residual
 bool launch_combine_residual(cudaStream_t stream, const ExpertsPlan& p, const float* y, const int32_t* pair_pos) {
   const cuda::RmsVecShape vs = cuda::rms_vec_shape(p.hidden);
   const auto aligned = [](const void* q, uintptr_t a) { return reinterpret_cast<uintptr_t>(q) % a == 0; };
-  if (vs.per == 0 || p.top_k > kCombineMaxK || p.num_tokens > INT_MAX || !aligned(p.out, 16) || !aligned(p.residual, 16) || !aligned(y, 16) ||
+  if (vs.per == 0 || p.num_tokens > INT_MAX || !aligned(p.out, 16) || !aligned(p.residual, 16) || !aligned(y, 16) ||
       !aligned(p.norm_weight, 16) || !aligned(p.norm_out, 16) || !aligned(p.norm_out_bf16, 8))
     return false;
   const bool f32 = p.norm_weight != nullptr && p.norm_out != nullptr;
