@@ -749,18 +749,10 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
   rope_args.eps = eps;
 
   RD_RETURN_IF_ERROR(backend_.embedding(ctx, h, embed_tokens_, ids));
-  // Set when the layer before ran its residual add and this layer's input_layernorm inside its
-  // expert op's combine (kernel_experts): the normalised input, in the form norm_for_dense writes.
-  TensorView prenormed;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     Layer& L = layers_[static_cast<size_t>(l)];
     // Attention block.
-    if (prenormed.data != nullptr) {
-      xd = prenormed;
-      prenormed = {};
-    } else {
-      RD_RETURN_IF_ERROR(norm_for_dense(x, h, pending, L.input_layernorm, L.q_proj, xd));
-    }
+    RD_RETURN_IF_ERROR(norm_for_dense(x, h, pending, L.input_layernorm, L.q_proj, xd));
     pending = {};
     if (L.qkv_fused) {
       // One GEMM into rows q | k | v; rope_qk splits them.
@@ -843,22 +835,8 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
       }
     }
     if (L.moe && kernel_experts_) {
-      // The combine also adds the output to h and normalises the next layer's input (one launch
-      // instead of the combine's and the next add_rmsnorm's); after the last layer, the add alone.
-      ResidualStep rs;
-      rs.residual = h;
-      if (l + 1 < c.num_hidden_layers) {
-        const Layer& next = layers_[static_cast<size_t>(l + 1)];
-        rs.norm_weight = next.input_layernorm;
-        if (next.q_proj.dtype == DType::kBF16) {
-          rs.norm_out_bf16 = bf16_of(x);
-          prenormed = rs.norm_out_bf16;
-        } else {
-          rs.norm_out = x;
-          prenormed = x;
-        }
-      }
-      RD_RETURN_IF_ERROR(kernel_experts(ctx, L, x_experts, moe_out, topk_ids, topk_w, T, rs));
+      RD_RETURN_IF_ERROR(kernel_experts(ctx, L, x_experts, moe_out, topk_ids, topk_w, T));
+      pending = moe_out;
       continue;
     }
     MoeExpertsArgs args;
@@ -901,16 +879,10 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
 }
 
 Status MoeDecoder::kernel_experts(const ExecContext& ctx, const Layer& L, const TensorView& x, const TensorView& out,
-                                  const TensorView& topk_ids, const TensorView& topk_w, int64_t T,
-                                  const ResidualStep& rs) {
+                                  const TensorView& topk_ids, const TensorView& topk_w, int64_t T) {
   const auto& c = config_;
   moe::ExpertsArgs a;
   a.out = out;
-  a.residual = rs.residual;
-  a.norm_weight = rs.norm_weight;
-  a.norm_out = rs.norm_out;
-  a.norm_out_bf16 = rs.norm_out_bf16;
-  a.norm_eps = static_cast<float>(c.rms_norm_eps);
   a.x = x;
   a.topk_ids = topk_ids;  // logical ids (recorded above); the remap happens inside the op
   a.topk_weights = topk_w;

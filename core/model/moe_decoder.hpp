@@ -205,15 +205,9 @@ class MoeDecoder {
   // model's, or a capture stream's): no host reads, no synchronisation, so it can be captured.
   Status run_device(const ExecContext& ctx, int64_t T, int64_t S, int64_t R, bool record);
   static Status capture_body(void* arg, const ExecContext& ctx);
-  // What the expert op's combine does after writing out (moe::ExpertsArgs::residual and the norm
-  // after it): residual += out, then, with norm_weight, the next layer's input_layernorm.
-  struct ResidualStep {
-    TensorView residual, norm_weight, norm_out, norm_out_bf16;
-  };
-  // The routed experts of MoE layer L through moe::experts (kernel_experts_): T rows of x -> out,
-  // then rs.
+  // The routed experts of MoE layer L through moe::experts (kernel_experts_): T rows of x -> out.
   Status kernel_experts(const ExecContext& ctx, const Layer& L, const TensorView& x, const TensorView& out,
-                        const TensorView& topk_ids, const TensorView& topk_w, int64_t T, const ResidualStep& rs);
+                        const TensorView& topk_ids, const TensorView& topk_w, int64_t T);
   // step() and step_sample(): with `sample`, the logits stay on the device and the sampling op
   // runs on them (the returned span is then empty).
   Result<std::span<const float>> step_impl(const StepBatch& batch, RoutedExpertRecorder* recorder,

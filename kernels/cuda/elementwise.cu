@@ -8,7 +8,6 @@
 #include "kernels/cpu/op_checks.hpp"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_ops.hpp"
-#include "kernels/cuda/rmsnorm_row.cuh"
 
 namespace rolloutd::cuda {
 namespace {
@@ -69,17 +68,63 @@ __global__ void rmsnorm_kernel(float* out, uint16_t* out_bf16, float* x, const f
   }
 }
 
-// The same op with the row held in registers as float4s (rmsnorm_vec_row, rmsnorm_row.cuh): one
-// read of x, every load of a thread issued before the first is used. The loop above issues one
-// dependent-latency load per element pass, ~9 us per 2,880-wide row at one token (ncu).
+// The same op with the row held in registers as float4s (kPer per thread, blockDim.x threads, a
+// multiple of 32): one read of x, every load of a thread issued before the first is used. The
+// loop above issues one dependent-latency load per element pass, ~9 us per 2,880-wide row at
+// one token (ncu). Needs hidden % 4 == 0, 16-byte aligned rows and hidden / 4 <= kPer * blockDim.x
+// (and an 8-byte aligned out_bf16 for kBf16). kAdd / kOut / kBf16 as rmsnorm_kernel's: the residual
+// add joins the load, the BF16 rounding the store, and the reduction is rmsnorm's own.
 template <int kPer, bool kAdd, bool kOut, bool kBf16>
 __global__ void rmsnorm_vec_kernel(float* out, uint16_t* out_bf16, float* x, const float* r,
                                    const float* __restrict__ w, int64_t hidden, float eps) {
+  __shared__ float warp_partial[32];
   pdl_begin();
   const int64_t row = blockIdx.x;
-  rmsnorm_vec_row<kPer, kAdd, kOut, kBf16>(
-      out, out_bf16, x, [&](int idx) { return reinterpret_cast<const float4*>(r + row * hidden)[idx]; }, w, row,
-      hidden, eps);
+  const int n4 = static_cast<int>(hidden / 4);
+  float4* xr = reinterpret_cast<float4*>(x + row * hidden);
+  const float4* w4 = reinterpret_cast<const float4*>(w);
+  float4 v[kPer];
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int idx = threadIdx.x + i * blockDim.x;
+    v[i] = idx < n4 ? xr[idx] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+  if constexpr (kAdd) {
+    const float4* rr = reinterpret_cast<const float4*>(r + row * hidden);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int idx = threadIdx.x + i * blockDim.x;
+      if (idx >= n4) continue;
+      const float4 b = rr[idx];
+      v[i] = make_float4(v[i].x + b.x, v[i].y + b.y, v[i].z + b.z, v[i].w + b.w);  // add's one rounding
+      xr[idx] = v[i];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
+  ss = warp_sum(ss);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  if (lane == 0) warp_partial[warp] = ss;
+  __syncthreads();  // every thread has read its x before any writes out (out may alias x)
+  float total = 0.0f;
+  for (int i = 0; i < warps; ++i) total += warp_partial[i];
+  const float inv = rsqrtf(total / static_cast<float>(hidden) + eps);
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int idx = threadIdx.x + i * blockDim.x;
+    if (idx >= n4) continue;
+    const float4 g = __ldg(w4 + idx);
+    const float4 o =
+        make_float4(g.x * (v[i].x * inv), g.y * (v[i].y * inv), g.z * (v[i].z * inv), g.w * (v[i].w * inv));
+    if constexpr (kOut) reinterpret_cast<float4*>(out + row * hidden)[idx] = o;
+    if constexpr (kBf16) {
+      const uint2 packed = make_uint2(
+          static_cast<uint32_t>(f32_to_bf16_bits(o.x)) | (static_cast<uint32_t>(f32_to_bf16_bits(o.y)) << 16),
+          static_cast<uint32_t>(f32_to_bf16_bits(o.z)) | (static_cast<uint32_t>(f32_to_bf16_bits(o.w)) << 16));
+      reinterpret_cast<uint2*>(out_bf16 + row * hidden)[idx] = packed;  // little-endian: .x first
+    }
+  }
 }
 
 __global__ void add_kernel(float* out, const float* a, const float* b, int64_t n) {
@@ -181,15 +226,18 @@ template <bool kAdd, bool kOut, bool kBf16>
 void launch_rmsnorm(cudaStream_t stream, float* out, uint16_t* out_bf16, float* x, const float* r, const float* w,
                     int64_t rows, int64_t hidden, float eps) {
   const auto aligned = [](const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; };
-  const RmsVecShape vs = rms_vec_shape(hidden);
-  if (vs.per > 0 && aligned(out, 16) && aligned(x, 16) && aligned(r, 16) && aligned(w, 16) && aligned(out_bf16, 8)) {
+  const int64_t n4 = hidden / 4;
+  if (hidden % 4 == 0 && aligned(out, 16) && aligned(x, 16) && aligned(r, 16) && aligned(w, 16) &&
+      aligned(out_bf16, 8) && n4 <= 8 * 256) {
+    const int threads = static_cast<int>(std::min<int64_t>(256, (n4 + 31) / 32 * 32));
+    const int64_t per = (n4 + threads - 1) / threads;
     const auto launch = [&](auto kernel) {
-      (void)launch_dependent(kernel, static_cast<unsigned int>(rows), vs.threads, 0, stream, out, out_bf16, x, r, w,
+      (void)launch_dependent(kernel, static_cast<unsigned int>(rows), threads, 0, stream, out, out_bf16, x, r, w,
                              hidden, eps);
     };
-    if (vs.per == 1) launch(rmsnorm_vec_kernel<1, kAdd, kOut, kBf16>);
-    else if (vs.per == 2) launch(rmsnorm_vec_kernel<2, kAdd, kOut, kBf16>);
-    else if (vs.per == 4) launch(rmsnorm_vec_kernel<4, kAdd, kOut, kBf16>);
+    if (per <= 1) launch(rmsnorm_vec_kernel<1, kAdd, kOut, kBf16>);
+    else if (per <= 2) launch(rmsnorm_vec_kernel<2, kAdd, kOut, kBf16>);
+    else if (per <= 4) launch(rmsnorm_vec_kernel<4, kAdd, kOut, kBf16>);
     else launch(rmsnorm_vec_kernel<8, kAdd, kOut, kBf16>);
     return;
   }

@@ -41,7 +41,6 @@
 #include <string>
 
 #include "kernels/cuda/cuda_common.cuh"
-#include "kernels/cuda/rmsnorm_row.cuh"
 #include "kernels/moe/moe_math.hpp"
 #include "kernels/moe/moe_plan.hpp"
 #include "kernels/quant/mxfp4.hpp"
@@ -527,11 +526,6 @@ __global__ void to_bf16_kernel(uint16_t* __restrict__ out, const float* __restri
     out[i] = f32_to_bf16_bits(in[i]);
 }
 
-template <bool kO, bool kB>
-struct OutFlags {
-  static constexpr bool kOut = kO, kBf16 = kB;
-};
-
 // out[t] = (accumulate ? out[t] : 0) + sum_k w[t,k] y[pos(t,k)], k in order; padding rows 0.
 // Grid (token, block of kCombineThreads float4 columns): one token spreads over H / 512 CTAs
 // (one CTA walking all H columns took ~12 us per layer at one token).
@@ -564,75 +558,6 @@ __global__ void __launch_bounds__(kCombineThreads)
     }
   }
   *reinterpret_cast<float4*>(row + c) = acc;
-}
-
-// The combine with ExpertsArgs::residual: one CTA per token row, the row in registers
-// (rmsnorm_vec_row, the add_rmsnorm kernel's own code): out[t] = the combine above (the same
-// k-ordered sum), residual[t] += out[t], then (kNorm) the RMSNorm into norm_out (kOut) and/or
-// norm_out_bf16 (kBf16). Bit for bit combine_kernel then Backend::add_rmsnorm, one launch.
-// pair_pos, the weights and y come from earlier kernels of the step: L2 loads after the wait.
-template <int kPer, bool kOut, bool kBf16>
-__global__ void combine_residual_kernel(float* __restrict__ out, float* residual, const float* y,
-                                        const int32_t* pair_pos, const float* w, int64_t num_valid,
-                                        const int32_t* num_valid_device, int64_t hidden, int top_k,
-                                        float* norm_out, uint16_t* norm_out_bf16, const float* __restrict__ norm_w,
-                                        float eps) {
-  cuda::pdl_begin();
-  const int64_t t = blockIdx.x;
-  if (num_valid_device) {
-    const int64_t d = __ldcg(num_valid_device);
-    if (d < num_valid) num_valid = d < 0 ? 0 : d;
-  }
-  const bool live = t < num_valid;
-  auto combined = [&](int idx) {
-    const int64_t c = static_cast<int64_t>(idx) * 4;
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (live) {
-      for (int j = 0; j < top_k; ++j) {
-        const int32_t pos = __ldcg(pair_pos + t * top_k + j);
-        if (pos < 0) continue;
-        const float wk = __ldcg(w + t * top_k + j);
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(y + static_cast<int64_t>(pos) * hidden + c));
-        acc.x = math::add(acc.x, math::mul(wk, v.x));
-        acc.y = math::add(acc.y, math::mul(wk, v.y));
-        acc.z = math::add(acc.z, math::mul(wk, v.z));
-        acc.w = math::add(acc.w, math::mul(wk, v.w));
-      }
-    }
-    *reinterpret_cast<float4*>(out + t * hidden + c) = acc;
-    return acc;
-  };
-  cuda::rmsnorm_vec_row<kPer, true, kOut, kBf16>(norm_out, norm_out_bf16, residual, combined, norm_w, t, hidden,
-                                                 eps);
-}
-
-// The fused combine for plan p, when the row fits rmsnorm_vec_row and every row is 16-byte
-// aligned (8 for the BF16 output); false: not launched (the caller combines, then residual_step).
-bool launch_combine_residual(cudaStream_t stream, const ExpertsPlan& p, const float* y, const int32_t* pair_pos) {
-  const cuda::RmsVecShape vs = cuda::rms_vec_shape(p.hidden);
-  const auto aligned = [](const void* q, uintptr_t a) { return reinterpret_cast<uintptr_t>(q) % a == 0; };
-  if (vs.per == 0 || p.num_tokens > INT_MAX || !aligned(p.out, 16) || !aligned(p.residual, 16) || !aligned(y, 16) ||
-      !aligned(p.norm_weight, 16) || !aligned(p.norm_out, 16) || !aligned(p.norm_out_bf16, 8))
-    return false;
-  const bool f32 = p.norm_weight != nullptr && p.norm_out != nullptr;
-  const bool bf16 = p.norm_weight != nullptr && p.norm_out_bf16 != nullptr;
-  const auto launch = [&](auto kernel) {
-    (void)cuda::launch_dependent(kernel, static_cast<unsigned int>(p.num_tokens), vs.threads, 0, stream, p.out,
-                                 p.residual, y, pair_pos, p.topk_weights, p.num_valid, p.num_valid_device, p.hidden,
-                                 static_cast<int>(p.top_k), p.norm_out, p.norm_out_bf16, p.norm_weight, p.norm_eps);
-  };
-  const auto by_per = [&](auto flags) {
-    using F = decltype(flags);
-    if (vs.per == 1) launch(combine_residual_kernel<1, F::kOut, F::kBf16>);
-    else if (vs.per == 2) launch(combine_residual_kernel<2, F::kOut, F::kBf16>);
-    else if (vs.per == 4) launch(combine_residual_kernel<4, F::kOut, F::kBf16>);
-    else launch(combine_residual_kernel<8, F::kOut, F::kBf16>);
-  };
-  if (f32 && bf16) by_per(OutFlags<true, true>{});
-  else if (f32) by_per(OutFlags<true, false>{});
-  else if (bf16) by_per(OutFlags<false, true>{});
-  else by_per(OutFlags<false, false>{});  // the residual add alone
-  return true;
 }
 
 // ---- decode path: MXFP4 weights x few tokens per expert ----------------------------------------
@@ -1717,7 +1642,7 @@ TensorView dev_view(const ExecContext& ctx, void* data, DType dtype, Shape shape
 
 }  // namespace
 
-Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p, const ExpertsArgs& args) {
+Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
   if (p.num_tokens == 0) return Status::Ok();
   DeviceGuard guard;
   RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
@@ -1942,16 +1867,11 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p, const ExpertsA
   }
 
   if (t > INT_MAX) return Status(ErrorCode::kUnimplemented, "too many tokens", "x");
-  if (p.residual != nullptr && launch_combine_residual(stream, p, y, pair_pos)) {
-    RD_CUDA_CHECK_LAUNCH("moe combine_residual_kernel");
-    return Status::Ok();
-  }
   const dim3 combine_grid(static_cast<unsigned int>(t),
                           static_cast<unsigned int>((h / 4 + kCombineThreads - 1) / kCombineThreads));
   (void)cuda::launch_dependent(combine_kernel, combine_grid, kCombineThreads, 0, stream, p.out, y, pair_pos,
                                p.topk_weights, nv, p.num_valid_device, h, static_cast<int>(k), p.accumulate);
   RD_CUDA_CHECK_LAUNCH("moe combine_kernel");
-  if (p.residual != nullptr) return residual_step(*rolloutd::cuda_backend(), ctx, args);
   return Status::Ok();
 }
 

@@ -316,53 +316,6 @@ Result<ExpertsPlan> check_experts(const ExecContext& ctx, const ExpertsArgs& a) 
   p.precision = a.precision;
   p.accumulate = a.accumulate;
 
-  // The residual add and the norm after the combine.
-  if (absent(a.residual)) {
-    for (const auto& [v, name] : {std::pair{&a.norm_weight, "norm_weight"}, std::pair{&a.norm_out, "norm_out"},
-                                  std::pair{&a.norm_out_bf16, "norm_out_bf16"}})
-      if (!absent(*v)) return invalid(name, "given without residual");
-  } else {
-    if (a.accumulate) return invalid("residual", "not with accumulate (the combine then adds into out)");
-    RD_RETURN_IF_ERROR(view(ctx, a.residual, "residual", {DType::kF32}, Shape{t, h}));
-    p.residual = a.residual.as<float>();
-    if (absent(a.norm_weight)) {
-      if (!absent(a.norm_out) || !absent(a.norm_out_bf16))
-        return invalid(absent(a.norm_out) ? "norm_out_bf16" : "norm_out", "given without norm_weight");
-    } else {
-      RD_RETURN_IF_ERROR(view(ctx, a.norm_weight, "norm_weight", {DType::kF32}, Shape{h}));
-      if (!finite(a.norm_eps) || a.norm_eps < 0.0f)
-        return invalid("norm_eps", "must be finite and >= 0, got " + std::to_string(a.norm_eps));
-      p.norm_weight = a.norm_weight.as<const float>();
-      p.norm_eps = a.norm_eps;
-      if (!absent(a.norm_out)) {
-        RD_RETURN_IF_ERROR(view(ctx, a.norm_out, "norm_out", {DType::kF32}, Shape{t, h}));
-        p.norm_out = a.norm_out.as<float>();
-      }
-      if (!absent(a.norm_out_bf16)) {
-        RD_RETURN_IF_ERROR(view(ctx, a.norm_out_bf16, "norm_out_bf16", {DType::kBF16}, Shape{t, h}));
-        p.norm_out_bf16 = a.norm_out_bf16.as<uint16_t>();
-      }
-    }
-    // residual is read and written; the norm outputs are written last (x is read before, by the
-    // GEMMs: they may overlap it, as a decoder's next-layer input may reuse x's buffer).
-    const std::pair<const TensorView*, const char*> read[] = {
-        {&a.out, "out"}, {&a.topk_ids, "topk_ids"}, {&a.topk_weights, "topk_weights"},
-        {&a.logical_to_physical, "logical_to_physical"}, {&w.gate_up, "weights.gate_up"},
-        {&w.gate_up_scales, "weights.gate_up_scales"}, {&w.down, "weights.down"},
-        {&w.down_scales, "weights.down_scales"}, {&w.gate_up_bias, "weights.gate_up_bias"},
-        {&w.down_bias, "weights.down_bias"}, {&a.num_valid_device, "num_valid_device"},
-        {&a.norm_weight, "norm_weight"}};
-    for (const auto& [v, name] : read) {
-      if (overlaps(a.residual, *v)) return invalid("residual", std::string("aliases ") + name);
-      if (overlaps(a.norm_out, *v)) return invalid("norm_out", std::string("aliases ") + name);
-      if (overlaps(a.norm_out_bf16, *v)) return invalid("norm_out_bf16", std::string("aliases ") + name);
-    }
-    if (overlaps(a.residual, a.x)) return invalid("residual", "aliases x");
-    if (overlaps(a.norm_out, a.residual)) return invalid("norm_out", "aliases residual");
-    if (overlaps(a.norm_out_bf16, a.residual)) return invalid("norm_out_bf16", "aliases residual");
-    if (overlaps(a.norm_out_bf16, a.norm_out)) return invalid("norm_out_bf16", "aliases norm_out");
-  }
-
   if (ctx.device.kind == DeviceKind::kCuda) {
     if (a.precision == ActPrecision::kF32)
       return Status(ErrorCode::kUnimplemented,
@@ -380,8 +333,7 @@ Result<ExpertsPlan> check_experts(const ExecContext& ctx, const ExpertsArgs& a) 
                                       std::to_string(a.workspace.size(0)));
     if (reinterpret_cast<uintptr_t>(a.workspace.data) % 256 != 0)
       return invalid("workspace", "must be 256-byte aligned");
-    for (const auto& [v, name] : {std::pair{&a.out, "out"}, std::pair{&a.x, "x"}, std::pair{&a.residual, "residual"},
-                                  std::pair{&a.norm_out, "norm_out"}, std::pair{&a.norm_out_bf16, "norm_out_bf16"}})
+    for (const auto& [v, name] : {std::pair{&a.out, "out"}, std::pair{&a.x, "x"}})
       if (overlaps(a.workspace, *v)) return invalid("workspace", std::string("aliases ") + name);
     // The kernels move 16-byte vectors.
     for (const auto& [v, name] :

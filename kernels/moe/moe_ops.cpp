@@ -2,8 +2,6 @@
 // CUDA kernels according to the context's device.
 #include "kernels/moe/moe_ops.hpp"
 
-#include "kernels/backend.hpp"
-
 #include "kernels/moe/moe_math.hpp"
 #include "kernels/moe/moe_plan.hpp"
 
@@ -41,27 +39,13 @@ int64_t experts_workspace_bytes(int64_t num_tokens, int64_t top_k, int64_t hidde
 Status experts(const ExecContext& ctx, const ExpertsArgs& args) {
   RD_RETURN_IF_ERROR(detail::check_context(ctx));
   RD_ASSIGN_OR_RETURN(const detail::ExpertsPlan plan, detail::check_experts(ctx, args));
-  if (ctx.device.kind == DeviceKind::kCpu) {
-    RD_RETURN_IF_ERROR(detail::cpu_experts(plan));
-    return plan.residual != nullptr ? detail::residual_step(cpu_backend(), ctx, args) : Status::Ok();
-  }
+  if (ctx.device.kind == DeviceKind::kCpu) return detail::cpu_experts(plan);
 #if defined(ROLLOUTD_WITH_CUDA)
-  return detail::cuda_experts(ctx, plan, args);
+  return detail::cuda_experts(ctx, plan);
 #else
   return no_cuda();
 #endif
 }
-
-namespace detail {
-
-// ExpertsArgs::residual's contract, as the backend's own ops (the CPU reference, and CUDA where
-// the fused pass does not apply): residual += out, then the norm when asked.
-Status residual_step(const Backend& b, const ExecContext& ctx, const ExpertsArgs& a) {
-  if (absent_view(a.norm_weight)) return b.add(ctx, a.residual, a.residual, a.out);
-  return b.add_rmsnorm(ctx, a.norm_out, a.norm_out_bf16, a.residual, a.out, a.norm_weight, a.norm_eps);
-}
-
-}  // namespace detail
 
 float apply_activation(const ActivationParams& p, float gate, float up) {
   return math::activate(static_cast<int>(p.kind), p.limit, p.alpha, gate, up);

@@ -156,17 +156,6 @@ struct ExpertsArgs {
   // out[t] = (accumulate ? out[t] : 0) + sum_k w[t,k] * (down_e(act(gate_up_e(x_t) + b)) + b_d),
   // the k terms added in k order. Padding rows are zero either way.
   bool accumulate = false;
-  // Optional: the residual stream's next step in the combine's own pass (a decoder's residual add
-  // and the next RMSNorm; on CUDA one launch instead of the combine's and add_rmsnorm's). With
-  // `residual` ([T, H] float32), after `out` is written: residual += out, and then, with
-  // `norm_weight` ([H] float32), norm_out ([T, H] float32) and/or norm_out_bf16 ([T, H] bfloat16)
-  // = RMSNorm(residual, norm_eps) * norm_weight, bit for bit what
-  // Backend::add_rmsnorm(norm_out, norm_out_bf16, residual, out, norm_weight, norm_eps) after this
-  // op computes, on every row (padding rows add out's zeros). Not with `accumulate`. residual
-  // overlaps no other view; the norm outputs overlap neither residual, out, the weights nor the
-  // routing views, but may overlap x (they are written after every read of x).
-  TensorView residual, norm_weight, norm_out, norm_out_bf16;
-  float norm_eps = 1e-6f;
   // CUDA: uint8 [>= experts_workspace_bytes(...)] on the context's device (scratch for the
   // permutation, the quantized activations, h and the per-pair outputs). CPU: ignored.
   TensorView workspace;

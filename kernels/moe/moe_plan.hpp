@@ -50,13 +50,6 @@ struct ExpertsPlan {
   ActivationParams act;
   ActPrecision precision = ActPrecision::kBF16;
   bool accumulate = false;
-  // ExpertsArgs::residual and the norm after it (nullable; norm_weight only with residual, the
-  // outputs only with norm_weight).
-  float* residual = nullptr;
-  const float* norm_weight = nullptr;
-  float* norm_out = nullptr;
-  uint16_t* norm_out_bf16 = nullptr;
-  float norm_eps = 0.0f;
   uint8_t* workspace = nullptr;
   int64_t workspace_bytes = 0;
 };
@@ -98,12 +91,6 @@ Result<RouterPlan> check_route(const ExecContext& ctx, const RouterParams& param
                                const RouterArgs& args);
 Result<ExpertsPlan> check_experts(const ExecContext& ctx, const ExpertsArgs& args);
 
-inline bool absent_view(const TensorView& v) { return v.data == nullptr && v.rank() == 0; }
-
-// ExpertsArgs::residual (and the norm) through backend b's add / add_rmsnorm, after the combine
-// wrote out (moe_ops.cpp).
-Status residual_step(const Backend& b, const ExecContext& ctx, const ExpertsArgs& a);
-
 // ---- CPU reference (cpu_moe_router.cpp, cpu_moe_experts.cpp) --------------------------------
 Status cpu_route(const RouterPlan& p);
 Status cpu_experts(const ExpertsPlan& p);
@@ -111,10 +98,7 @@ Status cpu_experts(const ExpertsPlan& p);
 #if defined(ROLLOUTD_WITH_CUDA)
 // ---- CUDA (cuda_moe_router.cu, cuda_moe_experts.cu): asynchronous on ctx's stream ----------
 Status cuda_route(const ExecContext& ctx, const RouterPlan& p);
-// With p.residual: the combine, the residual add and the norm in one pass where the row fits
-// rmsnorm_vec_row, else the combine then residual_step on the CUDA backend (a, the op's
-// arguments, for that).
-Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p, const ExpertsArgs& a);
+Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p);
 #endif
 
 }  // namespace rolloutd::moe::detail
