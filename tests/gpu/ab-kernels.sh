@@ -10,7 +10,7 @@
 # is a directory is a whole source tree (e.g. another commit's `git archive`, for a change that
 # touches several files): it is configured and built on its own, in a build folder beside the
 # benches, and named by its directory name. Environment:
-#   AB_TOKENS   moe_bench --tokens (default 1,8,64,1024)     AB_ROUNDS  rounds (default 2)
+#   AB_TOKENS   moe_bench --tokens (default 1,8,64,1024; empty: no MoE runs)   AB_ROUNDS  rounds (default 2)
 #   AB_BATCHES  engine_bench h2880 batches (default 1,32; empty: no engine runs)
 #   AB_ENGINE_ARGS  (default --quantize-experts mxfp4 --dense-bf16 1 --graphs on --prefill 0)
 #   AB_TESTS    gtest targets built and run for every variant before any timing, e.g.
@@ -89,10 +89,12 @@ for r in $(seq 1 "${AB_ROUNDS:-2}"); do
   for n in "${names[@]}"; do
     for e in "" "${envs[@]}"; do
       label=$n${e:+:$e}
-      echo "== moe $label round $r" >>"$log"
-      # shellcheck disable=SC2086
-      env $e timeout 120 "$bins/$n/moe_bench" "$bins/moe.json" --tokens "${AB_TOKENS:-1,8,64,1024}" 2>/dev/null \
-        | grep -E " (bf16|mxfp8) " >>"$log"
+      if [ -n "${AB_TOKENS-1,8,64,1024}" ]; then
+        echo "== moe $label round $r" >>"$log"
+        # shellcheck disable=SC2086
+        env $e timeout 120 "$bins/$n/moe_bench" "$bins/moe.json" --tokens "${AB_TOKENS:-1,8,64,1024}" 2>/dev/null \
+          | grep -E " (bf16|mxfp8) " >>"$log"
+      fi
       if [ -n "${AB_BATCHES-1,32}" ]; then
         echo "== engine $label round $r" >>"$log"
         # shellcheck disable=SC2086
