@@ -1278,15 +1278,18 @@ DecodeShape decode_shape(int64_t k, int ks, int max_nt, int64_t pairs) {
   return {static_cast<int>(tok), static_cast<int>(chunks), 1, static_cast<size_t>(tok * (chunks * 256 + 64) + rings)};
 }
 
-// K slices per CTA (1, 2, 4 or 8 warps along K; the rest of the CTA's warps take more rows):
-// the fewest that still give about four CTAs per SM.
+// K slices per CTA (1, 2, 4 or 8 warps along K; the rest of the CTA's warps take more rows): the
+// most that keep every (32-row group, K slice) task of the launch within one wave of warps at
+// kDirCtas CTAs per SM, at least 1. Fewer slices mean more 128-wide chunks per warp (the ring
+// reaches its steady state) and fewer split-K reductions; more slices fill the SMs when few
+// experts are busy. (Before: the fewest slices giving ~4 CTAs per SM, which put gpt-oss's gate_up
+// at one token at 8 slices, ~3 chunks a warp, 1.8 waves looped.) Independent of the tokens, so
+// the sums (hence the bits) of a token do not depend on how many share its pass.
 int decode_ksplit(int64_t bound_experts, int64_t n, int num_sms) {
-  const int64_t groups = n / 32;
-  for (int ks = 1; ks < kDecWarps; ks *= 2) {
-    const int64_t per_cta = kDecWarps / ks;
-    if (bound_experts * ((groups + per_cta - 1) / per_cta) >= 4 * num_sms) return ks;
-  }
-  return kDecWarps;
+  const int64_t tasks = bound_experts * (n / 32), wave = static_cast<int64_t>(kDirCtas) * kDecWarps * num_sms;
+  int ks = 1;
+  while (ks < kDecWarps && tasks * ks * 2 <= wave) ks *= 2;
+  return ks;
 }
 
 // Opt `kernel` in to `bytes` of dynamic shared memory once per device (the attribute is set for
