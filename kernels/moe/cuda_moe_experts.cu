@@ -1278,15 +1278,25 @@ DecodeShape decode_shape(int64_t k, int ks, int max_nt, int64_t pairs) {
   return {static_cast<int>(tok), static_cast<int>(chunks), 1, static_cast<size_t>(tok * (chunks * 256 + 64) + rings)};
 }
 
-// K slices per CTA (1, 2, 4 or 8 warps along K; the rest of the CTA's warps take more rows):
-// the fewest that still give about four CTAs per SM.
+// K slices per CTA (1, 2, 4 or 8 warps along K; the rest of the CTA's warps take more rows): the
+// fewest that give about four CTAs per SM. Where that takes all 8 (few busy experts: ~3 chunks a
+// warp, and CTAs looping over more row blocks than a wave holds, e.g. gpt-oss's gate_up at one
+// token), the most whose (32-row group, K slice) tasks still fit one wave of warps at kDirCtas
+// CTAs per SM instead: fewer, longer warps, one wave. Measured on an H200 (2026-12-02, NOTES):
+// that rule alone was 4-6 % faster at one token (gpt-oss gate_up 8 -> 4 slices, Qwen3 down
+// 8 -> 4) but 5 % slower a step at h2880 batch 32, where it took down from 2 slices to 1 (4 tokens
+// per expert). Independent of the tokens, so the sums (hence the bits) of a token do not depend
+// on how many share its pass.
 int decode_ksplit(int64_t bound_experts, int64_t n, int num_sms) {
   const int64_t groups = n / 32;
   for (int ks = 1; ks < kDecWarps; ks *= 2) {
     const int64_t per_cta = kDecWarps / ks;
     if (bound_experts * ((groups + per_cta - 1) / per_cta) >= 4 * num_sms) return ks;
   }
-  return kDecWarps;
+  const int64_t tasks = bound_experts * groups, wave = static_cast<int64_t>(kDirCtas) * kDecWarps * num_sms;
+  int ks = 1;
+  while (ks < kDecWarps && tasks * ks * 2 <= wave) ks *= 2;
+  return ks;
 }
 
 // Opt `kernel` in to `bytes` of dynamic shared memory once per device (the attribute is set for

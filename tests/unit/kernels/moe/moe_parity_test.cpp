@@ -3,8 +3,8 @@
 // padding rows (NaN activations, garbage ids), redundant replicas, K tails (hidden not a
 // multiple of the 128-wide K step), every tile height (decode and prefill; the MXFP4 prefill
 // kernel's 64 and 128 rows, a half-empty last N tile, a single K step), the MXFP4 decode
-// kernel (several passes of 8 tokens per expert, K split 1, 2 and 8; passes of 16 and 32 tokens,
-// K staged in segments, the same bits whatever the tokens per pass), accumulate. The
+// kernel (passes of 8, 16 and 32 tokens at every K split, K staged in segments, the same bits
+// whatever the tokens per pass), accumulate. The
 // workspace starts poisoned, so reading anything the kernels did not write shows up.
 // Skips itself without a CUDA build or a visible GPU (label gpu).
 #include <gtest/gtest.h>
@@ -153,9 +153,9 @@ TEST_F(MoeParity, Experts) {
       // empty) and a single K step
       {"prefill_tile64_n_tails", 200, 200, 2, 4, 0, 192, 64},
       {"empty_experts", 3, 3, 2, 64, 1, 320, 192},           // hidden and intermediate with tails
-      // MXFP4 decode kernel: ~30 pairs per expert (several passes of 8 tokens), K split 8
+      // MXFP4 decode kernel: ~30 pairs per expert (32-token passes), K split 8
       {"decode_hot_experts", 64, 60, 8, 16, 0, 256, 128},
-      // decode kernel with K split 1 (gate_up) and 2 (down); 1088 = 8.5 chunks of 128
+      // decode kernel with K split 1 (gate_up and down); 1088 = 8.5 chunks of 128
       {"decode_ksplit", 40, 40, 4, 64, 0, 1088, 1088},
       // one token, top-1: the decode kernel stages one row of K = 8512 (gate_up) and the mma
       // lanes of the 7 absent rows must stay inside it (they read past the CTA's shared memory:
@@ -301,18 +301,31 @@ MxInputs mx_inputs(Rng& rng, const MxCase& c, float x_sigma) {
   return in;
 }
 
-// The MXFP4 decode kernel with more than 8 tokens per pass (2 and 4 n-tiles), its K staged whole
-// or in segments, K split 1, 2, 4 and 8 ways, experts with more tokens than a pass (a remainder
-// pass of fewer n-tiles): CUDA against the CPU reference.
+// The MXFP4 decode kernel at every K split (1, 2, 4 and 8 ways) with passes of 8, 16 and 32
+// tokens, K staged whole or in segments, experts with more tokens than a pass (a remainder pass
+// of fewer n-tiles): CUDA against the CPU reference. What each case takes is worked out for the
+// H200's 132 SMs (decode_ksplit; decode_shape: 32 or 16 tokens, segments where K does not fit two
+// CTAs per SM); on another GPU the cases still check the same kernels, with other splits. (Not
+// covered at this cost: split 1 with 16-token passes over segments.) gu = gate_up (K = hidden),
+// dn = down (K = intermediate); 8-token passes read bf16 rows directly, wider ones stage them.
 TEST_F(MoeParity, DecodeTokensPerPass) {
   const MxCase cases[] = {
-      // tokens per expert ~10: 32-token passes; gate_up K split 1 in 2 segments, down 4 in 3
-      {"nt4_segments_ksplit1_4", 160, 4, 64, 896, 1088},
-      {"nt4_segments_ksplit2_4", 96, 4, 32, 1088, 1088},  // ~12 per expert; K split 2 and 4
-      // ~22 per expert, K split 8: no room for 32 rows, so 16-token passes (+ the rest);
-      // gate_up's K = 1792 in 2 segments, down's whole
-      {"nt2_segments_ksplit8", 44, 4, 8, 1792, 1088},
-      {"nt2_whole_k", 28, 4, 16, 256, 128},                // ~7 per expert: 16-token passes
+      // top-1 of one expert (40 tokens): gu split 8, 16-token passes (16 + 16 + 8); dn split 8,
+      // 32-token passes (32 + 8)
+      {"gu8_tok16_dn8_tok32_rest", 40, 1, 1, 832, 128},
+      {"gu4_tok16_dn8_tok16_segs", 6, 4, 4, 256, 1728},       // 6 each; dn's K in 2 segments
+      {"gu4_tok32_dn2_tok32", 160, 4, 64, 448, 128},          // ~10 per expert, K whole
+      {"gu4_tok16_segs_dn2_tok16", 24, 4, 16, 1728, 448},     // ~6 per expert
+      {"gu2_tok32_segs_dn4_tok32_segs", 40, 4, 16, 832, 832},  // ~10 per expert
+      {"gu2_tok16_segs_dn1_tok16", 192, 4, 128, 1728, 128},   // ~6 per expert
+      {"gu1_tok32_dn4_tok32_segs", 160, 4, 64, 256, 1088},    // dn's K in 3 segments
+      {"gu1_tok32_segs_dn4_tok32_segs", 160, 4, 64, 832, 1088},
+      // about one token per expert: 8-token passes
+      {"tok8_gu8_dn8", 1, 1, 1, 256, 128},
+      {"tok8_gu4_dn4", 16, 4, 64, 256, 128},
+      {"tok8_gu2_dn2", 32, 4, 128, 256, 128},
+      {"tok8_gu1_dn4", 16, 4, 64, 256, 1088},
+      {"tok8_gu2_dn1", 32, 4, 128, 1088, 128},
   };
   Rng rng(77);
   for (const MxCase& c : cases) {
