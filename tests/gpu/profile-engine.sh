@@ -7,6 +7,11 @@
 # Writes OUT_DIR/profile-<model>-b<batch>.txt (and the raw .csv with ROLLOUTD_PROFILE_KEEP_CSV=1). The window skips the warm-up and the first
 # run's prefill (ROLLOUTD_PROFILE_SKIP kernels, default 3000) and covers ROLLOUTD_PROFILE_COUNT
 # kernels (default 600: a few steps).
+# ROLLOUTD_PROFILE_DETAIL=REGEX: after the durations, a second ncu pass per batch over
+# ROLLOUTD_PROFILE_DETAIL_COUNT (default 4) launches of the kernels whose names match REGEX (e.g.
+# 'decode_gemm|router|permute|sample_kernel'), past ROLLOUTD_PROFILE_DETAIL_SKIP (default 200) of
+# them, with the speed-of-light, occupancy, launch, scheduler, warp-state and memory sections:
+# OUT_DIR/profile-<model>-b<batch>-detail.txt (why a kernel takes its time, not only how long).
 set -uo pipefail
 build=${1:?usage: profile-engine.sh BUILD_DIR OUT_DIR [MODEL [BATCHES [ARGS...]]]}
 out=${2:?usage}
@@ -30,4 +35,13 @@ for b in ${batches//,/ }; do
   echo "ncu rc=$? ($(wc -l <"$f.csv") csv lines)"; tail -3 "$f.err"; rm -f "$f.err"
   python3 "$here/tests/gpu/ncu_summary.py" "$f.csv" | tee "$f.txt"
   [ "${ROLLOUTD_PROFILE_KEEP_CSV:-0}" = 1 ] || rm -f "$f.csv"
+  if [ -n "${ROLLOUTD_PROFILE_DETAIL:-}" ]; then
+    timeout "${ROLLOUTD_PROFILE_TIMEOUT:-240}" "$ncu" --clock-control none --cache-control none \
+      --kernel-name "regex:${ROLLOUTD_PROFILE_DETAIL}" --launch-skip "${ROLLOUTD_PROFILE_DETAIL_SKIP:-200}" \
+      --launch-count "${ROLLOUTD_PROFILE_DETAIL_COUNT:-4}" \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
+      --section WarpStateStats --section MemoryWorkloadAnalysis --page details --log-file "$f-detail.txt" \
+      "$bin" --models "$model" --batches "$b" --new-tokens 32 --graphs off "$@" >/dev/null 2>"$f.err"
+    echo "ncu detail rc=$? ($(grep -c "Section: GPU Speed Of Light" "$f-detail.txt" 2>/dev/null) kernels)"; tail -3 "$f.err"; rm -f "$f.err"
+  fi
 done
