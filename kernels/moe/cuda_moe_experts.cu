@@ -1285,8 +1285,8 @@ DecodeShape decode_shape(int64_t k, int ks, int max_nt, int64_t pairs) {
 // CTAs per SM instead: fewer, longer warps, one wave. Measured on an H200 (2026-12-02, NOTES):
 // that rule alone was 4-6 % faster at one token (gpt-oss gate_up 8 -> 4 slices, Qwen3 down
 // 8 -> 4) but 5 % slower a step at h2880 batch 32, where it took down from 2 slices to 1 (4 tokens
-// per expert). Independent of the tokens, so the sums (hence the bits) of a token do not depend
-// on how many share its pass.
+// per expert). Independent of the tokens once pairs >= E (the bound is then E), so the sums (hence
+// the bits) of a token do not depend on how many share its pass.
 int decode_ksplit(int64_t bound_experts, int64_t n, int num_sms) {
   const int64_t groups = n / 32;
   for (int ks = 1; ks < kDecWarps; ks *= 2) {
@@ -1342,8 +1342,11 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
   a.row_blocks = static_cast<int>(blocks);
   // K split 8 ways (few experts: a block is one 32-row group, ~K / 1024 chunks per warp), one
   // n-tile, and more blocks than the SMs hold at once (two CTAs each, one past kDecSmemTwoCtas):
-  // one wave of CTAs, each looping over blocks of its expert. The routing loads, the CTA launch and the first staging were most of such a
-  // CTA's time (gpt-oss gate_up at one token: 720 CTAs of one block, ~2.7 waves).
+  // one wave of CTAs, each looping over blocks of its expert. The routing loads, the CTA launch
+  // and the first staging were most of such a CTA's time (gpt-oss gate_up at one token had 720
+  // CTAs of one block, ~2.7 waves, before decode_ksplit's one-wave rule gave it 4 slices). Since
+  // that rule, split 8 means at most one wave of direct-B warps, so only staged launches (MXFP8
+  // rows, or more than kDecSmemTwoCtas) still loop.
   int64_t ctas = blocks;
   const int64_t resident = (direct ? kDirCtas : shape.smem <= kDecSmemTwoCtas ? 2 : 1) * static_cast<int64_t>(num_sms);
   if (a.ksplit == kDecWarps && a.tok_cap <= 8 && blocks * bound > resident) {

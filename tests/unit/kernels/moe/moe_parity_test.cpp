@@ -155,7 +155,7 @@ TEST_F(MoeParity, Experts) {
       {"empty_experts", 3, 3, 2, 64, 1, 320, 192},           // hidden and intermediate with tails
       // MXFP4 decode kernel: ~30 pairs per expert (32-token passes), K split 8
       {"decode_hot_experts", 64, 60, 8, 16, 0, 256, 128},
-      // decode kernel with K split 1 (gate_up and down); 1088 = 8.5 chunks of 128
+      // decode kernel with K split 1 (gate_up) and 2 (down); 1088 = 8.5 chunks of 128
       {"decode_ksplit", 40, 40, 4, 64, 0, 1088, 1088},
       // one token, top-1: the decode kernel stages one row of K = 8512 (gate_up) and the mma
       // lanes of the 7 absent rows must stay inside it (they read past the CTA's shared memory:
@@ -305,15 +305,18 @@ MxInputs mx_inputs(Rng& rng, const MxCase& c, float x_sigma) {
 // tokens, K staged whole or in segments, experts with more tokens than a pass (a remainder pass
 // of fewer n-tiles): CUDA against the CPU reference. What each case takes is worked out for the
 // H200's 132 SMs (decode_ksplit; decode_shape: 32 or 16 tokens, segments where K does not fit two
-// CTAs per SM); on another GPU the cases still check the same kernels, with other splits. (Not
-// covered at this cost: split 1 with 16-token passes over segments.) gu = gate_up (K = hidden),
+// CTAs per SM); on another GPU the cases still check the same kernels, with other splits. The
+// tokens per expert are random (a token's k draws may repeat an expert), so a pass holds up to
+// its capacity, and the remainder passes come from the top-1 cases. (Not covered at this cost:
+// a launch of 16-token passes at split 1 over segments.) gu = gate_up (K = hidden),
 // dn = down (K = intermediate); 8-token passes read bf16 rows directly, wider ones stage them.
 TEST_F(MoeParity, DecodeTokensPerPass) {
   const MxCase cases[] = {
-      // top-1 of one expert (40 tokens): gu split 8, 16-token passes (16 + 16 + 8); dn split 8,
-      // 32-token passes (32 + 8)
+      // top-1 of one expert (40 tokens): gu split 8, 16-token passes (16 + 16 + 8), K whole, then
+      // in 2 segments; dn split 8, 32-token passes (32 + 8)
       {"gu8_tok16_dn8_tok32_rest", 40, 1, 1, 832, 128},
-      {"gu4_tok16_dn8_tok16_segs", 6, 4, 4, 256, 1728},       // 6 each; dn's K in 2 segments
+      {"gu8_tok16_segs_dn8_tok32_rest", 40, 1, 1, 1728, 128},
+      {"gu4_tok16_dn8_tok16_segs", 8, 4, 4, 256, 1728},       // ~8 each; dn's K in 2 segments
       {"gu4_tok32_dn2_tok32", 160, 4, 64, 448, 128},          // ~10 per expert, K whole
       {"gu4_tok16_segs_dn2_tok16", 24, 4, 16, 1728, 448},     // ~6 per expert
       {"gu2_tok32_segs_dn4_tok32_segs", 40, 4, 16, 832, 832},  // ~10 per expert
@@ -321,7 +324,7 @@ TEST_F(MoeParity, DecodeTokensPerPass) {
       {"gu1_tok32_dn4_tok32_segs", 160, 4, 64, 256, 1088},    // dn's K in 3 segments
       {"gu1_tok32_segs_dn4_tok32_segs", 160, 4, 64, 832, 1088},
       // about one token per expert: 8-token passes
-      {"tok8_gu8_dn8", 1, 1, 1, 256, 128},
+      {"tok8_gu8_dn8", 8, 4, 8, 256, 128},
       {"tok8_gu4_dn4", 16, 4, 64, 256, 128},
       {"tok8_gu2_dn2", 32, 4, 128, 256, 128},
       {"tok8_gu1_dn4", 16, 4, 64, 256, 1088},
