@@ -633,6 +633,15 @@ int ControlActor::run() {
       }
     }
   }
+  // The socket has taken the last messages but may not have written them yet: linger 0 (set at
+  // bind, so a restart never waits on a dead peer) would discard them when the context closes,
+  // final events included. Let it deliver for what is left of the flush deadline.
+  const auto flush_left = std::chrono::duration_cast<std::chrono::milliseconds>(flush_deadline_ - Clock::now());
+  try {
+    router_.set(zmq::sockopt::linger, static_cast<int>(std::clamp<int64_t>(flush_left.count(), 0, 60'000)));
+  } catch (const zmq::error_t& e) {
+    obs::log_warn("control", "could not set the control socket's linger", {{"error", e.what()}});
+  }
   obs::log_info("control", "control loop stopped", {{"exit_code", exit_code_}});
   return exit_code_;
 }

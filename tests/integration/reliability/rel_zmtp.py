@@ -70,6 +70,14 @@ class RawDealer:
         or not; a stalled consumer that still sends is only subject to back-pressure."""
         self.sock.sendall(_command(b"PING", b"\x00\x00"))
 
+    # While recv waits for bytes it sends a PING this often. A reader's segments carry its
+    # receive window, so the daemon's kernel learns at once that the window reopened. Without
+    # them, after a long zero-window stall (the consumer not reading) it may only find out from
+    # its zero-window probes, whose interval backs off towards 120 s: the likely cause of a
+    # catch-up that received nothing for 120 s in CI on 2026-12-02 (not reproduced here). The
+    # PINGs also keep the heartbeat alive while a long backlog is read.
+    NUDGE_S = 0.25
+
     def recv(self, timeout_s):
         """One message (list of frames), or None when nothing complete arrives in time.
         Heartbeat PINGs met on the way are answered."""
@@ -79,11 +87,12 @@ class RawDealer:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            self.sock.settimeout(left)
+            self.sock.settimeout(min(left, self.NUDGE_S))
             try:
                 flags, body = self._read_frame()
             except socket.timeout:
-                return None
+                self.keepalive()
+                continue
             if flags & FLAG_COMMAND:
                 if body.startswith(b"\x04PING"):
                     self.sock.sendall(_command(b"PONG", body[5 + 2:]))  # echo the context
