@@ -638,7 +638,7 @@ int ControlActor::run() {
   // final events included. Let it deliver for what is left of the flush deadline.
   const auto flush_left = std::chrono::duration_cast<std::chrono::milliseconds>(flush_deadline_ - Clock::now());
   try {
-    router_.set(zmq::sockopt::linger, static_cast<int>(std::clamp<int64_t>(flush_left.count(), 0, 60'000)));
+    router_.set(zmq::sockopt::linger, static_cast<int>(std::clamp<int64_t>(flush_left.count(), 0, 600'000)));
   } catch (const zmq::error_t& e) {
     obs::log_warn("control", "could not set the control socket's linger", {{"error", e.what()}});
   }
