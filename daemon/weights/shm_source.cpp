@@ -35,7 +35,9 @@ Status read_shm(const std::string& name, uint64_t offset, uint64_t size, std::ve
                   "a shared-memory bucket of " + std::to_string(size) + " bytes is above this daemon's bound of " +
                       std::to_string(max_bytes) + " (--max-shm-bucket-bytes); send smaller buckets",
                   "body.source.size");
-  const int fd = shm_open(name.c_str(), O_RDONLY, 0);
+  // O_NONBLOCK: /dev/shm is writable by every user, and a FIFO put there under the name would
+  // block open (and then read) on the engine thread for ever. Only a regular file is read.
+  const int fd = shm_open(name.c_str(), O_RDONLY | O_NONBLOCK, 0);
   if (fd < 0)
     return Status(errno == ENOENT ? ErrorCode::kNotFound : ErrorCode::kUnavailable,
                   "cannot open shared memory '" + name + "': " + std::strerror(errno), "body.source.name");
@@ -44,6 +46,12 @@ Status read_shm(const std::string& name, uint64_t offset, uint64_t size, std::ve
     const int e = errno;
     close(fd);
     return Status(ErrorCode::kUnavailable, std::string("fstat failed: ") + std::strerror(e), "body.source");
+  }
+  if (!S_ISREG(st.st_mode)) {
+    close(fd);
+    return Status(ErrorCode::kInvalidArgument,
+                  "'" + name + "' is not a shared-memory object (a FIFO, device or directory of that name)",
+                  "body.source.name");
   }
   const uint64_t have = static_cast<uint64_t>(st.st_size);
   if (offset > have || size > have - offset) {

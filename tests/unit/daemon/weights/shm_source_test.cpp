@@ -4,10 +4,14 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cstring>
+#include <future>
 #include <string>
 #include <vector>
 
@@ -56,6 +60,27 @@ TEST(ShmSource, ASparseObjectIsNoLicenceToAllocate) {
   ASSERT_TRUE(read_shm(name, 4096, 64, out, uint64_t{1} << 20).ok());
   EXPECT_EQ(out, std::vector<uint8_t>(64, 0));
   shm_unlink(name.c_str());
+}
+
+TEST(ShmSource, AFifoOfThatNameIsRefusedWithoutBlocking) {
+  // /dev/shm is writable by every user: a FIFO there under a bucket's name blocked the engine
+  // thread in open() for ever (no writer), beyond every deadline and past SIGTERM.
+  const std::string name = "/rolloutd-test-fifo-" + std::to_string(::getpid());
+  const std::string path = "/dev/shm" + name;
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0) << std::strerror(errno);
+  std::vector<uint8_t> out;
+  auto read = std::async(std::launch::async, [&] { return read_shm(name, 0, 16, out); });
+  if (read.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    ADD_FAILURE() << "read_shm blocked on a FIFO";
+    // Release it: a writer's open completes the reader's, whose read then sees end of file.
+    const int w = ::open(path.c_str(), O_WRONLY | O_NONBLOCK);
+    if (w >= 0) ::close(w);
+  }
+  const Status s = read.get();
+  EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument) << s.to_string();
+  EXPECT_EQ(s.field(), "body.source.name");
+  EXPECT_TRUE(out.empty());
+  ::unlink(path.c_str());
 }
 
 }  // namespace
