@@ -169,7 +169,7 @@ nlohmann::json snapshot_json(const EngineSnapshot* s) {
 
 }  // namespace
 
-int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
+int run_daemon(const DaemonConfig& config, std::atomic<int>& drain_signals) {
   const auto started = std::chrono::steady_clock::now();
   obs::log_info("daemon", "configuration", to_json(config));
   if (Status s = validate(config); !s.ok()) {
@@ -307,7 +307,7 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
   }
   const int32_t gpu = config.device == "cuda" ? config.gpu : -1;
   ControlActor control(zctx, config, std::move(*control_box), metrics, snapshot, control_hb, info, gpu,
-                       drain_requested);
+                       drain_signals);
   control.set_authenticator(auth.get());
   if (config.device == "cuda")
     control.set_device_facts(static_cast<uint32_t>(NcclGroup::loaded_version()), cuda_device_uuid(config.gpu));
@@ -330,7 +330,7 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
   };
   routes["/readyz"] = [&]() {
     auto s = snapshot.load();
-    const bool draining = drain_requested.load();
+    const bool draining = drain_signals.load() > 0;
     const bool ready = s && s->state == "ready" && !draining;
     nlohmann::json j{{"ready", ready},
                      {"state", s ? (draining && s->state == "ready" ? "draining" : s->state) : "starting"},
@@ -350,7 +350,7 @@ int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested) {
                   {"num_layers", info.num_layers}, {"num_experts", info.num_experts}, {"top_k", info.top_k},
                   {"routed_experts_dtype", info.routed_experts_dtype}};
     j["device"] = ctx.device.to_string();
-    j["draining"] = drain_requested.load() || (s && s->state == "draining");
+    j["draining"] = drain_signals.load() > 0 || (s && s->state == "draining");
     j["pid"] = ::getpid();
     j["security"] = security->describe();
     j["security"]["auth_accepted_total"] = auth ? auth->num_accepted() : 0;

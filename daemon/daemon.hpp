@@ -15,7 +15,8 @@ inline constexpr int kExitStartupFailure = 2;
 inline constexpr int kExitEngineFault = 3;
 inline constexpr int kExitUsage = 64;
 
-// Runs the daemon. `drain_requested` is set by the signal thread (SIGTERM/SIGINT).
-int run_daemon(const DaemonConfig& config, std::atomic<bool>& drain_requested);
+// Runs the daemon. `drain_signals` counts the SIGTERM/SIGINTs the signal thread took: the first
+// starts a drain, a second cuts its deadline to now.
+int run_daemon(const DaemonConfig& config, std::atomic<int>& drain_signals);
 
 }  // namespace rolloutd::daemon

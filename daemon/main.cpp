@@ -27,19 +27,20 @@ int main(int argc, char** argv) {
   // A vanished peer must surface as an error on the socket, not kill the process.
   signal(SIGPIPE, SIG_IGN);
 
-  std::atomic<bool> drain_requested{false};
+  std::atomic<int> drain_signals{0};
   std::atomic<bool> done{false};
   std::thread signals([&] {
     while (!done.load()) {
       timespec timeout{0, 100 * 1000 * 1000};
       const int sig = sigtimedwait(&set, nullptr, &timeout);
       if (sig == SIGTERM || sig == SIGINT) {
-        obs::log_info("daemon", "signal received; draining", {{"signal", sig == SIGTERM ? "SIGTERM" : "SIGINT"}});
-        drain_requested.store(true);
+        const int n = drain_signals.fetch_add(1) + 1;
+        obs::log_info("daemon", n == 1 ? "signal received; draining" : "signal received again; cutting the drain short",
+                      {{"signal", sig == SIGTERM ? "SIGTERM" : "SIGINT"}, {"count", n}});
       }
     }
   });
-  const int rc = daemon::run_daemon(parsed.config, drain_requested);
+  const int rc = daemon::run_daemon(parsed.config, drain_signals);
   done.store(true);
   signals.join();
   return rc;

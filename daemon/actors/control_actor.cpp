@@ -78,7 +78,7 @@ void append_packed(std::string& out, const std::vector<int32_t>& rows, const std
 ControlActor::ControlActor(zmq::context_t& ctx, const DaemonConfig& config,
                            std::unique_ptr<MailboxEnd> engine, obs::Metrics& metrics,
                            SnapshotCell<EngineSnapshot>& snapshot, Heartbeat& heartbeat,
-                           protocol::ModelInfo model, int32_t gpu, std::atomic<bool>& drain_requested)
+                           protocol::ModelInfo model, int32_t gpu, std::atomic<int>& drain_signals)
     : ctx_(ctx),
       config_(config),
       engine_(std::move(engine)),
@@ -87,7 +87,7 @@ ControlActor::ControlActor(zmq::context_t& ctx, const DaemonConfig& config,
       heartbeat_(heartbeat),
       model_(std::move(model)),
       gpu_(gpu),
-      drain_requested_(drain_requested),
+      drain_signals_(drain_signals),
       router_(ctx, zmq::socket_type::router),
       seed_rng_(std::random_device{}()),
       started_(Clock::now()) {}
@@ -225,7 +225,7 @@ void ControlActor::on_request(const std::string& identity, std::vector<zmq::mess
   const uint64_t client = client_for(identity);
   // /readyz reads the signal flag directly; start the drain before judging this request so
   // nothing is accepted after a probe has seen "draining".
-  if (drain_requested_.load() && !draining_) begin_drain(config_.drain_timeout_s, "signal");
+  check_signals();
   if (parts.size() < 2) {
     metrics_.on_request("invalid");
     reply_error(client, 0, Status(ErrorCode::kBadMessage, "empty message: expected an envelope frame"));
@@ -573,6 +573,18 @@ void ControlActor::flush() {
   }
 }
 
+void ControlActor::check_signals() {
+  const int n = drain_signals_.load();
+  if (n >= 1 && !draining_) begin_drain(config_.drain_timeout_s, "signal");
+  if (n >= 2 && !drain_cut_) {
+    // An operator who signals twice wants out now: requests still running end with
+    // finished{abort, shutdown} (their final events are still delivered), whatever started the drain.
+    drain_cut_ = true;
+    obs::log_info("control", "second signal; drain deadline cut to zero");
+    send_engine(DrainCommand{0.0});
+  }
+}
+
 void ControlActor::begin_drain(double deadline_s, const std::string& why) {
   if (draining_) return;
   draining_ = true;
@@ -584,7 +596,7 @@ int ControlActor::run() {
   obs::log_info("control", "control loop started");
   while (true) {
     heartbeat_.beat();
-    if (drain_requested_.load() && !draining_) begin_drain(config_.drain_timeout_s, "signal");
+    check_signals();
 
     bool pending_out = false;
     for (auto& [id, c] : clients_) pending_out |= !c.gone && !c.outbox.empty();

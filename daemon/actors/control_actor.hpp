@@ -37,7 +37,7 @@ class ControlActor {
  public:
   ControlActor(zmq::context_t& ctx, const DaemonConfig& config, std::unique_ptr<MailboxEnd> engine,
                obs::Metrics& metrics, SnapshotCell<EngineSnapshot>& snapshot, Heartbeat& heartbeat,
-               protocol::ModelInfo model, int32_t gpu, std::atomic<bool>& drain_requested);
+               protocol::ModelInfo model, int32_t gpu, std::atomic<int>& drain_signals);
   ~ControlActor();
 
   void set_device_facts(uint32_t nccl_version, std::string device_uuid) {
@@ -100,6 +100,7 @@ class ControlActor {
   void flush();
   void flush_client(uint64_t id, ClientState& c);
   void begin_drain(double deadline_s, const std::string& why);
+  void check_signals();
   void send_engine(EngineCommand cmd);
   void drop_route(const std::string& rid);
   void gc_clients();
@@ -117,7 +118,8 @@ class ControlActor {
   int32_t gpu_;
   uint32_t nccl_version_ = 0;   // reported in hello so a trainer can check before joining
   std::string device_uuid_;     // 16 bytes on a GPU: a trainer on the same device may use IPC
-  std::atomic<bool>& drain_requested_;
+  std::atomic<int>& drain_signals_;  // SIGTERM/SIGINTs taken: 1 starts a drain, 2 cuts its deadline
+  bool drain_cut_ = false;           // the second signal's zero deadline was sent
   zmq::socket_t router_;
   CurveAuthenticator* auth_ = nullptr;  // null: a plain socket (loopback unless --insecure-bind-any)
 

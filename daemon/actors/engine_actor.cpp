@@ -85,6 +85,14 @@ void EngineActor::handle(EngineCommand& cmd) {
       const auto st = engine_->stats();
       obs::log_info("engine", "draining",
                     {{"deadline_s", drain->deadline_s}, {"running", st.num_running}, {"waiting", st.num_waiting}});
+    } else {
+      // A later drain (a second signal) can only bring the deadline nearer.
+      const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                               std::chrono::duration<double>(drain->deadline_s));
+      if (deadline < drain_deadline_) {
+        drain_deadline_ = deadline;
+        obs::log_info("engine", "drain deadline shortened", {{"deadline_s", drain->deadline_s}});
+      }
     }
   } else if (auto* w = std::get_if<WeightCommand>(&cmd)) {
     // Weight commands are ordered: while a join or an NCCL bucket is in flight, later ones wait,

@@ -48,6 +48,34 @@ def test_drain_deadline_aborts_long_requests_with_reason_shutdown(daemon_factory
     c.close()
 
 
+def test_second_sigterm_cuts_the_drain_short_and_every_request_still_ends_once(daemon_factory):
+    # A drain of 60 s that an operator (or launch-node.sh's stop) cuts short with a second signal.
+    d = daemon_factory(args=["--drain-timeout-s", "60"])
+    c = d.client()
+    rids = [c.submit([1, 2], max_new_tokens=4000, temperature=1.0, seed=i) for i in range(3)]
+    d.proc.send_signal(15)
+    # The first signal has been taken once /readyz says draining; then the second one.
+    deadline = time.monotonic() + 10
+    while d.get("/readyz")[0] == 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    started = time.monotonic()
+    d.proc.send_signal(15)
+    finals = {}
+    for ev in c.events(timeout_s=10.0):
+        if not isinstance(ev, rolloutd.TokensEvent):
+            assert ev.rid not in finals, "two final events"
+            finals[ev.rid] = ev
+        if len(finals) == 3:
+            break
+    assert set(finals) == set(rids)
+    assert all(f.reason == "abort" and f.abort_reason == "shutdown" for f in finals.values())
+    assert d.proc.wait(timeout=15) == 0
+    assert time.monotonic() - started < 15  # not the 60 s drain
+    c.close()
+    assert any(l.get("msg") == "second signal; drain deadline cut to zero" for l in d.log_lines())
+
+
 def test_generate_while_draining_is_refused(daemon_factory):
     d = daemon_factory(args=["--drain-timeout-s", "60"])
     c = d.client()
