@@ -444,10 +444,10 @@ void ControlActor::on_event(core::EngineEvent& ev) {
       route.pending = protocol::TokensEvent{};
       route.pending.rid = ev.rid;
       route.num_tokens_withheld = 0;
-      if (route.stream) {
-        protocol::RetractedEvent r{ev.rid, ev.num_tokens_discarded, "weight_update"};
-        enqueue(route.client, protocol::encode_event(route.envelope_id, protocol::Event{std::move(r)}), Delivery::kEvent);
-      }
+      // Sent with stream=false too (SPEC 11.6): the client learns the request restarted; it
+      // had received no tokens, so none are discarded.
+      protocol::RetractedEvent r{ev.rid, route.stream ? ev.num_tokens_discarded : 0, "weight_update"};
+      enqueue(route.client, protocol::encode_event(route.envelope_id, protocol::Event{std::move(r)}), Delivery::kEvent);
       return;
     }
     case core::EngineEvent::Kind::kFinished:

@@ -202,6 +202,34 @@ def test_pause_retract_restarts_under_the_new_weights(daemon_factory, new_weight
         # The collector of generate() resets on retracted too.
 
 
+def test_pause_retract_of_a_stream_false_request_sends_retracted_with_nothing_discarded(daemon_factory,
+                                                                                       new_weights):
+    # SPEC 11.6: the retracted event goes to stream=false requests too (num_tokens_discarded 0:
+    # they had received nothing), then their one tokens event and the final one.
+    d = daemon_factory()
+    fresh = daemon_factory(args=["--model-seed", str(NEW_SEED)])
+    with d.client() as c, fresh.client() as f, d.client() as trainer:
+        trainer.hello()
+        want = f.generate([9, 8, 7], max_new_tokens=3000, temperature=0.0).token_ids
+        rid = c.submit([9, 8, 7], max_new_tokens=3000, temperature=0.0, stream=False)
+        deadline = time.monotonic() + 10
+        while trainer.status().num_running != 1:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.005)
+        assert trainer.pause_generation("retract").num_retracted == 1
+        trainer.push_weights(list(new_weights.items()), weight_version=5)
+        trainer.continue_generation()
+        events = []
+        for ev in c.events(timeout_s=60.0):
+            assert ev.rid == rid
+            events.append(ev)
+            if isinstance(ev, (rolloutd.FinishedEvent, rolloutd.FailedEvent)):
+                break
+        assert [type(e).__name__ for e in events] == ["RetractedEvent", "TokensEvent", "FinishedEvent"]
+        assert events[0].num_tokens_discarded == 0 and events[0].reason == "weight_update"
+        assert events[1].token_ids == want and set(events[1].weight_versions) == {5}
+
+
 def test_pause_in_place_versions_show_the_switch(daemon, new_weights):
     with daemon.client() as c, daemon.client() as trainer:
         trainer.hello()
