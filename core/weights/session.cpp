@@ -26,12 +26,17 @@ uint32_t crc32_of(std::span<const uint8_t> bytes, uint32_t seed) {
 }
 
 Status WeightUpdater::check_session(uint64_t session) const {
-  if (!open_ || session != id_)
-    return Status(ErrorCode::kFailedPrecondition,
-                  open_ ? "session " + std::to_string(session) + " is not open (session " + std::to_string(id_) + " is)"
-                        : "no weight-update session is open",
-                  "session");
-  return Status::Ok();
+  if (open_ && session == id_) return Status::Ok();
+  for (const auto& [id, timeout_s] : expired_)
+    if (id == session)
+      return Status(ErrorCode::kDeadlineExceeded,
+                    "weight-update session " + std::to_string(session) + " expired after " +
+                        std::to_string(timeout_s) + " s without activity",
+                    "session");
+  return Status(ErrorCode::kFailedPrecondition,
+                open_ ? "session " + std::to_string(session) + " is not open (session " + std::to_string(id_) + " is)"
+                      : "no weight-update session is open",
+                "session");
 }
 
 Result<BeginResult> WeightUpdater::begin(const std::vector<std::string>& selector, double timeout_s,
@@ -312,6 +317,8 @@ std::optional<Status> WeightUpdater::expire_if_idle(SteadyClock::time_point now)
   if (seconds(now - last_activity_) <= timeout_s_) return std::nullopt;
   const uint64_t id = id_;
   (void)finish_failed("idle for more than " + std::to_string(timeout_s_) + " s");
+  expired_.emplace_back(id, timeout_s_);
+  if (expired_.size() > kMaxExpiredRemembered) expired_.pop_front();
   return Status(ErrorCode::kDeadlineExceeded,
                 "weight-update session " + std::to_string(id) + " expired after " + std::to_string(timeout_s_) +
                     " s without activity",

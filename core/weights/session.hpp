@@ -12,6 +12,7 @@
 //    until a completed session has rewritten every parameter the failed one touched.
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <optional>
 #include <map>
 #include <span>
@@ -78,6 +79,11 @@ class WeightUpdater {
   std::optional<Status> expire_if_idle(SteadyClock::time_point now);
 
   bool session_open() const { return open_; }
+  // Ok when `session` is the open session; else failed_precondition, or deadline_exceeded for
+  // one of the last kMaxExpiredRemembered sessions that expired (SPEC 11: a trainer must tell
+  // "too slow" from "wrong id").
+  Status check_session(uint64_t session) const;
+  static constexpr size_t kMaxExpiredRemembered = 64;
   uint64_t session_id() const { return open_ ? id_ : 0; }
   // Servable: no session open and nothing left half-written by a failed one.
   bool whole() const { return !open_ && broken_.empty(); }
@@ -88,7 +94,6 @@ class WeightUpdater {
   void mark_all_lost(const std::string& reason);
 
  private:
-  Status check_session(uint64_t session) const;
   Status finish_failed(const std::string& why);
 
   WeightRegistry& reg_;
@@ -96,6 +101,7 @@ class WeightUpdater {
   uint64_t id_ = 0;
   uint64_t next_id_ = 1;
   double timeout_s_ = 60;
+  std::deque<std::pair<uint64_t, double>> expired_;  // (session, its idle timeout), oldest first
   SteadyClock::time_point started_, last_activity_;
   // Parameters this session wrote, each once (a bucket of 10,000 tensors inserted into a
   // std::set cost a node allocation per entry), and the mask that keeps them distinct.

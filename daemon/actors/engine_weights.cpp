@@ -438,10 +438,9 @@ void EngineActor::handle_weights(WeightCommand& cmd) {
     }
     // Check the session before touching the producer's memory at all (buckets in flight are
     // answered first: replies keep the order of the requests).
-    if (!u.session_open() || u.session_id() != r->session) {
+    if (Status s = u.check_session(r->session); !s.ok()) {
       settle_pending_ipc(nullptr);
-      return reply_error(cmd.client, id,
-                         Status(ErrorCode::kFailedPrecondition, "weight-update session is not open", "body.session"));
+      return reply_error(cmd.client, id, in_body(s));
     }
     if (auto* shm = std::get_if<ShmSource>(&r->source)) {
       Status s = check_shm_name(shm->name, config_.shm_prefix);

@@ -100,6 +100,25 @@ def test_shm_and_inline_buffers_may_be_scribbled_right_after_each_reply(daemon, 
         shm.unlink()
 
 
+def test_a_session_that_expired_answers_deadline_exceeded(daemon):
+    # SPEC 11: requests naming a session that expired get deadline_exceeded (the trainer was too
+    # slow), others failed_precondition; the model was untouched, so the daemon stays ready.
+    with daemon.client() as c:
+        s = c.begin_weight_update(timeout_s=0.2).session
+        deadline = time.monotonic() + 10
+        while c.status().update_session:
+            assert time.monotonic() < deadline, "the session never expired"
+            time.sleep(0.05)
+        for call in (lambda: c.end_weight_update(s, 1), lambda: c.abort_weight_update(s)):
+            with pytest.raises(rolloutd.RolloutdError) as e:
+                call()
+            assert (e.value.code, e.value.field) == ("deadline_exceeded", "body.session"), e.value
+        with pytest.raises(rolloutd.RolloutdError) as e:
+            c.end_weight_update(s + 1, 1)
+        assert (e.value.code, e.value.field) == ("failed_precondition", "body.session")
+        assert c.status().ready
+
+
 def test_fail_closed_errors_name_the_entry_and_change_nothing(daemon, new_weights):
     name = "model.norm.weight"
     good = [(name, new_weights[name])]

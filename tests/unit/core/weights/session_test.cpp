@@ -596,6 +596,13 @@ TEST(WeightUpdater, AnIdleSessionExpiresAndAHalfWrittenModelIsNotServed) {
   EXPECT_EQ(expired->code(), ErrorCode::kDeadlineExceeded);
   EXPECT_FALSE(u.session_open());
   EXPECT_FALSE(u.whole());
+  // Naming the expired session says it expired (the trainer was too slow), not merely that no
+  // session is open (SPEC 11); an id that never was stays failed_precondition.
+  EXPECT_EQ(u.apply_bucket(s->session, b.entries, b.bytes, std::nullopt, kNow).status().code(),
+            ErrorCode::kDeadlineExceeded);
+  EXPECT_EQ(u.end(s->session, 1, kNow).status().code(), ErrorCode::kDeadlineExceeded);
+  EXPECT_EQ(u.abort(s->session, "late").status().code(), ErrorCode::kDeadlineExceeded);
+  EXPECT_EQ(u.end(s->session + 100, 1, kNow).status().code(), ErrorCode::kFailedPrecondition);
   EXPECT_NE(u.broken_reason().find("model.norm.weight"), std::string::npos) << u.broken_reason();
   RequestSpec r;
   r.rid = "x";
