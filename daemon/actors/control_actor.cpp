@@ -326,6 +326,8 @@ void ControlActor::on_request(const std::string& identity, std::vector<zmq::mess
       route.envelope_id = id;
       route.stream = gen->stream;
       route.pending.rid = gen->rid;
+      route.routed = gen->return_routed_experts;
+      route.routed_start_len = route.routed_next_pos = static_cast<uint32_t>(gen->routed_experts_start_len);
       routes_.emplace(gen->rid, std::move(route));
       ++clients_[client].num_routes;
       send_engine(SubmitCommand{std::move(spec)});
@@ -398,8 +400,24 @@ void ControlActor::drop_route(const std::string& rid) {
   routes_.erase(it);
 }
 
+void ControlActor::stamp_routed(Route& route) {
+  if (!route.routed) return;
+  auto& map = route.pending.routed_experts;
+  if (!map) {
+    protocol::RoutedExperts r;
+    r.dtype = model_.routed_experts_dtype;
+    r.num_tokens = 0;
+    r.num_layers = model_.num_moe_layers;
+    r.top_k = model_.top_k;
+    r.start_pos = route.routed_next_pos;
+    map = std::move(r);
+  }
+  route.routed_next_pos = map->start_pos + map->num_tokens;
+}
+
 void ControlActor::flush_pending_tokens(Route& route) {
   if (route.pending.token_ids.empty() && !route.pending.routed_experts) return;
+  stamp_routed(route);
   const std::string rid = route.pending.rid;
   const auto n = static_cast<uint32_t>(route.pending.token_ids.size());
   if (!enqueue(route.client, protocol::encode_event(route.envelope_id, protocol::Event{std::move(route.pending)}),
@@ -444,6 +462,7 @@ void ControlActor::on_event(core::EngineEvent& ev) {
       route.pending = protocol::TokensEvent{};
       route.pending.rid = ev.rid;
       route.num_tokens_withheld = 0;
+      route.routed_next_pos = route.routed_start_len;  // rows start again (SPEC 4.4)
       // Sent with stream=false too (SPEC 11.6): the client learns the request restarted; it
       // had received no tokens, so none are discarded.
       protocol::RetractedEvent r{ev.rid, route.stream ? ev.num_tokens_discarded : 0, "weight_update"};
@@ -464,6 +483,7 @@ void ControlActor::on_event(core::EngineEvent& ev) {
       if (route.stream) {
         flush_pending_tokens(route);
       } else {
+        stamp_routed(route);
         enqueue(route.client,
                 protocol::encode_event(route.envelope_id, protocol::Event{std::move(route.pending)}),
                 Delivery::kRequestEnd);

@@ -79,6 +79,11 @@ class ControlActor {
     // Tokens of this attempt withheld because the client was over its bound: the final
     // event's completion_tokens counts only what was delivered (SPEC 4.3).
     uint32_t num_tokens_withheld = 0;
+    // return_routed_experts: every tokens event carries the map, rows or not (SPEC 4.4); one
+    // without rows states where the next row will be.
+    bool routed = false;
+    uint32_t routed_start_len = 0;
+    uint32_t routed_next_pos = 0;
   };
 
   void on_request(const std::string& identity, std::vector<zmq::message_t>& parts);
@@ -86,6 +91,9 @@ class ControlActor {
   void on_event(core::EngineEvent& ev);
   // Sends a streamed route's held tokens as one event (nothing when none are held).
   void flush_pending_tokens(Route& route);
+  // Gives a routed request's held event its routed_experts map (empty when it has no rows) and
+  // moves the route's next row position past it; call right before the event is sent.
+  void stamp_routed(Route& route);
   // What a message is to the per-client bound (SPEC 1.1).
   enum class Delivery {
     kEvent,       // tokens, retracted: withheld while the client is over its bound

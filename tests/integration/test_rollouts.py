@@ -106,6 +106,32 @@ def test_routed_experts_start_len_and_stream_false(daemon):
         assert full.routed_experts.to_numpy()[4:].tobytes() == a.routed_experts.data
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_every_tokens_event_of_a_routed_request_carries_the_map(daemon, stream):
+    # SPEC 4.4: rows or not, each tokens event of a return_routed_experts request carries the map
+    # (dtype and shape always known); one without rows states where the next row will be, and
+    # the rows that do come start at routed_experts_start_len with no gaps.
+    with daemon.client() as c:
+        for start_len in (10, 50):
+            rid = c.submit([1, 2, 3], max_new_tokens=20, temperature=0.0, return_routed_experts=True,
+                           routed_experts_start_len=start_len, stream=stream)
+            tokens = []
+            for ev in c.events(timeout_s=30.0):
+                assert ev.rid == rid
+                if not isinstance(ev, rolloutd.TokensEvent):
+                    break
+                tokens.append(ev)
+            assert tokens and all(ev.routed_experts is not None for ev in tokens), start_len
+            pos = start_len
+            for ev in tokens:
+                r = ev.routed_experts
+                assert r.start_pos == pos and len(r.data) == r.num_tokens * r.shape[1] * r.shape[2] * {
+                    "uint8": 1, "uint16": 2, "int32": 4}[r.dtype]
+                pos += r.num_tokens
+            # 3 prompt tokens + 20 generated, the last never fed back: rows at positions 0..21.
+            assert pos == max(start_len, 22), start_len
+
+
 def test_streaming_yields_tokens_then_one_final_event(daemon):
     with daemon.client() as c:
         events = list(c.generate_stream([5, 6], max_new_tokens=5, temperature=0.0))
