@@ -311,6 +311,22 @@ nlohmann::json to_json(const DaemonConfig& c) {
   };
 }
 
+std::string bind_host(std::string_view address) {
+  if (address == "localhost") return "127.0.0.1";
+  if (address.size() >= 2 && address.front() == '[' && address.back() == ']')
+    return std::string(address.substr(1, address.size() - 2));
+  return std::string(address);
+}
+
+bool is_ipv6_literal(std::string_view host) {
+  in6_addr v6{};
+  return inet_pton(AF_INET6, std::string(host).c_str(), &v6) == 1;
+}
+
+std::string endpoint_host(std::string_view host) {
+  return is_ipv6_literal(host) ? "[" + std::string(host) + "]" : std::string(host);
+}
+
 bool is_loopback_address(std::string_view address) {
   std::string a(address);
   if (a == "localhost") return true;

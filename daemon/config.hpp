@@ -106,5 +106,13 @@ Status validate(const DaemonConfig& c);
 nlohmann::json to_json(const DaemonConfig& c);
 // 127.0.0.0/8, ::1 (bracketed or not) and "localhost": addresses only this host can reach.
 bool is_loopback_address(std::string_view address);
+// The literal a listening socket binds for an accepted --bind / --http-bind value: "localhost"
+// is 127.0.0.1 (ZeroMQ and Boost.Asio take literals, and the daemon binds one address), "[::1]"
+// loses its brackets; anything else is returned as it is.
+std::string bind_host(std::string_view address);
+// An IPv6 literal (after bind_host): ZeroMQ needs its ipv6 option, and endpoints need brackets.
+bool is_ipv6_literal(std::string_view host);
+// `host` as it goes into a tcp:// or http:// endpoint: IPv6 literals in brackets.
+std::string endpoint_host(std::string_view host);
 
 }  // namespace rolloutd::daemon

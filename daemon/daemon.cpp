@@ -358,7 +358,7 @@ int run_daemon(const DaemonConfig& config, std::atomic<int>& drain_signals) {
     return http::HttpResponse{200, "application/json", j.dump()};
   };
   http::HttpServerOptions hopts;
-  hopts.bind_address = config.http_bind_address;
+  hopts.bind_address = bind_host(config.http_bind_address);
   hopts.port = static_cast<uint16_t>(config.http_port);
   hopts.on_error = [](std::string_view what) { obs::log_warn("http", std::string(what)); };
   auto http_server = http::HttpServer::start(hopts, std::move(routes));
@@ -367,7 +367,7 @@ int run_daemon(const DaemonConfig& config, std::atomic<int>& drain_signals) {
     return kExitStartupFailure;
   }
   const std::string http_ep =
-      "http://" + config.http_bind_address + ":" + std::to_string((*http_server)->port());
+      "http://" + endpoint_host(bind_host(config.http_bind_address)) + ":" + std::to_string((*http_server)->port());
 
   EngineActor engine_actor(std::move(*engine), std::move(*engine_box), metrics, snapshot, engine_hb, config);
   std::thread engine_thread([&] { engine_actor.run(); });

@@ -460,6 +460,8 @@ Result<std::unique_ptr<Client>> Client::connect(const ClientOptions& options) {
                            ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
                            ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL);
     try {
+      // An IPv6 literal ("tcp://[::1]:PORT", as a daemon bound to ::1 reports) needs the option.
+      if (options.endpoint.find("://[") != std::string::npos) impl->socket.set(zmq::sockopt::ipv6, 1);
       impl->socket.connect(options.endpoint);
     } catch (const zmq::error_t& e) {
       return Status(ErrorCode::kInvalidArgument,

@@ -115,7 +115,9 @@ Result<std::string> ControlActor::bind() {
     if (auth_ != nullptr)
       if (Status s = auth_->secure(router_); !s.ok()) return s;
     const std::string port = config_.control_port == 0 ? "*" : std::to_string(config_.control_port);
-    router_.bind("tcp://" + config_.bind_address + ":" + port);
+    const std::string host = bind_host(config_.bind_address);
+    if (is_ipv6_literal(host)) router_.set(zmq::sockopt::ipv6, 1);
+    router_.bind("tcp://" + endpoint_host(host) + ":" + port);
     return router_.get(zmq::sockopt::last_endpoint);
   } catch (const zmq::error_t& e) {
     return Status(ErrorCode::kUnavailable,
