@@ -400,8 +400,8 @@ int run_daemon(const DaemonConfig& config, std::atomic<int>& drain_signals) {
   notify_systemd("READY=1");
   watchdog.serving();
 
+  control.set_on_drain_start([] { notify_systemd("STOPPING=1"); });  // when the drain starts
   const int rc = control.run();  // returns after the drain completes
-  notify_systemd("STOPPING=1");
   engine_thread.join();
   (*http_server)->stop();
   obs::log_info("daemon", "stopped", {{"exit_code", rc}});

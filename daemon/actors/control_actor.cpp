@@ -611,6 +611,7 @@ void ControlActor::begin_drain(double deadline_s, const std::string& why) {
   if (draining_) return;
   draining_ = true;
   obs::log_info("control", "drain started", {{"why", why}, {"deadline_s", deadline_s}});
+  if (on_drain_start_) on_drain_start_();
   send_engine(DrainCommand{deadline_s});
 }
 

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -47,6 +48,9 @@ class ControlActor {
   // With CURVE keys configured: bind() makes the ROUTER a CURVE server checked by `auth`,
   // which must outlive this actor (daemon/security/control_auth.hpp).
   void set_authenticator(CurveAuthenticator* auth) { auth_ = auth; }
+  // Called once, on this actor's thread, when a drain starts (whatever started it): systemd's
+  // STOPPING=1.
+  void set_on_drain_start(std::function<void()> f) { on_drain_start_ = std::move(f); }
   // Binds the ROUTER; returns the bound endpoint ("tcp://127.0.0.1:7600").
   Result<std::string> bind();
   // Thread body. Returns the process exit code: 0 after a clean drain, 3 after an engine fault.
@@ -127,6 +131,7 @@ class ControlActor {
   uint32_t nccl_version_ = 0;   // reported in hello so a trainer can check before joining
   std::string device_uuid_;     // 16 bytes on a GPU: a trainer on the same device may use IPC
   std::atomic<int>& drain_signals_;  // SIGTERM/SIGINTs taken: 1 starts a drain, 2 cuts its deadline
+  std::function<void()> on_drain_start_;
   bool drain_cut_ = false;           // the second signal's zero deadline was sent
   zmq::socket_t router_;
   CurveAuthenticator* auth_ = nullptr;  // null: a plain socket (loopback unless --insecure-bind-any)

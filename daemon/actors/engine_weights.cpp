@@ -594,6 +594,9 @@ void EngineActor::handle_weights(WeightCommand& cmd) {
     std::vector<uint8_t> bytes;
     std::vector<std::pair<std::string, uint32_t>> sums;
     for (size_t i : which) {
+      // A whole large model takes tens of seconds here (~2 GB/s read back and CRC'd): the loop is
+      // working, not stalled, so /livez and the systemd watchdog must not see it as hung.
+      heartbeat_.beat();
       if (Status s = reg.read_checkpoint(i, bytes); !s.ok()) return reply_error(cmd.client, id, s);
       const auto& p = reg.parameters()[i];
       ParameterChecksum c{p.name, std::string(dtype_name(p.storage.dtype)), shape_of(p.storage), core::crc32_of(bytes)};

@@ -13,6 +13,8 @@ import time
 import pytest
 import yaml
 
+import rolloutd
+
 from conftest import BIN, SOURCE_ROOT, daemon_env_names, daemon_flags, links_systemd, read_json, wait_for
 
 DEPLOY = os.path.join(SOURCE_ROOT, "deploy")
@@ -252,9 +254,12 @@ def test_daemon_talks_to_systemd_ready_watchdog_stopping(tmp_path):
     sock.settimeout(0.2)
     env = {**os.environ, "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "400000"}
     env.pop("WATCHDOG_PID", None)
-    proc = subprocess.Popen([BIN, "--control-port", "0", "--http-port", "0"], env=env,
+    endpoints = str(tmp_path / "endpoints.json")
+    proc = subprocess.Popen([BIN, "--control-port", "0", "--http-port", "0", "--drain-timeout-s", "60",
+                             "--endpoints-file", endpoints], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     got = []
+    client = None
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and (sum(m == "WATCHDOG=1" for m in got) < 3 or "READY=1" not in got):
@@ -263,6 +268,10 @@ def test_daemon_talks_to_systemd_ready_watchdog_stopping(tmp_path):
             except socket.timeout:
                 pass
         assert "READY=1" in got and got.count("WATCHDOG=1") >= 3, got
+        # A request keeps the drain open: STOPPING=1 must come when the drain starts, not when
+        # it ends (it came after the drain until 2026-12-02).
+        client = rolloutd.Client(read_json(endpoints)["control"])
+        rid = client.submit([1, 2], max_new_tokens=4000, temperature=1.0, seed=1)
         proc.send_signal(15)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and "STOPPING=1" not in got:
@@ -271,8 +280,18 @@ def test_daemon_talks_to_systemd_ready_watchdog_stopping(tmp_path):
             except socket.timeout:
                 pass
         assert "STOPPING=1" in got, got
+        finals = []
+        while (ev := client.next_event(0.0)) is not None:
+            finals += [ev] if not isinstance(ev, rolloutd.TokensEvent) else []
+        assert finals == [], "STOPPING=1 came after the drain had ended the request"
+        proc.send_signal(15)  # the second signal ends the drain now
+        while (ev := client.next_event(10.0)) is not None and isinstance(ev, rolloutd.TokensEvent):
+            pass
+        assert ev is not None and ev.rid == rid and ev.abort_reason == "shutdown", ev
         assert proc.wait(timeout=30) == 0
     finally:
+        if client is not None:
+            client.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
