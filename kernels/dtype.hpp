@@ -32,5 +32,9 @@ size_t dtype_size(DType t);
 std::string_view dtype_name(DType t);
 // Accepts the PyTorch names (with or without a "torch." prefix) and the safetensors names.
 std::optional<DType> dtype_from_name(std::string_view name);
+// The element at `p` (little-endian) as a double, as get_weights_by_name reports it (SPEC 8):
+// floating dtypes exactly (E8M0 s as 2^(s-127), NaN for 0xFF; E4M3's NaN codes as NaN),
+// integers and bool as their value (int64 beyond 2^53 rounded), kFP4x2 as the stored byte.
+double element_value(const uint8_t* p, DType t);
 
 }  // namespace rolloutd

@@ -33,28 +33,6 @@ core::Engine::PauseMode to_core(protocol::PauseMode m) {
   return core::Engine::PauseMode::kAbort;
 }
 
-double element_as_double(const uint8_t* p, DType t) {
-  switch (t) {
-    case DType::kF32: {
-      float f;
-      std::memcpy(&f, p, 4);
-      return f;
-    }
-    case DType::kBF16: {
-      uint16_t b;
-      std::memcpy(&b, p, 2);
-      return bf16_bits_to_f32(b);
-    }
-    case DType::kI32: {
-      int32_t v;
-      std::memcpy(&v, p, 4);
-      return v;
-    }
-    case DType::kU8: return *p;
-    default: return 0.0;
-  }
-}
-
 std::vector<int64_t> shape_of(const TensorView& v) { return {v.shape.data(), v.shape.data() + v.rank()}; }
 
 // The request's entries as the core's, their names and shapes moved out (the request is not
@@ -571,7 +549,7 @@ void EngineActor::handle_weights(WeightCommand& cmd) {
     const size_t elem = dtype_size(p.storage.dtype);
     const size_t n = std::min<size_t>(r->truncate, bytes.size() / elem);
     out.values.reserve(n);
-    for (size_t k = 0; k < n; ++k) out.values.push_back(element_as_double(bytes.data() + k * elem, p.storage.dtype));
+    for (size_t k = 0; k < n; ++k) out.values.push_back(element_value(bytes.data() + k * elem, p.storage.dtype));
     return reply(cmd.client, encode_reply(id, out));
   }
   if (auto* r = std::get_if<WeightsChecksumRequest>(&cmd.request)) {

@@ -4,8 +4,11 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <initializer_list>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "kernels/dtype.hpp"
 
@@ -166,6 +169,42 @@ TEST(DTypeSize, MatchesTheFormats) {
   EXPECT_EQ(dtype_size(DType::kI32), 4u);
   EXPECT_EQ(dtype_size(DType::kI64), 8u);
   EXPECT_EQ(dtype_size(DType::kBool), 1u);
+}
+
+TEST(DTypeValue, EveryDTypeDecodesAsItsFormatSays) {
+  // Codes and values from the formats' definitions (IEEE 754 binary16, OCP FP8 E4M3 and MX E8M0),
+  // not from this library's encoders.
+  auto v = [](DType t, std::initializer_list<uint8_t> le) {
+    const std::vector<uint8_t> b(le);
+    return element_value(b.data(), t);
+  };
+  EXPECT_EQ(v(DType::kF32, {0x00, 0x00, 0xc0, 0x3f}), 1.5);
+  EXPECT_EQ(v(DType::kBF16, {0xc0, 0xbf}), -1.5);
+  EXPECT_EQ(v(DType::kF16, {0x00, 0x3c}), 1.0);
+  EXPECT_EQ(v(DType::kF16, {0x00, 0xc0}), -2.0);
+  EXPECT_EQ(v(DType::kF16, {0x01, 0x00}), std::ldexp(1.0, -24));  // smallest subnormal
+  EXPECT_EQ(v(DType::kF16, {0xff, 0x7b}), 65504.0);
+  EXPECT_TRUE(std::isinf(v(DType::kF16, {0x00, 0x7c})));
+  EXPECT_TRUE(std::isnan(v(DType::kF16, {0x01, 0x7c})));
+  EXPECT_EQ(v(DType::kF8E4M3, {0x38}), 1.0);
+  EXPECT_EQ(v(DType::kF8E4M3, {0x7e}), 448.0);
+  EXPECT_EQ(v(DType::kF8E4M3, {0xfe}), -448.0);
+  EXPECT_EQ(v(DType::kF8E4M3, {0x01}), std::ldexp(1.0, -9));  // smallest subnormal
+  EXPECT_TRUE(std::isnan(v(DType::kF8E4M3, {0x7f})));
+  EXPECT_EQ(v(DType::kE8M0, {0x7f}), 1.0);
+  EXPECT_EQ(v(DType::kE8M0, {0x77}), std::ldexp(1.0, -8));
+  EXPECT_EQ(v(DType::kE8M0, {0x00}), std::ldexp(1.0, -127));
+  EXPECT_TRUE(std::isnan(v(DType::kE8M0, {0xff})));
+  EXPECT_EQ(v(DType::kFP4x2, {0x2c}), 0x2c);  // the stored byte
+  EXPECT_EQ(v(DType::kU8, {0xff}), 255);
+  EXPECT_EQ(v(DType::kI8, {0xff}), -1);
+  EXPECT_EQ(v(DType::kU16, {0xff, 0xff}), 65535);
+  EXPECT_EQ(v(DType::kI16, {0x00, 0x80}), -32768);
+  EXPECT_EQ(v(DType::kU32, {0xff, 0xff, 0xff, 0xff}), 4294967295.0);
+  EXPECT_EQ(v(DType::kI32, {0xfe, 0xff, 0xff, 0xff}), -2);
+  EXPECT_EQ(v(DType::kI64, {0x00, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00}), 4294967296.0);
+  EXPECT_EQ(v(DType::kBool, {0x01}), 1.0);
+  EXPECT_EQ(v(DType::kBool, {0x00}), 0.0);
 }
 
 }  // namespace
