@@ -249,6 +249,30 @@ def test_pause_retract_of_a_stream_false_request_sends_retracted_with_nothing_di
         assert events[1].token_ids == want and set(events[1].weight_versions) == {5}
 
 
+def test_pause_abort_ends_waiting_requests_too(daemon_factory):
+    # SPEC 11.6: abort ends every request, queued ones included, so the daemon is idle after it
+    # (release_memory's precondition); one running at a time here, two wait.
+    d = daemon_factory(args=["--max-running", "1"])
+    with d.client() as c, d.client() as trainer:
+        rids = [c.submit([4, 4], max_new_tokens=3000, temperature=1.0, seed=i) for i in range(3)]
+        deadline = time.monotonic() + 10
+        while (st := trainer.status()).num_running != 1 or st.num_waiting != 2:
+            assert time.monotonic() < deadline, st
+            time.sleep(0.005)
+        assert trainer.pause_generation("abort").num_aborted == 3
+        finals = {}
+        for ev in c.events(timeout_s=10.0):
+            if not isinstance(ev, rolloutd.TokensEvent):
+                finals[ev.rid] = ev
+            if len(finals) == 3:
+                break
+        assert set(finals) == set(rids)
+        assert all((f.reason, f.abort_reason) == ("abort", "weight_update") for f in finals.values())
+        st = trainer.status()
+        assert st.num_running == 0 and st.num_waiting == 0
+        trainer.continue_generation()
+
+
 def test_pause_in_place_versions_show_the_switch(daemon, new_weights):
     with daemon.client() as c, daemon.client() as trainer:
         trainer.hello()

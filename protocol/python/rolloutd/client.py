@@ -300,7 +300,7 @@ class Client:
         return WeightsChecksums(reply)
 
     def pause_generation(self, mode: str) -> PauseGenerationReply:
-        """mode: "abort" (end in-flight requests), "retract" (restart them from their prompt
+        """mode: "abort" (end every request, waiting ones too), "retract" (restart the in-flight ones from their prompt
         later) or "in_place" (hold them, KV cache included, until continue_generation)."""
         return self._call(PauseGenerationRequest(mode), PauseGenerationReply)
 
