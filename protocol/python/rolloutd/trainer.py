@@ -740,6 +740,35 @@ def _fan_out(clients: Sequence[Client], requests: Sequence[Any], reply_type: typ
     return results
 
 
+def _abort_sessions(clients: Sequence[Client], sessions: Sequence[Optional[int]]) -> None:
+    """Best effort: aborts session sessions[i] on clients[i] (None: none opened there); a
+    session may be gone already."""
+    pendings = []
+    for c, s in zip(clients, sessions):
+        try:
+            pendings.append(None if s is None else c.send_request(AbortWeightUpdateRequest(s), AbortWeightUpdateReply))
+        except RolloutdError:
+            pendings.append(None)
+    _collect(clients, pendings, [])
+
+
+def _begin_all(clients: Sequence[Client], begin: BeginWeightUpdateRequest) -> List[int]:
+    """Opens a session on every daemon. If one refuses, those that opened are aborted before the
+    refusal is raised: an open session stops their forward steps until its idle deadline."""
+    pendings, failed = [], []
+    for c in clients:
+        try:
+            pendings.append(c.send_request(begin, BeginWeightUpdateReply))
+        except RolloutdError as e:
+            pendings.append(None)
+            failed.append(_annotate(e, c))
+    replies = _collect(clients, pendings, failed)
+    if failed:
+        _abort_sessions(clients, [None if r is None else r.session for r in replies])
+        raise failed[0]
+    return [r.session for r in replies]
+
+
 def _hello_all(clients: Sequence[Client]) -> List[HelloReply]:
     hellos = _fan_out(clients, [HelloRequest(client=c.client_name, versions=[PROTOCOL_VERSION]) for c in clients],
                       HelloReply)
@@ -1316,7 +1345,7 @@ def _push(clients: List[Client], named_tensors: Any, weight_version: int, via: s
                  num_bytes=sum(t.nbytes for t in items), num_tensors=len(items))
 
     begin = BeginWeightUpdateRequest(None if selector is None else list(selector), timeout_s)
-    sessions = [r.session for r in _fan_out(clients, [begin] * len(clients), BeginWeightUpdateReply)]
+    sessions = _begin_all(clients, begin)
     stats["begin_s"] = time.monotonic() - t_start
     try:
         backend.start(items)
@@ -1334,13 +1363,7 @@ def _push(clients: List[Client], named_tensors: Any, weight_version: int, via: s
         stats["transfer_s"] = stats["end_t"] - stats["first_bucket_t"]
         return ends
     except BaseException:
-        pendings = []
-        for c, s in zip(clients, sessions):
-            try:
-                pendings.append(c.send_request(AbortWeightUpdateRequest(s), AbortWeightUpdateReply))
-            except RolloutdError:
-                pendings.append(None)
-        _collect(clients, pendings, [])  # best effort: the session may be gone already
+        _abort_sessions(clients, sessions)
         raise
     finally:
         backend.close()

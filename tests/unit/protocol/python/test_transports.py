@@ -629,6 +629,40 @@ def test_push_nccl_refusal_keeps_the_group_and_aborts_the_sessions(daemon):
         c.close()
 
 
+def test_push_refused_at_begin_by_one_daemon_aborts_the_sessions_opened_on_the_others(daemon):
+    # An open session stops a daemon's forward steps until its idle deadline: a begin refused by
+    # one daemon must not leave the others' sessions open (they were left open until 2026-12-02).
+    backend = FakeBackend()
+    box = {}
+    states = [{}, {}]
+
+    def script(d, state, i):
+        m = d.recv()
+        assert isinstance(m.body, HelloRequest)
+        d.send(m.id, HelloReply(gpu=0, nccl_version=22809, device_uuid=UUID, limits=Limits()))
+        m = d.recv()
+        assert isinstance(m.body, BeginWeightUpdateRequest)
+        if i == 0:
+            d.send(m.id, BeginWeightUpdateReply(21, 0, 0))
+            m = d.recv()
+            state["final"] = m.body
+            d.send(m.id, AbortWeightUpdateReply(21, "ready"))
+        else:
+            d.send(m.id, ErrorInfo("failed_precondition", "session 4 is already open", "session"))
+
+    peers = [daemon(lambda d, s=s, i=i: script(d, s, i)) for i, s in enumerate(states)]
+    clients = [Client(p.endpoint) for p in peers]
+    box["g"] = FakeGroup(clients, backend)
+    with pytest.raises(RolloutdError) as e:
+        trainer.push_weights(clients, TENSORS, 3, group=box["g"], bucket_bytes=64, _backend=backend)
+    for p in peers:
+        p.join()
+    assert e.value.code == "failed_precondition" and e.value.message.startswith(peers[1].endpoint)
+    assert isinstance(states[0].get("final"), AbortWeightUpdateRequest) and states[0]["final"].session == 21
+    for c in clients:
+        c.close()
+
+
 def test_push_nccl_aborts_a_group_left_out_of_step(daemon):
     backend = FakeBackend()
     backend.settle = False  # our broadcast of the refused bucket never completes
