@@ -807,10 +807,20 @@ class Coordinator:
                     w = self._pick(cost, tried)
             if w is None:
                 break
+            fut = w.call(self._submit_command(w, req, cost))
             try:
-                return w.call(self._submit_command(w, req, cost)).result(timeout=self.timeout_s + 1)
+                return fut.result(timeout=self.timeout_s + 1)
             except FutureTimeout:
-                last = RolloutdError("deadline_exceeded", f"daemon {w.key} did not take the request in time", "")
+                # Never started (its worker is busy): cancelled, nothing was registered or sent. Already
+                # running: its own deadline bounds it, and what it did stands; giving up on it here
+                # sent a request the caller was told had failed (a second final event for a retried rid).
+                if fut.cancel():
+                    last = RolloutdError("deadline_exceeded", f"daemon {w.key} did not take the request in time", "")
+                else:
+                    try:
+                        return fut.result()
+                    except RolloutdError as e:
+                        last = e
             except RolloutdError as e:
                 last = e
             self._unreserve(w, cost)

@@ -126,3 +126,25 @@ def test_submit_many_when_a_daemon_died_unnoticed_places_every_request_once(daem
         assert fleet.num_outstanding == 0
         for h in fleet.daemons():
             assert (h.outstanding_requests, h.outstanding_tokens) == (0, 0), h
+
+
+def test_a_submit_that_timed_out_is_never_sent_later(daemons):
+    """A submit whose command waited in a busy worker past the timeout fails, and the command is
+    cancelled: until 2026-12-02 it ran later anyway, so a request the caller was told had failed
+    generated (a retried rid got two final events) and the outstanding counters went negative."""
+    _, run_dir = daemons
+    with rolloutd.Coordinator.from_file(str(run_dir), timeout_s=1.0) as fleet:
+        assert len(fleet.wait_ready(2, timeout_s=30)) == 2
+        for w in fleet._workers:  # fault injection: every worker busy for 3 s
+            w.call(lambda c: time.sleep(3))
+        with pytest.raises(rolloutd.RolloutdError) as e:
+            fleet.submit([1, 2, 3], rid="r1", max_new_tokens=4, temperature=0.0)
+        assert e.value.code == "deadline_exceeded"
+        time.sleep(3.5)  # the workers are free again
+        assert [ev for ev in fleet.events(timeout_s=1.0) if ev.rid == "r1"] == []
+        for h in fleet.daemons():
+            assert (h.outstanding_requests, h.outstanding_tokens) == (0, 0), h
+        # The same rid submitted again runs once.
+        fleet.wait_ready(2, timeout_s=30)
+        r = fleet.collect([fleet.submit([1, 2, 3], rid="r1", max_new_tokens=4, temperature=0.0)], timeout_s=30)
+        assert r["r1"].ok and len(r["r1"].token_ids) == 4
