@@ -170,6 +170,7 @@ class _Worker(threading.Thread):
         self._start_estimate: Optional[float] = None  # monotonic time the daemon started (now - uptime)
         self._next_heartbeat = 0.0
         self._need_hello = True
+        self._last_generated: Optional[int] = None  # the daemon's tokens generated, last heartbeat
         self._lost_since_ok = False
         self._launcher_pid = endpoint.pid
 
@@ -311,7 +312,16 @@ class _Worker(threading.Thread):
         self._start_estimate = start if self._start_estimate is None or restarted else \
             min(self._start_estimate, start)
         self._last_ok, self._first_fail, self._lost_since_ok = now, None, False
+        generated = status.num_tokens_generated_total
+        progressing = self._last_generated is not None and generated > self._last_generated
+        self._last_generated = generated
         with c._lock:
+            if progressing:
+                # The daemon generates: its requests that sent nothing meanwhile are queued or
+                # stream=false, not stuck. request_timeout_s counts time without progress.
+                for p in c._pending.values():
+                    if p.worker is self:
+                        p.last_event = now
             h = self.health
             h.pid = pid if pid is not None else h.pid
             h.state = status.state
@@ -519,7 +529,8 @@ class Coordinator:
       heartbeat_interval_s  how often each daemon is asked for its status
       heartbeat_timeout_s   deadline of one heartbeat (status reply, HTTP /readyz)
       dead_after_s          a daemon silent this long has lost its requests
-      request_timeout_s     a request with no event for this long is aborted and failed (None: never)
+      request_timeout_s     a request with no event for this long, while its daemon generates nothing
+                            (its heartbeats show no new tokens), is aborted and failed (None: never)
       resubmit              send the requests of a lost daemon to another one (max_resubmits times)
       exclude_stale         do not route to daemons whose weights are older than the fleet's
       curve                 rolloutd.CurveKeys for daemons that require CURVE (one fleet key pair);

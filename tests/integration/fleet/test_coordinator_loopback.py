@@ -148,3 +148,29 @@ def test_a_submit_that_timed_out_is_never_sent_later(daemons):
         fleet.wait_ready(2, timeout_s=30)
         r = fleet.collect([fleet.submit([1, 2, 3], rid="r1", max_new_tokens=4, temperature=0.0)], timeout_s=30)
         assert r["r1"].ok and len(r["r1"].token_ids) == 4
+
+
+def test_request_timeout_counts_time_without_progress_not_queued_or_stream_false_time(tmp_path):
+    """request_timeout_s catches a daemon that is alive but stuck. Queued requests and stream=false
+    ones send no event while their daemon is busy or generating; until 2026-12-02 they were
+    failed after request_timeout_s all the same. One request runs at a time here: the others
+    queue for 1-3 s, longer than the 1 s limit, and the stream=false one is silent for ~1.5 s."""
+    f = tmp_path / "d.json"
+    proc = subprocess.Popen([BIN, "--control-port", "0", "--http-port", "0", "--endpoints-file", str(f),
+                             "--max-running", "1", "--log-level", "warn"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not f.exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "the daemon did not start"
+            time.sleep(0.02)
+        with rolloutd.Coordinator.from_file(str(f), heartbeat_interval_s=0.2, request_timeout_s=1.0) as fleet:
+            fleet.wait_ready(1, timeout_s=30)
+            rids = [fleet.submit([1, 2, i], max_new_tokens=2000, temperature=1.0, seed=i) for i in range(3)]
+            rids.append(fleet.submit([5, 6], max_new_tokens=3000, temperature=1.0, seed=9, stream=False))
+            results = fleet.collect(rids, timeout_s=60)
+            assert [(results[r].ok, results[r].finish_reason) for r in rids] == [(True, "length")] * 4, \
+                [results[r].error for r in rids]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
