@@ -1148,8 +1148,11 @@ class Coordinator:
         paused: List[_Worker] = []
         if pause_mode is not None:
             pool = [w for w in self._reachable() if daemons is None or w.key in daemons]
-            for w, (ok, _) in self._fan_out(pool, lambda c: c.pause_generation(pause_mode),
-                                            self.timeout_s).items():
+            # A pause that completes after the deadline is undone at once: that daemon is not in
+            # `paused`, so the continue below would never reach it, and it would stay paused
+            # while its heartbeat said ready (requests routed there would wait for ever).
+            for w, (ok, _) in self._fan_out(pool, lambda c: c.pause_generation(pause_mode), self.timeout_s,
+                                            on_late=lambda c, _: c.continue_generation()).items():
                 if ok:
                     paused.append(w)
         shm = None

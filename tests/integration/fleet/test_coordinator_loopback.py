@@ -174,3 +174,20 @@ def test_request_timeout_counts_time_without_progress_not_queued_or_stream_false
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_a_pause_that_answers_late_is_undone(daemons):
+    """push_weights(pause_mode=...) gives up on a daemon whose pause has not answered by the
+    deadline; when that pause completes later it is undone (continue_generation). Until
+    2026-12-02 that daemon stayed paused while its heartbeat said ready."""
+    _, run_dir = daemons
+    with rolloutd.Coordinator.from_file(str(run_dir), timeout_s=1.0) as fleet:
+        assert len(fleet.wait_ready(2, timeout_s=30)) == 2
+        late = fleet._workers[0]
+        late.call(lambda c: time.sleep(2.5))  # fault injection: its worker is busy past the deadline
+        fleet.push_weights([], weight_version=1, pause_mode="in_place")
+        time.sleep(3.0)  # the late pause ran, and its undo after it
+        with rolloutd.Client(late.endpoint.control, timeout_s=10) as c:
+            st = c.status()
+            assert not st.paused and st.ready, st
+            assert c.generate([1, 2], max_new_tokens=3, timeout_s=10).finish_reason == "length"
