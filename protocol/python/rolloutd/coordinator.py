@@ -912,6 +912,13 @@ class Coordinator:
             rids[k] = self._submit_one(reqs[k])  # one by one, skipping daemons that refuse
         return rids
 
+    def _abort_nowait(self, rid: str) -> None:
+        """Asks the request's daemon to abort it and returns at once (its worker sends it)."""
+        with self._lock:
+            p = self._pending.get(rid)
+        if p is not None:
+            p.worker.call(lambda c: c.abort(rid))  # failures are moot: the request ends either way
+
     def abort(self, rid: str) -> int:
         """Aborts one request; its final event (finished{abort}) follows. 0 if it was not in flight."""
         with self._lock:
@@ -946,7 +953,9 @@ class Coordinator:
 
     def collect(self, rids: Iterable[str], timeout_s: float = 600.0) -> Dict[str, GenerateResult]:
         """Collects the given requests until each has its final event; other requests' events stay
-        queued for next_event(). At the deadline the rest are aborted and raise deadline_exceeded."""
+        queued for next_event(). At the deadline the rest are aborted (without waiting for the
+        daemons' replies: their final events follow on next_event()) and deadline_exceeded is
+        raised at once, carrying the requests that did finish as its `.results`."""
         want = {rid: _Collector(rid) for rid in rids}
         done: Dict[str, GenerateResult] = {}
         with self._stash_lock:
@@ -970,10 +979,11 @@ class Coordinator:
             if ev is None:
                 missing = [rid for rid in want if rid not in done]
                 for rid in missing:
-                    with contextlib.suppress(RolloutdError, FutureTimeout):
-                        self.abort(rid)
-                raise RolloutdError("deadline_exceeded", f"{len(missing)} request(s) did not finish within "
+                    self._abort_nowait(rid)
+                err = RolloutdError("deadline_exceeded", f"{len(missing)} request(s) did not finish within "
                                     f"{timeout_s} s (aborted): {missing[:5]}", "rid")
+                err.results = done  # type: ignore[attr-defined]  # one straggler must not cost the batch
+                raise err
             c = want.get(ev.rid)
             if c is None or ev.rid in done:
                 with self._stash_lock:

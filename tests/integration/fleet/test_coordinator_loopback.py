@@ -191,3 +191,32 @@ def test_a_pause_that_answers_late_is_undone(daemons):
             st = c.status()
             assert not st.paused and st.ready, st
             assert c.generate([1, 2], max_new_tokens=3, timeout_s=10).finish_reason == "length"
+
+
+def test_collect_at_its_deadline_returns_at_once_with_what_finished(daemons):
+    """collect() at its deadline aborts the rest without waiting on their daemons and raises at
+    once, carrying the results that did finish. Until 2026-12-02 it waited up to timeout_s + 1
+    per unfinished request (one hung daemon: ~31 s at the default) and dropped the finished ones."""
+    _, run_dir = daemons
+    with rolloutd.Coordinator.from_file(str(run_dir), timeout_s=5.0) as fleet:
+        assert len(fleet.wait_ready(2, timeout_s=30)) == 2
+        a, b = (h.name for h in fleet.daemons())
+        fast = fleet.submit([1, 2], daemon=a, max_new_tokens=4, temperature=0.0)
+        slow = [fleet.submit([3, i], daemon=b, max_new_tokens=4000, temperature=1.0, seed=i) for i in range(3)]
+        time.sleep(0.5)  # the fast one has finished
+        fleet._by_key[b].call(lambda c: time.sleep(4))  # fault injection: b's worker hangs
+        t0 = time.monotonic()
+        with pytest.raises(rolloutd.RolloutdError) as e:
+            fleet.collect([fast] + slow, timeout_s=0.5)
+        took = time.monotonic() - t0
+        assert e.value.code == "deadline_exceeded" and took < 2.0, took
+        assert set(e.value.results) == {fast} and e.value.results[fast].ok
+        # The aborted ones still end, each once, once b's worker is back.
+        finals = {}
+        for ev in fleet.events(timeout_s=15.0):
+            if not isinstance(ev, rolloutd.TokensEvent):
+                assert ev.rid not in finals
+                finals[ev.rid] = ev
+            if len(finals) == 3:
+                break
+        assert set(finals) == set(slow)
