@@ -546,13 +546,27 @@ Result<std::string> Coordinator::submit(GenerateRequest req, const std::string& 
       }
     }
     if (!w) break;
-    auto fut = w->call<std::string>(impl_->submit_task(*w, req, cost, 0));
+    // 0 queued, 1 running, 2 cancelled. A command still queued when the wait below gives up is
+    // cancelled; one already running is waited for (its client calls are bounded) and its outcome
+    // stands. Giving up on it without either sent a request the caller was told had failed.
+    auto state = std::make_shared<std::atomic<int>>(0);
+    auto fut = w->call<std::string>(
+        [state, task = impl_->submit_task(*w, req, cost, 0)](Client& c) -> Result<std::string> {
+          int queued = 0;
+          if (!state->compare_exchange_strong(queued, 1))
+            return Status(ErrorCode::kDeadlineExceeded, "the submit gave up before its command ran");
+          return task(c);
+        });
     if (fut.wait_for(milliseconds(impl_->options.request_timeout_ms + 1000)) == std::future_status::ready) {
       auto r = fut.get();
       if (r.ok()) return r;
       last = r.status();
-    } else {
+    } else if (int queued = 0; state->compare_exchange_strong(queued, 2)) {
       last = Status(ErrorCode::kDeadlineExceeded, "daemon " + w->endpoint.key() + " did not take the request in time");
+    } else {
+      auto r = fut.get();
+      if (r.ok()) return r;
+      last = r.status();
     }
     std::lock_guard<std::mutex> lock(impl_->mu);
     w->outstanding_tokens -= cost;
