@@ -90,6 +90,23 @@ bool CheckpointTensor::quantizes_from(DType src_dtype) const {
   return mxfp4 || (fp8 && (src_dtype == DType::kBF16 || src_dtype == DType::kF32));
 }
 
+bool WeightRegistry::mark_selected(std::string_view prefix, std::vector<bool>& mask) const {
+  bool any = false;
+  auto mark = [&](size_t p) {
+    if (p < mask.size()) mask[p] = true;
+    any = true;
+  };
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (std::string_view(params_[i].name).substr(0, prefix.size()) == prefix) mark(i);
+  for (const auto& [name, t] : tensors_) {
+    if (std::string_view(name).substr(0, prefix.size()) != prefix) continue;
+    for (const RowCopy& c : t.pieces) mark(c.param);
+    if (t.mxfp4) mark(t.mxfp4->blocks), mark(t.mxfp4->scales);
+    if (t.fp8) mark(t.fp8->q), mark(t.fp8->scale_inv);
+  }
+  return any;
+}
+
 std::vector<size_t> CheckpointTensor::targets(DType src_dtype) const {
   if (mxfp4) return {mxfp4->blocks, mxfp4->scales};
   if (fp8 && quantizes_from(src_dtype)) return {fp8->q, fp8->scale_inv};

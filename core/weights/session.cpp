@@ -50,10 +50,15 @@ Result<BeginResult> WeightUpdater::begin(const std::vector<std::string>& selecto
                   "the weights memory is released: resume_memory{weights} before a weight-update session");
   BeginResult r;
   const auto& params = reg_.parameters();
+  // A prefix selects by stored or checkpoint names (what the trainer pushes); one that names
+  // nothing is a mistake the trainer would otherwise meet as a refusal of every bucket.
+  std::vector<bool> selected(params.size(), selector.empty());
+  for (size_t k = 0; k < selector.size(); ++k)
+    if (!reg_.mark_selected(selector[k], selected))
+      return Status(ErrorCode::kNotFound, "selector prefix '" + selector[k] + "' names no parameter",
+                    "selector[" + std::to_string(k) + "]");
   for (size_t i = 0; i < params.size(); ++i) {
-    bool selected = selector.empty();
-    for (const auto& prefix : selector) selected |= params[i].name.rfind(prefix, 0) == 0;
-    if (!selected) continue;
+    if (!selected[i]) continue;
     if (params[i].layout == Layout::kKernel && params[i].method->transforms_layout()) ++r.num_parameters_restored;
     Status s = reg_.restore(i);
     if (!s.ok()) {

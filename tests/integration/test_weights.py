@@ -100,6 +100,21 @@ def test_shm_and_inline_buffers_may_be_scribbled_right_after_each_reply(daemon, 
         shm.unlink()
 
 
+def test_a_selector_may_name_the_checkpoint_names_it_pushes(daemon):
+    # A per-expert checkpoint name selects the stacked parameter it writes (it matched stored
+    # names only: the push was refused bucket by bucket); a prefix naming nothing is refused.
+    name = "model.layers.0.mlp.experts.3.gate_proj.weight"
+    with daemon.client() as c:
+        s = c.begin_weight_update([name]).session
+        entries, data = rolloutd.weights.pack_bucket([(name, np.ones((32, 64), dtype=np.float32))])
+        assert c.update_weights_inline(s, entries, data).num_entries == 1
+        assert c.end_weight_update(s, 1).num_parameters_updated == 1
+        with pytest.raises(rolloutd.RolloutdError) as e:
+            c.begin_weight_update(["model.nope."])
+        assert (e.value.code, e.value.field) == ("not_found", "body.selector[0]")
+        assert c.status().ready
+
+
 def test_a_session_that_expired_answers_deadline_exceeded(daemon):
     # SPEC 11: requests naming a session that expired get deadline_exceeded (the trainer was too
     # slow), others failed_precondition; the model was untouched, so the daemon stays ready.
