@@ -255,14 +255,15 @@ Engine::PauseCounts Engine::pause(PauseMode mode, std::vector<EngineEvent>& out)
       waiting_.push_back(s);
     }
   } else {
-    c.paused = static_cast<uint32_t>(running_.size() + waiting_.size());
+    c.paused = static_cast<uint32_t>(running_.size());  // in flight; waiting ones stay queued (SPEC 11.6)
   }
   return c;
 }
 
 uint32_t Engine::resume() {
+  if (!paused_) return 0;  // SPEC 11.6: not paused, nothing resumed
   paused_ = false;
-  return static_cast<uint32_t>(running_.size() + waiting_.size());
+  return static_cast<uint32_t>(running_.size());
 }
 
 size_t Engine::fail_all(const Status& error, std::vector<EngineEvent>& out) {

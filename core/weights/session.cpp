@@ -92,7 +92,9 @@ Result<BucketResult> WeightUpdater::apply_bucket(uint64_t session, std::span<con
                                                  SteadyClock::time_point now, bool on_device,
                                                  bool wait_device) {
   RD_RETURN_IF_ERROR(check_session(session));
-  const auto t0 = SteadyClock::now();
+  // Any bucket naming the open session is activity, refused or not (SPEC 11.4): a trainer
+  // correcting a refused bucket must not find its session expired meanwhile.
+  last_activity_ = std::max(last_activity_, now);
   if (entries.empty()) return Status(ErrorCode::kInvalidArgument, "bucket has no entries", "entries");
   // 1. Every entry on its own: known name, in range, dtype/shape acceptable.
   std::vector<const CheckpointTensor*> targets(entries.size());
@@ -218,14 +220,17 @@ Result<BucketResult> WeightUpdater::apply_bucket(uint64_t session, std::span<con
       return s;
     }
   }
+  // The entries' bytes (SPEC 11.1), not the buffer's: a shm region or frame may hold gaps and a tail.
+  uint64_t entry_bytes = 0;
+  for (const BucketEntry& e : entries) entry_bytes += e.nbytes;
   ++buckets_;
   entries_ += entries.size();
-  bytes_ += bucket.size();
-  last_activity_ = now;
+  bytes_ += entry_bytes;
+  last_activity_ = std::max(last_activity_, now);
   BucketResult r;
   r.num_entries = static_cast<uint32_t>(entries.size());
-  r.num_bytes = bucket.size();
-  r.duration_s = seconds(SteadyClock::now() - t0);
+  r.num_bytes = entry_bytes;
+  r.duration_s = seconds(SteadyClock::now() - now);  // from `now`, the bucket's receipt
   return r;
 }
 

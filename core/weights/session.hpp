@@ -64,7 +64,8 @@ class WeightUpdater {
 
   Result<BeginResult> begin(const std::vector<std::string>& selector, double timeout_s,
                             SteadyClock::time_point now);
-  // `bucket` is the whole flat buffer the entries' byte offsets refer to.
+  // `bucket` is the whole flat buffer the entries' byte offsets refer to. `now`: the bucket's
+  // receipt; it restarts the idle deadline (refused or not) and starts the result's duration_s.
   // `on_device`: the bucket lives on the model's CUDA device (NCCL staging, CUDA IPC).
   // `wait_device` (on_device only): synchronize the device copies before returning. false leaves
   // them queued on the model's stream: the caller must wait for that stream before it tells the

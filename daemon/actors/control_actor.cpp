@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 
 #include "build_info.hpp"
 #include "core/model/config.hpp"
@@ -313,7 +314,8 @@ void ControlActor::on_request(const std::string& identity, std::vector<zmq::mess
       spec.input_ids = std::move(gen->input_ids);
       spec.max_new_tokens = gen->max_new_tokens;
       spec.sampling.temperature = static_cast<float>(gen->temperature);
-      spec.sampling.top_p = static_cast<float>(gen->top_p);
+      // Any top_p in (0, 1] is valid (SPEC 3); one below float's range must not round to 0.
+      spec.sampling.top_p = std::max(static_cast<float>(gen->top_p), std::numeric_limits<float>::min());
       spec.sampling.top_k = gen->top_k;
       spec.sampling.min_p = static_cast<float>(gen->min_p);
       spec.sampling.seed = gen->seed ? *gen->seed : seed_rng_();

@@ -74,9 +74,10 @@ class EngineActor {
   // Recomputes what publish() cannot afford every loop: static-state digests (a device read).
   void refresh_memory_digests();
   void fill_memory_snapshot(EngineSnapshot& s);
-  // Applies a bucket already in host or device memory and replies.
+  // Applies a bucket already in host or device memory and replies; `received` (the command's
+  // receipt) starts the reply's duration_s and the session's idle deadline.
   void apply_and_reply(uint64_t client, uint64_t envelope_id, protocol::UpdateWeightsRequest& r,
-                       std::span<const uint8_t> bucket, bool on_device);
+                       std::span<const uint8_t> bucket, bool on_device, std::chrono::steady_clock::time_point received);
   // A CUDA IPC bucket: validated and its copies queued now, answered by poll_pending_ipc().
   void apply_ipc_bucket(uint64_t client, uint64_t envelope_id, protocol::UpdateWeightsRequest& r,
                         std::span<const uint8_t> bucket, std::chrono::steady_clock::time_point received);
@@ -99,6 +100,7 @@ class EngineActor {
     uint64_t client = 0, envelope_id = 0;
     protocol::UpdateWeightsRequest request;
     int slot = 0;  // which staging buffer receives it
+    std::chrono::steady_clock::time_point received{};  // when the engine took the command
   };
   std::optional<PendingJoin> pending_join_;
   std::deque<PendingBucket> pending_buckets_;  // oldest first, all of one group, at most 2

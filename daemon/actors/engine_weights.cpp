@@ -172,12 +172,12 @@ void EngineActor::finish_session_resources() {
 }
 
 void EngineActor::apply_and_reply(uint64_t client, uint64_t envelope_id, protocol::UpdateWeightsRequest& r,
-                                  std::span<const uint8_t> bucket, bool on_device) {
+                                  std::span<const uint8_t> bucket, bool on_device, Clock::time_point received) {
   auto& u = engine_->updater();
   const std::vector<core::BucketEntry> entries = take_entries(r);
   std::optional<uint32_t> crc;
   if (r.checksum) crc = r.checksum->value;
-  auto a = u.apply_bucket(r.session, entries, bucket, crc, Clock::now(), on_device);
+  auto a = u.apply_bucket(r.session, entries, bucket, crc, received, on_device);
   // Whatever happened, nothing of the producer's memory is read past this point: inline frames
   // die with the command, the shm object was closed by read_shm, device copies were synchronized.
   if (!a.ok()) {
@@ -202,11 +202,11 @@ void EngineActor::apply_ipc_bucket(uint64_t client, uint64_t envelope_id, protoc
   if (r.checksum) {
     // Checksummed buckets (tests) take the synchronous path: the CRC reads a host copy anyway.
     settle_pending_ipc(nullptr);
-    return apply_and_reply(client, envelope_id, r, bucket, true);
+    return apply_and_reply(client, envelope_id, r, bucket, true, received);
   }
   auto& u = engine_->updater();
   const std::vector<core::BucketEntry> entries = take_entries(r);
-  auto a = u.apply_bucket(r.session, entries, bucket, std::nullopt, Clock::now(), true, /*wait_device=*/false);
+  auto a = u.apply_bucket(r.session, entries, bucket, std::nullopt, received, true, /*wait_device=*/false);
   if (!a.ok()) {
     // Refused (nothing written: the session stays open) or a write failure (closed). This
     // bucket's entries before the failing one may have queued copies with no fence: wait for the
@@ -291,7 +291,7 @@ void EngineActor::start_nccl_bucket(WeightCommand& cmd) {
   // refuse after it completes (otherwise the trainer's collective would wait forever).
   if (Status s = it->second->start_broadcast(st.ptr, src.size); !s.ok())
     return reply_error(cmd.client, cmd.envelope_id, s);
-  pending_buckets_.push_back(PendingBucket{cmd.client, cmd.envelope_id, std::move(r), slot});
+  pending_buckets_.push_back(PendingBucket{cmd.client, cmd.envelope_id, std::move(r), slot, Clock::now()});
 }
 
 bool EngineActor::can_pipeline(const WeightCommand& cmd) const {
@@ -370,7 +370,7 @@ void EngineActor::poll_device_work() {
     metrics_.set_ipc_handles_open(ipc_ ? ipc_->num_open() : 0);
     const uint64_t size = std::get<NcclSource>(b.request.source).size;
     apply_and_reply(b.client, b.envelope_id, b.request, {static_cast<const uint8_t*>(staging_[b.slot].ptr), size},
-                    true);
+                    true, b.received);
   }
   poll_pending_ipc();
   while (!deferred_.empty() && (!has_pending_device_work() || can_pipeline(deferred_.front()))) {
@@ -402,7 +402,7 @@ void EngineActor::handle_weights(WeightCommand& cmd) {
       if (in->frame >= cmd.payload.size())
         return reply_error(cmd.client, id, Status(ErrorCode::kOutOfRange, "no such payload frame", "body.source.frame"));
       const zmq::message_t& f = cmd.payload[in->frame];
-      return apply_and_reply(cmd.client, id, *r, {static_cast<const uint8_t*>(f.data()), f.size()}, false);
+      return apply_and_reply(cmd.client, id, *r, {static_cast<const uint8_t*>(f.data()), f.size()}, false, now);
     }
     // NCCL: the trainer's broadcast is already posted, so the daemon always takes part in it
     // (a refusal before receiving would leave the trainer's collective waiting until its own
@@ -424,7 +424,7 @@ void EngineActor::handle_weights(WeightCommand& cmd) {
       Status s = check_shm_name(shm->name, config_.shm_prefix);
       if (s.ok()) s = read_shm(shm->name, shm->offset, shm->size, shm_staging_, config_.max_shm_bucket_bytes);
       if (!s.ok()) return reply_error(cmd.client, id, s);
-      return apply_and_reply(cmd.client, id, *r, shm_staging_, false);
+      return apply_and_reply(cmd.client, id, *r, shm_staging_, false, now);
     }
     if (config_.device != "cuda")
       return reply_error(cmd.client, id, Status(ErrorCode::kUnimplemented,

@@ -40,7 +40,7 @@ Status read_shm(const std::string& name, uint64_t offset, uint64_t size, std::ve
   const int fd = shm_open(name.c_str(), O_RDONLY | O_NONBLOCK, 0);
   if (fd < 0)
     return Status(errno == ENOENT ? ErrorCode::kNotFound : ErrorCode::kUnavailable,
-                  "cannot open shared memory '" + name + "': " + std::strerror(errno), "body.source.name");
+                  "cannot open shared memory '" + name + "': " + std::strerror(errno), "body.source");
   struct stat st {};
   if (fstat(fd, &st) != 0) {
     const int e = errno;

@@ -132,6 +132,13 @@ def test_every_tokens_event_of_a_routed_request_carries_the_map(daemon, stream):
             assert pos == max(start_len, 22), start_len
 
 
+def test_a_top_p_below_floats_range_is_accepted_and_keeps_the_top_token(daemon):
+    # SPEC 3: any top_p in (0, 1]; 1e-50 rounded to 0.0f and was refused. It keeps the top token.
+    with daemon.client() as c:
+        greedy = c.generate([7, 7], max_new_tokens=8, temperature=0.0).token_ids
+        assert c.generate([7, 7], max_new_tokens=8, temperature=1.0, top_p=1e-50, seed=3).token_ids == greedy
+
+
 def test_streaming_yields_tokens_then_one_final_event(daemon):
     with daemon.client() as c:
         events = list(c.generate_stream([5, 6], max_new_tokens=5, temperature=0.0))

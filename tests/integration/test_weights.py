@@ -115,6 +115,20 @@ def test_a_selector_may_name_the_checkpoint_names_it_pushes(daemon):
         assert c.status().ready
 
 
+def test_a_push_below_the_serving_version_is_refused_before_anything_is_written(daemon, new_weights):
+    # end_weight_update refuses a version below the serving one; the helper finds out at begin,
+    # so the daemon stays ready with its weights (it sent every bucket, then left it not_ready).
+    with daemon.client() as c:
+        c.push_weights(list(new_weights.items()), weight_version=5)
+        before = c.weights_checksum().model_checksum
+        with pytest.raises(rolloutd.RolloutdError) as e:
+            c.push_weights(list(new_weights.items()), weight_version=3)
+        assert (e.value.code, e.value.field) == ("invalid_argument", "weight_version")
+        st = c.status()
+        assert st.ready and st.weight_version == 5 and c.weights_checksum().model_checksum == before
+        assert c.push_weights(list(new_weights.items()), weight_version=6).weight_version == 6
+
+
 def test_a_session_that_expired_answers_deadline_exceeded(daemon):
     # SPEC 11: requests naming a session that expired get deadline_exceeded (the trainer was too
     # slow), others failed_precondition; the model was untouched, so the daemon stays ready.
@@ -286,6 +300,24 @@ def test_pause_abort_ends_waiting_requests_too(daemon_factory):
         st = trainer.status()
         assert st.num_running == 0 and st.num_waiting == 0
         trainer.continue_generation()
+
+
+def test_pause_and_continue_count_only_the_requests_they_hold(daemon_factory):
+    # SPEC 11.6: in_place holds the in-flight requests (waiting ones stay queued and are not
+    # counted); continue resumes those; when not paused it answers num_resumed 0.
+    d = daemon_factory(args=["--max-running", "1"])
+    with d.client() as c, d.client() as trainer:
+        assert trainer.continue_generation().num_resumed == 0
+        rids = [c.submit([4, 4], max_new_tokens=3000, temperature=1.0, seed=i) for i in range(3)]
+        deadline = time.monotonic() + 10
+        while (st := trainer.status()).num_running != 1 or st.num_waiting != 2:
+            assert time.monotonic() < deadline, st
+            time.sleep(0.005)
+        assert trainer.pause_generation("in_place").num_paused == 1
+        assert trainer.continue_generation().num_resumed == 1
+        assert trainer.continue_generation().num_resumed == 0
+        for rid in rids:
+            c.abort(rid)
 
 
 def test_pause_in_place_versions_show_the_switch(daemon, new_weights):

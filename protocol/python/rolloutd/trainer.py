@@ -752,9 +752,11 @@ def _abort_sessions(clients: Sequence[Client], sessions: Sequence[Optional[int]]
     _collect(clients, pendings, [])
 
 
-def _begin_all(clients: Sequence[Client], begin: BeginWeightUpdateRequest) -> List[int]:
-    """Opens a session on every daemon. If one refuses, those that opened are aborted before the
-    refusal is raised: an open session stops their forward steps until its idle deadline."""
+def _begin_all(clients: Sequence[Client], begin: BeginWeightUpdateRequest, weight_version: int) -> List[int]:
+    """Opens a session on every daemon. If one refuses, or serves a version above
+    `weight_version` (its end_weight_update would refuse after every bucket, and the abort then
+    leave it not_ready), those that opened are aborted before the error is raised, nothing
+    written: an open session stops their forward steps until its idle deadline."""
     pendings, failed = [], []
     for c in clients:
         try:
@@ -763,6 +765,11 @@ def _begin_all(clients: Sequence[Client], begin: BeginWeightUpdateRequest) -> Li
             pendings.append(None)
             failed.append(_annotate(e, c))
     replies = _collect(clients, pendings, failed)
+    for c, r in zip(clients, replies):
+        if r is not None and weight_version < r.weight_version:
+            failed.append(_annotate(RolloutdError(
+                "invalid_argument", f"weight_version {weight_version} is below the daemon's serving version "
+                f"{r.weight_version}; versions never decrease", "weight_version"), c))
     if failed:
         _abort_sessions(clients, [None if r is None else r.session for r in replies])
         raise failed[0]
@@ -1345,7 +1352,7 @@ def _push(clients: List[Client], named_tensors: Any, weight_version: int, via: s
                  num_bytes=sum(t.nbytes for t in items), num_tensors=len(items))
 
     begin = BeginWeightUpdateRequest(None if selector is None else list(selector), timeout_s)
-    sessions = _begin_all(clients, begin)
+    sessions = _begin_all(clients, begin, weight_version)
     stats["begin_s"] = time.monotonic() - t_start
     try:
         backend.start(items)

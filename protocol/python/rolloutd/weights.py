@@ -187,7 +187,14 @@ def push_weights(client: "Client", tensors: Iterable[Any], weight_version: int, 
     buckets = _buckets(items, max_bytes, max(limits.max_bucket_entries, 1), max_envelope, align)
 
     shm = None
-    session = client.begin_weight_update(selector, timeout_s).session
+    begun = client.begin_weight_update(selector, timeout_s)
+    session = begun.session
+    if weight_version < begun.weight_version:
+        # end_weight_update would refuse it after every bucket was written, and the abort then
+        # leaves the daemon not_ready: refuse now, with nothing written.
+        client.abort_weight_update(session)
+        raise RolloutdError("invalid_argument", f"weight_version {weight_version} is below the daemon's serving "
+                            f"version {begun.weight_version}; versions never decrease", "weight_version")
     try:
         if via == "inline":
             for bucket in buckets:

@@ -580,6 +580,45 @@ TEST(WeightUpdater, SessionsOutsideTheSelectorCannotWrite) {
   ASSERT_TRUE(u.end(s->session, 1, kNow).ok());
 }
 
+TEST(WeightUpdater, ARefusedBucketRestartsTheIdleDeadline) {
+  // SPEC 11.4: every bucket naming the session restarts its idle deadline, refused or not, so
+  // a trainer correcting a refused bucket finds its session still open.
+  auto e = embedded_engine(small_limits());
+  auto& u = e->updater();
+  auto s = u.begin({}, 2.0, kNow);
+  ASSERT_TRUE(s.ok());
+  std::vector<float> ones(64, 1.0f);
+  Bucket bad;
+  bad.add("model.nope.weight", DType::kF32, {64}, ones.data(), 256);
+  EXPECT_EQ(u.apply_bucket(s->session, bad.entries, bad.bytes, std::nullopt, kNow + std::chrono::milliseconds(1500))
+                .status()
+                .code(),
+            ErrorCode::kNotFound);
+  EXPECT_FALSE(u.expire_if_idle(kNow + std::chrono::seconds(3)));  // 1.5 s since the refused bucket
+  EXPECT_TRUE(u.expire_if_idle(kNow + std::chrono::seconds(4)));
+}
+
+TEST(WeightUpdater, ABucketReportsItsEntriesBytesAndTheTimeSinceItsReceipt) {
+  // SPEC 11.1: num_bytes is the entries' bytes, not the buffer's (a shm region or frame may hold
+  // gaps and a tail); duration_s runs from the receipt passed in.
+  auto e = embedded_engine(small_limits());
+  auto& u = e->updater();
+  auto s = u.begin({}, 60, kNow);
+  ASSERT_TRUE(s.ok());
+  std::vector<float> ones(64, 1.0f);
+  Bucket b;
+  b.add("model.norm.weight", DType::kF32, {64}, ones.data(), 256);
+  b.bytes.resize(b.bytes.size() + 1000, 0);  // an unused tail
+  const auto received = SteadyClock::now() - std::chrono::seconds(2);
+  auto r = u.apply_bucket(s->session, b.entries, b.bytes, std::nullopt, received);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->num_bytes, 256u);
+  EXPECT_GE(r->duration_s, 2.0);
+  auto end = u.end(s->session, 1, SteadyClock::now());
+  ASSERT_TRUE(end.ok());
+  EXPECT_EQ(end->num_bytes, 256u);
+}
+
 TEST(WeightUpdater, AnIdleSessionExpiresAndAHalfWrittenModelIsNotServed) {
   auto e = embedded_engine(small_limits());
   auto& u = e->updater();
@@ -737,7 +776,8 @@ TEST(EnginePause, InPlaceKeepsGoingAndVersionsShowTheSwitch) {
   ASSERT_TRUE(e->submit(greedy("b", 2)).ok()) << "new requests queue while paused";
   ASSERT_TRUE(push(e->updater(), full_bucket(*model_with_seed(5)), 1).ok());
   e->set_weight_version(1);
-  EXPECT_EQ(e->resume(), 2u);
+  EXPECT_EQ(e->resume(), 1u) << "the held request; 'b' only waits in the queue (SPEC 11.6)";
+  EXPECT_EQ(e->resume(), 0u) << "not paused: nothing resumed";
   auto rest = run_to_idle(*e);
   ev.insert(ev.end(), rest.begin(), rest.end());
   std::vector<uint64_t> versions;
