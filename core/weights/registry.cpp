@@ -1,5 +1,6 @@
 #include "core/weights/registry.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
@@ -90,21 +91,38 @@ bool CheckpointTensor::quantizes_from(DType src_dtype) const {
   return mxfp4 || (fp8 && (src_dtype == DType::kBF16 || src_dtype == DType::kF32));
 }
 
-bool WeightRegistry::mark_selected(std::string_view prefix, std::vector<bool>& mask) const {
-  bool any = false;
+int64_t WeightRegistry::mark_selected(std::span<const std::string> prefixes, std::vector<bool>& mask) const {
+  struct Named {
+    std::string_view name;
+    size_t param;                  // a stored parameter's index, when `tensor` is null
+    const CheckpointTensor* tensor;
+  };
+  std::vector<Named> names;
+  names.reserve(params_.size() + tensors_.size());
+  for (size_t i = 0; i < params_.size(); ++i) names.push_back({params_[i].name, i, nullptr});
+  for (const auto& [name, t] : tensors_) names.push_back({name, 0, &t});
+  std::sort(names.begin(), names.end(), [](const Named& a, const Named& b) { return a.name < b.name; });
   auto mark = [&](size_t p) {
     if (p < mask.size()) mask[p] = true;
-    any = true;
   };
-  for (size_t i = 0; i < params_.size(); ++i)
-    if (std::string_view(params_[i].name).substr(0, prefix.size()) == prefix) mark(i);
-  for (const auto& [name, t] : tensors_) {
-    if (std::string_view(name).substr(0, prefix.size()) != prefix) continue;
-    for (const RowCopy& c : t.pieces) mark(c.param);
-    if (t.mxfp4) mark(t.mxfp4->blocks), mark(t.mxfp4->scales);
-    if (t.fp8) mark(t.fp8->q), mark(t.fp8->scale_inv);
+  for (size_t k = 0; k < prefixes.size(); ++k) {
+    const std::string_view prefix = prefixes[k];
+    auto it = std::lower_bound(names.begin(), names.end(), prefix,
+                               [](const Named& n, std::string_view p) { return n.name < p; });
+    const auto first = it;
+    for (; it != names.end() && it->name.substr(0, prefix.size()) == prefix; ++it) {
+      if (it->tensor == nullptr) {
+        mark(it->param);
+        continue;
+      }
+      const CheckpointTensor& t = *it->tensor;
+      for (const RowCopy& c : t.pieces) mark(c.param);
+      if (t.mxfp4) mark(t.mxfp4->blocks), mark(t.mxfp4->scales);
+      if (t.fp8) mark(t.fp8->q), mark(t.fp8->scale_inv);
+    }
+    if (it == first) return static_cast<int64_t>(k);
   }
-  return any;
+  return -1;
 }
 
 std::vector<size_t> CheckpointTensor::targets(DType src_dtype) const {

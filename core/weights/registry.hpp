@@ -100,11 +100,12 @@ class WeightRegistry {
   Status add_fp8_blockwise(std::string name, TensorView q, TensorView scale_inv);
 
   const CheckpointTensor* resolve(std::string_view checkpoint_name) const;
-  // The parameters a name prefix selects: those whose own name starts with it, and those any
-  // checkpoint name starting with it writes (per-expert tensors, fused q/k/v parts, online
+  // The parameters name prefixes select: those whose own name starts with one, and those any
+  // checkpoint name starting with one writes (per-expert tensors, fused q/k/v parts, online
   // quantization targets), so a trainer may select by the names it pushes. Marks them in `mask`
-  // (parameters().size() long); returns whether the prefix named anything.
-  bool mark_selected(std::string_view prefix, std::vector<bool>& mask) const;
+  // (parameters().size() long); returns the index of the first prefix that names nothing, or -1.
+  // One sort of the names, then a range per prefix (a selector may list 65,536 prefixes).
+  int64_t mark_selected(std::span<const std::string> prefixes, std::vector<bool>& mask) const;
   // The rows a load of `t` from `src_dtype` writes, as row copies into parameters (`param`,
   // `expert`, `dst_start`, `dst_stride`, `count`; the source fields are not meaningful for
   // quantized loads): its `pieces`, or the rows of the quantized outputs. What a loader

@@ -53,10 +53,9 @@ Result<BeginResult> WeightUpdater::begin(const std::vector<std::string>& selecto
   // A prefix selects by stored or checkpoint names (what the trainer pushes); one that names
   // nothing is a mistake the trainer would otherwise meet as a refusal of every bucket.
   std::vector<bool> selected(params.size(), selector.empty());
-  for (size_t k = 0; k < selector.size(); ++k)
-    if (!reg_.mark_selected(selector[k], selected))
-      return Status(ErrorCode::kNotFound, "selector prefix '" + selector[k] + "' names no parameter",
-                    "selector[" + std::to_string(k) + "]");
+  if (const int64_t k = reg_.mark_selected(selector, selected); k >= 0)
+    return Status(ErrorCode::kNotFound, "selector prefix '" + selector[k] + "' names no parameter",
+                  "selector[" + std::to_string(k) + "]");
   for (size_t i = 0; i < params.size(); ++i) {
     if (!selected[i]) continue;
     if (params[i].layout == Layout::kKernel && params[i].method->transforms_layout()) ++r.num_parameters_restored;
@@ -226,7 +225,8 @@ Result<BucketResult> WeightUpdater::apply_bucket(uint64_t session, std::span<con
   ++buckets_;
   entries_ += entries.size();
   bytes_ += entry_bytes;
-  last_activity_ = std::max(last_activity_, now);
+  // Idle from the bucket's completion: a large read or copy must not count as idle time.
+  last_activity_ = std::max({last_activity_, now, SteadyClock::now()});
   BucketResult r;
   r.num_entries = static_cast<uint32_t>(entries.size());
   r.num_bytes = entry_bytes;
@@ -320,6 +320,10 @@ Result<bool> WeightUpdater::abort(uint64_t session, const std::string& why) {
   RD_RETURN_IF_ERROR(check_session(session));
   (void)finish_failed("aborted: " + why);
   return broken_.empty();
+}
+
+void WeightUpdater::touch(uint64_t session, SteadyClock::time_point now) {
+  if (open_ && session == id_) last_activity_ = std::max(last_activity_, now);
 }
 
 std::optional<Status> WeightUpdater::expire_if_idle(SteadyClock::time_point now) {

@@ -76,6 +76,9 @@ class WeightUpdater {
   Result<EndResult> end(uint64_t session, uint64_t weight_version, SteadyClock::time_point now);
   // Ends the session without a new version. Returns whether the model is whole afterwards.
   Result<bool> abort(uint64_t session, const std::string& why);
+  // A request naming the open session that was refused before its bucket reached apply_bucket
+  // (a shm object missing, say) is activity too: restarts the idle deadline (SPEC 11.4).
+  void touch(uint64_t session, SteadyClock::time_point now);
   // Ends an open session whose idle deadline passed; returns its error (kDeadlineExceeded).
   std::optional<Status> expire_if_idle(SteadyClock::time_point now);
 

@@ -423,7 +423,10 @@ void EngineActor::handle_weights(WeightCommand& cmd) {
     if (auto* shm = std::get_if<ShmSource>(&r->source)) {
       Status s = check_shm_name(shm->name, config_.shm_prefix);
       if (s.ok()) s = read_shm(shm->name, shm->offset, shm->size, shm_staging_, config_.max_shm_bucket_bytes);
-      if (!s.ok()) return reply_error(cmd.client, id, s);
+      if (!s.ok()) {
+        u.touch(r->session, Clock::now());
+        return reply_error(cmd.client, id, s);
+      }
       return apply_and_reply(cmd.client, id, *r, shm_staging_, false, now);
     }
     if (config_.device != "cuda")

@@ -284,6 +284,7 @@ def test_daemon_talks_to_systemd_ready_watchdog_stopping(tmp_path):
         while (ev := client.next_event(0.0)) is not None:
             finals += [ev] if not isinstance(ev, rolloutd.TokensEvent) else []
         assert finals == [], "STOPPING=1 came after the drain had ended the request"
+        time.sleep(1.2)  # a second signal counts from 1 s after the first
         proc.send_signal(15)  # the second signal ends the drain now
         while (ev := client.next_event(10.0)) is not None and isinstance(ev, rolloutd.TokensEvent):
             pass

@@ -59,6 +59,7 @@ def test_second_sigterm_cuts_the_drain_short_and_every_request_still_ends_once(d
     while d.get("/readyz")[0] == 200:
         assert time.monotonic() < deadline
         time.sleep(0.02)
+    time.sleep(1.2)  # a second signal counts from 1 s after the first (one Ctrl-C can give two)
     started = time.monotonic()
     d.proc.send_signal(15)
     finals = {}
@@ -74,6 +75,26 @@ def test_second_sigterm_cuts_the_drain_short_and_every_request_still_ends_once(d
     assert time.monotonic() - started < 15  # not the 60 s drain
     c.close()
     assert any(l.get("msg") == "second signal; drain deadline cut to zero" for l in d.log_lines())
+
+
+def test_two_signals_at_once_are_one_stop_and_the_drain_runs_its_course(daemon_factory):
+    # A Ctrl-C reaches the daemon and the launcher that forwards a SIGTERM: two signals at once
+    # must not cut the drain short.
+    d = daemon_factory(args=["--drain-timeout-s", "60"])
+    c = d.client()
+    rids = [c.submit([1, 2], max_new_tokens=300, temperature=1.0, seed=i) for i in range(3)]
+    d.proc.send_signal(2)
+    d.proc.send_signal(15)
+    finals = {}
+    for ev in c.events(timeout_s=30.0):
+        if not isinstance(ev, rolloutd.TokensEvent):
+            finals[ev.rid] = ev
+        if len(finals) == 3:
+            break
+    assert set(finals) == set(rids)
+    assert all(f.reason == "length" for f in finals.values()), [(f.reason, f.abort_reason) for f in finals.values()]
+    assert d.proc.wait(timeout=30) == 0
+    c.close()
 
 
 def test_generate_while_draining_is_refused(daemon_factory):

@@ -313,7 +313,8 @@ class _Worker(threading.Thread):
             min(self._start_estimate, start)
         self._last_ok, self._first_fail, self._lost_since_ok = now, None, False
         generated = status.num_tokens_generated_total
-        progressing = self._last_generated is not None and generated > self._last_generated
+        # != rather than >: a restarted daemon counts from 0 again.
+        progressing = self._last_generated is not None and generated != self._last_generated
         self._last_generated = generated
         with c._lock:
             if progressing:
@@ -443,16 +444,18 @@ class FleetWeightSession:
         self._coord = coord
         self._step_timeout_s = step_timeout_s
         self.sessions: Dict[str, int] = {}
+        self.serving_versions: Dict[str, int] = {}  # each daemon's weight_version when it began
         self.failed: Dict[str, RolloutdError] = {}
         self.skipped = dict(skipped)
         self._workers: Dict[str, _Worker] = {}
         self._closed = False
         sel = None if selector is None else list(selector)
-        results = coord._fan_out(workers, lambda c: c.begin_weight_update(sel, session_timeout_s).session,
-                                 step_timeout_s, on_late=lambda c, session: c.abort_weight_update(session))
+        results = coord._fan_out(workers, lambda c: c.begin_weight_update(sel, session_timeout_s),
+                                 step_timeout_s, on_late=lambda c, reply: c.abort_weight_update(reply.session))
         for w, (ok, value) in results.items():
             if ok:
-                self.sessions[w.key] = value
+                self.sessions[w.key] = value.session
+                self.serving_versions[w.key] = value.weight_version
                 self._workers[w.key] = w
             else:
                 self.failed[w.key] = value
@@ -480,6 +483,16 @@ class FleetWeightSession:
                 self._drop(w, e if isinstance(e, RolloutdError) else
                            RolloutdError("deadline_exceeded", f"no reply within {self._step_timeout_s} s", ""))
         return out
+
+    def refuse_below(self, weight_version: int) -> None:
+        """Drops (session aborted, nothing written) every daemon already serving a version above
+        `weight_version`: its end_weight_update would refuse it after every bucket, and the
+        abort would then leave it not_ready."""
+        for name, w in list(self._workers.items()):
+            if weight_version < self.serving_versions.get(name, 0):
+                self._drop(w, RolloutdError("invalid_argument", f"weight_version {weight_version} is below "
+                                            f"{name}'s serving version {self.serving_versions[name]}",
+                                            "weight_version"))
 
     def _drop(self, w: _Worker, error: RolloutdError) -> None:
         name = w.key
@@ -1083,12 +1096,14 @@ class Coordinator:
         A worker that does not answer by the deadline fails with deadline_exceeded; if its call
         completes later, on_late(client, value) undoes it (an opened session is aborted)."""
         gave_up: Dict[_Worker, bool] = {}
+        done: Dict[_Worker, bool] = {}  # fn returned: the caller must take its value, not give up
         lock = threading.Lock()
 
         def wrap(w):
             def run(client):
                 value = fn(client)
                 with lock:
+                    done[w] = True
                     late = gave_up.get(w, False)
                 if late and on_late is not None:
                     with contextlib.suppress(RolloutdError):
@@ -1104,7 +1119,15 @@ class Coordinator:
                 out[w] = (True, fut.result(timeout=max(0.0, deadline - time.monotonic())))
             except FutureTimeout:
                 with lock:
-                    gave_up[w] = True
+                    finished = done.get(w, False)
+                    if not finished:
+                        gave_up[w] = True
+                if finished:  # fn returned just as the wait ran out: its outcome stands (no undo runs)
+                    try:
+                        out[w] = (True, fut.result())
+                    except RolloutdError as e:
+                        out[w] = (False, e)
+                    continue
                 out[w] = (False, RolloutdError("deadline_exceeded", f"daemon {w.key} did not answer within "
                                                f"{timeout_s} s", ""))
             except RolloutdError as e:
@@ -1167,6 +1190,7 @@ class Coordinator:
                     paused.append(w)
         shm = None
         session = self.begin_weight_update(selector, session_timeout_s, daemons)
+        session.refuse_below(weight_version)
         try:
             limits = session.limits
             max_bytes = min(bucket_bytes, limits.max_frame_bytes) if via == "inline" else bucket_bytes

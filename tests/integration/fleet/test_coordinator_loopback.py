@@ -220,3 +220,20 @@ def test_collect_at_its_deadline_returns_at_once_with_what_finished(daemons):
             if len(finals) == 3:
                 break
         assert set(finals) == set(slow)
+
+
+def test_a_fleet_push_below_the_serving_version_writes_nothing(daemons):
+    """Coordinator.push_weights with a weight_version below what a daemon serves drops that
+    daemon right after begin (session aborted, nothing written), so it stays ready; end would
+    have refused it after every bucket and left it not_ready."""
+    _, run_dir = daemons
+    with rolloutd.Coordinator.from_file(str(run_dir)) as fleet:
+        assert len(fleet.wait_ready(2, timeout_s=30)) == 2
+        assert not fleet.push_weights([], weight_version=5).failed
+        r = fleet.push_weights([], weight_version=3)
+        assert set(r.failed) == {h.name for h in fleet.daemons()}
+        assert all(e.code == "invalid_argument" and e.field == "weight_version" for e in r.failed.values())
+        for h in fleet.daemons():
+            with rolloutd.Client(h.control, timeout_s=10) as c:
+                st = c.status()
+                assert st.ready and st.weight_version == 5, st
