@@ -91,6 +91,7 @@ Result<BucketResult> WeightUpdater::apply_bucket(uint64_t session, std::span<con
                                                  SteadyClock::time_point now, bool on_device,
                                                  bool wait_device) {
   RD_RETURN_IF_ERROR(check_session(session));
+  const auto t_entry = SteadyClock::now();
   // Any bucket naming the open session is activity, refused or not (SPEC 11.4): a trainer
   // correcting a refused bucket must not find its session expired meanwhile.
   last_activity_ = std::max(last_activity_, now);
@@ -225,12 +226,13 @@ Result<BucketResult> WeightUpdater::apply_bucket(uint64_t session, std::span<con
   ++buckets_;
   entries_ += entries.size();
   bytes_ += entry_bytes;
-  // Idle from the bucket's completion: a large read or copy must not count as idle time.
-  last_activity_ = std::max({last_activity_, now, SteadyClock::now()});
+  // Idle from the bucket's completion, on the caller's clock: `now` plus the time spent here
+  // (a large copy is not idle time; the daemon also touch()es after a long shm read).
+  last_activity_ = std::max(last_activity_, now + (SteadyClock::now() - t_entry));
   BucketResult r;
   r.num_entries = static_cast<uint32_t>(entries.size());
   r.num_bytes = entry_bytes;
-  r.duration_s = seconds(SteadyClock::now() - now);  // from `now`, the bucket's receipt
+  r.duration_s = std::max(0.0, seconds(SteadyClock::now() - now));  // from `now`, the bucket's receipt
   return r;
 }
 

@@ -188,6 +188,7 @@ void EngineActor::apply_and_reply(uint64_t client, uint64_t envelope_id, protoco
     if (!u.broken_reason().empty() && !u.session_open()) on_model_broken(a.status());
     return reply_error(client, envelope_id, in_body(a.status()));
   }
+  u.touch(r.session, Clock::now());  // idle from completion: the shm read before it was not idle time
   metrics_.add_weight_update_bytes(a->num_bytes);
   reply(client, protocol::encode_reply(envelope_id, protocol::UpdateWeightsReply{r.session, a->num_entries,
                                                                                  a->num_bytes, a->duration_s}));
