@@ -95,6 +95,28 @@ class Daemon:
         return out
 
 
+def final_events(client, rids, timeout_s):
+    """{rid: final event} of `rids`, read from client.events() (each wait at most timeout_s);
+    fails on a second final event for one rid or when one never comes."""
+    want, finals = set(rids), {}
+    for ev in client.events(timeout_s=timeout_s):
+        if not isinstance(ev, rolloutd.TokensEvent):
+            assert ev.rid not in finals, f"two final events for {ev.rid}"
+            finals[ev.rid] = ev
+        if want <= set(finals):
+            break
+    assert set(finals) == want, f"no final event for {sorted(want - set(finals))}"
+    return finals
+
+
+def wait_queue(client, running, waiting, timeout_s=10.0):
+    """Waits (bounded) until the daemon reports `running` requests running and `waiting` queued."""
+    deadline = time.monotonic() + timeout_s
+    while (st := client.status()).num_running != running or st.num_waiting != waiting:
+        assert time.monotonic() < deadline, st
+        time.sleep(0.005)
+
+
 @pytest.fixture
 def daemon_factory():
     started = []

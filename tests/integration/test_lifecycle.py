@@ -4,6 +4,7 @@ import time
 import pytest
 
 import rolloutd
+from conftest import final_events
 
 
 def test_sigterm_drains_every_accepted_request_gets_one_final_event(daemon):
@@ -36,13 +37,7 @@ def test_drain_deadline_aborts_long_requests_with_reason_shutdown(daemon_factory
     c = d.client()
     rids = [c.submit([1, 2], max_new_tokens=4000, temperature=1.0, seed=i) for i in range(3)]
     d.proc.send_signal(15)
-    finals = {}
-    for ev in c.events(timeout_s=10.0):
-        if not isinstance(ev, rolloutd.TokensEvent):
-            finals[ev.rid] = ev
-        if len(finals) == 3:
-            break
-    assert set(finals) == set(rids)
+    finals = final_events(c, rids, 10.0)
     assert all(f.reason == "abort" and f.abort_reason == "shutdown" for f in finals.values())
     assert d.terminate() == 0
     c.close()
@@ -62,14 +57,7 @@ def test_second_sigterm_cuts_the_drain_short_and_every_request_still_ends_once(d
     time.sleep(1.2)  # a second signal counts from 1 s after the first (one Ctrl-C can give two)
     started = time.monotonic()
     d.proc.send_signal(15)
-    finals = {}
-    for ev in c.events(timeout_s=10.0):
-        if not isinstance(ev, rolloutd.TokensEvent):
-            assert ev.rid not in finals, "two final events"
-            finals[ev.rid] = ev
-        if len(finals) == 3:
-            break
-    assert set(finals) == set(rids)
+    finals = final_events(c, rids, 10.0)
     assert all(f.reason == "abort" and f.abort_reason == "shutdown" for f in finals.values())
     assert d.proc.wait(timeout=15) == 0
     assert time.monotonic() - started < 15  # not the 60 s drain
@@ -85,13 +73,7 @@ def test_two_signals_at_once_are_one_stop_and_the_drain_runs_its_course(daemon_f
     rids = [c.submit([1, 2], max_new_tokens=300, temperature=1.0, seed=i) for i in range(3)]
     d.proc.send_signal(2)
     d.proc.send_signal(15)
-    finals = {}
-    for ev in c.events(timeout_s=30.0):
-        if not isinstance(ev, rolloutd.TokensEvent):
-            finals[ev.rid] = ev
-        if len(finals) == 3:
-            break
-    assert set(finals) == set(rids)
+    finals = final_events(c, rids, 30.0)
     assert all(f.reason == "length" for f in finals.values()), [(f.reason, f.abort_reason) for f in finals.values()]
     assert d.proc.wait(timeout=30) == 0
     c.close()

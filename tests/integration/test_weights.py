@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import rolloutd
+from conftest import final_events, wait_queue
 
 sys.path.insert(0, os.path.join(os.environ["ROLLOUTD_SOURCE_ROOT"], "tests", "reference"))
 import tiny_moe_reference as ref  # noqa: E402
@@ -284,18 +285,9 @@ def test_pause_abort_ends_waiting_requests_too(daemon_factory):
     d = daemon_factory(args=["--max-running", "1"])
     with d.client() as c, d.client() as trainer:
         rids = [c.submit([4, 4], max_new_tokens=3000, temperature=1.0, seed=i) for i in range(3)]
-        deadline = time.monotonic() + 10
-        while (st := trainer.status()).num_running != 1 or st.num_waiting != 2:
-            assert time.monotonic() < deadline, st
-            time.sleep(0.005)
+        wait_queue(trainer, running=1, waiting=2)
         assert trainer.pause_generation("abort").num_aborted == 3
-        finals = {}
-        for ev in c.events(timeout_s=10.0):
-            if not isinstance(ev, rolloutd.TokensEvent):
-                finals[ev.rid] = ev
-            if len(finals) == 3:
-                break
-        assert set(finals) == set(rids)
+        finals = final_events(c, rids, 10.0)
         assert all((f.reason, f.abort_reason) == ("abort", "weight_update") for f in finals.values())
         st = trainer.status()
         assert st.num_running == 0 and st.num_waiting == 0
@@ -309,10 +301,7 @@ def test_pause_and_continue_count_only_the_requests_they_hold(daemon_factory):
     with d.client() as c, d.client() as trainer:
         assert trainer.continue_generation().num_resumed == 0
         rids = [c.submit([4, 4], max_new_tokens=3000, temperature=1.0, seed=i) for i in range(3)]
-        deadline = time.monotonic() + 10
-        while (st := trainer.status()).num_running != 1 or st.num_waiting != 2:
-            assert time.monotonic() < deadline, st
-            time.sleep(0.005)
+        wait_queue(trainer, running=1, waiting=2)
         assert trainer.pause_generation("in_place").num_paused == 1
         assert trainer.continue_generation().num_resumed == 1
         assert trainer.continue_generation().num_resumed == 0

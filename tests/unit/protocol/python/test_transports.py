@@ -634,7 +634,6 @@ def test_push_refused_at_begin_by_one_daemon_aborts_the_sessions_opened_on_the_o
     # one daemon must not leave the others' sessions open (they were left open until 2026-12-02).
     backend = FakeBackend()
     box = {}
-    states = [{}, {}]
 
     def script(d, state, i):
         m = d.recv()
@@ -650,7 +649,7 @@ def test_push_refused_at_begin_by_one_daemon_aborts_the_sessions_opened_on_the_o
         else:
             d.send(m.id, ErrorInfo("failed_precondition", "session 4 is already open", "session"))
 
-    peers = [daemon(lambda d, s=s, i=i: script(d, s, i)) for i, s in enumerate(states)]
+    peers, states = two_daemons(daemon, script)
     clients = [Client(p.endpoint) for p in peers]
     box["g"] = FakeGroup(clients, backend)
     with pytest.raises(RolloutdError) as e:
