@@ -651,7 +651,8 @@ Status decode_body(const MapReader& b, const Limits& l, GenerateRequest& r) {
   RD_RETURN_IF_ERROR(
       b.integer("routed_experts_start_len", Need::kOptional, r.routed_experts_start_len));
   RD_RETURN_IF_ERROR(b.boolean("stream", Need::kOptional, r.stream));
-  return b.integer<uint32_t>("top_logprobs_num", Need::kOptional, 0, kMaxTopLogprobs, r.top_logprobs_num);
+  RD_RETURN_IF_ERROR(b.integer<uint32_t>("top_logprobs_num", Need::kOptional, 0, kMaxTopLogprobs, r.top_logprobs_num));
+  return b.number("deadline_s", Need::kOptional, {0.0, kMaxDeadlineS}, r.deadline_s);
 }
 
 Status decode_body(const MapReader& b, const Limits& l, AbortRequest& r) {
@@ -1629,7 +1630,7 @@ void write_body(Packer& pk, const HelloRequest& r) {
 }
 void write_body(Packer& pk, const StatusRequest&) { MapWriter(pk, 0); }
 void write_body(Packer& pk, const GenerateRequest& r) {
-  MapWriter w(pk, r.top_logprobs_num > 0 ? 14 : 13);
+  MapWriter w(pk, 13 + (r.top_logprobs_num > 0 ? 1 : 0) + (r.deadline_s > 0 ? 1 : 0));
   w.put("rid", r.rid)
       .put("input_ids", r.input_ids)
       .put("max_new_tokens", r.max_new_tokens)
@@ -1644,6 +1645,7 @@ void write_body(Packer& pk, const GenerateRequest& r) {
       .put("routed_experts_start_len", r.routed_experts_start_len)
       .put("stream", r.stream);
   if (r.top_logprobs_num > 0) w.put("top_logprobs_num", r.top_logprobs_num);
+  if (r.deadline_s > 0) w.put("deadline_s", r.deadline_s);
 }
 void write_body(Packer& pk, const AbortRequest& r) {
   // rid is omitted rather than nil when absent (SPEC §4.1).

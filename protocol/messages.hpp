@@ -36,6 +36,7 @@ inline constexpr uint32_t kMaxTensorRank = 8;                 // BucketEntry::sh
 inline constexpr int64_t kMaxTensorDim = int64_t{1} << 40;    // each shape dimension
 inline constexpr uint32_t kMaxGetWeightsTruncate = 1000000;   // get_weights_by_name.truncate
 inline constexpr uint32_t kMaxTopLogprobs = 20;                // generate.top_logprobs_num
+inline constexpr double kMaxDeadlineS = 86400.0;               // generate.deadline_s
 
 // GPU weight transports (SPEC §11.7), fixed by NCCL and CUDA, not configurable.
 inline constexpr size_t kNcclUniqueIdBytes = 128;             // ncclUniqueId (NCCL_UNIQUE_ID_BYTES)
@@ -87,6 +88,10 @@ struct GenerateRequest {
   // [0, kMaxTopLogprobs]: with n > 0 every sampled token also carries the n most likely tokens
   // and their log-probs (SPEC §4.1). Written only when n > 0, so older daemons' bytes are unchanged.
   uint32_t top_logprobs_num = 0;
+  // [0, kMaxDeadlineS] seconds from the daemon's receipt; then the request ends with
+  // finished{abort, deadline} wherever it is (queued, running, paused). 0 = none. Written only when
+  // > 0, like top_logprobs_num.
+  double deadline_s = 0.0;
 };
 
 struct AbortRequest {

@@ -144,6 +144,8 @@ Status Engine::submit(RequestSpec spec) {
   seq->tokens.reserve(static_cast<size_t>(total));
   seq->spec = std::move(spec);
   Sequence* raw = seq.get();
+  if (raw->spec.deadline && (!next_deadline_ || *raw->spec.deadline < *next_deadline_))
+    next_deadline_ = raw->spec.deadline;
   by_rid_.emplace(raw->spec.rid, std::move(seq));
   waiting_.push_back(raw);
   ++requests_total_;
@@ -152,17 +154,49 @@ Status Engine::submit(RequestSpec spec) {
 
 void Engine::admit() {
   // FIFO without overtaking: a large request at the head waits for blocks rather than
-  // being starved by smaller ones behind it.
+  // being starved by smaller ones behind it. A request takes the blocks of the tokens it
+  // computes before its next sample (its prompt; for a preempted one, prompt and generated
+  // tokens); decode steps add blocks as they need them (reserve_blocks). While others run,
+  // admission leaves ~1 % of the pool free for their growth, so that admitting does not
+  // at once preempt.
+  const int64_t headroom = std::max<int64_t>(1, (kv_.num_blocks() + 99) / 100);
   while (!waiting_.empty() && static_cast<int64_t>(running_.size()) < options_.max_running) {
     Sequence* s = waiting_.front();
-    const int64_t need = kv_.blocks_for(s->prompt_len + s->spec.max_new_tokens - 1);
-    if (need > kv_.num_free()) break;
+    const int64_t need = kv_.blocks_for(static_cast<int64_t>(s->tokens.size()));
+    if (need + (running_.empty() ? 0 : headroom) > kv_.num_free()) break;
     Status st = kv_.allocate(need, s->blocks);
     if (!st.ok()) break;
     waiting_.pop_front();
     s->running = true;
     running_.push_back(s);
   }
+}
+
+void Engine::preempt(Sequence& s) {
+  running_.erase(std::remove(running_.begin(), running_.end(), &s), running_.end());
+  (void)kv_.release(s.blocks);
+  recomputed_tokens_total_ += static_cast<uint64_t>(s.num_computed);
+  ++preemptions_total_;
+  s.num_computed = 0;
+  s.running = false;
+  waiting_.push_front(&s);
+}
+
+void Engine::reserve_blocks(std::vector<Planned>& planned) {
+  for (Planned& p : planned) {
+    Sequence* s = p.seq;
+    if (!s->running) continue;  // preempted for an older request's growth
+    const int64_t need =
+        kv_.blocks_for(s->num_computed + p.count) - static_cast<int64_t>(s->blocks.size());
+    if (need <= 0) continue;
+    // The youngest running request gives its blocks back first, down to this one itself:
+    // the oldest requests keep going (vLLM's and SGLang's order). A single request always
+    // fits (submit checks it against the pool), so this ends with `s` running or preempted.
+    while (need > kv_.num_free() && s->running) preempt(*running_.back());
+    if (s->running) (void)kv_.allocate(need, s->blocks);
+  }
+  planned.erase(std::remove_if(planned.begin(), planned.end(), [](const Planned& p) { return !p.seq->running; }),
+                planned.end());
 }
 
 void Engine::remove(const std::string& rid) {
@@ -224,6 +258,21 @@ size_t Engine::abort_all(const std::string& reason, std::vector<EngineEvent>& ou
   return victims.size();
 }
 
+size_t Engine::expire(std::chrono::steady_clock::time_point now, std::vector<EngineEvent>& out) {
+  if (!next_deadline_ || now < *next_deadline_) return 0;
+  std::vector<Sequence*> due;
+  next_deadline_.reset();
+  for (auto& [rid, s] : by_rid_) {
+    if (!s->spec.deadline) continue;
+    if (*s->spec.deadline <= now) due.push_back(s.get());
+    else if (!next_deadline_ || *s->spec.deadline < *next_deadline_) next_deadline_ = s->spec.deadline;
+  }
+  std::sort(due.begin(), due.end(), [](const Sequence* a, const Sequence* b) { return a->spec.rid < b->spec.rid; });
+  for (Sequence* s : due) finish(*s, "abort", "deadline", out);
+  deadline_aborts_total_ += due.size();
+  return due.size();
+}
+
 Engine::PauseCounts Engine::pause(PauseMode mode, std::vector<EngineEvent>& out) {
   PauseCounts c;
   paused_ = true;
@@ -248,6 +297,7 @@ Engine::PauseCounts Engine::pause(PauseMode mode, std::vector<EngineEvent>& out)
         ++c.retracted;
       }
       s->tokens.resize(static_cast<size_t>(s->prompt_len));
+      s->routed_sent = 0;  // what the client received is void: every record goes out again
       s->num_computed = 0;
       s->num_generated = 0;
       s->running = false;
@@ -297,14 +347,27 @@ Status Engine::step(std::vector<EngineEvent>& out) {
   batch.max_blocks_per_seq = static_cast<int32_t>(width);
 
   // Decode tokens first (one each, they keep latency low), then prefill chunks with the
-  // remaining budget.
-  auto plan = [&](Sequence* s) {
+  // remaining budget; then the blocks those positions need.
+  std::vector<Planned> planned;
+  for (Sequence* s : running_)
+    if (static_cast<int64_t>(s->tokens.size()) - s->num_computed == 1 && budget > 0) {
+      planned.push_back({s, 1});
+      budget -= 1;
+    }
+  for (Sequence* s : running_) {
     const int64_t remaining = static_cast<int64_t>(s->tokens.size()) - s->num_computed;
-    const int64_t n = std::min(remaining, budget);
-    if (n <= 0) return;
+    if (remaining > 1 && budget > 0) {
+      planned.push_back({s, std::min(remaining, budget)});
+      budget -= planned.back().count;
+    }
+  }
+  reserve_blocks(planned);
+  for (const Planned& p : planned) {
+    Sequence* s = p.seq;
+    const int64_t n = p.count;
     const int64_t seq_index = static_cast<int64_t>(slices.size());
-    Slice sl{s, batch.num_tokens(), s->num_computed, n, s->num_computed + n ==
-                                                            static_cast<int64_t>(s->tokens.size())};
+    Slice sl{s, batch.num_tokens(), s->num_computed, n,
+             s->num_computed + n == static_cast<int64_t>(s->tokens.size())};
     for (int64_t i = 0; i < n; ++i) {
       const int64_t pos = s->num_computed + i;
       batch.token_ids.push_back(s->tokens[static_cast<size_t>(pos)]);
@@ -319,13 +382,8 @@ Status Engine::step(std::vector<EngineEvent>& out) {
                                        ? s->blocks[static_cast<size_t>(b)]
                                        : 0);
     if (sl.samples) batch.logits_rows.push_back(static_cast<int32_t>(sl.first_row + n - 1));
-    budget -= n;
     slices.push_back(sl);
-  };
-  for (Sequence* s : running_)
-    if (static_cast<int64_t>(s->tokens.size()) - s->num_computed == 1 && budget > 0) plan(s);
-  for (Sequence* s : running_)
-    if (static_cast<int64_t>(s->tokens.size()) - s->num_computed > 1 && budget > 0) plan(s);
+  }
   if (slices.empty()) return Status::Ok();
 
   bool want_records = false;
@@ -368,9 +426,12 @@ Status Engine::step(std::vector<EngineEvent>& out) {
     ev.rid = s.spec.rid;
     ev.tag = s.spec.tag;
     if (s.spec.return_routed_experts) {
-      const int64_t from = std::max<int64_t>(sl.start_pos, s.spec.routed_experts_start_len);
+      // After a preemption the request computes its positions again: their records went out
+      // the first time (routed_sent), and only the positions never streamed are sent.
+      const int64_t from = std::max<int64_t>({sl.start_pos, int64_t{s.spec.routed_experts_start_len}, s.routed_sent});
       const int64_t to = sl.start_pos + sl.count;
       if (from < to) {
+        s.routed_sent = to;
         ev.routed_start_pos = from;
         ev.routed_num_tokens = to - from;
         const auto& rows = recorder_.rows();
@@ -413,7 +474,10 @@ Status Engine::step(std::vector<EngineEvent>& out) {
         reason = "length";
       }
     }
-    if (sl.start_pos == 0) prompt_tokens_total_ += static_cast<uint64_t>(s.prompt_len);
+    if (!s.prompt_counted) {
+      s.prompt_counted = true;
+      prompt_tokens_total_ += static_cast<uint64_t>(s.prompt_len);
+    }
     if (!ev.token_ids.empty() || ev.routed_num_tokens > 0) out.push_back(std::move(ev));
     if (done) finish(s, reason, "", out);
   }
@@ -427,6 +491,9 @@ EngineStats Engine::stats() const {
   st.num_requests_total = requests_total_;
   st.num_prompt_tokens_total = prompt_tokens_total_;
   st.num_generated_tokens_total = generated_tokens_total_;
+  st.num_preemptions_total = preemptions_total_;
+  st.num_recomputed_tokens_total = recomputed_tokens_total_;
+  st.num_deadline_aborts_total = deadline_aborts_total_;
   st.kv_blocks_free = kv_.num_free();
   st.kv_blocks_total = kv_.num_blocks();
   const GraphStats& g = model_->graph_stats();

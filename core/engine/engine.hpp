@@ -6,6 +6,7 @@
 //
 // Nothing lost: every accepted request leaves the engine through exactly one
 // final event (finished or failed), produced by step(), abort() or abort_all().
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -35,6 +36,9 @@ struct RequestSpec {
   // [0, min(kMaxTopLogprobs, vocab)]: the n most likely tokens of every sampled token.
   uint32_t top_logprobs_num = 0;
   uint64_t tag = 0;  // opaque to the engine; the daemon uses it to route events
+  // When set, the request ends with finished{abort, "deadline"} at the first expire() at or
+  // after it, wherever it is (queued, prefilling, decoding, paused).
+  std::optional<std::chrono::steady_clock::time_point> deadline;
 };
 
 struct EngineEvent {
@@ -82,6 +86,11 @@ struct EngineStats {
   uint64_t num_requests_total = 0;
   uint64_t num_prompt_tokens_total = 0;
   uint64_t num_generated_tokens_total = 0;
+  // Preemption when the KV pool runs dry (Engine::step): requests sent back to the queue, and
+  // the tokens whose KV they had cached (computed again when they are readmitted).
+  uint64_t num_preemptions_total = 0;
+  uint64_t num_recomputed_tokens_total = 0;
+  uint64_t num_deadline_aborts_total = 0;
   int64_t kv_blocks_free = 0;
   int64_t kv_blocks_total = 0;
   // Decode graphs (StepLimits::graph_max_batch; MoeDecoder::graph_stats).
@@ -146,7 +155,14 @@ class Engine {
   const WeightUpdater& updater() const { return updater_; }
   // Fails every request in flight with `error` (the model stopped being whole under them).
   size_t fail_all(const Status& error, std::vector<EngineEvent>& out);
-  // One scheduling step: admit, run one forward pass, sample, emit events.
+  // Ends every request whose deadline is at or before `now` with finished{abort, "deadline"};
+  // returns how many. Cheap when none is due (one comparison).
+  size_t expire(std::chrono::steady_clock::time_point now, std::vector<EngineEvent>& out);
+  // The earliest deadline of a request in flight, if any (it may be one already gone: then
+  // expire() finds nothing and recomputes it).
+  std::optional<std::chrono::steady_clock::time_point> next_deadline() const { return next_deadline_; }
+  // One scheduling step: admit, grow the running requests' KV (preempting the most recently
+  // admitted ones when the pool runs dry), run one forward pass, sample, emit events.
   // A forward failure fails the affected requests (failed events) and is returned.
   Status step(std::vector<EngineEvent>& out);
 
@@ -166,10 +182,22 @@ class Engine {
     uint32_t num_generated = 0;
     std::vector<int32_t> blocks;
     bool running = false;
+    bool prompt_counted = false;   // prompt tokens counted in the stats (once per request)
+    int64_t routed_sent = 0;       // positions below this have had their expert records streamed
   };
 
   Engine(std::unique_ptr<MoeDecoder> model, const EngineOptions& options);
   void admit();
+  // Sends a running request back to the head of the queue, its blocks freed and its tokens
+  // (prompt and generated) kept: it computes their KV again when readmitted, then samples on.
+  void preempt(Sequence& s);
+  // Blocks for the positions [num_computed, num_computed + n) of each planned slice; the
+  // pool running dry preempts the most recently admitted requests (and drops their slices).
+  struct Planned {
+    Sequence* seq;
+    int64_t count;
+  };
+  void reserve_blocks(std::vector<Planned>& planned);
   void finish(Sequence& s, std::string reason, std::string abort_reason, std::vector<EngineEvent>& out);
   void fail(Sequence& s, const Status& error, std::vector<EngineEvent>& out);
   void remove(const std::string& rid);
@@ -191,6 +219,10 @@ class Engine {
   uint64_t requests_total_ = 0;
   uint64_t prompt_tokens_total_ = 0;
   uint64_t generated_tokens_total_ = 0;
+  uint64_t preemptions_total_ = 0;
+  uint64_t recomputed_tokens_total_ = 0;
+  uint64_t deadline_aborts_total_ = 0;
+  std::optional<std::chrono::steady_clock::time_point> next_deadline_;
 };
 
 }  // namespace rolloutd::core

@@ -324,6 +324,10 @@ void ControlActor::on_request(const std::string& identity, std::vector<zmq::mess
       spec.return_routed_experts = gen->return_routed_experts;
       spec.routed_experts_start_len = gen->routed_experts_start_len;
       spec.top_logprobs_num = gen->top_logprobs_num;
+      if (gen->deadline_s > 0)  // counted from receipt (SPEC 4.1)
+        spec.deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(gen->deadline_s));
       spec.tag = client;
       Route route;
       route.client = client;

@@ -159,6 +159,12 @@ void EngineActor::publish() {
   metrics_.set_queue_depth(st.num_waiting, st.num_running);
   metrics_.set_ready(s->state == "ready");
   metrics_.set_weight_version(s->weight_version);
+  if (st.num_preemptions_total > preemptions_seen_ || st.num_recomputed_tokens_total > recomputed_seen_) {
+    metrics_.add_preemptions(st.num_preemptions_total - preemptions_seen_,
+                             st.num_recomputed_tokens_total - recomputed_seen_);
+    preemptions_seen_ = st.num_preemptions_total;
+    recomputed_seen_ = st.num_recomputed_tokens_total;
+  }
   if (st.num_prompt_tokens_total > prompt_tokens_seen_) {
     metrics_.add_prompt_tokens(st.num_prompt_tokens_total - prompt_tokens_seen_);
     prompt_tokens_seen_ = st.num_prompt_tokens_total;
@@ -191,6 +197,16 @@ void EngineActor::run() {
 
     check_session_deadline();
     poll_device_work();
+    {
+      // Requests past their deadline_s end here, running or not (the idle poll above is 50 ms,
+      // so a deadline is met within ~50 ms plus one step).
+      std::vector<core::EngineEvent> events;
+      if (const size_t n = engine_->expire(Clock::now(), events)) {
+        obs::log_info("engine", "requests reached their deadline", {{"count", n}});
+        account(events);
+        send(EventBatch{std::move(events)});
+      }
+    }
     if (draining_ && engine_->has_requests() && Clock::now() >= drain_deadline_) {
       std::vector<core::EngineEvent> events;
       const size_t n = engine_->abort_all("shutdown", events);

@@ -131,6 +131,8 @@ class EngineActor {
   uint64_t parameters_address_digest_ = 0;
   uint64_t steps_ = 0;
   uint64_t prompt_tokens_seen_ = 0;
+  uint64_t preemptions_seen_ = 0;
+  uint64_t recomputed_seen_ = 0;
   uint64_t graph_steps_seen_ = 0, eager_steps_seen_ = 0;
 };
 

@@ -125,6 +125,17 @@ struct Metrics::Impl {
                             .Help("Tokens sampled and emitted.")
                             .Register(registry)
                             .Add({});
+    preemptions = &prometheus::BuildCounter()
+                       .Name("rolloutd_preemptions_total")
+                       .Help("Running requests sent back to the queue because the KV cache ran out of "
+                             "blocks (their KV is computed again when they are readmitted).")
+                       .Register(registry)
+                       .Add({});
+    recomputed_tokens = &prometheus::BuildCounter()
+                             .Name("rolloutd_recomputed_tokens_total")
+                             .Help("Tokens whose cached KV a preemption dropped (prefilled again).")
+                             .Register(registry)
+                             .Add({});
     auto& steps = prometheus::BuildCounter()
                       .Name("rolloutd_forward_steps_total")
                       .Help("Forward steps by how they ran: graph (a decode step padded to its bucket and "
@@ -213,6 +224,8 @@ struct Metrics::Impl {
   prometheus::Counter* replies_dropped = nullptr;
   prometheus::Counter* prompt_tokens = nullptr;
   prometheus::Counter* generated_tokens = nullptr;
+  prometheus::Counter* preemptions = nullptr;
+  prometheus::Counter* recomputed_tokens = nullptr;
   prometheus::Counter* graph_steps = nullptr;
   prometheus::Counter* eager_steps = nullptr;
   prometheus::Gauge* queue_waiting = nullptr;
@@ -243,6 +256,10 @@ void Metrics::on_request(std::string_view type) { impl_->requests.get(type).Incr
 void Metrics::on_error(std::string_view code) { impl_->errors.get(code).Increment(); }
 void Metrics::add_prompt_tokens(uint64_t n) { impl_->prompt_tokens->Increment(static_cast<double>(n)); }
 void Metrics::add_generated_tokens(uint64_t n) { impl_->generated_tokens->Increment(static_cast<double>(n)); }
+void Metrics::add_preemptions(uint64_t preemptions, uint64_t recomputed_tokens) {
+  impl_->preemptions->Increment(static_cast<double>(preemptions));
+  impl_->recomputed_tokens->Increment(static_cast<double>(recomputed_tokens));
+}
 void Metrics::on_finished(std::string_view reason) { impl_->finished.get(reason).Increment(); }
 void Metrics::on_stream_abort(std::string_view reason) { impl_->stream_aborts.get(reason).Increment(); }
 void Metrics::on_reply_dropped() { impl_->replies_dropped->Increment(); }

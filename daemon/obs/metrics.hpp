@@ -38,6 +38,8 @@ class Metrics {
   void on_error(std::string_view code);            // rolloutd_errors_total{code}
   void add_prompt_tokens(uint64_t n);              // rolloutd_prompt_tokens_total
   void add_generated_tokens(uint64_t n);           // rolloutd_tokens_generated_total
+  // rolloutd_preemptions_total, rolloutd_recomputed_tokens_total
+  void add_preemptions(uint64_t preemptions, uint64_t recomputed_tokens);
   void on_finished(std::string_view reason);       // rolloutd_requests_finished_total{reason}
   void on_stream_abort(std::string_view reason);   // rolloutd_stream_aborts_total{reason}
   void on_reply_dropped();                         // rolloutd_replies_dropped_total

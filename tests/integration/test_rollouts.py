@@ -1,10 +1,12 @@
 """Rollouts end to end: real daemons, the Python client, loopback sockets."""
 import threading
+import time
 
 import numpy as np
 import pytest
 
 import rolloutd
+from conftest import final_events, wait_queue
 
 
 def test_hello_status_and_health(daemon):
@@ -302,3 +304,62 @@ def test_padded_decode_steps_match_eager_on_cpu(daemon_factory):
     assert st["graph_steps_total"] > 0 and st["eager_steps_total"] > 0
     code, body = padded.get("/metrics")
     assert 'rolloutd_forward_steps_total{mode="graph"}' in body
+
+
+def test_deadline_ends_running_and_paused_requests_with_the_tokens_so_far(daemon):
+    with daemon.client() as c:
+        t0 = time.monotonic()
+        r = c.generate([1, 2, 3], max_new_tokens=3000, temperature=1.0, seed=1, return_logprob=True,
+                       deadline_s=0.3, timeout_s=60.0)
+        elapsed = time.monotonic() - t0
+        assert (r.finish_reason, r.abort_reason) == ("abort", "deadline")
+        assert 0 < len(r.token_ids) < 3000 and r.completion_tokens == len(r.token_ids) == len(r.logprobs)
+        assert 0.3 <= elapsed < 30.0
+        # Paused, a queued request's deadline still ends it; one without a deadline waits.
+        c.pause_generation("in_place")
+        timed = c.submit([5, 6], max_new_tokens=4, deadline_s=0.2)
+        patient = c.submit([5, 6], max_new_tokens=4)
+        finals = final_events(c, [timed], timeout_s=10.0)
+        assert (finals[timed].reason, finals[timed].abort_reason) == ("abort", "deadline")
+        assert finals[timed].completion_tokens == 0
+        wait_queue(c, running=0, waiting=1)
+        c.continue_generation()
+        assert final_events(c, [patient], timeout_s=10.0)[patient].reason == "length"
+        # A deadline far away changes nothing.
+        assert c.generate([1], max_new_tokens=5, deadline_s=60.0).finish_reason == "length"
+        with pytest.raises(rolloutd.RolloutdError) as e:
+            c.submit([1], max_new_tokens=5, deadline_s=86401.0)
+        assert (e.value.code, e.value.field) == ("out_of_range", "body.deadline_s")
+
+
+def test_requests_preempted_when_the_kv_cache_runs_out_end_as_on_a_roomy_daemon(daemon_factory):
+    # 8 blocks of 16 tokens. Each request (8 + 100 tokens: 7 blocks at its end) fits alone; they
+    # are admitted by their prompts (1 block each), so four run at once and, as they grow, the
+    # youngest go back to the queue and compute their KV again later. Clients see nothing of it:
+    # every request ends once, with the tokens, log-probs and expert records of a daemon whose
+    # cache holds them all, and every block comes back.
+    tight = daemon_factory(["--kv-blocks", "8", "--kv-block-size", "16", "--max-blocks-per-seq", "8"])
+    roomy = daemon_factory()
+    prompts = [[3 + i, 40, 41, 42, 43, 44, 45, 7 * i] for i in range(4)]
+    results = {}
+    for name, d in (("tight", tight), ("roomy", roomy)):
+        with d.client() as c:
+            rids = [c.submit(p, max_new_tokens=100, temperature=0.0 if i < 3 else 0.8, seed=11,
+                             return_logprob=True, return_routed_experts=True, routed_experts_start_len=i,
+                             rid=f"r{i}") for i, p in enumerate(prompts)]
+            results[name] = {rid: c.collect(rid, timeout_s=60.0) for rid in rids}
+            st = c.status()
+            assert st.num_running == 0 and st.num_waiting == 0
+    assert tight.metric("rolloutd_preemptions_total") > 0
+    assert tight.metric("rolloutd_recomputed_tokens_total") > 0
+    assert roomy.metric("rolloutd_preemptions_total") == 0
+    for i in range(4):
+        a, b = results["tight"][f"r{i}"], results["roomy"][f"r{i}"]
+        assert a.finish_reason == "length" and a.num_retractions == 0, i
+        assert a.token_ids == b.token_ids, i
+        assert np.allclose(a.logprobs, b.logprobs, atol=1e-4), i
+        assert a.routed_experts.start_pos == i and a.routed_experts.shape[0] == 8 + 100 - 1 - i
+        assert a.routed_experts.data == b.routed_experts.data, i
+    # Every block back: a request needing the whole cache still runs.
+    with tight.client() as c:
+        assert c.generate([1], max_new_tokens=127).finish_reason == "length"

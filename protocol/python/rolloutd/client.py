@@ -414,11 +414,13 @@ class Client:
                  stop_token_ids: Sequence[int] = (), return_logprob: bool = False,
                  return_routed_experts: bool = False, routed_experts_start_len: int = 0,
                  rid: Optional[str] = None, timeout_s: float = 120.0, stream: bool = True,
-                 top_logprobs_num: int = 0) -> GenerateResult:
+                 top_logprobs_num: int = 0, deadline_s: float = 0.0) -> GenerateResult:
         """Submits one request and collects its events until the final one.
 
         Raises RolloutdError if the daemon rejects the request or it does not end
         within timeout_s (it is then aborted); a failed event sets ``result.error``.
+        deadline_s > 0 has the daemon itself end the request (finished, abort_reason
+        "deadline", with the tokens so far) that many seconds after it received it.
         """
         rid = uuid.uuid4().hex if rid is None else rid
         collector = _Collector(rid, top_logprobs_num)
@@ -426,7 +428,7 @@ class Client:
             input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             min_p=min_p, seed=seed, stop_token_ids=stop_token_ids, return_logprob=return_logprob,
             return_routed_experts=return_routed_experts, routed_experts_start_len=routed_experts_start_len,
-            rid=rid, timeout_s=timeout_s, stream=stream, top_logprobs_num=top_logprobs_num)
+            rid=rid, timeout_s=timeout_s, stream=stream, top_logprobs_num=top_logprobs_num, deadline_s=deadline_s)
         with contextlib.closing(stream_it):  # an error here aborts the request at once
             for event in stream_it:
                 if collector.add(event):

@@ -29,6 +29,7 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 # Memory tags of release_memory / resume_memory (SPEC §12), in canonical order; None = all.
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 MAX_TOP_LOGPROBS = 20  # generate.top_logprobs_num
+MAX_DEADLINE_S = 86400.0  # generate.deadline_s
 
 # GPU weight transports (SPEC §11.7): sizes fixed by NCCL and CUDA.
 NCCL_UNIQUE_ID_BYTES = 128  # ncclUniqueId
@@ -134,6 +135,9 @@ class GenerateRequest:
     # [0, MAX_TOP_LOGPROBS]: n > 0 adds the n most likely tokens of every sampled token (SPEC §4.1);
     # written only when n > 0.
     top_logprobs_num: int = 0
+    # Seconds from the daemon's receipt, [0, MAX_DEADLINE_S]; then the request ends with
+    # finished{abort, deadline} wherever it is. 0 = none; written only when > 0.
+    deadline_s: float = 0.0
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import msgpack
 
 from .messages import (CUDA_IPC_HANDLE_BYTES, DEVICE_UUID_BYTES, MAX_DEVICE_BUCKET_BYTES, MAX_WEIGHT_GROUP_SIZE,
-                       MAX_TOP_LOGPROBS, MEMORY_TAGS, MIN_WEIGHT_GROUP_SIZE, NCCL_UNIQUE_ID_BYTES, PAUSE_MODES, PROTOCOL_VERSION,
+                       MAX_DEADLINE_S, MAX_TOP_LOGPROBS, MEMORY_TAGS, MIN_WEIGHT_GROUP_SIZE, NCCL_UNIQUE_ID_BYTES, PAUSE_MODES, PROTOCOL_VERSION,
                        ROUTED_EXPERTS_DTYPES, WEIGHT_DTYPES, AbortReply, AbortRequest, AbortWeightUpdateReply,
                        AbortWeightUpdateRequest, BeginWeightUpdateReply, BeginWeightUpdateRequest, BucketChecksum,
                        BucketEntry, ContinueGenerationReply, ContinueGenerationRequest, CudaIpcSource,
@@ -683,10 +683,11 @@ REQUEST_TYPES: Dict[str, _Kind] = {
         ("top_k", _Int(-(2**31), 2**31 - 1, min=0)), ("min_p", _Float(0.0, 1.0)), ("seed", _Nullable(_U64)),
         ("stop_token_ids", _List(_TOKEN, limit="max_stop_token_ids")), ("return_logprob", _BOOL),
         ("return_routed_experts", _BOOL), ("routed_experts_start_len", _U32), ("stream", _BOOL),
-        ("top_logprobs_num", _Int(0, 2**32 - 1, max=MAX_TOP_LOGPROBS))],
+        ("top_logprobs_num", _Int(0, 2**32 - 1, max=MAX_TOP_LOGPROBS)),
+        ("deadline_s", _Float(0.0, MAX_DEADLINE_S))],
         optional=("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop_token_ids", "return_logprob",
                   "return_routed_experts", "routed_experts_start_len", "stream"),
-        omitted_when={"top_logprobs_num": 0}),
+        omitted_when={"top_logprobs_num": 0, "deadline_s": 0.0}),
     "abort": _AbortBody(),
     "shutdown": _Struct(ShutdownRequest, [("drain", _BOOL), ("deadline_s", _Float(0.0, 3600.0))],
                         optional=("drain", "deadline_s")),

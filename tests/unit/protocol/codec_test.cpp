@@ -677,6 +677,11 @@ std::vector<BadCase> bad_cases() {
       bad_gen("TemperatureNaN", "temperature", kNaN, E::kOutOfRange, "body.temperature"),
       bad_gen("TemperatureInf", "temperature", kInf, E::kOutOfRange, "body.temperature"),
       bad_gen("TemperatureMinusInf", "temperature", -kInf, E::kOutOfRange, "body.temperature"),
+      bad_gen("DeadlineNegative", "deadline_s", -0.5, E::kOutOfRange, "body.deadline_s"),
+      bad_gen("DeadlineOverADay", "deadline_s", 86400.5, E::kOutOfRange, "body.deadline_s"),
+      bad_gen("DeadlineNaN", "deadline_s", kNaN, E::kOutOfRange, "body.deadline_s"),
+      bad_gen("DeadlineInf", "deadline_s", kInf, E::kOutOfRange, "body.deadline_s"),
+      bad_gen("DeadlineString", "deadline_s", "5", E::kWrongType, "body.deadline_s"),
       bad_gen("TopPZero", "top_p", 0.0, E::kOutOfRange, "body.top_p"),
       bad_gen("TopPIntZero", "top_p", 0, E::kOutOfRange, "body.top_p"),
       bad_gen("TopPAboveOne", "top_p", 1.5, E::kOutOfRange, "body.top_p"),
@@ -858,6 +863,12 @@ TEST(AcceptedRequest, GenerateMinimalTakesStructDefaults) {
   EXPECT_EQ(g.return_routed_experts, d.return_routed_experts);
   EXPECT_EQ(g.routed_experts_start_len, d.routed_experts_start_len);
   EXPECT_EQ(g.stream, d.stream);
+}
+
+TEST(AcceptedRequest, DeadlineIsOptionalAndRoundTrips) {
+  EXPECT_EQ(decode_generate(generate_body()).deadline_s, 0.0);
+  EXPECT_EQ(decode_generate(with(generate_body(), "deadline_s", 2.5)).deadline_s, 2.5);
+  EXPECT_EQ(decode_generate(with(generate_body(), "deadline_s", 86400.0)).deadline_s, 86400.0);
 }
 
 TEST(AcceptedRequest, NilSeedMeansAbsent) {
@@ -1126,6 +1137,17 @@ T request_round_trip(const T& req, uint64_t id = 41) {
   EXPECT_EQ(r.env.type, request_type_name(Request(req)));
   EXPECT_EQ(encode_request(id, *r.request).envelope, m.envelope);
   return std::get<T>(*r.request);
+}
+
+TEST(RoundTrip, GenerateDeadlineIsWrittenOnlyWhenSet) {
+  GenerateRequest g;
+  g.rid = "r";
+  g.input_ids = {1};
+  const std::string plain = encode_request(3, Request(g)).envelope;
+  g.deadline_s = 7.25;
+  EXPECT_EQ(request_round_trip(g).deadline_s, 7.25);
+  EXPECT_GT(encode_request(3, Request(g)).envelope.size(), plain.size());
+  EXPECT_EQ(plain.find("deadline_s"), std::string::npos);
 }
 
 GenerateRequest sample_generate() {

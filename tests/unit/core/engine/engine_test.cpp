@@ -286,5 +286,123 @@ TEST(Engine, WeightVersionIsStampedOnEveryToken) {
   EXPECT_EQ(m["a"].versions, (std::vector<uint64_t>{7, 7, 7}));
 }
 
+// Expert records of one request, by position; each position must arrive once.
+std::map<int64_t, std::vector<int32_t>> routed_by_position(const std::vector<EngineEvent>& events,
+                                                          const std::string& rid, int64_t row_size) {
+  std::map<int64_t, std::vector<int32_t>> m;
+  for (const auto& ev : events) {
+    if (ev.rid != rid || ev.kind != EngineEvent::Kind::kTokens) continue;
+    for (int64_t t = 0; t < ev.routed_num_tokens; ++t) {
+      const int64_t pos = ev.routed_start_pos + t;
+      EXPECT_EQ(m.count(pos), 0u) << rid << ": position " << pos << " recorded twice";
+      m[pos].assign(ev.routed_rows.begin() + t * row_size, ev.routed_rows.begin() + (t + 1) * row_size);
+    }
+  }
+  return m;
+}
+
+TEST(Engine, AdmissionTakesOnlyThePromptsBlocksSoLongGenerationsRunTogether) {
+  // 40 blocks of 4 tokens. Four requests of 8 + 60 tokens need 17 blocks each at their end:
+  // reserved up front only two would run at once; admitted by their prompts (2 blocks) all do.
+  auto e = embedded_engine(small_limits(64, 8, 40), 8);
+  for (int i = 0; i < 4; ++i)
+    ASSERT_TRUE(e->submit(spec("r" + std::to_string(i), {1, 2, 3, 4, 5, 6, 7, i}, 60)).ok());
+  std::vector<EngineEvent> events;
+  ASSERT_TRUE(e->step(events).ok());
+  EXPECT_EQ(e->stats().num_running, 4u);
+  EXPECT_EQ(e->stats().num_waiting, 0u);
+  EXPECT_EQ(e->stats().kv_blocks_free, 40 - 4 * 2);
+}
+
+TEST(Engine, ARunningRequestIsPreemptedWhenBlocksRunOutAndFinishesWithTheSameResults) {
+  // The same requests with a pool that holds them all, and with one that holds ~1.5 of them
+  // at their full length: the youngest running requests go back to the queue (their KV is
+  // computed again when readmitted) and every request ends with the tokens, log-probs and
+  // expert records it gets with the large pool, each record sent once, no block leaked.
+  std::vector<RequestSpec> reqs;
+  for (int i = 0; i < 5; ++i) {
+    auto r = spec("r" + std::to_string(i), {3 + i, 40, 41, 42, 43, 7 * i}, 40, i % 2 ? 0.8f : 0.0f, 100 + i);
+    r.return_routed_experts = true;
+    r.routed_experts_start_len = static_cast<uint32_t>(i);
+    reqs.push_back(r);
+  }
+  auto run = [&](int64_t kv_blocks, EngineStats* stats) {
+    auto e = embedded_engine(small_limits(16, 8, kv_blocks), 8);
+    const int64_t free0 = e->stats().kv_blocks_free;
+    for (const auto& r : reqs) EXPECT_TRUE(e->submit(r).ok());
+    auto events = run_to_idle(*e);
+    EXPECT_EQ(e->stats().kv_blocks_free, free0);
+    *stats = e->stats();
+    return events;
+  };
+  EngineStats big_stats, small_stats;
+  const auto big = run(128, &big_stats);
+  const auto small = run(18, &small_stats);  // one request at its end: 46 positions, 12 blocks
+  EXPECT_EQ(big_stats.num_preemptions_total, 0u);
+  EXPECT_GT(small_stats.num_preemptions_total, 0u);
+  EXPECT_GT(small_stats.num_recomputed_tokens_total, 0u);
+  EXPECT_EQ(small_stats.num_prompt_tokens_total, big_stats.num_prompt_tokens_total);
+  EXPECT_EQ(small_stats.num_generated_tokens_total, 5u * 40u);
+  auto mb = collect(big), ms = collect(small);
+  const auto& c = embedded_engine(small_limits())->model_config();
+  const int64_t row = c.num_moe_layers() * c.num_experts_per_tok;
+  for (const auto& r : reqs) {
+    const auto& a = ms[r.rid];
+    const auto& b = mb[r.rid];
+    EXPECT_EQ(a.finals, 1) << r.rid;
+    EXPECT_EQ(a.reason, "length") << r.rid;
+    EXPECT_EQ(a.completion_tokens, 40u) << r.rid;
+    EXPECT_EQ(a.tokens, b.tokens) << r.rid;
+    ASSERT_EQ(a.logprobs.size(), b.logprobs.size()) << r.rid;
+    for (size_t i = 0; i < a.logprobs.size(); ++i) EXPECT_NEAR(a.logprobs[i], b.logprobs[i], 1e-4) << r.rid;
+    const auto ra = routed_by_position(small, r.rid, row), rb = routed_by_position(big, r.rid, row);
+    // Every position from routed_experts_start_len to the last one forwarded, once.
+    ASSERT_EQ(ra.size(), static_cast<size_t>(6 + 40 - 1 - r.routed_experts_start_len)) << r.rid;
+    EXPECT_EQ(ra.begin()->first, r.routed_experts_start_len) << r.rid;
+    EXPECT_EQ(ra, rb) << r.rid;
+  }
+}
+
+TEST(Engine, DeadlineEndsQueuedRunningAndPausedRequestsWithReasonDeadline) {
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  auto e = embedded_engine(small_limits(8, 4, 64), 1, 16);  // one running at a time
+  const int64_t free0 = e->stats().kv_blocks_free;
+  auto a = spec("a", {1, 2, 3}, 50);
+  a.deadline = t0 + std::chrono::seconds(10);
+  auto b = spec("b", {1, 2, 3}, 50);  // queued behind a
+  b.deadline = t0 + std::chrono::seconds(5);
+  auto c = spec("c", {1, 2, 3}, 4);  // no deadline
+  ASSERT_TRUE(e->submit(a).ok());
+  ASSERT_TRUE(e->submit(b).ok());
+  ASSERT_TRUE(e->submit(c).ok());
+  EXPECT_EQ(e->next_deadline(), b.deadline);
+  std::vector<EngineEvent> events;
+  ASSERT_TRUE(e->step(events).ok());
+  ASSERT_TRUE(e->step(events).ok());
+  EXPECT_EQ(e->expire(t0 + std::chrono::seconds(4), events), 0u);
+  EXPECT_EQ(e->expire(t0 + std::chrono::seconds(5), events), 1u);  // b, still queued
+  EXPECT_FALSE(e->contains("b"));
+  EXPECT_EQ(e->next_deadline(), a.deadline);
+  std::vector<EngineEvent> ignored;
+  e->pause(Engine::PauseMode::kInPlace, ignored);
+  EXPECT_EQ(e->expire(t0 + std::chrono::seconds(11), events), 1u);  // a, running but paused
+  EXPECT_FALSE(e->next_deadline().has_value());
+  e->resume();
+  auto rest = run_to_idle(*e);
+  events.insert(events.end(), rest.begin(), rest.end());
+  auto m = collect(events);
+  EXPECT_EQ(m["a"].finals, 1);
+  EXPECT_EQ(m["a"].reason, "abort");
+  EXPECT_EQ(m["a"].abort_reason, "deadline");
+  EXPECT_EQ(m["a"].completion_tokens, static_cast<uint32_t>(m["a"].tokens.size()));
+  EXPECT_GT(m["a"].tokens.size(), 0u);
+  EXPECT_EQ(m["b"].abort_reason, "deadline");
+  EXPECT_TRUE(m["b"].tokens.empty());
+  EXPECT_EQ(m["c"].reason, "length");
+  EXPECT_EQ(e->stats().num_deadline_aborts_total, 2u);
+  EXPECT_EQ(e->stats().kv_blocks_free, free0);
+}
+
 }  // namespace
 }  // namespace rolloutd::core

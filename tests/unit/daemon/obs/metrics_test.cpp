@@ -45,6 +45,8 @@ TEST(MetricsTest, ExposesExactNamesAfterUpdates) {
   m.add_prompt_tokens(7);
   m.add_generated_tokens(5);
   m.add_generated_tokens(3);
+  m.add_preemptions(2, 40);
+  m.add_preemptions(1, 9);
   m.on_finished("stop");
   m.on_finished("length");
   m.on_stream_abort("client_gone");
@@ -65,6 +67,8 @@ TEST(MetricsTest, ExposesExactNamesAfterUpdates) {
   EXPECT_EQ(s[R"(rolloutd_errors_total{code="out_of_range"})"], 1);
   EXPECT_EQ(s["rolloutd_prompt_tokens_total"], 7);
   EXPECT_EQ(s["rolloutd_tokens_generated_total"], 8);
+  EXPECT_EQ(s["rolloutd_preemptions_total"], 3);
+  EXPECT_EQ(s["rolloutd_recomputed_tokens_total"], 49);
   EXPECT_EQ(s[R"(rolloutd_requests_finished_total{reason="stop"})"], 1);
   EXPECT_EQ(s[R"(rolloutd_requests_finished_total{reason="length"})"], 1);
   EXPECT_EQ(s[R"(rolloutd_stream_aborts_total{reason="client_gone"})"], 1);

@@ -212,6 +212,19 @@ def test_status_defaults_for_fields_added_later():
     assert isinstance(body, StatusReply) and (body.paused, body.update_session) == (False, 0)
 
 
+def test_deadline_travels_only_when_set_and_is_range_checked():
+    plain = wire.encode(1, GenerateRequest(rid="r", input_ids=[1]))
+    assert "deadline_s" not in msgpack.unpackb(plain[0])["body"]
+    assert wire.decode(plain).body.deadline_s == 0.0
+    asked = wire.encode(1, GenerateRequest(rid="r", input_ids=[1], deadline_s=2.5))
+    assert msgpack.unpackb(asked[0])["body"]["deadline_s"] == 2.5
+    assert wire.decode(asked).body.deadline_s == 2.5
+    for bad in (-1.0, 86400.5, float("nan"), float("inf")):
+        with pytest.raises(RolloutdError) as e:
+            wire.decode(wire.encode(1, GenerateRequest(rid="r", input_ids=[1], deadline_s=bad)))
+        assert (e.value.code, e.value.field) == ("out_of_range", "body.deadline_s"), bad
+
+
 def test_top_logprobs_travel_only_when_asked_and_agree_with_the_tokens():
     plain = wire.encode(1, GenerateRequest(rid="r", input_ids=[1]))
     assert "top_logprobs_num" not in msgpack.unpackb(plain[0])["body"]
