@@ -78,9 +78,11 @@ class RawDealer:
     # PINGs also keep the heartbeat alive while a long backlog is read.
     NUDGE_S = 0.25
 
-    def recv(self, timeout_s):
+    def recv(self, timeout_s, nudge=True):
         """One message (list of frames), or None when nothing complete arrives in time.
-        Heartbeat PINGs met on the way are answered."""
+        Heartbeat PINGs met on the way are answered. nudge=False sends no PINGs of its own
+        (for a daemon about to exit: bytes it has not read when it closes the connection make
+        its kernel reset it, and a reset discards what it had not yet sent)."""
         deadline = time.monotonic() + timeout_s
         frames = []
         while True:
@@ -91,7 +93,8 @@ class RawDealer:
             try:
                 flags, body = self._read_frame()
             except socket.timeout:
-                self.keepalive()
+                if nudge:
+                    self.keepalive()
                 continue
             if flags & FLAG_COMMAND:
                 if body.startswith(b"\x04PING"):
