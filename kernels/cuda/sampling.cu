@@ -21,6 +21,12 @@
 //   ~1e-16 of a float rounding boundary. Neither is seen in practice; documented, not tested.
 // - Top log-probs (optional) rank by the raw logit, not by p, and reuse the row's log-sum-exp,
 //   so a sampled token's top entry equals its log-prob bit for bit.
+// - Every pass over the row loads kBatch logits per thread into registers, then handles them
+//   one by one in the order of a plain strided loop (the same bits). In a plain loop each load
+//   sits behind the previous element's data-dependent branches, so a thread's ~300 elements at
+//   a 151,936 vocabulary cost ~300 serial L2/DRAM round trips instead of ~40. The draw's walk
+//   inside the chosen tile (q <= 4 elements per lane up to a 262,144 vocabulary, one warp,
+//   stopping at the hit) keeps its plain loads.
 #include <cfloat>
 #include <climits>
 #include <cstdint>
@@ -38,6 +44,7 @@ constexpr int kBins = 256;             // radix digit: 8 bits
 constexpr int kMaxTiles = 4 * kThreads;  // the draw's tiles: each thread scans 4
 constexpr double kMassScale = 1152921504606846976.0;  // 2^60: fixed-point unit of top-p mass
 constexpr double kWindowMargin = 1e-5;  // log-space margin of the logit window (see NOTES)
+constexpr int kBatch = 8;              // logits a thread loads before handling them (see NOTES)
 
 struct SampleSmem {
   unsigned int count[kBins];
@@ -199,22 +206,34 @@ __device__ uint64_t select_threshold(const float* __restrict__ l, int64_t V, con
       xh = hi >= 0x7F800000u ? INFINITY : rp.x_high(__uint_as_float(hi));
     }
     // Warps walk the row in step (i0 is the same for all lanes) for histogram_add's collectives.
-    for (int64_t i0 = tid - lane; i0 < V; i0 += kThreads) {
-      const int64_t i = i0 + lane;
-      int d = -1;
-      unsigned long long mass = 0;
-      if (i < V) {
-        const double x = rp.x_of(l[i]);
-        if (!(x < xl || x > xh)) {
-          const float p = rp.p_of(x);
-          const uint64_t key = key_of(p, i);
-          if (known == 0 || (key >> (64 - known)) == (prefix >> (64 - known))) {
-            d = static_cast<int>((key >> shift) & 0xFF);
-            mass = static_cast<unsigned long long>(static_cast<double>(p) * kMassScale);
+    // The loads are batched as in the max pass (see NOTES); the elements keep their order.
+    for (int64_t b0 = tid - lane; b0 < V; b0 += kBatch * kThreads) {
+      float v[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int64_t i = b0 + u * kThreads + lane;
+        v[u] = l[i < V ? i : V - 1];
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int64_t i0 = b0 + u * kThreads;
+        if (i0 >= V) break;  // the same for all lanes
+        const int64_t i = i0 + lane;
+        int d = -1;
+        unsigned long long mass = 0;
+        if (i < V) {
+          const double x = rp.x_of(v[u]);
+          if (!(x < xl || x > xh)) {
+            const float p = rp.p_of(x);
+            const uint64_t key = key_of(p, i);
+            if (known == 0 || (key >> (64 - known)) == (prefix >> (64 - known))) {
+              d = static_cast<int>((key >> shift) & 0xFF);
+              mass = static_cast<unsigned long long>(static_cast<double>(p) * kMassScale);
+            }
           }
         }
+        histogram_add(d, mass, by_mass, sm);
       }
-      histogram_add(d, mass, by_mass, sm);
     }
     __syncthreads();
     if (warp == 0) {
@@ -284,16 +303,28 @@ __device__ __noinline__ void top_logprobs_block(const float* __restrict__ l, int
   uint64_t best[kMaxTopLogprobs];
   for (int j = 0; j < n; ++j) best[j] = 0;
   uint64_t floor_key = 0;  // best[n - 1]
-  for (int64_t i = tid; i < V; i += kThreads) {
-    const uint64_t key = top_key(l[i], i);
-    if (key <= floor_key) continue;
-    int j = n - 1;
-    while (j > 0 && best[j - 1] < key) {
-      best[j] = best[j - 1];
-      --j;
+  // The loads are batched as in the max pass (see NOTES); the elements keep their order.
+  for (int64_t i0 = tid; i0 < V; i0 += kBatch * kThreads) {
+    float v[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t i = i0 + u * kThreads;
+      v[u] = l[i < V ? i : V - 1];
     }
-    best[j] = key;
-    floor_key = best[n - 1];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t i = i0 + u * kThreads;
+      if (i >= V) break;
+      const uint64_t key = top_key(v[u], i);
+      if (key <= floor_key) continue;
+      int j = n - 1;
+      while (j > 0 && best[j - 1] < key) {
+        best[j] = best[j - 1];
+        --j;
+      }
+      best[j] = key;
+      floor_key = best[n - 1];
+    }
   }
   int head = 0;
   for (int round = 0; round < n; ++round) {
@@ -335,15 +366,28 @@ __global__ void __launch_bounds__(kThreads, 2) sample_kernel(int32_t* __restrict
   // Max, argmax (lowest id; an all-NaN or all -inf row gives id 0) and the log-sum-exp of the
   // raw logits, in one pass.
   RowMax mx{-INFINITY, INT_MAX, 0.0};
-#pragma unroll 4
-  for (int64_t i = tid; i < V; i += kThreads) {
-    const float v = l[i];
-    if (v > mx.m) {
-      mx.s = mx.s * static_cast<double>(__expf(mx.m - v)) + 1.0;
-      mx.m = v;
-      mx.id = static_cast<int>(i);
-    } else if (v <= mx.m && v != -INFINITY) {
-      mx.s += static_cast<double>(__expf(v - mx.m));
+  // kBatch independent loads first, then the elements one by one in stride order: each
+  // element's branches depend on its value, so a load issued after them waits a full round
+  // trip (see NOTES). Past the row's end a load reads l[V - 1] (no branch) and is not used.
+  for (int64_t i0 = tid; i0 < V; i0 += kBatch * kThreads) {
+    float vb[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t i = i0 + u * kThreads;
+      vb[u] = l[i < V ? i : V - 1];
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t i = i0 + u * kThreads;
+      if (i >= V) break;
+      const float v = vb[u];
+      if (v > mx.m) {
+        mx.s = mx.s * static_cast<double>(__expf(mx.m - v)) + 1.0;
+        mx.m = v;
+        mx.id = static_cast<int>(i);
+      } else if (v <= mx.m && v != -INFINITY) {
+        mx.s += static_cast<double>(__expf(v - mx.m));
+      }
     }
   }
   mx = block_max_sum(mx, sm);
@@ -356,10 +400,20 @@ __global__ void __launch_bounds__(kThreads, 2) sample_kernel(int32_t* __restrict
   RowProb rp{m, greedy ? 1.0 : 1.0 / static_cast<double>(t), 0.0};
   if (!greedy) {  // z: the double sum of the double exps at T, as core::Sampler's
     double z = 0;
-#pragma unroll 4
-    for (int64_t i = tid; i < V; i += kThreads) {
-      const float v = l[i];
-      z += (!(v <= m)) ? 0.0 : exp(rp.x_of(v));
+    // The loads are batched as in the max pass (see NOTES); the sum keeps its order.
+    for (int64_t i0 = tid; i0 < V; i0 += kBatch * kThreads) {
+      float vb[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int64_t i = i0 + u * kThreads;
+        vb[u] = l[i < V ? i : V - 1];
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (i0 + u * kThreads >= V) break;
+        const float v = vb[u];
+        z += (!(v <= m)) ? 0.0 : exp(rp.x_of(v));
+      }
     }
     rp.z = block_sum(z, sm);
   }
@@ -397,18 +451,44 @@ __global__ void __launch_bounds__(kThreads, 2) sample_kernel(int32_t* __restrict
     const int64_t tile = 32 * q;
     const int num_tiles = static_cast<int>((V + tile - 1) / tile);
     const double xl = cut ? rp.x_low(__uint_as_float(static_cast<uint32_t>(cut >> 32))) : -INFINITY;
-    const auto weight = [&](int64_t i) -> double {
+    // The weight of element i, whose logit is li (not read when i >= V).
+    const auto weight_of = [&](int64_t i, float li) -> double {
       if (i >= V) return 0.0;
-      const double x = rp.x_of(l[i]);
+      const double x = rp.x_of(li);
       if (x < xl) return 0.0;
       const float pi = rp.p_of(x);
       return key_of(pi, i) >= cut ? static_cast<double>(pi) : 0.0;
     };
-    for (int k = warp; k < num_tiles; k += kWarps) {
+    const auto weight = [&](int64_t i) -> double { return weight_of(i, i < V ? l[i] : 0.0f); };
+    // Each warp sums its tiles k = warp, warp + kWarps, ..., each over j = 0..q-1, in that
+    // order; the loads are batched as in the max pass (see NOTES), kBatch elements of that
+    // walk at a time, across tile ends. (k, j) is the same for all lanes of a warp.
+    {
+      int k = warp;
+      int64_t j = 0;
       double s = 0;
-      for (int64_t j = 0; j < q; ++j) s += weight(k * tile + j * 32 + lane);
-      s = warp_sum_d(s);
-      if (lane == 0) sm.tile_sum[k] = s;
+      while (k < num_tiles) {
+        float v[kBatch];
+        int kl = k;
+        int64_t jl = j;
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int64_t i = kl * tile + jl * 32 + lane;
+          v[u] = l[i < V ? i : V - 1];  // past the last tile i >= V too
+          if (++jl == q) jl = 0, kl += kWarps;
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          if (k >= num_tiles) break;
+          s += weight_of(k * tile + j * 32 + lane, v[u]);
+          if (++j == q) {
+            s = warp_sum_d(s);
+            if (lane == 0) sm.tile_sum[k] = s;
+            s = 0;
+            j = 0, k += kWarps;
+          }
+        }
+      }
     }
     __syncthreads();
     double local = 0;
