@@ -1630,7 +1630,9 @@ void write_body(Packer& pk, const HelloRequest& r) {
 }
 void write_body(Packer& pk, const StatusRequest&) { MapWriter(pk, 0); }
 void write_body(Packer& pk, const GenerateRequest& r) {
-  MapWriter w(pk, 13 + (r.top_logprobs_num > 0 ? 1 : 0) + (r.deadline_s > 0 ? 1 : 0));
+  // deadline_s: any value but 0 is written, so a negative or NaN one is refused by the daemon
+  // rather than dropped here.
+  MapWriter w(pk, 13 + (r.top_logprobs_num > 0 ? 1 : 0) + (r.deadline_s != 0 ? 1 : 0));
   w.put("rid", r.rid)
       .put("input_ids", r.input_ids)
       .put("max_new_tokens", r.max_new_tokens)
@@ -1645,7 +1647,7 @@ void write_body(Packer& pk, const GenerateRequest& r) {
       .put("routed_experts_start_len", r.routed_experts_start_len)
       .put("stream", r.stream);
   if (r.top_logprobs_num > 0) w.put("top_logprobs_num", r.top_logprobs_num);
-  if (r.deadline_s > 0) w.put("deadline_s", r.deadline_s);
+  if (r.deadline_s != 0) w.put("deadline_s", r.deadline_s);
 }
 void write_body(Packer& pk, const AbortRequest& r) {
   // rid is omitted rather than nil when absent (SPEC §4.1).

@@ -134,7 +134,8 @@ Status Engine::submit(RequestSpec spec) {
                       std::to_string(std::min<int64_t>(options_.step.max_blocks_per_seq, kv_.num_blocks())) +
                       " per request",
                   "max_new_tokens");
-  if (static_cast<int64_t>(waiting_.size()) >= options_.max_waiting)
+  // Preempted requests wait too, but they were accepted long ago: only new ones count.
+  if (static_cast<int64_t>(waiting_.size() - preempted_waiting_) >= options_.max_waiting)
     return Status(ErrorCode::kOverloaded,
                   "waiting queue is full (" + std::to_string(options_.max_waiting) + " requests)");
 
@@ -167,6 +168,10 @@ void Engine::admit() {
     Status st = kv_.allocate(need, s->blocks);
     if (!st.ok()) break;
     waiting_.pop_front();
+    if (s->preempted) {
+      s->preempted = false;
+      --preempted_waiting_;
+    }
     s->running = true;
     running_.push_back(s);
   }
@@ -179,6 +184,8 @@ void Engine::preempt(Sequence& s) {
   ++preemptions_total_;
   s.num_computed = 0;
   s.running = false;
+  s.preempted = true;
+  ++preempted_waiting_;
   waiting_.push_front(&s);
 }
 
@@ -207,6 +214,7 @@ void Engine::remove(const std::string& rid) {
     running_.erase(std::remove(running_.begin(), running_.end(), s), running_.end());
   } else {
     waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), s), waiting_.end());
+    if (s->preempted) --preempted_waiting_;
   }
   (void)kv_.release(s->blocks);
   by_rid_.erase(it);
@@ -287,7 +295,9 @@ Engine::PauseCounts Engine::pause(PauseMode mode, std::vector<EngineEvent>& out)
     running_.clear();
     waiting_.clear();
     for (Sequence* s : back) {
-      if (s->num_computed > 0 || s->num_generated > 0) {
+      // Anything sent counts: a request preempted mid-prefill has computed nothing now but
+      // may have streamed expert records.
+      if (s->num_computed > 0 || s->num_generated > 0 || s->routed_sent > 0) {
         EngineEvent e;
         e.kind = EngineEvent::Kind::kRetracted;
         e.rid = s->spec.rid;
@@ -298,14 +308,16 @@ Engine::PauseCounts Engine::pause(PauseMode mode, std::vector<EngineEvent>& out)
       }
       s->tokens.resize(static_cast<size_t>(s->prompt_len));
       s->routed_sent = 0;  // what the client received is void: every record goes out again
+      s->preempted = false;
       s->num_computed = 0;
       s->num_generated = 0;
       s->running = false;
       (void)kv_.release(s->blocks);
       waiting_.push_back(s);
     }
+    preempted_waiting_ = 0;
   } else {
-    c.paused = static_cast<uint32_t>(running_.size());  // in flight; waiting ones stay queued (SPEC 11.6)
+    c.paused = static_cast<uint32_t>(running_.size() + preempted_waiting_);  // in flight (SPEC 11.6)
   }
   return c;
 }
@@ -313,7 +325,7 @@ Engine::PauseCounts Engine::pause(PauseMode mode, std::vector<EngineEvent>& out)
 uint32_t Engine::resume() {
   if (!paused_) return 0;  // SPEC 11.6: not paused, nothing resumed
   paused_ = false;
-  return static_cast<uint32_t>(running_.size());
+  return static_cast<uint32_t>(running_.size() + preempted_waiting_);
 }
 
 size_t Engine::fail_all(const Status& error, std::vector<EngineEvent>& out) {

@@ -184,6 +184,7 @@ class Engine {
     bool running = false;
     bool prompt_counted = false;   // prompt tokens counted in the stats (once per request)
     int64_t routed_sent = 0;       // positions below this have had their expert records streamed
+    bool preempted = false;        // waiting after a preemption (counted in preempted_waiting_)
   };
 
   Engine(std::unique_ptr<MoeDecoder> model, const EngineOptions& options);
@@ -222,6 +223,7 @@ class Engine {
   uint64_t preemptions_total_ = 0;
   uint64_t recomputed_tokens_total_ = 0;
   uint64_t deadline_aborts_total_ = 0;
+  size_t preempted_waiting_ = 0;  // preempted requests in waiting_ (in flight for pause counts)
   std::optional<std::chrono::steady_clock::time_point> next_deadline_;
 };
 

@@ -1148,6 +1148,11 @@ TEST(RoundTrip, GenerateDeadlineIsWrittenOnlyWhenSet) {
   EXPECT_EQ(request_round_trip(g).deadline_s, 7.25);
   EXPECT_GT(encode_request(3, Request(g)).envelope.size(), plain.size());
   EXPECT_EQ(plain.find("deadline_s"), std::string::npos);
+  // A bad value is written, not dropped, so the daemon refuses it instead of ignoring it.
+  g.deadline_s = -1.0;
+  const RequestDecodeResult r = decode(encode_request(3, Request(g)).envelope);
+  EXPECT_EQ(r.status.code(), ErrorCode::kOutOfRange);
+  EXPECT_EQ(r.status.field(), "body.deadline_s");
 }
 
 GenerateRequest sample_generate() {

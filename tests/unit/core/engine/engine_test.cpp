@@ -363,6 +363,65 @@ TEST(Engine, ARunningRequestIsPreemptedWhenBlocksRunOutAndFinishesWithTheSameRes
   }
 }
 
+TEST(Engine, APreemptedRequestIsInFlightForPausesAndTheQueueBound) {
+  // a decodes and grows; b's long prompt is prefilled 1 token a step (budget 2, decode first), its
+  // expert records streaming, until a's growth takes b's blocks: b goes back to the queue having
+  // sent records but holding no KV. A retract must then void those records (a retracted event,
+  // rows again from routed_experts_start_len); pauses count b as in flight; b does not take a
+  // place in the waiting queue's bound.
+  auto e = embedded_engine(small_limits(/*max_tokens=*/2, 8, /*kv_blocks=*/10), 8, /*max_waiting=*/2);
+  ASSERT_TRUE(e->submit(spec("a", {1, 2, 3, 4}, 30)).ok());
+  std::vector<int32_t> long_prompt(24);
+  for (int i = 0; i < 24; ++i) long_prompt[static_cast<size_t>(i)] = 5 + i;
+  auto b = spec("b", long_prompt, 2);
+  b.return_routed_experts = true;
+  ASSERT_TRUE(e->submit(b).ok());
+  std::vector<EngineEvent> events;
+  for (int i = 0; i < 200 && e->stats().num_preemptions_total == 0; ++i) ASSERT_TRUE(e->step(events).ok());
+  ASSERT_EQ(e->stats().num_preemptions_total, 1u);
+  int64_t rows_before = 0;
+  for (const auto& ev : events)
+    if (ev.rid == "b") rows_before += ev.routed_num_tokens;
+  ASSERT_GT(rows_before, 0);
+  ASSERT_LT(rows_before, 24) << "b must be preempted mid-prefill";
+  EXPECT_EQ(e->stats().num_running, 1u);
+  EXPECT_EQ(e->stats().num_waiting, 1u);
+  // Two new requests fit the bound of 2 beside the preempted b; a third does not.
+  ASSERT_TRUE(e->submit(spec("c", {1}, 2)).ok());
+  ASSERT_TRUE(e->submit(spec("d", {1}, 2)).ok());
+  EXPECT_EQ(e->submit(spec("x", {1}, 2)).code(), ErrorCode::kOverloaded);
+  EXPECT_TRUE(e->abort("c", "client", events));
+  EXPECT_TRUE(e->abort("d", "client", events));
+  std::vector<EngineEvent> after;
+  EXPECT_EQ(e->pause(Engine::PauseMode::kInPlace, after).paused, 2u);
+  EXPECT_EQ(e->pause(Engine::PauseMode::kRetract, after).retracted, 2u);
+  e->resume();
+  auto rest = run_to_idle(*e);
+  after.insert(after.end(), rest.begin(), rest.end());
+  int retracted_b = 0;
+  int64_t next = 0;
+  for (const auto& ev : after) {
+    if (ev.rid != "b") continue;
+    if (ev.kind == EngineEvent::Kind::kRetracted) {
+      ++retracted_b;
+      EXPECT_EQ(next, 0) << "records before the retracted event";
+    } else if (ev.kind == EngineEvent::Kind::kTokens && ev.routed_num_tokens > 0) {
+      EXPECT_EQ(ev.routed_start_pos, next);
+      next += ev.routed_num_tokens;
+    }
+  }
+  EXPECT_EQ(retracted_b, 1);
+  EXPECT_EQ(next, 24 + 2 - 1) << "every position recorded once after the retraction";
+  int finals = 0;
+  for (const auto& ev : after)
+    if (ev.kind == EngineEvent::Kind::kFinished) {
+      ++finals;
+      EXPECT_EQ(ev.finish_reason, "length") << ev.rid;
+    }
+  EXPECT_EQ(finals, 2);
+  EXPECT_EQ(e->stats().kv_blocks_free, 10);
+}
+
 TEST(Engine, DeadlineEndsQueuedRunningAndPausedRequestsWithReasonDeadline) {
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
