@@ -293,18 +293,13 @@ __device__ __forceinline__ uint64_t top_key(float l, int64_t id) {
   return (static_cast<uint64_t>(u) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(id));
 }
 
-// The row's n most likely tokens (SampleArgs::top_ids), 1 <= n <= min(V, kMaxTopLogprobs):
-// each thread keeps the n largest keys of its stride, then n rounds of a block maximum take
-// the heads of those lists in order (keys are distinct, so one thread owns each maximum).
-// Kept out of line: its per-thread list lives in local memory, not in the sampler's registers.
-__device__ __noinline__ void top_logprobs_block(const float* __restrict__ l, int64_t V, double log_z, int n,
-                                                int32_t* __restrict__ ids, float* __restrict__ lps, SampleSmem& sm) {
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  uint64_t best[kMaxTopLogprobs];
-  for (int j = 0; j < n; ++j) best[j] = 0;
-  uint64_t floor_key = 0;  // best[n - 1]
-  // The loads are batched as in the max pass (see NOTES); the elements keep their order.
-  for (int64_t i0 = tid; i0 < V; i0 += kBatch * kThreads) {
+// Calls f(value, i) for i = first, first + kThreads, ... below V, in that order, with the loads
+// issued kBatch at a time ahead of the calls: each element's branches depend on its value, so a
+// load issued after them would wait a full round trip (see NOTES). Past the row's end a load
+// reads l[V - 1] (no branch) and is not used.
+template <typename F>
+__device__ __forceinline__ void for_each_strided(const float* __restrict__ l, int64_t V, int64_t first, F&& f) {
+  for (int64_t i0 = first; i0 < V; i0 += kBatch * kThreads) {
     float v[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
@@ -315,17 +310,32 @@ __device__ __noinline__ void top_logprobs_block(const float* __restrict__ l, int
     for (int u = 0; u < kBatch; ++u) {
       const int64_t i = i0 + u * kThreads;
       if (i >= V) break;
-      const uint64_t key = top_key(v[u], i);
-      if (key <= floor_key) continue;
-      int j = n - 1;
-      while (j > 0 && best[j - 1] < key) {
-        best[j] = best[j - 1];
-        --j;
-      }
-      best[j] = key;
-      floor_key = best[n - 1];
+      f(v[u], i);
     }
   }
+}
+
+// The row's n most likely tokens (SampleArgs::top_ids), 1 <= n <= min(V, kMaxTopLogprobs):
+// each thread keeps the n largest keys of its stride, then n rounds of a block maximum take
+// the heads of those lists in order (keys are distinct, so one thread owns each maximum).
+// Kept out of line: its per-thread list lives in local memory, not in the sampler's registers.
+__device__ __noinline__ void top_logprobs_block(const float* __restrict__ l, int64_t V, double log_z, int n,
+                                                int32_t* __restrict__ ids, float* __restrict__ lps, SampleSmem& sm) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  uint64_t best[kMaxTopLogprobs];
+  for (int j = 0; j < n; ++j) best[j] = 0;
+  uint64_t floor_key = 0;  // best[n - 1]
+  for_each_strided(l, V, tid, [&](float v, int64_t i) {
+    const uint64_t key = top_key(v, i);
+    if (key <= floor_key) return;
+    int j = n - 1;
+    while (j > 0 && best[j - 1] < key) {
+      best[j] = best[j - 1];
+      --j;
+    }
+    best[j] = key;
+    floor_key = best[n - 1];
+  });
   int head = 0;
   for (int round = 0; round < n; ++round) {
     const unsigned long long mine = head < n ? best[head] : 0ull;
@@ -366,30 +376,15 @@ __global__ void __launch_bounds__(kThreads, 2) sample_kernel(int32_t* __restrict
   // Max, argmax (lowest id; an all-NaN or all -inf row gives id 0) and the log-sum-exp of the
   // raw logits, in one pass.
   RowMax mx{-INFINITY, INT_MAX, 0.0};
-  // kBatch independent loads first, then the elements one by one in stride order: each
-  // element's branches depend on its value, so a load issued after them waits a full round
-  // trip (see NOTES). Past the row's end a load reads l[V - 1] (no branch) and is not used.
-  for (int64_t i0 = tid; i0 < V; i0 += kBatch * kThreads) {
-    float vb[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int64_t i = i0 + u * kThreads;
-      vb[u] = l[i < V ? i : V - 1];
+  for_each_strided(l, V, tid, [&](float v, int64_t i) {
+    if (v > mx.m) {
+      mx.s = mx.s * static_cast<double>(__expf(mx.m - v)) + 1.0;
+      mx.m = v;
+      mx.id = static_cast<int>(i);
+    } else if (v <= mx.m && v != -INFINITY) {
+      mx.s += static_cast<double>(__expf(v - mx.m));
     }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int64_t i = i0 + u * kThreads;
-      if (i >= V) break;
-      const float v = vb[u];
-      if (v > mx.m) {
-        mx.s = mx.s * static_cast<double>(__expf(mx.m - v)) + 1.0;
-        mx.m = v;
-        mx.id = static_cast<int>(i);
-      } else if (v <= mx.m && v != -INFINITY) {
-        mx.s += static_cast<double>(__expf(v - mx.m));
-      }
-    }
-  }
+  });
   mx = block_max_sum(mx, sm);
   const float m = mx.m;
   const int am = mx.id < V ? mx.id : 0;
@@ -400,21 +395,7 @@ __global__ void __launch_bounds__(kThreads, 2) sample_kernel(int32_t* __restrict
   RowProb rp{m, greedy ? 1.0 : 1.0 / static_cast<double>(t), 0.0};
   if (!greedy) {  // z: the double sum of the double exps at T, as core::Sampler's
     double z = 0;
-    // The loads are batched as in the max pass (see NOTES); the sum keeps its order.
-    for (int64_t i0 = tid; i0 < V; i0 += kBatch * kThreads) {
-      float vb[kBatch];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int64_t i = i0 + u * kThreads;
-        vb[u] = l[i < V ? i : V - 1];
-      }
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        if (i0 + u * kThreads >= V) break;
-        const float v = vb[u];
-        z += (!(v <= m)) ? 0.0 : exp(rp.x_of(v));
-      }
-    }
+    for_each_strided(l, V, tid, [&](float v, int64_t) { z += (!(v <= m)) ? 0.0 : exp(rp.x_of(v)); });
     rp.z = block_sum(z, sm);
   }
 
