@@ -219,6 +219,11 @@ Command add_generate(CLI::App& root) {
   app->add_option("--routed-start-len", r.routed_experts_start_len,
                   "First sequence position recorded")
       ->capture_default_str();
+  app->add_option("--deadline-s", r.deadline_s,
+                  "The daemon ends the request this long after receiving it (finished, abort_reason "
+                  "deadline; 0 = none)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, proto::kMaxDeadlineS));
   app->add_flag("--no-stream", opts->no_stream, "Ask the daemon for one event at the end");
   app->add_option("--rid", r.rid, "Request id (default: random)");
   app->add_option("--generate-timeout-s", opts->wait_s, "Bound on the whole generation")

@@ -76,6 +76,22 @@ def test_generate_prints_top_logprobs_per_token(daemon):
     assert rolloutctl("generate", "--input-ids", "1", "--top-logprobs", "21").returncode == 64
 
 
+def test_generate_passes_a_deadline_and_prints_its_abort(daemon):
+    def script(d):
+        m = d.recv()
+        assert m.body.deadline_s == 2.5
+        d.send(m.id, GenerateReply("r4"))
+        d.send(m.id, TokensEvent("r4", [10], [], [0]))
+        d.send(m.id, FinishedEvent("r4", "abort", "deadline", 1, 1))
+
+    peer = daemon(script)
+    out = rolloutctl("--endpoint", peer.endpoint, "generate", "--input-ids", "1", "--rid", "r4", "--deadline-s", "2.5")
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert (r["finish_reason"], r["abort_reason"], r["token_ids"]) == ("abort", "deadline", [10])
+    assert rolloutctl("generate", "--input-ids", "1", "--deadline-s", "-1").returncode == 64
+
+
 def test_generate_reports_only_the_attempt_after_a_retraction(daemon):
     def script(d):
         m = d.recv()
