@@ -344,7 +344,7 @@ TEST(Engine, ARunningRequestIsPreemptedWhenBlocksRunOutAndFinishesWithTheSameRes
   EXPECT_EQ(small_stats.num_prompt_tokens_total, big_stats.num_prompt_tokens_total);
   EXPECT_EQ(small_stats.num_generated_tokens_total, 5u * 40u);
   auto mb = collect(big), ms = collect(small);
-  const auto& c = embedded_engine(small_limits())->model_config();
+  const ModelConfig c = embedded_engine(small_limits())->model_config();  // a copy: the engine is a temporary
   const int64_t row = c.num_moe_layers() * c.num_experts_per_tok;
   for (const auto& r : reqs) {
     const auto& a = ms[r.rid];
