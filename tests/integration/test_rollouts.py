@@ -231,14 +231,7 @@ def test_abort_one_and_all(daemon):
         assert c.abort("no-such-request").num_aborted == 0  # idempotent
         assert c.abort(rids[0]).num_aborted == 0
         assert c.abort_all().num_aborted == 3
-        finals = {}
-        for ev in c.events(timeout_s=5.0):
-            if not isinstance(ev, rolloutd.TokensEvent):
-                assert ev.rid not in finals
-                finals[ev.rid] = ev
-            if len(finals) == 4:
-                break
-        assert set(finals) == set(rids)
+        finals = final_events(c, rids, timeout_s=5.0)  # each rid once, and every one of them
         assert all(f.reason == "abort" and f.abort_reason == "client" for f in finals.values())
         # Still serving.
         assert c.generate([1], max_new_tokens=2).ok

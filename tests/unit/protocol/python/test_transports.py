@@ -473,6 +473,16 @@ def two_daemons(daemon, script):
     return peers, states
 
 
+def two_daemons_in_a_group(daemon, script, backend, box):
+    """two_daemons, a client of each and a FakeGroup over them in box["g"] (where the scripts
+    find the group's queues): (peers, states, clients). The caller joins the peers and closes
+    the clients."""
+    peers, states = two_daemons(daemon, script)
+    clients = [Client(p.endpoint) for p in peers]
+    box["g"] = FakeGroup(clients, backend)
+    return peers, states, clients
+
+
 def test_push_nccl_to_two_daemons_packs_every_bucket_once(daemon):
     backend = FakeBackend()
     group_box = {}
@@ -480,9 +490,7 @@ def test_push_nccl_to_two_daemons_packs_every_bucket_once(daemon):
     def script(d, state, i):
         serve(d, 11 + i, lambda req: group_box["g"].queues[d.endpoint].get(timeout=5), state)
 
-    peers, states = two_daemons(daemon, script)
-    clients = [Client(p.endpoint) for p in peers]
-    group_box["g"] = FakeGroup(clients, backend)
+    peers, states, clients = two_daemons_in_a_group(daemon, script, backend, group_box)
     stats = {}
     ends = trainer.push_weights(clients, TENSORS, 7, via="nccl", group=group_box["g"], bucket_bytes=2600,
                                 checksum=True, stats=stats, _backend=backend)
@@ -614,9 +622,7 @@ def test_push_nccl_refusal_keeps_the_group_and_aborts_the_sessions(daemon):
         fail = (1, "invalid_argument", "checksum mismatch", "body.checksum") if i == 0 else None
         serve(d, 5, lambda req: box["g"].queues[d.endpoint].get(timeout=5), state, fail_at=fail)
 
-    peers, states = two_daemons(daemon, script)
-    clients = [Client(p.endpoint) for p in peers]
-    box["g"] = FakeGroup(clients, backend)
+    peers, states, clients = two_daemons_in_a_group(daemon, script, backend, box)
     with pytest.raises(RolloutdError) as e:
         trainer.push_weights(clients, TENSORS, 3, group=box["g"], bucket_bytes=64, _backend=backend)
     for p in peers:
@@ -649,9 +655,7 @@ def test_push_refused_at_begin_by_one_daemon_aborts_the_sessions_opened_on_the_o
         else:
             d.send(m.id, ErrorInfo("failed_precondition", "session 4 is already open", "session"))
 
-    peers, states = two_daemons(daemon, script)
-    clients = [Client(p.endpoint) for p in peers]
-    box["g"] = FakeGroup(clients, backend)
+    peers, states, clients = two_daemons_in_a_group(daemon, script, backend, box)
     with pytest.raises(RolloutdError) as e:
         trainer.push_weights(clients, TENSORS, 3, group=box["g"], bucket_bytes=64, _backend=backend)
     for p in peers:
