@@ -259,8 +259,9 @@ def test_pause_retract_of_a_stream_false_request_sends_retracted_with_nothing_di
     fresh = daemon_factory(args=["--model-seed", str(NEW_SEED)])
     with d.client() as c, fresh.client() as f, d.client() as trainer:
         trainer.hello()
-        want = f.generate([9, 8, 7], max_new_tokens=3000, temperature=0.0).token_ids
-        rid = c.submit([9, 8, 7], max_new_tokens=3000, temperature=0.0, stream=False)
+        # 1,000 tokens run ~0.5 s in a release build: long enough to be caught running.
+        want = f.generate([9, 8, 7], max_new_tokens=1000, temperature=0.0, timeout_s=240.0).token_ids
+        rid = c.submit([9, 8, 7], max_new_tokens=1000, temperature=0.0, stream=False)
         deadline = time.monotonic() + 10
         while trainer.status().num_running != 1:
             assert time.monotonic() < deadline, "the request never started"
@@ -269,7 +270,9 @@ def test_pause_retract_of_a_stream_false_request_sends_retracted_with_nothing_di
         trainer.push_weights(list(new_weights.items()), weight_version=5)
         trainer.continue_generation()
         events = []
-        for ev in c.events(timeout_s=60.0):
+        # stream=false: nothing comes until the whole generation is done, so the idle bound is
+        # the generation's (ASan on a 2-core CI machine took over 60 s for 3,000 tokens).
+        for ev in c.events(timeout_s=240.0):
             assert ev.rid == rid
             events.append(ev)
             if isinstance(ev, (rolloutd.FinishedEvent, rolloutd.FailedEvent)):
