@@ -8,6 +8,7 @@
 #include "build_info.hpp"
 #include "core/model/config.hpp"
 #include "daemon/obs/log.hpp"
+#include "daemon/actors/connection_flush.hpp"
 #include "daemon/security/control_auth.hpp"
 
 namespace rolloutd::daemon {
@@ -119,7 +120,14 @@ Result<std::string> ControlActor::bind() {
     const std::string host = bind_host(config_.bind_address);
     if (is_ipv6_literal(host)) router_.set(zmq::sockopt::ipv6, 1);
     router_.bind("tcp://" + endpoint_host(host) + ":" + port);
-    return router_.get(zmq::sockopt::last_endpoint);
+    const std::string endpoint = router_.get(zmq::sockopt::last_endpoint);
+    const size_t colon = endpoint.rfind(':');
+    try {
+      bound_port_ = static_cast<uint16_t>(std::stoul(endpoint.substr(colon + 1)));
+    } catch (const std::exception&) {
+      return Status(ErrorCode::kInternal, "no port in the bound endpoint " + endpoint, "control_port");
+    }
+    return endpoint;
   } catch (const zmq::error_t& e) {
     return Status(ErrorCode::kUnavailable,
                   std::string("cannot bind the control socket: ") + e.what(), "control_port");
@@ -674,6 +682,8 @@ int ControlActor::run() {
       }
     }
   }
+  obs::log_info("control", "control loop stopped", {{"exit_code", exit_code_}});
+  await_clients_read();
   // The socket has taken the last messages but may not have written them yet: linger 0 (set at
   // bind, so a restart never waits on a dead peer) would discard them when the context closes,
   // final events included. Let it deliver for what is left of the flush deadline.
@@ -683,8 +693,79 @@ int ControlActor::run() {
   } catch (const zmq::error_t& e) {
     obs::log_warn("control", "could not set the control socket's linger", {{"error", e.what()}});
   }
-  obs::log_info("control", "control loop stopped", {{"exit_code", exit_code_}});
   return exit_code_;
+}
+
+void ControlActor::await_clients_read() {
+  // Every message is in ZeroMQ's hands, but for a client slow to read much of it may sit in
+  // our kernel send buffer; closing now would let a byte from the client (its PONG to our
+  // heartbeat) reset the connection and drop it (connection_flush.hpp). So the socket stays
+  // open, ZeroMQ reading and answering heartbeats, until each connection at the control port
+  // has been acknowledged in full, or the flush deadline, or another signal.
+  const auto start = Clock::now();
+  constexpr auto kCheckEvery = std::chrono::milliseconds(10);
+  constexpr auto kSettle = std::chrono::milliseconds(50);
+  ConnectionFlushWatch watch(kSettle);
+  const int signals_at_start = drain_signals_.load();
+  uint64_t num_refused = 0;
+  const char* outcome = "received";
+  while (true) {
+    auto conns = tcp_connections_at_port(bound_port_);
+    if (!conns.ok()) {
+      obs::log_warn("control", "cannot see the control connections' send queues; closing without waiting",
+                    {{"error", conns.status().to_string()}});
+      return;
+    }
+    watch.observe(*conns, Clock::now());
+    if (watch.all_flushed()) break;
+    if (Clock::now() >= flush_deadline_) {
+      outcome = "flush_deadline";
+      break;
+    }
+    if (drain_signals_.load() > signals_at_start) {
+      outcome = "signal";
+      break;
+    }
+    heartbeat_.beat();
+    zmq::pollitem_t item{router_.handle(), 0, ZMQ_POLLIN, 0};
+    try {
+      zmq::poll(&item, 1, kCheckEvery);
+    } catch (const zmq::error_t& e) {
+      if (e.num() != EINTR) obs::log_error("control", "poll failed", {{"error", e.what()}});
+    }
+    // Read, so no byte stays unread at the close (that too makes the close a reset), and
+    // refused: nothing serves requests any more. A reconnecting client is accepted until the
+    // socket closes, and learns from the reply that this daemon is going.
+    for (int n = 0; n < kMaxRequestsPerTurn && (item.revents & ZMQ_POLLIN); ++n) {
+      std::vector<zmq::message_t> parts;
+      try {
+        if (!zmq::recv_multipart(router_, std::back_inserter(parts), zmq::recv_flags::dontwait)) break;
+      } catch (const zmq::error_t&) {
+        break;
+      }
+      if (parts.size() < 2) continue;
+      const protocol::Frame envelope(static_cast<const uint8_t*>(parts[1].data()), parts[1].size());
+      const protocol::RequestDecodeResult dec = protocol::decode_request(envelope, {}, config_.limits);
+      const std::string identity(static_cast<const char*>(parts[0].data()), parts[0].size());
+      reply_error(client_for(identity), dec.env.id, Status(ErrorCode::kDraining, "the daemon is exiting"));
+      ++num_refused;
+    }
+    flush();
+  }
+  const double waited_s = std::chrono::duration<double>(Clock::now() - start).count();
+  nlohmann::json fields{{"outcome", outcome},
+                        {"waited_s", waited_s},
+                        {"connections_received", watch.num_flushed()},
+                        {"connections_waiting", watch.num_waiting()},
+                        {"unacked_bytes", watch.unacked_bytes()},
+                        {"connections_lost", watch.num_lost()},
+                        {"lost_bytes", watch.lost_bytes()},
+                        {"requests_refused", num_refused}};
+  if (std::string_view(outcome) == "received" && watch.num_lost() == 0) {
+    obs::log_info("control", "clients have received the last messages", fields);
+  } else {
+    obs::log_warn("control", "control socket closed before every client had received its messages", fields);
+  }
 }
 
 }  // namespace rolloutd::daemon

@@ -116,6 +116,8 @@ class ControlActor {
   void send_engine(EngineCommand cmd);
   void drop_route(const std::string& rid);
   void gc_clients();
+  // After the loop: keeps the socket open until the clients have what it took (tcp_queues.hpp).
+  void await_clients_read();
   uint64_t client_for(const std::string& identity);
   protocol::StatusReply status_reply() const;
   protocol::TokensEvent to_tokens(const core::EngineEvent& ev) const;
@@ -148,6 +150,7 @@ class ControlActor {
   bool stop_sent_ = false;
   int exit_code_ = 0;
   std::chrono::steady_clock::time_point flush_deadline_;
+  uint16_t bound_port_ = 0;  // the control socket's TCP port, once bound
 };
 
 }  // namespace rolloutd::daemon

@@ -78,13 +78,10 @@ class RawDealer:
     # PINGs also keep the heartbeat alive while a long backlog is read.
     NUDGE_S = 0.25
 
-    def recv(self, timeout_s, quiet=False):
+    def recv(self, timeout_s):
         """One message (list of frames), or None when nothing complete arrives in time.
         Heartbeat PINGs met on the way are answered, and while it waits it sends PINGs of its
-        own (NUDGE_S). quiet=True sends nothing at all, neither PINGs nor PONGs: for a daemon
-        about to exit, whose lingering socket no longer reads. Bytes it has not read when it
-        closes the connection make its kernel reset it, and a reset discards what the kernel
-        had not yet sent."""
+        own (NUDGE_S), as a libzmq peer with heartbeats would."""
         deadline = time.monotonic() + timeout_s
         frames = []
         while True:
@@ -95,11 +92,10 @@ class RawDealer:
             try:
                 flags, body = self._read_frame()
             except socket.timeout:
-                if not quiet:
-                    self.keepalive()
+                self.keepalive()
                 continue
             if flags & FLAG_COMMAND:
-                if body.startswith(b"\x04PING") and not quiet:
+                if body.startswith(b"\x04PING"):
                     self.sock.sendall(_command(b"PONG", body[5 + 2:]))  # echo the context
                 continue
             frames.append(body)
