@@ -116,7 +116,7 @@ class ControlActor {
   void send_engine(EngineCommand cmd);
   void drop_route(const std::string& rid);
   void gc_clients();
-  // After the loop: keeps the socket open until the clients have what it took (tcp_queues.hpp).
+  // After the loop: keeps the socket open until the clients have what it took (connection_flush.hpp).
   void await_clients_read();
   uint64_t client_for(const std::string& identity);
   protocol::StatusReply status_reply() const;
