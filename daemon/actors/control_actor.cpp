@@ -683,7 +683,7 @@ int ControlActor::run() {
     }
   }
   obs::log_info("control", "control loop stopped", {{"exit_code", exit_code_}});
-  await_clients_read();
+  await_delivery();
   // The socket has taken the last messages but may not have written them yet: linger 0 (set at
   // bind, so a restart never waits on a dead peer) would discard them when the context closes,
   // final events included. Let it deliver for what is left of the flush deadline.
@@ -696,7 +696,7 @@ int ControlActor::run() {
   return exit_code_;
 }
 
-void ControlActor::await_clients_read() {
+void ControlActor::await_delivery() {
   // Every message is in ZeroMQ's hands, but for a client slow to read much of it may sit in
   // our kernel send buffer; closing now would let a byte from the client (its PONG to our
   // heartbeat) reset the connection and drop it (connection_flush.hpp). So the socket stays

@@ -117,7 +117,7 @@ class ControlActor {
   void drop_route(const std::string& rid);
   void gc_clients();
   // After the loop: keeps the socket open until the clients have what it took (connection_flush.hpp).
-  void await_clients_read();
+  void await_delivery();
   uint64_t client_for(const std::string& identity);
   protocol::StatusReply status_reply() const;
   protocol::TokensEvent to_tokens(const core::EngineEvent& ev) const;
