@@ -123,9 +123,11 @@ void ConnectionFlushWatch::observe(const std::vector<TcpConnection>& connections
     if (s.flushed || s.gone) continue;  // gone and back: an inode reused by a new connection is not waited for
     s.unacked = c.unacked_bytes;
     if (c.unacked_bytes != 0) {
+      ++s.nonzero_readings;
       s.zero = false;
       continue;
     }
+    s.nonzero_readings = 0;
     if (!s.zero) {
       s.zero = true;
       s.zero_since = now;
@@ -136,9 +138,11 @@ void ConnectionFlushWatch::observe(const std::vector<TcpConnection>& connections
     if (seen.contains(inode) || s.flushed || s.gone) continue;
     if (++s.missing < 2) continue;  // one reading may miss a row while other sockets change
     s.gone = true;
-    if (s.unacked > 0) {
+    if (s.nonzero_readings >= 2) {
       ++num_lost_;
       lost_bytes_ += s.unacked;
+    } else {
+      ++num_closed_;
     }
   }
 }

@@ -43,7 +43,9 @@ Status add_tcp_table(std::string_view table, uint16_t port, const std::unordered
 // has stayed zero for `settle` (ZeroMQ may still hold messages it has not written: the kernel
 // queue reads zero until its I/O thread writes them), and stays flushed (a heartbeat PING later
 // is not a reason to wait again). A connection missing from two readings in a row is gone
-// (closed, or reset by its peer): lost if its last reading had bytes unacknowledged.
+// (closed, or reset by its peer): lost if its last two readings both had bytes unacknowledged
+// (it was behind), merely closed if only the last did (a heartbeat PING or a reply in flight as
+// a client that had what it wanted closed: acknowledged, most likely, just after the reading).
 class ConnectionFlushWatch {
  public:
   using Clock = std::chrono::steady_clock;
@@ -54,12 +56,14 @@ class ConnectionFlushWatch {
   size_t num_waiting() const;        // connections neither flushed nor gone
   uint64_t unacked_bytes() const;    // their unacknowledged bytes at the last reading
   size_t num_flushed() const;
+  size_t num_closed() const { return num_closed_; }  // gone, not lost
   size_t num_lost() const { return num_lost_; }
   uint64_t lost_bytes() const { return lost_bytes_; }
 
  private:
   struct Conn {
     uint64_t unacked = 0;
+    int nonzero_readings = 0;  // in a row
     bool zero = false;
     Clock::time_point zero_since;
     bool flushed = false;
@@ -68,6 +72,7 @@ class ConnectionFlushWatch {
   };
   Clock::duration settle_;
   std::unordered_map<uint64_t, Conn> conns_;
+  size_t num_closed_ = 0;
   size_t num_lost_ = 0;
   uint64_t lost_bytes_ = 0;
 };

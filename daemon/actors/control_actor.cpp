@@ -758,6 +758,7 @@ void ControlActor::await_delivery() {
                         {"connections_received", watch.num_flushed()},
                         {"connections_waiting", watch.num_waiting()},
                         {"unacked_bytes", watch.unacked_bytes()},
+                        {"connections_closed", watch.num_closed()},
                         {"connections_lost", watch.num_lost()},
                         {"lost_bytes", watch.lost_bytes()},
                         {"requests_refused", num_refused}};

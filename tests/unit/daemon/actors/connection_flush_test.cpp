@@ -189,6 +189,19 @@ TEST(ConnectionFlush, AFlushedConnectionStaysFlushedAndEachIsJudgedAlone) {
   EXPECT_TRUE(w.all_flushed());  // the sum was never zero here, each connection was
 }
 
+TEST(ConnectionFlush, AConnectionGoneRightAfterOneBusyReadingIsClosedNotLost) {
+  ConnectionFlushWatch w(kSettle);
+  const auto t0 = Clock::now();
+  auto at = [&](int ms) { return t0 + std::chrono::milliseconds(ms); };
+  w.observe({{1, 0, 0}}, at(0));
+  w.observe({{1, 11, 0}}, at(10));  // a PING (or a reply) in flight as the client closes
+  w.observe({}, at(20));
+  w.observe({}, at(30));
+  EXPECT_TRUE(w.all_flushed());
+  EXPECT_EQ(w.num_closed(), 1u);
+  EXPECT_EQ(w.num_lost(), 0u);
+}
+
 TEST(ConnectionFlush, AConnectionGoneWithBytesUnackedIsLostAndOneMissedReadingIsNot) {
   ConnectionFlushWatch w(kSettle);
   const auto t0 = Clock::now();
@@ -207,6 +220,7 @@ TEST(ConnectionFlush, AConnectionGoneWithBytesUnackedIsLostAndOneMissedReadingIs
   EXPECT_TRUE(w.all_flushed());
   EXPECT_EQ(w.num_lost(), 2u);
   EXPECT_EQ(w.lost_bytes(), 3100u);
+  EXPECT_EQ(w.num_closed(), 0u);
   w.observe({{1, 5, 0}}, at(70));  // the inode reused by a new connection: not waited for
   EXPECT_TRUE(w.all_flushed());
 }
