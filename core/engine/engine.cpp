@@ -134,8 +134,8 @@ Status Engine::submit(RequestSpec spec) {
                       std::to_string(std::min<int64_t>(options_.step.max_blocks_per_seq, kv_.num_blocks())) +
                       " per request",
                   "max_new_tokens");
-  // Preempted requests wait too, but they were accepted long ago: only new ones count.
-  if (static_cast<int64_t>(waiting_.size() - preempted_waiting_) >= options_.max_waiting)
+  // Preempted and retracted requests wait too, but they had begun: only new ones count (is_new).
+  if (static_cast<int64_t>(num_waiting_new_) >= options_.max_waiting)
     return Status(ErrorCode::kOverloaded,
                   "waiting queue is full (" + std::to_string(options_.max_waiting) + " requests)");
 
@@ -149,6 +149,7 @@ Status Engine::submit(RequestSpec spec) {
     next_deadline_ = raw->spec.deadline;
   by_rid_.emplace(raw->spec.rid, std::move(seq));
   waiting_.push_back(raw);
+  ++num_waiting_new_;
   ++requests_total_;
   return Status::Ok();
 }
@@ -168,9 +169,9 @@ void Engine::admit() {
     Status st = kv_.allocate(need, s->blocks);
     if (!st.ok()) break;
     waiting_.pop_front();
-    if (s->preempted) {
-      s->preempted = false;
-      --preempted_waiting_;
+    if (s->is_new) {
+      s->is_new = false;
+      --num_waiting_new_;
     }
     s->running = true;
     running_.push_back(s);
@@ -180,13 +181,26 @@ void Engine::admit() {
 void Engine::preempt(Sequence& s) {
   running_.erase(std::remove(running_.begin(), running_.end(), &s), running_.end());
   (void)kv_.release(s.blocks);
-  recomputed_tokens_total_ += static_cast<uint64_t>(s.num_computed);
-  ++preemptions_total_;
+  // Admitted and sent back in one step, before any KV of this admission: nothing is lost, so
+  // it is no preemption, and one that never began is a new request again.
+  if (s.num_computed > 0) {
+    recomputed_tokens_total_ += static_cast<uint64_t>(s.num_computed);
+    ++preemptions_total_;
+  }
+  if (!s.started && !s.is_new) {
+    s.is_new = true;
+    ++num_waiting_new_;
+  }
   s.num_computed = 0;
   s.running = false;
-  s.preempted = true;
-  ++preempted_waiting_;
   waiting_.push_front(&s);
+}
+
+size_t Engine::num_in_flight() const {
+  size_t n = 0;
+  for (const Sequence* s : running_) n += s->started;
+  for (const Sequence* s : waiting_) n += s->started;
+  return n;
 }
 
 void Engine::reserve_blocks(std::vector<Planned>& planned) {
@@ -214,7 +228,7 @@ void Engine::remove(const std::string& rid) {
     running_.erase(std::remove(running_.begin(), running_.end(), s), running_.end());
   } else {
     waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), s), waiting_.end());
-    if (s->preempted) --preempted_waiting_;
+    if (s->is_new) --num_waiting_new_;
   }
   (void)kv_.release(s->blocks);
   by_rid_.erase(it);
@@ -295,9 +309,9 @@ Engine::PauseCounts Engine::pause(PauseMode mode, std::vector<EngineEvent>& out)
     running_.clear();
     waiting_.clear();
     for (Sequence* s : back) {
-      // Anything sent counts: a request preempted mid-prefill has computed nothing now but
-      // may have streamed expert records.
-      if (s->num_computed > 0 || s->num_generated > 0 || s->routed_sent > 0) {
+      // In flight: a request preempted mid-prefill has computed nothing now, but had begun
+      // (and may have streamed expert records); one admitted but not begun has not.
+      if (s->started) {
         EngineEvent e;
         e.kind = EngineEvent::Kind::kRetracted;
         e.rid = s->spec.rid;
@@ -308,16 +322,19 @@ Engine::PauseCounts Engine::pause(PauseMode mode, std::vector<EngineEvent>& out)
       }
       s->tokens.resize(static_cast<size_t>(s->prompt_len));
       s->routed_sent = 0;  // what the client received is void: every record goes out again
-      s->preempted = false;
+      if (s->running && !s->started && !s->is_new) {  // admitted, not begun: new again
+        s->is_new = true;
+        ++num_waiting_new_;
+      }
+      s->started = false;
       s->num_computed = 0;
       s->num_generated = 0;
       s->running = false;
       (void)kv_.release(s->blocks);
       waiting_.push_back(s);
     }
-    preempted_waiting_ = 0;
   } else {
-    c.paused = static_cast<uint32_t>(running_.size() + preempted_waiting_);  // in flight (SPEC 11.6)
+    c.paused = static_cast<uint32_t>(num_in_flight());  // SPEC 11.6
   }
   return c;
 }
@@ -325,7 +342,7 @@ Engine::PauseCounts Engine::pause(PauseMode mode, std::vector<EngineEvent>& out)
 uint32_t Engine::resume() {
   if (!paused_) return 0;  // SPEC 11.6: not paused, nothing resumed
   paused_ = false;
-  return static_cast<uint32_t>(running_.size() + preempted_waiting_);
+  return static_cast<uint32_t>(num_in_flight());
 }
 
 size_t Engine::fail_all(const Status& error, std::vector<EngineEvent>& out) {
@@ -433,6 +450,7 @@ Status Engine::step(std::vector<EngineEvent>& out) {
   for (const Slice& sl : slices) {
     Sequence& s = *sl.seq;
     s.num_computed += sl.count;
+    s.started = true;
     EngineEvent ev;
     ev.kind = EngineEvent::Kind::kTokens;
     ev.rid = s.spec.rid;

@@ -86,8 +86,9 @@ struct EngineStats {
   uint64_t num_requests_total = 0;
   uint64_t num_prompt_tokens_total = 0;
   uint64_t num_generated_tokens_total = 0;
-  // Preemption when the KV pool runs dry (Engine::step): requests sent back to the queue, and
-  // the tokens whose KV they had cached (computed again when they are readmitted).
+  // Preemption when the KV pool runs dry (Engine::step): requests sent back to the queue with
+  // KV dropped, and the tokens whose KV was dropped (counted then: a request aborted, expired or
+  // retracted before its readmission never computes them again).
   uint64_t num_preemptions_total = 0;
   uint64_t num_recomputed_tokens_total = 0;
   uint64_t num_deadline_aborts_total = 0;
@@ -184,7 +185,13 @@ class Engine {
     bool running = false;
     bool prompt_counted = false;   // prompt tokens counted in the stats (once per request)
     int64_t routed_sent = 0;       // positions below this have had their expert records streamed
-    bool preempted = false;        // waiting after a preemption (counted in preempted_waiting_)
+    // In flight (SPEC 11.6): some prefill computed since it last started; stays so through a
+    // preemption, cleared by a retraction. Pause counts, retracted events and resume count these.
+    bool started = false;
+    // Waiting and never begun: counts against --max-waiting. A request admitted and sent back
+    // before it began is new again; one preempted or retracted after it began is not (it was
+    // accepted work in progress).
+    bool is_new = true;
   };
 
   Engine(std::unique_ptr<MoeDecoder> model, const EngineOptions& options);
@@ -223,7 +230,8 @@ class Engine {
   uint64_t preemptions_total_ = 0;
   uint64_t recomputed_tokens_total_ = 0;
   uint64_t deadline_aborts_total_ = 0;
-  size_t preempted_waiting_ = 0;  // preempted requests in waiting_ (in flight for pause counts)
+  size_t num_waiting_new_ = 0;  // requests in waiting_ with is_new: the --max-waiting bound
+  size_t num_in_flight() const;  // requests with `started`, running or waiting
   std::optional<std::chrono::steady_clock::time_point> next_deadline_;
 };
 

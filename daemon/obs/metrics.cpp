@@ -127,13 +127,14 @@ struct Metrics::Impl {
                             .Add({});
     preemptions = &prometheus::BuildCounter()
                        .Name("rolloutd_preemptions_total")
-                       .Help("Running requests sent back to the queue because the KV cache ran out of "
-                             "blocks (their KV is computed again when they are readmitted).")
+                       .Help("Running requests whose cached KV was dropped and that went back to the queue because "
+                             "the KV cache ran out of blocks (their KV is computed again when they are readmitted).")
                        .Register(registry)
                        .Add({});
     recomputed_tokens = &prometheus::BuildCounter()
                              .Name("rolloutd_recomputed_tokens_total")
-                             .Help("Tokens whose cached KV a preemption dropped (prefilled again).")
+                             .Help("Tokens whose cached KV a preemption dropped (prefilled again on readmission, unless the "
+                                   "request ends first).")
                              .Register(registry)
                              .Add({});
     auto& steps = prometheus::BuildCounter()

@@ -422,6 +422,108 @@ TEST(Engine, APreemptedRequestIsInFlightForPausesAndTheQueueBound) {
   EXPECT_EQ(e->stats().kv_blocks_free, 10);
 }
 
+int count_kind(const std::vector<EngineEvent>& events, const std::string& rid, EngineEvent::Kind kind) {
+  int n = 0;
+  for (const auto& ev : events) n += ev.rid == rid && ev.kind == kind;
+  return n;
+}
+
+TEST(Engine, InFlightIsOneRuleForInPlaceRetractAndContinue) {
+  // SPEC 11.6: in flight = prefill begun, or preempted after it began. (1) b, preempted
+  // mid-prefill without asking for expert records, is in flight: in_place and retract count
+  // it and it gets its retracted event. (2) A request admitted while the step's token budget
+  // ran out before its prefill has not begun: no count, no event.
+  {
+    auto e = embedded_engine(small_limits(/*max_tokens=*/2, 8, /*kv_blocks=*/10), 8, 8);
+    ASSERT_TRUE(e->submit(spec("a", {1, 2, 3, 4}, 30)).ok());
+    std::vector<int32_t> long_prompt(24);
+    for (int i = 0; i < 24; ++i) long_prompt[static_cast<size_t>(i)] = 5 + i;
+    ASSERT_TRUE(e->submit(spec("b", long_prompt, 2)).ok());
+    std::vector<EngineEvent> events;
+    for (int i = 0; i < 200 && e->stats().num_preemptions_total == 0; ++i) ASSERT_TRUE(e->step(events).ok());
+    ASSERT_EQ(e->stats().num_preemptions_total, 1u);
+    std::vector<EngineEvent> p;
+    EXPECT_EQ(e->pause(Engine::PauseMode::kInPlace, p).paused, 2u);
+    EXPECT_EQ(e->resume(), 2u);
+    EXPECT_EQ(e->pause(Engine::PauseMode::kRetract, p).retracted, 2u);
+    EXPECT_EQ(count_kind(p, "b", EngineEvent::Kind::kRetracted), 1);
+    EXPECT_EQ(count_kind(p, "a", EngineEvent::Kind::kRetracted), 1);
+    EXPECT_EQ(e->resume(), 0u) << "retracted requests are not held";
+    auto rest = run_to_idle(*e);
+    auto got = collect(rest);
+    EXPECT_EQ(got["a"].finals, 1);
+    EXPECT_EQ(got["b"].finals, 1);
+    EXPECT_EQ(e->stats().kv_blocks_free, 10);
+  }
+  {
+    auto e = embedded_engine(small_limits(/*max_tokens=*/2, 8, 64), 8, 8);
+    ASSERT_TRUE(e->submit(spec("a", {1, 2, 3, 4}, 5)).ok());
+    ASSERT_TRUE(e->submit(spec("b", {5, 6, 7, 8}, 5)).ok());
+    std::vector<EngineEvent> events;
+    ASSERT_TRUE(e->step(events).ok());  // both admitted, the budget of 2 spent on a's prompt
+    ASSERT_EQ(e->stats().num_running, 2u);
+    std::vector<EngineEvent> p;
+    EXPECT_EQ(e->pause(Engine::PauseMode::kInPlace, p).paused, 1u);
+    EXPECT_EQ(e->resume(), 1u);
+    e->pause(Engine::PauseMode::kInPlace, p);
+    EXPECT_EQ(e->pause(Engine::PauseMode::kRetract, p).retracted, 1u);
+    EXPECT_EQ(count_kind(p, "b", EngineEvent::Kind::kRetracted), 0);
+    e->resume();
+    auto got = collect(run_to_idle(*e));
+    EXPECT_EQ(got["a"].finals, 1);
+    EXPECT_EQ(got["b"].finals, 1);
+  }
+}
+
+TEST(Engine, ARequestSentBackBeforeItBeganIsNoPreemptionAndWaitsAsANewOne) {
+  // c is admitted with the pool's last free blocks, and the same step a and b's growth takes
+  // them back before c computed anything: nothing was lost (no preemption counted), c is not
+  // in flight, and it takes a place in --max-waiting (2) like any request not yet begun.
+  auto e = embedded_engine(small_limits(16, 8, /*kv_blocks=*/8), 8, /*max_waiting=*/2);
+  ASSERT_TRUE(e->submit(spec("a", {1, 2, 3, 4}, 28)).ok());
+  ASSERT_TRUE(e->submit(spec("b", {5, 6, 7, 8}, 28)).ok());
+  std::vector<EngineEvent> events;
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(e->step(events).ok());
+  ASSERT_EQ(e->stats().kv_blocks_free, 4);
+  ASSERT_TRUE(e->submit(spec("c", std::vector<int32_t>(12, 9), 2)).ok());
+  ASSERT_TRUE(e->step(events).ok());
+  ASSERT_EQ(e->stats().num_waiting, 1u) << "c must have been sent back for this test to mean anything";
+  EXPECT_EQ(e->stats().num_preemptions_total, 0u);
+  EXPECT_EQ(e->stats().num_recomputed_tokens_total, 0u);
+  EXPECT_EQ(count_kind(events, "c", EngineEvent::Kind::kTokens), 0);
+  ASSERT_TRUE(e->submit(spec("d", {1}, 2)).ok());
+  EXPECT_EQ(e->submit(spec("x", {1}, 2)).code(), ErrorCode::kOverloaded) << "c and d fill the bound";
+  std::vector<EngineEvent> p;
+  EXPECT_EQ(e->pause(Engine::PauseMode::kInPlace, p).paused, 2u);
+  EXPECT_EQ(e->pause(Engine::PauseMode::kRetract, p).retracted, 2u);
+  EXPECT_EQ(count_kind(p, "c", EngineEvent::Kind::kRetracted), 0);
+  e->resume();
+  auto rest = run_to_idle(*e);
+  events.insert(events.end(), rest.begin(), rest.end());
+  auto got = collect(events);
+  for (const char* rid : {"a", "b", "c", "d"}) EXPECT_EQ(got[rid].finals, 1) << rid;
+  EXPECT_EQ(e->stats().kv_blocks_free, 8);
+}
+
+TEST(Engine, RetractedRequestsDoNotTakePlacesInTheQueueBound) {
+  // Like preempted ones, retracted requests had begun: a pause{retract} must not make new
+  // requests overloaded (--max-waiting 2, two retracted).
+  auto e = embedded_engine(small_limits(16, 8, 64), 8, /*max_waiting=*/2);
+  ASSERT_TRUE(e->submit(spec("a", {1, 2, 3, 4}, 20)).ok());
+  ASSERT_TRUE(e->submit(spec("b", {5, 6, 7, 8}, 20)).ok());
+  std::vector<EngineEvent> events;
+  ASSERT_TRUE(e->step(events).ok());
+  std::vector<EngineEvent> retracted;
+  ASSERT_EQ(e->pause(Engine::PauseMode::kRetract, retracted).retracted, 2u);
+  EXPECT_TRUE(e->submit(spec("c", {1}, 2)).ok());
+  EXPECT_TRUE(e->submit(spec("d", {1}, 2)).ok());
+  EXPECT_EQ(e->submit(spec("x", {1}, 2)).code(), ErrorCode::kOverloaded);
+  e->resume();
+  auto got = collect(run_to_idle(*e));  // after the retraction: each from its start
+  for (const char* rid : {"a", "b", "c", "d"}) EXPECT_EQ(got[rid].finals, 1) << rid;
+  EXPECT_EQ(e->stats().kv_blocks_free, 64);
+}
+
 TEST(Engine, DeadlineEndsQueuedRunningAndPausedRequestsWithReasonDeadline) {
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
