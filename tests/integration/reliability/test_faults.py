@@ -372,7 +372,8 @@ def test_half_open_garbage_and_hello_flood_keep_livez_fast(daemon_factory, child
     assert len(latencies) >= seconds / 0.05, "the probe ran too rarely to mean anything"
     p100 = max(latencies)
     own = livez_less_host_wait(latencies, host_waits)
-    assert results["hello"]["replies"] == results["hello"]["hellos"] and results["hello"]["hellos"] > 0
+    hello = results["hello"]
+    assert hello["errors"] == [] and hello["replies"] == hello["hellos"] > 0, hello
     assert results["badmsg"]["error_replies"] == results["badmsg"]["sent"]
     with d.client() as c:
         assert c.status().ready
@@ -384,7 +385,7 @@ def test_half_open_garbage_and_hello_flood_keep_livez_fast(daemon_factory, child
            livez_schedstat=probe.schedstat, half_open_connections=results["halfopen"]["connections"],
            garbage_connections=results["garbage"]["connections"], garbage_bytes=results["garbage"]["bytes"],
            bad_messages=results["badmsg"]["sent"], hellos=results["hello"]["hellos"],
-           churn_connections=results["hello"]["churn_connections"],
+           churn_connections=results["hello"]["churn_connections"], connect_retries=results["hello"]["connect_retries"],
            generate_p99_ms=round(1e3 * percentile(control, 99), 2),
            faults_injected=4, faults_survived=4, requests_lost=0)
     if not SANITIZER:
