@@ -272,7 +272,7 @@ size_t Engine::abort_all(const std::string& reason, std::vector<EngineEvent>& ou
   std::vector<Sequence*> victims;
   for (auto& [rid, s] : by_rid_)
     if (!tag_filter || s->spec.tag == *tag_filter) victims.push_back(s.get());
-  // Deterministic order (queue order) so clients see aborts in submission order.
+  // A deterministic order (by rid), the same on every run.
   std::sort(victims.begin(), victims.end(), [](const Sequence* a, const Sequence* b) {
     return a->spec.rid < b->spec.rid;
   });
