@@ -1,5 +1,7 @@
 #include "daemon/actors/engine_actor.hpp"
 
+#include <algorithm>
+
 #include "daemon/obs/log.hpp"
 
 namespace rolloutd::daemon {
@@ -19,9 +21,14 @@ EngineActor::EngineActor(std::unique_ptr<core::Engine> engine, std::unique_ptr<M
 }
 
 void EngineActor::send(EngineOutput out) {
-  // A client that got a reply and then asks for status must see the state the reply
-  // acknowledged: publish before the reply leaves (status is answered from the snapshot).
-  if (!std::holds_alternative<EventBatch>(out)) publish();
+  // A client that got a reply, or a request's final event, and then asks for status must see
+  // the state it acknowledged (the request gone from num_running): publish before it leaves
+  // (status is answered from the snapshot). Batches of tokens alone need not wait for it.
+  const auto* batch = std::get_if<EventBatch>(&out);
+  if (batch == nullptr || std::any_of(batch->events.begin(), batch->events.end(), [](const core::EngineEvent& e) {
+        return e.kind == core::EngineEvent::Kind::kFinished || e.kind == core::EngineEvent::Kind::kFailed;
+      }))
+    publish();
   auto mail = std::make_unique<EngineOutputMail>();
   mail->out = std::move(out);
   Status s = mailbox_->send(std::move(mail));
