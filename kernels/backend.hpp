@@ -178,7 +178,11 @@ struct Backend {
   Status (*rmsnorm)(const ExecContext&, TensorView out, TensorView x, TensorView w, float eps);
   // y[M,N] = x[M,K] * w[N,K]^T. x may be [..., K] (leading dimensions are rows) with y
   // [..., N] of the same leading dimensions. x and w both FP32, or both BF16 (FP32
-  // accumulation: CUDA through cuBLAS's tensor cores); y FP32.
+  // accumulation: CUDA through cuBLAS's tensor cores, or at 1-4 rows with K % 8 == 0 and up to
+  // 8,192 outputs its own GEMV, whose rows are the same bits whatever the number of rows, 1-4);
+  // y FP32. CUDA: that kernel
+  // starts reading w before the kernel just ahead of it in the stream has completed, so that
+  // kernel must not write w (the decoder's weights change only between steps).
   Status (*linear)(const ExecContext&, TensorView y, TensorView x, TensorView w);
   // out = a + b (same shape); out may alias a or b.
   Status (*add)(const ExecContext&, TensorView out, TensorView a, TensorView b);

@@ -422,6 +422,7 @@ Status linear(const ExecContext& ctx, TensorView y, TensorView x, TensorView w) 
     return Status(ErrorCode::kUnimplemented, "linear dimensions above INT_MAX for cuBLAS", "x");
   DeviceGuard guard;
   RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
+  if (linear_decode_applies(y, x, w)) return linear_decode(ctx, y, x, w);
   BlasSlot& slot = blas_slot(ctx.device.index);
   std::lock_guard<std::mutex> lock(slot.mu);
   if (slot.handle == nullptr) {

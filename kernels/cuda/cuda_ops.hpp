@@ -16,6 +16,11 @@ Status kv_store(const ExecContext&, TensorView k_cache, TensorView v_cache, Tens
                 TensorView v, TensorView slot_mapping);
 // cuda_backend.cu (cuBLAS)
 Status linear(const ExecContext&, TensorView y, TensorView x, TensorView w);
+// linear_decode.cu: linear's BF16 path at decode shapes (1-4 rows of x, K % 8 == 0, N <= 8192,
+// 16-byte aligned operands), which linear takes when linear_decode_applies(); the views already
+// checked. ROLLOUTD_DENSE_DECODE=0 (read once) turns it off.
+bool linear_decode_applies(const TensorView& y, const TensorView& x, const TensorView& w);
+Status linear_decode(const ExecContext&, TensorView y, TensorView x, TensorView w);
 // attention.cu
 Status paged_attention(const ExecContext&, TensorView out, TensorView q, TensorView k_cache,
                        TensorView v_cache, TensorView block_tables, TensorView seq_of,

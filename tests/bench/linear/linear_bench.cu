@@ -1,7 +1,9 @@
 // Backend::linear (kernels/cuda/cuda_backend.cu) against a direct cublasGemmEx call, at the
 // decode projections of the hidden-2880 model (engine_bench --models h2880), and the HBM floor from
-// a device-to-device copy measured in the same run. Today Backend::linear *is* that cublasGemmEx
-// call, so "old" and "new" agree; the bench is the harness for a change to `linear`. At commit
+// a device-to-device copy measured in the same run. Backend::linear is that cublasGemmEx call
+// except at 1-4 rows of BF16 with up to 8,192 outputs, where it runs its own GEMV
+// (kernels/cuda/linear_decode.cu; ROLLOUTD_DENSE_DECODE=0 sends those to cuBLAS too, and "old" and
+// "new" then agree); the bench is the harness for a change to `linear`. At commit
 // 27cc2da `linear` ran cuBLASLt plans with timed algo choice (ROLLOUTD_LINEAR_TUNE=0 there: the
 // heuristic's first); result-h200-2026-12-01-lt-*.json hold that run (their floor fields divide by
 // the copy's payload rate, twice the floor below), tests/bench/NOTES.md what came of it.

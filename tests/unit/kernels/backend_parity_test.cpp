@@ -223,7 +223,13 @@ void linear_cases() {
   }
   // BF16 x BF16 with FP32 accumulation (the decoder's dense projections on CUDA): both backends
   // multiply the same BF16 values, so only the summation order differs.
-  for (const P p : {P{1, 64, 64}, P{3, 40, 24}, P{1, 2880, 512}, P{33, 257, 129}, P{256, 1024, 512}}) {
+  // CUDA takes 1-4 rows with K % 8 == 0 and N <= 8192 through its own GEMV (linear_decode.cu: a
+  // warp per weight row, up to 16 runs of 512 bytes in flight, several rounds past K = 4096),
+  // cuBLAS otherwise: both paths, every row count, a partial last CTA (N % 8), K below one run (40)
+  // and with a partial last run (2880), two rounds (8200), the decoder's q/k/v and o_proj shapes.
+  for (const P p : {P{1, 64, 64}, P{3, 40, 24}, P{1, 2880, 512}, P{33, 257, 129}, P{256, 1024, 512},
+                    P{1, 2880, 5120}, P{4, 4096, 2880}, P{2, 8200, 20}, P{4, 2880, 1}, P{3, 2880, 36},
+                    P{5, 4096, 2880}, P{32, 2880, 1000}, P{1, 64, 8200}}) {
     const int64_t m = p.m, k = p.k, n = p.n;
     reg("linear_bf16" + dims({{"M", m}, {"K", k}, {"N", n}}), [=](Rng& rng) {
       ParityCase c;
@@ -1560,6 +1566,51 @@ TEST(CudaBackend, FusedOpsMatchTheUnfusedCudaSequence) {
     EXPECT_LE(rel_l2(d.download(a.q), d.download(q_ref)), 1e-5) << (table ? "table" : "theta");
     EXPECT_LE(rel_l2(d.download(a.k), d.download(k_ref)), 1e-5) << (table ? "table" : "theta");
   }
+}
+
+// The BF16 decode linear (1-4 rows): a row's result is the same bits alone as inside any batch,
+// and the kernel reads only its rows and writes only y's. The rows of x past the first are
+// random; row 0 is the same in every call.
+TEST(CudaBackend, DecodeLinearRowsAreTheSameBitsWhateverTheBatch) {
+  const Backend* cuda = cuda_backend();
+  if (cuda == nullptr || cuda_device_count() == 0)
+    GTEST_SKIP() << "no CUDA backend or no visible GPU";
+  const ExecContext ctx{Device::cuda(0), nullptr};
+  const int64_t k = 2880, n = 520;
+  Rng rng(7);
+  auto bf16_words = [&](int64_t count, float amp) {
+    std::vector<uint16_t> v(static_cast<size_t>(count));
+    for (auto& e : v) e = f32_to_bf16_bits(rng.uniform(-amp, amp));
+    return v;
+  };
+  const std::vector<uint16_t> w = bf16_words(n * k, 0.02f);
+  std::vector<uint16_t> x = bf16_words(32 * k, 1.0f);
+  void *dw = nullptr, *dx = nullptr, *dy = nullptr;
+  ASSERT_TRUE(cuda->alloc(ctx, w.size() * 2, &dw).ok());
+  ASSERT_TRUE(cuda->alloc(ctx, x.size() * 2, &dx).ok());
+  ASSERT_TRUE(cuda->alloc(ctx, (32 * n + 64) * sizeof(float), &dy).ok());
+  ASSERT_TRUE(cuda->copy(ctx, dw, w.data(), w.size() * 2, CopyKind::kHostToDevice).ok());
+  std::vector<float> alone;
+  for (const int64_t m : {1, 2, 3, 4}) {
+    for (size_t j = static_cast<size_t>(k); j < x.size(); ++j) x[j] = f32_to_bf16_bits(rng.uniform(-1.0f, 1.0f));
+    ASSERT_TRUE(cuda->copy(ctx, dx, x.data(), x.size() * 2, CopyKind::kHostToDevice).ok());
+    std::vector<float> sentinel(32 * n + 64, -777.0f);
+    ASSERT_TRUE(cuda->copy(ctx, dy, sentinel.data(), sentinel.size() * 4, CopyKind::kHostToDevice).ok());
+    ASSERT_TRUE(cuda->linear(ctx, TensorView::contiguous(dy, DType::kF32, Shape{m, n}, ctx.device),
+                             TensorView::contiguous(dx, DType::kBF16, Shape{m, k}, ctx.device),
+                             TensorView::contiguous(dw, DType::kBF16, Shape{n, k}, ctx.device))
+                    .ok());
+    std::vector<float> y(sentinel.size());
+    ASSERT_TRUE(cuda->copy(ctx, y.data(), dy, y.size() * 4, CopyKind::kDeviceToHost).ok());
+    ASSERT_TRUE(cuda->synchronize(ctx).ok());
+    const std::vector<float> row0(y.begin(), y.begin() + n);
+    if (alone.empty()) alone = row0;
+    EXPECT_EQ(std::memcmp(row0.data(), alone.data(), static_cast<size_t>(n) * 4), 0) << "row 0 changed at m = " << m;
+    for (size_t j = static_cast<size_t>(m * n); j < y.size(); ++j) ASSERT_EQ(y[j], -777.0f) << "written past y, m = " << m;
+  }
+  EXPECT_TRUE(cuda->free(ctx, dw).ok());
+  EXPECT_TRUE(cuda->free(ctx, dx).ok());
+  EXPECT_TRUE(cuda->free(ctx, dy).ok());
 }
 
 // The CPU reference refuses a device-held count outside [0, T] and leaves dst untouched (the
