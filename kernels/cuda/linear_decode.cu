@@ -10,8 +10,8 @@
 //   warp before any arithmetic: enough bytes in flight to stream at HBM speed without shared memory;
 // - launched as a programmatic dependent (cuda_common.cuh), it issues its first weight loads before
 //   it waits for the kernel ahead: the weights are not that kernel's output, so the first round trip
-//   to HBM overlaps its tail. Contract (backend.hpp, linear): the kernel just ahead in the stream
-//   must not write w;
+//   to HBM overlaps its tail. Contract (backend.hpp, linear): no kernel still running when this one
+//   is launched may write w;
 // - FP32 products and sums: each lane sums its elements in K order, then a fixed xor-shuffle tree
 //   sums the lanes: deterministic, and a row's result is the same bits whatever the number of rows
 //   (1-4) in the call.
@@ -125,7 +125,10 @@ bool linear_decode_applies(const TensorView& y, const TensorView& x, const Tenso
 
 Status linear_decode(const ExecContext& ctx, TensorView y, TensorView x, TensorView w) {
   const int n = static_cast<int>(w.size(0)), k = static_cast<int>(w.size(1));
-  const int m = static_cast<int>(x.numel() / k);
+  const int m = k > 0 ? static_cast<int>(x.numel() / k) : 0;
+  // The launch below handles 1-4 rows only; linear calls this after linear_decode_applies().
+  if (m < 1 || m > kGvMaxRows || k % 8 != 0)
+    return Status(ErrorCode::kInvalidArgument, "linear_decode: 1-4 rows of x and K % 8 == 0 only", "x");
   const dim3 grid(static_cast<unsigned int>((n + kGvWarps - 1) / kGvWarps));
   auto* yp = y.as<float>();
   const auto* xp = x.as<const uint16_t>();

@@ -13,12 +13,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <numeric>
 #include <ostream>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -229,7 +231,7 @@ void linear_cases() {
   // and with a partial last run (2880), two rounds (8200), the decoder's q/k/v and o_proj shapes.
   for (const P p : {P{1, 64, 64}, P{3, 40, 24}, P{1, 2880, 512}, P{33, 257, 129}, P{256, 1024, 512},
                     P{1, 2880, 5120}, P{4, 4096, 2880}, P{2, 8200, 20}, P{4, 2880, 1}, P{3, 2880, 36},
-                    P{5, 4096, 2880}, P{32, 2880, 1000}, P{1, 64, 8200}}) {
+                    P{5, 4096, 2880}, P{32, 2880, 1000}, P{1, 64, 8200}, P{1, 64, 8192}, P{2, 36, 24}}) {
     const int64_t m = p.m, k = p.k, n = p.n;
     reg("linear_bf16" + dims({{"M", m}, {"K", k}, {"N", n}}), [=](Rng& rng) {
       ParityCase c;
@@ -1568,15 +1570,16 @@ TEST(CudaBackend, FusedOpsMatchTheUnfusedCudaSequence) {
   }
 }
 
-// The BF16 decode linear (1-4 rows): a row's result is the same bits alone as inside any batch,
-// and the kernel reads only its rows and writes only y's. The rows of x past the first are
-// random; row 0 is the same in every call.
+// The BF16 decode linear (1-4 rows): each row's result is the same bits as that row alone (an
+// m = 1 call on it), in a call of 1, 2, 3 or 4 rows, and nothing past y is written.
 TEST(CudaBackend, DecodeLinearRowsAreTheSameBitsWhateverTheBatch) {
   const Backend* cuda = cuda_backend();
   if (cuda == nullptr || cuda_device_count() == 0)
     GTEST_SKIP() << "no CUDA backend or no visible GPU";
+  if (const char* v = std::getenv("ROLLOUTD_DENSE_DECODE"); v != nullptr && std::string_view(v) == "0")
+    GTEST_SKIP() << "ROLLOUTD_DENSE_DECODE=0: cuBLAS, which promises no such invariance";
   const ExecContext ctx{Device::cuda(0), nullptr};
-  const int64_t k = 2880, n = 520;
+  const int64_t k = 2880, n = 520, kRows = 4;
   Rng rng(7);
   auto bf16_words = [&](int64_t count, float amp) {
     std::vector<uint16_t> v(static_cast<size_t>(count));
@@ -1584,29 +1587,36 @@ TEST(CudaBackend, DecodeLinearRowsAreTheSameBitsWhateverTheBatch) {
     return v;
   };
   const std::vector<uint16_t> w = bf16_words(n * k, 0.02f);
-  std::vector<uint16_t> x = bf16_words(32 * k, 1.0f);
+  const std::vector<uint16_t> x = bf16_words(kRows * k, 1.0f);
+  const size_t y_floats = static_cast<size_t>(kRows * n + 64);
   void *dw = nullptr, *dx = nullptr, *dy = nullptr;
   ASSERT_TRUE(cuda->alloc(ctx, w.size() * 2, &dw).ok());
   ASSERT_TRUE(cuda->alloc(ctx, x.size() * 2, &dx).ok());
-  ASSERT_TRUE(cuda->alloc(ctx, (32 * n + 64) * sizeof(float), &dy).ok());
+  ASSERT_TRUE(cuda->alloc(ctx, y_floats * sizeof(float), &dy).ok());
   ASSERT_TRUE(cuda->copy(ctx, dw, w.data(), w.size() * 2, CopyKind::kHostToDevice).ok());
-  std::vector<float> alone;
-  for (const int64_t m : {1, 2, 3, 4}) {
-    for (size_t j = static_cast<size_t>(k); j < x.size(); ++j) x[j] = f32_to_bf16_bits(rng.uniform(-1.0f, 1.0f));
-    ASSERT_TRUE(cuda->copy(ctx, dx, x.data(), x.size() * 2, CopyKind::kHostToDevice).ok());
-    std::vector<float> sentinel(32 * n + 64, -777.0f);
-    ASSERT_TRUE(cuda->copy(ctx, dy, sentinel.data(), sentinel.size() * 4, CopyKind::kHostToDevice).ok());
-    ASSERT_TRUE(cuda->linear(ctx, TensorView::contiguous(dy, DType::kF32, Shape{m, n}, ctx.device),
-                             TensorView::contiguous(dx, DType::kBF16, Shape{m, k}, ctx.device),
+  ASSERT_TRUE(cuda->copy(ctx, dx, x.data(), x.size() * 2, CopyKind::kHostToDevice).ok());
+  // y of rows [first, first + m) of x, after filling y with a sentinel.
+  auto run = [&](int64_t first, int64_t m) {
+    const std::vector<float> sentinel(y_floats, -777.0f);
+    std::vector<float> y(y_floats);
+    EXPECT_TRUE(cuda->copy(ctx, dy, sentinel.data(), y_floats * 4, CopyKind::kHostToDevice).ok());
+    EXPECT_TRUE(cuda->linear(ctx, TensorView::contiguous(dy, DType::kF32, Shape{m, n}, ctx.device),
+                             TensorView::contiguous(static_cast<uint16_t*>(dx) + first * k, DType::kBF16,
+                                                    Shape{m, k}, ctx.device),
                              TensorView::contiguous(dw, DType::kBF16, Shape{n, k}, ctx.device))
                     .ok());
-    std::vector<float> y(sentinel.size());
-    ASSERT_TRUE(cuda->copy(ctx, y.data(), dy, y.size() * 4, CopyKind::kDeviceToHost).ok());
-    ASSERT_TRUE(cuda->synchronize(ctx).ok());
-    const std::vector<float> row0(y.begin(), y.begin() + n);
-    if (alone.empty()) alone = row0;
-    EXPECT_EQ(std::memcmp(row0.data(), alone.data(), static_cast<size_t>(n) * 4), 0) << "row 0 changed at m = " << m;
-    for (size_t j = static_cast<size_t>(m * n); j < y.size(); ++j) ASSERT_EQ(y[j], -777.0f) << "written past y, m = " << m;
+    EXPECT_TRUE(cuda->copy(ctx, y.data(), dy, y_floats * 4, CopyKind::kDeviceToHost).ok());
+    EXPECT_TRUE(cuda->synchronize(ctx).ok());
+    for (size_t j = static_cast<size_t>(m * n); j < y.size(); ++j) EXPECT_EQ(y[j], -777.0f) << "written past y, m = " << m;
+    return y;
+  };
+  std::vector<std::vector<float>> alone;
+  for (int64_t r = 0; r < kRows; ++r) alone.push_back(run(r, 1));
+  for (int64_t m = 2; m <= kRows; ++m) {
+    const std::vector<float> y = run(0, m);
+    for (int64_t r = 0; r < m; ++r)
+      EXPECT_EQ(std::memcmp(y.data() + r * n, alone[static_cast<size_t>(r)].data(), static_cast<size_t>(n) * 4), 0)
+          << "row " << r << " differs from itself alone, m = " << m;
   }
   EXPECT_TRUE(cuda->free(ctx, dw).ok());
   EXPECT_TRUE(cuda->free(ctx, dx).ok());
