@@ -180,11 +180,11 @@ struct Backend {
   // [..., N] of the same leading dimensions. x and w both FP32, or both BF16 (FP32
   // accumulation: CUDA through cuBLAS's tensor cores, or at 1-4 rows with K % 8 == 0 and up to
   // 8,192 outputs its own GEMV, whose rows are the same bits whatever the number of rows, 1-4);
-  // y FP32. CUDA: that kernel
-  // starts reading w before the kernels ahead of it in the stream have completed (it is launched
-  // once the kernel just ahead triggers its dependents, and some of ours trigger before their own
-  // wait), so no kernel still running then may write w: change weights between steps, with a
-  // synchronisation (as weight updates do), never in a kernel just ahead of a linear.
+  // y FP32. CUDA: that GEMV starts reading w before the kernels ahead of it in the stream have
+  // completed (it is launched once the kernel just ahead triggers its dependents, and some of ours
+  // trigger before their own wait), so no kernel still running then may write w: change weights
+  // between steps, with a synchronisation (as weight updates do), never in a kernel just ahead of
+  // a linear.
   Status (*linear)(const ExecContext&, TensorView y, TensorView x, TensorView w);
   // out = a + b (same shape); out may alias a or b.
   Status (*add)(const ExecContext&, TensorView out, TensorView a, TensorView b);

@@ -23,7 +23,6 @@
 #include <cstdlib>
 #include <string_view>
 
-#include "kernels/cpu/op_checks.hpp"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_ops.hpp"
 
@@ -63,8 +62,8 @@ __device__ __forceinline__ float dot8(float acc, const uint4& w, const uint4& x)
 }
 
 template <int M>
-__global__ void __launch_bounds__(kGvWarps * 32, M == 1 ? 3 : 2) linear_gemv_kernel(float* y, const uint16_t* x, const uint16_t* w,
-                                                                    int n, int k) {
+__global__ void __launch_bounds__(kGvWarps * 32, M == 1 ? 3 : 2)
+    linear_gemv_kernel(float* y, const uint16_t* x, const uint16_t* w, int n, int k) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row = blockIdx.x * kGvWarps + warp;
   const bool valid = row < n;
