@@ -328,10 +328,13 @@ struct Backend {
   // to BF16 as `convert` rounds (nearest even). out (f32) and out_bf16 (bf16) have h's shape
   // and are each optional (empty view: not written). out may alias h; nothing else aliases.
   // With r empty it is rmsnorm with an optional BF16 copy (the input of BF16 projections).
+  // r_bias (f32 [H], only with r; empty: none) is the bias of the projection that produced r
+  // (gpt-oss's o_proj): h += (r + r_bias), which is add_bias on r then the add, bit for bit,
+  // without writing r (one launch fewer per layer).
   // Equals add, then rmsnorm, then convert: bit for bit on the CPU; on CUDA it is rmsnorm's
   // kernel with the add and the rounding folded in (the same reduction order).
   Status (*add_rmsnorm)(const ExecContext&, TensorView out, TensorView out_bf16, TensorView h, TensorView r,
-                        TensorView w, float eps);
+                        TensorView r_bias, TensorView w, float eps);
   // Rotary embedding of q and k (RopeQkArgs), with the optional per-head QK-norm before it.
   // Equals rmsnorm(q heads), rmsnorm(k heads), then rope / rope_table on q and on k: bit for
   // bit on the CPU. Checks: rope's / rope_table's on q and on k, k's T and D equal to q's, the

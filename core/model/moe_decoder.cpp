@@ -732,10 +732,10 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
                             const TensorView& w, const TensorView& proj, TensorView& xin) -> Status {
     if (proj.dtype != DType::kBF16) {
       xin = out;
-      return backend_.add_rmsnorm(ctx, out, {}, hin, residual, w, eps);
+      return backend_.add_rmsnorm(ctx, out, {}, hin, residual, {}, w, eps);
     }
     xin = bf16_of(out);
-    return backend_.add_rmsnorm(ctx, {}, xin, hin, residual, w, eps);
+    return backend_.add_rmsnorm(ctx, {}, xin, hin, residual, {}, w, eps);
   };
   TensorView xd;
   // The residual not yet added to h: each layer's MoE (or MLP) output joins h in the next layer's
@@ -801,14 +801,13 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
                                                   L.k_cache, L.v_cache, tables, seq_of, ctx_len, scale));
     }
     RD_RETURN_IF_ERROR(backend_.linear(ctx, o, xd, L.o_proj));
-    if (L.o_bias.data) RD_RETURN_IF_ERROR(backend_.add_bias(ctx, o, L.o_bias));
-    // MoE block (or the dense MLP as one expert every token takes with weight 1): h += o and its
-    // norm in one launch. The router reads x in FP32; the MXFP4 expert kernels take x rounded to
+    // MoE block (or the dense MLP as one expert every token takes with weight 1): h += o (plus
+    // o_proj's bias, gpt-oss: add_bias's arithmetic without its launch) and its norm in one launch. The router reads x in FP32; the MXFP4 expert kernels take x rounded to
     // BF16 (their GEMM input), which the norm then writes in the same pass into x_bf16 (free once
     // o_proj has read it): the rounding the kernels would do themselves, one launch fewer.
     const bool experts_bf16 = L.moe && kernel_experts_;
     const TensorView x_experts = experts_bf16 ? bf16_of(x) : x;
-    RD_RETURN_IF_ERROR(backend_.add_rmsnorm(ctx, x, experts_bf16 ? x_experts : TensorView{}, h, o,
+    RD_RETURN_IF_ERROR(backend_.add_rmsnorm(ctx, x, experts_bf16 ? x_experts : TensorView{}, h, o, L.o_bias,
                                             L.post_attention_layernorm, eps));
     if (L.moe) {
       // Gate GEMM, bias and selection in one op (one launch on CUDA for decode steps). gpt-oss's

@@ -106,9 +106,10 @@ Status rmsnorm(const ExecContext& ctx, TensorView out, TensorView x, TensorView 
 }
 
 Status add_rmsnorm(const ExecContext& ctx, TensorView out, TensorView out_bf16, TensorView h, TensorView r,
-                   TensorView w, float eps) {
+                   TensorView r_bias, TensorView w, float eps) {
   RD_RETURN_IF_ERROR(check_ctx(ctx));
-  RD_RETURN_IF_ERROR(op_checks::add_rmsnorm(ctx, out, out_bf16, h, r, w, eps));
+  RD_RETURN_IF_ERROR(op_checks::add_rmsnorm(ctx, out, out_bf16, h, r, r_bias, w, eps));
+  const float* rb = r_bias.data != nullptr ? r_bias.as<const float>() : nullptr;
   const int64_t hidden = h.size(h.rank() - 1);
   const int64_t rows = h.numel() / hidden;
   std::vector<float> normed(out.data == nullptr ? static_cast<size_t>(hidden) : 0);
@@ -116,7 +117,11 @@ Status add_rmsnorm(const ExecContext& ctx, TensorView out, TensorView out_bf16, 
     float* hr = h.as<float>() + row * hidden;
     if (r.data != nullptr) {
       const float* rr = r.as<const float>() + row * hidden;
-      for (int64_t i = 0; i < hidden; ++i) hr[i] = hr[i] + rr[i];  // add's one rounding
+      if (rb != nullptr) {
+        for (int64_t i = 0; i < hidden; ++i) hr[i] = hr[i] + (rr[i] + rb[i]);  // add_bias's rounding, then add's
+      } else {
+        for (int64_t i = 0; i < hidden; ++i) hr[i] = hr[i] + rr[i];  // add's one rounding
+      }
     }
     if (out.data == nullptr && out_bf16.data == nullptr) continue;
     float* o = out.data != nullptr ? out.as<float>() + row * hidden : normed.data();

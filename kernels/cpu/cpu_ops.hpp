@@ -40,7 +40,7 @@ Status router_softmax_topk(const ExecContext&, TensorView ids, TensorView weight
 Status moe_experts(const ExecContext&, const MoeExpertsArgs& args);
 
 Status add_rmsnorm(const ExecContext&, TensorView out, TensorView out_bf16, TensorView h, TensorView r,
-                   TensorView w, float eps);
+                   TensorView r_bias, TensorView w, float eps);
 Status rope_qk(const ExecContext&, const RopeQkArgs& args);
 Status router(const ExecContext&, const RouterArgs& args);
 

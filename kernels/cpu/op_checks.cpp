@@ -250,12 +250,18 @@ Status rope_table(const ExecContext& ctx, const TensorView& x, const TensorView&
 }
 
 Status add_rmsnorm(const ExecContext& ctx, const TensorView& out, const TensorView& out_bf16,
-                   const TensorView& h, const TensorView& r, const TensorView& w, float eps) {
+                   const TensorView& h, const TensorView& r, const TensorView& r_bias, const TensorView& w,
+                   float eps) {
   RD_RETURN_IF_ERROR(view(ctx, h, "h", DType::kF32, kAnyRank, "[..., H]"));
   RD_RETURN_IF_ERROR(positive(h, h.rank() - 1, "h", "H"));
   if (!absent(r)) {
     RD_RETURN_IF_ERROR(view(ctx, r, "r", DType::kF32, kAnyRank, "[..., H]"));
     RD_RETURN_IF_ERROR(same_shape(r, h, "r", "h"));
+  }
+  if (!absent(r_bias)) {
+    if (absent(r)) return invalid("r_bias", "r_bias: given without r");
+    RD_RETURN_IF_ERROR(view(ctx, r_bias, "r_bias", DType::kF32, 1, "[H]"));
+    RD_RETURN_IF_ERROR(dim(r_bias, 0, h.size(h.rank() - 1), "r_bias", "H", "h"));
   }
   RD_RETURN_IF_ERROR(view(ctx, w, "w", DType::kF32, 1, "[H]"));
   RD_RETURN_IF_ERROR(dim(w, 0, h.size(h.rank() - 1), "w", "H", "h"));
@@ -272,12 +278,14 @@ Status add_rmsnorm(const ExecContext& ctx, const TensorView& out, const TensorVi
   // h is written (h += r) while r and w are read, and the outputs are written after: only out
   // == h exactly is defined (every element is read before it is overwritten).
   if (overlaps(out, h) && out.data != h.data) return invalid("out", "out: overlaps h without aliasing it exactly");
-  const std::pair<const TensorView*, const char*> views[] = {{&r, "r"}, {&w, "w"}, {&out_bf16, "out_bf16"}};
-  for (size_t i = 0; i < 3; ++i) {
+  const std::pair<const TensorView*, const char*> views[] = {
+      {&r, "r"}, {&r_bias, "r_bias"}, {&w, "w"}, {&out_bf16, "out_bf16"}};
+  constexpr size_t kViews = sizeof(views) / sizeof(views[0]);
+  for (size_t i = 0; i < kViews; ++i) {
     const auto& [v, name] = views[i];
     if (overlaps(*v, h)) return invalid(name, std::string(name) + ": overlaps h");
     if (overlaps(*v, out)) return invalid(name, std::string(name) + ": overlaps out");
-    for (size_t j = i + 1; j < 3; ++j)
+    for (size_t j = i + 1; j < kViews; ++j)
       if (overlaps(*v, *views[j].first))
         return invalid(views[j].second, std::string(views[j].second) + ": overlaps " + name);
   }

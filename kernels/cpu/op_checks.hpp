@@ -39,11 +39,12 @@ Status paged_attention_ex(const ExecContext& ctx, const TensorView& out, const T
                           const TensorView& ctx_len, float scale, const AttentionOptions& options);
 Status rope_table(const ExecContext& ctx, const TensorView& x, const TensorView& positions,
                   const TensorView& inv_freq, float scale);
-// add_rmsnorm: h f32 [..., H] (H > 0), r empty or h's shape, w f32 [H], out empty or f32 of
-// h's shape, out_bf16 empty or bf16 of h's shape, eps as rmsnorm's; r, out_bf16 and w never
-// overlap h or out, out may alias h only exactly.
+// add_rmsnorm: h f32 [..., H] (H > 0), r empty or h's shape, r_bias empty or f32 [H] (only with
+// r), w f32 [H], out empty or f32 of h's shape, out_bf16 empty or bf16 of h's shape, eps as
+// rmsnorm's; r, r_bias, out_bf16 and w never overlap h or out, out may alias h only exactly.
 Status add_rmsnorm(const ExecContext& ctx, const TensorView& out, const TensorView& out_bf16,
-                   const TensorView& h, const TensorView& r, const TensorView& w, float eps);
+                   const TensorView& h, const TensorView& r, const TensorView& r_bias, const TensorView& w,
+                   float eps);
 // rope_qk: rope's checks on q and on k (rope_table's with inv_freq), k's T and D equal to q's,
 // scale finite and > 0, the norm weights both given or neither (f32 [D], eps as rmsnorm's);
 // qkv and v both or neither: qkv f32 [T, (QH + 2 KVH) * D], v f32 [T, KVH, D], neither

@@ -39,7 +39,7 @@ Status add_bias(const ExecContext&, TensorView y, TensorView bias);
 Status transpose(const ExecContext&, TensorView dst, TensorView src);
 Status copy_valid_rows(const ExecContext&, TensorView dst, TensorView src, TensorView count, int32_t fill);
 Status add_rmsnorm(const ExecContext&, TensorView out, TensorView out_bf16, TensorView h, TensorView r,
-                   TensorView w, float eps);
+                   TensorView r_bias, TensorView w, float eps);
 Status rope_qk(const ExecContext&, const RopeQkArgs& args);
 Status router(const ExecContext&, const RouterArgs& args);
 // Backend::router takes one launch up to this many tokens (decode steps), cuBLAS + two kernels above.

@@ -31,12 +31,13 @@ __global__ void embedding_kernel(float* __restrict__ out, const float* __restric
 // thread reads its elements before the reduction's barrier and writes the same elements
 // after it, so `out` may alias `x`.
 //
-// The same kernel serves add_rmsnorm (kAdd: x += r, written back to x, before the sum of
-// squares; kOut: write the f32 result; kBf16: write it rounded to BF16 as `convert` rounds):
-// one template, so the fused op reduces in exactly rmsnorm's order.
+// The same kernel serves add_rmsnorm (kAdd: x += r, or x += (r + rb) with r's bias rb [hidden]
+// when rb is not null, written back to x, before the sum of squares; kOut: write the f32 result;
+// kBf16: write it rounded to BF16 as `convert` rounds): one template, so the fused op reduces in
+// exactly rmsnorm's order.
 template <bool kAdd, bool kOut, bool kBf16>
-__global__ void rmsnorm_kernel(float* out, uint16_t* out_bf16, float* x, const float* r, const float* __restrict__ w,
-                               int64_t hidden, float eps) {
+__global__ void rmsnorm_kernel(float* out, uint16_t* out_bf16, float* x, const float* r, const float* rb,
+                               const float* __restrict__ w, int64_t hidden, float eps) {
   __shared__ float warp_partial[kThreads / 32];
   pdl_begin();
   const int64_t row = blockIdx.x;
@@ -45,7 +46,7 @@ __global__ void rmsnorm_kernel(float* out, uint16_t* out_bf16, float* x, const f
   for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
     float v = xr[i];
     if constexpr (kAdd) {
-      v = v + r[row * hidden + i];
+      v = rb != nullptr ? v + (r[row * hidden + i] + rb[i]) : v + r[row * hidden + i];
       xr[i] = v;  // read back below by this thread alone
     }
     ss += v * v;
@@ -75,7 +76,7 @@ __global__ void rmsnorm_kernel(float* out, uint16_t* out_bf16, float* x, const f
 // (and an 8-byte aligned out_bf16 for kBf16). kAdd / kOut / kBf16 as rmsnorm_kernel's: the residual
 // add joins the load, the BF16 rounding the store, and the reduction is rmsnorm's own.
 template <int kPer, bool kAdd, bool kOut, bool kBf16>
-__global__ void rmsnorm_vec_kernel(float* out, uint16_t* out_bf16, float* x, const float* r,
+__global__ void rmsnorm_vec_kernel(float* out, uint16_t* out_bf16, float* x, const float* r, const float* rb,
                                    const float* __restrict__ w, int64_t hidden, float eps) {
   __shared__ float warp_partial[32];
   pdl_begin();
@@ -96,7 +97,11 @@ __global__ void rmsnorm_vec_kernel(float* out, uint16_t* out_bf16, float* x, con
     for (int i = 0; i < kPer; ++i) {
       const int idx = threadIdx.x + i * blockDim.x;
       if (idx >= n4) continue;
-      const float4 b = rr[idx];
+      float4 b = rr[idx];
+      if (rb != nullptr) {  // add_bias's rounding first
+        const float4 c = reinterpret_cast<const float4*>(rb)[idx];
+        b = make_float4(b.x + c.x, b.y + c.y, b.z + c.z, b.w + c.w);
+      }
       v[i] = make_float4(v[i].x + b.x, v[i].y + b.y, v[i].z + b.z, v[i].w + b.w);  // add's one rounding
       xr[idx] = v[i];
     }
@@ -132,6 +137,15 @@ __global__ void add_kernel(float* out, const float* a, const float* b, int64_t n
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     out[i] = a[i] + b[i];
+}
+
+// out = a + (b + bias[column]) over rows of `cols`: add_bias on b, then add, without writing b.
+__global__ void add_biased_kernel(float* out, const float* a, const float* b, const float* __restrict__ bias,
+                                  int64_t cols, int64_t n) {
+  pdl_begin();
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = a[i] + (b[i] + bias[i % cols]);
 }
 
 // One thread per (token, head, pair). The frequency is computed in double and rounded
@@ -223,17 +237,17 @@ struct RmsFlags {
 // given), out and out_bf16 each optional. The register kernel when the row fits it (float4s
 // rounded up to a warp, at most 256 threads, then 1-8 float4s per thread), the loop otherwise.
 template <bool kAdd, bool kOut, bool kBf16>
-void launch_rmsnorm(cudaStream_t stream, float* out, uint16_t* out_bf16, float* x, const float* r, const float* w,
-                    int64_t rows, int64_t hidden, float eps) {
+void launch_rmsnorm(cudaStream_t stream, float* out, uint16_t* out_bf16, float* x, const float* r, const float* rb,
+                    const float* w, int64_t rows, int64_t hidden, float eps) {
   const auto aligned = [](const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; };
   const int64_t n4 = hidden / 4;
-  if (hidden % 4 == 0 && aligned(out, 16) && aligned(x, 16) && aligned(r, 16) && aligned(w, 16) &&
-      aligned(out_bf16, 8) && n4 <= 8 * 256) {
+  if (hidden % 4 == 0 && aligned(out, 16) && aligned(x, 16) && aligned(r, 16) && aligned(rb, 16) &&
+      aligned(w, 16) && aligned(out_bf16, 8) && n4 <= 8 * 256) {
     const int threads = static_cast<int>(std::min<int64_t>(256, (n4 + 31) / 32 * 32));
     const int64_t per = (n4 + threads - 1) / threads;
     const auto launch = [&](auto kernel) {
-      (void)launch_dependent(kernel, static_cast<unsigned int>(rows), threads, 0, stream, out, out_bf16, x, r, w,
-                             hidden, eps);
+      (void)launch_dependent(kernel, static_cast<unsigned int>(rows), threads, 0, stream, out, out_bf16, x, r, rb,
+                             w, hidden, eps);
     };
     if (per <= 1) launch(rmsnorm_vec_kernel<1, kAdd, kOut, kBf16>);
     else if (per <= 2) launch(rmsnorm_vec_kernel<2, kAdd, kOut, kBf16>);
@@ -242,7 +256,7 @@ void launch_rmsnorm(cudaStream_t stream, float* out, uint16_t* out_bf16, float* 
     return;
   }
   (void)launch_dependent(rmsnorm_kernel<kAdd, kOut, kBf16>, static_cast<unsigned int>(rows), kThreads, 0, stream, out,
-                         out_bf16, x, r, w, hidden, eps);
+                         out_bf16, x, r, rb, w, hidden, eps);
 }
 }  // namespace
 
@@ -255,16 +269,17 @@ Status rmsnorm(const ExecContext& ctx, TensorView out, TensorView x, TensorView 
   DeviceGuard guard;
   RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
   // x is only read (kAdd off).
-  launch_rmsnorm<false, true, false>(stream_of(ctx), out.as<float>(), nullptr, x.as<float>(), nullptr,
+  launch_rmsnorm<false, true, false>(stream_of(ctx), out.as<float>(), nullptr, x.as<float>(), nullptr, nullptr,
                                      w.as<const float>(), rows, hidden, eps);
   RD_CUDA_CHECK_LAUNCH("rmsnorm");
   return Status::Ok();
 }
 
 Status add_rmsnorm(const ExecContext& ctx, TensorView out, TensorView out_bf16, TensorView h, TensorView r,
-                   TensorView w, float eps) {
+                   TensorView r_bias, TensorView w, float eps) {
   RD_RETURN_IF_ERROR(op_checks::context(ctx, DeviceKind::kCuda));
-  RD_RETURN_IF_ERROR(op_checks::add_rmsnorm(ctx, out, out_bf16, h, r, w, eps));
+  RD_RETURN_IF_ERROR(op_checks::add_rmsnorm(ctx, out, out_bf16, h, r, r_bias, w, eps));
+  const float* rb = r_bias.data != nullptr ? r_bias.as<const float>() : nullptr;
   const int64_t hidden = h.size(h.rank() - 1);
   const int64_t rows = h.numel() / hidden;
   const bool add = r.data != nullptr, f32 = out.data != nullptr, bf16 = out_bf16.data != nullptr;
@@ -274,8 +289,8 @@ Status add_rmsnorm(const ExecContext& ctx, TensorView out, TensorView out_bf16, 
   const auto launch = [&](auto kernel_flags) {
     using F = decltype(kernel_flags);
     launch_rmsnorm<F::kAdd, F::kOut, F::kBf16>(stream_of(ctx), out.as<float>(), out_bf16.as<uint16_t>(),
-                                               h.as<float>(), r.as<const float>(), w.as<const float>(), rows, hidden,
-                                               eps);
+                                               h.as<float>(), r.as<const float>(), rb, w.as<const float>(), rows,
+                                               hidden, eps);
   };
   // Runtime flags to template parameters; every combination the contract allows.
   const int which = (add ? 4 : 0) | (f32 ? 2 : 0) | (bf16 ? 1 : 0);
@@ -284,8 +299,12 @@ Status add_rmsnorm(const ExecContext& ctx, TensorView out, TensorView out_bf16, 
     case 2: launch(RmsFlags<false, true, false>{}); break;
     case 3: launch(RmsFlags<false, true, true>{}); break;
     case 4:  // no output: the add alone
-      (void)launch_dependent(add_kernel, blocks_for(h.numel(), kThreads), kThreads, 0, stream_of(ctx), h.as<float>(),
-                             h.as<const float>(), r.as<const float>(), h.numel());
+      if (rb != nullptr)
+        (void)launch_dependent(add_biased_kernel, blocks_for(h.numel(), kThreads), kThreads, 0, stream_of(ctx),
+                               h.as<float>(), h.as<const float>(), r.as<const float>(), rb, hidden, h.numel());
+      else
+        (void)launch_dependent(add_kernel, blocks_for(h.numel(), kThreads), kThreads, 0, stream_of(ctx), h.as<float>(),
+                               h.as<const float>(), r.as<const float>(), h.numel());
       break;
     case 5: launch(RmsFlags<true, false, true>{}); break;
     case 6: launch(RmsFlags<true, true, false>{}); break;

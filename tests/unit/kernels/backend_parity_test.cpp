@@ -770,12 +770,14 @@ void fused_op_cases() {
     int64_t rows, h;
   };
   enum Outputs { kF32 = 1, kBf16 = 2, kBoth = 3 };
-  const auto add_rmsnorm_case = [](const char* name, P p, bool residual, int outputs, bool alias_out = false) {
+  const auto add_rmsnorm_case = [](const char* name, P p, bool residual, int outputs, bool alias_out = false,
+                                   bool bias = false) {
     reg(std::string(name) + dims({{"R", p.rows}, {"H", p.h}}), [=](Rng& rng) {
       ParityCase c;
       const int64_t rows = p.rows, h = p.h;
       c.add_f32("h", {rows, h}, Role::kInOut, random_f32(rng, rows * h, -2, 2));
       const size_t r = residual ? c.add_f32("r", {rows, h}, Role::kIn, random_f32(rng, rows * h, -1, 1)) : 0;
+      const size_t rb = bias ? c.add_f32("r_bias", {h}, Role::kIn, random_f32(rng, h, -0.5f, 0.5f)) : 0;
       const size_t w = c.add_f32("w", {h}, Role::kIn, random_f32(rng, h, 0.5f, 1.5f));
       const size_t out = (outputs & kF32) && !alias_out ? c.add_out("out", DType::kF32, {rows, h}) : 0;
       const size_t out_b = (outputs & kBf16) ? c.add_out("out_bf16", DType::kBF16, {rows, h}) : 0;
@@ -783,7 +785,8 @@ void fused_op_cases() {
       c.run = [=](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
         const TensorView none;
         const TensorView o = alias_out ? a[0] : (out ? a[out] : none);
-        return b.add_rmsnorm(x, o, out_b ? a[out_b] : none, a[0], residual ? a[r] : none, a[w], 1e-6f);
+        return b.add_rmsnorm(x, o, out_b ? a[out_b] : none, a[0], residual ? a[r] : none, bias ? a[rb] : none, a[w],
+                             1e-6f);
       };
       return c;
     });
@@ -791,6 +794,11 @@ void fused_op_cases() {
   for (const P p : {P{1, 64}, P{7, 33}, P{130, 1000}, P{3, 4096}, P{1, 2880}, P{2, 8192}, P{5, 16}, P{1, 9000},
                     P{4, 2048}, P{32, 2880}})
     add_rmsnorm_case("add_rmsnorm", p, true, kBoth);
+  // With o_proj's bias (gpt-oss): the register kernel, the loop (H % 4 != 0, H > 8192), the add alone.
+  for (const P p : {P{1, 2880}, P{32, 2880}, P{7, 33}, P{1, 9000}})
+    add_rmsnorm_case("add_rmsnorm_r_bias", p, true, kBoth, false, true);
+  add_rmsnorm_case("add_rmsnorm_r_bias_f32_only", P{4, 2880}, true, kF32, false, true);
+  add_rmsnorm_case("add_rmsnorm_r_bias_no_output", P{3, 77}, true, 0, false, true);
   add_rmsnorm_case("add_rmsnorm_bf16_only", P{1, 2880}, true, kBf16);
   add_rmsnorm_case("add_rmsnorm_bf16_only", P{7, 33}, true, kBf16);
   add_rmsnorm_case("add_rmsnorm_f32_only", P{4, 2880}, true, kF32);
@@ -1236,18 +1244,29 @@ std::vector<BadCall> bad_calls() {
       {"add_rmsnorm residual shape",
        [=](const Backend& b, const ExecContext& x, void* p) {
          return b.add_rmsnorm(x, f(static_cast<char*>(p) + 256, x, {2, 4}), {}, f(p, x, {2, 4}),
-                              f(static_cast<char*>(p) + 512, x, {4, 2}), f(static_cast<char*>(p) + 768, x, {4}),
+                              f(static_cast<char*>(p) + 512, x, {4, 2}), {}, f(static_cast<char*>(p) + 768, x, {4}),
                               1e-6f);
+       }},
+      {"add_rmsnorm r_bias without r",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         return b.add_rmsnorm(x, f(static_cast<char*>(p) + 256, x, {2, 4}), {}, f(p, x, {2, 4}), {},
+                              f(static_cast<char*>(p) + 640, x, {4}), f(static_cast<char*>(p) + 768, x, {4}), 1e-6f);
+       }},
+      {"add_rmsnorm r_bias length",
+       [=](const Backend& b, const ExecContext& x, void* p) {
+         return b.add_rmsnorm(x, f(static_cast<char*>(p) + 256, x, {2, 4}), {}, f(p, x, {2, 4}),
+                              f(static_cast<char*>(p) + 512, x, {2, 4}), f(static_cast<char*>(p) + 640, x, {3}),
+                              f(static_cast<char*>(p) + 768, x, {4}), 1e-6f);
        }},
       {"add_rmsnorm f32 view as the bf16 output",
        [=](const Backend& b, const ExecContext& x, void* p) {
-         return b.add_rmsnorm(x, {}, f(static_cast<char*>(p) + 256, x, {2, 4}), f(p, x, {2, 4}), {},
+         return b.add_rmsnorm(x, {}, f(static_cast<char*>(p) + 256, x, {2, 4}), f(p, x, {2, 4}), {}, {},
                               f(static_cast<char*>(p) + 768, x, {4}), 1e-6f);
        }},
       {"add_rmsnorm bf16 output over h",
        [=](const Backend& b, const ExecContext& x, void* p) {
          return b.add_rmsnorm(x, {}, TensorView::contiguous(p, DType::kBF16, {2, 4}, x.device), f(p, x, {2, 4}), {},
-                              f(static_cast<char*>(p) + 768, x, {4}), 1e-6f);
+                              {}, f(static_cast<char*>(p) + 768, x, {4}), 1e-6f);
        }},
       {"rope_qk k head dim",
        [=](const Backend& b, const ExecContext& x, void* p) {
@@ -1528,7 +1547,8 @@ TEST(CudaBackend, FusedOpsMatchTheUnfusedCudaSequence) {
     const TensorView h = d.upload(h0, shape), x = d.upload(std::vector<float>(n, NAN), shape);
     const TensorView b = d.upload(std::vector<float>((n + 1) / 2, NAN), {static_cast<int64_t>((n + 1) / 2)});
     ASSERT_TRUE(
-        cuda->add_rmsnorm(ctx, x, TensorView::contiguous(b.data, DType::kBF16, shape, ctx.device), h, rv, wv, 1e-6f)
+        cuda->add_rmsnorm(ctx, x, TensorView::contiguous(b.data, DType::kBF16, shape, ctx.device), h, rv, {}, wv,
+                          1e-6f)
             .ok());
     EXPECT_EQ(d.download(h), d.download(h_ref)) << rows << "x" << hidden << ": h += r is add's one rounding";
     const std::vector<float> xs = d.download(x), xs_ref = d.download(x_ref);
@@ -1540,6 +1560,20 @@ TEST(CudaBackend, FusedOpsMatchTheUnfusedCudaSequence) {
         ASSERT_EQ(bits[j], bits_ref[j]) << "element " << j;
       }
     }
+    // With r's bias (o_proj's, gpt-oss): add_bias on a copy of r, then add, bit for bit, through the
+    // normalising kernel and through the add alone; r itself is only read.
+    const TensorView rbv = d.upload(random_f32(rng, hidden, -0.5f, 0.5f), {hidden});
+    const TensorView hb_ref = d.upload(h0, shape), r_copy = d.upload(r, shape);
+    ASSERT_TRUE(cuda->add_bias(ctx, r_copy, rbv).ok());
+    ASSERT_TRUE(cuda->add(ctx, hb_ref, hb_ref, r_copy).ok());
+    const TensorView hb = d.upload(h0, shape), hb_add = d.upload(h0, shape);
+    ASSERT_TRUE(cuda->add_rmsnorm(ctx, x, {}, hb, rv, rbv, wv, 1e-6f).ok());
+    ASSERT_TRUE(cuda->add_rmsnorm(ctx, {}, {}, hb_add, rv, rbv, wv, 1e-6f).ok());
+    const std::vector<float> hb_want = d.download(hb_ref);
+    EXPECT_NE(hb_want, h0);
+    EXPECT_EQ(d.download(hb), hb_want) << rows << "x" << hidden << ": h += (r + r_bias) is add_bias, then add";
+    EXPECT_EQ(d.download(hb_add), hb_want) << rows << "x" << hidden << " (the add alone)";
+    EXPECT_EQ(d.download(rv), r) << "r is read, not written";
   }
   for (const bool table : {false, true}) {
     const int64_t T = 5, QH = 8, KVH = 2, D = 128;

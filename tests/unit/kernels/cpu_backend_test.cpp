@@ -585,7 +585,7 @@ TEST(CpuBackend, AddRmsnormEqualsAddThenRmsnormThenConvertBitForBit) {
     std::vector<float> h = h0, x(n, NAN);
     std::vector<uint16_t> b(n, 0xffff);
     ASSERT_TRUE(cpu().add_rmsnorm(kCtx, f32(x, shape), TensorView::contiguous(b.data(), DType::kBF16, shape),
-                                  f32(h, shape), f32(rv, shape), f32(w, {c.hidden}), 1e-6f)
+                                  f32(h, shape), f32(rv, shape), {}, f32(w, {c.hidden}), 1e-6f)
                     .ok());
     EXPECT_TRUE(same_bits(h, h_ref)) << c.rows << "x" << c.hidden;
     EXPECT_TRUE(same_bits(x, x_ref)) << c.rows << "x" << c.hidden;
@@ -593,7 +593,7 @@ TEST(CpuBackend, AddRmsnormEqualsAddThenRmsnormThenConvertBitForBit) {
     h = h0;
     std::fill(b.begin(), b.end(), uint16_t{0xffff});
     ASSERT_TRUE(cpu().add_rmsnorm(kCtx, {}, TensorView::contiguous(b.data(), DType::kBF16, shape), f32(h, shape),
-                                  f32(rv, shape), f32(w, {c.hidden}), 1e-6f)
+                                  f32(rv, shape), {}, f32(w, {c.hidden}), 1e-6f)
                     .ok());
     EXPECT_TRUE(same_bits(h, h_ref));
     EXPECT_EQ(b, b_ref);
@@ -601,15 +601,49 @@ TEST(CpuBackend, AddRmsnormEqualsAddThenRmsnormThenConvertBitForBit) {
     std::vector<float> x2(n, NAN), x2_ref(n);
     h = h0;
     ASSERT_TRUE(cpu().rmsnorm(kCtx, f32(x2_ref, shape), f32(h, shape), f32(w, {c.hidden}), 1e-5f).ok());
-    ASSERT_TRUE(cpu().add_rmsnorm(kCtx, f32(x2, shape), {}, f32(h, shape), {}, f32(w, {c.hidden}), 1e-5f).ok());
+    ASSERT_TRUE(cpu().add_rmsnorm(kCtx, f32(x2, shape), {}, f32(h, shape), {}, {}, f32(w, {c.hidden}), 1e-5f).ok());
     EXPECT_TRUE(same_bits(x2, x2_ref));
     EXPECT_TRUE(same_bits(h, h0));
-    ASSERT_TRUE(cpu().add_rmsnorm(kCtx, f32(h, shape), {}, f32(h, shape), {}, f32(w, {c.hidden}), 1e-5f).ok());
+    ASSERT_TRUE(cpu().add_rmsnorm(kCtx, f32(h, shape), {}, f32(h, shape), {}, {}, f32(w, {c.hidden}), 1e-5f).ok());
     EXPECT_TRUE(same_bits(h, x2_ref));
     // No output at all: the add alone.
     h = h0;
-    ASSERT_TRUE(cpu().add_rmsnorm(kCtx, {}, {}, f32(h, shape), f32(rv, shape), f32(w, {c.hidden}), 1e-6f).ok());
+    ASSERT_TRUE(cpu().add_rmsnorm(kCtx, {}, {}, f32(h, shape), f32(rv, shape), {}, f32(w, {c.hidden}), 1e-6f).ok());
     EXPECT_TRUE(same_bits(h, h_ref));
+  }
+}
+
+// r_bias (o_proj's bias, gpt-oss) is add_bias on r, then the fused op: bit for bit, and r itself
+// is left as it was.
+TEST(CpuBackend, AddRmsnormWithResidualBiasEqualsAddBiasFirstBitForBit) {
+  for (const int64_t rows : {1, 4}) {
+    for (const int64_t hidden : {int64_t{2880}, int64_t{33}}) {
+      const size_t n = static_cast<size_t>(rows * hidden);
+      const Shape shape{rows, hidden};
+      const std::vector<float> h0 = pseudo_random(n, -3, 3, 11), r0 = pseudo_random(n, -1, 1, 12);
+      std::vector<float> rb = pseudo_random(static_cast<size_t>(hidden), -0.5f, 0.5f, 13);
+      std::vector<float> w = pseudo_random(static_cast<size_t>(hidden), 0.5f, 1.5f, 14);
+      // Unfused: add_bias, then add_rmsnorm without a bias.
+      std::vector<float> h_ref = h0, r_ref = r0, x_ref(n, NAN);
+      ASSERT_TRUE(cpu().add_bias(kCtx, f32(r_ref, shape), f32(rb, {hidden})).ok());
+      ASSERT_TRUE(cpu().add_rmsnorm(kCtx, f32(x_ref, shape), {}, f32(h_ref, shape), f32(r_ref, shape), {},
+                                    f32(w, {hidden}), 1e-6f)
+                      .ok());
+      ASSERT_FALSE(same_bits(h_ref, h0));
+      std::vector<float> h = h0, r = r0, x(n, NAN);
+      ASSERT_TRUE(cpu().add_rmsnorm(kCtx, f32(x, shape), {}, f32(h, shape), f32(r, shape), f32(rb, {hidden}),
+                                    f32(w, {hidden}), 1e-6f)
+                      .ok());
+      EXPECT_TRUE(same_bits(h, h_ref)) << rows << "x" << hidden;
+      EXPECT_TRUE(same_bits(x, x_ref)) << rows << "x" << hidden;
+      EXPECT_TRUE(same_bits(r, r0)) << "r is read, not written";
+      // The add alone (no output) takes the bias too.
+      h = h0;
+      ASSERT_TRUE(
+          cpu().add_rmsnorm(kCtx, {}, {}, f32(h, shape), f32(r, shape), f32(rb, {hidden}), f32(w, {hidden}), 1e-6f)
+              .ok());
+      EXPECT_TRUE(same_bits(h, h_ref));
+    }
   }
 }
 
@@ -883,7 +917,11 @@ TEST_F(CpuBackendChecks, AddRmsnormRejectsBadViewsWithoutWriting) {
   auto bf16 = [](std::vector<float>& v, Shape s) { return TensorView::contiguous(v.data(), DType::kBF16, s); };
   std::vector<float> h(8, 2.0f), r(8, 1.0f);
   auto call = [&](TensorView out, TensorView out_b, TensorView hv, TensorView rv, TensorView w, float eps) {
-    return cpu().add_rmsnorm(kCtx, out, out_b, hv, rv, w, eps);
+    return cpu().add_rmsnorm(kCtx, out, out_b, hv, rv, {}, w, eps);
+  };
+  std::vector<float> rb(4, 0.5f);
+  auto call_b = [&](TensorView rv, TensorView rbv) {
+    return cpu().add_rmsnorm(kCtx, f32(o, {2, 4}), {}, f32(h, {2, 4}), rv, rbv, f32(g, {4}), 1e-6f);
   };
   EXPECT_STATUS(call(f32(o, {2, 4}), {}, f32(h, {2, 4}), f32(r, {4, 2}), f32(g, {4}), 1e-6f),
                 ErrorCode::kInvalidArgument, "r");
@@ -907,6 +945,13 @@ TEST_F(CpuBackendChecks, AddRmsnormRejectsBadViewsWithoutWriting) {
                 ErrorCode::kInvalidArgument, "out_bf16");
   EXPECT_STATUS(call(f32(o, {1, 4}), {}, f32(h, {1, 4}), f32(h, {1, 4}), f32(g, {4}), 1e-6f),
                 ErrorCode::kInvalidArgument, "r");
+  // r_bias: only with r, f32 [H], not over h.
+  EXPECT_STATUS(call_b({}, f32(rb, {4})), ErrorCode::kInvalidArgument, "r_bias");
+  EXPECT_STATUS(call_b(f32(r, {2, 4}), f32(rb, {3})), ErrorCode::kInvalidArgument, "r_bias");
+  EXPECT_STATUS(call_b(f32(r, {2, 4}), f32(rb, {1, 4})), ErrorCode::kInvalidArgument, "r_bias");
+  EXPECT_STATUS(call_b(f32(r, {2, 4}), i32(n, {4})), ErrorCode::kInvalidArgument, "r_bias");
+  EXPECT_STATUS(call_b(f32(r, {2, 4}), TensorView::contiguous(h.data() + 4, DType::kF32, {4})),
+                ErrorCode::kInvalidArgument, "r_bias");
   // Nothing was written: h keeps its values (the add never ran), out its poison.
   EXPECT_EQ(h, std::vector<float>(8, 2.0f));
   for (int i = 0; i < 8; ++i) EXPECT_TRUE(std::isnan(o[i]));
