@@ -37,6 +37,7 @@
 
 #include <atomic>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -1321,11 +1322,30 @@ Status decode_opt_in(int device) {
 constexpr size_t kDirSmem = static_cast<size_t>(kDecWarps) * kDirWarpRing;
 static_assert(kDirCtas * (kDirSmem + 1024) <= 228 * 1024, "kDirCtas direct-B CTAs fit an SM");
 
+// ROLLOUTD_MOE_KSPLIT_GATE_UP / ROLLOUTD_MOE_KSPLIT_DOWN = 1, 2, 4 or 8 (environment, read once):
+// that GEMM's decode launches take that many K slices instead of decode_ksplit()'s choice. For
+// same-binary A/B runs of the rule; other values are ignored. Other slices, other sums: the bits
+// change as with any K split.
+int ksplit_override(bool gate_up) {
+  static const int v[2] = {[] {
+                             const char* s = std::getenv("ROLLOUTD_MOE_KSPLIT_DOWN");
+                             const int k = s != nullptr ? std::atoi(s) : 0;
+                             return k == 1 || k == 2 || k == 4 || k == 8 ? k : 0;
+                           }(),
+                           [] {
+                             const char* s = std::getenv("ROLLOUTD_MOE_KSPLIT_GATE_UP");
+                             const int k = s != nullptr ? std::atoi(s) : 0;
+                             return k == 1 || k == 2 || k == 4 || k == 8 ? k : 0;
+                           }()};
+  return v[gate_up ? 1 : 0];
+}
+
 template <bool kGateUp>
 Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound, int num_sms, int max_nt,
                      int64_t pairs) {
   DecodeArgs a = g;
-  a.ksplit = decode_ksplit(bound, a.n, num_sms);
+  const int forced = ksplit_override(kGateUp);
+  a.ksplit = forced != 0 ? forced : decode_ksplit(bound, a.n, num_sms);
   DecodeShape shape = decode_shape(a.k, a.ksplit, max_nt, pairs);
   // One-n-tile passes over bf16 rows take B straight from global memory (16-byte copies: rows
   // of K % 8 == 0 bf16 from a 16-byte aligned base); f32 and MXFP8 rows are staged (converted).

@@ -18,7 +18,8 @@
 #               is still timed, and the log says FAILED)
 #   AB_TEST_TREE  0: run AB_TESTS on the variants only, not on the tree (default 1)
 #   AB_ENVS     space-separated VAR=VALUE settings: every variant also runs with each (one at a
-#               time), named VARIANT:VAR=VALUE, e.g. AB_ENVS=ROLLOUTD_PDL=0
+#               time), named VARIANT:VAR=VALUE, e.g. AB_ENVS=ROLLOUTD_PDL=0; settings joined by
+#               '+' apply together (AB_ENVS="A=1+B=2": one run with both)
 # The engine rows include each batch's greedy-token digest; the summary says whether the variants'
 # tokens agree (they must, for a change meant to leave the results bit for bit the same).
 # Writes OUT_DIR/ab.log (every row), ab-build.log, ab-tests.log (AB_TESTS) and prints the per-case
@@ -92,13 +93,13 @@ for r in $(seq 1 "${AB_ROUNDS:-2}"); do
       if [ -n "${AB_TOKENS-1,8,64,1024}" ]; then
         echo "== moe $label round $r" >>"$log"
         # shellcheck disable=SC2086
-        env $e timeout 120 "$bins/$n/moe_bench" "$bins/moe.json" --tokens "${AB_TOKENS:-1,8,64,1024}" 2>/dev/null \
+        env ${e//+/ } timeout 120 "$bins/$n/moe_bench" "$bins/moe.json" --tokens "${AB_TOKENS:-1,8,64,1024}" 2>/dev/null \
           | grep -E " (bf16|mxfp8) " >>"$log"
       fi
       if [ -n "${AB_BATCHES-1,32}" ]; then
         echo "== engine $label round $r" >>"$log"
         # shellcheck disable=SC2086
-        env $e timeout 180 "$bins/$n/engine_bench" --models h2880 --batches "${AB_BATCHES-1,32}" \
+        env ${e//+/ } timeout 180 "$bins/$n/engine_bench" --models h2880 --batches "${AB_BATCHES-1,32}" \
           ${AB_ENGINE_ARGS:---quantize-experts mxfp4 --dense-bf16 1 --graphs on --prefill 0} 2>&1 \
           | grep -E "^h2880 +[0-9]+ +(on|off) +((on|off) |floor )" >>"$log"
       fi
