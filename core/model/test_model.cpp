@@ -2,6 +2,7 @@
 
 #include "kernels/quant/quant_ops.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -109,12 +110,17 @@ Result<std::vector<TestTensor>> make_test_tensors(const ModelConfig& c, uint64_t
     if (c.experts_mxfp4 && s.shape.size() == 3 && s.name.find("mlp.experts.") != std::string::npos) {
       // [E, in, out] -> [E, out, in] (BF16-rounded like the BF16 checkpoint), then MXFP4 along `in`.
       const int64_t E = s.shape[0], in = s.shape[1], outd = s.shape[2];
+      // In 64 x 64 tiles: element by element, one side of the transpose strides by a whole row
+      // (minutes for the 3 GB h2880 checkpoint of tests/gpu/bench-engine-gpt-oss.sh).
       std::vector<float> tr(static_cast<size_t>(n));
+      constexpr int64_t kTile = 64;
       for (int64_t e = 0; e < E; ++e)
-        for (int64_t i = 0; i < in; ++i)
-          for (int64_t o = 0; o < outd; ++o)
-            tr[static_cast<size_t>((e * outd + o) * in + i)] =
-                bf16_bits_to_f32(f32_to_bf16_bits(v[static_cast<size_t>((e * in + i) * outd + o)]));
+        for (int64_t i0 = 0; i0 < in; i0 += kTile)
+          for (int64_t o0 = 0; o0 < outd; o0 += kTile)
+            for (int64_t i = i0; i < std::min(in, i0 + kTile); ++i)
+              for (int64_t o = o0; o < std::min(outd, o0 + kTile); ++o)
+                tr[static_cast<size_t>((e * outd + o) * in + i)] =
+                    bf16_bits_to_f32(f32_to_bf16_bits(v[static_cast<size_t>((e * in + i) * outd + o)]));
       TestTensor blocks{s.name + "_blocks", {E, outd, in / 32, 16}, DType::kU8, {}};
       TestTensor scales{s.name + "_scales", {E, outd, in / 32}, DType::kU8, {}};
       blocks.bytes.resize(static_cast<size_t>(E * outd * in / 2));
