@@ -802,9 +802,10 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
     }
     RD_RETURN_IF_ERROR(backend_.linear(ctx, o, xd, L.o_proj));
     // MoE block (or the dense MLP as one expert every token takes with weight 1): h += o (plus
-    // o_proj's bias, gpt-oss: add_bias's arithmetic without its launch) and its norm in one launch. The router reads x in FP32; the MXFP4 expert kernels take x rounded to
-    // BF16 (their GEMM input), which the norm then writes in the same pass into x_bf16 (free once
-    // o_proj has read it): the rounding the kernels would do themselves, one launch fewer.
+    // o_proj's bias, gpt-oss: add_bias's arithmetic without its launch) and its norm in one
+    // launch. The router reads x in FP32; the MXFP4 expert kernels take x rounded to BF16 (their
+    // GEMM input), which the norm then writes in the same pass into x_bf16 (free once o_proj has
+    // read it): the rounding the kernels would do themselves, one launch fewer.
     const bool experts_bf16 = L.moe && kernel_experts_;
     const TensorView x_experts = experts_bf16 ? bf16_of(x) : x;
     RD_RETURN_IF_ERROR(backend_.add_rmsnorm(ctx, x, experts_bf16 ? x_experts : TensorView{}, h, o, L.o_bias,

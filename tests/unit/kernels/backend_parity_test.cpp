@@ -1567,7 +1567,10 @@ TEST(CudaBackend, FusedOpsMatchTheUnfusedCudaSequence) {
     ASSERT_TRUE(cuda->add_bias(ctx, r_copy, rbv).ok());
     ASSERT_TRUE(cuda->add(ctx, hb_ref, hb_ref, r_copy).ok());
     const TensorView hb = d.upload(h0, shape), hb_add = d.upload(h0, shape);
+    const TensorView xb_ref = d.upload(std::vector<float>(n, NAN), shape);
+    ASSERT_TRUE(cuda->rmsnorm(ctx, xb_ref, hb_ref, wv, 1e-6f).ok());
     ASSERT_TRUE(cuda->add_rmsnorm(ctx, x, {}, hb, rv, rbv, wv, 1e-6f).ok());
+    EXPECT_LE(rel_l2(d.download(x), d.download(xb_ref)), 1e-5) << rows << "x" << hidden << " (with r_bias)";
     ASSERT_TRUE(cuda->add_rmsnorm(ctx, {}, {}, hb_add, rv, rbv, wv, 1e-6f).ok());
     const std::vector<float> hb_want = d.download(hb_ref);
     EXPECT_NE(hb_want, h0);
