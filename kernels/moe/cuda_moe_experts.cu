@@ -40,6 +40,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <string_view>
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/moe/moe_math.hpp"
@@ -419,6 +420,9 @@ struct PermuteArgs {
   const int32_t* num_valid_device;  // nullable: pairs past *it * top_k are padding
   int top_k;
   int num_logical, num_physical, bm;
+  // Decode (bm = 2^30: one tile per busy expert): experts with more than `heavy` pairs (several
+  // passes of the decode kernel) are listed first; 0: every expert in index order.
+  int heavy;
   int32_t* pair_expert;
   int32_t* pair_pos;
   int32_t* sorted_pair;
@@ -456,48 +460,66 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_kernel(const PermuteA
   }
   __syncthreads();
   {
-    // Exclusive scan of (pairs, tiles) over the experts: thread tid owns the experts [e0, e1)
-    // (a few consecutive ones), the threads' sums are scanned by warp shuffles and then across
-    // warps (thread 0 walking 128 experts alone took ~2.5 us of a decode step's layer).
-    __shared__ int32_t warp_pairs[kPermuteThreads / 32], warp_tiles[kPermuteThreads / 32];
+    // Exclusive scan of (pairs, tiles, heavy experts) over the experts: thread tid owns the
+    // experts [e0, e1) (a few consecutive ones), the threads' sums are scanned by warp shuffles
+    // and then across warps (thread 0 walking 128 experts alone took ~2.5 us of a decode step's
+    // layer).
+    __shared__ int32_t warp_pairs[kPermuteThreads / 32], warp_tiles[kPermuteThreads / 32],
+        warp_heavy[kPermuteThreads / 32];
     const int ne = a.num_physical, per = (ne + kPermuteThreads - 1) / kPermuteThreads;
     const int e0 = tid * per < ne ? tid * per : ne, e1 = e0 + per < ne ? e0 + per : ne;
-    int32_t my_pairs = 0, my_tiles = 0;
+    auto is_heavy = [&](int32_t c) { return a.heavy > 0 && c > a.heavy; };
+    int32_t my_pairs = 0, my_tiles = 0, my_heavy = 0;
     for (int e = e0; e < e1; ++e) {
       my_pairs += cnt[e];
       my_tiles += (cnt[e] + a.bm - 1) / a.bm;
+      my_heavy += is_heavy(cnt[e]);
     }
     const int lane = tid & 31, warp = tid >> 5;
-    int32_t inc_pairs = my_pairs, inc_tiles = my_tiles;  // inclusive within the warp
+    int32_t inc_pairs = my_pairs, inc_tiles = my_tiles, inc_heavy = my_heavy;  // inclusive within the warp
 #pragma unroll
     for (int d = 1; d < 32; d *= 2) {
-      const int32_t p = __shfl_up_sync(0xffffffffu, inc_pairs, d), t = __shfl_up_sync(0xffffffffu, inc_tiles, d);
+      const int32_t p = __shfl_up_sync(0xffffffffu, inc_pairs, d), t = __shfl_up_sync(0xffffffffu, inc_tiles, d),
+                    hv = __shfl_up_sync(0xffffffffu, inc_heavy, d);
       if (lane >= d) {
         inc_pairs += p;
         inc_tiles += t;
+        inc_heavy += hv;
       }
     }
     if (lane == 31) {
       warp_pairs[warp] = inc_pairs;
       warp_tiles[warp] = inc_tiles;
+      warp_heavy[warp] = inc_heavy;
     }
     __syncthreads();
-    int32_t off = inc_pairs - my_pairs, tiles = inc_tiles - my_tiles;
-    for (int w = 0; w < warp; ++w) {
-      off += warp_pairs[w];
-      tiles += warp_tiles[w];
+    int32_t off = inc_pairs - my_pairs, tiles = inc_tiles - my_tiles, heavy = inc_heavy - my_heavy, num_heavy = 0;
+    for (int w = 0; w < kPermuteThreads / 32; ++w) {
+      if (w < warp) {
+        off += warp_pairs[w];
+        tiles += warp_tiles[w];
+        heavy += warp_heavy[w];
+      }
+      num_heavy += warp_heavy[w];
     }
+    // NOTES: the decode kernel's grid runs the listed experts in order, a row of CTAs each, in
+    // about two waves at batch 32; an expert past the pass size takes twice as long a CTA, and
+    // listed late it runs alone after the others have finished (longest first: the tail is the
+    // light experts' short CTAs). Which CTA runs an expert does not change its sums.
     for (int e = e0; e < e1; ++e) {
       const int32_t c = cnt[e];
+      const int32_t nt = (c + a.bm - 1) / a.bm;
       a.expert_offsets[e] = off;
-      toff[e] = tiles;
+      // Heavy experts take the first tiles in index order, the rest follow in index order (a
+      // light expert's tiles: the tiles before it less the heavy experts' ones, one each).
+      toff[e] = is_heavy(c) ? heavy : num_heavy + tiles - heavy;
       cnt[e] = off;  // cursor
       off += c;
-      tiles += (c + a.bm - 1) / a.bm;
+      tiles += nt;
+      heavy += is_heavy(c);
     }
     if (tid == kPermuteThreads - 1) {  // its running sums end at the totals
       a.expert_offsets[ne] = off;
-      toff[ne] = tiles;
       a.meta[0] = tiles;
       a.meta[1] = off;
     }
@@ -513,11 +535,15 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_kernel(const PermuteA
       a.pair_pos[i] = -1;
     }
   }
-  for (int e = tid; e < a.num_physical; e += blockDim.x)
-    for (int32_t j = toff[e]; j < toff[e + 1]; ++j) {
-      a.tile_expert[j] = e;
-      a.tile_row0[j] = (j - toff[e]) * a.bm;
+  __syncthreads();  // cnt[e] is now the end of e's pairs (the cursors ran through them)
+  for (int e = tid; e < a.num_physical; e += blockDim.x) {
+    const int32_t c = cnt[e] - a.expert_offsets[e];
+    const int32_t nt = (c + a.bm - 1) / a.bm;
+    for (int32_t j = 0; j < nt; ++j) {
+      a.tile_expert[toff[e] + j] = e;
+      a.tile_row0[toff[e] + j] = j * a.bm;
     }
+  }
 }
 
 __global__ void to_bf16_kernel(uint16_t* __restrict__ out, const float* __restrict__ in, int64_t n) {
@@ -1340,6 +1366,17 @@ int ksplit_override(bool gate_up) {
   return v[gate_up ? 1 : 0];
 }
 
+// ROLLOUTD_MOE_HEAVY_FIRST=0 (environment, read once): the decode launches' experts in index
+// order instead of those with more than a pass of tokens first. For same-binary A/B runs; the
+// results are the same bits either way (the order only says which CTA runs which expert).
+bool heavy_first() {
+  static const bool on = [] {
+    const char* s = std::getenv("ROLLOUTD_MOE_HEAVY_FIRST");
+    return s == nullptr || std::string_view(s) != "0";
+  }();
+  return on;
+}
+
 template <bool kGateUp>
 Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound, int num_sms, int max_nt,
                      int64_t pairs) {
@@ -1715,6 +1752,12 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
     pa.num_logical = static_cast<int>(p.num_logical);
     pa.num_physical = static_cast<int>(ep);
     pa.bm = decode ? (1 << 30) : bm;
+    // N-tiles per decode pass from the tokens per expert that the host knows without a sync (a
+    // lower bound of the mean: fewer experts may be active); an expert past tok_cap takes more
+    // passes, and the permutation lists such experts first (heavy_first()).
+    const int64_t per_expert = pairs / busy;
+    const int max_nt = per_expert > 8 ? 4 : per_expert > 4 ? 2 : 1;
+    pa.heavy = decode && heavy_first() ? 8 * max_nt : 0;
     pa.pair_expert = static_cast<int32_t*>(at(ws.pair_expert));
     pa.pair_pos = pair_pos;
     pa.sorted_pair = static_cast<int32_t*>(at(ws.sorted_pair));
@@ -1731,10 +1774,6 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
       int num_sms = 0;
       RD_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, ctx.device.index));
       const int64_t bound = busy;  // active experts <= min(pairs, E): a grid bound without a sync
-      // N-tiles per pass from the tokens per expert that the host knows without a sync (a lower
-      // bound of the mean: fewer experts may be active); an expert past tok_cap takes more passes.
-      const int64_t per_expert = pairs / busy;
-      const int max_nt = per_expert > 8 ? 4 : per_expert > 4 ? 2 : 1;
       DecodeArgs dg{};
       dg.expert_offsets = pa.expert_offsets;
       dg.active = pa.tile_expert;

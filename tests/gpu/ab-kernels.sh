@@ -21,7 +21,8 @@
 #               time), named VARIANT:VAR=VALUE, e.g. AB_ENVS=ROLLOUTD_PDL=0; settings joined by
 #               '+' apply together (AB_ENVS="A=1+B=2": one run with both)
 # The engine rows include each batch's greedy-token digest; the summary says whether the variants'
-# tokens agree (they must, for a change meant to leave the results bit for bit the same).
+# tokens agree (they must, for a change meant to leave the results bit for bit the same). ab.log
+# also keeps engine_bench's expert-load lines (records on: the decode passes routing asked for).
 # Writes OUT_DIR/ab.log (every row), ab-build.log, ab-tests.log (AB_TESTS) and prints the per-case
 # summary (tests/gpu/ab_summary.py).
 # SRC is restored on exit. Run the GPU tests on whichever variant lands.
@@ -101,7 +102,7 @@ for r in $(seq 1 "${AB_ROUNDS:-2}"); do
         # shellcheck disable=SC2086
         env ${e//+/ } timeout 180 "$bins/$n/engine_bench" --models h2880 --batches "${AB_BATCHES-1,32}" \
           ${AB_ENGINE_ARGS:---quantize-experts mxfp4 --dense-bf16 1 --graphs on --prefill 0} 2>&1 \
-          | grep -E "^h2880 +[0-9]+ +(on|off) +((on|off) |floor )" >>"$log"
+          | grep -E "^h2880 +[0-9]+ +(on|off) +((on|off) |floor |expert load)" >>"$log"
       fi
     done
   done

@@ -8,6 +8,10 @@
 //                [--graphs on|off|both] [--dense-bf16 1] [--fuse-qkv 0] [--grouped-experts 0]
 //                [--prefill R,L] [--device cuda|cpu]
 //
+// With records on, each batch also reports how the decode steps' routing loaded the experts
+// (load_of: busy experts, the MXFP4 decode kernel's 8-token passes, the most tokens an expert
+// got, against uniform routing; JSON "expert_load").
+//
 // --model-dir adds model "ckpt": a Hugging Face checkpoint (rolloutctl make-test-model), which
 // tests/bench/engine/hf_peer.py runs with transformers `generate` in the same job; --peer reads
 // its figures and reports ours / peer. Every row also reports the decode floor: the bytes one
@@ -153,7 +157,74 @@ struct RunResult {
   double first_step_ms = 0;  // first decode step of the run
   uint64_t graph_steps = 0, eager_steps = 0;
   std::vector<int32_t> tokens;  // every request's tokens, in rid order
+  nlohmann::json expert_load;   // records on: load_of() over the decode steps
 };
+
+// How a batch's (token, expert) pairs spread over the experts, per MoE layer of a decode step:
+// the MXFP4 decode kernel passes over an expert's tokens 8 at a time (one n-tile) while the
+// batch averages at most 4 a busy expert, streaming (and dequantizing) the expert's weights once
+// a pass, so its work goes with sum ceil(count / 8), not with the busy experts. `rows` holds, per
+// decode step, the batch's records [batch, layers, top_k] (logical ids; no replicas here, so
+// logical = physical). Also the same figures under uniform routing (each token k distinct
+// experts drawn uniformly, seeded), to tell a skewed router from chance.
+nlohmann::json load_of(const std::vector<std::vector<int32_t>>& steps, int64_t layers, int64_t k, int64_t experts) {
+  struct Acc {
+    double n = 0, busy = 0, passes = 0, max = 0, over8 = 0;
+    void add(const std::vector<int>& c) {
+      int b = 0, p = 0, m = 0;
+      for (int v : c) {
+        b += v > 0;
+        p += (v + 7) / 8;
+        m = std::max(m, v);
+      }
+      n += 1;
+      busy += b;
+      passes += p;
+      max += m;
+      over8 += m > 8;
+    }
+    nlohmann::json json() const {
+      if (n == 0) return nlohmann::json::object();
+      return {{"layer_steps", n},           {"busy_experts", busy / n},       {"passes_of_8", passes / n},
+              {"extra_passes", passes / busy - 1}, {"max_tokens_per_expert", max / n}, {"share_over_8", over8 / n}};
+    }
+  } seen, uniform;
+  std::vector<int> c(static_cast<size_t>(experts));
+  int64_t batch = 0;
+  for (const std::vector<int32_t>& rows : steps) {
+    batch = static_cast<int64_t>(rows.size()) / (layers * k);
+    for (int64_t l = 0; l < layers; ++l) {
+      std::fill(c.begin(), c.end(), 0);
+      for (int64_t t = 0; t < batch; ++t)
+        for (int64_t j = 0; j < k; ++j) {
+          const int32_t id = rows[static_cast<size_t>((t * layers + l) * k + j)];
+          if (id >= 0 && id < experts) ++c[static_cast<size_t>(id)];
+        }
+      seen.add(c);
+    }
+  }
+  uint64_t x = 0x9E3779B97F4A7C15ull;  // splitmix64: a fixed, portable stream
+  auto next = [&x] {
+    uint64_t z = (x += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  std::vector<int> pick(static_cast<size_t>(experts));
+  for (int s = 0; s < 2000 && batch > 0; ++s) {
+    std::fill(c.begin(), c.end(), 0);
+    for (int64_t t = 0; t < batch; ++t) {
+      for (int64_t e = 0; e < experts; ++e) pick[static_cast<size_t>(e)] = static_cast<int>(e);
+      for (int64_t j = 0; j < k; ++j) {  // partial Fisher-Yates: k distinct experts
+        const int64_t r = j + static_cast<int64_t>(next() % static_cast<uint64_t>(experts - j));
+        std::swap(pick[static_cast<size_t>(j)], pick[static_cast<size_t>(r)]);
+        ++c[static_cast<size_t>(pick[static_cast<size_t>(j)])];
+      }
+    }
+    uniform.add(c);
+  }
+  return {{"batch", batch}, {"decode_steps", steps.size()}, {"routed", seen.json()}, {"uniform", uniform.json()}};
+}
 
 double percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0;
@@ -203,10 +274,29 @@ RunResult run(Engine& e, int64_t batch, uint32_t new_tokens, bool records, const
     }
     prefilled = prefilled || n > 0;
   }
-  for (const auto& ev : events)
+  // Records of the decode steps' input positions (16 on: the prompts are 16 tokens), grouped by
+  // position: every request decodes in lockstep, so one position is one step of `batch` rows.
+  const core::ModelConfig& mc = e.model_config();
+  const int64_t layers = mc.num_moe_layers(), k = mc.num_experts_per_tok;
+  std::map<int64_t, std::vector<int32_t>> by_pos;
+  std::map<int64_t, int64_t> rows_at;
+  for (const auto& ev : events) {
     if (ev.kind == EngineEvent::Kind::kTokens)
       tokens[ev.rid].insert(tokens[ev.rid].end(), ev.token_ids.begin(), ev.token_ids.end());
+    for (int64_t i = 0; records && i < ev.routed_num_tokens; ++i) {
+      const int64_t pos = ev.routed_start_pos + i;
+      if (pos < 16) continue;
+      auto& v = by_pos[pos];
+      const auto* row = ev.routed_rows.data() + i * layers * k;
+      v.insert(v.end(), row, row + layers * k);
+      ++rows_at[pos];
+    }
+  }
+  std::vector<std::vector<int32_t>> steps;
+  for (auto& [pos, v] : by_pos)
+    if (rows_at[pos] == batch) steps.push_back(std::move(v));
   RunResult r;
+  if (records && layers > 0) r.expert_load = load_of(steps, layers, k, mc.num_experts);
   r.decode_tokens_per_s = decode_s > 0 ? static_cast<double>(decode_tokens) / decode_s : 0;
   r.step_median_ms = percentile(step_ms, 0.5);
   r.step_p90_ms = percentile(step_ms, 0.9);
@@ -468,6 +558,21 @@ int main(int argc, char** argv) {
               {"decode_tokens_per_s", r.decode_tokens_per_s}, {"step_median_ms", r.step_median_ms},
               {"step_p90_ms", r.step_p90_ms}, {"first_step_ms", r.first_step_ms},
               {"graph_steps", r.graph_steps}, {"eager_steps", r.eager_steps}};
+          if (records && r.expert_load.contains("routed") && r.expert_load["routed"].contains("busy_experts")) {
+            const auto& ro = r.expert_load["routed"];
+            const auto& un = r.expert_load["uniform"];
+            br["expert_load"] = r.expert_load;
+            std::printf("%-5s %5lld %-7s expert load over %lld layer-steps: busy %.1f, passes of 8 %.2f (+%.1f %%), "
+                        "max %.1f, max > 8 in %.0f %%; uniform routing: busy %.1f, passes %.2f (+%.1f %%), max %.1f, "
+                        "max > 8 in %.0f %%\n",
+                        model.c_str(), static_cast<long long>(batch), graphs ? "on" : "off",
+                        static_cast<long long>(ro["layer_steps"].get<double>()), ro["busy_experts"].get<double>(),
+                        ro["passes_of_8"].get<double>(), 100 * ro["extra_passes"].get<double>(),
+                        ro["max_tokens_per_expert"].get<double>(), 100 * ro["share_over_8"].get<double>(),
+                        un["busy_experts"].get<double>(), un["passes_of_8"].get<double>(),
+                        100 * un["extra_passes"].get<double>(), un["max_tokens_per_expert"].get<double>(),
+                        100 * un["share_over_8"].get<double>());
+          }
           if (!records) {
             const size_t digest = std::hash<std::string>{}(
                 std::string(reinterpret_cast<const char*>(r.tokens.data()), r.tokens.size() * 4));

@@ -384,6 +384,45 @@ TEST_F(MoeParity, LargeAndNanBlockScales) {
   }
 }
 
+// Skewed routing at decode sizes (4 pairs a busy expert on average, so one-n-tile passes of 8):
+// a few experts take more than a pass (every token's first choice is expert 3: 32 tokens, four
+// passes; expert 20 gets 12 and experts 0-2 get 10-11, two passes; expert 9 exactly 8, one; all
+// 32 busy). The permutation lists such
+// experts ahead of the rest (kernels' heavy_first()); whatever the order, every expert's rows
+// must be computed once, with the CPU reference's values.
+TEST_F(MoeParity, DecodeWithExpertsPastOnePass) {
+  const MxCase cases[] = {{"gate_up_k256_down_k128", 32, 4, 32, 256, 128},
+                          {"gate_up_k1088_down_k1088", 32, 4, 32, 1088, 1088}};
+  Rng rng(53);
+  for (const MxCase& c : cases) {
+    const test::Mxfp4Host gu = test::random_mxfp4(rng, c.e, 2 * c.inter, c.h), dn = test::random_mxfp4(rng, c.e, c.h, c.inter);
+    MxInputs in = mx_inputs(rng, c, 5.0f);
+    std::vector<int> per(static_cast<size_t>(c.e), 0);
+    for (int64_t t = 0; t < c.t; ++t) {
+      int32_t* row = in.ids.data() + t * c.k;
+      row[0] = 3;
+      row[1] = t < 12 ? 20 : t < 20 ? 9 : static_cast<int32_t>(21 + t % 11);
+      // The other two: light experts, distinct from the first two.
+      static constexpr int32_t kLight[] = {4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19};
+      row[2] = kLight[(t * 7) % 15];
+      row[3] = static_cast<int32_t>(t % 3);
+      for (int64_t j = 0; j < c.k; ++j) ++per[static_cast<size_t>(row[j])];
+    }
+    ASSERT_EQ(per[3], 32);
+    ASSERT_EQ(per[20], 12);
+    ASSERT_EQ(per[9], 8);
+    for (const ActPrecision prec : {ActPrecision::kBF16, ActPrecision::kMXFP8}) {
+      SCOPED_TRACE(c.name + " " + act_precision_name(prec));
+      auto run = [&](bool gpu) {
+        return run_mxfp4_experts(gpu, prec, c.e, c.k, c.h, c.inter, gu, dn, in.gub, in.dnb, in.x, in.ids, in.w);
+      };
+      const std::vector<float> ref = run(false), got = run(true);
+      EXPECT_LE(test::rel_l2(got, ref), prec == ActPrecision::kBF16 ? 1e-3 : 5e-3);
+      EXPECT_EQ(run(true), got);
+    }
+  }
+}
+
 // Every token gets the same bits whether its expert's pass holds 8, 16 or 32 tokens: four
 // experts take every token while 32 exist and the pairs (4 a token) are at least 32 from 8 tokens
 // on, so the grid bound (the busy experts the host assumes) and the K split stay the same and only
