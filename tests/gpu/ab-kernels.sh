@@ -12,7 +12,8 @@
 # benches, and named by its directory name. Environment:
 #   AB_TOKENS   moe_bench --tokens (default 1,8,64,1024; empty: no MoE runs)   AB_ROUNDS  rounds (default 2)
 #   AB_BATCHES  engine_bench h2880 batches (default 1,32; empty: no engine runs)
-#   AB_ENGINE_ARGS  (default --quantize-experts mxfp4 --dense-bf16 1 --graphs on --prefill 0)
+#   AB_ENGINE_ARGS  (default --quantize-experts mxfp4 --dense-bf16 1 --graphs on --prefill 0; add
+#               --model-dir DIR for a checkpoint's rows too, model "ckpt")
 #   AB_TESTS    gtest targets built and run for every variant before any timing, e.g.
 #               "moe_parity_test moe_layer_gpu_test" (default none; a variant whose test fails
 #               is still timed, and the log says FAILED)
@@ -102,7 +103,7 @@ for r in $(seq 1 "${AB_ROUNDS:-2}"); do
         # shellcheck disable=SC2086
         env ${e//+/ } timeout 180 "$bins/$n/engine_bench" --models h2880 --batches "${AB_BATCHES-1,32}" \
           ${AB_ENGINE_ARGS:---quantize-experts mxfp4 --dense-bf16 1 --graphs on --prefill 0} 2>&1 \
-          | grep -E "^h2880 +[0-9]+ +(on|off) +((on|off) |floor |expert load)" >>"$log"
+          | grep -E "^(h2880|ckpt) +[0-9]+ +(on|off) +((on|off) |floor |expert load)" >>"$log"
       fi
     done
   done

@@ -2,7 +2,7 @@
 """Summarise tests/gpu/ab-kernels.sh's log: per case, every variant's times over the rounds.
 
 MoE rows: graph-replay ms of moe_bench (shape, activations, tokens). Engine rows: median step ms
-of engine_bench h2880 (batch, records off/on), and each batch's greedy-token digest (from the
+of engine_bench h2880 and, with --model-dir, ckpt (batch, records off/on), and each batch's greedy-token digest (from the
 floor lines): the variants must agree there unless the change is meant to alter results.
 Standard library only (any python3).
 """
@@ -25,15 +25,15 @@ def main(path):
                 if name not in names:
                     names.append(name)
                 continue
-            d = re.match(r"h2880\s+(\d+)\s+\S+\s+floor .*, tokens ([0-9a-f]+)", line)
+            d = re.match(r"(h2880|ckpt)\s+(\d+)\s+\S+\s+floor .*, tokens ([0-9a-f]+)", line)
             if kind == "engine" and d:
-                digests["h2880 batch " + d.group(1)][name].add(d.group(2))
+                digests[d.group(1) + " batch " + d.group(2)][name].add(d.group(3))
                 continue
             fields = line.split()
             if kind == "moe" and len(fields) > 4 and fields[1] in ("bf16", "mxfp8"):
                 moe[(fields[0], fields[1], int(fields[2]))][name].append(float(fields[4]))
             elif kind == "engine" and len(fields) > 5 and fields[5].endswith("ms"):
-                eng[("h2880 batch " + fields[1], "records " + fields[3])][name].append(float(fields[5][:-2]))
+                eng[(fields[0] + " batch " + fields[1], "records " + fields[3])][name].append(float(fields[5][:-2]))
     print("case | " + " | ".join(names) + "   (ms; one figure per round)")
     for table in (moe, eng):
         for case in sorted(table):
