@@ -421,7 +421,8 @@ struct PermuteArgs {
   int top_k;
   int num_logical, num_physical, bm;
   // Decode (bm = 2^30: one tile per busy expert): experts with more than `heavy` pairs (several
-  // passes of the decode kernel) are listed first; 0: every expert in index order.
+  // passes of the decode kernel) are listed first; 0: every expert in index order. Only with
+  // bm = 2^30: the placement counts one tile per heavy expert (the host sets it so).
   int heavy;
   int32_t* pair_expert;
   int32_t* pair_pos;
@@ -634,7 +635,7 @@ enum DecSrc : int { kSrcF32 = 0, kSrcBf16 = 1, kSrcMx8 = 2 };
 
 struct DecodeArgs {
   const int32_t* expert_offsets;  // [E + 1]
-  const int32_t* active;          // [>= bound]: physical ids of the experts with pairs, in order
+  const int32_t* active;          // [>= bound]: physical ids of the experts with pairs (heavy first)
   const int32_t* meta;            // meta[0]: number of active experts
   const int32_t* sorted_pair;     // [P]
   int top_k;
@@ -1730,8 +1731,8 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
     const int64_t busy = pairs < ep ? pairs : ep;
     int bm = pairs / busy >= 48 ? 64 : 16;
     // MXFP4 weights with few tokens per expert take the decode kernel (one "tile" per active
-    // expert: the permutation lists the active experts in order); with many, the prefill
-    // kernel (tiles of 64 or 128 rows).
+    // expert: the permutation lists the active experts, those past a pass first); with many,
+    // the prefill kernel (tiles of 64 or 128 rows).
     const bool mx8 = p.precision == ActPrecision::kMXFP8;
     const bool decode = p.format == WeightFormat::kMXFP4 && bm == 16;
     // (The prefill grid puts the tiles on y: past 65,535 of them, gemm_kernel takes over.)

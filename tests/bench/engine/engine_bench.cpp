@@ -185,8 +185,12 @@ nlohmann::json load_of(const std::vector<std::vector<int32_t>>& steps, int64_t l
     }
     nlohmann::json json() const {
       if (n == 0) return nlohmann::json::object();
-      return {{"layer_steps", n},           {"busy_experts", busy / n},       {"passes_of_8", passes / n},
-              {"extra_passes", passes / busy - 1}, {"max_tokens_per_expert", max / n}, {"share_over_8", over8 / n}};
+      return {{"layer_steps", n},
+              {"busy_experts", busy / n},
+              {"passes_of_8", passes / n},
+              {"extra_passes", busy > 0 ? passes / busy - 1 : 0.0},
+              {"max_tokens_per_expert", max / n},
+              {"share_over_8", over8 / n}};
     }
   } seen, uniform;
   std::vector<int> c(static_cast<size_t>(experts));
@@ -232,15 +236,16 @@ double percentile(std::vector<double> v, double p) {
   return v[std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size() - 1) + 0.5))];
 }
 
-// `batch` requests with 16-token prompts, greedy, `new_tokens` each (no stop ids): one prefill
-// step, then decode steps of exactly `batch` sequences.
+// `batch` requests with kPromptLen-token prompts, greedy, `new_tokens` each (no stop ids): one
+// prefill step, then decode steps of exactly `batch` sequences.
+constexpr int kPromptLen = 16;
 RunResult run(Engine& e, int64_t batch, uint32_t new_tokens, bool records, const std::string& tag) {
   for (int64_t i = 0; i < batch; ++i) {
     core::RequestSpec s;
     char rid[32];
     std::snprintf(rid, sizeof rid, "%s%06lld", tag.c_str(), static_cast<long long>(i));
     s.rid = rid;
-    for (int t = 0; t < 16; ++t)
+    for (int t = 0; t < kPromptLen; ++t)
       s.input_ids.push_back(static_cast<int32_t>((i * 131 + t * 17 + 1) % e.model_config().vocab_size));
     s.max_new_tokens = new_tokens;
     s.sampling.temperature = 0.0f;
@@ -274,8 +279,8 @@ RunResult run(Engine& e, int64_t batch, uint32_t new_tokens, bool records, const
     }
     prefilled = prefilled || n > 0;
   }
-  // Records of the decode steps' input positions (16 on: the prompts are 16 tokens), grouped by
-  // position: every request decodes in lockstep, so one position is one step of `batch` rows.
+  // Records of the decode steps' input positions (kPromptLen on), grouped by position: every
+  // request decodes in lockstep, so one position is one step of `batch` rows.
   const core::ModelConfig& mc = e.model_config();
   const int64_t layers = mc.num_moe_layers(), k = mc.num_experts_per_tok;
   std::map<int64_t, std::vector<int32_t>> by_pos;
@@ -285,7 +290,7 @@ RunResult run(Engine& e, int64_t batch, uint32_t new_tokens, bool records, const
       tokens[ev.rid].insert(tokens[ev.rid].end(), ev.token_ids.begin(), ev.token_ids.end());
     for (int64_t i = 0; records && i < ev.routed_num_tokens; ++i) {
       const int64_t pos = ev.routed_start_pos + i;
-      if (pos < 16) continue;
+      if (pos < kPromptLen) continue;
       auto& v = by_pos[pos];
       const auto* row = ev.routed_rows.data() + i * layers * k;
       v.insert(v.end(), row, row + layers * k);
@@ -520,10 +525,10 @@ int main(int argc, char** argv) {
     for (const bool graphs : graph_modes) {
       core::StepLimits limits;
       limits.max_seqs = max_batch;
-      limits.max_tokens = std::max<int64_t>(max_batch * 16, 512);
+      limits.max_tokens = std::max<int64_t>(max_batch * kPromptLen, 512);
       limits.kv_block_size = 16;
       limits.max_blocks_per_seq = 16;
-      limits.num_kv_blocks = max_batch * ((16 + new_tokens + 15) / 16 + 1) + 16;
+      limits.num_kv_blocks = max_batch * ((kPromptLen + new_tokens + 15) / 16 + 1) + 16;
       limits.graph_max_batch = graphs ? max_batch : 0;
       const size_t free_before = device_free_bytes();
       std::unique_ptr<Engine> e = build(limits, max_batch);
@@ -546,7 +551,7 @@ int main(int argc, char** argv) {
       run(*e, std::min<int64_t>(max_batch, 4), 4, false, "w");
       for (const int64_t batch : batches) {
         nlohmann::json br = {{"batch", batch}};
-        const double floor_ms = bw > 0 ? decode_step_bytes(e->model(), batch, 16.0 + new_tokens / 2.0) / bw * 1e3 : 0;
+        const double floor_ms = bw > 0 ? decode_step_bytes(e->model(), batch, kPromptLen + new_tokens / 2.0) / bw * 1e3 : 0;
         br["floor_ms"] = floor_ms;
         for (const bool records : {false, true}) {
           const RunResult r = run(*e, batch, new_tokens, records, records ? "r" : "n");

@@ -387,9 +387,10 @@ TEST_F(MoeParity, LargeAndNanBlockScales) {
 // Skewed routing at decode sizes (4 pairs a busy expert on average, so one-n-tile passes of 8):
 // a few experts take more than a pass (every token's first choice is expert 3: 32 tokens, four
 // passes; expert 20 gets 12 and experts 0-2 get 10-11, two passes; expert 9 exactly 8, one; all
-// 32 busy). The permutation lists such
-// experts ahead of the rest (kernels' heavy_first()); whatever the order, every expert's rows
-// must be computed once, with the CPU reference's values.
+// 32 busy). The permutation lists such experts ahead of the rest (heavy_first() in the kernels);
+// whatever the order, every expert's rows must be computed once, with the CPU reference's values.
+// (The order itself does not show in the outputs: the engine A/B with ROLLOUTD_MOE_HEAVY_FIRST=0
+// measured it, tests/bench/NOTES.md.)
 TEST_F(MoeParity, DecodeWithExpertsPastOnePass) {
   const MxCase cases[] = {{"gate_up_k256_down_k128", 32, 4, 32, 256, 128},
                           {"gate_up_k1088_down_k1088", 32, 4, 32, 1088, 1088}};
