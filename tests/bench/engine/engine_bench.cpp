@@ -146,7 +146,16 @@ double decode_step_bytes(const core::MoeDecoder& m, int64_t batch, double ctx) {
       bytes += b;
     }
   }
-  bytes += 2.0 * static_cast<double>(c.num_hidden_layers * batch * c.num_key_value_heads * c.head_dim) * 4 * ctx;
+  // K and V (FP32) of the context each layer attends to: a sliding-window layer reads at most its
+  // window (min of the mean context and the window: a bound that is exact while every step's
+  // context is on the same side of the window).
+  double layer_ctx = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const bool sliding = l < static_cast<int64_t>(c.layer_types.size()) &&
+                         c.layer_types[static_cast<size_t>(l)] == "sliding_attention" && c.sliding_window > 0;
+    layer_ctx += sliding ? std::min(ctx, static_cast<double>(c.sliding_window)) : ctx;
+  }
+  bytes += 2.0 * static_cast<double>(batch * c.num_key_value_heads * c.head_dim) * 4 * layer_ctx;
   return bytes;
 }
 
@@ -236,16 +245,18 @@ double percentile(std::vector<double> v, double p) {
   return v[std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size() - 1) + 0.5))];
 }
 
-// `batch` requests with kPromptLen-token prompts, greedy, `new_tokens` each (no stop ids): one
-// prefill step, then decode steps of exactly `batch` sequences.
-constexpr int kPromptLen = 16;
+// `batch` requests with g_prompt_len-token prompts, greedy, `new_tokens` each (no stop ids): one
+// prefill step, then decode steps of exactly `batch` sequences. --prompt-len sets it (default 16:
+// the figures in tests/bench/NOTES.md are at 16 unless they say otherwise; longer contexts weigh
+// attention and the KV cache as RL rollouts do).
+int g_prompt_len = 16;
 RunResult run(Engine& e, int64_t batch, uint32_t new_tokens, bool records, const std::string& tag) {
   for (int64_t i = 0; i < batch; ++i) {
     core::RequestSpec s;
     char rid[32];
     std::snprintf(rid, sizeof rid, "%s%06lld", tag.c_str(), static_cast<long long>(i));
     s.rid = rid;
-    for (int t = 0; t < kPromptLen; ++t)
+    for (int t = 0; t < g_prompt_len; ++t)
       s.input_ids.push_back(static_cast<int32_t>((i * 131 + t * 17 + 1) % e.model_config().vocab_size));
     s.max_new_tokens = new_tokens;
     s.sampling.temperature = 0.0f;
@@ -279,7 +290,7 @@ RunResult run(Engine& e, int64_t batch, uint32_t new_tokens, bool records, const
     }
     prefilled = prefilled || n > 0;
   }
-  // Records of the decode steps' input positions (kPromptLen on), grouped by position: every
+  // Records of the decode steps' input positions (g_prompt_len on), grouped by position: every
   // request decodes in lockstep, so one position is one step of `batch` rows.
   const core::ModelConfig& mc = e.model_config();
   const int64_t layers = mc.num_moe_layers(), k = mc.num_experts_per_tok;
@@ -290,7 +301,7 @@ RunResult run(Engine& e, int64_t batch, uint32_t new_tokens, bool records, const
       tokens[ev.rid].insert(tokens[ev.rid].end(), ev.token_ids.begin(), ev.token_ids.end());
     for (int64_t i = 0; records && i < ev.routed_num_tokens; ++i) {
       const int64_t pos = ev.routed_start_pos + i;
-      if (pos < kPromptLen) continue;
+      if (pos < g_prompt_len) continue;
       auto& v = by_pos[pos];
       const auto* row = ev.routed_rows.data() + i * layers * k;
       v.insert(v.end(), row, row + layers * k);
@@ -413,6 +424,7 @@ int main(int argc, char** argv) {
     if (a == "--json") json_path = argv[i + 1];
     else if (a == "--models") models = argv[i + 1];
     else if (a == "--batches") batches_arg = argv[i + 1];
+    else if (a == "--prompt-len") g_prompt_len = std::max(1, std::atoi(argv[i + 1]));
     else if (a == "--new-tokens") new_tokens = static_cast<uint32_t>(std::atoi(argv[i + 1]));
     else if (a == "--model-dir") model_dir = argv[i + 1];
     else if (a == "--peer") peer_path = argv[i + 1];
@@ -470,7 +482,7 @@ int main(int argc, char** argv) {
   if (!model_dir.empty()) model_names.push_back("ckpt");
   std::printf("sampling on the %s; routed experts %s\n", host_sampling ? "host" : "device",
               *quantize == core::ExpertQuantization::kMxfp4 ? "MXFP4" : "as stored");
-  nlohmann::json out = {{"bench", "engine"}, {"new_tokens", new_tokens}, {"copy_bandwidth_bytes_per_s", bw},
+  nlohmann::json out = {{"bench", "engine"}, {"new_tokens", new_tokens}, {"prompt_len", g_prompt_len}, {"copy_bandwidth_bytes_per_s", bw},
                         {"device_sampling", !host_sampling},
                         {"quantize_experts", core::expert_quantization_name(*quantize)},
                         {"runs", nlohmann::json::array()}, {"prefill", nlohmann::json::array()}};
@@ -525,10 +537,10 @@ int main(int argc, char** argv) {
     for (const bool graphs : graph_modes) {
       core::StepLimits limits;
       limits.max_seqs = max_batch;
-      limits.max_tokens = std::max<int64_t>(max_batch * kPromptLen, 512);
+      limits.max_tokens = std::max<int64_t>(max_batch * g_prompt_len, 512);  // the prompts in one prefill step
       limits.kv_block_size = 16;
-      limits.max_blocks_per_seq = 16;
-      limits.num_kv_blocks = max_batch * ((kPromptLen + new_tokens + 15) / 16 + 1) + 16;
+      limits.max_blocks_per_seq = std::max<int64_t>(16, (g_prompt_len + new_tokens + 15) / 16 + 1);
+      limits.num_kv_blocks = max_batch * ((g_prompt_len + new_tokens + 15) / 16 + 1) + 16;
       limits.graph_max_batch = graphs ? max_batch : 0;
       const size_t free_before = device_free_bytes();
       std::unique_ptr<Engine> e = build(limits, max_batch);
@@ -551,7 +563,7 @@ int main(int argc, char** argv) {
       run(*e, std::min<int64_t>(max_batch, 4), 4, false, "w");
       for (const int64_t batch : batches) {
         nlohmann::json br = {{"batch", batch}};
-        const double floor_ms = bw > 0 ? decode_step_bytes(e->model(), batch, kPromptLen + new_tokens / 2.0) / bw * 1e3 : 0;
+        const double floor_ms = bw > 0 ? decode_step_bytes(e->model(), batch, g_prompt_len + new_tokens / 2.0) / bw * 1e3 : 0;
         br["floor_ms"] = floor_ms;
         for (const bool records : {false, true}) {
           const RunResult r = run(*e, batch, new_tokens, records, records ? "r" : "n");
