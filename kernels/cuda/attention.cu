@@ -46,6 +46,7 @@ constexpr int kAttnWarps = kAttnThreads / 32;
 constexpr int kAttnChunk = kAttnThreads;  // keys per chunk: one per thread
 constexpr int kAttnHeads = 8;             // query heads per CTA (at most; kAttnFewHeads at small grids)
 constexpr int kAttnFewHeads = 2;          // query heads per CTA when 8 would leave the GPU mostly idle
+constexpr int kAttnFewMaxCtas = 64;       // ... that is, when 8 would give at most this many CTAs
 constexpr int kAttnMaxDim = 512;
 constexpr int kAttnBatch = 8;             // keys whose V loads a thread issues together
 
@@ -70,10 +71,31 @@ __device__ __forceinline__ void block_reduce_heads(float (&v)[kH], float (*red)[
   }
 }
 
+// Keys of a chunk whose loads a thread issues together: K rows in the score phase (float4 of the
+// head dimension each, kVec), V rows of the p.v phase issued before the chunk's softmax
+// reductions. More at small grids (a latency chain per CTA), fewer at 8 heads per CTA (registers:
+// occupancy at large grids).
+template <int kH>
+struct AttnBatches {
+  static constexpr int kK = kH <= kAttnFewHeads ? 16 : 8;  // float4 of a K row in flight
+  static constexpr int kV = kH <= kAttnFewHeads ? 8 : 4;   // V rows prefetched before the reductions
+};
+
+__device__ __forceinline__ float4 ldg4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+
 // kH: query heads per CTA (kAttnHeads, or kAttnFewHeads where the grid would be small: at one
 // token and 8 KV heads, 8 CTAs of 8 heads each left the GPU idle behind one long chain of loads
-// and reductions per CTA); kPer: head dimensions per thread in the p.v phase (1 for D <= 128,
-// else ceil(D / 128)); kVec: D % 4 == 0 and 16-byte aligned rows, so q.k reads float4.
+// and reductions per CTA); kPer: head dimensions per thread in the scalar p.v phase (1 for
+// D <= 128, else ceil(D / 128)); kVec: D % 4 == 0 and 16-byte aligned rows, so q.k and p.v read
+// float4 (dim_lanes is then D / 4 rounded up to a power of two: lanes of 4 dimensions).
+//
+// NOTES (the chain a decode CTA waits through): at a few tokens the kernel is one wave of short
+// CTAs, so its time is the chain of dependent memory round trips in one CTA, not bytes. The
+// vector path keeps that chain at: q and the block table together; then every K row and the first
+// V rows of the chunk together (V does not depend on the scores, only on the table); then
+// reductions and arithmetic from registers and shared memory. The first version waited for the
+// table after q, for K in two rounds and for V in rounds of 8 keys per 2 thread groups after the
+// reductions (14 us a layer at 32 tokens and ~48 keys).
 template <int kH, int kPer, bool kVec>
 __global__ void __launch_bounds__(kAttnThreads)
     paged_attention_kernel(void* __restrict__ out, const float* __restrict__ q,
@@ -81,7 +103,9 @@ __global__ void __launch_bounds__(kAttnThreads)
                            const int32_t* __restrict__ block_tables,
                            const int32_t* __restrict__ seq_of, const int32_t* __restrict__ ctx_len,
                            AttentionShape s, int dim_lanes) {
-  constexpr int kPRows = kH > kPer ? kH : kPer;  // p_s also holds the groups' partial sums at the end
+  constexpr int kPRows = kH > kPer ? kH : kPer;  // p_s also holds the groups' partial sums at the end (scalar path)
+  constexpr int kKB = AttnBatches<kH>::kK;
+  constexpr int kVB = AttnBatches<kH>::kV;
   __shared__ __align__(16) float q_s[kH][kAttnMaxDim];
   __shared__ float p_s[kPRows][kAttnChunk];
   __shared__ int64_t row_s[kAttnChunk];  // cache row (block * block_size + offset) of a key, -1: skipped
@@ -96,8 +120,18 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int64_t D = s.head_dim;
   // Heads past nh get zeros: the loops below run all kH heads without branches (so their
   // loads can be issued together) and those heads' results are never written.
-  for (int hh = 0; hh < kH; ++hh)
-    for (int64_t d = tid; d < D; d += kAttnThreads) q_s[hh][d] = hh < nh ? q[(t * s.q_heads + h0 + hh) * D + d] : 0.0f;
+  if constexpr (kVec) {
+    const int d4n = static_cast<int>(D / 4);
+    for (int i = tid; i < kH * d4n; i += kAttnThreads) {
+      const int hh = i / d4n, d4 = i - hh * d4n;
+      reinterpret_cast<float4*>(q_s[hh])[d4] =
+          hh < nh ? *reinterpret_cast<const float4*>(q + (t * s.q_heads + h0 + hh) * D + 4 * d4)
+                  : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+  } else {
+    for (int hh = 0; hh < kH; ++hh)
+      for (int64_t d = tid; d < D; d += kAttnThreads) q_s[hh][d] = hh < nh ? q[(t * s.q_heads + h0 + hh) * D + d] : 0.0f;
+  }
 
   const int64_t seq = seq_of[t];
   int64_t len = ctx_len[t];
@@ -106,11 +140,19 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int32_t* table = block_tables + (len > 0 ? seq * s.max_blocks : 0);
   const int64_t first = s.window > 0 && len > s.window ? len - s.window : 0;
   const int64_t row_stride = s.kv_heads * D;  // floats between consecutive cache rows
+  // The cache row of key j (>= 0), -1 where its block id is outside [0, blocks).
+  auto row_of = [&](int64_t j) -> int64_t {
+    const int64_t block = table[j / s.block_size];
+    return block >= 0 && block < s.num_blocks ? block * s.block_size + j % s.block_size : -1;
+  };
 
-  // p.v layout: thread = (group g, lane d0); dims d0 + dim_lanes * i, keys j = g (mod groups).
+  // p.v layout: thread = (group g, lane d0); dims d0 + dim_lanes * i (scalar) or 4 d0 .. 4 d0 + 3
+  // (kVec), keys j = g (mod groups).
   const int groups = kAttnThreads / dim_lanes;
   const int g = tid / dim_lanes, d0 = tid - g * dim_lanes;
-  float acc[kH][kPer];
+  const bool vlane = kVec ? 4 * d0 < D : d0 < D;  // the lane has dimensions (kVec: 4 of them)
+  constexpr int kAcc = kVec ? 4 : kPer;
+  float acc[kH][kAcc];
   // A sink is one more logit with no value: it starts the running max and the denominator.
   float running_max[kH], denom[kH];
 #pragma unroll
@@ -119,51 +161,64 @@ __global__ void __launch_bounds__(kAttnThreads)
     running_max[h] = sink ? s.sinks[h0 + h] : -INFINITY;
     denom[h] = sink ? 1.0f : 0.0f;  // sum of exp(score - running_max)
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) acc[h][i] = 0.0f;
+    for (int i = 0; i < kAcc; ++i) acc[h][i] = 0.0f;
   }
-  __syncthreads();  // q_s
 
+  bool q_ready = false;
   for (int64_t c0 = first; c0 < len; c0 += kAttnChunk) {
     const int n = len - c0 < kAttnChunk ? static_cast<int>(len - c0) : kAttnChunk;
+    const int64_t row = tid < n ? row_of(c0 + tid) : -1;
+    // kVec: this thread's first kVB V rows of the chunk (keys g + groups * u), loaded now.
+    float4 vpre[kVec ? kVB : 1];
+    if constexpr (kVec) {
+#pragma unroll
+      for (int u = 0; u < kVB; ++u) {
+        const int jj = g + u * groups;
+        const int64_t r = jj < n ? row_of(c0 + jj) : -1;
+        vpre[u] = r >= 0 && vlane ? ldg4(v_cache + r * row_stride + kvh * D + 4 * d0) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+    }
+    if (!q_ready) {  // the same in every thread: the first chunk publishes q_s
+      __syncthreads();
+      q_ready = true;
+    }
     float score[kH];
 #pragma unroll
     for (int h = 0; h < kH; ++h) score[h] = -INFINITY;
-    int64_t row = -1;
-    if (tid < n) {
-      const int64_t j = c0 + tid;
-      const int64_t block = table[j / s.block_size];
-      if (block >= 0 && block < s.num_blocks) {
-        row = block * s.block_size + j % s.block_size;
-        const float* kr = k_cache + row * row_stride + kvh * D;
-        float dot[kH];
+    if (row >= 0) {
+      const float* kr = k_cache + row * row_stride + kvh * D;
+      float dot[kH];
 #pragma unroll
-        for (int h = 0; h < kH; ++h) dot[h] = 0.0f;
-        if constexpr (kVec) {
-          const float4* k4 = reinterpret_cast<const float4*>(kr);
-          const int n4 = static_cast<int>(D / 4);
-#pragma unroll 8
-          for (int i = 0; i < n4; ++i) {
-            const float4 a = __ldg(k4 + i);
+      for (int h = 0; h < kH; ++h) dot[h] = 0.0f;
+      if constexpr (kVec) {
+        const int n4 = static_cast<int>(D / 4);
+        for (int i0 = 0; i0 < n4; i0 += kKB) {
+          float4 a[kKB];
+#pragma unroll
+          for (int u = 0; u < kKB; ++u) a[u] = i0 + u < n4 ? ldg4(kr + 4 * (i0 + u)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+          for (int u = 0; u < kKB; ++u) {
+            if (i0 + u >= n4) break;
 #pragma unroll
             for (int h = 0; h < kH; ++h) {
-              const float4 b = reinterpret_cast<const float4*>(q_s[h])[i];
-              dot[h] += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
-            }
-          }
-        } else {
-#pragma unroll 4
-          for (int d = 0; d < static_cast<int>(D); ++d) {
-            const float a = __ldg(kr + d);
-#pragma unroll
-            for (int h = 0; h < kH; ++h) {
-              dot[h] += a * q_s[h][d];
+              const float4 b = reinterpret_cast<const float4*>(q_s[h])[i0 + u];
+              dot[h] += a[u].x * b.x + a[u].y * b.y + a[u].z * b.z + a[u].w * b.w;
             }
           }
         }
+      } else {
+#pragma unroll 4
+        for (int d = 0; d < static_cast<int>(D); ++d) {
+          const float a = __ldg(kr + d);
 #pragma unroll
-        for (int h = 0; h < kH; ++h)
-          if (h < nh) score[h] = dot[h] * s.scale;
+          for (int h = 0; h < kH; ++h) {
+            dot[h] += a * q_s[h][d];
+          }
+        }
       }
+#pragma unroll
+      for (int h = 0; h < kH; ++h)
+        if (h < nh) score[h] = dot[h] * s.scale;
     }
     row_s[tid] = row;
     float m[kH];
@@ -189,65 +244,133 @@ __global__ void __launch_bounds__(kAttnThreads)
     for (int h = 0; h < kH; ++h) {
       denom[h] = denom[h] * correction[h] + sum[h];
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) acc[h][i] *= correction[h];
+      for (int i = 0; i < kAcc; ++i) acc[h][i] *= correction[h];
     }
-    if (any && d0 < D) {
-      // kAttnBatch keys per round, their V loads issued before any is used (a skipped key, or
-      // one past the chunk, loads nothing and has p = 0).
-      for (int jb = g; jb < n; jb += kAttnBatch * groups) {
-        float vv[kAttnBatch][kPer];
+    if (any && vlane) {
+      if constexpr (kVec) {
+        // Keys g + groups * u in u order: the prefetched ones, then kVB at a time from row_s
+        // (a skipped key, or one past the chunk, loads nothing and has p = 0).
+        auto add = [&](const float4 (&vv)[kVB], int jb) {
 #pragma unroll
-        for (int u = 0; u < kAttnBatch; ++u) {
-          const int jj = jb + u * groups;
-          const int64_t r = jj < n ? row_s[jj] : -1;
-          const float* vr = v_cache + (r < 0 ? 0 : r) * row_stride + kvh * D;
+          for (int u = 0; u < kVB; ++u) {
+            const int jj = jb + u * groups;
+            if (jj >= n) break;
 #pragma unroll
-          for (int i = 0; i < kPer; ++i) {
-            const int64_t d = d0 + static_cast<int64_t>(dim_lanes) * i;
-            vv[u][i] = r >= 0 && d < D ? __ldg(vr + d) : 0.0f;
+            for (int h = 0; h < kH; ++h) {
+              const float p = p_s[h][jj];
+              acc[h][0] += p * vv[u].x;
+              acc[h][1] += p * vv[u].y;
+              acc[h][2] += p * vv[u].z;
+              acc[h][3] += p * vv[u].w;
+            }
           }
+        };
+        add(vpre, g);
+        for (int jb = g + kVB * groups; jb < n; jb += kVB * groups) {
+          float4 vv[kVB];
+#pragma unroll
+          for (int u = 0; u < kVB; ++u) {
+            const int jj = jb + u * groups;
+            const int64_t r = jj < n ? row_s[jj] : -1;
+            vv[u] = r >= 0 ? ldg4(v_cache + r * row_stride + kvh * D + 4 * d0) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          }
+          add(vv, jb);
         }
+      } else {
+        // kAttnBatch keys per round, their V loads issued before any is used.
+        for (int jb = g; jb < n; jb += kAttnBatch * groups) {
+          float vv[kAttnBatch][kPer];
 #pragma unroll
-        for (int u = 0; u < kAttnBatch; ++u) {
-          const int jj = jb + u * groups;
-          if (jj >= n) break;
+          for (int u = 0; u < kAttnBatch; ++u) {
+            const int jj = jb + u * groups;
+            const int64_t r = jj < n ? row_s[jj] : -1;
+            const float* vr = v_cache + (r < 0 ? 0 : r) * row_stride + kvh * D;
 #pragma unroll
-          for (int h = 0; h < kH; ++h) {
-            const float p = p_s[h][jj];
+            for (int i = 0; i < kPer; ++i) {
+              const int64_t d = d0 + static_cast<int64_t>(dim_lanes) * i;
+              vv[u][i] = r >= 0 && d < D ? __ldg(vr + d) : 0.0f;
+            }
+          }
 #pragma unroll
-            for (int i = 0; i < kPer; ++i) acc[h][i] += p * vv[u][i];
+          for (int u = 0; u < kAttnBatch; ++u) {
+            const int jj = jb + u * groups;
+            if (jj >= n) break;
+#pragma unroll
+            for (int h = 0; h < kH; ++h) {
+              const float p = p_s[h][jj];
+#pragma unroll
+              for (int i = 0; i < kPer; ++i) acc[h][i] += p * vv[u][i];
+            }
           }
         }
       }
     }
     __syncthreads();  // p_s and row_s are rewritten by the next chunk
   }
-  // Groups' partial sums, added in group order through shared memory (p_s is free now: one
-  // head at a time); a row that saw nothing is zero, not 0/0.
-  float* part = &p_s[0][0];  // kPRows * kAttnChunk floats >= kPer * kAttnThreads
+  if constexpr (kVec) {
+    // Every head's group partial sums at once in q_s (kH heads x 128 threads x 4 floats: its
+    // size; nothing reads q after the last chunk), then each (head, 4 dimensions) summed in group
+    // order by one thread: one barrier for all heads where the scalar path takes two per head.
+    __syncthreads();  // no chunk ran: the q_s stores above finish before the partials overwrite them
 #pragma unroll
-  for (int h = 0; h < kH; ++h) {
-    if (h >= nh) break;  // uniform across the CTA (the barriers below)
-    const float inv = denom[h] > 0.0f ? 1.0f / denom[h] : 0.0f;
-    const int64_t orow = (t * s.q_heads + h0 + h) * D;
+    for (int h = 0; h < kH; ++h)
+      reinterpret_cast<float4*>(q_s[h])[tid] = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+    // 1 / denominator per head (every thread holds the same ones), for the threads below that
+    // finish another head; a row that saw nothing is zero, not 0/0.
+    if (tid == 0) {
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) part[i * kAttnThreads + tid] = acc[h][i];
+      for (int h = 0; h < kH; ++h) red[0][h] = denom[h] > 0.0f ? 1.0f / denom[h] : 0.0f;
+    }
     __syncthreads();
-    if (g == 0) {
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const int64_t d = d0 + static_cast<int64_t>(dim_lanes) * i;
-        if (d >= D) continue;
-        float v = part[i * kAttnThreads + d0];
-        for (int gg = 1; gg < groups; ++gg) v += part[i * kAttnThreads + gg * dim_lanes + d0];
-        // BF16: rounded here as the convert before o_proj did (kernels/bf16.hpp), one launch fewer.
-        if (s.out_bf16)
-          static_cast<uint16_t*>(out)[orow + d] = f32_to_bf16_bits(v * inv);
-        else
-          static_cast<float*>(out)[orow + d] = v * inv;
+    const int d4n = static_cast<int>(D / 4);
+    for (int i = tid; i < nh * d4n; i += kAttnThreads) {
+      const int h = i / d4n, d4 = i - h * d4n;
+      float4 v = reinterpret_cast<const float4*>(q_s[h])[d4];
+      for (int gg = 1; gg < groups; ++gg) {
+        const float4 w = reinterpret_cast<const float4*>(q_s[h])[gg * dim_lanes + d4];
+        v.x += w.x;
+        v.y += w.y;
+        v.z += w.z;
+        v.w += w.w;
+      }
+      const int64_t o = (t * s.q_heads + h0 + h) * D + 4 * d4;
+      const float iv = red[0][h];
+      if (s.out_bf16) {
+        const uint32_t lo = f32_to_bf16_bits(v.x * iv) | (static_cast<uint32_t>(f32_to_bf16_bits(v.y * iv)) << 16);
+        const uint32_t hi = f32_to_bf16_bits(v.z * iv) | (static_cast<uint32_t>(f32_to_bf16_bits(v.w * iv)) << 16);
+        *reinterpret_cast<uint2*>(static_cast<uint16_t*>(out) + o) = make_uint2(lo, hi);
+      } else {
+        *reinterpret_cast<float4*>(static_cast<float*>(out) + o) = make_float4(v.x * iv, v.y * iv, v.z * iv, v.w * iv);
       }
     }
-    __syncthreads();  // part is rewritten for the next head
+  } else {
+    // Groups' partial sums, added in group order through shared memory (p_s is free now: one
+    // head at a time); a row that saw nothing is zero, not 0/0.
+    float* part = &p_s[0][0];  // kPRows * kAttnChunk floats >= kPer * kAttnThreads
+#pragma unroll
+    for (int h = 0; h < kH; ++h) {
+      if (h >= nh) break;  // uniform across the CTA (the barriers below)
+      const float inv = denom[h] > 0.0f ? 1.0f / denom[h] : 0.0f;
+      const int64_t orow = (t * s.q_heads + h0 + h) * D;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) part[i * kAttnThreads + tid] = acc[h][i];
+      __syncthreads();
+      if (g == 0) {
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) {
+          const int64_t d = d0 + static_cast<int64_t>(dim_lanes) * i;
+          if (d >= D) continue;
+          float v = part[i * kAttnThreads + d0];
+          for (int gg = 1; gg < groups; ++gg) v += part[i * kAttnThreads + gg * dim_lanes + d0];
+          // BF16: rounded here as the convert before o_proj did (kernels/bf16.hpp), one launch fewer.
+          if (s.out_bf16)
+            static_cast<uint16_t*>(out)[orow + d] = f32_to_bf16_bits(v * inv);
+          else
+            static_cast<float*>(out)[orow + d] = v * inv;
+        }
+      }
+      __syncthreads();  // part is rewritten for the next head
+    }
   }
 }
 
@@ -276,11 +399,14 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
                   "head dimension " + std::to_string(s.head_dim) +
                       " above 512 is not supported by the CUDA attention kernel",
                   "q");
-  // kAttnFewHeads query heads per CTA while the grid with kAttnHeads would be at most ~2 CTAs
-  // per SM of an H200 (decode steps of up to 32 tokens at 8 KV heads): more, shorter CTAs. Each
-  // head's arithmetic is the same either way (the heads of a CTA never mix).
+  // kAttnFewHeads query heads per CTA while the grid with kAttnHeads would be at most
+  // kAttnFewMaxCtas (decode steps of up to 8 tokens at 8 KV heads): more, shorter CTAs. At 32
+  // tokens (256 CTAs of 8 heads) 8 heads measured faster: the 2-head grid's 1,024 CTAs of 168
+  // registers did not fit one wave (tests/bench/NOTES.md, "Attention"). Each head's arithmetic is
+  // the same either way (the heads of a CTA never mix; CudaBackend.AttentionRowsAreTheSameBits...).
   const int64_t per_kv = s.q_heads / s.kv_heads;
-  const bool few = num_tokens * s.kv_heads * ((per_kv + kAttnHeads - 1) / kAttnHeads) <= 256 && per_kv > kAttnFewHeads;
+  const bool few =
+      num_tokens * s.kv_heads * ((per_kv + kAttnHeads - 1) / kAttnHeads) <= kAttnFewMaxCtas && per_kv > kAttnFewHeads;
   const int heads = few ? kAttnFewHeads : kAttnHeads;
   AttentionShape sh = s;
   sh.head_groups = static_cast<int>((per_kv + heads - 1) / heads);
@@ -290,13 +416,18 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
   DeviceGuard guard;
   RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
   const dim3 grid(static_cast<unsigned int>(num_tokens), static_cast<unsigned int>(s.kv_heads * sh.head_groups));
-  // Lanes along the head dimension in the p.v phase: D rounded up to a power of two (>= 32) up
-  // to 128, the rest of the CTA's threads taking other keys; above 128 every thread takes
-  // ceil(D / 128) dimensions.
-  int dim_lanes = 32;
-  while (dim_lanes < s.head_dim && dim_lanes < kAttnThreads) dim_lanes *= 2;
-  const int per = static_cast<int>((s.head_dim + kAttnThreads - 1) / kAttnThreads);
-  const bool vec = s.head_dim % 4 == 0 && reinterpret_cast<uintptr_t>(k_cache.data) % 16 == 0;
+  // The float4 path: D % 4 == 0 and every row 16-byte aligned (q, both caches, an FP32 out; a
+  // BF16 out stores 4 values, 8 bytes). Its p.v lanes are D / 4 rounded up to a power of two.
+  auto aligned = [](const TensorView& v, uintptr_t a) { return reinterpret_cast<uintptr_t>(v.data) % a == 0; };
+  const bool vec = s.head_dim % 4 == 0 && aligned(q, 16) && aligned(k_cache, 16) && aligned(v_cache, 16) &&
+                   aligned(out, s.out_bf16 ? 8 : 16);
+  // Otherwise lanes along the head dimension: D rounded up to a power of two (>= 32) up to 128,
+  // the rest of the CTA's threads taking other keys; above 128 every thread takes ceil(D / 128)
+  // dimensions.
+  int dim_lanes = vec ? 1 : 32;
+  const int64_t lanes_for = vec ? s.head_dim / 4 : s.head_dim;
+  while (dim_lanes < lanes_for && dim_lanes < kAttnThreads) dim_lanes *= 2;
+  const int per = vec ? 1 : static_cast<int>((s.head_dim + kAttnThreads - 1) / kAttnThreads);
   auto launch = [&](auto kernel) {
     (void)launch_dependent(kernel, grid, kAttnThreads, 0, stream_of(ctx), out.data, q.as<const float>(),
                            k_cache.as<const float>(), v_cache.as<const float>(), block_tables.as<const int32_t>(),
@@ -304,9 +435,10 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
   };
   auto launch_heads = [&](auto kh) {
     constexpr int kH = decltype(kh)::value;
-    if (per <= 1) vec ? launch(paged_attention_kernel<kH, 1, true>) : launch(paged_attention_kernel<kH, 1, false>);
-    else if (per <= 2) vec ? launch(paged_attention_kernel<kH, 2, true>) : launch(paged_attention_kernel<kH, 2, false>);
-    else vec ? launch(paged_attention_kernel<kH, 4, true>) : launch(paged_attention_kernel<kH, 4, false>);
+    if (vec) launch(paged_attention_kernel<kH, 1, true>);
+    else if (per <= 1) launch(paged_attention_kernel<kH, 1, false>);
+    else if (per <= 2) launch(paged_attention_kernel<kH, 2, false>);
+    else launch(paged_attention_kernel<kH, 4, false>);
   };
   if (few) launch_heads(std::integral_constant<int, kAttnFewHeads>{});
   else launch_heads(std::integral_constant<int, kAttnHeads>{});

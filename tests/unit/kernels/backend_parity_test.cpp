@@ -453,9 +453,9 @@ void attention_cases() {
   reg("paged_attention_ex_sinks_QH2_KVH1_D512", [](Rng& rng) {
     return attention_case(rng, {{20, 3}}, 2, 1, 512, 4, 0, true, 0);
   });
-  // The CUDA kernel takes 2 query heads per CTA while the grid with 8 would be at most 256
-  // CTAs (the cases above); these grids are larger (8 heads per CTA), and the last takes 2 heads
-  // per CTA with 4 dimensions per thread (the partial sums' buffer is sized for it).
+  // The CUDA kernel takes 2 query heads per CTA while the grid with 8 would be at most 64 CTAs
+  // (the cases above); these grids are larger (8 heads per CTA), and the last takes 2 heads per
+  // CTA at D 512 (128 lanes of 4 dimensions: the group partial sums fill its q buffer exactly).
   reg("paged_attention_prefill_300_tokens_QH8_KVH1", [](Rng& rng) {
     return attention_case(rng, {{300, 300}}, 8, 1, 64, 16, 0);
   });
@@ -1475,6 +1475,26 @@ TEST(CudaBackend, OutOfRangeDeviceIndicesAreClampedOrSkipped) {
                   .ok());
   ref[2] = ref[3] = 0.0f;
   expect_near_all(d.download(att), ref, 1e-6);
+  // The same with D = 4: the kernel's float4 path (the one above is scalar), which computes the
+  // V rows of a chunk from the table itself.
+  {
+    std::vector<float> k4 = random_f32(rng, 16, -1, 1), v4 = random_f32(rng, 16, -1, 1);
+    std::vector<float> q4 = random_f32(rng, 12, -1, 1);
+    const TensorView att4 = d.upload(std::vector<float>(12, NAN), {3, 1, 4});
+    ASSERT_TRUE(cuda->paged_attention(ctx, att4, d.upload(q4, {3, 1, 4}), d.upload(k4, {2, 2, 1, 4}),
+                                      d.upload(v4, {2, 2, 1, 4}), d.upload(std::vector<int32_t>{0, 9999}, {1, 2}),
+                                      d.upload(std::vector<int32_t>{0, 7, 0}, {3}),
+                                      d.upload(std::vector<int32_t>{4, 3, 1000}, {3}), 0.5f)
+                    .ok());
+    std::vector<float> ref4(12, NAN);
+    ASSERT_TRUE(cpu_backend()
+                    .paged_attention(cpu_ctx, host_f32(ref4, {3, 1, 4}), host_f32(q4, {3, 1, 4}),
+                                     host_f32(k4, {2, 2, 1, 4}), host_f32(v4, {2, 2, 1, 4}),
+                                     host_i32(table_ok, {1, 2}), host_i32(seq_ok, {3}), host_i32(len_ok, {3}), 0.5f)
+                    .ok());
+    for (int j = 4; j < 8; ++j) ref4[static_cast<size_t>(j)] = 0.0f;
+    expect_near_all(d.download(att4), ref4, 1e-6);
+  }
 
   // moe_experts: an id outside [0, E_logical) and an id whose map entry is outside
   // [0, E_phys) contribute nothing; the remaining expert is weighed as usual.
@@ -1658,6 +1678,57 @@ TEST(CudaBackend, DecodeLinearRowsAreTheSameBitsWhateverTheBatch) {
   EXPECT_TRUE(cuda->free(ctx, dw).ok());
   EXPECT_TRUE(cuda->free(ctx, dx).ok());
   EXPECT_TRUE(cuda->free(ctx, dy).ok());
+}
+
+// Paged attention at gpt-oss's shape (64 query heads, 8 KV heads, D 64): a decode token's output
+// is the same bits alone (a grid of 8 CTAs: 2 query heads each) as inside a batch of 40 tokens of
+// other sequences and lengths (320 CTAs: 8 heads each), with and without sinks and a window,
+// contexts from 1 to past two chunks of keys. The decode step relies on it: a request's tokens
+// do not depend on what else runs.
+TEST(CudaBackend, AttentionRowsAreTheSameBitsAloneAndInABatch) {
+  const Backend* cuda = cuda_backend();
+  if (cuda == nullptr || cuda_device_count() == 0)
+    GTEST_SKIP() << "no CUDA backend or no visible GPU";
+  const ExecContext ctx{Device::cuda(0), nullptr};
+  DeviceArena d(*cuda, ctx);
+  Rng rng(11);
+  const int64_t qh = 64, kvh = 8, dim = 64, bs = 16, num_seqs = 40, max_blocks = 20;  // 320 positions
+  const int64_t num_blocks = num_seqs * max_blocks;
+  const TensorView k = d.upload(random_f32(rng, num_blocks * bs * kvh * dim, -1, 1), {num_blocks, bs, kvh, dim});
+  const TensorView v = d.upload(random_f32(rng, num_blocks * bs * kvh * dim, -1, 1), {num_blocks, bs, kvh, dim});
+  std::vector<int32_t> table(static_cast<size_t>(num_blocks));
+  std::iota(table.begin(), table.end(), 0);
+  rng.shuffle(table);
+  const TensorView tables = d.upload(table, {num_seqs, max_blocks});
+  std::vector<int32_t> seq_of(static_cast<size_t>(num_seqs)), ctx_len(static_cast<size_t>(num_seqs));
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    seq_of[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7) % num_seqs);
+    ctx_len[static_cast<size_t>(i)] = i == 0 ? 1 : i == 1 ? 320 : i == 2 ? 129 : 1 + rng.below(300);
+  }
+  const std::vector<float> q = random_f32(rng, num_seqs * qh * dim, -2, 2);
+  const TensorView sinks = d.upload(random_f32(rng, qh, -2, 3), {qh});
+  const size_t row = static_cast<size_t>(qh * dim);
+  for (const int64_t window : {int64_t{0}, int64_t{128}}) {
+    const AttentionOptions opt{window > 0 ? sinks : TensorView{}, window};
+    const TensorView out = d.upload(std::vector<float>(q.size(), NAN), {num_seqs, qh, dim});
+    ASSERT_TRUE(cuda->paged_attention_ex(ctx, out, d.upload(q, {num_seqs, qh, dim}), k, v, tables,
+                                         d.upload(seq_of, {num_seqs}), d.upload(ctx_len, {num_seqs}), 0.125f, opt)
+                    .ok());
+    const std::vector<float> batch = d.download(out);
+    for (const int64_t t : {int64_t{0}, int64_t{1}, int64_t{2}, int64_t{17}, int64_t{39}}) {
+      const std::vector<float> q1(q.begin() + static_cast<ptrdiff_t>(t * qh * dim),
+                                  q.begin() + static_cast<ptrdiff_t>((t + 1) * qh * dim));
+      const TensorView out1 = d.upload(std::vector<float>(row, NAN), {1, qh, dim});
+      ASSERT_TRUE(cuda->paged_attention_ex(ctx, out1, d.upload(q1, {1, qh, dim}), k, v, tables,
+                                           d.upload(std::vector<int32_t>{seq_of[static_cast<size_t>(t)]}, {1}),
+                                           d.upload(std::vector<int32_t>{ctx_len[static_cast<size_t>(t)]}, {1}), 0.125f, opt)
+                      .ok());
+      const std::vector<float> alone = d.download(out1);
+      EXPECT_EQ(std::memcmp(alone.data(), batch.data() + t * static_cast<int64_t>(row), row * 4), 0)
+          << "token " << t << " (context " << ctx_len[static_cast<size_t>(t)] << ", window " << window
+          << ") differs alone and in the batch";
+    }
+  }
 }
 
 // The CPU reference refuses a device-held count outside [0, T] and leaves dst untouched (the
