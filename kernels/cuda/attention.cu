@@ -6,8 +6,9 @@
 // query head of the group (GQA).
 // The context is taken in chunks of kAttnChunk keys: every thread scores one key for each head
 // of the group (q . k in registers, q broadcast from shared memory), the CTA reduces each head's
-// chunk max and sum, then thread (key group g, dimension d) accumulates p_j[h] * v_j[d] over the
-// chunk's keys j = g (mod groups) for every head h, coalesced along d; a running max per head
+// chunk max and sum, then thread (key group g, lane d) accumulates p_j[h] * v_j over the chunk's
+// keys j = g (mod groups) for every head h, for its dimensions (4 consecutive ones on the float4
+// path, d + lanes * i on the scalar one), coalesced along the lanes; a running max per head
 // rescales the accumulators between chunks (online softmax at chunk granularity). The first
 // kernel (one warp per (token, head), one key at a time) took ~25 us per layer at 48 keys and
 // one token, and re-read each K/V row once per query head.
@@ -91,9 +92,10 @@ __device__ __forceinline__ float4 ldg4(const float* p) { return __ldg(reinterpre
 //
 // NOTES (the chain a decode CTA waits through): at a few tokens the kernel is one wave of short
 // CTAs, so its time is the chain of dependent memory round trips in one CTA, not bytes. The
-// vector path keeps that chain at: q and the block table together; then every K row and the first
-// V rows of the chunk together (V does not depend on the scores, only on the table); then
-// reductions and arithmetic from registers and shared memory. The first version waited for the
+// vector path keeps that chain at: q's loads and the block table's (after the token's sequence id
+// and length) in flight together; then the first V rows of the chunk and every K row (V does not
+// depend on the scores, only on the table); then reductions and arithmetic from registers and
+// shared memory. The first version waited for the
 // table after q, for K in two rounds and for V in rounds of 8 keys per 2 thread groups after the
 // reductions (14 us a layer at 32 tokens and ~48 keys).
 template <int kH, int kPer, bool kVec>
@@ -310,7 +312,7 @@ __global__ void __launch_bounds__(kAttnThreads)
   if constexpr (kVec) {
     // Every head's group partial sums at once in q_s (kH heads x 128 threads x 4 floats: its
     // size; nothing reads q after the last chunk), then each (head, 4 dimensions) summed in group
-    // order by one thread: one barrier for all heads where the scalar path takes two per head.
+    // order by one thread: two barriers for all heads where the scalar path takes two per head.
     __syncthreads();  // no chunk ran: the q_s stores above finish before the partials overwrite them
 #pragma unroll
     for (int h = 0; h < kH; ++h)

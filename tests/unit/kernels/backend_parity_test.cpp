@@ -443,7 +443,7 @@ void attention_cases() {
   });
   // The CUDA kernel takes up to 8 query heads of one KV head per CTA: more than 8 per KV head
   // (a second CTA per KV head), 16 and 64 of them, and head dimensions off the common ones
-  // (16, 10: the scalar q.k path; 200, 512: several dimensions per thread).
+  // (10: the scalar path; 16, 200, 512: the float4 path with 4, 64 and 128 lanes of 4).
   reg("paged_attention_gqa_QH16_KVH1_D64", [](Rng& rng) {
     return attention_case(rng, {{70, 1}, {9, 9}}, 16, 1, 64, 16, 0);
   });
@@ -454,8 +454,9 @@ void attention_cases() {
     return attention_case(rng, {{20, 3}}, 2, 1, 512, 4, 0, true, 0);
   });
   // The CUDA kernel takes 2 query heads per CTA while the grid with 8 would be at most 64 CTAs
-  // (the cases above); these grids are larger (8 heads per CTA), and the last takes 2 heads per
-  // CTA at D 512 (128 lanes of 4 dimensions: the group partial sums fill its q buffer exactly).
+  // and a KV head has more than 2 (most decode cases above; a prefill of 40 tokens is past it);
+  // the next two grids are larger (8 heads per CTA), the D 512 one takes 2 heads per CTA with 128
+  // lanes of 4 dimensions (the group partial sums fill its q buffer exactly).
   reg("paged_attention_prefill_300_tokens_QH8_KVH1", [](Rng& rng) {
     return attention_case(rng, {{300, 300}}, 8, 1, 64, 16, 0);
   });
@@ -1681,10 +1682,12 @@ TEST(CudaBackend, DecodeLinearRowsAreTheSameBitsWhateverTheBatch) {
 }
 
 // Paged attention at gpt-oss's shape (64 query heads, 8 KV heads, D 64): a decode token's output
-// is the same bits alone (a grid of 8 CTAs: 2 query heads each) as inside a batch of 40 tokens of
-// other sequences and lengths (320 CTAs: 8 heads each), with and without sinks and a window,
-// contexts from 1 to past two chunks of keys. The decode step relies on it: a request's tokens
-// do not depend on what else runs.
+// is the same bits alone (its 8-head grid would be 8 CTAs, at most kAttnFewMaxCtas = 64, so the
+// kernel runs 32 CTAs of 2 query heads) as inside a batch of 40 tokens of other sequences and
+// lengths (320 CTAs of 8 heads), without options, and with sinks and a window of 128 (one chunk
+// of keys) or 200 (two chunks, the rescaling between them), contexts from 1 to 320. The decode
+// step relies on it: a request's tokens do not depend on what else runs. (A threshold at or past
+// 320 CTAs would make both calls take the same grid and this test a weaker one.)
 TEST(CudaBackend, AttentionRowsAreTheSameBitsAloneAndInABatch) {
   const Backend* cuda = cuda_backend();
   if (cuda == nullptr || cuda_device_count() == 0)
@@ -1708,7 +1711,7 @@ TEST(CudaBackend, AttentionRowsAreTheSameBitsAloneAndInABatch) {
   const std::vector<float> q = random_f32(rng, num_seqs * qh * dim, -2, 2);
   const TensorView sinks = d.upload(random_f32(rng, qh, -2, 3), {qh});
   const size_t row = static_cast<size_t>(qh * dim);
-  for (const int64_t window : {int64_t{0}, int64_t{128}}) {
+  for (const int64_t window : {int64_t{0}, int64_t{128}, int64_t{200}}) {
     const AttentionOptions opt{window > 0 ? sinks : TensorView{}, window};
     const TensorView out = d.upload(std::vector<float>(q.size(), NAN), {num_seqs, qh, dim});
     ASSERT_TRUE(cuda->paged_attention_ex(ctx, out, d.upload(q, {num_seqs, qh, dim}), k, v, tables,
@@ -1718,7 +1721,7 @@ TEST(CudaBackend, AttentionRowsAreTheSameBitsAloneAndInABatch) {
     for (const int64_t t : {int64_t{0}, int64_t{1}, int64_t{2}, int64_t{17}, int64_t{39}}) {
       const std::vector<float> q1(q.begin() + static_cast<ptrdiff_t>(t * qh * dim),
                                   q.begin() + static_cast<ptrdiff_t>((t + 1) * qh * dim));
-      const TensorView out1 = d.upload(std::vector<float>(row, NAN), {1, qh, dim});
+      const TensorView out1 = d.upload(std::vector<float>(row, -777.0f), {1, qh, dim});  // not the batch's NaN: an unwritten element fails
       ASSERT_TRUE(cuda->paged_attention_ex(ctx, out1, d.upload(q1, {1, qh, dim}), k, v, tables,
                                            d.upload(std::vector<int32_t>{seq_of[static_cast<size_t>(t)]}, {1}),
                                            d.upload(std::vector<int32_t>{ctx_len[static_cast<size_t>(t)]}, {1}), 0.125f, opt)
