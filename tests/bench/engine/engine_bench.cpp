@@ -424,7 +424,16 @@ int main(int argc, char** argv) {
     if (a == "--json") json_path = argv[i + 1];
     else if (a == "--models") models = argv[i + 1];
     else if (a == "--batches") batches_arg = argv[i + 1];
-    else if (a == "--prompt-len") g_prompt_len = std::max(1, std::atoi(argv[i + 1]));
+    else if (a == "--prompt-len") {
+      // 1..65536 tokens: the prompts of the largest batch are one prefill step (StepLimits::max_tokens).
+      char* end = nullptr;
+      const long v = std::strtol(argv[i + 1], &end, 10);
+      if (end == argv[i + 1] || *end != '\0' || v < 1 || v > 65536) {
+        std::fprintf(stderr, "--prompt-len: an integer in [1, 65536], got %s\n", argv[i + 1]);
+        return 2;
+      }
+      g_prompt_len = static_cast<int>(v);
+    }
     else if (a == "--new-tokens") new_tokens = static_cast<uint32_t>(std::atoi(argv[i + 1]));
     else if (a == "--model-dir") model_dir = argv[i + 1];
     else if (a == "--peer") peer_path = argv[i + 1];
