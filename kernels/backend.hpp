@@ -86,7 +86,30 @@ struct AttentionOptions {
   // > 0: a token at position p (ctx_len = p + 1) sees only cache positions (p - window, p], the
   // last `window` positions (Hugging Face's sliding_window mask). 0: the whole causal context.
   int64_t window = 0;
+  // Optional scratch for splitting a long row's keys over several CTAs (CUDA; the CPU checks it
+  // and ignores it): u8 [>= paged_attention_workspace_bytes(T, QH, D)] on the context's device,
+  // 16-byte aligned, zero-filled before its first use (the op leaves its counters at zero again),
+  // used by one op at a time. Empty: every row is one CTA's, as before.
+  // With it, a row of more than kAttentionSplitMinKeys keys (after the window) is cut into at most
+  // kAttentionMaxSplits parts whose bounds depend only on that number of keys, each part's
+  // softmax partials written here and combined in part order: a row's bits do not depend on the
+  // batch or on split_ctas, but differ (by rounding) from the same row without a workspace.
+  TensorView workspace;
+  // CUDA: CTAs that share one split row (each takes every split_ctas-th part). 0: chosen from
+  // the grid size. ROLLOUTD_ATTN_SPLIT=0 (read once) ignores every workspace, =N sets the
+  // default N (an A/B in one binary).
+  int32_t split_ctas = 0;
 };
+
+// paged_attention_ex's workspace: at most kAttentionMaxSplits parts of at least
+// kAttentionSplitMinKeys keys per row. Bytes for T tokens of QH query heads of dimension D:
+// int32 counters [T, QH] (rounded up to 16 bytes), then f32 partial outputs [T, QH, splits, D],
+// then f32 (max, sum) pairs [T, QH, splits, 2].
+inline constexpr int64_t kAttentionMaxSplits = 16;
+inline constexpr int64_t kAttentionSplitMinKeys = 256;
+inline constexpr int64_t paged_attention_workspace_bytes(int64_t tokens, int64_t q_heads, int64_t head_dim) {
+  return (tokens * q_heads * 4 + 15) / 16 * 16 + tokens * q_heads * kAttentionMaxSplits * (head_dim + 2) * 4;
+}
 
 // Per-row parameters of the sampling op: a request's `sampling` fields and which of its sampled
 // tokens this is (the draw index), 32 bytes that the device reads as they are.

@@ -327,6 +327,20 @@ Status MoeDecoder::allocate() {
   if (kernel_experts_)
     RD_RETURN_IF_ERROR(ws(DType::kU8, Shape{moe::experts_workspace_bytes(T, K, H, I, E, moe::ActPrecision::kBF16)},
                           ws_.experts_ws));
+  {
+    // Split attention rows in steps of up to max_seqs tokens (decode steps; a long prefill chunk
+    // has CTAs enough): a row's bits then depend on its context alone, whatever else the step
+    // holds (AttentionOptions::workspace).
+    const int64_t tokens = std::min(T, S);
+    ws_.attn_split_tokens = tokens;
+    RD_RETURN_IF_ERROR(ws(DType::kU8, Shape{paged_attention_workspace_bytes(tokens, QH, D)}, ws_.attn_split));
+    const std::vector<uint8_t> zeros(static_cast<size_t>((tokens * QH * 4 + 15) / 16 * 16), 0);
+    RD_RETURN_IF_ERROR(backend_.copy(ctx_, ws_.attn_split.data, zeros.data(), zeros.size(),
+                                     ctx_.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost : CopyKind::kHostToDevice));
+    RD_RETURN_IF_ERROR(weights_->static_state().add(
+        "model.attention.split_counters", MemoryTag::kScratch,
+        TensorView::contiguous(ws_.attn_split.data, DType::kU8, Shape{static_cast<int64_t>(zeros.size())}, ctx_.device)));
+  }
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{S, H}, ws_.final_rows));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{S, H}, ws_.final_normed));
   RD_RETURN_IF_ERROR(ws(DType::kF32, Shape{S, c.vocab_size}, ws_.logits));
@@ -792,14 +806,12 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
     // With BF16 o_proj weights the attention writes o_proj's BF16 input itself (the same rounding
     // as a separate convert, one launch fewer).
     xd = L.o_proj.dtype == DType::kBF16 ? bf16_of(attn) : attn;
-    if (L.sinks.data || L.window > 0) {
-      RD_RETURN_IF_ERROR(backend_.paged_attention_ex(ctx, as_heads(xd, QH, D), as_heads(q, QH, D), L.k_cache,
-                                                     L.v_cache, tables, seq_of, ctx_len, scale,
-                                                     AttentionOptions{L.sinks, L.window}));
-    } else {
-      RD_RETURN_IF_ERROR(backend_.paged_attention(ctx, as_heads(xd, QH, D), as_heads(q, QH, D),
-                                                  L.k_cache, L.v_cache, tables, seq_of, ctx_len, scale));
-    }
+    AttentionOptions attn_opt;
+    attn_opt.sinks = L.sinks;
+    attn_opt.window = L.window;
+    if (T <= ws_.attn_split_tokens) attn_opt.workspace = ws_.attn_split;
+    RD_RETURN_IF_ERROR(backend_.paged_attention_ex(ctx, as_heads(xd, QH, D), as_heads(q, QH, D), L.k_cache,
+                                                   L.v_cache, tables, seq_of, ctx_len, scale, attn_opt));
     RD_RETURN_IF_ERROR(backend_.linear(ctx, o, xd, L.o_proj));
     // MoE block (or the dense MLP as one expert every token takes with weight 1): h += o (plus
     // o_proj's bias, gpt-oss: add_bias's arithmetic without its launch) and its norm in one

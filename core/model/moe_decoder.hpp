@@ -186,6 +186,11 @@ class MoeDecoder {
     TensorView final_rows, final_normed, logits;
     TensorView x_bf16;  // dense_bf16_ or kernel_experts_: BF16 GEMM inputs [max(T, S) * max(H, QH * D)]
     TensorView qkv;     // a layer with qkv_fused: the fused projection's output [T, (QH + 2 KVH) * D]
+    // Paged attention's split-row scratch (AttentionOptions::workspace) for steps of at most
+    // attn_split_tokens tokens (every decode step); its counters are zeroed at allocation and
+    // registered as scratch static state (a release/resume brings the zeros back).
+    TensorView attn_split;
+    int64_t attn_split_tokens = 0;
   };
 
   MoeDecoder(const ModelConfig& c, const StepLimits& l, const Backend& b, ExecContext ctx);

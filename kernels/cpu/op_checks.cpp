@@ -236,6 +236,26 @@ Status paged_attention_ex(const ExecContext& ctx, const TensorView& out, const T
   }
   if (options.window < 0)
     return invalid("window", "window must be >= 0 (0: no sliding window), got " + std::to_string(options.window));
+  if (options.split_ctas < 0)
+    return invalid("split_ctas", "split_ctas must be >= 0 (0: chosen by the backend), got " +
+                                     std::to_string(options.split_ctas));
+  if (options.workspace.data != nullptr) {
+    RD_RETURN_IF_ERROR(view(ctx, options.workspace, "workspace", DType::kU8, 1, "[bytes]"));
+    const int64_t need = paged_attention_workspace_bytes(q.size(0), q.size(1), q.size(2));
+    if (options.workspace.size(0) < need)
+      return invalid("workspace", "workspace: " + std::to_string(options.workspace.size(0)) + " bytes, " +
+                                      std::to_string(need) + " needed for " + std::to_string(q.size(0)) +
+                                      " tokens of " + std::to_string(q.size(1)) + " heads of " +
+                                      std::to_string(q.size(2)));
+    if (reinterpret_cast<uintptr_t>(options.workspace.data) % 16 != 0)
+      return invalid("workspace", "workspace: not 16-byte aligned");
+    for (auto [v, name] : {std::pair{&out, "out"}, std::pair{&q, "q"}, std::pair{&k_cache, "k_cache"},
+                           std::pair{&v_cache, "v_cache"}, std::pair{&block_tables, "block_tables"},
+                           std::pair{&seq_of, "seq_of"}, std::pair{&ctx_len, "ctx_len"},
+                           std::pair{&options.sinks, "sinks"}})
+      if (v->data != nullptr && overlaps(options.workspace, *v))
+        return invalid("workspace", std::string("workspace: overlaps ") + name);
+  }
   return Status::Ok();
 }
 

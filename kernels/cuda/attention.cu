@@ -18,9 +18,11 @@
 // Index values are on the device and not checked on the host: a token whose sequence id is
 // outside [0, S) gets a zero row, ctx_len is clamped to [0, max_blocks * block_size], and
 // positions whose block id is outside [0, blocks) are skipped. Nothing is read out of bounds.
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "kernels/bf16.hpp"
@@ -50,6 +52,45 @@ constexpr int kAttnFewHeads = 2;          // query heads per CTA when 8 would le
 constexpr int kAttnFewMaxCtas = 64;       // ... that is, when 8 would give at most this many CTAs
 constexpr int kAttnMaxDim = 512;
 constexpr int kAttnBatch = 8;             // keys whose V loads a thread issues together
+constexpr int kAttnSplitMinChunks = static_cast<int>(kAttentionSplitMinKeys / kAttnChunk);  // chunks in a split, at least
+constexpr int kAttnMaxSplits = static_cast<int>(kAttentionMaxSplits);
+constexpr int kAttnSplitTargetWaves = 4;  // split rows: CTAs per SM the grid is brought to
+
+// ROLLOUTD_ATTN_SPLIT: unset -1 (split where given a workspace, CTAs chosen per launch), 0 off,
+// N > 0 N CTAs per split row unless the call sets split_ctas; read once per process.
+inline int attn_split_env() {
+  static const int v = [] {
+    const char* e = std::getenv("ROLLOUTD_ATTN_SPLIT");
+    return e == nullptr || *e == '\0' ? -1 : std::atoi(e);
+  }();
+  return v;
+}
+static_assert(kAttentionSplitMinKeys % kAttnChunk == 0 && kAttnMaxSplits <= kAttnChunk,
+              "splits are whole chunks; a head's split weights fit one row of p_s");
+
+// Split rows (AttentionOptions::workspace): the parts of a row of `keys` keys (after the window),
+// a function of `keys` alone so that a row's bits do not depend on the grid. Up to
+// kAttnSplitMinChunks chunks: one part (the unsplit kernel, bit for bit). Else at most
+// kAttnMaxSplits parts of `per` whole chunks each (the last one shorter), every part non-empty.
+struct SplitPlan {
+  int parts, per;  // per: chunks per part
+};
+__host__ __device__ inline SplitPlan split_plan(int64_t keys) {
+  const int64_t chunks = (keys + kAttnChunk - 1) / kAttnChunk;
+  if (chunks <= kAttnSplitMinChunks) return {1, static_cast<int>(chunks)};
+  int64_t parts = (chunks + kAttnSplitMinChunks - 1) / kAttnSplitMinChunks;
+  parts = parts < kAttnMaxSplits ? parts : kAttnMaxSplits;
+  const int64_t per = (chunks + parts - 1) / parts;
+  return {static_cast<int>((chunks + per - 1) / per), static_cast<int>(per)};
+}
+
+// The workspace as the kernel sees it (layout: paged_attention_workspace_bytes). ctas == 0: off.
+struct AttnSplit {
+  int32_t* counters;  // [T, QH]: parts finished, at (token, first head of the CTA); zero between launches
+  float* o;           // [T, QH, kAttnMaxSplits, D]: a part's unnormalized sum of p * v
+  float* ml;          // [T, QH, kAttnMaxSplits, 2]: a part's running max and sum of exp(score - max)
+  int ctas;           // CTAs per row (grid.z), each taking parts z, z + ctas, ...
+};
 
 // Per-head block reductions of v[0..kH) (max or sum); every thread gets the results.
 template <bool kMax, int kH>
@@ -104,7 +145,7 @@ __global__ void __launch_bounds__(kAttnThreads)
                            const float* __restrict__ k_cache, const float* __restrict__ v_cache,
                            const int32_t* __restrict__ block_tables,
                            const int32_t* __restrict__ seq_of, const int32_t* __restrict__ ctx_len,
-                           AttentionShape s, int dim_lanes) {
+                           AttentionShape s, int dim_lanes, AttnSplit sp) {
   constexpr int kPRows = kH > kPer ? kH : kPer;  // p_s also holds the groups' partial sums at the end (scalar path)
   constexpr int kKB = AttnBatches<kH>::kK;
   constexpr int kVB = AttnBatches<kH>::kV;
@@ -122,18 +163,21 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int64_t D = s.head_dim;
   // Heads past nh get zeros: the loops below run all kH heads without branches (so their
   // loads can be issued together) and those heads' results are never written.
-  if constexpr (kVec) {
-    const int d4n = static_cast<int>(D / 4);
-    for (int i = tid; i < kH * d4n; i += kAttnThreads) {
-      const int hh = i / d4n, d4 = i - hh * d4n;
-      reinterpret_cast<float4*>(q_s[hh])[d4] =
-          hh < nh ? *reinterpret_cast<const float4*>(q + (t * s.q_heads + h0 + hh) * D + 4 * d4)
-                  : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  auto load_q = [&] {
+    if constexpr (kVec) {
+      const int d4n = static_cast<int>(D / 4);
+      for (int i = tid; i < kH * d4n; i += kAttnThreads) {
+        const int hh = i / d4n, d4 = i - hh * d4n;
+        reinterpret_cast<float4*>(q_s[hh])[d4] =
+            hh < nh ? *reinterpret_cast<const float4*>(q + (t * s.q_heads + h0 + hh) * D + 4 * d4)
+                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+    } else {
+      for (int hh = 0; hh < kH; ++hh)
+        for (int64_t d = tid; d < D; d += kAttnThreads) q_s[hh][d] = hh < nh ? q[(t * s.q_heads + h0 + hh) * D + d] : 0.0f;
     }
-  } else {
-    for (int hh = 0; hh < kH; ++hh)
-      for (int64_t d = tid; d < D; d += kAttnThreads) q_s[hh][d] = hh < nh ? q[(t * s.q_heads + h0 + hh) * D + d] : 0.0f;
-  }
+  };
+  load_q();
 
   const int64_t seq = seq_of[t];
   int64_t len = ctx_len[t];
@@ -141,6 +185,13 @@ __global__ void __launch_bounds__(kAttnThreads)
   len = len < 0 ? 0 : (len > s.max_blocks * s.block_size ? s.max_blocks * s.block_size : len);
   const int32_t* table = block_tables + (len > 0 ? seq * s.max_blocks : 0);
   const int64_t first = s.window > 0 && len > s.window ? len - s.window : 0;
+  // Split rows (vector path only; the host enables it): this CTA takes parts z, z + ctas, ...
+  SplitPlan plan{1, 0};
+  if constexpr (kVec) {
+    if (sp.ctas > 0) plan = split_plan(len - first);
+  }
+  if (static_cast<int>(blockIdx.z) >= plan.parts) return;  // uniform across the CTA
+  const bool split = plan.parts > 1;
   const int64_t row_stride = s.kv_heads * D;  // floats between consecutive cache rows
   // The cache row of key j (>= 0), -1 where its block id is outside [0, blocks).
   auto row_of = [&](int64_t j) -> int64_t {
@@ -154,12 +205,38 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int g = tid / dim_lanes, d0 = tid - g * dim_lanes;
   const bool vlane = kVec ? 4 * d0 < D : d0 < D;  // the lane has dimensions (kVec: 4 of them)
   constexpr int kAcc = kVec ? 4 : kPer;
+  const int d4n = static_cast<int>(D / 4);
+  // The final row (h, 4 dimensions from 4 * d4), v already divided by the denominator.
+  auto store4 = [&](int h, int d4, float4 v) {
+    const int64_t o = (t * s.q_heads + h0 + h) * D + 4 * d4;
+    if (s.out_bf16) {
+      const uint32_t lo = f32_to_bf16_bits(v.x) | (static_cast<uint32_t>(f32_to_bf16_bits(v.y)) << 16);
+      const uint32_t hi = f32_to_bf16_bits(v.z) | (static_cast<uint32_t>(f32_to_bf16_bits(v.w)) << 16);
+      *reinterpret_cast<uint2*>(static_cast<uint16_t*>(out) + o) = make_uint2(lo, hi);
+    } else {
+      *reinterpret_cast<float4*>(static_cast<float*>(out) + o) = v;
+    }
+  };
+  // Where a part's partials go: [(token, head), part] rows.
+  auto part_row = [&](int h, int part) { return (t * s.q_heads + h0 + h) * kAttnMaxSplits + part; };
   float acc[kH][kAcc];
-  // A sink is one more logit with no value: it starts the running max and the denominator.
   float running_max[kH], denom[kH];
+
+  for (int part = blockIdx.z; part < plan.parts; part += gridDim.z) {
+  if (part != static_cast<int>(blockIdx.z)) {  // the previous part's epilogue overwrote q_s
+    __syncthreads();
+    load_q();
+  }
+  // Keys [kb, ke): the whole row, or this part's chunks.
+  const int64_t kb = split ? first + static_cast<int64_t>(part) * plan.per * kAttnChunk : first;
+  const int64_t ke = split && kb + static_cast<int64_t>(plan.per) * kAttnChunk < len
+                         ? kb + static_cast<int64_t>(plan.per) * kAttnChunk
+                         : len;
+  // A sink is one more logit with no value: it starts the running max and the denominator (a
+  // split row's is added once, in the combine).
 #pragma unroll
   for (int h = 0; h < kH; ++h) {
-    const bool sink = s.sinks && len > 0 && h < nh;
+    const bool sink = s.sinks && len > 0 && h < nh && !split;
     running_max[h] = sink ? s.sinks[h0 + h] : -INFINITY;
     denom[h] = sink ? 1.0f : 0.0f;  // sum of exp(score - running_max)
 #pragma unroll
@@ -167,8 +244,8 @@ __global__ void __launch_bounds__(kAttnThreads)
   }
 
   bool q_ready = false;
-  for (int64_t c0 = first; c0 < len; c0 += kAttnChunk) {
-    const int n = len - c0 < kAttnChunk ? static_cast<int>(len - c0) : kAttnChunk;
+  for (int64_t c0 = kb; c0 < ke; c0 += kAttnChunk) {
+    const int n = ke - c0 < kAttnChunk ? static_cast<int>(ke - c0) : kAttnChunk;
     const int64_t row = tid < n ? row_of(c0 + tid) : -1;
     // kVec: this thread's first kVB V rows of the chunk (keys g + groups * u), loaded now.
     float4 vpre[kVec ? kVB : 1];
@@ -318,13 +395,19 @@ __global__ void __launch_bounds__(kAttnThreads)
     for (int h = 0; h < kH; ++h)
       reinterpret_cast<float4*>(q_s[h])[tid] = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
     // 1 / denominator per head (every thread holds the same ones), for the threads below that
-    // finish another head; a row that saw nothing is zero, not 0/0.
+    // finish another head; a row that saw nothing is zero, not 0/0. A part of a split row keeps
+    // its running max and sum for the combine instead.
     if (tid == 0) {
 #pragma unroll
-      for (int h = 0; h < kH; ++h) red[0][h] = denom[h] > 0.0f ? 1.0f / denom[h] : 0.0f;
+      for (int h = 0; h < kH; ++h) {
+        red[0][h] = denom[h] > 0.0f ? 1.0f / denom[h] : 0.0f;
+        if (split && h < nh) {
+          sp.ml[2 * part_row(h, part)] = running_max[h];
+          sp.ml[2 * part_row(h, part) + 1] = denom[h];
+        }
+      }
     }
     __syncthreads();
-    const int d4n = static_cast<int>(D / 4);
     for (int i = tid; i < nh * d4n; i += kAttnThreads) {
       const int h = i / d4n, d4 = i - h * d4n;
       float4 v = reinterpret_cast<const float4*>(q_s[h])[d4];
@@ -335,14 +418,11 @@ __global__ void __launch_bounds__(kAttnThreads)
         v.z += w.z;
         v.w += w.w;
       }
-      const int64_t o = (t * s.q_heads + h0 + h) * D + 4 * d4;
-      const float iv = red[0][h];
-      if (s.out_bf16) {
-        const uint32_t lo = f32_to_bf16_bits(v.x * iv) | (static_cast<uint32_t>(f32_to_bf16_bits(v.y * iv)) << 16);
-        const uint32_t hi = f32_to_bf16_bits(v.z * iv) | (static_cast<uint32_t>(f32_to_bf16_bits(v.w * iv)) << 16);
-        *reinterpret_cast<uint2*>(static_cast<uint16_t*>(out) + o) = make_uint2(lo, hi);
+      if (split) {
+        reinterpret_cast<float4*>(sp.o + part_row(h, part) * D)[d4] = v;
       } else {
-        *reinterpret_cast<float4*>(static_cast<float*>(out) + o) = make_float4(v.x * iv, v.y * iv, v.z * iv, v.w * iv);
+        const float iv = red[0][h];
+        store4(h, d4, make_float4(v.x * iv, v.y * iv, v.z * iv, v.w * iv));
       }
     }
   } else {
@@ -373,6 +453,56 @@ __global__ void __launch_bounds__(kAttnThreads)
       }
       __syncthreads();  // part is rewritten for the next head
     }
+  }
+  }  // parts
+
+  // A split row: the CTA that finishes its last part combines every part, in part order (the
+  // threadFenceReduction pattern: partials, a fence, a counter; the last CTA to count reads
+  // them all through L2). M = the largest part max (and the sink), each part weighted by
+  // exp(m_i - M), the denominator the weighted sum of the parts' sums plus exp(sink - M).
+  if constexpr (kVec) {
+    if (!split) return;
+    __shared__ int last_s;
+    __threadfence();
+    __syncthreads();
+    int32_t* counter = sp.counters + t * s.q_heads + h0;
+    if (tid == 0) {
+      const int mine = (plan.parts - 1 - static_cast<int>(blockIdx.z)) / static_cast<int>(gridDim.z) + 1;
+      last_s = atomicAdd(counter, mine) + mine == plan.parts;
+    }
+    __syncthreads();
+    if (!last_s) return;
+    __threadfence();
+    if (tid < nh) {
+      const int h = tid;
+      const float sink = s.sinks ? s.sinks[h0 + h] : -INFINITY;
+      float m = sink;
+      for (int p = 0; p < plan.parts; ++p) m = fmaxf(m, __ldcg(sp.ml + 2 * part_row(h, p)));
+      float l = s.sinks ? expf(sink - m) : 0.0f;
+      for (int p = 0; p < plan.parts; ++p) {
+        const float mp = __ldcg(sp.ml + 2 * part_row(h, p));
+        const float w = mp == -INFINITY ? 0.0f : expf(mp - m);  // a part that saw nothing; never -inf - -inf
+        p_s[h][p] = w;
+        l += w * __ldcg(sp.ml + 2 * part_row(h, p) + 1);
+      }
+      red[0][h] = l > 0.0f ? 1.0f / l : 0.0f;
+    }
+    __syncthreads();
+    for (int i = tid; i < nh * d4n; i += kAttnThreads) {
+      const int h = i / d4n, d4 = i - h * d4n;
+      float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int p = 0; p < plan.parts; ++p) {
+        const float w = p_s[h][p];
+        const float4 o = __ldcg(reinterpret_cast<const float4*>(sp.o + part_row(h, p) * D) + d4);
+        v.x += w * o.x;
+        v.y += w * o.y;
+        v.z += w * o.z;
+        v.w += w * o.w;
+      }
+      const float iv = red[0][h];
+      store4(h, d4, make_float4(v.x * iv, v.y * iv, v.z * iv, v.w * iv));
+    }
+    if (tid == 0) *counter = 0;  // for the next launch (kernel boundaries order it)
   }
 }
 
@@ -417,7 +547,6 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
   if (num_tokens == 0) return Status::Ok();
   DeviceGuard guard;
   RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
-  const dim3 grid(static_cast<unsigned int>(num_tokens), static_cast<unsigned int>(s.kv_heads * sh.head_groups));
   // The float4 path: D % 4 == 0 and every row 16-byte aligned (q, both caches, an FP32 out; a
   // BF16 out stores 4 values, 8 bytes). Its p.v lanes are D / 4 rounded up to a power of two.
   auto aligned = [](const TensorView& v, uintptr_t a) { return reinterpret_cast<uintptr_t>(v.data) % a == 0; };
@@ -430,10 +559,35 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
   const int64_t lanes_for = vec ? s.head_dim / 4 : s.head_dim;
   while (dim_lanes < lanes_for && dim_lanes < kAttnThreads) dim_lanes *= 2;
   const int per = vec ? 1 : static_cast<int>((s.head_dim + kAttnThreads - 1) / kAttnThreads);
+  // Split rows (AttentionOptions::workspace): CTAs per row, a power of two that brings the grid
+  // to kAttnSplitTargetWaves CTAs per SM (or options.split_ctas), at most the parts of the
+  // longest row the tables can hold (after the window): 1 keeps the split arithmetic (a row's
+  // bits are the same in every grid) with one CTA per row. Off on the scalar path.
+  AttnSplit sp{nullptr, nullptr, nullptr, 0};
+  const int64_t longest = s.window > 0 ? std::min(s.window, s.max_blocks * s.block_size) : s.max_blocks * s.block_size;
+  const int max_parts = split_plan(longest).parts;
+  if (vec && options.workspace.data != nullptr && max_parts > 1 && attn_split_env() != 0) {
+    int ctas = options.split_ctas > 0 ? options.split_ctas : attn_split_env();
+    if (ctas <= 0) {
+      int sms = 0;
+      RD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ctx.device.index));
+      const int64_t rows = num_tokens * s.kv_heads * sh.head_groups;
+      ctas = 1;
+      while (ctas < max_parts && rows * ctas < static_cast<int64_t>(kAttnSplitTargetWaves) * sms) ctas *= 2;
+    }
+    sp.ctas = std::min(ctas, max_parts);
+    auto* base = static_cast<uint8_t*>(options.workspace.data);
+    const int64_t heads = num_tokens * s.q_heads;
+    sp.counters = reinterpret_cast<int32_t*>(base);
+    sp.o = reinterpret_cast<float*>(base + (heads * 4 + 15) / 16 * 16);
+    sp.ml = sp.o + heads * kAttnMaxSplits * s.head_dim;
+  }
+  const dim3 grid(static_cast<unsigned int>(num_tokens), static_cast<unsigned int>(s.kv_heads * sh.head_groups),
+                  static_cast<unsigned int>(sp.ctas > 0 ? sp.ctas : 1));
   auto launch = [&](auto kernel) {
     (void)launch_dependent(kernel, grid, kAttnThreads, 0, stream_of(ctx), out.data, q.as<const float>(),
                            k_cache.as<const float>(), v_cache.as<const float>(), block_tables.as<const int32_t>(),
-                           seq_of.as<const int32_t>(), ctx_len.as<const int32_t>(), sh, dim_lanes);
+                           seq_of.as<const int32_t>(), ctx_len.as<const int32_t>(), sh, dim_lanes, sp);
   };
   auto launch_heads = [&](auto kh) {
     constexpr int kH = decltype(kh)::value;

@@ -261,8 +261,8 @@ RunResult run(Engine& e, int64_t batch, uint32_t new_tokens, bool records, const
     s.max_new_tokens = new_tokens;
     s.sampling.temperature = 0.0f;
     s.return_routed_experts = records;
-    if (!e.submit(s).ok()) {
-      std::fprintf(stderr, "submit failed\n");
+    if (Status st = e.submit(s); !st.ok()) {
+      std::fprintf(stderr, "submit failed: %s\n", st.to_string().c_str());
       std::exit(1);
     }
   }
@@ -341,8 +341,8 @@ PrefillResult run_prefill(Engine& e, int64_t requests, int64_t len, const std::s
       s.input_ids.push_back(static_cast<int32_t>((i * 131 + t * 17 + 1) % e.model_config().vocab_size));
     s.max_new_tokens = 1;
     s.sampling.temperature = 0.0f;
-    if (!e.submit(s).ok()) {
-      std::fprintf(stderr, "submit failed\n");
+    if (Status st = e.submit(s); !st.ok()) {
+      std::fprintf(stderr, "submit failed: %s\n", st.to_string().c_str());
       std::exit(1);
     }
   }
@@ -509,10 +509,15 @@ int main(int argc, char** argv) {
       }
       hf = std::move(*opened);
       mc = hf.config;
-    } else if (Status st = core::apply_expert_quantization(mc, *quantize); !st.ok()) {
-      std::fprintf(stderr, "%s: %s\n", model.c_str(), st.to_string().c_str());
-      return 1;
     } else {
+      // The built-in models' context (4,096) grows with --prompt-len so that the warm-up's 4 new
+      // tokens and the runs' fit; a checkpoint keeps its own and refuses what does not fit.
+      mc.max_position_embeddings = std::max<int64_t>(
+          mc.max_position_embeddings, g_prompt_len + std::max<int64_t>(new_tokens, 4));
+      if (Status st = core::apply_expert_quantization(mc, *quantize); !st.ok()) {
+        std::fprintf(stderr, "%s: %s\n", model.c_str(), st.to_string().c_str());
+        return 1;
+      }
       mc.dense_bf16 = dense_bf16;
     }
     mc.fuse_qkv = fuse_qkv;

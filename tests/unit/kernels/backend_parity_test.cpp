@@ -359,7 +359,8 @@ struct SeqSpec {
 
 ParityCase attention_case(Rng& rng, std::vector<SeqSpec> seqs, int64_t q_heads, int64_t kv_heads,
                           int64_t d, int64_t block_size, int64_t padding_tokens, bool sinks = false,
-                          int64_t window = 0, bool out_bf16 = false) {
+                          int64_t window = 0, bool out_bf16 = false, bool split = false,
+                          int32_t split_ctas = 0) {
   ParityCase c;
   int64_t max_blocks = 1, blocks_needed = 0, num_tokens = padding_tokens;
   for (const auto& s : seqs) {
@@ -404,7 +405,7 @@ ParityCase attention_case(Rng& rng, std::vector<SeqSpec> seqs, int64_t q_heads, 
   const size_t out_i = c.add_out("out", out_bf16 ? DType::kBF16 : DType::kF32, {num_tokens, q_heads, d});
   if (out_bf16) c.tensors[out_i].tolerance = kBf16OutputTolerance;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  if (!sinks && window == 0) {
+  if (!sinks && window == 0 && !split) {
     c.run = [scale](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
       return b.paged_attention(x, a[6], a[0], a[1], a[2], a[3], a[4], a[5], scale);
     };
@@ -412,9 +413,18 @@ ParityCase attention_case(Rng& rng, std::vector<SeqSpec> seqs, int64_t q_heads, 
   }
   // gpt-oss: sinks comparable to the scores (some heads' sinks dominate), a sliding window.
   c.add_f32("sinks", {q_heads}, Role::kIn, random_f32(rng, q_heads, -2, 3));
-  c.run = [scale, sinks, window](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
-    return b.paged_attention_ex(x, a[6], a[0], a[1], a[2], a[3], a[4], a[5], scale,
-                                AttentionOptions{sinks ? a[7] : TensorView{}, window});
+  // Split rows: the workspace, zero-filled (an input: its contents after the call are scratch).
+  if (split)
+    c.add("workspace", DType::kU8, {paged_attention_workspace_bytes(num_tokens, q_heads, d)}, Role::kIn,
+          std::vector<uint8_t>(static_cast<size_t>(paged_attention_workspace_bytes(num_tokens, q_heads, d)), 0));
+  c.run = [scale, sinks, window, split, split_ctas](const Backend& b, const ExecContext& x,
+                                                     const std::vector<TensorView>& a) {
+    AttentionOptions o;
+    o.sinks = sinks ? a[7] : TensorView{};
+    o.window = window;
+    o.workspace = split ? a[8] : TensorView{};
+    o.split_ctas = split_ctas;
+    return b.paged_attention_ex(x, a[6], a[0], a[1], a[2], a[3], a[4], a[5], scale, o);
   };
   return c;
 }
@@ -495,6 +505,32 @@ void attention_cases() {
   });
   reg("paged_attention_ex_bf16_out_sinks_window8_D200", [](Rng& rng) {
     return attention_case(rng, {{40, 40}, {300, 1}}, 16, 2, 200, 16, 1, true, 8, true);
+  });
+  // Split rows (AttentionOptions::workspace): a row past 256 keys is cut into at most 16 parts of
+  // whole 128-key chunks (2 at least) and combined by the row's last CTA. Contexts at and around
+  // the bounds: 256 (one part, the unsplit kernel), 257 (two parts, the second of one key), 1000
+  // (4 parts of 2 chunks), 2048 (8 of 2), 5000 (40 chunks: 14 parts of 3, the last of one chunk
+  // holding 8 keys); windows inside one part and across parts, sinks, padding rows, BF16 out, 2
+  // and 8 query heads per CTA, and CTAs taking all parts of a row, 1, or 3 at a time.
+  reg("paged_attention_split_decode_contexts_QH8_KVH2", [](Rng& rng) {
+    return attention_case(rng, {{256, 1}, {257, 1}, {2048, 1}, {5000, 1}, {1000, 1}, {3, 1}}, 8, 2, 64, 16, 2,
+                          false, 0, false, true);
+  });
+  reg("paged_attention_split_sinks_window700_chunked_QH16_KVH2", [](Rng& rng) {
+    return attention_case(rng, {{1500, 5}, {700, 1}, {701, 1}, {2000, 1}}, 16, 2, 64, 16, 1, true, 700, false,
+                          true);
+  });
+  reg("paged_attention_split_bf16_out_sinks_QH64_KVH8_D64", [](Rng& rng) {
+    return attention_case(rng, {{1300, 1}, {40, 1}, {600, 1}}, 64, 8, 64, 16, 0, true, 0, true, true);
+  });
+  reg("paged_attention_split_one_cta_per_row_D128", [](Rng& rng) {
+    return attention_case(rng, {{3000, 1}, {520, 2}}, 8, 1, 128, 16, 0, false, 0, false, true, 1);
+  });
+  reg("paged_attention_split_three_ctas_per_row_sinks_D16", [](Rng& rng) {
+    return attention_case(rng, {{1800, 1}, {300, 3}}, 4, 2, 16, 8, 1, true, 0, false, true, 3);
+  });
+  reg("paged_attention_split_scalar_path_D42_ignores_workspace", [](Rng& rng) {
+    return attention_case(rng, {{900, 1}, {11, 4}}, 6, 3, 42, 3, 1, true, 0, false, true);
   });
 }
 
@@ -1712,7 +1748,9 @@ TEST(CudaBackend, AttentionRowsAreTheSameBitsAloneAndInABatch) {
   const TensorView sinks = d.upload(random_f32(rng, qh, -2, 3), {qh});
   const size_t row = static_cast<size_t>(qh * dim);
   for (const int64_t window : {int64_t{0}, int64_t{128}, int64_t{200}}) {
-    const AttentionOptions opt{window > 0 ? sinks : TensorView{}, window};
+    AttentionOptions opt;
+    opt.sinks = window > 0 ? sinks : TensorView{};
+    opt.window = window;
     const TensorView out = d.upload(std::vector<float>(q.size(), NAN), {num_seqs, qh, dim});
     ASSERT_TRUE(cuda->paged_attention_ex(ctx, out, d.upload(q, {num_seqs, qh, dim}), k, v, tables,
                                          d.upload(seq_of, {num_seqs}), d.upload(ctx_len, {num_seqs}), 0.125f, opt)
@@ -1730,6 +1768,81 @@ TEST(CudaBackend, AttentionRowsAreTheSameBitsAloneAndInABatch) {
       EXPECT_EQ(std::memcmp(alone.data(), batch.data() + t * static_cast<int64_t>(row), row * 4), 0)
           << "token " << t << " (context " << ctx_len[static_cast<size_t>(t)] << ", window " << window
           << ") differs alone and in the batch";
+    }
+  }
+}
+
+// Split rows (AttentionOptions::workspace) at gpt-oss's shape: a row's parts depend on its number
+// of keys alone, so a token gets the same bits in a batch of 12 (auto: 2 CTAs a row), alone (auto:
+// 16 CTAs a row), and alone with 1 or 3 CTAs taking every part; with sinks, a window of 700 keys
+// (three parts) and without; contexts from 1 (unsplit) to 5,000 (14 parts of 3 chunks). After
+// every call the workspace's counters are zero again (the next launch, or a CUDA graph replay,
+// starts from them).
+TEST(CudaBackend, AttentionSplitRowsAreTheSameBitsInEveryGrid) {
+  const Backend* cuda = cuda_backend();
+  if (cuda == nullptr || cuda_device_count() == 0)
+    GTEST_SKIP() << "no CUDA backend or no visible GPU";
+  const ExecContext ctx{Device::cuda(0), nullptr};
+  DeviceArena d(*cuda, ctx);
+  Rng rng(12);
+  const int64_t qh = 64, kvh = 8, dim = 64, bs = 16, num_seqs = 12, max_blocks = 320;  // 5,120 positions
+  const int64_t num_blocks = num_seqs * max_blocks;
+  const TensorView k = d.upload(random_f32(rng, num_blocks * bs * kvh * dim, -1, 1), {num_blocks, bs, kvh, dim});
+  const TensorView v = d.upload(random_f32(rng, num_blocks * bs * kvh * dim, -1, 1), {num_blocks, bs, kvh, dim});
+  std::vector<int32_t> table(static_cast<size_t>(num_blocks));
+  std::iota(table.begin(), table.end(), 0);
+  rng.shuffle(table);
+  const TensorView tables = d.upload(table, {num_seqs, max_blocks});
+  const std::vector<int32_t> seq_of{3, 0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11};
+  const std::vector<int32_t> ctx_len{1, 256, 257, 700, 1000, 2048, 2049, 3333, 4100, 5000, 5120, 129};
+  const std::vector<float> q = random_f32(rng, num_seqs * qh * dim, -2, 2);
+  const TensorView sinks = d.upload(random_f32(rng, qh, -2, 3), {qh});
+  const size_t row = static_cast<size_t>(qh * dim);
+  // A zero-filled workspace for `tokens` tokens; its counters as floats (zero bits: zero).
+  auto workspace = [&](int64_t tokens, TensorView* counters) {
+    const int64_t bytes = paged_attention_workspace_bytes(tokens, qh, dim);
+    const TensorView w = d.upload(std::vector<int32_t>(static_cast<size_t>(bytes / 4), 0), {bytes / 4});
+    *counters = TensorView::contiguous(w.data, DType::kF32, Shape{tokens * qh}, ctx.device);
+    return TensorView::contiguous(w.data, DType::kU8, Shape{bytes}, ctx.device);
+  };
+  auto expect_counters_zero = [&](const TensorView& counters, const char* what) {
+    const std::vector<float> c = d.download(counters);
+    EXPECT_EQ(std::count(c.begin(), c.end(), 0.0f), static_cast<ptrdiff_t>(c.size())) << what << ": counters left set";
+  };
+  for (const int64_t window : {int64_t{0}, int64_t{700}}) {
+    for (const bool with_sinks : {false, true}) {
+      AttentionOptions opt;
+      opt.sinks = with_sinks ? sinks : TensorView{};
+      opt.window = window;
+      TensorView counters;
+      opt.workspace = workspace(num_seqs, &counters);
+      const TensorView out = d.upload(std::vector<float>(q.size(), NAN), {num_seqs, qh, dim});
+      ASSERT_TRUE(cuda->paged_attention_ex(ctx, out, d.upload(q, {num_seqs, qh, dim}), k, v, tables,
+                                           d.upload(seq_of, {num_seqs}), d.upload(ctx_len, {num_seqs}), 0.125f, opt)
+                      .ok());
+      const std::vector<float> batch = d.download(out);
+      expect_counters_zero(counters, "batch");
+      for (int64_t t = 0; t < num_seqs; ++t) {
+        const std::vector<float> q1(q.begin() + static_cast<ptrdiff_t>(t * qh * dim),
+                                    q.begin() + static_cast<ptrdiff_t>((t + 1) * qh * dim));
+        for (const int32_t ctas : {0, 1, 3}) {
+          AttentionOptions one = opt;
+          TensorView c1;
+          one.workspace = workspace(1, &c1);
+          one.split_ctas = ctas;
+          const TensorView out1 = d.upload(std::vector<float>(row, -777.0f), {1, qh, dim});
+          ASSERT_TRUE(cuda->paged_attention_ex(ctx, out1, d.upload(q1, {1, qh, dim}), k, v, tables,
+                                               d.upload(std::vector<int32_t>{seq_of[static_cast<size_t>(t)]}, {1}),
+                                               d.upload(std::vector<int32_t>{ctx_len[static_cast<size_t>(t)]}, {1}),
+                                               0.125f, one)
+                          .ok());
+          const std::vector<float> alone = d.download(out1);
+          EXPECT_EQ(std::memcmp(alone.data(), batch.data() + t * static_cast<int64_t>(row), row * 4), 0)
+              << "token " << t << " (context " << ctx_len[static_cast<size_t>(t)] << ", window " << window
+              << ", sinks " << with_sinks << ", split_ctas " << ctas << ") differs alone and in the batch";
+          expect_counters_zero(c1, "alone");
+        }
+      }
     }
   }
 }

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -322,6 +323,13 @@ TEST(CpuBackend, AttentionBf16OutIsTheFp32ResultRounded) {
   EXPECT_EQ(bad, std::vector<int32_t>(6, 0));  // refused before anything was written
 }
 
+AttentionOptions attn_options(TensorView sinks, int64_t window) {
+  AttentionOptions o;
+  o.sinks = sinks;
+  o.window = window;
+  return o;
+}
+
 TEST(CpuBackend, AttentionSinkJoinsTheDenominatorOnly) {
   // The three-position case above with a sink of ln 5: token 1's weights 1/10, 3/10, 1/10 (the
   // sink takes the other 5/10 and brings no value).
@@ -333,7 +341,7 @@ TEST(CpuBackend, AttentionSinkJoinsTheDenominatorOnly) {
   std::vector<int32_t> table{1, 0}, seq{0}, len{3};
   ASSERT_TRUE(cpu().paged_attention_ex(kCtx, f32(out, {1, 1, 2}), f32(q, {1, 1, 2}), c.kv(c.k, 1, 2),
                                        c.kv(c.v, 1, 2), i32(table, {1, 2}), i32(seq, {1}), i32(len, {1}), 1.0f,
-                                       AttentionOptions{f32(sinks, {1}), 0})
+                                       attn_options(f32(sinks, {1}), 0))
                   .ok());
   EXPECT_NEAR(out[0], 0.1 + 0.4, 1e-6);
   EXPECT_NEAR(out[1], 0.3, 1e-6);
@@ -350,7 +358,7 @@ TEST(CpuBackend, AttentionWindowSeesOnlyTheLastPositions) {
   const auto run = [&](int64_t window) {
     return cpu().paged_attention_ex(kCtx, f32(out, {1, 1, 2}), f32(q, {1, 1, 2}), c.kv(c.k, 1, 2), c.kv(c.v, 1, 2),
                                     i32(table, {1, 2}), i32(seq, {1}), i32(len, {1}), 1.0f,
-                                    AttentionOptions{TensorView{}, window});
+                                    attn_options(TensorView{}, window));
   };
   ASSERT_TRUE(run(2).ok());
   EXPECT_NEAR(out[0], 0.25 * 4, 1e-6);  // position 2 (block 0 slot 0) has v = (4, 0)
@@ -368,8 +376,52 @@ TEST(CpuBackend, AttentionWindowSeesOnlyTheLastPositions) {
   std::vector<float> bad_sinks{0, 0};
   EXPECT_STATUS(cpu().paged_attention_ex(kCtx, f32(out, {1, 1, 2}), f32(q, {1, 1, 2}), c.kv(c.k, 1, 2),
                                          c.kv(c.v, 1, 2), i32(table, {1, 2}), i32(seq, {1}), i32(len, {1}), 1.0f,
-                                         AttentionOptions{f32(bad_sinks, {2}), 0}),
+                                         attn_options(f32(bad_sinks, {2}), 0)),
                 ErrorCode::kInvalidArgument, "sinks");
+}
+
+TEST(CpuBackend, AttentionWorkspaceIsCheckedThenIgnored) {
+  // The split-row workspace is CUDA's scratch: the CPU reference checks it like any view and
+  // computes the same values with or without it; a refused call writes nothing.
+  TinyCache c;
+  const float l3 = std::log(3.0f);
+  c.k = {0, 0, 9, 9, 0, 0, l3, 0};
+  c.v = {4, 0, 9, 9, 1, 0, 0, 1};
+  std::vector<float> q{1, 0}, out(2, NAN);
+  std::vector<int32_t> table{1, 0}, seq{0}, len{3};
+  const int64_t need = paged_attention_workspace_bytes(1, 1, 2);
+  ASSERT_EQ(need, 16 + 16 * 4 * 4);  // counters rounded to 16 bytes, then 16 parts of (2 + 2) floats
+  alignas(16) std::array<uint8_t, 256> bytes{};
+  const auto run = [&](TensorView ws, int32_t ctas) {
+    AttentionOptions o;
+    o.workspace = ws;
+    o.split_ctas = ctas;
+    return cpu().paged_attention_ex(kCtx, f32(out, {1, 1, 2}), f32(q, {1, 1, 2}), c.kv(c.k, 1, 2), c.kv(c.v, 1, 2),
+                                    i32(table, {1, 2}), i32(seq, {1}), i32(len, {1}), 1.0f, o);
+  };
+  auto u8 = [&](size_t offset, int64_t n, DType t = DType::kU8) {
+    return TensorView::contiguous(bytes.data() + offset, t, Shape{n}, kCtx.device);
+  };
+  ASSERT_TRUE(run(TensorView{}, 0).ok());
+  const std::vector<float> plain = out;
+  out.assign(2, NAN);
+  ASSERT_TRUE(run(u8(0, need), 3).ok());
+  EXPECT_EQ(out, plain);
+  out.assign(2, NAN);
+  EXPECT_STATUS(run(u8(0, need - 1), 0), ErrorCode::kInvalidArgument, "workspace");
+  EXPECT_STATUS(run(u8(4, need), 0), ErrorCode::kInvalidArgument, "workspace");  // not 16-byte aligned
+  EXPECT_STATUS(run(u8(0, need / 4, DType::kI32), 0), ErrorCode::kInvalidArgument, "workspace");
+  EXPECT_STATUS(run(u8(0, need), -1), ErrorCode::kInvalidArgument, "split_ctas");
+  EXPECT_TRUE(std::isnan(out[0]) && std::isnan(out[1])) << "out written by a refused call";
+  // A workspace over the output.
+  std::vector<uint8_t> shared(static_cast<size_t>(need) + 64);
+  auto* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(shared.data()) + 15) / 16 * 16);
+  AttentionOptions o;
+  o.workspace = TensorView::contiguous(base, DType::kU8, Shape{need}, kCtx.device);
+  EXPECT_STATUS(cpu().paged_attention_ex(kCtx, TensorView::contiguous(base, DType::kF32, Shape{1, 1, 2}, kCtx.device),
+                                         f32(q, {1, 1, 2}), c.kv(c.k, 1, 2), c.kv(c.v, 1, 2), i32(table, {1, 2}),
+                                         i32(seq, {1}), i32(len, {1}), 1.0f, o),
+                ErrorCode::kInvalidArgument, "workspace");
 }
 
 TEST(CpuBackend, RopeTableRotatesByTheGivenFrequencyAndScales) {
