@@ -90,14 +90,17 @@ struct AttentionOptions {
   // and ignores it): u8 [>= paged_attention_workspace_bytes(T, QH, D)] on the context's device,
   // 16-byte aligned, zero-filled before its first use (the op leaves its counters at zero again),
   // used by one op at a time. Empty: every row is one CTA's, as before.
-  // With it, a row of more than kAttentionSplitMinKeys keys (after the window) is cut into at most
-  // kAttentionMaxSplits parts whose bounds depend only on that number of keys, each part's
-  // softmax partials written here and combined in part order: a row's bits do not depend on the
-  // batch or on split_ctas, but differ (by rounding) from the same row without a workspace.
+  // When a launch splits, a row of more than kAttentionSplitMinKeys keys (after the window) is
+  // cut into at most kAttentionMaxSplits parts whose bounds depend only on that number of keys,
+  // each part's softmax partials written here and combined in part order: a row's bits are the
+  // same in every split launch (any batch, any split_ctas), but differ (by rounding) from the
+  // same row in an unsplit one.
   TensorView workspace;
-  // CUDA: CTAs that share one split row (each takes every split_ctas-th part). 0: chosen from
-  // the grid size. ROLLOUTD_ATTN_SPLIT=0 (read once) ignores every workspace, =N sets the
-  // default N (an A/B in one binary).
+  // CUDA: CTAs that share one split row (each takes every split_ctas-th part). > 0: split with
+  // that many. 0: split only where the unsplit grid would have fewer CTAs than the GPU has SMs
+  // (small decode steps; larger grids measured faster unsplit, tests/bench/NOTES.md), with CTAs
+  // chosen from the grid size. ROLLOUTD_ATTN_SPLIT=0 (read once) ignores every workspace, =N
+  // makes N the value of every split_ctas of 0 (an A/B in one binary).
   int32_t split_ctas = 0;
 };
 

@@ -12,8 +12,10 @@
 // rescales the accumulators between chunks (online softmax at chunk granularity). The first
 // kernel (one warp per (token, head), one key at a time) took ~25 us per layer at 48 keys and
 // one token, and re-read each K/V row once per query head.
-// A (token, head)'s result does not depend on the other rows of the step, so a request gets
-// the same output alone or in any batch.
+// Without a split (below) a (token, head)'s result does not depend on the other rows of the step,
+// so a request gets the same output alone or in any batch. Long rows of small grids (decode at
+// a few tokens) are split over several CTAs (flash-decoding): a split row has the same bits in
+// every split launch, other bits than unsplit, and whether a launch splits depends on its grid.
 //
 // Index values are on the device and not checked on the host: a token whose sequence id is
 // outside [0, S) gets a zero row, ctx_len is clamped to [0, max_blocks * block_size], and
@@ -52,12 +54,14 @@ constexpr int kAttnFewHeads = 2;          // query heads per CTA when 8 would le
 constexpr int kAttnFewMaxCtas = 64;       // ... that is, when 8 would give at most this many CTAs
 constexpr int kAttnMaxDim = 512;
 constexpr int kAttnBatch = 8;             // keys whose V loads a thread issues together
-constexpr int kAttnSplitMinChunks = static_cast<int>(kAttentionSplitMinKeys / kAttnChunk);  // chunks in a split, at least
+// chunks in a split part, at least
+constexpr int kAttnSplitMinChunks = static_cast<int>(kAttentionSplitMinKeys / kAttnChunk);
 constexpr int kAttnMaxSplits = static_cast<int>(kAttentionMaxSplits);
 constexpr int kAttnSplitTargetWaves = 4;  // split rows: CTAs per SM the grid is brought to
 
-// ROLLOUTD_ATTN_SPLIT: unset -1 (split where given a workspace, CTAs chosen per launch), 0 off,
-// N > 0 N CTAs per split row unless the call sets split_ctas; read once per process.
+// ROLLOUTD_ATTN_SPLIT: unset -1 (split small grids given a workspace, CTAs chosen per launch),
+// 0 off, N > 0 every launch with a workspace splits, N CTAs per row unless the call sets
+// split_ctas; read once per process.
 inline int attn_split_env() {
   static const int v = [] {
     const char* e = std::getenv("ROLLOUTD_ATTN_SPLIT");
@@ -223,237 +227,239 @@ __global__ void __launch_bounds__(kAttnThreads)
   float running_max[kH], denom[kH];
 
   for (int part = blockIdx.z; part < plan.parts; part += gridDim.z) {
-  if (part != static_cast<int>(blockIdx.z)) {  // the previous part's epilogue overwrote q_s
-    __syncthreads();
-    load_q();
-  }
-  // Keys [kb, ke): the whole row, or this part's chunks.
-  const int64_t kb = split ? first + static_cast<int64_t>(part) * plan.per * kAttnChunk : first;
-  const int64_t ke = split && kb + static_cast<int64_t>(plan.per) * kAttnChunk < len
-                         ? kb + static_cast<int64_t>(plan.per) * kAttnChunk
-                         : len;
-  // A sink is one more logit with no value: it starts the running max and the denominator (a
-  // split row's is added once, in the combine).
-#pragma unroll
-  for (int h = 0; h < kH; ++h) {
-    const bool sink = s.sinks && len > 0 && h < nh && !split;
-    running_max[h] = sink ? s.sinks[h0 + h] : -INFINITY;
-    denom[h] = sink ? 1.0f : 0.0f;  // sum of exp(score - running_max)
-#pragma unroll
-    for (int i = 0; i < kAcc; ++i) acc[h][i] = 0.0f;
-  }
-
-  bool q_ready = false;
-  for (int64_t c0 = kb; c0 < ke; c0 += kAttnChunk) {
-    const int n = ke - c0 < kAttnChunk ? static_cast<int>(ke - c0) : kAttnChunk;
-    const int64_t row = tid < n ? row_of(c0 + tid) : -1;
-    // kVec: this thread's first kVB V rows of the chunk (keys g + groups * u), loaded now.
-    float4 vpre[kVec ? kVB : 1];
-    if constexpr (kVec) {
-#pragma unroll
-      for (int u = 0; u < kVB; ++u) {
-        const int jj = g + u * groups;
-        const int64_t r = jj < n ? row_of(c0 + jj) : -1;
-        vpre[u] = r >= 0 && vlane ? ldg4(v_cache + r * row_stride + kvh * D + 4 * d0) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      }
-    }
-    if (!q_ready) {  // the same in every thread: the first chunk publishes q_s
+    if (part != static_cast<int>(blockIdx.z)) {  // the previous part's epilogue overwrote q_s
       __syncthreads();
-      q_ready = true;
+      load_q();
     }
-    float score[kH];
+    // Keys [kb, ke): the whole row, or this part's chunks.
+    const int64_t kb = split ? first + static_cast<int64_t>(part) * plan.per * kAttnChunk : first;
+    const int64_t ke = split && kb + static_cast<int64_t>(plan.per) * kAttnChunk < len
+                           ? kb + static_cast<int64_t>(plan.per) * kAttnChunk
+                           : len;
+    // A sink is one more logit with no value: it starts the running max and the denominator (a
+    // split row's is added once, in the combine).
 #pragma unroll
-    for (int h = 0; h < kH; ++h) score[h] = -INFINITY;
-    if (row >= 0) {
-      const float* kr = k_cache + row * row_stride + kvh * D;
-      float dot[kH];
+    for (int h = 0; h < kH; ++h) {
+      const bool sink = s.sinks && len > 0 && h < nh && !split;
+      running_max[h] = sink ? s.sinks[h0 + h] : -INFINITY;
+      denom[h] = sink ? 1.0f : 0.0f;  // sum of exp(score - running_max)
 #pragma unroll
-      for (int h = 0; h < kH; ++h) dot[h] = 0.0f;
+      for (int i = 0; i < kAcc; ++i) acc[h][i] = 0.0f;
+    }
+
+    bool q_ready = false;
+    for (int64_t c0 = kb; c0 < ke; c0 += kAttnChunk) {
+      const int n = ke - c0 < kAttnChunk ? static_cast<int>(ke - c0) : kAttnChunk;
+      const int64_t row = tid < n ? row_of(c0 + tid) : -1;
+      // kVec: this thread's first kVB V rows of the chunk (keys g + groups * u), loaded now.
+      float4 vpre[kVec ? kVB : 1];
       if constexpr (kVec) {
-        const int n4 = static_cast<int>(D / 4);
-        for (int i0 = 0; i0 < n4; i0 += kKB) {
-          float4 a[kKB];
 #pragma unroll
-          for (int u = 0; u < kKB; ++u) a[u] = i0 + u < n4 ? ldg4(kr + 4 * (i0 + u)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int u = 0; u < kVB; ++u) {
+          const int jj = g + u * groups;
+          const int64_t r = jj < n ? row_of(c0 + jj) : -1;
+          vpre[u] = r >= 0 && vlane ? ldg4(v_cache + r * row_stride + kvh * D + 4 * d0)
+                                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+      }
+      if (!q_ready) {  // the same in every thread: the first chunk publishes q_s
+        __syncthreads();
+        q_ready = true;
+      }
+      float score[kH];
 #pragma unroll
-          for (int u = 0; u < kKB; ++u) {
-            if (i0 + u >= n4) break;
+      for (int h = 0; h < kH; ++h) score[h] = -INFINITY;
+      if (row >= 0) {
+        const float* kr = k_cache + row * row_stride + kvh * D;
+        float dot[kH];
 #pragma unroll
-            for (int h = 0; h < kH; ++h) {
-              const float4 b = reinterpret_cast<const float4*>(q_s[h])[i0 + u];
-              dot[h] += a[u].x * b.x + a[u].y * b.y + a[u].z * b.z + a[u].w * b.w;
+        for (int h = 0; h < kH; ++h) dot[h] = 0.0f;
+        if constexpr (kVec) {
+          const int n4 = static_cast<int>(D / 4);
+          for (int i0 = 0; i0 < n4; i0 += kKB) {
+            float4 a[kKB];
+#pragma unroll
+            for (int u = 0; u < kKB; ++u)
+              a[u] = i0 + u < n4 ? ldg4(kr + 4 * (i0 + u)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+            for (int u = 0; u < kKB; ++u) {
+              if (i0 + u >= n4) break;
+#pragma unroll
+              for (int h = 0; h < kH; ++h) {
+                const float4 b = reinterpret_cast<const float4*>(q_s[h])[i0 + u];
+                dot[h] += a[u].x * b.x + a[u].y * b.y + a[u].z * b.z + a[u].w * b.w;
+              }
             }
           }
-        }
-      } else {
+        } else {
 #pragma unroll 4
-        for (int d = 0; d < static_cast<int>(D); ++d) {
-          const float a = __ldg(kr + d);
-#pragma unroll
-          for (int h = 0; h < kH; ++h) {
-            dot[h] += a * q_s[h][d];
-          }
-        }
-      }
-#pragma unroll
-      for (int h = 0; h < kH; ++h)
-        if (h < nh) score[h] = dot[h] * s.scale;
-    }
-    row_s[tid] = row;
-    float m[kH];
-#pragma unroll
-    for (int h = 0; h < kH; ++h) m[h] = score[h];
-    block_reduce_heads<true, kH>(m, red);
-    float sum[kH], correction[kH];
-    bool any = false;
-#pragma unroll
-    for (int h = 0; h < kH; ++h) {
-      const float new_max = fmaxf(running_max[h], m[h]);
-      // Every key so far skipped and no sink: nothing to add (and -inf - -inf would be NaN).
-      const bool live = new_max != -INFINITY;
-      any |= live;
-      correction[h] = live ? expf(running_max[h] - new_max) : 1.0f;  // 0 while running_max is -inf
-      const float p = live && tid < n ? expf(score[h] - new_max) : 0.0f;  // exp(-inf) = 0: skipped keys
-      p_s[h][tid] = p;
-      sum[h] = p;
-      if (live) running_max[h] = new_max;
-    }
-    block_reduce_heads<false, kH>(sum, red);  // its barriers also publish p_s and row_s
-#pragma unroll
-    for (int h = 0; h < kH; ++h) {
-      denom[h] = denom[h] * correction[h] + sum[h];
-#pragma unroll
-      for (int i = 0; i < kAcc; ++i) acc[h][i] *= correction[h];
-    }
-    if (any && vlane) {
-      if constexpr (kVec) {
-        // Keys g + groups * u in u order: the prefetched ones, then kVB at a time from row_s
-        // (a skipped key, or one past the chunk, loads nothing and has p = 0).
-        auto add = [&](const float4 (&vv)[kVB], int jb) {
-#pragma unroll
-          for (int u = 0; u < kVB; ++u) {
-            const int jj = jb + u * groups;
-            if (jj >= n) break;
+          for (int d = 0; d < static_cast<int>(D); ++d) {
+            const float a = __ldg(kr + d);
 #pragma unroll
             for (int h = 0; h < kH; ++h) {
-              const float p = p_s[h][jj];
-              acc[h][0] += p * vv[u].x;
-              acc[h][1] += p * vv[u].y;
-              acc[h][2] += p * vv[u].z;
-              acc[h][3] += p * vv[u].w;
-            }
-          }
-        };
-        add(vpre, g);
-        for (int jb = g + kVB * groups; jb < n; jb += kVB * groups) {
-          float4 vv[kVB];
-#pragma unroll
-          for (int u = 0; u < kVB; ++u) {
-            const int jj = jb + u * groups;
-            const int64_t r = jj < n ? row_s[jj] : -1;
-            vv[u] = r >= 0 ? ldg4(v_cache + r * row_stride + kvh * D + 4 * d0) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-          }
-          add(vv, jb);
-        }
-      } else {
-        // kAttnBatch keys per round, their V loads issued before any is used.
-        for (int jb = g; jb < n; jb += kAttnBatch * groups) {
-          float vv[kAttnBatch][kPer];
-#pragma unroll
-          for (int u = 0; u < kAttnBatch; ++u) {
-            const int jj = jb + u * groups;
-            const int64_t r = jj < n ? row_s[jj] : -1;
-            const float* vr = v_cache + (r < 0 ? 0 : r) * row_stride + kvh * D;
-#pragma unroll
-            for (int i = 0; i < kPer; ++i) {
-              const int64_t d = d0 + static_cast<int64_t>(dim_lanes) * i;
-              vv[u][i] = r >= 0 && d < D ? __ldg(vr + d) : 0.0f;
-            }
-          }
-#pragma unroll
-          for (int u = 0; u < kAttnBatch; ++u) {
-            const int jj = jb + u * groups;
-            if (jj >= n) break;
-#pragma unroll
-            for (int h = 0; h < kH; ++h) {
-              const float p = p_s[h][jj];
-#pragma unroll
-              for (int i = 0; i < kPer; ++i) acc[h][i] += p * vv[u][i];
+              dot[h] += a * q_s[h][d];
             }
           }
         }
+#pragma unroll
+        for (int h = 0; h < kH; ++h)
+          if (h < nh) score[h] = dot[h] * s.scale;
       }
-    }
-    __syncthreads();  // p_s and row_s are rewritten by the next chunk
-  }
-  if constexpr (kVec) {
-    // Every head's group partial sums at once in q_s (kH heads x 128 threads x 4 floats: its
-    // size; nothing reads q after the last chunk), then each (head, 4 dimensions) summed in group
-    // order by one thread: two barriers for all heads where the scalar path takes two per head.
-    __syncthreads();  // no chunk ran: the q_s stores above finish before the partials overwrite them
+      row_s[tid] = row;
+      float m[kH];
 #pragma unroll
-    for (int h = 0; h < kH; ++h)
-      reinterpret_cast<float4*>(q_s[h])[tid] = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
-    // 1 / denominator per head (every thread holds the same ones), for the threads below that
-    // finish another head; a row that saw nothing is zero, not 0/0. A part of a split row keeps
-    // its running max and sum for the combine instead.
-    if (tid == 0) {
+      for (int h = 0; h < kH; ++h) m[h] = score[h];
+      block_reduce_heads<true, kH>(m, red);
+      float sum[kH], correction[kH];
+      bool any = false;
 #pragma unroll
       for (int h = 0; h < kH; ++h) {
-        red[0][h] = denom[h] > 0.0f ? 1.0f / denom[h] : 0.0f;
-        if (split && h < nh) {
-          sp.ml[2 * part_row(h, part)] = running_max[h];
-          sp.ml[2 * part_row(h, part) + 1] = denom[h];
+        const float new_max = fmaxf(running_max[h], m[h]);
+        // Every key so far skipped and no sink: nothing to add (and -inf - -inf would be NaN).
+        const bool live = new_max != -INFINITY;
+        any |= live;
+        correction[h] = live ? expf(running_max[h] - new_max) : 1.0f;  // 0 while running_max is -inf
+        const float p = live && tid < n ? expf(score[h] - new_max) : 0.0f;  // exp(-inf) = 0: skipped keys
+        p_s[h][tid] = p;
+        sum[h] = p;
+        if (live) running_max[h] = new_max;
+      }
+      block_reduce_heads<false, kH>(sum, red);  // its barriers also publish p_s and row_s
+#pragma unroll
+      for (int h = 0; h < kH; ++h) {
+        denom[h] = denom[h] * correction[h] + sum[h];
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) acc[h][i] *= correction[h];
+      }
+      if (any && vlane) {
+        if constexpr (kVec) {
+          // Keys g + groups * u in u order: the prefetched ones, then kVB at a time from row_s
+          // (a skipped key, or one past the chunk, loads nothing and has p = 0).
+          auto add = [&](const float4 (&vv)[kVB], int jb) {
+#pragma unroll
+            for (int u = 0; u < kVB; ++u) {
+              const int jj = jb + u * groups;
+              if (jj >= n) break;
+#pragma unroll
+              for (int h = 0; h < kH; ++h) {
+                const float p = p_s[h][jj];
+                acc[h][0] += p * vv[u].x;
+                acc[h][1] += p * vv[u].y;
+                acc[h][2] += p * vv[u].z;
+                acc[h][3] += p * vv[u].w;
+              }
+            }
+          };
+          add(vpre, g);
+          for (int jb = g + kVB * groups; jb < n; jb += kVB * groups) {
+            float4 vv[kVB];
+#pragma unroll
+            for (int u = 0; u < kVB; ++u) {
+              const int jj = jb + u * groups;
+              const int64_t r = jj < n ? row_s[jj] : -1;
+              vv[u] = r >= 0 ? ldg4(v_cache + r * row_stride + kvh * D + 4 * d0) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+            add(vv, jb);
+          }
+        } else {
+          // kAttnBatch keys per round, their V loads issued before any is used.
+          for (int jb = g; jb < n; jb += kAttnBatch * groups) {
+            float vv[kAttnBatch][kPer];
+#pragma unroll
+            for (int u = 0; u < kAttnBatch; ++u) {
+              const int jj = jb + u * groups;
+              const int64_t r = jj < n ? row_s[jj] : -1;
+              const float* vr = v_cache + (r < 0 ? 0 : r) * row_stride + kvh * D;
+#pragma unroll
+              for (int i = 0; i < kPer; ++i) {
+                const int64_t d = d0 + static_cast<int64_t>(dim_lanes) * i;
+                vv[u][i] = r >= 0 && d < D ? __ldg(vr + d) : 0.0f;
+              }
+            }
+#pragma unroll
+            for (int u = 0; u < kAttnBatch; ++u) {
+              const int jj = jb + u * groups;
+              if (jj >= n) break;
+#pragma unroll
+              for (int h = 0; h < kH; ++h) {
+                const float p = p_s[h][jj];
+#pragma unroll
+                for (int i = 0; i < kPer; ++i) acc[h][i] += p * vv[u][i];
+              }
+            }
+          }
         }
       }
+      __syncthreads();  // p_s and row_s are rewritten by the next chunk
     }
-    __syncthreads();
-    for (int i = tid; i < nh * d4n; i += kAttnThreads) {
-      const int h = i / d4n, d4 = i - h * d4n;
-      float4 v = reinterpret_cast<const float4*>(q_s[h])[d4];
-      for (int gg = 1; gg < groups; ++gg) {
-        const float4 w = reinterpret_cast<const float4*>(q_s[h])[gg * dim_lanes + d4];
-        v.x += w.x;
-        v.y += w.y;
-        v.z += w.z;
-        v.w += w.w;
-      }
-      if (split) {
-        reinterpret_cast<float4*>(sp.o + part_row(h, part) * D)[d4] = v;
-      } else {
-        const float iv = red[0][h];
-        store4(h, d4, make_float4(v.x * iv, v.y * iv, v.z * iv, v.w * iv));
-      }
-    }
-  } else {
-    // Groups' partial sums, added in group order through shared memory (p_s is free now: one
-    // head at a time); a row that saw nothing is zero, not 0/0.
-    float* part = &p_s[0][0];  // kPRows * kAttnChunk floats >= kPer * kAttnThreads
+    if constexpr (kVec) {
+      // Every head's group partial sums at once in q_s (kH heads x 128 threads x 4 floats: its
+      // size; nothing reads q after the last chunk), then each (head, 4 dimensions) summed in group
+      // order by one thread: two barriers for all heads where the scalar path takes two per head.
+      __syncthreads();  // no chunk ran: the q_s stores above finish before the partials overwrite them
 #pragma unroll
-    for (int h = 0; h < kH; ++h) {
-      if (h >= nh) break;  // uniform across the CTA (the barriers below)
-      const float inv = denom[h] > 0.0f ? 1.0f / denom[h] : 0.0f;
-      const int64_t orow = (t * s.q_heads + h0 + h) * D;
+      for (int h = 0; h < kH; ++h)
+        reinterpret_cast<float4*>(q_s[h])[tid] = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+      // 1 / denominator per head (every thread holds the same ones), for the threads below that
+      // finish another head; a row that saw nothing is zero, not 0/0. A part of a split row keeps
+      // its running max and sum for the combine instead.
+      if (tid == 0) {
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) part[i * kAttnThreads + tid] = acc[h][i];
+        for (int h = 0; h < kH; ++h) {
+          red[0][h] = denom[h] > 0.0f ? 1.0f / denom[h] : 0.0f;
+          if (split && h < nh) {
+            sp.ml[2 * part_row(h, part)] = running_max[h];
+            sp.ml[2 * part_row(h, part) + 1] = denom[h];
+          }
+        }
+      }
       __syncthreads();
-      if (g == 0) {
-#pragma unroll
-        for (int i = 0; i < kPer; ++i) {
-          const int64_t d = d0 + static_cast<int64_t>(dim_lanes) * i;
-          if (d >= D) continue;
-          float v = part[i * kAttnThreads + d0];
-          for (int gg = 1; gg < groups; ++gg) v += part[i * kAttnThreads + gg * dim_lanes + d0];
-          // BF16: rounded here as the convert before o_proj did (kernels/bf16.hpp), one launch fewer.
-          if (s.out_bf16)
-            static_cast<uint16_t*>(out)[orow + d] = f32_to_bf16_bits(v * inv);
-          else
-            static_cast<float*>(out)[orow + d] = v * inv;
+      for (int i = tid; i < nh * d4n; i += kAttnThreads) {
+        const int h = i / d4n, d4 = i - h * d4n;
+        float4 v = reinterpret_cast<const float4*>(q_s[h])[d4];
+        for (int gg = 1; gg < groups; ++gg) {
+          const float4 w = reinterpret_cast<const float4*>(q_s[h])[gg * dim_lanes + d4];
+          v.x += w.x;
+          v.y += w.y;
+          v.z += w.z;
+          v.w += w.w;
+        }
+        if (split) {
+          reinterpret_cast<float4*>(sp.o + part_row(h, part) * D)[d4] = v;
+        } else {
+          const float iv = red[0][h];
+          store4(h, d4, make_float4(v.x * iv, v.y * iv, v.z * iv, v.w * iv));
         }
       }
-      __syncthreads();  // part is rewritten for the next head
+    } else {
+      // Groups' partial sums, added in group order through shared memory (p_s is free now: one
+      // head at a time); a row that saw nothing is zero, not 0/0.
+      float* part = &p_s[0][0];  // kPRows * kAttnChunk floats >= kPer * kAttnThreads
+#pragma unroll
+      for (int h = 0; h < kH; ++h) {
+        if (h >= nh) break;  // uniform across the CTA (the barriers below)
+        const float inv = denom[h] > 0.0f ? 1.0f / denom[h] : 0.0f;
+        const int64_t orow = (t * s.q_heads + h0 + h) * D;
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) part[i * kAttnThreads + tid] = acc[h][i];
+        __syncthreads();
+        if (g == 0) {
+#pragma unroll
+          for (int i = 0; i < kPer; ++i) {
+            const int64_t d = d0 + static_cast<int64_t>(dim_lanes) * i;
+            if (d >= D) continue;
+            float v = part[i * kAttnThreads + d0];
+            for (int gg = 1; gg < groups; ++gg) v += part[i * kAttnThreads + gg * dim_lanes + d0];
+            // BF16: rounded here as the convert before o_proj did (kernels/bf16.hpp), one launch fewer.
+            if (s.out_bf16)
+              static_cast<uint16_t*>(out)[orow + d] = f32_to_bf16_bits(v * inv);
+            else
+              static_cast<float*>(out)[orow + d] = v * inv;
+          }
+        }
+        __syncthreads();  // part is rewritten for the next head
+      }
     }
-  }
   }  // parts
 
   // A split row: the CTA that finishes its last part combines every part, in part order (the
@@ -559,10 +565,13 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
   const int64_t lanes_for = vec ? s.head_dim / 4 : s.head_dim;
   while (dim_lanes < lanes_for && dim_lanes < kAttnThreads) dim_lanes *= 2;
   const int per = vec ? 1 : static_cast<int>((s.head_dim + kAttnThreads - 1) / kAttnThreads);
-  // Split rows (AttentionOptions::workspace): CTAs per row, a power of two that brings the grid
-  // to kAttnSplitTargetWaves CTAs per SM (or options.split_ctas), at most the parts of the
-  // longest row the tables can hold (after the window): 1 keeps the split arithmetic (a row's
-  // bits are the same in every grid) with one CTA per row. Off on the scalar path.
+  // Split rows (AttentionOptions::workspace): options.split_ctas (or ROLLOUTD_ATTN_SPLIT) CTAs
+  // per row. Else only where the unsplit grid of kAttnHeads-head CTAs is smaller than the GPU's
+  // SM count, CTAs per row a power of two that brings the grid to kAttnSplitTargetWaves CTAs per
+  // SM. Either way at most the parts of the longest row the tables can hold (after the window).
+  // Larger grids stay unsplit: at 256 such CTAs (32 gpt-oss tokens) a split step measured 6-8%
+  // slower (every part restarts the chunk loop and writes partials; tests/bench/NOTES.md). Off on
+  // the scalar path.
   AttnSplit sp{nullptr, nullptr, nullptr, 0};
   const int64_t longest = s.window > 0 ? std::min(s.window, s.max_blocks * s.block_size) : s.max_blocks * s.block_size;
   const int max_parts = split_plan(longest).parts;
@@ -571,16 +580,22 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
     if (ctas <= 0) {
       int sms = 0;
       RD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ctx.device.index));
+      // Decided on the grid of kAttnHeads-head CTAs (monotonic in the tokens), sized on the real one.
       const int64_t rows = num_tokens * s.kv_heads * sh.head_groups;
-      ctas = 1;
-      while (ctas < max_parts && rows * ctas < static_cast<int64_t>(kAttnSplitTargetWaves) * sms) ctas *= 2;
+      ctas = 0;  // unsplit
+      if (num_tokens * s.kv_heads * ((per_kv + kAttnHeads - 1) / kAttnHeads) < sms) {
+        ctas = 1;
+        while (ctas < max_parts && rows * ctas < static_cast<int64_t>(kAttnSplitTargetWaves) * sms) ctas *= 2;
+      }
     }
-    sp.ctas = std::min(ctas, max_parts);
-    auto* base = static_cast<uint8_t*>(options.workspace.data);
-    const int64_t heads = num_tokens * s.q_heads;
-    sp.counters = reinterpret_cast<int32_t*>(base);
-    sp.o = reinterpret_cast<float*>(base + (heads * 4 + 15) / 16 * 16);
-    sp.ml = sp.o + heads * kAttnMaxSplits * s.head_dim;
+    if (ctas > 0) {
+      sp.ctas = std::min(ctas, max_parts);
+      auto* base = static_cast<uint8_t*>(options.workspace.data);
+      const int64_t heads = num_tokens * s.q_heads;
+      sp.counters = reinterpret_cast<int32_t*>(base);
+      sp.o = reinterpret_cast<float*>(base + (heads * 4 + 15) / 16 * 16);
+      sp.ml = sp.o + heads * kAttnMaxSplits * s.head_dim;
+    }
   }
   const dim3 grid(static_cast<unsigned int>(num_tokens), static_cast<unsigned int>(s.kv_heads * sh.head_groups),
                   static_cast<unsigned int>(sp.ctas > 0 ? sp.ctas : 1));

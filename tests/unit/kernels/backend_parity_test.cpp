@@ -1773,11 +1773,12 @@ TEST(CudaBackend, AttentionRowsAreTheSameBitsAloneAndInABatch) {
 }
 
 // Split rows (AttentionOptions::workspace) at gpt-oss's shape: a row's parts depend on its number
-// of keys alone, so a token gets the same bits in a batch of 12 (auto: 2 CTAs a row), alone (auto:
-// 16 CTAs a row), and alone with 1 or 3 CTAs taking every part; with sinks, a window of 700 keys
-// (three parts) and without; contexts from 1 (unsplit) to 5,000 (14 parts of 3 chunks). After
-// every call the workspace's counters are zero again (the next launch, or a CUDA graph replay,
-// starts from them).
+// of keys alone, so a token gets the same bits in a batch of 12 split 2 CTAs a row, alone (auto:
+// 8 rows, fewer than any GPU's SMs, so split, 16 CTAs a row), and alone with 1 or 3 CTAs taking
+// every part; with sinks, a window of 700 keys (three parts) and without; contexts from 1
+// (unsplit) to 5,000 (14 parts of 3 chunks). After every call the workspace's counters are zero
+// again (the next launch, or a CUDA graph replay, starts from them). And auto leaves a grid of
+// 48 tokens (384 rows, more than any GPU's SMs) unsplit: the same bits as without a workspace.
 TEST(CudaBackend, AttentionSplitRowsAreTheSameBitsInEveryGrid) {
   const Backend* cuda = cuda_backend();
   if (cuda == nullptr || cuda_device_count() == 0)
@@ -1816,12 +1817,39 @@ TEST(CudaBackend, AttentionSplitRowsAreTheSameBitsInEveryGrid) {
       opt.window = window;
       TensorView counters;
       opt.workspace = workspace(num_seqs, &counters);
+      opt.split_ctas = 2;
       const TensorView out = d.upload(std::vector<float>(q.size(), NAN), {num_seqs, qh, dim});
       ASSERT_TRUE(cuda->paged_attention_ex(ctx, out, d.upload(q, {num_seqs, qh, dim}), k, v, tables,
                                            d.upload(seq_of, {num_seqs}), d.upload(ctx_len, {num_seqs}), 0.125f, opt)
                       .ok());
       const std::vector<float> batch = d.download(out);
       expect_counters_zero(counters, "batch");
+      {
+        // 48 tokens: the 12 rows four times over. Auto with a workspace == no workspace, bit for bit.
+        const int64_t big = 4 * num_seqs;
+        std::vector<int32_t> seq4, len4;
+        std::vector<float> q4;
+        for (int r = 0; r < 4; ++r) {
+          seq4.insert(seq4.end(), seq_of.begin(), seq_of.end());
+          len4.insert(len4.end(), ctx_len.begin(), ctx_len.end());
+          q4.insert(q4.end(), q.begin(), q.end());
+        }
+        std::vector<float> got[2];
+        for (const bool with_ws : {false, true}) {
+          AttentionOptions big_opt = opt;
+          big_opt.split_ctas = 0;
+          TensorView c4;
+          big_opt.workspace = with_ws ? workspace(big, &c4) : TensorView{};
+          const TensorView o4 = d.upload(std::vector<float>(q4.size(), NAN), {big, qh, dim});
+          ASSERT_TRUE(cuda->paged_attention_ex(ctx, o4, d.upload(q4, {big, qh, dim}), k, v, tables,
+                                               d.upload(seq4, {big}), d.upload(len4, {big}), 0.125f, big_opt)
+                          .ok());
+          got[with_ws ? 1 : 0] = d.download(o4);
+        }
+        EXPECT_EQ(std::memcmp(got[0].data(), got[1].data(), got[0].size() * 4), 0)
+            << "window " << window << ", sinks " << with_sinks << ": a grid of " << big
+            << " tokens was split (or changed) by an auto workspace";
+      }
       for (int64_t t = 0; t < num_seqs; ++t) {
         const std::vector<float> q1(q.begin() + static_cast<ptrdiff_t>(t * qh * dim),
                                     q.begin() + static_cast<ptrdiff_t>((t + 1) * qh * dim));
