@@ -59,14 +59,22 @@ constexpr int kAttnSplitMinChunks = static_cast<int>(kAttentionSplitMinKeys / kA
 constexpr int kAttnMaxSplits = static_cast<int>(kAttentionMaxSplits);
 constexpr int kAttnSplitTargetWaves = 4;  // split rows: CTAs per SM the grid is brought to
 
+// An integer knob from the environment (atoi), `unset` where it is absent or empty.
+inline int env_int(const char* name, int unset) {
+  const char* e = std::getenv(name);
+  return e == nullptr || *e == '\0' ? unset : std::atoi(e);
+}
 // ROLLOUTD_ATTN_SPLIT: unset -1 (split small grids given a workspace, CTAs chosen per launch),
 // 0 off, N > 0 every launch with a workspace splits, N CTAs per row unless the call sets
 // split_ctas; read once per process.
 inline int attn_split_env() {
-  static const int v = [] {
-    const char* e = std::getenv("ROLLOUTD_ATTN_SPLIT");
-    return e == nullptr || *e == '\0' ? -1 : std::atoi(e);
-  }();
+  static const int v = env_int("ROLLOUTD_ATTN_SPLIT", -1);
+  return v;
+}
+// ROLLOUTD_ATTN_SPLIT_FEW (an A/B of the split launches' heads per CTA): unset -1 (the rule in
+// paged_attention_ex), 0 never kAttnFewHeads when split, 1 as unsplit launches choose; read once.
+inline int attn_split_few_env() {
+  static const int v = env_int("ROLLOUTD_ATTN_SPLIT_FEW", -1);
   return v;
 }
 static_assert(kAttentionSplitMinKeys % kAttnChunk == 0 && kAttnMaxSplits <= kAttnChunk,
@@ -543,12 +551,10 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
   // registers did not fit one wave (tests/bench/NOTES.md, "Attention"). Each head's arithmetic is
   // the same either way (the heads of a CTA never mix; CudaBackend.AttentionRowsAreTheSameBits...).
   const int64_t per_kv = s.q_heads / s.kv_heads;
-  const bool few =
-      num_tokens * s.kv_heads * ((per_kv + kAttnHeads - 1) / kAttnHeads) <= kAttnFewMaxCtas && per_kv > kAttnFewHeads;
-  const int heads = few ? kAttnFewHeads : kAttnHeads;
-  AttentionShape sh = s;
-  sh.head_groups = static_cast<int>((per_kv + heads - 1) / heads);
-  if (s.kv_heads * sh.head_groups > 65535 || num_tokens > INT_MAX)
+  const int64_t rows8 = num_tokens * s.kv_heads * ((per_kv + kAttnHeads - 1) / kAttnHeads);  // 8-head CTAs
+  bool few = rows8 <= kAttnFewMaxCtas && per_kv > kAttnFewHeads;
+  if (s.kv_heads * ((per_kv + (few ? kAttnFewHeads : kAttnHeads) - 1) / (few ? kAttnFewHeads : kAttnHeads)) > 65535 ||
+      num_tokens > INT_MAX)
     return Status(ErrorCode::kUnimplemented, "attention grid too large", "q");
   if (num_tokens == 0) return Status::Ok();
   DeviceGuard guard;
@@ -572,23 +578,25 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
   // Larger grids stay unsplit: at 256 such CTAs (32 gpt-oss tokens) a split step measured 6-8%
   // slower (every part restarts the chunk loop and writes partials; tests/bench/NOTES.md). Off on
   // the scalar path.
+  // A split launch keeps kAttnHeads heads per CTA (every K/V row read once per GQA group) unless
+  // even those CTAs times the most parts a row can have would not reach one per SM (one token at
+  // gpt-oss's 8 KV heads): the parts give the parallelism that few heads gave.
   AttnSplit sp{nullptr, nullptr, nullptr, 0};
   const int64_t longest = s.window > 0 ? std::min(s.window, s.max_blocks * s.block_size) : s.max_blocks * s.block_size;
   const int max_parts = split_plan(longest).parts;
   if (vec && options.workspace.data != nullptr && max_parts > 1 && attn_split_env() != 0) {
+    int sms = 0;
+    RD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ctx.device.index));
     int ctas = options.split_ctas > 0 ? options.split_ctas : attn_split_env();
-    if (ctas <= 0) {
-      int sms = 0;
-      RD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ctx.device.index));
-      // Decided on the grid of kAttnHeads-head CTAs (monotonic in the tokens), sized on the real one.
-      const int64_t rows = num_tokens * s.kv_heads * sh.head_groups;
-      ctas = 0;  // unsplit
-      if (num_tokens * s.kv_heads * ((per_kv + kAttnHeads - 1) / kAttnHeads) < sms) {
-        ctas = 1;
-        while (ctas < max_parts && rows * ctas < static_cast<int64_t>(kAttnSplitTargetWaves) * sms) ctas *= 2;
-      }
-    }
+    const bool size_here = ctas <= 0;
+    if (size_here) ctas = rows8 < sms ? 1 : 0;  // 0: unsplit
     if (ctas > 0) {
+      const int few_env = attn_split_few_env();
+      if (few && few_env != 1 && (few_env == 0 || rows8 * max_parts >= sms)) few = false;
+      const int64_t rows = num_tokens * s.kv_heads * ((per_kv + (few ? kAttnFewHeads : kAttnHeads) - 1) /
+                                                      (few ? kAttnFewHeads : kAttnHeads));
+      if (size_here)
+        while (ctas < max_parts && rows * ctas < static_cast<int64_t>(kAttnSplitTargetWaves) * sms) ctas *= 2;
       sp.ctas = std::min(ctas, max_parts);
       auto* base = static_cast<uint8_t*>(options.workspace.data);
       const int64_t heads = num_tokens * s.q_heads;
@@ -597,6 +605,9 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
       sp.ml = sp.o + heads * kAttnMaxSplits * s.head_dim;
     }
   }
+  const int heads = few ? kAttnFewHeads : kAttnHeads;
+  AttentionShape sh = s;
+  sh.head_groups = static_cast<int>((per_kv + heads - 1) / heads);
   const dim3 grid(static_cast<unsigned int>(num_tokens), static_cast<unsigned int>(s.kv_heads * sh.head_groups),
                   static_cast<unsigned int>(sp.ctas > 0 ? sp.ctas : 1));
   auto launch = [&](auto kernel) {
