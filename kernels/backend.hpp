@@ -89,7 +89,9 @@ struct AttentionOptions {
   // Optional scratch for splitting a long row's keys over several CTAs (CUDA; the CPU checks it
   // and ignores it): u8 [>= paged_attention_workspace_bytes(T, QH, D)] on the context's device,
   // 16-byte aligned, zero-filled before its first use (the op leaves its counters at zero again),
-  // used by one op at a time. Empty: every row is one CTA's, as before.
+  // used by one op at a time. It may be reused by launches of any T up to its capacity, with the
+  // same QH and D (the layout follows the capacity; another QH or D needs it zeroed again).
+  // Empty: every row is one CTA's, as before.
   // When a launch splits, a row of more than kAttentionSplitMinKeys keys (after the window) is
   // cut into at most kAttentionMaxSplits parts whose bounds depend only on that number of keys,
   // each part's softmax partials written here and combined in part order: a row's bits are the
@@ -107,11 +109,20 @@ struct AttentionOptions {
 // paged_attention_ex's workspace: at most kAttentionMaxSplits parts of at least
 // kAttentionSplitMinKeys keys per row. Bytes for T tokens of QH query heads of dimension D:
 // int32 counters [T, QH] (rounded up to 16 bytes), then f32 partial outputs [T, QH, splits, D],
-// then f32 (max, sum) pairs [T, QH, splits, 2].
+// then f32 (max, sum) pairs [T, QH, splits, 2]; a larger workspace is laid out for its capacity
+// (paged_attention_workspace_tokens), the launch using its first T tokens' rows of each region.
 inline constexpr int64_t kAttentionMaxSplits = 16;
 inline constexpr int64_t kAttentionSplitMinKeys = 256;
 inline constexpr int64_t paged_attention_workspace_bytes(int64_t tokens, int64_t q_heads, int64_t head_dim) {
   return (tokens * q_heads * 4 + 15) / 16 * 16 + tokens * q_heads * kAttentionMaxSplits * (head_dim + 2) * 4;
+}
+// The layout of a workspace of `bytes` is that of its capacity: the most tokens C with
+// paged_attention_workspace_bytes(C, QH, D) <= bytes (counters [C, QH], then partials for C).
+inline constexpr int64_t paged_attention_workspace_tokens(int64_t bytes, int64_t q_heads, int64_t head_dim) {
+  if (q_heads <= 0 || head_dim <= 0 || bytes <= 0) return 0;
+  int64_t c = bytes / (q_heads * (4 + kAttentionMaxSplits * (head_dim + 2) * 4));  // an upper bound
+  while (c > 0 && paged_attention_workspace_bytes(c, q_heads, head_dim) > bytes) --c;
+  return c;
 }
 
 // Per-row parameters of the sampling op: a request's `sampling` fields and which of its sampled

@@ -598,8 +598,12 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
       if (size_here)
         while (ctas < max_parts && rows * ctas < static_cast<int64_t>(kAttnSplitTargetWaves) * sms) ctas *= 2;
       sp.ctas = std::min(ctas, max_parts);
+      // Laid out for the workspace's capacity C (the most tokens its size holds), not for this
+      // launch's tokens: a workspace reused by steps of other sizes keeps its counters where the
+      // last launch left them at zero, and never under another step's partials.
       auto* base = static_cast<uint8_t*>(options.workspace.data);
-      const int64_t heads = num_tokens * s.q_heads;
+      const int64_t heads =
+          paged_attention_workspace_tokens(options.workspace.size(0), s.q_heads, s.head_dim) * s.q_heads;
       sp.counters = reinterpret_cast<int32_t*>(base);
       sp.o = reinterpret_cast<float*>(base + (heads * 4 + 15) / 16 * 16);
       sp.ml = sp.o + heads * kAttnMaxSplits * s.head_dim;

@@ -1774,11 +1774,14 @@ TEST(CudaBackend, AttentionRowsAreTheSameBitsAloneAndInABatch) {
 
 // Split rows (AttentionOptions::workspace) at gpt-oss's shape: a row's parts depend on its number
 // of keys alone, so a token gets the same bits in a batch of 12 split 2 CTAs a row, alone (auto:
-// 8 rows, fewer than any GPU's SMs, so split, 16 CTAs a row), and alone with 1 or 3 CTAs taking
-// every part; with sinks, a window of 700 keys (three parts) and without; contexts from 1
-// (unsplit) to 5,000 (14 parts of 3 chunks). After every call the workspace's counters are zero
-// again (the next launch, or a CUDA graph replay, starts from them). And auto leaves a grid of
-// 48 tokens (384 rows, more than any GPU's SMs) unsplit: the same bits as without a workspace.
+// 8 rows, fewer than any GPU's SMs, so split), and alone with 1 or 3 CTAs taking every part; with
+// sinks, a window of 700 keys (three parts) and without; contexts from 1 (unsplit) to 5,000 (14
+// parts of 3 chunks). Every one of those launches reuses one workspace of 12 tokens, as the
+// decoder does across steps of other sizes (a 12-token launch after 1-token ones must not read
+// their partials as counters), and its counters are zero after each (the next launch, or a CUDA
+// graph replay, starts from them). The split did happen: a row of more than 256 keys differs in
+// its bits from the same row without a workspace, by no more than rounding. And auto leaves a
+// grid of 48 tokens (384 rows, more than any GPU's SMs) unsplit: the same bits as without.
 TEST(CudaBackend, AttentionSplitRowsAreTheSameBitsInEveryGrid) {
   const Backend* cuda = cuda_backend();
   if (cuda == nullptr || cuda_device_count() == 0)
@@ -1806,6 +1809,8 @@ TEST(CudaBackend, AttentionSplitRowsAreTheSameBitsInEveryGrid) {
     *counters = TensorView::contiguous(w.data, DType::kF32, Shape{tokens * qh}, ctx.device);
     return TensorView::contiguous(w.data, DType::kU8, Shape{bytes}, ctx.device);
   };
+  TensorView shared_counters;
+  const TensorView shared = workspace(num_seqs, &shared_counters);
   auto expect_counters_zero = [&](const TensorView& counters, const char* what) {
     const std::vector<float> c = d.download(counters);
     EXPECT_EQ(std::count(c.begin(), c.end(), 0.0f), static_cast<ptrdiff_t>(c.size())) << what << ": counters left set";
@@ -1815,8 +1820,8 @@ TEST(CudaBackend, AttentionSplitRowsAreTheSameBitsInEveryGrid) {
       AttentionOptions opt;
       opt.sinks = with_sinks ? sinks : TensorView{};
       opt.window = window;
-      TensorView counters;
-      opt.workspace = workspace(num_seqs, &counters);
+      const TensorView& counters = shared_counters;
+      opt.workspace = shared;
       opt.split_ctas = 2;
       const TensorView out = d.upload(std::vector<float>(q.size(), NAN), {num_seqs, qh, dim});
       ASSERT_TRUE(cuda->paged_attention_ex(ctx, out, d.upload(q, {num_seqs, qh, dim}), k, v, tables,
@@ -1849,14 +1854,31 @@ TEST(CudaBackend, AttentionSplitRowsAreTheSameBitsInEveryGrid) {
         EXPECT_EQ(std::memcmp(got[0].data(), got[1].data(), got[0].size() * 4), 0)
             << "window " << window << ", sinks " << with_sinks << ": a grid of " << big
             << " tokens was split (or changed) by an auto workspace";
+        // got[0]'s first 12 rows: the batch's rows unsplit. Rows of up to 256 keys are one part,
+        // the unsplit arithmetic; longer ones agree to rounding, and some differ in their bits
+        // (one part may round as unsplit does: 257 keys are parts of 256 and 1).
+        int differing = 0;
+        for (int64_t t = 0; t < num_seqs; ++t) {
+          const int64_t keys = window > 0 ? std::min<int64_t>(window, ctx_len[static_cast<size_t>(t)])
+                                          : ctx_len[static_cast<size_t>(t)];
+          const float* unsplit = got[0].data() + t * static_cast<int64_t>(row);
+          const float* split = batch.data() + t * static_cast<int64_t>(row);
+          float worst = 0.0f;
+          for (size_t i = 0; i < row; ++i) worst = std::max(worst, std::fabs(unsplit[i] - split[i]));
+          EXPECT_LE(worst, 1e-4f) << "token " << t << " (" << keys << " keys): split and unsplit disagree";
+          if (keys > kAttentionSplitMinKeys)
+            differing += std::memcmp(unsplit, split, row * 4) != 0;
+          else
+            EXPECT_EQ(std::memcmp(unsplit, split, row * 4), 0) << "token " << t << " (" << keys << " keys)";
+        }
+        EXPECT_GT(differing, 0) << "window " << window << ", sinks " << with_sinks
+                                << ": every split row has the unsplit bits, so nothing split (ROLLOUTD_ATTN_SPLIT=0?)";
       }
       for (int64_t t = 0; t < num_seqs; ++t) {
         const std::vector<float> q1(q.begin() + static_cast<ptrdiff_t>(t * qh * dim),
                                     q.begin() + static_cast<ptrdiff_t>((t + 1) * qh * dim));
         for (const int32_t ctas : {0, 1, 3}) {
           AttentionOptions one = opt;
-          TensorView c1;
-          one.workspace = workspace(1, &c1);
           one.split_ctas = ctas;
           const TensorView out1 = d.upload(std::vector<float>(row, -777.0f), {1, qh, dim});
           ASSERT_TRUE(cuda->paged_attention_ex(ctx, out1, d.upload(q1, {1, qh, dim}), k, v, tables,
@@ -1868,7 +1890,7 @@ TEST(CudaBackend, AttentionSplitRowsAreTheSameBitsInEveryGrid) {
           EXPECT_EQ(std::memcmp(alone.data(), batch.data() + t * static_cast<int64_t>(row), row * 4), 0)
               << "token " << t << " (context " << ctx_len[static_cast<size_t>(t)] << ", window " << window
               << ", sinks " << with_sinks << ", split_ctas " << ctas << ") differs alone and in the batch";
-          expect_counters_zero(c1, "alone");
+          expect_counters_zero(shared_counters, "alone");
         }
       }
     }

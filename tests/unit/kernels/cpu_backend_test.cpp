@@ -380,6 +380,24 @@ TEST(CpuBackend, AttentionWindowSeesOnlyTheLastPositions) {
                 ErrorCode::kInvalidArgument, "sinks");
 }
 
+TEST(AttentionWorkspace, CapacityIsTheMostTokensTheBytesHold) {
+  // The split workspace's layout follows its capacity (a workspace reused by launches of other
+  // token counts): every size from one token's bytes to 40 tokens', at gpt-oss's 64 heads of 64
+  // and at 3 heads of 5 (counters not a multiple of 16 bytes), against a linear search.
+  for (const auto& [qh, d] : {std::pair<int64_t, int64_t>{64, 64}, {3, 5}, {1, 2}}) {
+    EXPECT_EQ(paged_attention_workspace_tokens(0, qh, d), 0);
+    EXPECT_EQ(paged_attention_workspace_tokens(paged_attention_workspace_bytes(1, qh, d) - 1, qh, d), 0);
+    for (int64_t t = 1; t <= 40; ++t) {
+      const int64_t b = paged_attention_workspace_bytes(t, qh, d);
+      for (const int64_t bytes : {b, b + 1, b + 15, paged_attention_workspace_bytes(t + 1, qh, d) - 1})
+        EXPECT_EQ(paged_attention_workspace_tokens(bytes, qh, d), t)
+            << qh << " heads of " << d << ", " << bytes << " bytes";
+    }
+  }
+  EXPECT_EQ(paged_attention_workspace_tokens(1 << 20, 0, 64), 0);
+  EXPECT_EQ(paged_attention_workspace_tokens(-5, 64, 64), 0);
+}
+
 TEST(CpuBackend, AttentionWorkspaceIsCheckedThenIgnored) {
   // The split-row workspace is CUDA's scratch: the CPU reference checks it like any view and
   // computes the same values with or without it; a refused call writes nothing.
