@@ -113,8 +113,13 @@ struct AttentionOptions {
 // (paged_attention_workspace_tokens), the launch using its first T tokens' rows of each region.
 inline constexpr int64_t kAttentionMaxSplits = 16;
 inline constexpr int64_t kAttentionSplitMinKeys = 256;
+// The counters' bytes, the region a fresh workspace must have zeroed (the op keeps it at zero).
+inline constexpr int64_t paged_attention_workspace_counter_bytes(int64_t tokens, int64_t q_heads) {
+  return (tokens * q_heads * 4 + 15) / 16 * 16;
+}
 inline constexpr int64_t paged_attention_workspace_bytes(int64_t tokens, int64_t q_heads, int64_t head_dim) {
-  return (tokens * q_heads * 4 + 15) / 16 * 16 + tokens * q_heads * kAttentionMaxSplits * (head_dim + 2) * 4;
+  return paged_attention_workspace_counter_bytes(tokens, q_heads) +
+         tokens * q_heads * kAttentionMaxSplits * (head_dim + 2) * 4;
 }
 // The layout of a workspace of `bytes` is that of its capacity: the most tokens C with
 // paged_attention_workspace_bytes(C, QH, D) <= bytes (counters [C, QH], then partials for C).

@@ -334,7 +334,7 @@ Status MoeDecoder::allocate() {
     const int64_t tokens = std::min(T, S);
     ws_.attn_split_tokens = tokens;
     RD_RETURN_IF_ERROR(ws(DType::kU8, Shape{paged_attention_workspace_bytes(tokens, QH, D)}, ws_.attn_split));
-    const std::vector<uint8_t> zeros(static_cast<size_t>((tokens * QH * 4 + 15) / 16 * 16), 0);
+    const std::vector<uint8_t> zeros(static_cast<size_t>(paged_attention_workspace_counter_bytes(tokens, QH)), 0);
     RD_RETURN_IF_ERROR(backend_.copy(ctx_, ws_.attn_split.data, zeros.data(), zeros.size(),
                                      ctx_.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost : CopyKind::kHostToDevice));
     RD_RETURN_IF_ERROR(weights_->static_state().add(

@@ -96,11 +96,12 @@ __host__ __device__ inline SplitPlan split_plan(int64_t keys) {
   return {static_cast<int>((chunks + per - 1) / per), static_cast<int>(per)};
 }
 
-// The workspace as the kernel sees it (layout: paged_attention_workspace_bytes). ctas == 0: off.
+// The workspace as the kernel sees it (layout: paged_attention_workspace_bytes for its capacity
+// C >= T tokens; the launch uses the first T tokens' rows of each region). ctas == 0: off.
 struct AttnSplit {
-  int32_t* counters;  // [T, QH]: parts finished, at (token, first head of the CTA); zero between launches
-  float* o;           // [T, QH, kAttnMaxSplits, D]: a part's unnormalized sum of p * v
-  float* ml;          // [T, QH, kAttnMaxSplits, 2]: a part's running max and sum of exp(score - max)
+  int32_t* counters;  // [C, QH]: parts finished, at (token, first head of the CTA); zero between launches
+  float* o;           // [C, QH, kAttnMaxSplits, D]: a part's unnormalized sum of p * v
+  float* ml;          // [C, QH, kAttnMaxSplits, 2]: a part's running max and sum of exp(score - max)
   int ctas;           // CTAs per row (grid.z), each taking parts z, z + ctas, ...
 };
 
@@ -605,7 +606,7 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
       const int64_t heads =
           paged_attention_workspace_tokens(options.workspace.size(0), s.q_heads, s.head_dim) * s.q_heads;
       sp.counters = reinterpret_cast<int32_t*>(base);
-      sp.o = reinterpret_cast<float*>(base + (heads * 4 + 15) / 16 * 16);
+      sp.o = reinterpret_cast<float*>(base + paged_attention_workspace_counter_bytes(heads, 1));
       sp.ml = sp.o + heads * kAttnMaxSplits * s.head_dim;
     }
   }
