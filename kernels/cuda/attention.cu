@@ -21,6 +21,7 @@
 // outside [0, S) gets a zero row, ctx_len is clamped to [0, max_blocks * block_size], and
 // positions whose block id is outside [0, blocks) are skipped. Nothing is read out of bounds.
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -58,6 +59,10 @@ constexpr int kAttnBatch = 8;             // keys whose V loads a thread issues 
 constexpr int kAttnSplitMinChunks = static_cast<int>(kAttentionSplitMinKeys / kAttnChunk);
 constexpr int kAttnMaxSplits = static_cast<int>(kAttentionMaxSplits);
 constexpr int kAttnSplitTargetWaves = 4;  // split rows: CTAs per SM the grid is brought to
+// The shared-memory V path up to this head dimension: kAttnChunk x 64 floats is 32 KiB, which with
+// the ~21 KiB of static shared memory leaves 8-head CTAs limited by registers (3 an SM), as
+// before. At 128 (Qwen3) it would be 64 KiB and 2 CTAs an SM: not measured, so not taken.
+constexpr int kAttnSmemVMaxDim = 64;
 
 // An integer knob from the environment (atoi), `unset` where it is absent or empty.
 inline int env_int(const char* name, int unset) {
@@ -76,6 +81,12 @@ inline int attn_split_env() {
 inline int attn_split_few_env() {
   static const int v = env_int("ROLLOUTD_ATTN_SPLIT_FEW", -1);
   return v;
+}
+// ROLLOUTD_ATTN_SMEM_V=0: V through registers on every launch (an A/B of the kSmemV path, which
+// gives the same bits); read once.
+inline bool attn_smem_v_env() {
+  static const bool on = env_int("ROLLOUTD_ATTN_SMEM_V", 1) != 0;
+  return on;
 }
 static_assert(kAttentionSplitMinKeys % kAttnChunk == 0 && kAttnMaxSplits <= kAttnChunk,
               "splits are whole chunks; a head's split weights fit one row of p_s");
@@ -130,10 +141,12 @@ __device__ __forceinline__ void block_reduce_heads(float (&v)[kH], float (*red)[
 // head dimension each, kVec), V rows of the p.v phase issued before the chunk's softmax
 // reductions. More at small grids (a latency chain per CTA), fewer at 8 heads per CTA (registers:
 // occupancy at large grids).
-template <int kH>
+// kSmemV: V goes to shared memory by cp.async (no V registers), so 8-head CTAs take a whole
+// 64-dimension K row in one round too.
+template <int kH, bool kSmemV = false>
 struct AttnBatches {
   static constexpr int kK = kH <= kAttnFewHeads ? 16 : 8;  // float4 of a K row in flight
-  static constexpr int kV = kH <= kAttnFewHeads ? 8 : 4;   // V rows prefetched before the reductions
+  static constexpr int kV = kH <= kAttnFewHeads ? 8 : 4;              // V rows prefetched before the reductions
 };
 
 __device__ __forceinline__ float4 ldg4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
@@ -152,7 +165,12 @@ __device__ __forceinline__ float4 ldg4(const float* p) { return __ldg(reinterpre
 // shared memory. The first version waited for the
 // table after q, for K in two rounds and for V in rounds of 8 keys per 2 thread groups after the
 // reductions (14 us a layer at 32 tokens and ~48 keys).
-template <int kH, int kPer, bool kVec>
+// kSmemV (kVec only, D / 4 a power of two, D <= kAttnSmemVMaxDim): the chunk's V rows are copied
+// into dynamic shared memory (kAttnChunk x D floats) by cp.async, issued right after the chunk's
+// K loads, whole rows per warp (coalesced), so the p.v phase no longer waits for rounds of V loads
+// after the reductions: a chunk costs about one memory round trip instead of five. The p.v sums
+// run over the same keys in the same order, so the bits are the same as without it.
+template <int kH, int kPer, bool kVec, bool kSmemV = false>
 __global__ void __launch_bounds__(kAttnThreads)
     paged_attention_kernel(void* __restrict__ out, const float* __restrict__ q,
                            const float* __restrict__ k_cache, const float* __restrict__ v_cache,
@@ -160,8 +178,10 @@ __global__ void __launch_bounds__(kAttnThreads)
                            const int32_t* __restrict__ seq_of, const int32_t* __restrict__ ctx_len,
                            AttentionShape s, int dim_lanes, AttnSplit sp) {
   constexpr int kPRows = kH > kPer ? kH : kPer;  // p_s also holds the groups' partial sums at the end (scalar path)
-  constexpr int kKB = AttnBatches<kH>::kK;
-  constexpr int kVB = AttnBatches<kH>::kV;
+  static_assert(!kSmemV || kVec, "the shared-memory V path is a float4 path");
+  constexpr int kKB = AttnBatches<kH, kSmemV>::kK;
+  constexpr int kVB = AttnBatches<kH, kSmemV>::kV;
+  extern __shared__ float4 v_s[];  // kSmemV: [kAttnChunk][D / 4], the chunk's V rows
   __shared__ __align__(16) float q_s[kH][kAttnMaxDim];
   __shared__ float p_s[kPRows][kAttnChunk];
   __shared__ int64_t row_s[kAttnChunk];  // cache row (block * block_size + offset) of a key, -1: skipped
@@ -260,9 +280,31 @@ __global__ void __launch_bounds__(kAttnThreads)
     for (int64_t c0 = kb; c0 < ke; c0 += kAttnChunk) {
       const int n = ke - c0 < kAttnChunk ? static_cast<int>(ke - c0) : kAttnChunk;
       const int64_t row = tid < n ? row_of(c0 + tid) : -1;
+      // kSmemV: this thread's first kKB float4 of its K row, issued before the barrier that
+      // publishes row_s; then the chunk's V rows to shared memory, d4n float4 a row, consecutive
+      // threads taking consecutive float4 of a row (every key's row from row_s; zeros for a
+      // skipped key or one past the chunk, which have p = 0).
+      float4 kpre[kSmemV ? kKB : 1];
+      if constexpr (kSmemV) {
+        const float* kr = k_cache + (row < 0 ? 0 : row) * row_stride + kvh * D;
+#pragma unroll
+        for (int u = 0; u < kKB; ++u)
+          kpre[u] = row >= 0 && u < d4n ? ldg4(kr + 4 * u) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        row_s[tid] = row;
+        __syncthreads();  // row_s (the previous chunk's readers passed the barrier at its end); q_s
+        q_ready = true;
+        const int per_pass = kAttnThreads / d4n;  // keys per pass (d4n is a power of two <= 16)
+        const int c4 = tid & (d4n - 1);
+        for (int key = tid / d4n; key < kAttnChunk; key += per_pass) {
+          const int64_t r = key < n ? row_s[key] : -1;
+          cp_async16_ca_zfill(&v_s[key * d4n + c4], r >= 0 ? v_cache + r * row_stride + kvh * D + 4 * c4 : v_cache,
+                              r >= 0);
+        }
+        cp_async_commit();
+      }
       // kVec: this thread's first kVB V rows of the chunk (keys g + groups * u), loaded now.
-      float4 vpre[kVec ? kVB : 1];
-      if constexpr (kVec) {
+      float4 vpre[kVec && !kSmemV ? kVB : 1];
+      if constexpr (kVec && !kSmemV) {
 #pragma unroll
         for (int u = 0; u < kVB; ++u) {
           const int jj = g + u * groups;
@@ -288,8 +330,10 @@ __global__ void __launch_bounds__(kAttnThreads)
           for (int i0 = 0; i0 < n4; i0 += kKB) {
             float4 a[kKB];
 #pragma unroll
-            for (int u = 0; u < kKB; ++u)
-              a[u] = i0 + u < n4 ? ldg4(kr + 4 * (i0 + u)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            for (int u = 0; u < kKB; ++u) {
+              if (kSmemV && i0 == 0) a[u] = kpre[u];  // issued before the barrier
+              else a[u] = i0 + u < n4 ? ldg4(kr + 4 * (i0 + u)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
 #pragma unroll
             for (int u = 0; u < kKB; ++u) {
               if (i0 + u >= n4) break;
@@ -314,7 +358,7 @@ __global__ void __launch_bounds__(kAttnThreads)
         for (int h = 0; h < kH; ++h)
           if (h < nh) score[h] = dot[h] * s.scale;
       }
-      row_s[tid] = row;
+      if constexpr (!kSmemV) row_s[tid] = row;
       float m[kH];
 #pragma unroll
       for (int h = 0; h < kH; ++h) m[h] = score[h];
@@ -333,7 +377,8 @@ __global__ void __launch_bounds__(kAttnThreads)
         sum[h] = p;
         if (live) running_max[h] = new_max;
       }
-      block_reduce_heads<false, kH>(sum, red);  // its barriers also publish p_s and row_s
+      if constexpr (kSmemV) cp_async_wait_all();  // this thread's V copies; the barriers below publish all
+      block_reduce_heads<false, kH>(sum, red);  // its barriers also publish p_s and row_s (and v_s)
 #pragma unroll
       for (int h = 0; h < kH; ++h) {
         denom[h] = denom[h] * correction[h] + sum[h];
@@ -341,7 +386,21 @@ __global__ void __launch_bounds__(kAttnThreads)
         for (int i = 0; i < kAcc; ++i) acc[h][i] *= correction[h];
       }
       if (any && vlane) {
-        if constexpr (kVec) {
+        if constexpr (kSmemV) {
+          // Keys g, g + groups, ... in that order, as the register path below takes them.
+#pragma unroll 4
+          for (int jj = g; jj < n; jj += groups) {
+            const float4 vv = v_s[jj * d4n + d0];
+#pragma unroll
+            for (int h = 0; h < kH; ++h) {
+              const float p = p_s[h][jj];
+              acc[h][0] += p * vv.x;
+              acc[h][1] += p * vv.y;
+              acc[h][2] += p * vv.z;
+              acc[h][3] += p * vv.w;
+            }
+          }
+        } else if constexpr (kVec) {
           // Keys g + groups * u in u order: the prefetched ones, then kVB at a time from row_s
           // (a skipped key, or one past the chunk, loads nothing and has p = 0).
           auto add = [&](const float4 (&vv)[kVB], int jb) {
@@ -615,20 +674,37 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
   sh.head_groups = static_cast<int>((per_kv + heads - 1) / heads);
   const dim3 grid(static_cast<unsigned int>(num_tokens), static_cast<unsigned int>(s.kv_heads * sh.head_groups),
                   static_cast<unsigned int>(sp.ctas > 0 ? sp.ctas : 1));
+  // kSmemV: the float4 path at D / 4 a power of two and D <= kAttnSmemVMaxDim.
+  const int64_t d4 = s.head_dim / 4;
+  const bool smem_v = vec && s.head_dim <= kAttnSmemVMaxDim && d4 > 0 && (d4 & (d4 - 1)) == 0 && attn_smem_v_env();
+  const size_t smem = smem_v ? static_cast<size_t>(kAttnChunk) * s.head_dim * sizeof(float) : 0;
   auto launch = [&](auto kernel) {
-    (void)launch_dependent(kernel, grid, kAttnThreads, 0, stream_of(ctx), out.data, q.as<const float>(),
+    (void)launch_dependent(kernel, grid, kAttnThreads, smem, stream_of(ctx), out.data, q.as<const float>(),
                            k_cache.as<const float>(), v_cache.as<const float>(), block_tables.as<const int32_t>(),
                            seq_of.as<const int32_t>(), ctx_len.as<const int32_t>(), sh, dim_lanes, sp);
   };
-  auto launch_heads = [&](auto kh) {
+  auto launch_heads = [&](auto kh) -> Status {
     constexpr int kH = decltype(kh)::value;
-    if (vec) launch(paged_attention_kernel<kH, 1, true>);
-    else if (per <= 1) launch(paged_attention_kernel<kH, 1, false>);
-    else if (per <= 2) launch(paged_attention_kernel<kH, 2, false>);
-    else launch(paged_attention_kernel<kH, 4, false>);
+    if (smem_v) {
+      // Opted in at the most any head dimension asks (above 48 KiB with the static part); one
+      // mask per kernel: this lambda is instantiated once per kH.
+      static std::atomic<uint64_t> opted{0};
+      RD_RETURN_IF_ERROR(opt_in_smem(opted, paged_attention_kernel<kH, 1, true, true>,
+                                     static_cast<int>(kAttnChunk * kAttnSmemVMaxDim * sizeof(float)), ctx.device.index));
+      launch(paged_attention_kernel<kH, 1, true, true>);
+    } else if (vec) {
+      launch(paged_attention_kernel<kH, 1, true>);
+    } else if (per <= 1) {
+      launch(paged_attention_kernel<kH, 1, false>);
+    } else if (per <= 2) {
+      launch(paged_attention_kernel<kH, 2, false>);
+    } else {
+      launch(paged_attention_kernel<kH, 4, false>);
+    }
+    return Status::Ok();
   };
-  if (few) launch_heads(std::integral_constant<int, kAttnFewHeads>{});
-  else launch_heads(std::integral_constant<int, kAttnHeads>{});
+  if (few) RD_RETURN_IF_ERROR(launch_heads(std::integral_constant<int, kAttnFewHeads>{}));
+  else RD_RETURN_IF_ERROR(launch_heads(std::integral_constant<int, kAttnHeads>{}));
   RD_CUDA_CHECK_LAUNCH("paged_attention_kernel");
   return Status::Ok();
 }

@@ -4,6 +4,7 @@
 // No framework headers here (nvcc 13 rejects spdlog/fmt in C++20 mode).
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <string_view>
@@ -58,6 +59,29 @@ __device__ __forceinline__ float warp_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
   return v;
 }
+
+// ---- cp.async (sm_80+): global -> shared copies that do not pass through registers ---------------
+// Complete per thread at cp_async_wait*(); other threads see the bytes after a barrier that
+// follows the wait.
+// 16 bytes through L2 only (.cg).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(gmem) : "memory");
+}
+// 16 bytes through L1 (.ca: for bytes that other threads of the SM read again), or 16 zero bytes
+// where !valid (gmem is then not read, but must still be a valid address).
+__device__ __forceinline__ void cp_async16_ca_zfill(void* smem, const void* gmem, bool valid) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // ---- programmatic dependent launch (PDL, sm_90) ------------------------------------------------
 // A decode step is ~15 short kernels a layer (2-15 us each at small batches) back to back in one
@@ -117,6 +141,19 @@ cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, s
     if (rd_cuda_err_ != cudaSuccess)                                                      \
       return ::rolloutd::cuda::error_status(rd_cuda_err_, #expr, __FILE__, __LINE__);     \
   } while (0)
+
+// Opt `kernel` in to `bytes` of dynamic shared memory once per device (the attribute is set for
+// the current device; `opted` holds a bit per device index, larger indices set it every call).
+namespace rolloutd::cuda {
+template <typename Kernel>
+inline Status opt_in_smem(std::atomic<uint64_t>& opted, Kernel* kernel, int bytes, int device) {
+  const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
+  if (bit != 0 && (opted.load(std::memory_order_relaxed) & bit) != 0) return Status::Ok();
+  RD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  opted.fetch_or(bit, std::memory_order_relaxed);
+  return Status::Ok();
+}
+}  // namespace rolloutd::cuda
 
 // After every <<<...>>> (`what` is a string literal naming the kernel): a bad launch
 // configuration is reported here, a fault inside the kernel only at a later

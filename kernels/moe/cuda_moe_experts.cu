@@ -865,24 +865,12 @@ __device__ __forceinline__ void dec_compute(float (&acc)[2][NT][4], const DecChu
   }
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(gmem) : "memory");
-}
-// 16 bytes through L1 (B rows: every warp of the CTA reads the same ones), or 16 zero bytes where
-// !valid (gmem is then not read).
-__device__ __forceinline__ void cp_async16_ca_zfill(void* smem, const void* gmem, bool valid) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+using cuda::cp_async16;
+using cuda::cp_async16_ca_zfill;
+using cuda::cp_async4;
+using cuda::cp_async_commit;
+using cuda::cp_async_wait;
+using cuda::cp_async_wait_all;
 
 // One warp's ring of K chunks in shared memory: per stage 4 vectors (16 B) and 4 scale words
 // (4 B, the aligned word holding the lane's scale byte) per lane. Every lane reads back only what
@@ -1327,16 +1315,7 @@ int decode_ksplit(int64_t bound_experts, int64_t n, int num_sms) {
   return ks;
 }
 
-// Opt `kernel` in to `bytes` of dynamic shared memory once per device (the attribute is set for
-// the current device; `opted` holds a bit per device index, larger indices set it every call).
-template <typename Kernel>
-Status opt_in_smem(std::atomic<uint64_t>& opted, Kernel* kernel, int bytes, int device) {
-  const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
-  if (bit != 0 && (opted.load(std::memory_order_relaxed) & bit) != 0) return Status::Ok();
-  RD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  opted.fetch_or(bit, std::memory_order_relaxed);
-  return Status::Ok();
-}
+using cuda::opt_in_smem;
 
 // More than 48 KiB: the most the decode path asks for.
 template <bool kGateUp, int kMaxNt, bool kDirect = false>

@@ -5,7 +5,7 @@
 //
 //   engine_bench [--json FILE] [--models tiny,mid] [--batches 1,32,256] [--new-tokens N]
 //                [--model-dir DIR [--peer PEER.json]] [--host-sampling 1] [--quantize-experts mxfp4]
-//                [--graphs on|off|both] [--dense-bf16 1] [--fuse-qkv 0] [--grouped-experts 0]
+//                [--graphs on|off|both] [--records on|off|both] [--dense-bf16 1] [--fuse-qkv 0] [--grouped-experts 0]
 //                [--prefill R,L] [--device cuda|cpu]
 //
 // With records on, each batch also reports how the decode steps' routing loaded the experts
@@ -414,6 +414,7 @@ int main(int argc, char** argv) {
   bool host_sampling = false;  // --host-sampling 1: EngineOptions::device_sampling off
   std::string quantize_arg = "none";  // --quantize-experts none|mxfp4 (the daemon's flag)
   std::string graphs_arg = "both";    // --graphs on|off|both (one mode: e.g. under a profiler)
+  std::string records_arg = "both";   // --records on|off|both (off alone: half the device time of an A/B)
   bool dense_bf16 = false;            // --dense-bf16 1: the built-in models' dense projections in BF16
   bool fuse_qkv = true;               // --fuse-qkv 0: three q/k/v GEMMs (ModelConfig::fuse_qkv), every model
   bool grouped_experts = true;        // --grouped-experts 0: ModelConfig::grouped_experts off (FP32 expert op)
@@ -440,12 +441,20 @@ int main(int argc, char** argv) {
     else if (a == "--host-sampling") host_sampling = std::atoi(argv[i + 1]) != 0;
     else if (a == "--quantize-experts") quantize_arg = argv[i + 1];
     else if (a == "--graphs") graphs_arg = argv[i + 1];
+    else if (a == "--records") records_arg = argv[i + 1];
     else if (a == "--dense-bf16") dense_bf16 = std::atoi(argv[i + 1]) != 0;
     else if (a == "--fuse-qkv") fuse_qkv = std::atoi(argv[i + 1]) != 0;
     else if (a == "--grouped-experts") grouped_experts = std::atoi(argv[i + 1]) != 0;
     else if (a == "--prefill") prefill_arg = argv[i + 1];
     else if (a == "--device") device_arg = argv[i + 1];
   }
+  if (records_arg != "on" && records_arg != "off" && records_arg != "both") {
+    std::fprintf(stderr, "--records: on, off or both, got %s\n", records_arg.c_str());
+    return 2;
+  }
+  std::vector<bool> record_modes;
+  if (records_arg != "on") record_modes.push_back(false);
+  if (records_arg != "off") record_modes.push_back(true);
   std::vector<bool> graph_modes;
   if (graphs_arg != "on") graph_modes.push_back(false);
   if (graphs_arg != "off") graph_modes.push_back(true);
@@ -579,7 +588,7 @@ int main(int argc, char** argv) {
         nlohmann::json br = {{"batch", batch}};
         const double floor_ms = bw > 0 ? decode_step_bytes(e->model(), batch, g_prompt_len + new_tokens / 2.0) / bw * 1e3 : 0;
         br["floor_ms"] = floor_ms;
-        for (const bool records : {false, true}) {
+        for (const bool records : record_modes) {
           const RunResult r = run(*e, batch, new_tokens, records, records ? "r" : "n");
           std::printf("%-5s %5lld %-7s %-7s %12.0f %9.3fms %9.3fms %9.3fms %5llu/%llu\n", model.c_str(),
                       static_cast<long long>(batch), graphs ? "on" : "off", records ? "on" : "off",
