@@ -88,6 +88,11 @@ inline bool attn_smem_v_env() {
   static const bool on = env_int("ROLLOUTD_ATTN_SMEM_V", 1) != 0;
   return on;
 }
+// ROLLOUTD_ATTN_K_PREFETCH=0: never the kKPre variant (an A/B; same bits).
+inline bool attn_k_prefetch_env() {
+  static const bool on = env_int("ROLLOUTD_ATTN_K_PREFETCH", 1) != 0;
+  return on;
+}
 static_assert(kAttentionSplitMinKeys % kAttnChunk == 0 && kAttnMaxSplits <= kAttnChunk,
               "splits are whole chunks; a head's split weights fit one row of p_s");
 
@@ -145,7 +150,7 @@ __device__ __forceinline__ void block_reduce_heads(float (&v)[kH], float (*red)[
 // 64-dimension K row in one round too.
 template <int kH, bool kSmemV = false>
 struct AttnBatches {
-  static constexpr int kK = kH <= kAttnFewHeads ? 16 : 8;  // float4 of a K row in flight
+  static constexpr int kK = kH <= kAttnFewHeads && !kSmemV ? 16 : 8;  // float4 of a K row in flight
   static constexpr int kV = kH <= kAttnFewHeads ? 8 : 4;              // V rows prefetched before the reductions
 };
 
@@ -170,7 +175,11 @@ __device__ __forceinline__ float4 ldg4(const float* p) { return __ldg(reinterpre
 // K loads, whole rows per warp (coalesced), so the p.v phase no longer waits for rounds of V loads
 // after the reductions: a chunk costs about one memory round trip instead of five. The p.v sums
 // run over the same keys in the same order, so the bits are the same as without it.
-template <int kH, int kPer, bool kVec, bool kSmemV = false>
+// kKPre (on top of kSmemV): the next chunk's cache row and first K loads are issued once this
+// chunk's scores are computed, so they arrive during its reductions and p.v. It holds ~70 more
+// registers (2 CTAs an SM instead of 3), so the host takes it only for grids of at most two CTAs
+// an SM, where that is all the grid can use.
+template <int kH, int kPer, bool kVec, bool kSmemV = false, bool kKPre = false>
 __global__ void __launch_bounds__(kAttnThreads)
     paged_attention_kernel(void* __restrict__ out, const float* __restrict__ q,
                            const float* __restrict__ k_cache, const float* __restrict__ v_cache,
@@ -179,6 +188,7 @@ __global__ void __launch_bounds__(kAttnThreads)
                            AttentionShape s, int dim_lanes, AttnSplit sp) {
   constexpr int kPRows = kH > kPer ? kH : kPer;  // p_s also holds the groups' partial sums at the end (scalar path)
   static_assert(!kSmemV || kVec, "the shared-memory V path is a float4 path");
+  static_assert(!kKPre || kSmemV, "the K prefetch is part of the shared-memory V path");
   constexpr int kKB = AttnBatches<kH, kSmemV>::kK;
   constexpr int kVB = AttnBatches<kH, kSmemV>::kV;
   extern __shared__ float4 v_s[];  // kSmemV: [kAttnChunk][D / 4], the chunk's V rows
@@ -277,9 +287,13 @@ __global__ void __launch_bounds__(kAttnThreads)
     }
 
     bool q_ready = false;
+    // kKPre: the next chunk's cache row and first kKB float4 of K.
+    float4 knext[kKPre ? kKB : 1];
+    int64_t row_next = -1;
+    bool have_next = false;  // uniform: a function of c0 and ke
     for (int64_t c0 = kb; c0 < ke; c0 += kAttnChunk) {
       const int n = ke - c0 < kAttnChunk ? static_cast<int>(ke - c0) : kAttnChunk;
-      const int64_t row = tid < n ? row_of(c0 + tid) : -1;
+      const int64_t row = kKPre && have_next ? row_next : tid < n ? row_of(c0 + tid) : -1;
       // kSmemV: this thread's first kKB float4 of its K row, issued before the barrier that
       // publishes row_s; then the chunk's V rows to shared memory, d4n float4 a row, consecutive
       // threads taking consecutive float4 of a row (every key's row from row_s; zeros for a
@@ -288,8 +302,10 @@ __global__ void __launch_bounds__(kAttnThreads)
       if constexpr (kSmemV) {
         const float* kr = k_cache + (row < 0 ? 0 : row) * row_stride + kvh * D;
 #pragma unroll
-        for (int u = 0; u < kKB; ++u)
-          kpre[u] = row >= 0 && u < d4n ? ldg4(kr + 4 * u) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int u = 0; u < kKB; ++u) {
+          if (kKPre && have_next) kpre[u] = knext[u];
+          else kpre[u] = row >= 0 && u < d4n ? ldg4(kr + 4 * u) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
         row_s[tid] = row;
         __syncthreads();  // row_s (the previous chunk's readers passed the barrier at its end); q_s
         q_ready = true;
@@ -359,6 +375,18 @@ __global__ void __launch_bounds__(kAttnThreads)
           if (h < nh) score[h] = dot[h] * s.scale;
       }
       if constexpr (!kSmemV) row_s[tid] = row;
+      have_next = false;
+      if constexpr (kKPre) {
+        if (c0 + kAttnChunk < ke) {
+          const int64_t c1 = c0 + kAttnChunk;
+          row_next = tid < ke - c1 ? row_of(c1 + tid) : -1;
+          const float* kr = k_cache + (row_next < 0 ? 0 : row_next) * row_stride + kvh * D;
+#pragma unroll
+          for (int u = 0; u < kKB; ++u)
+            knext[u] = row_next >= 0 && u < d4n ? ldg4(kr + 4 * u) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          have_next = true;
+        }
+      }
       float m[kH];
 #pragma unroll
       for (int h = 0; h < kH; ++h) m[h] = score[h];
@@ -678,6 +706,13 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
   const int64_t d4 = s.head_dim / 4;
   const bool smem_v = vec && s.head_dim <= kAttnSmemVMaxDim && d4 > 0 && (d4 & (d4 - 1)) == 0 && attn_smem_v_env();
   const size_t smem = smem_v ? static_cast<size_t>(kAttnChunk) * s.head_dim * sizeof(float) : 0;
+  // kKPre where the grid has at most two CTAs an SM (its occupancy) and a row can span chunks.
+  bool k_pre = false;
+  if (smem_v && longest > kAttnChunk && attn_k_prefetch_env()) {
+    int sms = 0;
+    RD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ctx.device.index));
+    k_pre = static_cast<int64_t>(grid.x) * grid.y * grid.z <= 2 * static_cast<int64_t>(sms);
+  }
   auto launch = [&](auto kernel) {
     (void)launch_dependent(kernel, grid, kAttnThreads, smem, stream_of(ctx), out.data, q.as<const float>(),
                            k_cache.as<const float>(), v_cache.as<const float>(), block_tables.as<const int32_t>(),
@@ -687,11 +722,17 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
     constexpr int kH = decltype(kh)::value;
     if (smem_v) {
       // Opted in at the most any head dimension asks (above 48 KiB with the static part); one
-      // mask per kernel: this lambda is instantiated once per kH.
-      static std::atomic<uint64_t> opted{0};
-      RD_RETURN_IF_ERROR(opt_in_smem(opted, paged_attention_kernel<kH, 1, true, true>,
-                                     static_cast<int>(kAttnChunk * kAttnSmemVMaxDim * sizeof(float)), ctx.device.index));
-      launch(paged_attention_kernel<kH, 1, true, true>);
+      // mask per kernel (statics: this lambda is instantiated once per kH).
+      const int bytes = static_cast<int>(kAttnChunk * kAttnSmemVMaxDim * sizeof(float));
+      if (k_pre) {
+        static std::atomic<uint64_t> opted{0};
+        RD_RETURN_IF_ERROR(opt_in_smem(opted, paged_attention_kernel<kH, 1, true, true, true>, bytes, ctx.device.index));
+        launch(paged_attention_kernel<kH, 1, true, true, true>);
+      } else {
+        static std::atomic<uint64_t> opted{0};
+        RD_RETURN_IF_ERROR(opt_in_smem(opted, paged_attention_kernel<kH, 1, true, true>, bytes, ctx.device.index));
+        launch(paged_attention_kernel<kH, 1, true, true>);
+      }
     } else if (vec) {
       launch(paged_attention_kernel<kH, 1, true>);
     } else if (per <= 1) {
