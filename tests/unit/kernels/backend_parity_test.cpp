@@ -485,6 +485,18 @@ void attention_cases() {
   reg("paged_attention_ex_window5_QH2_KVH1_D10", [](Rng& rng) {
     return attention_case(rng, {{23, 4}, {3, 1}}, 2, 1, 10, 3, 1, true, 5);
   });
+  // The CUDA kernel's shared-memory V path (and its next-chunk K prefetch in small grids) at every
+  // head dimension it takes, D / 4 = 1, 2, 8 (16 above, 64 throughout): rows over several
+  // 128-key chunks, a last chunk of one key, short rows, a window, a split.
+  reg("paged_attention_multichunk_D32_QH8_KVH1", [](Rng& rng) {
+    return attention_case(rng, {{300, 1}, {129, 1}, {5, 1}, {260, 3}}, 8, 1, 32, 16, 1);
+  });
+  reg("paged_attention_split_multichunk_D8_QH4_KVH2", [](Rng& rng) {
+    return attention_case(rng, {{700, 1}, {257, 1}, {40, 1}}, 4, 2, 8, 8, 0, false, 0, false, true);
+  });
+  reg("paged_attention_ex_multichunk_window200_D4_QH2_KVH1", [](Rng& rng) {
+    return attention_case(rng, {{400, 2}, {130, 1}}, 2, 1, 4, 16, 0, true, 200);
+  });
   // gpt-oss options: sinks alone, a window alone (prefill crossing it, decode far past it, a
   // context shorter than it), both with padding rows.
   reg("paged_attention_ex_sinks_decode_and_prefill", [](Rng& rng) {
