@@ -59,9 +59,9 @@ constexpr int kAttnBatch = 8;             // keys whose V loads a thread issues 
 constexpr int kAttnSplitMinChunks = static_cast<int>(kAttentionSplitMinKeys / kAttnChunk);
 constexpr int kAttnMaxSplits = static_cast<int>(kAttentionMaxSplits);
 constexpr int kAttnSplitTargetWaves = 4;  // split rows: CTAs per SM the grid is brought to
-// The shared-memory V path up to this head dimension: kAttnChunk x 64 floats is 32 KiB, which with
-// the ~21 KiB of static shared memory leaves 8-head CTAs limited by registers (3 an SM), as
-// before. At 128 (Qwen3) it would be 64 KiB and 2 CTAs an SM: not measured, so not taken.
+// The shared-memory V path up to this head dimension: kAttnChunk x 64 floats is 32 KiB, ~54 KiB a
+// CTA with the static part (8 heads at 168 registers: 3 CTAs an SM by registers; at 186, the
+// register path held 2). At 128 (Qwen3) it would be 64 KiB: not measured, so not taken.
 constexpr int kAttnSmemVMaxDim = 64;
 
 // An integer knob from the environment (atoi), `unset` where it is absent or empty.
@@ -146,8 +146,8 @@ __device__ __forceinline__ void block_reduce_heads(float (&v)[kH], float (*red)[
 // head dimension each, kVec), V rows of the p.v phase issued before the chunk's softmax
 // reductions. More at small grids (a latency chain per CTA), fewer at 8 heads per CTA (registers:
 // occupancy at large grids).
-// kSmemV: V goes to shared memory by cp.async (no V registers), so 8-head CTAs take a whole
-// 64-dimension K row in one round too.
+// kSmemV: V goes to shared memory by cp.async (kV unused); 2-head CTAs then load K 8 float4 at a
+// time as well (16 held 196 registers: 2 CTAs an SM, 5 % slower at one long sequence).
 template <int kH, bool kSmemV = false>
 struct AttnBatches {
   static constexpr int kK = kH <= kAttnFewHeads && !kSmemV ? 16 : 8;  // float4 of a K row in flight
@@ -173,12 +173,18 @@ __device__ __forceinline__ float4 ldg4(const float* p) { return __ldg(reinterpre
 // kSmemV (kVec only, D / 4 a power of two, D <= kAttnSmemVMaxDim): the chunk's V rows are copied
 // into dynamic shared memory (kAttnChunk x D floats) by cp.async, issued right after the chunk's
 // K loads, whole rows per warp (coalesced), so the p.v phase no longer waits for rounds of V loads
-// after the reductions: a chunk costs about one memory round trip instead of five. The p.v sums
+// after the reductions: at D = 64 a chunk waits for the table and K's two batches (V arrives
+// meanwhile) instead of those and three rounds of V. The p.v sums
 // run over the same keys in the same order, so the bits are the same as without it.
 // kKPre (on top of kSmemV): the next chunk's cache row and first K loads are issued once this
-// chunk's scores are computed, so they arrive during its reductions and p.v. It holds ~70 more
-// registers (2 CTAs an SM instead of 3), so the host takes it only for grids of at most two CTAs
-// an SM, where that is all the grid can use.
+// chunk's scores are computed, so they arrive during its reductions and p.v. At 8 heads it holds
+// ~70 more registers (236: 2 CTAs an SM instead of 3), so the host takes it only for grids of at
+// most two CTAs an SM, where that is all the grid can use (at 2 heads it costs ~30 and stays at
+// 3; the same rule, not measured apart).
+// K and V are read with __ldg / cp.async although the previous kernel (rope_qk) writes the cache
+// (cuda_common.cuh asks for ordinary loads after pdl_wait): every such address depends on the
+// block table and ctx_len, read with ordinary loads after pdl_begin, so none can be issued
+// before the wait.
 template <int kH, int kPer, bool kVec, bool kSmemV = false, bool kKPre = false>
 __global__ void __launch_bounds__(kAttnThreads)
     paged_attention_kernel(void* __restrict__ out, const float* __restrict__ q,
