@@ -193,7 +193,7 @@ struct RopeQkArgs {
   // added to qkv's q, k and v columns first (before the norm and the rotation), as add_bias
   // after each projection would. All three or none, and only with qkv.
   TensorView q_bias, k_bias, v_bias;
-  // Optional KV store, fused form only: k_cache and v_cache f32 [blocks, block_size, KVH, D] and
+  // Optional KV store, fused form only: k_cache and v_cache f32 or bf16 [blocks, block_size, KVH, D] and
   // slot_mapping int32 [T], all three or none. Each token's rotated k and its v are also written
   // at its slot, exactly as kv_store(k_cache, v_cache, k, v, slot_mapping) after this op would
   // (a negative slot is a padding row: not written; CPU refuses a slot past the cache before
@@ -236,11 +236,14 @@ struct Backend {
   // Writes k/v rows [T, KVH, D] into caches [blocks, block_size, KVH, D] at slot_mapping[t]
   // (= block * block_size + offset); slot < 0 means "do not write" (padding). A slot past
   // the cache: kOutOfRange (CPU) / skipped (CUDA). Slots of one call must be distinct.
+  // The caches are FP32 or BF16 (both alike); into BF16 each value is rounded to nearest even
+  // (kernels/bf16.hpp), on every backend the same bits.
   Status (*kv_store)(const ExecContext&, TensorView k_cache, TensorView v_cache, TensorView k,
                      TensorView v, TensorView slot_mapping);
   // Causal attention over a paged cache. q[T, QH, D]; token t belongs to sequence seq_of[t]
   // and sees cache positions [0, ctx_len[t]); block_tables[S, max_blocks] int32. GQA: query
-  // head h reads kv head h / (QH / KVH). out[T, QH, D], FP32 or BF16 (the FP32 result rounded
+  // head h reads kv head h / (QH / KVH). Caches FP32 or BF16 (kv_store's), read into FP32
+  // arithmetic. out[T, QH, D], FP32 or BF16 (the FP32 result rounded
   // once, for a BF16 projection to read directly). ctx_len 0 (a padding row) gives
   // zeros. CPU: seq_of, ctx_len and every block id followed are checked (kOutOfRange).
   // CUDA: a bad sequence gives a zero row, ctx_len is clamped to the table, positions in

@@ -72,7 +72,8 @@ Result<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<MoeDecoder> model
   const StepLimits& o = options.step;
   if (m.max_tokens != o.max_tokens || m.max_seqs != o.max_seqs ||
       m.num_kv_blocks != o.num_kv_blocks || m.kv_block_size != o.kv_block_size ||
-      m.max_blocks_per_seq != o.max_blocks_per_seq || m.graph_max_batch != o.graph_max_batch)
+      m.max_blocks_per_seq != o.max_blocks_per_seq || m.graph_max_batch != o.graph_max_batch ||
+      m.kv_dtype != o.kv_dtype)
     return Status(ErrorCode::kInvalidArgument, "engine and model were built with different limits",
                   "step");
   if (options.max_running <= 0 || options.max_running > o.max_seqs)

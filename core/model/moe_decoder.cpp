@@ -38,6 +38,10 @@ Result<std::unique_ptr<MoeDecoder>> MoeDecoder::create(const ModelConfig& config
   if (limits.max_tokens <= 0 || limits.max_seqs <= 0 || limits.max_blocks_per_seq <= 0 ||
       limits.num_kv_blocks <= 0 || limits.kv_block_size <= 0)
     return Status(ErrorCode::kInvalidArgument, "step limits must be positive", "limits");
+  if (limits.kv_dtype != DType::kF32 && limits.kv_dtype != DType::kBF16)
+    return Status(ErrorCode::kInvalidArgument,
+                  std::string("KV cache dtype must be float32 or bfloat16, got ") + std::string(dtype_name(limits.kv_dtype)),
+                  "kv_dtype");
   std::unique_ptr<MoeDecoder> m(new MoeDecoder(config, limits, backend, ctx));
   RD_RETURN_IF_ERROR(m->allocate());
   return m;
@@ -116,8 +120,8 @@ Status MoeDecoder::allocate() {
     if (!c.layer_types.empty() && c.layer_types[static_cast<size_t>(l)] == "sliding_attention")
       L.window = c.sliding_window;
     const Shape cache{limits_.num_kv_blocks, limits_.kv_block_size, KVH, D};
-    RD_ASSIGN_OR_RETURN(L.k_cache, kv_arena_->allocate(DType::kF32, cache));
-    RD_ASSIGN_OR_RETURN(L.v_cache, kv_arena_->allocate(DType::kF32, cache));
+    RD_ASSIGN_OR_RETURN(L.k_cache, kv_arena_->allocate(limits_.kv_dtype, cache));
+    RD_ASSIGN_OR_RETURN(L.v_cache, kv_arena_->allocate(limits_.kv_dtype, cache));
 
     L.moe = c.is_moe_layer(l);
     if (!L.moe) {

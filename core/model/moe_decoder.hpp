@@ -47,6 +47,10 @@ struct StepLimits {
   int64_t max_blocks_per_seq = 256;  // block-table width
   int64_t num_kv_blocks = 1024;
   int64_t kv_block_size = 16;
+  // Element type of the K and V caches: kF32, or kBF16 (each k and v value rounded to nearest
+  // even as it is stored; half the bytes, so twice the blocks in the same memory and half the
+  // attention's reads). Attention reads either into FP32 arithmetic.
+  DType kv_dtype = DType::kF32;
   // Decode steps (one token per sequence, every row sampled) of up to this many sequences run
   // padded to a bucket (1, 2, 4, ... and this maximum) with the real row count read from
   // device memory, from one CUDA graph per bucket on CUDA; 0: every step runs eagerly at its

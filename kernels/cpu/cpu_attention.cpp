@@ -1,5 +1,5 @@
-// CPU reference of causal attention over the paged KV cache: two passes per (token,
-// head), scores then softmax-weighted sum of values, all in FP32. Optional learned sinks and
+// CPU reference of causal attention over the paged KV cache (FP32 or BF16 caches): two passes
+// per (token, head), scores then softmax-weighted sum of values, all in FP32. Optional learned sinks and
 // sliding window (gpt-oss).
 #include <algorithm>
 #include <cmath>
@@ -69,8 +69,10 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
   std::vector<float> score(static_cast<size_t>(longest));
   std::vector<float> acc(static_cast<size_t>(head_dim));
   std::vector<float> row(static_cast<size_t>(head_dim));  // one output row before it is stored
-  const float* kc = k_cache.as<const float>();
-  const float* vc = v_cache.as<const float>();
+  // BF16 caches (kv_store's rounding): each row widened to FP32 once as it is read; the
+  // arithmetic is the FP32 path's.
+  const bool cache_bf16 = k_cache.dtype == DType::kBF16;
+  std::vector<float> wide(static_cast<size_t>(cache_bf16 ? head_dim : 0));
   // A BF16 output holds the FP32 row rounded once (kernels/bf16.hpp), as a convert would.
   const bool out_bf16 = out.dtype == DType::kBF16;
   auto store = [&](int64_t t, int64_t h) {
@@ -94,17 +96,21 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
         continue;
       }
       const int64_t kvh = h / group;
-      auto cache_row = [&](const float* cache, int64_t j) {
+      auto cache_row = [&](const TensorView& cache, int64_t j) -> const float* {
         const int64_t slot = static_cast<int64_t>(row_table[j / block_size]) * block_size +
                              j % block_size;
-        return cache + (slot * kv_heads + kvh) * head_dim;
+        const int64_t at = (slot * kv_heads + kvh) * head_dim;
+        if (!cache_bf16) return cache.as<const float>() + at;
+        const uint16_t* r = cache.as<const uint16_t>() + at;
+        for (int64_t d = 0; d < head_dim; ++d) wide[static_cast<size_t>(d)] = bf16_bits_to_f32(r[d]);
+        return wide.data();
       };
       const int64_t j0 = first_visible(n);
       // A sink joins the softmax as one more logit with no value (Hugging Face's gpt-oss
       // eager attention: concatenate, subtract the max, softmax, drop the sink's column).
       float max_score = sinks ? sinks[h] : -INFINITY;
       for (int64_t j = j0; j < n; ++j) {
-        score[static_cast<size_t>(j)] = dot(qr, cache_row(kc, j), head_dim) * scale;
+        score[static_cast<size_t>(j)] = dot(qr, cache_row(k_cache, j), head_dim) * scale;
         max_score = std::max(max_score, score[static_cast<size_t>(j)]);
       }
       float sum = sinks ? std::exp(sinks[h] - max_score) : 0.0f;
@@ -112,7 +118,7 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
       for (int64_t j = j0; j < n; ++j) {
         const float p = std::exp(score[static_cast<size_t>(j)] - max_score);
         sum += p;
-        const float* vr = cache_row(vc, j);
+        const float* vr = cache_row(v_cache, j);
         for (int64_t d = 0; d < head_dim; ++d) acc[static_cast<size_t>(d)] += p * vr[d];
       }
       const float inv = 1.0f / sum;

@@ -336,8 +336,20 @@ Status kv_store(const ExecContext& ctx, TensorView k_cache, TensorView v_cache, 
   const int32_t* slot = slot_mapping.as<const int32_t>();
   RD_RETURN_IF_ERROR(kv_slots_in_range(k_cache, slot_mapping));
   const size_t row_bytes = static_cast<size_t>(row) * sizeof(float);
+  const bool bf16 = k_cache.dtype == DType::kBF16;
   for (int64_t t = 0; t < num_tokens; ++t) {
     if (slot[t] < 0) continue;  // padding row
+    if (bf16) {  // rounded to nearest even, as the CUDA twin rounds
+      const float* ks = k.as<const float>() + t * row;
+      const float* vs = v.as<const float>() + t * row;
+      uint16_t* kd = k_cache.as<uint16_t>() + slot[t] * row;
+      uint16_t* vd = v_cache.as<uint16_t>() + slot[t] * row;
+      for (int64_t c = 0; c < row; ++c) {
+        kd[c] = f32_to_bf16_bits(ks[c]);
+        vd[c] = f32_to_bf16_bits(vs[c]);
+      }
+      continue;
+    }
     std::memcpy(k_cache.as<float>() + slot[t] * row, k.as<const float>() + t * row, row_bytes);
     std::memcpy(v_cache.as<float>() + slot[t] * row, v.as<const float>() + t * row, row_bytes);
   }

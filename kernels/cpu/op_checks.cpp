@@ -157,6 +157,22 @@ Status rope_theta(float theta) {
 }
 }  // namespace
 
+namespace {
+// The K and V caches: [blocks, block_size, KVH, D], FP32 or BF16, both of one dtype and shape.
+Status kv_caches(const ExecContext& ctx, const TensorView& k_cache, const TensorView& v_cache) {
+  const DType dt = k_cache.dtype == DType::kBF16 ? DType::kBF16 : DType::kF32;
+  const char* layout = dt == DType::kBF16 ? "[blocks, block_size, KVH, D]" : "(or bf16) [blocks, block_size, KVH, D]";
+  RD_RETURN_IF_ERROR(view(ctx, k_cache, "k_cache", dt, 4, layout));
+  RD_RETURN_IF_ERROR(positive(k_cache, 1, "k_cache", "block_size"));
+  RD_RETURN_IF_ERROR(positive(k_cache, 2, "k_cache", "KVH"));
+  if (v_cache.dtype != k_cache.dtype)
+    return invalid("v_cache", "v_cache: " + std::string(dtype_name(v_cache.dtype)) + ", k_cache " +
+                                  std::string(dtype_name(k_cache.dtype)) + ": the caches must have one dtype");
+  RD_RETURN_IF_ERROR(view(ctx, v_cache, "v_cache", dt, 4, layout));
+  return same_shape(v_cache, k_cache, "v_cache", "k_cache");
+}
+}  // namespace
+
 Status rope(const ExecContext& ctx, const TensorView& x, const TensorView& positions,
             float theta) {
   RD_RETURN_IF_ERROR(rotary_input(ctx, x, "x"));
@@ -167,14 +183,8 @@ Status rope(const ExecContext& ctx, const TensorView& x, const TensorView& posit
 
 Status kv_store(const ExecContext& ctx, const TensorView& k_cache, const TensorView& v_cache,
                 const TensorView& k, const TensorView& v, const TensorView& slot_mapping) {
-  RD_RETURN_IF_ERROR(
-      view(ctx, k_cache, "k_cache", DType::kF32, 4, "[blocks, block_size, KVH, D]"));
-  RD_RETURN_IF_ERROR(positive(k_cache, 1, "k_cache", "block_size"));
-  RD_RETURN_IF_ERROR(positive(k_cache, 2, "k_cache", "KVH"));
+  RD_RETURN_IF_ERROR(kv_caches(ctx, k_cache, v_cache));
   RD_RETURN_IF_ERROR(positive(k_cache, 3, "k_cache", "D"));
-  RD_RETURN_IF_ERROR(
-      view(ctx, v_cache, "v_cache", DType::kF32, 4, "[blocks, block_size, KVH, D]"));
-  RD_RETURN_IF_ERROR(same_shape(v_cache, k_cache, "v_cache", "k_cache"));
   RD_RETURN_IF_ERROR(view(ctx, k, "k", DType::kF32, 3, "[T, KVH, D]"));
   RD_RETURN_IF_ERROR(dim(k, 1, k_cache.size(2), "k", "KVH", "k_cache"));
   RD_RETURN_IF_ERROR(dim(k, 2, k_cache.size(3), "k", "D", "k_cache"));
@@ -191,14 +201,8 @@ Status paged_attention(const ExecContext& ctx, const TensorView& out, const Tens
   RD_RETURN_IF_ERROR(view(ctx, q, "q", DType::kF32, 3, "[T, QH, D]"));
   RD_RETURN_IF_ERROR(positive(q, 1, "q", "QH"));
   RD_RETURN_IF_ERROR(positive(q, 2, "q", "D"));
-  RD_RETURN_IF_ERROR(
-      view(ctx, k_cache, "k_cache", DType::kF32, 4, "[blocks, block_size, KVH, D]"));
-  RD_RETURN_IF_ERROR(positive(k_cache, 1, "k_cache", "block_size"));
-  RD_RETURN_IF_ERROR(positive(k_cache, 2, "k_cache", "KVH"));
+  RD_RETURN_IF_ERROR(kv_caches(ctx, k_cache, v_cache));
   RD_RETURN_IF_ERROR(dim(k_cache, 3, q.size(2), "k_cache", "D", "q"));
-  RD_RETURN_IF_ERROR(
-      view(ctx, v_cache, "v_cache", DType::kF32, 4, "[blocks, block_size, KVH, D]"));
-  RD_RETURN_IF_ERROR(same_shape(v_cache, k_cache, "v_cache", "k_cache"));
   if (q.size(1) % k_cache.size(2) != 0)
     return invalid("q", "q: " + std::to_string(q.size(1)) +
                             " query heads are not a multiple of " +

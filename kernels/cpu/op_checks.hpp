@@ -25,7 +25,7 @@ Status rope(const ExecContext& ctx, const TensorView& x, const TensorView& posit
             float theta);
 Status kv_store(const ExecContext& ctx, const TensorView& k_cache, const TensorView& v_cache,
                 const TensorView& k, const TensorView& v, const TensorView& slot_mapping);
-// paged_attention: q f32 [T, QH, D], caches f32 [blocks, block_size, KVH, D] (QH a multiple of
+// paged_attention: q f32 [T, QH, D], caches f32 or bf16 (both) [blocks, block_size, KVH, D] (QH a multiple of
 // KVH), out f32 or bf16 of q's shape overlapping none of the inputs, block_tables i32
 // [S, max_blocks], seq_of and ctx_len i32 [T], scale finite.
 Status paged_attention(const ExecContext& ctx, const TensorView& out, const TensorView& q,

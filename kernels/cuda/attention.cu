@@ -17,6 +17,9 @@
 // a few tokens) are split over several CTAs (flash-decoding): a split row has the same bits in
 // every split launch, other bits than unsplit, and whether a launch splits depends on its grid.
 //
+// The caches are FP32 or BF16 (one kernel each, KV = float or uint16_t bits): BF16 rows are
+// loaded as stored (half the bytes) and widened to FP32 where used; the arithmetic is the same.
+//
 // Index values are on the device and not checked on the host: a token whose sequence id is
 // outside [0, S) gets a zero row, ctx_len is clamped to [0, max_blocks * block_size], and
 // positions whose block id is outside [0, blocks) are skipped. Nothing is read out of bounds.
@@ -148,13 +151,39 @@ __device__ __forceinline__ void block_reduce_heads(float (&v)[kH], float (*red)[
 // occupancy at large grids).
 // kSmemV: V goes to shared memory by cp.async (kV unused); 2-head CTAs then load K 8 float4 at a
 // time as well (16 held 196 registers: 2 CTAs an SM, 5 % slower at one long sequence).
-template <int kH, bool kSmemV = false>
+// Counts are of 4-value units (KvIo::Raw): a BF16 cache takes twice as many K units in flight as
+// FP32, the same registers (so a 64-wide BF16 K row arrives in one round of loads, not two).
+template <int kH, bool kSmemV = false, class KV = float>
 struct AttnBatches {
-  static constexpr int kK = kH <= kAttnFewHeads && !kSmemV ? 16 : 8;  // float4 of a K row in flight
+  static constexpr int kWiden = static_cast<int>(sizeof(float) / sizeof(KV));
+  static constexpr int kK = (kH <= kAttnFewHeads && !kSmemV ? 16 : 8) * kWiden;  // units of a K row in flight
   static constexpr int kV = kH <= kAttnFewHeads ? 8 : 4;              // V rows prefetched before the reductions
 };
 
-__device__ __forceinline__ float4 ldg4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+// Four consecutive values of a cache row as loaded (Raw: 16 bytes of FP32, 8 of BF16) and as
+// used (widen: FP32; a BF16 value is the high half of its FP32, exactly). Loads are kept raw until
+// their use so that issuing one never waits for it.
+template <class KV>
+struct KvIo;
+template <>
+struct KvIo<float> {
+  using Raw = float4;
+  static __device__ __forceinline__ Raw load(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+  static __device__ __forceinline__ Raw zero() { return make_float4(0.0f, 0.0f, 0.0f, 0.0f); }
+  static __device__ __forceinline__ float4 widen(Raw r) { return r; }
+  static __device__ __forceinline__ float widen1(float v) { return v; }
+};
+template <>
+struct KvIo<uint16_t> {  // BF16 bits
+  using Raw = uint2;
+  static __device__ __forceinline__ Raw load(const uint16_t* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
+  static __device__ __forceinline__ Raw zero() { return make_uint2(0u, 0u); }
+  static __device__ __forceinline__ float4 widen(Raw r) {  // little-endian: value 4i + 0 in x's low half
+    return make_float4(__uint_as_float(r.x << 16), __uint_as_float(r.x & 0xffff0000u), __uint_as_float(r.y << 16),
+                       __uint_as_float(r.y & 0xffff0000u));
+  }
+  static __device__ __forceinline__ float widen1(uint16_t v) { return __uint_as_float(static_cast<uint32_t>(v) << 16); }
+};
 
 // kH: query heads per CTA (kAttnHeads, or kAttnFewHeads where the grid would be small: at one
 // token and 8 KV heads, 8 CTAs of 8 heads each left the GPU idle behind one long chain of loads
@@ -185,19 +214,21 @@ __device__ __forceinline__ float4 ldg4(const float* p) { return __ldg(reinterpre
 // (cuda_common.cuh asks for ordinary loads after pdl_wait): every such address depends on the
 // block table and ctx_len, read with ordinary loads after pdl_begin, so none can be issued
 // before the wait.
-template <int kH, int kPer, bool kVec, bool kSmemV = false, bool kKPre = false>
+template <class KV, int kH, int kPer, bool kVec, bool kSmemV = false, bool kKPre = false>
 __global__ void __launch_bounds__(kAttnThreads)
     paged_attention_kernel(void* __restrict__ out, const float* __restrict__ q,
-                           const float* __restrict__ k_cache, const float* __restrict__ v_cache,
+                           const KV* __restrict__ k_cache, const KV* __restrict__ v_cache,
                            const int32_t* __restrict__ block_tables,
                            const int32_t* __restrict__ seq_of, const int32_t* __restrict__ ctx_len,
                            AttentionShape s, int dim_lanes, AttnSplit sp) {
   constexpr int kPRows = kH > kPer ? kH : kPer;  // p_s also holds the groups' partial sums at the end (scalar path)
   static_assert(!kSmemV || kVec, "the shared-memory V path is a float4 path");
   static_assert(!kKPre || kSmemV, "the K prefetch is part of the shared-memory V path");
-  constexpr int kKB = AttnBatches<kH, kSmemV>::kK;
-  constexpr int kVB = AttnBatches<kH, kSmemV>::kV;
-  extern __shared__ float4 v_s[];  // kSmemV: [kAttnChunk][D / 4], the chunk's V rows
+  using Io = KvIo<KV>;
+  using Raw = typename Io::Raw;
+  constexpr int kKB = AttnBatches<kH, kSmemV, KV>::kK;
+  constexpr int kVB = AttnBatches<kH, kSmemV, KV>::kV;
+  extern __shared__ float4 v_s[];  // kSmemV: [kAttnChunk][D * sizeof(KV) / 16], the chunk's V rows as stored
   __shared__ __align__(16) float q_s[kH][kAttnMaxDim];
   __shared__ float p_s[kPRows][kAttnChunk];
   __shared__ int64_t row_s[kAttnChunk];  // cache row (block * block_size + offset) of a key, -1: skipped
@@ -241,7 +272,7 @@ __global__ void __launch_bounds__(kAttnThreads)
   }
   if (static_cast<int>(blockIdx.z) >= plan.parts) return;  // uniform across the CTA
   const bool split = plan.parts > 1;
-  const int64_t row_stride = s.kv_heads * D;  // floats between consecutive cache rows
+  const int64_t row_stride = s.kv_heads * D;  // values between consecutive cache rows
   // The cache row of key j (>= 0), -1 where its block id is outside [0, blocks).
   auto row_of = [&](int64_t j) -> int64_t {
     const int64_t block = table[j / s.block_size];
@@ -294,7 +325,7 @@ __global__ void __launch_bounds__(kAttnThreads)
 
     bool q_ready = false;
     // kKPre: the next chunk's cache row and first kKB float4 of K.
-    float4 knext[kKPre ? kKB : 1];
+    Raw knext[kKPre ? kKB : 1];
     int64_t row_next = -1;
     bool have_next = false;  // uniform: a function of c0 and ke
     for (int64_t c0 = kb; c0 < ke; c0 += kAttnChunk) {
@@ -304,35 +335,37 @@ __global__ void __launch_bounds__(kAttnThreads)
       // publishes row_s; then the chunk's V rows to shared memory, d4n float4 a row, consecutive
       // threads taking consecutive float4 of a row (every key's row from row_s; zeros for a
       // skipped key or one past the chunk, which have p = 0).
-      float4 kpre[kSmemV ? kKB : 1];
+      Raw kpre[kSmemV ? kKB : 1];
       if constexpr (kSmemV) {
-        const float* kr = k_cache + (row < 0 ? 0 : row) * row_stride + kvh * D;
+        const KV* kr = k_cache + (row < 0 ? 0 : row) * row_stride + kvh * D;
 #pragma unroll
         for (int u = 0; u < kKB; ++u) {
           if (kKPre && have_next) kpre[u] = knext[u];
-          else kpre[u] = row >= 0 && u < d4n ? ldg4(kr + 4 * u) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          else kpre[u] = row >= 0 && u < d4n ? Io::load(kr + 4 * u) : Io::zero();
         }
         row_s[tid] = row;
         __syncthreads();  // row_s (the previous chunk's readers passed the barrier at its end); q_s
         q_ready = true;
-        const int per_pass = kAttnThreads / d4n;  // keys per pass (d4n is a power of two <= 16)
-        const int c4 = tid & (d4n - 1);
-        for (int key = tid / d4n; key < kAttnChunk; key += per_pass) {
+        // 16-byte pieces of a row as stored (pn a power of two <= 16, the host's condition).
+        constexpr int kPiece = static_cast<int>(16 / sizeof(KV));  // values per piece
+        const int pn = static_cast<int>(D / kPiece);
+        const int per_pass = kAttnThreads / pn;  // keys per pass
+        const int c = tid & (pn - 1);
+        for (int key = tid / pn; key < kAttnChunk; key += per_pass) {
           const int64_t r = key < n ? row_s[key] : -1;
-          cp_async16_ca_zfill(&v_s[key * d4n + c4], r >= 0 ? v_cache + r * row_stride + kvh * D + 4 * c4 : v_cache,
+          cp_async16_ca_zfill(&v_s[key * pn + c], r >= 0 ? v_cache + r * row_stride + kvh * D + kPiece * c : v_cache,
                               r >= 0);
         }
         cp_async_commit();
       }
       // kVec: this thread's first kVB V rows of the chunk (keys g + groups * u), loaded now.
-      float4 vpre[kVec && !kSmemV ? kVB : 1];
+      Raw vpre[kVec && !kSmemV ? kVB : 1];
       if constexpr (kVec && !kSmemV) {
 #pragma unroll
         for (int u = 0; u < kVB; ++u) {
           const int jj = g + u * groups;
           const int64_t r = jj < n ? row_of(c0 + jj) : -1;
-          vpre[u] = r >= 0 && vlane ? ldg4(v_cache + r * row_stride + kvh * D + 4 * d0)
-                                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          vpre[u] = r >= 0 && vlane ? Io::load(v_cache + r * row_stride + kvh * D + 4 * d0) : Io::zero();
         }
       }
       if (!q_ready) {  // the same in every thread: the first chunk publishes q_s
@@ -343,33 +376,34 @@ __global__ void __launch_bounds__(kAttnThreads)
 #pragma unroll
       for (int h = 0; h < kH; ++h) score[h] = -INFINITY;
       if (row >= 0) {
-        const float* kr = k_cache + row * row_stride + kvh * D;
+        const KV* kr = k_cache + row * row_stride + kvh * D;
         float dot[kH];
 #pragma unroll
         for (int h = 0; h < kH; ++h) dot[h] = 0.0f;
         if constexpr (kVec) {
           const int n4 = static_cast<int>(D / 4);
           for (int i0 = 0; i0 < n4; i0 += kKB) {
-            float4 a[kKB];
+            Raw a[kKB];
 #pragma unroll
             for (int u = 0; u < kKB; ++u) {
               if (kSmemV && i0 == 0) a[u] = kpre[u];  // issued before the barrier
-              else a[u] = i0 + u < n4 ? ldg4(kr + 4 * (i0 + u)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+              else a[u] = i0 + u < n4 ? Io::load(kr + 4 * (i0 + u)) : Io::zero();
             }
 #pragma unroll
             for (int u = 0; u < kKB; ++u) {
               if (i0 + u >= n4) break;
+              const float4 av = Io::widen(a[u]);
 #pragma unroll
               for (int h = 0; h < kH; ++h) {
                 const float4 b = reinterpret_cast<const float4*>(q_s[h])[i0 + u];
-                dot[h] += a[u].x * b.x + a[u].y * b.y + a[u].z * b.z + a[u].w * b.w;
+                dot[h] += av.x * b.x + av.y * b.y + av.z * b.z + av.w * b.w;
               }
             }
           }
         } else {
 #pragma unroll 4
           for (int d = 0; d < static_cast<int>(D); ++d) {
-            const float a = __ldg(kr + d);
+            const float a = Io::widen1(__ldg(kr + d));
 #pragma unroll
             for (int h = 0; h < kH; ++h) {
               dot[h] += a * q_s[h][d];
@@ -386,10 +420,9 @@ __global__ void __launch_bounds__(kAttnThreads)
         if (c0 + kAttnChunk < ke) {
           const int64_t c1 = c0 + kAttnChunk;
           row_next = tid < ke - c1 ? row_of(c1 + tid) : -1;
-          const float* kr = k_cache + (row_next < 0 ? 0 : row_next) * row_stride + kvh * D;
+          const KV* kr = k_cache + (row_next < 0 ? 0 : row_next) * row_stride + kvh * D;
 #pragma unroll
-          for (int u = 0; u < kKB; ++u)
-            knext[u] = row_next >= 0 && u < d4n ? ldg4(kr + 4 * u) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          for (int u = 0; u < kKB; ++u) knext[u] = row_next >= 0 && u < d4n ? Io::load(kr + 4 * u) : Io::zero();
           have_next = true;
         }
       }
@@ -424,7 +457,7 @@ __global__ void __launch_bounds__(kAttnThreads)
           // Keys g, g + groups, ... in that order, as the register path below takes them.
 #pragma unroll 4
           for (int jj = g; jj < n; jj += groups) {
-            const float4 vv = v_s[jj * d4n + d0];
+            const float4 vv = Io::widen(reinterpret_cast<const Raw*>(v_s)[jj * d4n + d0]);
 #pragma unroll
             for (int h = 0; h < kH; ++h) {
               const float p = p_s[h][jj];
@@ -437,29 +470,30 @@ __global__ void __launch_bounds__(kAttnThreads)
         } else if constexpr (kVec) {
           // Keys g + groups * u in u order: the prefetched ones, then kVB at a time from row_s
           // (a skipped key, or one past the chunk, loads nothing and has p = 0).
-          auto add = [&](const float4 (&vv)[kVB], int jb) {
+          auto add = [&](const Raw (&raw)[kVB], int jb) {
 #pragma unroll
             for (int u = 0; u < kVB; ++u) {
               const int jj = jb + u * groups;
               if (jj >= n) break;
+              const float4 vv = Io::widen(raw[u]);
 #pragma unroll
               for (int h = 0; h < kH; ++h) {
                 const float p = p_s[h][jj];
-                acc[h][0] += p * vv[u].x;
-                acc[h][1] += p * vv[u].y;
-                acc[h][2] += p * vv[u].z;
-                acc[h][3] += p * vv[u].w;
+                acc[h][0] += p * vv.x;
+                acc[h][1] += p * vv.y;
+                acc[h][2] += p * vv.z;
+                acc[h][3] += p * vv.w;
               }
             }
           };
           add(vpre, g);
           for (int jb = g + kVB * groups; jb < n; jb += kVB * groups) {
-            float4 vv[kVB];
+            Raw vv[kVB];
 #pragma unroll
             for (int u = 0; u < kVB; ++u) {
               const int jj = jb + u * groups;
               const int64_t r = jj < n ? row_s[jj] : -1;
-              vv[u] = r >= 0 ? ldg4(v_cache + r * row_stride + kvh * D + 4 * d0) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+              vv[u] = r >= 0 ? Io::load(v_cache + r * row_stride + kvh * D + 4 * d0) : Io::zero();
             }
             add(vv, jb);
           }
@@ -471,11 +505,11 @@ __global__ void __launch_bounds__(kAttnThreads)
             for (int u = 0; u < kAttnBatch; ++u) {
               const int jj = jb + u * groups;
               const int64_t r = jj < n ? row_s[jj] : -1;
-              const float* vr = v_cache + (r < 0 ? 0 : r) * row_stride + kvh * D;
+              const KV* vr = v_cache + (r < 0 ? 0 : r) * row_stride + kvh * D;
 #pragma unroll
               for (int i = 0; i < kPer; ++i) {
                 const int64_t d = d0 + static_cast<int64_t>(dim_lanes) * i;
-                vv[u][i] = r >= 0 && d < D ? __ldg(vr + d) : 0.0f;
+                vv[u][i] = r >= 0 && d < D ? Io::widen1(__ldg(vr + d)) : 0.0f;
               }
             }
 #pragma unroll
@@ -653,11 +687,14 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
   if (num_tokens == 0) return Status::Ok();
   DeviceGuard guard;
   RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
-  // The float4 path: D % 4 == 0 and every row 16-byte aligned (q, both caches, an FP32 out; a
-  // BF16 out stores 4 values, 8 bytes). Its p.v lanes are D / 4 rounded up to a power of two.
+  // The float4 path: D % 4 == 0 and every row aligned for 4 values at a time (q 16 bytes, the
+  // caches 16 (FP32) or 8 (BF16), an FP32 out 16, a BF16 out 8). Its p.v lanes are D / 4 rounded
+  // up to a power of two.
   auto aligned = [](const TensorView& v, uintptr_t a) { return reinterpret_cast<uintptr_t>(v.data) % a == 0; };
-  const bool vec = s.head_dim % 4 == 0 && aligned(q, 16) && aligned(k_cache, 16) && aligned(v_cache, 16) &&
-                   aligned(out, s.out_bf16 ? 8 : 16);
+  const bool kv_bf16 = k_cache.dtype == DType::kBF16;
+  const size_t kv_bytes = kv_bf16 ? 2 : 4;
+  const bool vec = s.head_dim % 4 == 0 && aligned(q, 16) && aligned(k_cache, 4 * kv_bytes) &&
+                   aligned(v_cache, 4 * kv_bytes) && aligned(out, s.out_bf16 ? 8 : 16);
   // Otherwise lanes along the head dimension: D rounded up to a power of two (>= 32) up to 128,
   // the rest of the CTA's threads taking other keys; above 128 every thread takes ceil(D / 128)
   // dimensions.
@@ -708,10 +745,13 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
   sh.head_groups = static_cast<int>((per_kv + heads - 1) / heads);
   const dim3 grid(static_cast<unsigned int>(num_tokens), static_cast<unsigned int>(s.kv_heads * sh.head_groups),
                   static_cast<unsigned int>(sp.ctas > 0 ? sp.ctas : 1));
-  // kSmemV: the float4 path at D / 4 a power of two and D <= kAttnSmemVMaxDim.
-  const int64_t d4 = s.head_dim / 4;
-  const bool smem_v = vec && s.head_dim <= kAttnSmemVMaxDim && d4 > 0 && (d4 & (d4 - 1)) == 0 && attn_smem_v_env();
-  const size_t smem = smem_v ? static_cast<size_t>(kAttnChunk) * s.head_dim * sizeof(float) : 0;
+  // kSmemV: the float4 path at D <= kAttnSmemVMaxDim whose rows are a power of two of 16-byte
+  // pieces (D / 4 for FP32, D / 8 for BF16) from 16-byte aligned caches (cp.async 16).
+  const int64_t pieces = s.head_dim * static_cast<int64_t>(kv_bytes) / 16;
+  const bool smem_v = vec && s.head_dim <= kAttnSmemVMaxDim && s.head_dim * static_cast<int64_t>(kv_bytes) % 16 == 0 &&
+                      pieces > 0 && (pieces & (pieces - 1)) == 0 && aligned(k_cache, 16) && aligned(v_cache, 16) &&
+                      attn_smem_v_env();
+  const size_t smem = smem_v ? static_cast<size_t>(kAttnChunk) * s.head_dim * kv_bytes : 0;
   // kKPre where the grid has at most two CTAs an SM (its occupancy) and a row can span chunks.
   bool k_pre = false;
   if (smem_v && longest > kAttnChunk && attn_k_prefetch_env()) {
@@ -719,39 +759,47 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
     RD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ctx.device.index));
     k_pre = static_cast<int64_t>(grid.x) * grid.y * grid.z <= 2 * static_cast<int64_t>(sms);
   }
-  auto launch = [&](auto kernel) {
+  auto launch = [&](auto kernel, auto kv) {
+    using KV = typename decltype(kv)::type;
     (void)launch_dependent(kernel, grid, kAttnThreads, smem, stream_of(ctx), out.data, q.as<const float>(),
-                           k_cache.as<const float>(), v_cache.as<const float>(), block_tables.as<const int32_t>(),
+                           k_cache.as<const KV>(), v_cache.as<const KV>(), block_tables.as<const int32_t>(),
                            seq_of.as<const int32_t>(), ctx_len.as<const int32_t>(), sh, dim_lanes, sp);
   };
-  auto launch_heads = [&](auto kh) -> Status {
+  auto launch_heads = [&](auto kh, auto kv) -> Status {
     constexpr int kH = decltype(kh)::value;
+    using KV = typename decltype(kv)::type;
     if (smem_v) {
       // Opted in at the most any head dimension asks (above 48 KiB with the static part); one
-      // mask per kernel (statics: this lambda is instantiated once per kH).
-      const int bytes = static_cast<int>(kAttnChunk * kAttnSmemVMaxDim * sizeof(float));
+      // mask per kernel (statics: this lambda is instantiated once per kH and KV).
+      const int bytes = static_cast<int>(kAttnChunk * kAttnSmemVMaxDim * sizeof(KV));
       if (k_pre) {
         static std::atomic<uint64_t> opted{0};
-        RD_RETURN_IF_ERROR(opt_in_smem(opted, paged_attention_kernel<kH, 1, true, true, true>, bytes, ctx.device.index));
-        launch(paged_attention_kernel<kH, 1, true, true, true>);
+        RD_RETURN_IF_ERROR(
+            opt_in_smem(opted, paged_attention_kernel<KV, kH, 1, true, true, true>, bytes, ctx.device.index));
+        launch(paged_attention_kernel<KV, kH, 1, true, true, true>, kv);
       } else {
         static std::atomic<uint64_t> opted{0};
-        RD_RETURN_IF_ERROR(opt_in_smem(opted, paged_attention_kernel<kH, 1, true, true>, bytes, ctx.device.index));
-        launch(paged_attention_kernel<kH, 1, true, true>);
+        RD_RETURN_IF_ERROR(opt_in_smem(opted, paged_attention_kernel<KV, kH, 1, true, true>, bytes, ctx.device.index));
+        launch(paged_attention_kernel<KV, kH, 1, true, true>, kv);
       }
     } else if (vec) {
-      launch(paged_attention_kernel<kH, 1, true>);
+      launch(paged_attention_kernel<KV, kH, 1, true>, kv);
     } else if (per <= 1) {
-      launch(paged_attention_kernel<kH, 1, false>);
+      launch(paged_attention_kernel<KV, kH, 1, false>, kv);
     } else if (per <= 2) {
-      launch(paged_attention_kernel<kH, 2, false>);
+      launch(paged_attention_kernel<KV, kH, 2, false>, kv);
     } else {
-      launch(paged_attention_kernel<kH, 4, false>);
+      launch(paged_attention_kernel<KV, kH, 4, false>, kv);
     }
     return Status::Ok();
   };
-  if (few) RD_RETURN_IF_ERROR(launch_heads(std::integral_constant<int, kAttnFewHeads>{}));
-  else RD_RETURN_IF_ERROR(launch_heads(std::integral_constant<int, kAttnHeads>{}));
+  // BF16 caches: their bits (uint16_t), widened to FP32 as read.
+  auto launch_kv = [&](auto kv) -> Status {
+    if (few) return launch_heads(std::integral_constant<int, kAttnFewHeads>{}, kv);
+    return launch_heads(std::integral_constant<int, kAttnHeads>{}, kv);
+  };
+  if (kv_bf16) RD_RETURN_IF_ERROR(launch_kv(std::type_identity<uint16_t>{}));
+  else RD_RETURN_IF_ERROR(launch_kv(std::type_identity<float>{}));
   RD_CUDA_CHECK_LAUNCH("paged_attention_kernel");
   return Status::Ok();
 }

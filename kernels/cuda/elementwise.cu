@@ -170,7 +170,14 @@ __global__ void rope_kernel(float* x, const int32_t* __restrict__ positions, int
   }
 }
 
-__global__ void kv_store_kernel(float* __restrict__ k_cache, float* __restrict__ v_cache,
+// One value into a KV cache at element i: FP32 as it is, or BF16 rounded to nearest even (the
+// CPU's kv_store rounding, kernels/bf16.hpp).
+__device__ __forceinline__ void cache_put(void* cache, bool bf16, int64_t i, float v) {
+  if (bf16) static_cast<uint16_t*>(cache)[i] = f32_to_bf16_bits(v);
+  else static_cast<float*>(cache)[i] = v;
+}
+
+__global__ void kv_store_kernel(void* __restrict__ k_cache, void* __restrict__ v_cache, bool bf16,
                                 const float* __restrict__ k, const float* __restrict__ v,
                                 const int32_t* __restrict__ slots, int64_t num_slots,
                                 int64_t row) {
@@ -179,8 +186,8 @@ __global__ void kv_store_kernel(float* __restrict__ k_cache, float* __restrict__
   const int64_t slot = slots[t];
   if (slot < 0 || slot >= num_slots) return;  // padding (or a bad slot: skipped)
   for (int64_t c = threadIdx.x; c < row; c += blockDim.x) {
-    k_cache[slot * row + c] = k[t * row + c];
-    v_cache[slot * row + c] = v[t * row + c];
+    cache_put(k_cache, bf16, slot * row + c, k[t * row + c]);
+    cache_put(v_cache, bf16, slot * row + c, v[t * row + c]);
   }
 }
 
@@ -350,7 +357,7 @@ Status kv_store(const ExecContext& ctx, TensorView k_cache, TensorView v_cache, 
   RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
   (void)launch_dependent(
       kv_store_kernel, static_cast<unsigned int>(num_tokens), kThreads, 0, stream_of(ctx),
-      k_cache.as<float>(), v_cache.as<float>(), k.as<const float>(), v.as<const float>(),
+      k_cache.data, v_cache.data, k_cache.dtype == DType::kBF16, k.as<const float>(), v.as<const float>(),
       slot_mapping.as<const int32_t>(), k_cache.size(0) * k_cache.size(1),
       k_cache.size(2) * k_cache.size(3));
   RD_CUDA_CHECK_LAUNCH("kv_store_kernel");
@@ -473,7 +480,7 @@ __global__ void rope_qk_kernel(float* q, float* k, const int32_t* __restrict__ p
                                int64_t kv_heads, int64_t head_dim, float theta, float scale, float eps,
                                const float* __restrict__ qkv, float* __restrict__ v, const float* __restrict__ q_bias,
                                const float* __restrict__ k_bias, const float* __restrict__ v_bias,
-                               float* __restrict__ k_cache, float* __restrict__ v_cache,
+                               void* __restrict__ k_cache, void* __restrict__ v_cache, bool cache_bf16,
                                const int32_t* __restrict__ slots, int64_t num_slots) {
   pdl_begin();
   const int64_t half = head_dim / 2, rot_heads = q_heads + kv_heads;
@@ -493,12 +500,12 @@ __global__ void rope_qk_kernel(float* q, float* k, const int32_t* __restrict__ p
     if (h >= rot_heads) {  // a v head: copied as it is
       const float* src = qkv + t * width + h * head_dim;
       float* dst = v + (t * kv_heads + (h - rot_heads)) * head_dim;
-      float* cdst = slot >= 0 ? v_cache + (slot * kv_heads + (h - rot_heads)) * head_dim : nullptr;
+      const int64_t cbase = slot >= 0 ? (slot * kv_heads + (h - rot_heads)) * head_dim : -1;
       const float* vb = v_bias != nullptr ? v_bias + (h - rot_heads) * head_dim : nullptr;
       for (int64_t i = lane; i < head_dim; i += 32) {
         const float val = vb != nullptr ? src[i] + vb[i] : src[i];
         dst[i] = val;
-        if (cdst != nullptr) cdst[i] = val;
+        if (cbase >= 0) cache_put(v_cache, cache_bf16, cbase + i, val);
       }
       continue;
     }
@@ -521,7 +528,7 @@ __global__ void rope_qk_kernel(float* q, float* k, const int32_t* __restrict__ p
       inv = rsqrtf(ss / static_cast<float>(head_dim) + eps);
     }
     const float* w = is_q ? q_norm : k_norm;
-    float* kc = !is_q && slot >= 0 ? k_cache + (slot * kv_heads + (h - q_heads)) * head_dim : nullptr;
+    const int64_t kbase = !is_q && slot >= 0 ? (slot * kv_heads + (h - q_heads)) * head_dim : -1;
     const float p = static_cast<float>(positions[t]);
     for (int64_t i = lane; i < half; i += 32) {
       float x1 = at(i), x2 = at(i + half);
@@ -541,9 +548,9 @@ __global__ void rope_qk_kernel(float* q, float* k, const int32_t* __restrict__ p
       const float y1 = x1 * c - x2 * s, y2 = x2 * c + x1 * s;
       x[i] = y1;
       x[i + half] = y2;
-      if (kc != nullptr) {
-        kc[i] = y1;
-        kc[i + half] = y2;
+      if (kbase >= 0) {
+        cache_put(k_cache, cache_bf16, kbase + i, y1);
+        cache_put(k_cache, cache_bf16, kbase + i + half, y2);
       }
     }
   }
@@ -564,7 +571,8 @@ Status rope_qk(const ExecContext& ctx, const RopeQkArgs& a) {
         a.positions.as<const int32_t>(), a.inv_freq.as<const float>(),
         a.q_norm.as<const float>(), a.k_norm.as<const float>(), a.q.size(0), a.q.size(1), a.k.size(1), a.q.size(2),
         a.theta, a.scale, a.eps, a.qkv.as<const float>(), a.v.as<float>(), a.q_bias.as<const float>(),
-        a.k_bias.as<const float>(), a.v_bias.as<const float>(), a.k_cache.as<float>(), a.v_cache.as<float>(),
+        a.k_bias.as<const float>(), a.v_bias.as<const float>(), a.k_cache.data, a.v_cache.data,
+        a.k_cache.dtype == DType::kBF16,
         a.slot_mapping.as<const int32_t>(), a.k_cache.data != nullptr ? a.k_cache.size(0) * a.k_cache.size(1) : 0);
   };
   if (norm && table) launch(rope_qk_kernel<true, true>);

@@ -134,6 +134,7 @@ double copy_bandwidth() {
 // Bytes a decode step of `batch` tokens reads at mean context `ctx` (see the header).
 double decode_step_bytes(const core::MoeDecoder& m, int64_t batch, double ctx) {
   const core::ModelConfig& c = m.config();
+  const double kv_elem = static_cast<double>(dtype_size(m.limits().kv_dtype));
   double bytes = 0;
   for (const auto& p : m.weights().parameters()) {
     const double b = static_cast<double>(p.storage.nbytes());
@@ -146,7 +147,7 @@ double decode_step_bytes(const core::MoeDecoder& m, int64_t batch, double ctx) {
       bytes += b;
     }
   }
-  // K and V (FP32) of the context each layer attends to: a sliding-window layer reads at most its
+  // K and V (FP32 or BF16, the cache's dtype) of the context each layer attends to: a sliding-window layer reads at most its
   // window (min of the mean context and the window: a bound that is exact while every step's
   // context is on the same side of the window).
   double layer_ctx = 0;
@@ -155,7 +156,7 @@ double decode_step_bytes(const core::MoeDecoder& m, int64_t batch, double ctx) {
                          c.layer_types[static_cast<size_t>(l)] == "sliding_attention" && c.sliding_window > 0;
     layer_ctx += sliding ? std::min(ctx, static_cast<double>(c.sliding_window)) : ctx;
   }
-  bytes += 2.0 * static_cast<double>(batch * c.num_key_value_heads * c.head_dim) * 4 * layer_ctx;
+  bytes += 2.0 * static_cast<double>(batch * c.num_key_value_heads * c.head_dim) * kv_elem * layer_ctx;
   return bytes;
 }
 
@@ -420,6 +421,7 @@ int main(int argc, char** argv) {
   bool grouped_experts = true;        // --grouped-experts 0: ModelConfig::grouped_experts off (FP32 expert op)
   std::string prefill_arg = "8,512";  // --prefill R,L (0: skip)
   std::string device_arg = "cuda";    // --device cpu: a smoke run on the CPU backend
+  std::string kv_arg = "float32";     // --kv-dtype float32|bfloat16: the K and V caches (StepLimits::kv_dtype)
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--json") json_path = argv[i + 1];
@@ -447,7 +449,13 @@ int main(int argc, char** argv) {
     else if (a == "--grouped-experts") grouped_experts = std::atoi(argv[i + 1]) != 0;
     else if (a == "--prefill") prefill_arg = argv[i + 1];
     else if (a == "--device") device_arg = argv[i + 1];
+    else if (a == "--kv-dtype") kv_arg = argv[i + 1];
   }
+  if (kv_arg != "float32" && kv_arg != "bfloat16") {
+    std::fprintf(stderr, "--kv-dtype: float32 or bfloat16, got %s\n", kv_arg.c_str());
+    return 2;
+  }
+  const DType kv_dtype = kv_arg == "bfloat16" ? DType::kBF16 : DType::kF32;
   if (records_arg != "on" && records_arg != "off" && records_arg != "both") {
     std::fprintf(stderr, "--records: on, off or both, got %s\n", records_arg.c_str());
     return 2;
@@ -565,17 +573,19 @@ int main(int argc, char** argv) {
       limits.max_blocks_per_seq = std::max<int64_t>(16, (g_prompt_len + new_tokens + 15) / 16 + 1);
       limits.num_kv_blocks = max_batch * ((g_prompt_len + new_tokens + 15) / 16 + 1) + 16;
       limits.graph_max_batch = graphs ? max_batch : 0;
+      limits.kv_dtype = kv_dtype;
       const size_t free_before = device_free_bytes();
       std::unique_ptr<Engine> e = build(limits, max_batch);
       if (!e) return 1;
       const size_t free_after = device_free_bytes();
       const core::GraphStats& gs = e->model().graph_stats();
-      std::printf("%s: dense projections %s, q/k/v as one GEMM in %lld layers\n", model.c_str(),
+      std::printf("%s: dense projections %s, q/k/v as one GEMM in %lld layers, KV cache %s\n", model.c_str(),
                   e->model().uses_bf16_dense() ? "BF16" : "FP32",
-                  static_cast<long long>(e->model().qkv_fused_layers()));
+                  static_cast<long long>(e->model().qkv_fused_layers()), kv_arg.c_str());
       nlohmann::json entry = {{"model", model},
                               {"graphs", graphs},
                               {"dense_bf16", e->model().uses_bf16_dense()},
+                              {"kv_dtype", kv_arg},
                               {"qkv_fused_layers", e->model().qkv_fused_layers()},
                               {"num_graphs", gs.num_graphs},
                               {"buckets", gs.buckets},

@@ -117,6 +117,17 @@ std::vector<float> random_f32(Rng& rng, int64_t n, float lo, float hi) {
   return v;
 }
 
+// BF16 bytes of random values in [lo, hi) (each rounded to nearest even).
+std::vector<uint8_t> random_bf16(Rng& rng, int64_t n, float lo, float hi) {
+  const std::vector<float> f = random_f32(rng, n, lo, hi);
+  std::vector<uint8_t> bytes(static_cast<size_t>(n) * 2);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t b = f32_to_bf16_bits(f[static_cast<size_t>(i)]);
+    std::memcpy(&bytes[static_cast<size_t>(i) * 2], &b, 2);
+  }
+  return bytes;
+}
+
 struct CaseMaker {
   std::string name;  // gtest parameter name: letters, digits, '_'
   std::function<ParityCase(Rng&)> make;
@@ -236,17 +247,8 @@ void linear_cases() {
     reg("linear_bf16" + dims({{"M", m}, {"K", k}, {"N", n}}), [=](Rng& rng) {
       ParityCase c;
       const float amp = 1.0f / std::sqrt(static_cast<float>(k));
-      auto bf16 = [&](int64_t count, float lo, float hi) {
-        const std::vector<float> f = random_f32(rng, count, lo, hi);
-        std::vector<uint8_t> bytes(static_cast<size_t>(count) * 2);
-        for (int64_t i = 0; i < count; ++i) {
-          const uint16_t b = f32_to_bf16_bits(f[static_cast<size_t>(i)]);
-          std::memcpy(&bytes[static_cast<size_t>(i) * 2], &b, 2);
-        }
-        return bytes;
-      };
-      c.add("x", DType::kBF16, {m, k}, Role::kIn, bf16(m * k, -1, 1));
-      c.add("w", DType::kBF16, {n, k}, Role::kIn, bf16(n * k, -amp, amp));
+      c.add("x", DType::kBF16, {m, k}, Role::kIn, random_bf16(rng, m * k, -1, 1));
+      c.add("w", DType::kBF16, {n, k}, Role::kIn, random_bf16(rng, n * k, -amp, amp));
       c.add_out("y", DType::kF32, {m, n});
       c.run = [](const Backend& b, const ExecContext& x, const std::vector<TensorView>& a) {
         return b.linear(x, a[2], a[0], a[1]);
@@ -313,21 +315,28 @@ void rope_cases() {
 void kv_store_cases() {
   struct P {
     int64_t blocks, block_size, kv_heads, d, t, padding;
+    bool bf16;  // BF16 caches: every backend rounds each value to nearest even, the same bits
   };
-  for (const P p : {P{4, 16, 2, 64, 1, 0}, P{4, 16, 2, 64, 5, 2}, P{3, 1, 1, 8, 3, 1},
-                    P{16, 16, 8, 128, 37, 4}}) {
-    reg("kv_store" + dims({{"NB", p.blocks}, {"BS", p.block_size}, {"KVH", p.kv_heads},
-                           {"D", p.d}, {"T", p.t}, {"Pad", p.padding}}),
+  for (const P p : {P{4, 16, 2, 64, 1, 0, false}, P{4, 16, 2, 64, 5, 2, false}, P{3, 1, 1, 8, 3, 1, false},
+                    P{16, 16, 8, 128, 37, 4, false}, P{4, 16, 2, 64, 5, 2, true}, P{3, 1, 1, 6, 3, 1, true},
+                    P{16, 16, 8, 128, 37, 4, true}}) {
+    reg(std::string(p.bf16 ? "kv_store_bf16" : "kv_store") +
+            dims({{"NB", p.blocks}, {"BS", p.block_size}, {"KVH", p.kv_heads}, {"D", p.d}, {"T", p.t},
+                  {"Pad", p.padding}}),
         [=](Rng& rng) {
           ParityCase c;
-          c.tolerance = 0.0;  // a copy
+          c.tolerance = 0.0;  // a copy, or the same rounding
           const int64_t cache = p.blocks * p.block_size * p.kv_heads * p.d;
           const int64_t rows = p.t * p.kv_heads * p.d;
           // Caches start random, so a slot written by mistake (or not written) shows.
-          c.add_f32("k_cache", {p.blocks, p.block_size, p.kv_heads, p.d}, Role::kInOut,
-                    random_f32(rng, cache, -1, 1));
-          c.add_f32("v_cache", {p.blocks, p.block_size, p.kv_heads, p.d}, Role::kInOut,
-                    random_f32(rng, cache, -1, 1));
+          const Shape cs{p.blocks, p.block_size, p.kv_heads, p.d};
+          if (p.bf16) {
+            c.add("k_cache", DType::kBF16, cs, Role::kInOut, random_bf16(rng, cache, -1, 1));
+            c.add("v_cache", DType::kBF16, cs, Role::kInOut, random_bf16(rng, cache, -1, 1));
+          } else {
+            c.add_f32("k_cache", cs, Role::kInOut, random_f32(rng, cache, -1, 1));
+            c.add_f32("v_cache", cs, Role::kInOut, random_f32(rng, cache, -1, 1));
+          }
           c.add_f32("k", {p.t, p.kv_heads, p.d}, Role::kIn, random_f32(rng, rows, -1, 1));
           c.add_f32("v", {p.t, p.kv_heads, p.d}, Role::kIn, random_f32(rng, rows, -1, 1));
           // Distinct slots: two writers of one slot would race on the GPU.
@@ -360,7 +369,7 @@ struct SeqSpec {
 ParityCase attention_case(Rng& rng, std::vector<SeqSpec> seqs, int64_t q_heads, int64_t kv_heads,
                           int64_t d, int64_t block_size, int64_t padding_tokens, bool sinks = false,
                           int64_t window = 0, bool out_bf16 = false, bool split = false,
-                          int32_t split_ctas = 0) {
+                          int32_t split_ctas = 0, bool kv_bf16 = false) {
   ParityCase c;
   int64_t max_blocks = 1, blocks_needed = 0, num_tokens = padding_tokens;
   for (const auto& s : seqs) {
@@ -373,10 +382,14 @@ ParityCase attention_case(Rng& rng, std::vector<SeqSpec> seqs, int64_t q_heads, 
   const int64_t cache = num_blocks * block_size * kv_heads * d;
   c.add_f32("q", {num_tokens, q_heads, d}, Role::kIn,
             random_f32(rng, num_tokens * q_heads * d, -2, 2));
-  c.add_f32("k_cache", {num_blocks, block_size, kv_heads, d}, Role::kIn,
-            random_f32(rng, cache, -1, 1));
-  c.add_f32("v_cache", {num_blocks, block_size, kv_heads, d}, Role::kIn,
-            random_f32(rng, cache, -1, 1));
+  // BF16 caches (kv_store's rounding): both backends widen the same bits, so the FP32 bound holds.
+  if (kv_bf16) {
+    c.add("k_cache", DType::kBF16, {num_blocks, block_size, kv_heads, d}, Role::kIn, random_bf16(rng, cache, -1, 1));
+    c.add("v_cache", DType::kBF16, {num_blocks, block_size, kv_heads, d}, Role::kIn, random_bf16(rng, cache, -1, 1));
+  } else {
+    c.add_f32("k_cache", {num_blocks, block_size, kv_heads, d}, Role::kIn, random_f32(rng, cache, -1, 1));
+    c.add_f32("v_cache", {num_blocks, block_size, kv_heads, d}, Role::kIn, random_f32(rng, cache, -1, 1));
+  }
   // Blocks handed out in shuffled order: tables are not contiguous ranges.
   std::vector<int32_t> free_blocks(static_cast<size_t>(num_blocks));
   std::iota(free_blocks.begin(), free_blocks.end(), 0);
@@ -543,6 +556,41 @@ void attention_cases() {
   });
   reg("paged_attention_split_scalar_path_D42_ignores_workspace", [](Rng& rng) {
     return attention_case(rng, {{900, 1}, {11, 4}}, 6, 3, 42, 3, 1, true, 0, false, true);
+  });
+  // BF16 caches on every path of the CUDA kernel: shared-memory V with and without the next
+  // chunk's K ahead (D 64, 16 and 8: rows of 8, 2 and 1 16-byte pieces; 2 and 8 heads a CTA),
+  // register V (D 4: under one piece; D 40: 5 pieces; D 128: past the shared-memory bound), the
+  // scalar path (D 42), split rows, sinks, windows, padding rows and a BF16 out.
+  reg("paged_attention_kv_bf16_decode_multichunk_QH64_KVH8_D64", [](Rng& rng) {
+    return attention_case(rng, {{700, 1}, {129, 1}, {5, 1}}, 64, 8, 64, 16, 1, true, 0, true, false, 0, true);
+  });
+  reg("paged_attention_kv_bf16_prefill_window128_QH16_KVH2_D64", [](Rng& rng) {
+    return attention_case(rng, {{300, 40}, {260, 1}}, 16, 2, 64, 16, 2, true, 128, false, false, 0, true);
+  });
+  reg("paged_attention_kv_bf16_multichunk_D16_QH4_KVH2", [](Rng& rng) {
+    return attention_case(rng, {{400, 1}, {200, 3}}, 4, 2, 16, 8, 0, false, 0, false, false, 0, true);
+  });
+  reg("paged_attention_kv_bf16_multichunk_D8_QH8_KVH1", [](Rng& rng) {
+    return attention_case(rng, {{300, 1}, {130, 2}}, 8, 1, 8, 16, 1, false, 0, false, false, 0, true);
+  });
+  reg("paged_attention_kv_bf16_D4_window200_QH2_KVH1", [](Rng& rng) {
+    return attention_case(rng, {{400, 2}, {130, 1}}, 2, 1, 4, 16, 0, true, 200, false, false, 0, true);
+  });
+  reg("paged_attention_kv_bf16_D40_block3", [](Rng& rng) {
+    return attention_case(rng, {{140, 4}, {7, 7}}, 6, 3, 40, 3, 1, true, 0, false, false, 0, true);
+  });
+  reg("paged_attention_kv_bf16_D128_QH8_KVH2", [](Rng& rng) {
+    return attention_case(rng, {{300, 1}, {33, 2}}, 8, 2, 128, 16, 0, false, 0, false, false, 0, true);
+  });
+  reg("paged_attention_kv_bf16_scalar_D42", [](Rng& rng) {
+    return attention_case(rng, {{150, 1}, {11, 4}}, 6, 3, 42, 3, 1, true, 0, false, false, 0, true);
+  });
+  reg("paged_attention_kv_bf16_split_sinks_QH8_KVH2_D64", [](Rng& rng) {
+    return attention_case(rng, {{2048, 1}, {257, 1}, {5000, 1}, {3, 1}}, 8, 2, 64, 16, 1, true, 0, false, true, 0,
+                          true);
+  });
+  reg("paged_attention_kv_bf16_split_window700_bf16_out_QH64_KVH8_D64", [](Rng& rng) {
+    return attention_case(rng, {{1500, 1}, {701, 1}}, 64, 8, 64, 16, 0, true, 700, true, true, 0, true);
   });
 }
 
@@ -870,9 +918,10 @@ void fused_op_cases() {
   // fused: the qkv form (rows q | k | v of one projection in; q, k written rotated, v copied);
   // bias: with the projections' biases (gpt-oss), fused form only; store: with the KV caches and
   // slots (fused form only: k and v also written at each token's slot, one padding row).
-  const auto rope_qk_case = [](const R p, bool fused, bool bias, bool store = false) {
+  const auto rope_qk_case = [](const R p, bool fused, bool bias, bool store = false, bool store_bf16 = false) {
     const std::string name = std::string(fused ? "rope_qk_qkv_" : "rope_qk_") + (p.table ? "table" : "theta") +
                              (p.norm ? "_qknorm" : "") + (bias ? "_bias" : "") + (store ? "_store" : "") +
+                             (store_bf16 ? "_bf16" : "") +
                              (fused ? dims({{"T", p.t}, {"QH", p.qh}, {"KVH", p.kvh}, {"D", p.d}})
                                     : dims({{"T", p.t}, {"QH", p.qh}, {"KVH", p.kvh}, {"D", p.d}, {"MaxPos", p.max_pos}}));
     reg(name, [=](Rng& rng) {
@@ -904,8 +953,17 @@ void fused_op_cases() {
         // Caches start random (a slot written by mistake, or not written, shows); distinct slots,
         // the last row padding (-1) when there are two or more.
         const int64_t blocks = (p.t + 7) / 8 + 1, cache = blocks * 8 * p.kvh * p.d;
-        k_cache = c.add_f32("k_cache", {blocks, 8, p.kvh, p.d}, Role::kInOut, random_f32(rng, cache, -1, 1));
-        v_cache = c.add_f32("v_cache", {blocks, 8, p.kvh, p.d}, Role::kInOut, random_f32(rng, cache, -1, 1));
+        if (store_bf16) {
+          // BF16 caches: each backend rounds its FP32 k (and v) once, so a value whose FP32 results
+          // straddle a rounding boundary lands one BF16 step apart (the BF16 output bound).
+          k_cache = c.add("k_cache", DType::kBF16, {blocks, 8, p.kvh, p.d}, Role::kInOut, random_bf16(rng, cache, -1, 1));
+          v_cache = c.add("v_cache", DType::kBF16, {blocks, 8, p.kvh, p.d}, Role::kInOut, random_bf16(rng, cache, -1, 1));
+          c.tensors[k_cache].tolerance = kBf16OutputTolerance;
+          c.tensors[v_cache].tolerance = kBf16OutputTolerance;
+        } else {
+          k_cache = c.add_f32("k_cache", {blocks, 8, p.kvh, p.d}, Role::kInOut, random_f32(rng, cache, -1, 1));
+          v_cache = c.add_f32("v_cache", {blocks, 8, p.kvh, p.d}, Role::kInOut, random_f32(rng, cache, -1, 1));
+        }
         std::vector<int32_t> slots(static_cast<size_t>(blocks * 8));
         std::iota(slots.begin(), slots.end(), 0);
         rng.shuffle(slots);
@@ -966,6 +1024,9 @@ void fused_op_cases() {
   for (const R p : {R{1, 64, 8, 64, 131072, true, false, 1.3465736f}, R{33, 64, 8, 64, 4096, true, false, 1.3465736f}})
     rope_qk_case(p, true, true, true);
   rope_qk_case(R{5, 32, 4, 128, 40000, false, true, 1e6f}, true, false, true);
+  // The same into BF16 caches.
+  rope_qk_case(R{33, 64, 8, 64, 4096, true, false, 1.3465736f}, true, true, true, true);
+  rope_qk_case(R{5, 32, 4, 128, 40000, false, true, 1e6f}, true, false, true, true);
 }
 
 const std::vector<CaseMaker>& all_cases() {

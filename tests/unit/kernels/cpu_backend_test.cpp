@@ -531,6 +531,59 @@ TEST(CpuBackend, KvStoreWritesSlotsAndSkipsNegative) {
   EXPECT_EQ(vc, (std::vector<float>{-5, -6, 0, 0, 0, 0, -1, -2}));
 }
 
+// BF16 caches: each value rounded to nearest even as it is stored. Expected bits by hand from
+// the format (sign, 8 exponent bits, 7 mantissa bits; 1.0 = 0x3f80, a step at 1 is 2^-7):
+// 1 + 2^-8 is a tie and goes to the even 1.0; 1 + 3 * 2^-8 is a tie and goes up to the even
+// 1 + 2^-6; 1 + 2^-8 + 2^-20 is past the tie and goes up; -2.5 and 0 are exact.
+TEST(CpuBackend, KvStoreIntoBf16RoundsToNearestEven) {
+  std::vector<uint16_t> kc(8, 0xffff), vc(8, 0xffff);  // [2 blocks, 2 slots, 1 head, D = 2]
+  const float tie_down = 1.0f + std::ldexp(1.0f, -8), tie_up = 1.0f + 3 * std::ldexp(1.0f, -8);
+  const float past = 1.0f + std::ldexp(1.0f, -8) + std::ldexp(1.0f, -20);
+  std::vector<float> k{tie_down, tie_up, 9, 9}, v{past, -2.5f, 9, 9};
+  std::vector<int32_t> slots{2, -1};
+  const auto bf = [](std::vector<uint16_t>& b) {
+    return TensorView::contiguous(b.data(), DType::kBF16, Shape{2, 2, 1, 2});
+  };
+  ASSERT_TRUE(cpu().kv_store(kCtx, bf(kc), bf(vc), f32(k, {2, 1, 2}), f32(v, {2, 1, 2}), i32(slots, {2})).ok());
+  EXPECT_EQ(kc, (std::vector<uint16_t>{0xffff, 0xffff, 0xffff, 0xffff, 0x3f80, 0x3f82, 0xffff, 0xffff}));
+  EXPECT_EQ(vc, (std::vector<uint16_t>{0xffff, 0xffff, 0xffff, 0xffff, 0x3f81, 0xc020, 0xffff, 0xffff}));
+  // The caches must share one dtype: a BF16 k_cache with an FP32 v_cache is refused, nothing written.
+  std::vector<float> vf(8, 0.0f);
+  EXPECT_EQ(cpu().kv_store(kCtx, bf(kc), f32(vf, {2, 2, 1, 2}), f32(k, {2, 1, 2}), f32(v, {2, 1, 2}), i32(slots, {2}))
+                .field(),
+            "v_cache");
+  EXPECT_EQ(vf, std::vector<float>(8, 0.0f));
+}
+
+// Attention over BF16 caches is attention over the FP32 values those bits stand for.
+TEST(CpuBackend, AttentionOverBf16CachesEqualsFp32OfTheSameValues) {
+  // [3 blocks, 2 slots, 1 head, D = 2]; a context of 5 over blocks 2, 0, 1 (a window of 3).
+  std::vector<float> kf{0.5f, -1.25f, 2, 0.75f, 1, 1, -3, 0.25f, 1.5f, 0.125f, -0.5f, 2.5f};
+  std::vector<float> vf{1, 2, 3, 4, 5, 6, 7, 8, -1, -2, -3, -4};
+  std::vector<uint16_t> kb(kf.size()), vb(vf.size());
+  for (size_t i = 0; i < kf.size(); ++i) {  // all exact in BF16
+    kb[i] = f32_to_bf16_bits(kf[i]);
+    vb[i] = f32_to_bf16_bits(vf[i]);
+    ASSERT_EQ(bf16_bits_to_f32(kb[i]), kf[i]);
+  }
+  std::vector<float> q{0.3f, -0.7f, 1.1f, 0.2f, -0.4f, 0.9f, 0.6f, -1.3f}, sinks{0.4f, -1.0f}, a(8, NAN), b(8, NAN);
+  std::vector<int32_t> table{2, 0, 1}, seq{0, 0}, len{4, 5};
+  const Shape cs{3, 2, 1, 2};
+  AttentionOptions o;
+  o.sinks = f32(sinks, {2});
+  o.window = 3;
+  ASSERT_TRUE(cpu().paged_attention_ex(kCtx, f32(a, {2, 2, 2}), f32(q, {2, 2, 2}), f32(kf, cs), f32(vf, cs),
+                                       i32(table, {1, 3}), i32(seq, {2}), i32(len, {2}), 0.9f, o)
+                  .ok());
+  ASSERT_TRUE(cpu().paged_attention_ex(kCtx, f32(b, {2, 2, 2}), f32(q, {2, 2, 2}),
+                                       TensorView::contiguous(kb.data(), DType::kBF16, cs),
+                                       TensorView::contiguous(vb.data(), DType::kBF16, cs), i32(table, {1, 3}),
+                                       i32(seq, {2}), i32(len, {2}), 0.9f, o)
+                  .ok());
+  EXPECT_EQ(a, b);
+  for (float x : a) EXPECT_TRUE(std::isfinite(x));
+}
+
 // One token, H = 2, I = 1. Physical expert 1 is the interesting one.
 struct TinyMoe {
   std::vector<float> x{2, 3};

@@ -11,6 +11,9 @@
 // counters, and rows past the old count kept a stale attention output. The embedded model has
 // no sliding window: every layer's rows are the whole context. The Cuda test skips without a
 // GPU (binary labelled gpu).
+// The same run with BF16 K and V caches (StepLimits::kv_dtype): on the CPU against the FP32
+// cache (half the arena, first tokens' log-probs close and not identical), on CUDA against the
+// CPU with the same cache dtype.
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -21,8 +24,9 @@
 namespace rolloutd::core {
 namespace {
 
-StepLimits long_limits(int64_t graph_max_batch) {
+StepLimits long_limits(int64_t graph_max_batch, DType kv_dtype) {
   StepLimits l;
+  l.kv_dtype = kv_dtype;
   l.max_tokens = 1024;       // step 6 holds 3 decodes and prompts of 700, 280 and 40: never a chunk
   l.max_seqs = 8;            // steps of up to 8 tokens get the split workspace (min(max_tokens, max_seqs))
   l.kv_block_size = 16;
@@ -32,8 +36,9 @@ StepLimits long_limits(int64_t graph_max_batch) {
   return l;
 }
 
-std::unique_ptr<Engine> make_engine(const Backend& backend, ExecContext ctx, int64_t graph_max_batch) {
-  const StepLimits limits = long_limits(graph_max_batch);
+std::unique_ptr<Engine> make_engine(const Backend& backend, ExecContext ctx, int64_t graph_max_batch,
+                                    DType kv_dtype = DType::kF32) {
+  const StepLimits limits = long_limits(graph_max_batch, kv_dtype);
   auto m = MoeDecoder::create(embedded_model_config(), limits, backend, ctx);
   EXPECT_TRUE(m.ok()) << m.status().to_string();
   if (!m.ok()) return nullptr;
@@ -214,6 +219,61 @@ TEST(LongContextDecode, CudaMatchesCpuWithGraphsOnAndOff) {
       EXPECT_GT(gpu->model().graph_stats().graph_steps, 20u) << "decode steps replay graphs";
     }
     expect_same(got, want, what + " vs CPU");
+  }
+}
+
+// A BF16 cache holds each k and v value rounded once (kernels/bf16.hpp). Against the FP32
+// cache on the CPU: the arena holds half the bytes; every request's first generated token (the
+// same prompt, so the same context in both runs) has a log-prob within 0.05 of the FP32 run's,
+// and some differ at all (the rounding reached the attention: a cache still FP32 would match
+// bit for bit, as the CPU's batch matches each request alone).
+TEST(LongContextDecode, CpuBf16KvCacheHalvesTheArenaAndStaysClose) {
+  // Only FP32 and BF16 caches exist: anything else is refused when the model is built.
+  const auto bad = MoeDecoder::create(embedded_model_config(), long_limits(0, DType::kI32), cpu_backend(), ExecContext{});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(bad.status().field(), "kv_dtype");
+  auto f32 = make_engine(cpu_backend(), ExecContext{}, 8);
+  auto b16 = make_engine(cpu_backend(), ExecContext{}, 8, DType::kBF16);
+  ASSERT_TRUE(f32 && b16);
+  const size_t f32_bytes = f32->model().arena(MemoryTag::kKvCache).bytes_used();
+  const size_t b16_bytes = b16->model().arena(MemoryTag::kKvCache).bytes_used();
+  EXPECT_GT(f32_bytes, 0u);
+  EXPECT_LE(b16_bytes, f32_bytes / 2 + 256 * 2 * embedded_model_config().num_hidden_layers);  // alignment slack
+  EXPECT_GE(b16_bytes, f32_bytes / 2);
+  const Output want = run(*f32, kArrivals);
+  const Output got = run(*b16, kArrivals);
+  double worst = 0;
+  for (const Arrival& a : kArrivals) {
+    ASSERT_FALSE(got.logprobs.at(a.rid).empty()) << a.rid;
+    const double d = std::fabs(got.logprobs.at(a.rid)[0] - want.logprobs.at(a.rid)[0]);
+    EXPECT_LE(d, 0.05) << "first log-prob of " << a.rid;
+    worst = std::max(worst, d);
+  }
+  EXPECT_GT(worst, 0.0) << "BF16 caches gave the FP32 caches' log-probs bit for bit";
+}
+
+// CUDA with BF16 caches against the CPU with BF16 caches, graphs on. Both round their FP32 k and
+// v once; those differ by ~1e-7 relative between the backends, so an element whose two values
+// straddle a rounding boundary is stored one BF16 step (2^-8 relative) apart: log-probs get the
+// bound 2e-3 + 2e-3 |lp| instead of the FP32 caches' 1e-4; tokens must still be equal.
+TEST(LongContextDecode, CudaMatchesCpuWithBf16KvCache) {
+  if (cuda_backend() == nullptr || cuda_device_count() == 0) GTEST_SKIP() << "no CUDA backend or no visible GPU";
+  auto cpu = make_engine(cpu_backend(), ExecContext{}, 0, DType::kBF16);
+  ASSERT_TRUE(cpu);
+  const Output want = run(*cpu, kArrivals);
+  auto gpu = make_engine(*cuda_backend(), ExecContext{Device::cuda(0), nullptr}, 8, DType::kBF16);
+  ASSERT_TRUE(gpu);
+  const Output got = run(*gpu, kArrivals);
+  expect_growing_and_shrinking_split_steps(got, gpu->model());
+  ASSERT_EQ(got.tokens.size(), want.tokens.size());
+  for (const auto& [rid, toks] : want.tokens) {
+    EXPECT_EQ(got.tokens.at(rid), toks) << "tokens of " << rid;
+    const auto& lp = got.logprobs.at(rid);
+    const auto& lw = want.logprobs.at(rid);
+    ASSERT_EQ(lp.size(), lw.size()) << rid;
+    for (size_t i = 0; i < lw.size(); ++i)
+      EXPECT_NEAR(lp[i], lw[i], 2e-3 + 2e-3 * std::fabs(lw[i])) << "log-prob " << i << " of " << rid;
   }
 }
 
