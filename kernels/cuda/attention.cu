@@ -648,6 +648,277 @@ __global__ void __launch_bounds__(kAttnThreads)
   }
 }
 
+// ---- Tensor-core attention over BF16 caches (kMma) ------------------------------------------------
+// Taken for unsplit launches of 8-head-sized grids over BF16 caches at D = 64 (gpt-oss): the
+// float4 kernel above spends its time issuing ~1,500 instructions a warp per 128-key chunk (a
+// q.k and a p.v FMA per head and key, shared-memory reads of q and p) with 8 warps an SM, and
+// halving the bytes (BF16) took only ~5 % off a long-context step. Here q.k and p.v are
+// mma.sync m16n8k16: the CTA's query heads (up to 16, the M rows) against 8 keys (q.k) or 8
+// output dimensions (p.v), as flash-attention does for prefill: 32 mma a warp per 32 keys.
+// Numerics: q and p are rounded to BF16 for the tensor cores (as a BF16 model's attention
+// does); scores, the softmax and the sums stay FP32. So these rows are within BF16 tolerance of
+// the FP32-q reference, not FP32's (the parity cases say which).
+// Layout: 4 warps, each its own keys (tiles of 32, warp w taking tiles w, w + 4, ...) through
+// its own kMmaStages-deep cp.async ring (no block barrier until the end); each warp keeps an
+// online softmax per head (running max, its lanes' partial sums, accumulators), and the 4 are
+// combined in shared memory at the end with the sink, as split rows are combined.
+constexpr int kMmaWarps = 4;
+constexpr int kMmaKeys = 32;    // keys a warp takes per tile (4 n-tiles of 8)
+constexpr int kMmaStages = 3;   // tiles in flight per warp
+constexpr int kMmaHeads = 16;   // query heads per CTA: the mma's M
+constexpr int kMmaDim = 64;     // the head dimension it is built for
+
+template <int D>
+struct MmaLayout {
+  static constexpr int kPieces = D / 8;                    // 16-byte pieces of a BF16 row
+  static constexpr int kTileBytes = kMmaKeys * D * 2;      // K or V rows of a tile
+  static constexpr int kStageBytes = 2 * kTileBytes;       // K then V
+  static constexpr int kWarpBytes = kMmaStages * kStageBytes;
+  static constexpr int kBytes = kMmaWarps * kWarpBytes;    // dynamic shared memory of a CTA
+  // The end's combine reuses it: max and sum [warps][heads], accumulators [warps][heads][D].
+  static constexpr int kCombineBytes = (2 * kMmaWarps * kMmaHeads + kMmaWarps * kMmaHeads * D) * 4;
+  static_assert(kCombineBytes <= kBytes, "the combine fits the ring");
+  static_assert(kPieces == 8, "the XOR swizzle below permutes 8 pieces a row");
+};
+
+// Byte offset of (row r, 16-byte piece c) in a tile: pieces XOR-swizzled by r % 8 so that the 8
+// rows an ldmatrix reads at one logical piece fall in 8 different bank groups.
+__device__ __forceinline__ int mma_tile_offset(int r, int c, int row_bytes) { return r * row_bytes + ((c ^ (r & 7)) << 4); }
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  return static_cast<uint32_t>(f32_to_bf16_bits(lo)) | (static_cast<uint32_t>(f32_to_bf16_bits(hi)) << 16);
+}
+
+template <int D>
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    paged_attention_mma_kernel(void* __restrict__ out, const float* __restrict__ q,
+                               const uint16_t* __restrict__ k_cache, const uint16_t* __restrict__ v_cache,
+                               const int32_t* __restrict__ block_tables, const int32_t* __restrict__ seq_of,
+                               const int32_t* __restrict__ ctx_len, AttentionShape s) {
+  using L = MmaLayout<D>;
+  constexpr int kRowBytes = D * 2;
+  constexpr int kKs = D / 16;  // k-steps of q.k
+  constexpr int kNd = D / 8;   // n-tiles of p.v's output dimensions
+  extern __shared__ __align__(128) uint8_t mma_smem[];
+  __shared__ uint32_t vmask[kMmaWarps][kMmaStages];  // per tile: keys with a cache row
+  pdl_begin();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, c2 = 2 * (lane & 3);  // fragment row (head) and column pair
+  const int64_t t = blockIdx.x;
+  const int64_t kvh = blockIdx.y / s.head_groups;
+  const int64_t per_kv = s.q_heads / s.kv_heads;
+  const int64_t h0 = kvh * per_kv + (blockIdx.y % s.head_groups) * kMmaHeads;
+  const int nh = static_cast<int>(per_kv - (h0 - kvh * per_kv) < kMmaHeads ? per_kv - (h0 - kvh * per_kv) : kMmaHeads);
+  const int64_t seq = seq_of[t];
+  int64_t len = ctx_len[t];
+  if (seq < 0 || seq >= s.num_seqs) len = 0;
+  len = len < 0 ? 0 : (len > s.max_blocks * s.block_size ? s.max_blocks * s.block_size : len);
+  const int32_t* table = block_tables + (len > 0 ? seq * s.max_blocks : 0);
+  const int64_t first = s.window > 0 && len > s.window ? len - s.window : 0;
+  const int64_t row_stride = s.kv_heads * D;
+
+  // q as the A operand: rows = the CTA's heads (zeros past nh), rounded to BF16 once.
+  uint32_t qa[kKs][4];
+  {
+    auto pair = [&](int r, int c) -> uint32_t {
+      if (r >= nh) return 0u;
+      const float2 v = *reinterpret_cast<const float2*>(q + (t * s.q_heads + h0 + r) * D + c);
+      return pack_bf16x2(v.x, v.y);
+    };
+#pragma unroll
+    for (int ks = 0; ks < kKs; ++ks) {
+      qa[ks][0] = pair(g, 16 * ks + c2);
+      qa[ks][1] = pair(g + 8, 16 * ks + c2);
+      qa[ks][2] = pair(g, 16 * ks + c2 + 8);
+      qa[ks][3] = pair(g + 8, 16 * ks + c2 + 8);
+    }
+  }
+
+  const int64_t keys = len - first;
+  const int tiles = static_cast<int>((keys + kMmaKeys - 1) / kMmaKeys);
+  const int mine = tiles > warp ? (tiles - warp + kMmaWarps - 1) / kMmaWarps : 0;
+  uint8_t* ring = mma_smem + warp * L::kWarpBytes;
+  // Tile j of this warp (keys first + 32 (warp + 4 j) ..) into stage st: lane l finds key l's
+  // cache row (-1: past the context or a block outside the cache: zero-filled, masked).
+  auto issue = [&](int j, int st) {
+    const int64_t key = first + static_cast<int64_t>(warp + kMmaWarps * j) * kMmaKeys + lane;
+    int64_t row = -1;
+    if (key < len) {
+      const int64_t block = table[key / s.block_size];
+      if (block >= 0 && block < s.num_blocks) row = block * s.block_size + key % s.block_size;
+    }
+    const uint32_t mask = __ballot_sync(0xffffffffu, row >= 0);
+    if (lane == 0) vmask[warp][st] = mask;
+    uint8_t* kt = ring + st * L::kStageBytes;
+#pragma unroll
+    for (int u = 0; u < L::kPieces; ++u) {  // 32 rows x kPieces pieces, a row's pieces on consecutive lanes
+      const int i = u * 32 + lane, r = i / L::kPieces, c = i % L::kPieces;
+      const int64_t rr = __shfl_sync(0xffffffffu, row, r);
+      const int64_t at = (rr < 0 ? 0 : rr) * row_stride + kvh * D + 8 * c;
+      cp_async16_zfill(kt + mma_tile_offset(r, c, kRowBytes), k_cache + at, rr >= 0);
+      cp_async16_zfill(kt + L::kTileBytes + mma_tile_offset(r, c, kRowBytes), v_cache + at, rr >= 0);
+    }
+  };
+#pragma unroll
+  for (int st = 0; st < kMmaStages - 1; ++st) {
+    if (st < mine) issue(st, st);
+    cp_async_commit();
+  }
+
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};  // rows g and g + 8
+  float acc[kNd][4];
+#pragma unroll
+  for (int nd = 0; nd < kNd; ++nd) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.0f;
+
+  for (int j = 0; j < mine; ++j) {
+    const int st = j % kMmaStages;
+    if (j + kMmaStages - 1 < mine) issue(j + kMmaStages - 1, (j + kMmaStages - 1) % kMmaStages);
+    cp_async_commit();  // possibly empty: keeps the group count in step
+    cp_async_wait<kMmaStages - 1>();
+    __syncwarp();  // every lane's copies of tile j (and its mask) visible to the warp
+    const uint32_t mask = vmask[warp][st];
+    const uint8_t* kt = ring + st * L::kStageBytes;
+    const uint8_t* vt = kt + L::kTileBytes;
+
+    // Scores: 4 n-tiles of 8 keys; per pair of k-steps one ldmatrix.x4 (keys nt*8 + lane % 8,
+    // pieces 4 kp + lane / 8).
+    float sc[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+#pragma unroll
+      for (int kp = 0; kp < kKs / 2; ++kp) {
+        uint32_t b[4];
+        const int r = nt * 8 + (lane & 7);
+        ldmatrix_x4(b, kt + mma_tile_offset(r, 4 * kp + (lane >> 3), kRowBytes));
+        mma_bf16_16816(sc[nt], qa[2 * kp], b[0], b[1]);
+        mma_bf16_16816(sc[nt], qa[2 * kp + 1], b[2], b[3]);
+      }
+    }
+    // Online softmax per head row (g: elements 0, 1; g + 8: 2, 3), over this warp's keys.
+    float p[4][4];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = nt * 8 + c2 + e;
+          float& v = sc[nt][2 * half + e];
+          v = (mask >> key) & 1u ? v * s.scale : -INFINITY;
+          mx = fmaxf(mx, v);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float new_m = fmaxf(m_run[half], mx);
+      const bool live = new_m != -INFINITY;  // -inf - -inf would be NaN
+      const float corr = live ? expf(m_run[half] - new_m) : 1.0f;
+      float sum = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pv = live ? expf(sc[nt][2 * half + e] - new_m) : 0.0f;
+          p[nt][2 * half + e] = pv;
+          sum += pv;
+        }
+      l_run[half] = l_run[half] * corr + sum;
+      if (live) m_run[half] = new_m;
+#pragma unroll
+      for (int nd = 0; nd < kNd; ++nd) {
+        acc[nd][2 * half] *= corr;
+        acc[nd][2 * half + 1] *= corr;
+      }
+    }
+    // p.v: two k-steps of 16 keys; p's accumulator layout is the A fragment's (n-tiles 2 kk and
+    // 2 kk + 1 side by side); V rows by ldmatrix.trans (keys 16 kk + 8 (m % 2) + lane % 8,
+    // pieces 2 dp + m / 2 for matrix m = lane / 8).
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      const uint32_t pa[4] = {pack_bf16x2(p[2 * kk][0], p[2 * kk][1]), pack_bf16x2(p[2 * kk][2], p[2 * kk][3]),
+                              pack_bf16x2(p[2 * kk + 1][0], p[2 * kk + 1][1]),
+                              pack_bf16x2(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+      const int m = lane >> 3;
+      const int r = 16 * kk + 8 * (m & 1) + (lane & 7);
+#pragma unroll
+      for (int dp = 0; dp < kNd / 2; ++dp) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, vt + mma_tile_offset(r, 2 * dp + (m >> 1), kRowBytes));
+        mma_bf16_16816(acc[2 * dp], pa, b[0], b[1]);
+        mma_bf16_16816(acc[2 * dp + 1], pa, b[2], b[3]);
+      }
+    }
+    __syncwarp();  // every lane done with stage st before a later tile is copied into it
+  }
+  cp_async_wait_all();
+
+  // The 4 lanes of a row hold partial sums of its p: the row's sum.
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 1);
+    l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 2);
+  }
+  __syncthreads();  // every warp is done with its ring: the combine reuses it
+  float* cm = reinterpret_cast<float*>(mma_smem);  // [warp][head] running max
+  float* cl = cm + kMmaWarps * kMmaHeads;           // [warp][head] sum
+  float* ca = cl + kMmaWarps * kMmaHeads;           // [warp][head][D] accumulators
+  if ((lane & 3) == 0) {
+    cm[warp * kMmaHeads + g] = m_run[0];
+    cm[warp * kMmaHeads + g + 8] = m_run[1];
+    cl[warp * kMmaHeads + g] = l_run[0];
+    cl[warp * kMmaHeads + g + 8] = l_run[1];
+  }
+#pragma unroll
+  for (int nd = 0; nd < kNd; ++nd) {
+    float* r0 = ca + (warp * kMmaHeads + g) * D + nd * 8 + c2;
+    float* r1 = ca + (warp * kMmaHeads + g + 8) * D + nd * 8 + c2;
+    r0[0] = acc[nd][0];
+    r0[1] = acc[nd][1];
+    r1[0] = acc[nd][2];
+    r1[1] = acc[nd][3];
+  }
+  __syncthreads();
+  // Each (head, 4 dimensions): the warps in order, weighted by exp(m_w - M); the sink (a logit
+  // without a value) joins the maximum and the denominator; a row that saw nothing is zero.
+  constexpr int kD4 = D / 4;
+  for (int i = threadIdx.x; i < nh * kD4; i += kMmaWarps * 32) {
+    const int h = i / kD4, d4 = i - h * kD4;
+    const bool sink = s.sinks != nullptr && len > 0;
+    const float sv = sink ? s.sinks[h0 + h] : -INFINITY;
+    float M = sv;
+#pragma unroll
+    for (int w = 0; w < kMmaWarps; ++w) M = fmaxf(M, cm[w * kMmaHeads + h]);
+    float l = sink && M != -INFINITY ? expf(sv - M) : 0.0f;
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int w = 0; w < kMmaWarps; ++w) {
+      const float mw = cm[w * kMmaHeads + h];
+      const float wt = mw == -INFINITY ? 0.0f : expf(mw - M);
+      l += wt * cl[w * kMmaHeads + h];
+      const float4 a = *reinterpret_cast<const float4*>(ca + (w * kMmaHeads + h) * D + 4 * d4);
+      v.x += wt * a.x;
+      v.y += wt * a.y;
+      v.z += wt * a.z;
+      v.w += wt * a.w;
+    }
+    const float iv = l > 0.0f ? 1.0f / l : 0.0f;
+    v = make_float4(v.x * iv, v.y * iv, v.z * iv, v.w * iv);
+    const int64_t o = (t * s.q_heads + h0 + h) * D + 4 * d4;
+    if (s.out_bf16) {
+      *reinterpret_cast<uint2*>(static_cast<uint16_t*>(out) + o) = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
+    } else {
+      *reinterpret_cast<float4*>(static_cast<float*>(out) + o) = v;
+    }
+  }
+}
+
+// ROLLOUTD_ATTN_MMA=0: never the tensor-core kernel (an A/B; other bits, BF16-close); read once.
+inline bool attn_mma_env() {
+  static const bool on = env_int("ROLLOUTD_ATTN_MMA", 1) != 0;
+  return on;
+}
+
 }  // namespace
 
 Status paged_attention(const ExecContext& ctx, TensorView out, TensorView q, TensorView k_cache,
@@ -739,6 +1010,23 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
       sp.o = reinterpret_cast<float*>(base + paged_attention_workspace_counter_bytes(heads, 1));
       sp.ml = sp.o + heads * kAttnMaxSplits * s.head_dim;
     }
+  }
+  // The tensor-core kernel: BF16 caches at D = kMmaDim, unsplit launches of 8-head-sized grids
+  // (small grids keep the few-head or split launches of the kernel above), rows 16-byte aligned.
+  if (kv_bf16 && sp.ctas == 0 && !few && s.head_dim == kMmaDim && vec && aligned(k_cache, 16) &&
+      aligned(v_cache, 16) && attn_mma_env()) {
+    using L = MmaLayout<kMmaDim>;
+    AttentionShape sm = s;
+    sm.head_groups = static_cast<int>((per_kv + kMmaHeads - 1) / kMmaHeads);
+    const dim3 mgrid(static_cast<unsigned int>(num_tokens), static_cast<unsigned int>(s.kv_heads * sm.head_groups), 1);
+    static std::atomic<uint64_t> opted{0};
+    RD_RETURN_IF_ERROR(opt_in_smem(opted, paged_attention_mma_kernel<kMmaDim>, L::kBytes, ctx.device.index));
+    (void)launch_dependent(paged_attention_mma_kernel<kMmaDim>, mgrid, kMmaWarps * 32, L::kBytes, stream_of(ctx),
+                           out.data, q.as<const float>(), k_cache.as<const uint16_t>(), v_cache.as<const uint16_t>(),
+                           block_tables.as<const int32_t>(), seq_of.as<const int32_t>(), ctx_len.as<const int32_t>(),
+                           sm);
+    RD_CUDA_CHECK_LAUNCH("paged_attention_mma_kernel");
+    return Status::Ok();
   }
   const int heads = few ? kAttnFewHeads : kAttnHeads;
   AttentionShape sh = s;

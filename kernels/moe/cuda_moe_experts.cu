@@ -660,14 +660,7 @@ struct DecodeArgs {
   float* y;          // down out [P, N] fp32 (sorted rows)
 };
 
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                               uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+using cuda::mma_bf16_16816;
 
 // Stage B rows base + g0 + n (n < nrows) into shared memory as bf16, permuted: the 16 bytes at
 // n*stride + slot*256 + wi*64 + c*16 hold the pairs (0,4), (1,5), (3,7), (2,6) of elements
@@ -1449,22 +1442,13 @@ struct PfShape {
   static_assert(BM == 64 || BM == 128, "tile height");
 };
 
-__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(gmem), "r"(n) : "memory");
-}
+using cuda::cp_async16_zfill;
 __device__ __forceinline__ void cp_async4_zfill(void* smem, const void* gmem, bool valid) {
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int n = valid ? 4 : 0;
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(gmem), "r"(n) : "memory");
 }
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
+using cuda::ldmatrix_x4;
 
 template <int BM, bool kGateUp>
 __global__ void __launch_bounds__(kPfThreads, 2) prefill_gemm_kernel(const GemmArgs g) {
