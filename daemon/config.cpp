@@ -60,6 +60,12 @@ ParseOutcome parse_config(int argc, const char* const* argv) {
       "cuBLAS BF16 GEMMs with FP32 accumulation) or float32 (FP32 GEMMs whatever the checkpoint); the CPU "
       "always computes in FP32")
       ->check(CLI::IsMember({"auto", "float32"}));
+  add("--kv-cache-dtype", c.kv_cache_dtype, "ROLLOUTD_KV_CACHE_DTYPE",
+      "element type of the K and V caches: auto (bfloat16 on CUDA when the dense projections are BF16, "
+      "see --dense-dtype; else float32), float32, or bfloat16 (half the cache's bytes, so twice the blocks "
+      "in the same memory, and half the attention's reads; each value rounded to nearest even as stored; "
+      "either backend; README: where attention then multiplies in BF16)")
+      ->check(CLI::IsMember({"auto", "float32", "bfloat16"}));
   add("--device", c.device, "ROLLOUTD_DEVICE", "compute backend (auto: cuda when a GPU is visible, else cpu)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   add("--gpu", c.gpu, "ROLLOUTD_GPU",
@@ -248,6 +254,9 @@ Status validate(const DaemonConfig& c) {
     return Status(ErrorCode::kInvalidArgument, "--quantize-experts must be none or mxfp4", "quantize_experts");
   if (c.dense_dtype != "auto" && c.dense_dtype != "float32")
     return Status(ErrorCode::kInvalidArgument, "--dense-dtype must be auto or float32", "dense_dtype");
+  if (c.kv_cache_dtype != "auto" && c.kv_cache_dtype != "float32" && c.kv_cache_dtype != "bfloat16")
+    return Status(ErrorCode::kInvalidArgument, "--kv-cache-dtype must be auto, float32 or bfloat16",
+                  "kv_cache_dtype");
   if (c.model.rfind("embedded:", 0) == 0) {
     if (c.model != "embedded:tiny-moe")
       return Status(ErrorCode::kInvalidArgument, "the only embedded model is 'embedded:tiny-moe'", "model");
@@ -269,6 +278,13 @@ Status validate(const DaemonConfig& c) {
   return Status::Ok();
 }
 
+DType resolve_kv_cache_dtype(std::string_view flag, bool cuda, bool dense_bf16) {
+  if (flag == "float32") return DType::kF32;
+  if (flag == "bfloat16") return DType::kBF16;
+  // "auto": validate() admits nothing else.
+  return cuda && dense_bf16 ? DType::kBF16 : DType::kF32;
+}
+
 nlohmann::json to_json(const DaemonConfig& c) {
   return {
       {"bind", c.bind_address},
@@ -284,6 +300,7 @@ nlohmann::json to_json(const DaemonConfig& c) {
       {"model_seed", c.model_seed},
       {"quantize_experts", c.quantize_experts},
       {"dense_dtype", c.dense_dtype},
+      {"kv_cache_dtype", c.kv_cache_dtype},
       {"device", c.device},
       {"gpu", c.gpu},
       {"local_index", c.local_index},

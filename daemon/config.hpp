@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kernels/dtype.hpp"
 #include "kernels/status.hpp"
 #include "protocol/messages.hpp"
 
@@ -42,6 +43,9 @@ struct DaemonConfig {
   // Dense projections (attention q/k/v/o, LM head) on CUDA: auto = BF16 when the checkpoint's are
   // BF16 (ModelConfig::dense_bf16), float32 = FP32 whatever the checkpoint. The CPU is FP32.
   std::string dense_dtype = "auto";
+  // K and V caches: auto = bfloat16 on CUDA when the dense projections are BF16 (after
+  // dense_dtype), else float32; float32 or bfloat16 as asked on either backend.
+  std::string kv_cache_dtype = "auto";
   std::string device = "cpu";         // "cpu" | "cuda" | "auto" (resolve_placement picks one)
   int gpu = -1;                       // CUDA ordinal; -1 with --device cpu, or "pick" before resolve_placement
   // This daemon's index among the daemons of its node: added to non-zero ports and, with
@@ -103,6 +107,11 @@ EnvLookup process_env();
 Status resolve_placement(DaemonConfig& c, int num_visible_gpus, const EnvLookup& env);
 // Semantic checks beyond what the parser enforces (port ranges, device/gpu agreement, ...).
 Status validate(const DaemonConfig& c);
+// The K/V cache element type for --kv-cache-dtype (one validate() admits): float32 -> kF32,
+// bfloat16 -> kBF16, auto -> kBF16 when the daemon runs on CUDA and the model's dense projections
+// are BF16 (ModelConfig::dense_bf16 after --dense-dtype), else kF32: a model computed in FP32
+// (the CPU, the embedded model, --dense-dtype float32) keeps FP32 K/V unless asked otherwise.
+DType resolve_kv_cache_dtype(std::string_view flag, bool cuda, bool dense_bf16);
 nlohmann::json to_json(const DaemonConfig& c);
 // 127.0.0.0/8, ::1 (bracketed or not) and "localhost": addresses only this host can reach.
 bool is_loopback_address(std::string_view address);

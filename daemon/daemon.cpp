@@ -152,6 +152,7 @@ nlohmann::json snapshot_json(const EngineSnapshot* s) {
           {"weight_version", s->weight_version},
           {"queue", {{"waiting", s->num_waiting}, {"running", s->num_running}}},
           {"kv_blocks", {{"free", s->kv_blocks_free}, {"total", s->kv_blocks_total}}},
+          {"kv_cache_dtype", s->kv_cache_dtype},
           {"requests_total", s->num_requests_total},
           {"prompt_tokens_total", s->num_prompt_tokens_total},
           {"generated_tokens_total", s->num_generated_tokens_total},
@@ -232,6 +233,7 @@ int run_daemon(const DaemonConfig& config, std::atomic<int>& drain_signals) {
   limits.num_kv_blocks = config.kv_blocks;
   limits.kv_block_size = config.kv_block_size;
   limits.max_blocks_per_seq = config.max_blocks_per_seq;
+  limits.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, config.device == "cuda", mc.dense_bf16);
   // -1 (default): decode graphs up to max_running on CUDA, none on the CPU (padding buys
   // nothing without graphs there); an explicit value applies to either backend.
   limits.graph_max_batch = config.cuda_graph_max_batch >= 0 ? config.cuda_graph_max_batch
@@ -278,6 +280,7 @@ int run_daemon(const DaemonConfig& config, std::atomic<int>& drain_signals) {
                 {{"model", mc.name}, {"family", mc.family}, {"device", ctx.device.to_string()},
                  {"experts", mc.experts_mxfp4 ? "mxfp4" : "fp32"},
                  {"dense", (*engine)->model().uses_bf16_dense() ? "bf16" : "fp32"},
+                 {"kv_cache_dtype", dtype_name((*engine)->model().limits().kv_dtype)},
                  {"qkv_fused_layers", (*engine)->model().qkv_fused_layers()},
                  {"seed", embedded ? nlohmann::json(config.model_seed) : nlohmann::json(nullptr)},
                  {"parameters", (*engine)->model().weights().size()}, {"checkpoint_files", checkpoint_files},

@@ -152,6 +152,7 @@ void EngineActor::publish() {
   s->num_generated_tokens_total = st.num_generated_tokens_total;
   s->kv_blocks_free = st.kv_blocks_free;
   s->kv_blocks_total = st.kv_blocks_total;
+  s->kv_cache_dtype = dtype_name(engine_->model().limits().kv_dtype);
   s->num_steps_total = steps_;
   s->graph_max_batch = st.graph_max_batch;
   s->graph_buckets = st.graph_buckets;
