@@ -100,10 +100,55 @@ TEST(DaemonConfig, DenseDtypeFlagThenEnvironmentThenAuto) {
   EXPECT_EQ(to_json(c)["dense_dtype"], "float32");
 }
 
+TEST(DaemonConfig, KvCacheDtypeFlagThenEnvironmentThenAuto) {
+  unsetenv("ROLLOUTD_KV_CACHE_DTYPE");
+  EXPECT_EQ(parse({}).config.kv_cache_dtype, "auto");
+  for (const char* v : {"auto", "float32", "bfloat16"}) {
+    auto flag = parse({"--kv-cache-dtype", v});
+    ASSERT_FALSE(flag.exit_now) << v;
+    EXPECT_EQ(flag.config.kv_cache_dtype, v);
+    EXPECT_TRUE(validate(flag.config).ok()) << v;
+    setenv("ROLLOUTD_KV_CACHE_DTYPE", v, 1);
+    auto env = parse({});
+    ASSERT_FALSE(env.exit_now) << v;
+    EXPECT_EQ(env.config.kv_cache_dtype, v);
+  }
+  setenv("ROLLOUTD_KV_CACHE_DTYPE", "bfloat16", 1);
+  EXPECT_EQ(parse({"--kv-cache-dtype", "float32"}).config.kv_cache_dtype, "float32");
+  setenv("ROLLOUTD_KV_CACHE_DTYPE", "fp8", 1);
+  EXPECT_EQ(parse({}).exit_code, 64);
+  unsetenv("ROLLOUTD_KV_CACHE_DTYPE");
+  for (const char* bad : {"bf16", "float16", "BFLOAT16", ""})
+    EXPECT_EQ(parse({"--kv-cache-dtype", bad}).exit_code, 64) << bad;
+  DaemonConfig c;
+  c.kv_cache_dtype = "bf16";
+  EXPECT_EQ(validate(c).field(), "kv_cache_dtype");
+  c.kv_cache_dtype = "bfloat16";
+  EXPECT_TRUE(validate(c).ok());
+  EXPECT_EQ(to_json(c)["kv_cache_dtype"], "bfloat16");
+}
+
+TEST(DaemonConfig, KvCacheDtypeResolution) {
+  // Explicit values hold on either backend and whatever the dense projections.
+  for (bool cuda : {false, true})
+    for (bool dense_bf16 : {false, true}) {
+      EXPECT_EQ(resolve_kv_cache_dtype("float32", cuda, dense_bf16), DType::kF32);
+      EXPECT_EQ(resolve_kv_cache_dtype("bfloat16", cuda, dense_bf16), DType::kBF16);
+    }
+  // auto: BF16 only on CUDA with BF16 dense projections.
+  EXPECT_EQ(resolve_kv_cache_dtype("auto", true, true), DType::kBF16);
+  EXPECT_EQ(resolve_kv_cache_dtype("auto", true, false), DType::kF32);
+  EXPECT_EQ(resolve_kv_cache_dtype("auto", false, true), DType::kF32);
+  EXPECT_EQ(resolve_kv_cache_dtype("auto", false, false), DType::kF32);
+  EXPECT_EQ(dtype_name(resolve_kv_cache_dtype("auto", true, true)), "bfloat16");
+  EXPECT_EQ(dtype_name(resolve_kv_cache_dtype("auto", false, false)), "float32");
+}
+
 TEST(DaemonConfig, JsonHasEverySetting) {
   const auto j = to_json(DaemonConfig{});
   for (const char* k : {"bind", "control_port", "http_port", "model", "device", "max_running", "kv_blocks",
-                        "outbox_limit", "drain_timeout_s", "log_level", "quantize_experts", "dense_dtype"})
+                        "outbox_limit", "drain_timeout_s", "log_level", "quantize_experts", "dense_dtype",
+                        "kv_cache_dtype"})
     EXPECT_TRUE(j.contains(k)) << k;
 }
 
