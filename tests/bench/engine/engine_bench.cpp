@@ -24,7 +24,9 @@
 // intermediate 512, vocab 16384 (FP32, the decoder's simple kernels); "tinyv" is tiny with
 // Qwen3's vocabulary (151,936), where sampling dominates a step; "h2880" is issue 6's mid size in
 // the qwen3_moe shape (8 layers, hidden 2880, 64 query / 8 KV heads of 64, 32 experts top-4,
-// intermediate 2880, vocab 16384), without a checkpoint to write. Weights are random
+// intermediate 2880, vocab 16384), without a checkpoint to write; "q2048" has Qwen3-30B-A3B's
+// attention (32 query / 4 KV heads of 128, QK-norm) and expert shape (2048 -> 768, top-8) in 8
+// layers of 32 experts. Weights are random
 // (init_random_weights), never zeros. --host-sampling 1 copies the logits back and samples on
 // the host (EngineOptions::device_sampling off; NOTES "Device sampling"). --quantize-experts mxfp4
 // stores every model's routed experts as MXFP4 (the daemon's flag: the checkpoint's BF16/FP32
@@ -94,6 +96,21 @@ core::ModelConfig model_config(const std::string& name) {
     c.num_experts_per_tok = 4;
     c.moe_intermediate_size = 2880;
     c.intermediate_size = 2880;
+  }
+  if (name == "q2048") {  // Qwen3-30B-A3B's attention (32 heads of 128 over 4 KV heads, QK-norm)
+                           // and expert shape (2048 -> 768, top-8) in 8 layers of 32 experts
+    c.name = "bench:q2048";
+    c.vocab_size = 16384;
+    c.hidden_size = 2048;
+    c.num_hidden_layers = 8;
+    c.num_attention_heads = 32;
+    c.num_key_value_heads = 4;
+    c.head_dim = 128;
+    c.qk_norm = true;
+    c.num_experts = 32;
+    c.num_experts_per_tok = 8;
+    c.moe_intermediate_size = 768;
+    c.intermediate_size = 6144;
   }
   if (name == "tinyv") {  // tiny with Qwen3's vocabulary: the steps where sampling dominates
     c.name = "bench:tinyv";
