@@ -649,8 +649,7 @@ __global__ void __launch_bounds__(kAttnThreads)
 }
 
 // ---- Tensor-core attention over BF16 caches (kMma) ------------------------------------------------
-// Taken for unsplit launches of 8-head-sized grids over BF16 caches at D = 64 (gpt-oss) or 128
-// (Qwen3): the
+// Taken for unsplit launches of 8-head-sized grids over BF16 caches at D = 64 (gpt-oss): the
 // float4 kernel above spends its time issuing ~1,500 instructions a warp per 128-key chunk (a
 // q.k and a p.v FMA per head and key, shared-memory reads of q and p) with 8 warps an SM, and
 // halving the bytes (BF16) took only ~5 % off a long-context step. Here q.k and p.v are
@@ -660,35 +659,34 @@ __global__ void __launch_bounds__(kAttnThreads)
 // does); scores, the softmax and the sums stay FP32. So these rows are within BF16 tolerance of
 // the FP32-q reference, not FP32's (the parity cases say which).
 // Layout: 4 warps, each its own keys (tiles of 32, warp w taking tiles w, w + 4, ...) through
-// its own MmaLayout::kStages-deep cp.async ring (no block barrier until the end); each warp keeps an
+// its own kMmaStages-deep cp.async ring (no block barrier until the end); each warp keeps an
 // online softmax per head (running max, its lanes' partial sums, accumulators), and the 4 are
 // combined in shared memory at the end with the sink, as split rows are combined.
 constexpr int kMmaWarps = 4;
-constexpr int kMmaKeys = 32;      // keys a warp takes per tile (4 n-tiles of 8)
-constexpr int kMmaMaxStages = 3;  // tiles in flight per warp, at most
-constexpr int kMmaHeads = 16;     // query heads per CTA: the mma's M
+constexpr int kMmaKeys = 32;    // keys a warp takes per tile (4 n-tiles of 8)
+constexpr int kMmaStages = 3;   // tiles in flight per warp
+constexpr int kMmaHeads = 16;   // query heads per CTA: the mma's M
+// The head dimension it is built for. A D = 128 form (Qwen3; 2 tiles in flight a warp, 128 KiB a
+// CTA, 168 registers) passed the same parity and needle tests on an H200 but ran a Qwen3-30B-shaped
+// step at 32 sequences of 4,096 tokens in 3.729 ms against the float4 kernel's 3.738 (no gain, and
+// BF16 q and p where the float4 kernel keeps FP32), so it was not kept (tests/bench/NOTES.md).
+constexpr int kMmaDim = 64;
 
-// D = 64 (gpt-oss): 3 tiles in flight a warp, 96 KiB a CTA (2 CTAs an SM). D = 128 (Qwen3): 2,
-// 128 KiB (1 CTA an SM; Qwen3-30B's 4 KV heads give 128 CTAs at 32 sequences, one wave anyway).
 template <int D>
 struct MmaLayout {
-  static_assert(D == 64 || D == 128, "head dimensions the tensor-core kernel is built for");
-  static constexpr int kStages = D == 64 ? 3 : 2;
   static constexpr int kPieces = D / 8;                    // 16-byte pieces of a BF16 row
   static constexpr int kTileBytes = kMmaKeys * D * 2;      // K or V rows of a tile
   static constexpr int kStageBytes = 2 * kTileBytes;       // K then V
-  static constexpr int kWarpBytes = kStages * kStageBytes;
+  static constexpr int kWarpBytes = kMmaStages * kStageBytes;
   static constexpr int kBytes = kMmaWarps * kWarpBytes;    // dynamic shared memory of a CTA
   // The end's combine reuses it: max and sum [warps][heads], accumulators [warps][heads][D].
   static constexpr int kCombineBytes = (2 * kMmaWarps * kMmaHeads + kMmaWarps * kMmaHeads * D) * 4;
   static_assert(kCombineBytes <= kBytes, "the combine fits the ring");
-  static_assert(kStages <= kMmaMaxStages, "vmask");
-  static_assert(kPieces % 8 == 0, "the XOR swizzle permutes groups of 8 pieces");
+  static_assert(kPieces == 8, "the XOR swizzle below permutes 8 pieces a row");
 };
 
-// Byte offset of (row r, 16-byte piece c) in a tile: pieces XOR-swizzled by r % 8 (within their
-// group of 8) so that the 8 rows an ldmatrix reads at one logical piece fall in 8 different bank
-// groups (rows are 128 or 256 bytes: every row starts at bank 0).
+// Byte offset of (row r, 16-byte piece c) in a tile: pieces XOR-swizzled by r % 8 so that the 8
+// rows an ldmatrix reads at one logical piece fall in 8 different bank groups.
 __device__ __forceinline__ int mma_tile_offset(int r, int c, int row_bytes) { return r * row_bytes + ((c ^ (r & 7)) << 4); }
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
@@ -706,8 +704,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   constexpr int kKs = D / 16;  // k-steps of q.k
   constexpr int kNd = D / 8;   // n-tiles of p.v's output dimensions
   extern __shared__ __align__(128) uint8_t mma_smem[];
-  constexpr int kStages = L::kStages;
-  __shared__ uint32_t vmask[kMmaWarps][kMmaMaxStages];  // per tile: keys with a cache row
+  __shared__ uint32_t vmask[kMmaWarps][kMmaStages];  // per tile: keys with a cache row
   pdl_begin();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, c2 = 2 * (lane & 3);  // fragment row (head) and column pair
@@ -767,7 +764,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     }
   };
 #pragma unroll
-  for (int st = 0; st < kStages - 1; ++st) {
+  for (int st = 0; st < kMmaStages - 1; ++st) {
     if (st < mine) issue(st, st);
     cp_async_commit();
   }
@@ -778,10 +775,10 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   for (int nd = 0; nd < kNd; ++nd) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.0f;
 
   for (int j = 0; j < mine; ++j) {
-    const int st = j % kStages;
-    if (j + kStages - 1 < mine) issue(j + kStages - 1, (j + kStages - 1) % kStages);
+    const int st = j % kMmaStages;
+    if (j + kMmaStages - 1 < mine) issue(j + kMmaStages - 1, (j + kMmaStages - 1) % kMmaStages);
     cp_async_commit();  // possibly empty: keeps the group count in step
-    cp_async_wait<kStages - 1>();
+    cp_async_wait<kMmaStages - 1>();
     __syncwarp();  // every lane's copies of tile j (and its mask) visible to the warp
     const uint32_t mask = vmask[warp][st];
     const uint8_t* kt = ring + st * L::kStageBytes;
@@ -1018,27 +1015,22 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
       sp.ml = sp.o + heads * kAttnMaxSplits * s.head_dim;
     }
   }
-  // The tensor-core kernel: BF16 caches at D = 64 or 128, unsplit launches of 8-head-sized grids
+  // The tensor-core kernel: BF16 caches at D = kMmaDim, unsplit launches of 8-head-sized grids
   // (small grids keep the few-head or split launches of the kernel above), rows 16-byte aligned.
-  if (kv_bf16 && sp.ctas == 0 && !few && (s.head_dim == 64 || s.head_dim == 128) && vec && aligned(k_cache, 16) &&
+  if (kv_bf16 && sp.ctas == 0 && !few && s.head_dim == kMmaDim && vec && aligned(k_cache, 16) &&
       aligned(v_cache, 16) && attn_mma_env()) {
+    using L = MmaLayout<kMmaDim>;
     AttentionShape sm = s;
     sm.head_groups = static_cast<int>((per_kv + kMmaHeads - 1) / kMmaHeads);
     const dim3 mgrid(static_cast<unsigned int>(num_tokens), static_cast<unsigned int>(s.kv_heads * sm.head_groups), 1);
-    auto launch_mma = [&](auto dim) -> Status {
-      constexpr int kD = decltype(dim)::value;
-      using L = MmaLayout<kD>;
-      static std::atomic<uint64_t> opted{0};  // one per kD
-      RD_RETURN_IF_ERROR(opt_in_smem(opted, paged_attention_mma_kernel<kD>, L::kBytes, ctx.device.index));
-      (void)launch_dependent(paged_attention_mma_kernel<kD>, mgrid, kMmaWarps * 32, L::kBytes, stream_of(ctx),
-                             out.data, q.as<const float>(), k_cache.as<const uint16_t>(),
-                             v_cache.as<const uint16_t>(), block_tables.as<const int32_t>(),
-                             seq_of.as<const int32_t>(), ctx_len.as<const int32_t>(), sm);
-      RD_CUDA_CHECK_LAUNCH("paged_attention_mma_kernel");
-      return Status::Ok();
-    };
-    if (s.head_dim == 64) return launch_mma(std::integral_constant<int, 64>{});
-    return launch_mma(std::integral_constant<int, 128>{});
+    static std::atomic<uint64_t> opted{0};
+    RD_RETURN_IF_ERROR(opt_in_smem(opted, paged_attention_mma_kernel<kMmaDim>, L::kBytes, ctx.device.index));
+    (void)launch_dependent(paged_attention_mma_kernel<kMmaDim>, mgrid, kMmaWarps * 32, L::kBytes, stream_of(ctx),
+                           out.data, q.as<const float>(), k_cache.as<const uint16_t>(), v_cache.as<const uint16_t>(),
+                           block_tables.as<const int32_t>(), seq_of.as<const int32_t>(), ctx_len.as<const int32_t>(),
+                           sm);
+    RD_CUDA_CHECK_LAUNCH("paged_attention_mma_kernel");
+    return Status::Ok();
   }
   const int heads = few ? kAttnFewHeads : kAttnHeads;
   AttentionShape sh = s;
