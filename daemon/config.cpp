@@ -5,6 +5,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cstdlib>
 #include <iostream>
@@ -85,6 +86,10 @@ ParseOutcome parse_config(int argc, const char* const* argv) {
       "(0: off; -1: --max-running on CUDA, off on the CPU, where a value > 0 pads without graphs)")
       ->check(CLI::Range(-1, 4096));
   add("--kv-blocks", c.kv_blocks, "ROLLOUTD_KV_BLOCKS", "KV cache blocks")->check(CLI::Range(1, 1 << 24));
+  add("--kv-cache-bytes", c.kv_cache_bytes, "ROLLOUTD_KV_CACHE_BYTES",
+      "KV cache memory budget in bytes (0: --kv-blocks decides); > 0: the blocks it holds at the model's "
+      "shape and --kv-cache-dtype replace --kv-blocks (a bfloat16 cache holds twice as many)")
+      ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 50));
   add("--kv-block-size", c.kv_block_size, "ROLLOUTD_KV_BLOCK_SIZE", "tokens per KV block")
       ->check(CLI::Range(1, 1024));
   add("--max-blocks-per-seq", c.max_blocks_per_seq, "ROLLOUTD_MAX_BLOCKS_PER_SEQ",
@@ -226,7 +231,8 @@ Status validate(const DaemonConfig& c) {
     return Status(ErrorCode::kInvalidArgument, "--gpu is only meaningful with --device cuda", "gpu");
   if (c.control_port != 0 && c.control_port == c.http_port && c.bind_address == c.http_bind_address)
     return Status(ErrorCode::kInvalidArgument, "control and HTTP ports must differ", "http_port");
-  if (c.max_blocks_per_seq > c.kv_blocks)
+  // With a budget the block count is known only once the model is (kv_blocks_for_budget).
+  if (c.kv_cache_bytes == 0 && c.max_blocks_per_seq > c.kv_blocks)
     return Status(ErrorCode::kInvalidArgument, "max_blocks_per_seq exceeds kv_blocks",
                   "max_blocks_per_seq");
   const bool has_key = !c.curve_key_file.empty() || !c.curve_secret_key.empty();
@@ -285,6 +291,20 @@ DType resolve_kv_cache_dtype(std::string_view flag, bool cuda, bool dense_bf16) 
   return cuda && dense_bf16 ? DType::kBF16 : DType::kF32;
 }
 
+Result<int64_t> kv_blocks_for_budget(uint64_t budget, int64_t bytes_per_block, int64_t max_blocks_per_seq) {
+  if (bytes_per_block <= 0)
+    return Status(ErrorCode::kInvalidArgument, "KV block size in bytes must be positive", "kv_cache_bytes");
+  const int64_t blocks = static_cast<int64_t>(std::min<uint64_t>(budget / static_cast<uint64_t>(bytes_per_block),
+                                                                 uint64_t{1} << 24));
+  if (blocks < max_blocks_per_seq)
+    return Status(ErrorCode::kInvalidArgument,
+                  "--kv-cache-bytes " + std::to_string(budget) + " holds " + std::to_string(blocks) + " KV blocks of " +
+                      std::to_string(bytes_per_block) + " bytes, fewer than --max-blocks-per-seq " +
+                      std::to_string(max_blocks_per_seq) + ": one request at its longest would not fit",
+                  "kv_cache_bytes");
+  return blocks;
+}
+
 nlohmann::json to_json(const DaemonConfig& c) {
   return {
       {"bind", c.bind_address},
@@ -301,6 +321,7 @@ nlohmann::json to_json(const DaemonConfig& c) {
       {"quantize_experts", c.quantize_experts},
       {"dense_dtype", c.dense_dtype},
       {"kv_cache_dtype", c.kv_cache_dtype},
+      {"kv_cache_bytes", c.kv_cache_bytes},
       {"device", c.device},
       {"gpu", c.gpu},
       {"local_index", c.local_index},

@@ -60,6 +60,9 @@ struct DaemonConfig {
   // 0: off; -1: max_running on CUDA, off on the CPU.
   int cuda_graph_max_batch = -1;
   int kv_blocks = 2048;
+  // KV cache memory budget in bytes; > 0: the blocks it holds at the model's shape and the cache
+  // dtype (kv_blocks_for_budget) replace kv_blocks.
+  uint64_t kv_cache_bytes = 0;
   int kv_block_size = 16;
   int max_blocks_per_seq = 256;
 
@@ -112,6 +115,10 @@ Status validate(const DaemonConfig& c);
 // are BF16 (ModelConfig::dense_bf16 after --dense-dtype), else kF32: a model computed in FP32
 // (the CPU, the embedded model, --dense-dtype float32) keeps FP32 K/V unless asked otherwise.
 DType resolve_kv_cache_dtype(std::string_view flag, bool cuda, bool dense_bf16);
+// The KV blocks a --kv-cache-bytes budget holds: budget / bytes_per_block (every layer's K and V
+// of one block), at most 2^24; kInvalidArgument (field kv_cache_bytes, with the figures) when that
+// is fewer than max_blocks_per_seq (one request at its longest would not fit).
+Result<int64_t> kv_blocks_for_budget(uint64_t budget, int64_t bytes_per_block, int64_t max_blocks_per_seq);
 nlohmann::json to_json(const DaemonConfig& c);
 // 127.0.0.0/8, ::1 (bracketed or not) and "localhost": addresses only this host can reach.
 bool is_loopback_address(std::string_view address);

@@ -234,6 +234,17 @@ int run_daemon(const DaemonConfig& config, std::atomic<int>& drain_signals) {
   limits.kv_block_size = config.kv_block_size;
   limits.max_blocks_per_seq = config.max_blocks_per_seq;
   limits.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, config.device == "cuda", mc.dense_bf16);
+  if (config.kv_cache_bytes > 0) {  // the budget's blocks replace --kv-blocks
+    const int64_t per_block = core::kv_cache_bytes_per_block(mc, config.kv_block_size, limits.kv_dtype);
+    const auto blocks = kv_blocks_for_budget(config.kv_cache_bytes, per_block, config.max_blocks_per_seq);
+    if (!blocks.ok()) {
+      obs::log_error("daemon", "KV cache budget too small", {{"error", blocks.status().to_string()}});
+      return kExitStartupFailure;
+    }
+    limits.num_kv_blocks = *blocks;
+    obs::log_info("daemon", "KV cache from its budget",
+                  {{"kv_cache_bytes", config.kv_cache_bytes}, {"block_size_bytes", per_block}, {"kv_blocks", *blocks}});
+  }
   // -1 (default): decode graphs up to max_running on CUDA, none on the CPU (padding buys
   // nothing without graphs there); an explicit value applies to either backend.
   limits.graph_max_batch = config.cuda_graph_max_batch >= 0 ? config.cuda_graph_max_batch

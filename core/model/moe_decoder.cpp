@@ -28,6 +28,11 @@ TensorView as_heads(const TensorView& v, int64_t heads, int64_t dim) {
 
 }  // namespace
 
+int64_t kv_cache_bytes_per_block(const ModelConfig& c, int64_t block_size, DType kv_dtype) {
+  return c.num_hidden_layers * 2 * block_size * c.num_key_value_heads * c.head_dim *
+         static_cast<int64_t>(dtype_size(kv_dtype));
+}
+
 MoeDecoder::MoeDecoder(const ModelConfig& c, const StepLimits& l, const Backend& b, ExecContext ctx)
     : config_(c), limits_(l), backend_(b), ctx_(ctx) {}
 

@@ -59,6 +59,10 @@ struct StepLimits {
   int64_t graph_max_batch = 0;
 };
 
+// Bytes one KV block takes over every layer (its K and V rows at kv_dtype): what a KV memory
+// budget is divided by to give StepLimits::num_kv_blocks.
+int64_t kv_cache_bytes_per_block(const ModelConfig& c, int64_t block_size, DType kv_dtype);
+
 // What the graph path did (MoeDecoder::graph_stats).
 struct GraphStats {
   std::vector<int64_t> buckets;   // decode bucket sizes, ascending

@@ -19,6 +19,12 @@
 //
 // The caches are FP32 or BF16 (one kernel each, KV = float or uint16_t bits): BF16 rows are
 // loaded as stored (half the bytes) and widened to FP32 where used; the arithmetic is the same.
+// BF16 caches at D = 64 in unsplit launches of more than kAttnFewMaxCtas 8-head CTAs (gpt-oss:
+// more than 8 tokens; on full-attention layers with long tables more than 16 on a 132-SM H200,
+// below which those launches split; prefill chunks too) take the tensor-core kernel at the end of
+// this file instead, which rounds q and p to BF16: with BF16 caches a request's rows differ by
+// BF16 rounding (~1e-3 relative) between steps of a few tokens and larger steps, as split rows
+// differ by FP32 rounding. FP32 caches keep the statement above.
 //
 // Index values are on the device and not checked on the host: a token whose sequence id is
 // outside [0, S) gets a zero row, ctx_len is clamped to [0, max_blocks * block_size], and
@@ -152,7 +158,10 @@ __device__ __forceinline__ void block_reduce_heads(float (&v)[kH], float (*red)[
 // kSmemV: V goes to shared memory by cp.async (kV unused); 2-head CTAs then load K 8 float4 at a
 // time as well (16 held 196 registers: 2 CTAs an SM, 5 % slower at one long sequence).
 // Counts are of 4-value units (KvIo::Raw): a BF16 cache takes twice as many K units in flight as
-// FP32, the same registers (so a 64-wide BF16 K row arrives in one round of loads, not two).
+// FP32, the same bytes of registers for them (so a 64-wide BF16 K row arrives in one round of
+// loads, not two); ptxas does not always match: the 2-head BF16 variant holds 212 registers (FP32
+// 168) and the 8-head shared-memory one spills 36 bytes (FP32 20). Those run only in split or
+// few-head launches, which measured 2-4 % faster with BF16 caches than FP32 all the same.
 template <int kH, bool kSmemV = false, class KV = float>
 struct AttnBatches {
   static constexpr int kWiden = static_cast<int>(sizeof(float) / sizeof(KV));

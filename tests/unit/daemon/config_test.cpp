@@ -144,11 +144,45 @@ TEST(DaemonConfig, KvCacheDtypeResolution) {
   EXPECT_EQ(dtype_name(resolve_kv_cache_dtype("auto", false, false)), "float32");
 }
 
+TEST(DaemonConfig, KvCacheBytesBudgetGivesBlocks) {
+  unsetenv("ROLLOUTD_KV_CACHE_BYTES");
+  EXPECT_EQ(parse({}).config.kv_cache_bytes, 0u);
+  EXPECT_EQ(parse({"--kv-cache-bytes", "1073741824"}).config.kv_cache_bytes, uint64_t{1} << 30);
+  setenv("ROLLOUTD_KV_CACHE_BYTES", "2048", 1);
+  EXPECT_EQ(parse({}).config.kv_cache_bytes, 2048u);
+  unsetenv("ROLLOUTD_KV_CACHE_BYTES");
+  EXPECT_EQ(parse({"--kv-cache-bytes", "-1"}).exit_code, 64);
+  // With a budget, --kv-blocks is not what max_blocks_per_seq is held to (the model decides).
+  DaemonConfig c;
+  c.max_blocks_per_seq = c.kv_blocks + 1;
+  EXPECT_EQ(validate(c).field(), "max_blocks_per_seq");
+  c.kv_cache_bytes = uint64_t{1} << 30;
+  EXPECT_TRUE(validate(c).ok());
+  // 1 GiB over 64 KiB blocks: 16,384 blocks; a budget of 3.5 blocks holds 3 (rounded down).
+  auto blocks = kv_blocks_for_budget(uint64_t{1} << 30, 65536, 256);
+  ASSERT_TRUE(blocks.ok());
+  EXPECT_EQ(*blocks, 16384);
+  blocks = kv_blocks_for_budget(3 * 65536 + 32768, 65536, 3);
+  ASSERT_TRUE(blocks.ok());
+  EXPECT_EQ(*blocks, 3);
+  // Fewer blocks than one request's longest table: refused, naming the figures.
+  blocks = kv_blocks_for_budget(3 * 65536 + 32768, 65536, 4);
+  ASSERT_FALSE(blocks.ok());
+  EXPECT_EQ(blocks.status().field(), "kv_cache_bytes");
+  EXPECT_NE(blocks.status().message().find("holds 3 KV blocks of 65536 bytes"), std::string::npos)
+      << blocks.status().message();
+  // At most 2^24 blocks, as --kv-blocks.
+  blocks = kv_blocks_for_budget(uint64_t{1} << 50, 16, 1);
+  ASSERT_TRUE(blocks.ok());
+  EXPECT_EQ(*blocks, int64_t{1} << 24);
+  EXPECT_FALSE(kv_blocks_for_budget(1 << 20, 0, 1).ok());
+}
+
 TEST(DaemonConfig, JsonHasEverySetting) {
   const auto j = to_json(DaemonConfig{});
   for (const char* k : {"bind", "control_port", "http_port", "model", "device", "max_running", "kv_blocks",
                         "outbox_limit", "drain_timeout_s", "log_level", "quantize_experts", "dense_dtype",
-                        "kv_cache_dtype"})
+                        "kv_cache_dtype", "kv_cache_bytes"})
     EXPECT_TRUE(j.contains(k)) << k;
 }
 

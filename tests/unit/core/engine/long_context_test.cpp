@@ -241,6 +241,14 @@ TEST(LongContextDecode, CpuBf16KvCacheHalvesTheArenaAndStaysClose) {
   EXPECT_GT(f32_bytes, 0u);
   EXPECT_LE(b16_bytes, f32_bytes / 2 + 256 * 2 * embedded_model_config().num_hidden_layers);  // alignment slack
   EXPECT_GE(b16_bytes, f32_bytes / 2);
+  // What a --kv-cache-bytes budget is divided by: the arena's bytes a block, up to alignment.
+  for (auto* e : {f32.get(), b16.get()}) {
+    const StepLimits& l = e->model().limits();
+    const int64_t per = kv_cache_bytes_per_block(e->model().config(), l.kv_block_size, l.kv_dtype);
+    const auto used = static_cast<int64_t>(e->model().arena(MemoryTag::kKvCache).bytes_used());
+    EXPECT_GE(used, per * l.num_kv_blocks);
+    EXPECT_LE(used, per * l.num_kv_blocks + 256 * 2 * e->model().config().num_hidden_layers);
+  }
   const Output want = run(*f32, kArrivals);
   const Output got = run(*b16, kArrivals);
   double worst = 0;
