@@ -37,6 +37,8 @@
 #include <cstdlib>
 #include <type_traits>
 
+#include <cuda_bf16.h>
+
 #include "kernels/bf16.hpp"
 #include "kernels/cpu/op_checks.hpp"
 #include "kernels/cuda/cuda_common.cuh"
@@ -698,8 +700,11 @@ struct MmaLayout {
 // rows an ldmatrix reads at one logical piece fall in 8 different bank groups.
 __device__ __forceinline__ int mma_tile_offset(int r, int c, int row_bytes) { return r * row_bytes + ((c ^ (r & 7)) << 4); }
 
+// Two values rounded to nearest even into BF16x2, lo in the low half: one cvt.rn.bf16x2 (the same
+// bits as kernels/bf16.hpp for every non-NaN value).
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  return static_cast<uint32_t>(f32_to_bf16_bits(lo)) | (static_cast<uint32_t>(f32_to_bf16_bits(hi)) << 16);
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
 }
 
 template <int D>
@@ -747,6 +752,10 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     }
   }
 
+  // Keys fit an int here (the host takes this kernel only for tables of fewer than 2^31 positions).
+  const int ilen = static_cast<int>(len), ifirst = static_cast<int>(first), bsz = static_cast<int>(s.block_size);
+  // Scores in log2 units (scale * log2 e), so every exponential below is one exp2.
+  const float scale_log2 = s.scale * 1.4426950408889634f;
   const int64_t keys = len - first;
   const int tiles = static_cast<int>((keys + kMmaKeys - 1) / kMmaKeys);
   const int mine = tiles > warp ? (tiles - warp + kMmaWarps - 1) / kMmaWarps : 0;
@@ -754,11 +763,11 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   // Tile j of this warp (keys first + 32 (warp + 4 j) ..) into stage st: lane l finds key l's
   // cache row (-1: past the context or a block outside the cache: zero-filled, masked).
   auto issue = [&](int j, int st) {
-    const int64_t key = first + static_cast<int64_t>(warp + kMmaWarps * j) * kMmaKeys + lane;
+    const int key = ifirst + (warp + kMmaWarps * j) * kMmaKeys + lane;
     int64_t row = -1;
-    if (key < len) {
-      const int64_t block = table[key / s.block_size];
-      if (block >= 0 && block < s.num_blocks) row = block * s.block_size + key % s.block_size;
+    if (key < ilen) {
+      const int64_t block = table[key / bsz];
+      if (block >= 0 && block < s.num_blocks) row = block * s.block_size + key % bsz;
     }
     const uint32_t mask = __ballot_sync(0xffffffffu, row >= 0);
     if (lane == 0) vmask[warp][st] = mask;
@@ -808,7 +817,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
         mma_bf16_16816(sc[nt], qa[2 * kp + 1], b[2], b[3]);
       }
     }
-    // Online softmax per head row (g: elements 0, 1; g + 8: 2, 3), over this warp's keys.
+    // Online softmax per head row (g: elements 0, 1; g + 8: 2, 3), over this warp's keys; maxima
+    // in log2 units like the scores (and the sink at the end).
     float p[4][4];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -819,20 +829,20 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
         for (int e = 0; e < 2; ++e) {
           const int key = nt * 8 + c2 + e;
           float& v = sc[nt][2 * half + e];
-          v = (mask >> key) & 1u ? v * s.scale : -INFINITY;
+          v = (mask >> key) & 1u ? v * scale_log2 : -INFINITY;
           mx = fmaxf(mx, v);
         }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float new_m = fmaxf(m_run[half], mx);
       const bool live = new_m != -INFINITY;  // -inf - -inf would be NaN
-      const float corr = live ? expf(m_run[half] - new_m) : 1.0f;
+      const float corr = live ? exp2f(m_run[half] - new_m) : 1.0f;
       float sum = 0.0f;
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float pv = live ? expf(sc[nt][2 * half + e] - new_m) : 0.0f;
+          const float pv = live ? exp2f(sc[nt][2 * half + e] - new_m) : 0.0f;
           p[nt][2 * half + e] = pv;
           sum += pv;
         }
@@ -898,16 +908,16 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   for (int i = threadIdx.x; i < nh * kD4; i += kMmaWarps * 32) {
     const int h = i / kD4, d4 = i - h * kD4;
     const bool sink = s.sinks != nullptr && len > 0;
-    const float sv = sink ? s.sinks[h0 + h] : -INFINITY;
+    const float sv = sink ? s.sinks[h0 + h] * 1.4426950408889634f : -INFINITY;  // log2 units, as cm
     float M = sv;
 #pragma unroll
     for (int w = 0; w < kMmaWarps; ++w) M = fmaxf(M, cm[w * kMmaHeads + h]);
-    float l = sink && M != -INFINITY ? expf(sv - M) : 0.0f;
+    float l = sink && M != -INFINITY ? exp2f(sv - M) : 0.0f;
     float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
     for (int w = 0; w < kMmaWarps; ++w) {
       const float mw = cm[w * kMmaHeads + h];
-      const float wt = mw == -INFINITY ? 0.0f : expf(mw - M);
+      const float wt = mw == -INFINITY ? 0.0f : exp2f(mw - M);
       l += wt * cl[w * kMmaHeads + h];
       const float4 a = *reinterpret_cast<const float4*>(ca + (w * kMmaHeads + h) * D + 4 * d4);
       v.x += wt * a.x;
@@ -1027,7 +1037,7 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
   // The tensor-core kernel: BF16 caches at D = kMmaDim, unsplit launches of 8-head-sized grids
   // (small grids keep the few-head or split launches of the kernel above), rows 16-byte aligned.
   if (kv_bf16 && sp.ctas == 0 && !few && s.head_dim == kMmaDim && vec && aligned(k_cache, 16) &&
-      aligned(v_cache, 16) && attn_mma_env()) {
+      aligned(v_cache, 16) && s.max_blocks * s.block_size < INT_MAX && attn_mma_env()) {
     using L = MmaLayout<kMmaDim>;
     AttentionShape sm = s;
     sm.head_groups = static_cast<int>((per_kv + kMmaHeads - 1) / kMmaHeads);
