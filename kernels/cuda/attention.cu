@@ -132,6 +132,21 @@ struct AttnSplit {
   int ctas;           // CTAs per row (grid.z), each taking parts z, z + ctas, ...
 };
 
+// A token's row: its context length (0 for a sequence id outside [0, S), clamped to what the
+// table can hold), its sequence's block table and the first key it sees (the window's start).
+struct AttnRow {
+  int64_t len, first;
+  const int32_t* table;
+};
+__device__ __forceinline__ AttnRow attn_row(const AttentionShape& s, const int32_t* block_tables,
+                                            const int32_t* seq_of, const int32_t* ctx_len, int64_t t) {
+  const int64_t seq = seq_of[t];
+  int64_t len = ctx_len[t];
+  if (seq < 0 || seq >= s.num_seqs) len = 0;
+  len = len < 0 ? 0 : (len > s.max_blocks * s.block_size ? s.max_blocks * s.block_size : len);
+  return {len, s.window > 0 && len > s.window ? len - s.window : 0, block_tables + (len > 0 ? seq * s.max_blocks : 0)};
+}
+
 // Per-head block reductions of v[0..kH) (max or sum); every thread gets the results.
 template <bool kMax, int kH>
 __device__ __forceinline__ void block_reduce_heads(float (&v)[kH], float (*red)[kH]) {
@@ -270,12 +285,9 @@ __global__ void __launch_bounds__(kAttnThreads)
   };
   load_q();
 
-  const int64_t seq = seq_of[t];
-  int64_t len = ctx_len[t];
-  if (seq < 0 || seq >= s.num_seqs) len = 0;
-  len = len < 0 ? 0 : (len > s.max_blocks * s.block_size ? s.max_blocks * s.block_size : len);
-  const int32_t* table = block_tables + (len > 0 ? seq * s.max_blocks : 0);
-  const int64_t first = s.window > 0 && len > s.window ? len - s.window : 0;
+  const AttnRow ar = attn_row(s, block_tables, seq_of, ctx_len, t);
+  const int64_t len = ar.len, first = ar.first;
+  const int32_t* table = ar.table;
   // Split rows (vector path only; the host enables it): this CTA takes parts z, z + ctas, ...
   SplitPlan plan{1, 0};
   if constexpr (kVec) {
@@ -727,12 +739,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   const int64_t per_kv = s.q_heads / s.kv_heads;
   const int64_t h0 = kvh * per_kv + (blockIdx.y % s.head_groups) * kMmaHeads;
   const int nh = static_cast<int>(per_kv - (h0 - kvh * per_kv) < kMmaHeads ? per_kv - (h0 - kvh * per_kv) : kMmaHeads);
-  const int64_t seq = seq_of[t];
-  int64_t len = ctx_len[t];
-  if (seq < 0 || seq >= s.num_seqs) len = 0;
-  len = len < 0 ? 0 : (len > s.max_blocks * s.block_size ? s.max_blocks * s.block_size : len);
-  const int32_t* table = block_tables + (len > 0 ? seq * s.max_blocks : 0);
-  const int64_t first = s.window > 0 && len > s.window ? len - s.window : 0;
+  const AttnRow ar = attn_row(s, block_tables, seq_of, ctx_len, t);
+  const int64_t len = ar.len, first = ar.first;
+  const int32_t* table = ar.table;
   const int64_t row_stride = s.kv_heads * D;
 
   // q as the A operand: rows = the CTA's heads (zeros past nh), rounded to BF16 once.
