@@ -1425,31 +1425,21 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
 // and the weights of one expert (both stay in L2). N % 64 == 0: the last N tile may hold 64 rows
 // (gpt-oss's H = 2880); K % 64 == 0 (host-checked). MXFP8 activations reach it dequantized to
 // bf16 (exact: E4M3 times a power of two is a bf16 number).
-// Two warp shapes (same smem layout, same grid): the narrow one, 8 warps (2 along M x 4 along N,
-// BM/2 x 32 each), and the wide one, 4 warps (2 x 2, BM/2 x 64 each: every ldmatrix'd fragment
-// feeds twice the mma, so a K step reads 64 KiB of shared memory instead of 96 at BM 128; ncu
-// put the narrow kernel at 80 % of L1/shared throughput with the tensor pipe 38 % busy). The
-// wide CTA's 128 threads dequantize two blocks each. ROLLOUTD_MOE_PREFILL_WIDE picks (read once).
+constexpr int kPfThreads = 256;
+constexpr int64_t kMaxGridY = 65535;  // CUDA's limit on gridDim.y: the prefill kernel's M tiles
 constexpr int kPfBN = 128;
 constexpr int kPfBK = 64;
 constexpr int kPfStages = 3;
-constexpr int kPfLd = kPfBK + 8;            // bf16 row stride in shared memory (144 B: ldmatrix conflict-free)
-constexpr int kPfBlocks = kPfBN * kPfBK / 32;  // MXFP4 blocks of a weight tile (one scale each): 256
-constexpr int kPfRawBytes = 4096 + kPfBlocks * 4;  // 8 row tiles of 512 B codes + one scale word per block
-constexpr int64_t kMaxGridY = 65535;  // CUDA's limit on gridDim.y: the prefill kernel's M tiles
+constexpr int kPfLd = kPfBK + 8;                  // bf16 row stride in shared memory (144 B: ldmatrix conflict-free)
+constexpr int kPfRawBytes = 4096 + kPfThreads * 4;  // 8 row tiles of 512 B codes + one scale word per thread
 
-template <int BM, bool kWide>
+template <int BM>
 struct PfShape {
-  static constexpr int kThreads = kWide ? 128 : 256;
-  static constexpr int kWarpsN = kWide ? 2 : 4;       // 2 warps along M either way
-  static constexpr int kWn = kPfBN / kWarpsN;         // kernel rows per warp: 64 or 32
-  static constexpr int kNt = kWn / 8;                 // n8 tiles per warp
-  static constexpr int kMt = BM / 32;                 // m16 tiles per warp
+  static constexpr int kMt = BM / 32;  // m16 tiles per warp (2 warps along M)
   static constexpr int kABytes = BM * kPfLd * 2;
   static constexpr int kBBytes = kPfBN * kPfLd * 2;
   static constexpr int kSmem = kPfStages * (kABytes + kPfRawBytes) + 2 * kBBytes;
   static_assert(BM == 64 || BM == 128, "tile height");
-  static_assert(kWn % 32 == 0, "a warp's kernel rows are whole (16 gate, 16 up) groups");
 };
 
 using cuda::cp_async16_zfill;
@@ -1460,10 +1450,9 @@ __device__ __forceinline__ void cp_async4_zfill(void* smem, const void* gmem, bo
 }
 using cuda::ldmatrix_x4;
 
-template <int BM, bool kGateUp, bool kWide>
-__global__ void __launch_bounds__(PfShape<BM, kWide>::kThreads, 2) prefill_gemm_kernel(const GemmArgs g) {
-  using S = PfShape<BM, kWide>;
-  constexpr int kThr = S::kThreads;
+template <int BM, bool kGateUp>
+__global__ void __launch_bounds__(kPfThreads, 2) prefill_gemm_kernel(const GemmArgs g) {
+  using S = PfShape<BM>;
   extern __shared__ __align__(128) uint8_t pf_smem[];
   __shared__ int64_t row_src[BM];
 
@@ -1482,76 +1471,67 @@ __global__ void __launch_bounds__(PfShape<BM, kWide>::kThreads, 2) prefill_gemm_
   uint8_t* raw_ring = a_ring + kPfStages * S::kABytes;
   uint8_t* b_tiles = raw_ring + kPfStages * kPfRawBytes;
 
-  for (int i = tid; i < BM; i += kThr) {
+  if (tid < BM) {
     int64_t src = -1;
-    if (i < rows) {
-      const int s = base + row0 + i;
+    if (tid < rows) {
+      const int s = base + row0 + tid;
       src = kGateUp ? g.sorted_pair[s] / g.top_k : s;
     }
-    row_src[i] = src;
+    row_src[tid] = src;
   }
   __syncthreads();
 
   const int64_t steps = kdim / kPfBK;  // = MXFP4 K tiles per row tile
   const uint8_t* wblk = g.w_blocks + static_cast<int64_t>(e) * ndim * kdim / 2;
   const uint8_t* wsc = g.w_scales + static_cast<int64_t>(e) * ndim * kdim / 32;
-  // Block b (= tid + j * kThr) of a step's weight tile: row tile rt, row, K half (16 B of codes,
-  // one scale), copied and dequantized by the same thread.
-  constexpr int kOwn = kPfBlocks / kThr;  // blocks per thread: 1 or 2
-  auto blk_rt = [&](int j) { return (tid + j * kThr) >> 5; };
-  auto blk_sc = [&](int j) { return (((tid + j * kThr) & 31) >> 1) * 2 + ((tid + j * kThr) & 1); };
+  // Thread tid's weight block: row tile rt, row, K half of the step (16 B of codes, one scale).
+  const int rt = tid >> 5, within = tid & 31, wrow = within >> 1, whalf = within & 1;
+  const int sc_idx = wrow * 2 + whalf;  // the block's scale byte within the tile's 32
+  const bool w_ok = n0 / 16 + rt < ndim / 16;
+  const int64_t w_tile0 = w_ok ? (n0 / 16 + rt) * steps : 0;
 
   auto issue = [&](int64_t st) {
     const int slot = static_cast<int>(st % kPfStages);
     uint8_t* as = a_ring + slot * S::kABytes;
     const int64_t k0 = st * kPfBK;
 #pragma unroll
-    for (int j = 0; j < BM * 8 / kThr; ++j) {
-      const int c = tid + j * kThr;
+    for (int j = 0; j < BM * 8 / kPfThreads; ++j) {
+      const int c = tid + j * kPfThreads;
       const int m = c >> 3, kc = c & 7;
       const int64_t src = row_src[m];
       const uint16_t* p = g.a_bf16 + (src >= 0 ? src * kdim + k0 + kc * 8 : 0);
       cp_async16_zfill(as + m * kPfLd * 2 + kc * 16, p, src >= 0);
     }
     uint8_t* raw = raw_ring + slot * kPfRawBytes;
-#pragma unroll
-    for (int j = 0; j < kOwn; ++j) {
-      const int b = tid + j * kThr, rt = blk_rt(j);
-      const bool w_ok = n0 / 16 + rt < ndim / 16;
-      const int64_t ti = w_ok ? (n0 / 16 + rt) * steps + st : 0;
-      cp_async16_zfill(raw + b * 16, wblk + ti * 512 + (b & 31) * 16, w_ok);
-      cp_async4_zfill(raw + 4096 + b * 4, wsc + ti * 32 + (blk_sc(j) & ~3), w_ok);
-    }
+    const int64_t ti = w_ok ? w_tile0 + st : 0;
+    cp_async16_zfill(raw + tid * 16, wblk + ti * 512 + within * 16, w_ok);
+    cp_async4_zfill(raw + 4096 + tid * 4, wsc + ti * 32 + (sc_idx & ~3), w_ok);
   };
 
-  // Dequantize this thread's blocks of step st (copied by this thread: its own wait_group is the
+  // Dequantize this thread's block of step st (copied by this thread: its own wait_group is the
   // only synchronisation needed) into weight tile buffer st % 2.
   auto dequant = [&](int64_t st) {
     const uint8_t* raw = raw_ring + static_cast<int>(st % kPfStages) * kPfRawBytes;
     uint16_t* bt = reinterpret_cast<uint16_t*>(b_tiles + static_cast<int>(st % 2) * S::kBBytes);
+    const uint4 v = *reinterpret_cast<const uint4*>(raw + tid * 16);
+    const uint32_t sc = raw[4096 + tid * 4 + (sc_idx & 3)];
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    uint32_t o[16];
 #pragma unroll
-    for (int j = 0; j < kOwn; ++j) {
-      const int b = tid + j * kThr, within = b & 31;
-      const uint4 v = *reinterpret_cast<const uint4*>(raw + b * 16);
-      const uint32_t sc = raw[4096 + b * 4 + (blk_sc(j) & 3)];
-      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-      uint32_t o[16];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) e2m1_word_bf16(words[q], sc, o + 4 * q);
-      uint4* dst = reinterpret_cast<uint4*>(bt + (blk_rt(j) * 16 + (within >> 1)) * kPfLd + (within & 1) * 32);
-      dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
-      dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
-      dst[2] = make_uint4(o[8], o[9], o[10], o[11]);
-      dst[3] = make_uint4(o[12], o[13], o[14], o[15]);
-    }
+    for (int q = 0; q < 4; ++q) e2m1_word_bf16(words[q], sc, o + 4 * q);
+    uint4* dst = reinterpret_cast<uint4*>(bt + (rt * 16 + wrow) * kPfLd + whalf * 32);
+    dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+    dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+    dst[2] = make_uint4(o[8], o[9], o[10], o[11]);
+    dst[3] = make_uint4(o[12], o[13], o[14], o[15]);
   };
 
-  const int wm = warp / S::kWarpsN, wn = warp % S::kWarpsN;
-  float acc[S::kMt][S::kNt][4];
+  const int wm = warp >> 2, wn = warp & 3;
+  float acc[S::kMt][4][4];
 #pragma unroll
   for (int i = 0; i < S::kMt; ++i)
 #pragma unroll
-    for (int j = 0; j < S::kNt; ++j)
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.0f;
 
@@ -1565,7 +1545,7 @@ __global__ void __launch_bounds__(PfShape<BM, kWide>::kThreads, 2) prefill_gemm_
   __syncthreads();
 
   const int a_row = wm * (BM / 2) + (lane & 15), a_col = (lane >> 4) * 8;
-  const int b_row = wn * S::kWn + (lane & 7) + ((lane >> 4) << 3), b_col = ((lane >> 3) & 1) * 8;
+  const int b_row = wn * 32 + (lane & 7) + ((lane >> 4) << 3), b_col = ((lane >> 3) & 1) * 8;
   for (int64_t st = 0; st < steps; ++st) {
     // Slot (st + 2) % 3 last held step st - 1: its token rows were read by the previous step's
     // mma (every warp passed the barrier since), its raw tile by this thread's dequant before.
@@ -1576,16 +1556,15 @@ __global__ void __launch_bounds__(PfShape<BM, kWide>::kThreads, 2) prefill_gemm_
 #pragma unroll
     for (int kk = 0; kk < kPfBK; kk += 16) {
       uint32_t af[S::kMt][4];
-      uint32_t bf[S::kNt / 2][4];
+      uint32_t bf[2][4];
 #pragma unroll
       for (int i = 0; i < S::kMt; ++i) ldmatrix_x4(af[i], as + (a_row + i * 16) * kPfLd + kk + a_col);
 #pragma unroll
-      for (int p = 0; p < S::kNt / 2; ++p) ldmatrix_x4(bf[p], bt + (b_row + p * 16) * kPfLd + kk + b_col);
+      for (int p = 0; p < 2; ++p) ldmatrix_x4(bf[p], bt + (b_row + p * 16) * kPfLd + kk + b_col);
 #pragma unroll
       for (int i = 0; i < S::kMt; ++i)
 #pragma unroll
-        for (int j = 0; j < S::kNt; ++j)
-          mma_bf16_16816(acc[i][j], af[i], bf[j >> 1][(j & 1) * 2], bf[j >> 1][(j & 1) * 2 + 1]);
+        for (int j = 0; j < 4; ++j) mma_bf16_16816(acc[i][j], af[i], bf[j >> 1][(j & 1) * 2], bf[j >> 1][(j & 1) * 2 + 1]);
     }
     if (st + 1 < steps) {
       cp_async_wait<1>();  // step st + 1's copies (this thread's) landed; st + 2 may be in flight
@@ -1596,9 +1575,9 @@ __global__ void __launch_bounds__(PfShape<BM, kWide>::kThreads, 2) prefill_gemm_
   cp_async_wait_all();
 
   // Epilogue from registers: acc[i][j][c] is row wm * BM/2 + 16 i + lane/4 (+8 for c >= 2),
-  // column wn * kWn + 8 j + 2 (lane % 4) (+1 for odd c).
-  const int64_t wcol0 = n0 + wn * S::kWn;
-  if (wcol0 >= ndim) return;  // the empty half of a 64-row last N tile (kWn divides 64)
+  // column wn * 32 + 8 j + 2 (lane % 4) (+1 for odd c).
+  const int64_t wcol0 = n0 + wn * 32;
+  if (wcol0 >= ndim) return;  // the empty half of a 64-row last N tile
   const float* bias = g.bias ? g.bias + static_cast<int64_t>(e) * ndim : nullptr;
   const int q2 = 2 * (lane & 3);
 #pragma unroll
@@ -1609,36 +1588,32 @@ __global__ void __launch_bounds__(PfShape<BM, kWide>::kThreads, 2) prefill_gemm_
       if (m >= rows) continue;
       const int64_t s = base + row0 + m;
       if constexpr (kGateUp) {
-        // Each 32 columns from gcol0 are the gate rows of features (gcol0 / 32) * 16 + 0..15,
-        // then their up rows.
+        // Columns 0..15 of the warp are the gate rows of features (wcol0 / 32) * 16 + 0..15,
+        // columns 16..31 their up rows.
         const auto order = static_cast<quant::Mxfp4RowOrder>(g.row_order);
 #pragma unroll
-        for (int grp = 0; grp < S::kNt / 4; ++grp) {
-          const int64_t gcol0 = wcol0 + grp * 32;
+        for (int j = 0; j < 2; ++j) {
+          float hv[2];
 #pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            float hv[2];
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const int col = j * 8 + q2 + c;
-              float gv = acc[i][grp * 4 + j][hr * 2 + c], uv = acc[i][grp * 4 + j + 2][hr * 2 + c];
-              if (bias) {
-                gv = math::add(gv, bias[quant::mxfp4_checkpoint_row(gcol0 + col, ndim, order)]);
-                uv = math::add(uv, bias[quant::mxfp4_checkpoint_row(gcol0 + col + 16, ndim, order)]);
-              }
-              hv[c] = math::activate(g.act_kind, g.limit, g.alpha, gv, uv);
+          for (int c = 0; c < 2; ++c) {
+            const int col = j * 8 + q2 + c;
+            float gv = acc[i][j][hr * 2 + c], uv = acc[i][j + 2][hr * 2 + c];
+            if (bias) {
+              gv = math::add(gv, bias[quant::mxfp4_checkpoint_row(wcol0 + col, ndim, order)]);
+              uv = math::add(uv, bias[quant::mxfp4_checkpoint_row(wcol0 + col + 16, ndim, order)]);
             }
-            const int64_t jf = (gcol0 / 32) * 16 + j * 8 + q2;
-            if (g.h_bf16)
-              *reinterpret_cast<uint32_t*>(g.h_bf16 + s * g.inter + jf) =
-                  f32_to_bf16_bits(hv[0]) | (f32_to_bf16_bits(hv[1]) << 16);
-            else
-              *reinterpret_cast<float2*>(g.h_f32 + s * g.inter + jf) = make_float2(hv[0], hv[1]);
+            hv[c] = math::activate(g.act_kind, g.limit, g.alpha, gv, uv);
           }
+          const int64_t jf = (wcol0 / 32) * 16 + j * 8 + q2;
+          if (g.h_bf16)
+            *reinterpret_cast<uint32_t*>(g.h_bf16 + s * g.inter + jf) =
+                f32_to_bf16_bits(hv[0]) | (f32_to_bf16_bits(hv[1]) << 16);
+          else
+            *reinterpret_cast<float2*>(g.h_f32 + s * g.inter + jf) = make_float2(hv[0], hv[1]);
         }
       } else {
 #pragma unroll
-        for (int j = 0; j < S::kNt; ++j) {
+        for (int j = 0; j < 4; ++j) {
           const int64_t col = wcol0 + j * 8 + q2;
           float2 v = make_float2(acc[i][j][hr * 2], acc[i][j][hr * 2 + 1]);
           if (bias) {
@@ -1652,28 +1627,16 @@ __global__ void __launch_bounds__(PfShape<BM, kWide>::kThreads, 2) prefill_gemm_
   }
 }
 
-// ROLLOUTD_MOE_PREFILL_WIDE=0|1 (environment, read once): the prefill kernel's warp shape (see
-// PfShape). Both give the same sums per output element (each is one K-ordered chain of mma over
-// the same dequantized tiles), so the knob is for same-binary A/B runs.
-bool prefill_wide() {
-  static const bool on = [] {
-    const char* s = std::getenv("ROLLOUTD_MOE_PREFILL_WIDE");
-    return s != nullptr && std::string_view(s) == "1";
-  }();
-  return on;
-}
-
-template <int BM, bool kGateUp, bool kWide>
+template <int BM, bool kGateUp>
 Status prefill_opt_in(int device) {
   static std::atomic<uint64_t> opted{0};
-  return opt_in_smem(opted, prefill_gemm_kernel<BM, kGateUp, kWide>, PfShape<BM, kWide>::kSmem, device);
+  return opt_in_smem(opted, prefill_gemm_kernel<BM, kGateUp>, PfShape<BM>::kSmem, device);
 }
 
-template <int BM, bool kGateUp, bool kWide>
+template <int BM, bool kGateUp>
 Status launch_prefill_bm(const ExecContext& ctx, const GemmArgs& g, const dim3 grid) {
-  using S = PfShape<BM, kWide>;
-  RD_RETURN_IF_ERROR((prefill_opt_in<BM, kGateUp, kWide>(ctx.device.index)));
-  prefill_gemm_kernel<BM, kGateUp, kWide><<<grid, S::kThreads, S::kSmem, stream_of(ctx)>>>(g);
+  RD_RETURN_IF_ERROR((prefill_opt_in<BM, kGateUp>(ctx.device.index)));
+  prefill_gemm_kernel<BM, kGateUp><<<grid, kPfThreads, PfShape<BM>::kSmem, stream_of(ctx)>>>(g);
   RD_CUDA_CHECK_LAUNCH("moe prefill_gemm_kernel");
   return Status::Ok();
 }
@@ -1683,10 +1646,8 @@ Status launch_prefill(const ExecContext& ctx, const GemmArgs& g, int bm, int64_t
   if (max_tiles == 0) return Status::Ok();
   if (max_tiles > kMaxGridY) return Status(ErrorCode::kInternal, "too many row tiles for the prefill grid", "x");
   const dim3 grid(static_cast<unsigned int>((g.n + kPfBN - 1) / kPfBN), static_cast<unsigned int>(max_tiles));
-  const bool wide = prefill_wide();
-  if (bm == 128)
-    return wide ? launch_prefill_bm<128, kGateUp, true>(ctx, g, grid) : launch_prefill_bm<128, kGateUp, false>(ctx, g, grid);
-  return wide ? launch_prefill_bm<64, kGateUp, true>(ctx, g, grid) : launch_prefill_bm<64, kGateUp, false>(ctx, g, grid);
+  if (bm == 128) return launch_prefill_bm<128, kGateUp>(ctx, g, grid);
+  return launch_prefill_bm<64, kGateUp>(ctx, g, grid);
 }
 
 template <bool kGateUp>
