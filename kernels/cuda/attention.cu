@@ -19,12 +19,10 @@
 //
 // The caches are FP32 or BF16 (one kernel each, KV = float or uint16_t bits): BF16 rows are
 // loaded as stored (half the bytes) and widened to FP32 where used; the arithmetic is the same.
-// BF16 caches at D = 64 in unsplit launches of more than kAttnFewMaxCtas 8-head CTAs (gpt-oss:
-// more than 8 tokens; on full-attention layers with long tables more than 16 on a 132-SM H200,
-// below which those launches split; prefill chunks too) take the tensor-core kernel at the end of
-// this file instead, which rounds q and p to BF16: with BF16 caches a request's rows differ by
-// BF16 rounding (~1e-3 relative) between steps of a few tokens and larger steps, as split rows
-// differ by FP32 rounding. FP32 caches keep the statement above.
+// BF16 caches at D = 64 (gpt-oss) take the tensor-core kernel at the end of this file instead,
+// split or unsplit by the same rule and into the same parts (a split row: the same bits in every
+// split launch); it rounds q and p to BF16. The float4 kernel keeps only the small unsplit grids
+// (at most kAttnFewMaxCtas 8-head CTAs, launched without a workspace) at that shape.
 //
 // Index values are on the device and not checked on the host: a token whose sequence id is
 // outside [0, S) gets a zero row, ctx_len is clamped to [0, max_blocks * block_size], and
@@ -672,8 +670,9 @@ __global__ void __launch_bounds__(kAttnThreads)
 }
 
 // ---- Tensor-core attention over BF16 caches (kMma) ------------------------------------------------
-// Taken for unsplit launches of 8-head-sized grids over BF16 caches at D = 64 (gpt-oss): the
-// float4 kernel above spends its time issuing ~1,500 instructions a warp per 128-key chunk (a
+// Taken for BF16 caches at D = 64 (gpt-oss), split (flash-decoding, the float4 kernel's parts
+// and workspace: a part's max is kept in log2 units, so the two kernels' partials never mix) or
+// unsplit; not for the few-head unsplit grids. The float4 kernel above spends its time issuing ~1,500 instructions a warp per 128-key chunk (a
 // q.k and a p.v FMA per head and key, shared-memory reads of q and p) with 8 warps an SM, and
 // halving the bytes (BF16) took only ~5 % off a long-context step. Here q.k and p.v are
 // mma.sync m16n8k16: the CTA's query heads (up to 16, the M rows) against 8 keys (q.k) or 8
@@ -719,12 +718,20 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
+// A finished row's 4 values at element o of out (FP32, or BF16 rounded to nearest even).
+__device__ __forceinline__ void mma_store4(void* out, const AttentionShape& s, int64_t o, float4 v) {
+  if (s.out_bf16)
+    *reinterpret_cast<uint2*>(static_cast<uint16_t*>(out) + o) = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
+  else
+    *reinterpret_cast<float4*>(static_cast<float*>(out) + o) = v;
+}
+
 template <int D>
-__global__ void __launch_bounds__(kMmaWarps * 32)
+__global__ void __launch_bounds__(kMmaWarps * 32, 2)
     paged_attention_mma_kernel(void* __restrict__ out, const float* __restrict__ q,
                                const uint16_t* __restrict__ k_cache, const uint16_t* __restrict__ v_cache,
                                const int32_t* __restrict__ block_tables, const int32_t* __restrict__ seq_of,
-                               const int32_t* __restrict__ ctx_len, AttentionShape s) {
+                               const int32_t* __restrict__ ctx_len, AttentionShape s, AttnSplit sp) {
   using L = MmaLayout<D>;
   constexpr int kRowBytes = D * 2;
   constexpr int kKs = D / 16;  // k-steps of q.k
@@ -765,184 +772,246 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   const int ilen = static_cast<int>(len), ifirst = static_cast<int>(first), bsz = static_cast<int>(s.block_size);
   // Scores in log2 units (scale * log2 e), so every exponential below is one exp2.
   const float scale_log2 = s.scale * 1.4426950408889634f;
-  const int64_t keys = len - first;
-  const int tiles = static_cast<int>((keys + kMmaKeys - 1) / kMmaKeys);
-  const int mine = tiles > warp ? (tiles - warp + kMmaWarps - 1) / kMmaWarps : 0;
+  // Split rows (sp.ctas > 0): the parts of split_plan, as the float4 kernel cuts them (so a row's
+  // bits do not depend on the grid); this CTA takes parts z, z + ctas, ...
+  const SplitPlan plan = sp.ctas > 0 ? split_plan(len - first) : SplitPlan{1, 0};
+  if (static_cast<int>(blockIdx.z) >= plan.parts) return;  // uniform across the CTA
+  const bool split = plan.parts > 1;
+  auto part_row = [&](int h, int part) { return (t * s.q_heads + h0 + h) * kAttnMaxSplits + part; };
   uint8_t* ring = mma_smem + warp * L::kWarpBytes;
-  // Tile j of this warp (keys first + 32 (warp + 4 j) ..) into stage st: lane l finds key l's
-  // cache row (-1: past the context or a block outside the cache: zero-filled, masked).
-  auto issue = [&](int j, int st) {
-    const int key = ifirst + (warp + kMmaWarps * j) * kMmaKeys + lane;
-    int64_t row = -1;
-    if (key < ilen) {
-      const int64_t block = table[key / bsz];
-      if (block >= 0 && block < s.num_blocks) row = block * s.block_size + key % bsz;
-    }
-    const uint32_t mask = __ballot_sync(0xffffffffu, row >= 0);
-    if (lane == 0) vmask[warp][st] = mask;
-    uint8_t* kt = ring + st * L::kStageBytes;
-#pragma unroll
-    for (int u = 0; u < L::kPieces; ++u) {  // 32 rows x kPieces pieces, a row's pieces on consecutive lanes
-      const int i = u * 32 + lane, r = i / L::kPieces, c = i % L::kPieces;
-      const int64_t rr = __shfl_sync(0xffffffffu, row, r);
-      const int64_t at = (rr < 0 ? 0 : rr) * row_stride + kvh * D + 8 * c;
-      cp_async16_zfill(kt + mma_tile_offset(r, c, kRowBytes), k_cache + at, rr >= 0);
-      cp_async16_zfill(kt + L::kTileBytes + mma_tile_offset(r, c, kRowBytes), v_cache + at, rr >= 0);
-    }
-  };
-#pragma unroll
-  for (int st = 0; st < kMmaStages - 1; ++st) {
-    if (st < mine) issue(st, st);
-    cp_async_commit();
-  }
-
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};  // rows g and g + 8
-  float acc[kNd][4];
-#pragma unroll
-  for (int nd = 0; nd < kNd; ++nd) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.0f;
-
-  for (int j = 0; j < mine; ++j) {
-    const int st = j % kMmaStages;
-    if (j + kMmaStages - 1 < mine) issue(j + kMmaStages - 1, (j + kMmaStages - 1) % kMmaStages);
-    cp_async_commit();  // possibly empty: keeps the group count in step
-    cp_async_wait<kMmaStages - 1>();
-    __syncwarp();  // every lane's copies of tile j (and its mask) visible to the warp
-    const uint32_t mask = vmask[warp][st];
-    const uint8_t* kt = ring + st * L::kStageBytes;
-    const uint8_t* vt = kt + L::kTileBytes;
-
-    // Scores: 4 n-tiles of 8 keys; per pair of k-steps one ldmatrix.x4 (keys nt*8 + lane % 8,
-    // pieces 4 kp + lane / 8).
-    float sc[4][4];
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
-#pragma unroll
-      for (int kp = 0; kp < kKs / 2; ++kp) {
-        uint32_t b[4];
-        const int r = nt * 8 + (lane & 7);
-        ldmatrix_x4(b, kt + mma_tile_offset(r, 4 * kp + (lane >> 3), kRowBytes));
-        mma_bf16_16816(sc[nt], qa[2 * kp], b[0], b[1]);
-        mma_bf16_16816(sc[nt], qa[2 * kp + 1], b[2], b[3]);
+  for (int part = blockIdx.z; part < plan.parts; part += gridDim.z) {
+    if (part != static_cast<int>(blockIdx.z)) __syncthreads();  // the last part's combine read the ring
+    // Keys [kb, ke): the whole row, or this part's chunks.
+    const int kb = split ? ifirst + part * plan.per * kAttnChunk : ifirst;
+    const int ke = split && kb + plan.per * kAttnChunk < ilen ? kb + plan.per * kAttnChunk : ilen;
+    const int tiles = (ke - kb + kMmaKeys - 1) / kMmaKeys;
+    const int mine = tiles > warp ? (tiles - warp + kMmaWarps - 1) / kMmaWarps : 0;
+    // Tile j of this warp (keys kb + 32 (warp + 4 j) ..) into stage st: lane l finds key l's
+    // cache row (-1: past the context or a block outside the cache: zero-filled, masked).
+    auto issue = [&](int j, int st) {
+      const int key = kb + (warp + kMmaWarps * j) * kMmaKeys + lane;
+      int64_t row = -1;
+      if (key < ke) {
+        const int64_t block = table[key / bsz];
+        if (block >= 0 && block < s.num_blocks) row = block * s.block_size + key % bsz;
       }
+      const uint32_t mask = __ballot_sync(0xffffffffu, row >= 0);
+      if (lane == 0) vmask[warp][st] = mask;
+      uint8_t* kt = ring + st * L::kStageBytes;
+  #pragma unroll
+      for (int u = 0; u < L::kPieces; ++u) {  // 32 rows x kPieces pieces, a row's pieces on consecutive lanes
+        const int i = u * 32 + lane, r = i / L::kPieces, c = i % L::kPieces;
+        const int64_t rr = __shfl_sync(0xffffffffu, row, r);
+        const int64_t at = (rr < 0 ? 0 : rr) * row_stride + kvh * D + 8 * c;
+        cp_async16_zfill(kt + mma_tile_offset(r, c, kRowBytes), k_cache + at, rr >= 0);
+        cp_async16_zfill(kt + L::kTileBytes + mma_tile_offset(r, c, kRowBytes), v_cache + at, rr >= 0);
+      }
+    };
+  #pragma unroll
+    for (int st = 0; st < kMmaStages - 1; ++st) {
+      if (st < mine) issue(st, st);
+      cp_async_commit();
     }
-    // Online softmax per head row (g: elements 0, 1; g + 8: 2, 3), over this warp's keys; maxima
-    // in log2 units like the scores (and the sink at the end).
-    float p[4][4];
-#pragma unroll
+
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};  // rows g and g + 8
+    float acc[kNd][4];
+  #pragma unroll
+    for (int nd = 0; nd < kNd; ++nd) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.0f;
+
+    for (int j = 0; j < mine; ++j) {
+      const int st = j % kMmaStages;
+      if (j + kMmaStages - 1 < mine) issue(j + kMmaStages - 1, (j + kMmaStages - 1) % kMmaStages);
+      cp_async_commit();  // possibly empty: keeps the group count in step
+      cp_async_wait<kMmaStages - 1>();
+      __syncwarp();  // every lane's copies of tile j (and its mask) visible to the warp
+      const uint32_t mask = vmask[warp][st];
+      const uint8_t* kt = ring + st * L::kStageBytes;
+      const uint8_t* vt = kt + L::kTileBytes;
+
+      // Scores: 4 n-tiles of 8 keys; per pair of k-steps one ldmatrix.x4 (keys nt*8 + lane % 8,
+      // pieces 4 kp + lane / 8).
+      float sc[4][4];
+  #pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+  #pragma unroll
+        for (int kp = 0; kp < kKs / 2; ++kp) {
+          uint32_t b[4];
+          const int r = nt * 8 + (lane & 7);
+          ldmatrix_x4(b, kt + mma_tile_offset(r, 4 * kp + (lane >> 3), kRowBytes));
+          mma_bf16_16816(sc[nt], qa[2 * kp], b[0], b[1]);
+          mma_bf16_16816(sc[nt], qa[2 * kp + 1], b[2], b[3]);
+        }
+      }
+      // Online softmax per head row (g: elements 0, 1; g + 8: 2, 3), over this warp's keys; maxima
+      // in log2 units like the scores (and the sink at the end).
+      float p[4][4];
+  #pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float mx = -INFINITY;
+  #pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+  #pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int key = nt * 8 + c2 + e;
+            float& v = sc[nt][2 * half + e];
+            v = (mask >> key) & 1u ? v * scale_log2 : -INFINITY;
+            mx = fmaxf(mx, v);
+          }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float new_m = fmaxf(m_run[half], mx);
+        const bool live = new_m != -INFINITY;  // -inf - -inf would be NaN
+        const float corr = live ? exp2f(m_run[half] - new_m) : 1.0f;
+        float sum = 0.0f;
+  #pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+  #pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pv = live ? exp2f(sc[nt][2 * half + e] - new_m) : 0.0f;
+            p[nt][2 * half + e] = pv;
+            sum += pv;
+          }
+        l_run[half] = l_run[half] * corr + sum;
+        if (live) m_run[half] = new_m;
+  #pragma unroll
+        for (int nd = 0; nd < kNd; ++nd) {
+          acc[nd][2 * half] *= corr;
+          acc[nd][2 * half + 1] *= corr;
+        }
+      }
+      // p.v: two k-steps of 16 keys; p's accumulator layout is the A fragment's (n-tiles 2 kk and
+      // 2 kk + 1 side by side); V rows by ldmatrix.trans (keys 16 kk + 8 (m % 2) + lane % 8,
+      // pieces 2 dp + m / 2 for matrix m = lane / 8).
+  #pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        const uint32_t pa[4] = {pack_bf16x2(p[2 * kk][0], p[2 * kk][1]), pack_bf16x2(p[2 * kk][2], p[2 * kk][3]),
+                                pack_bf16x2(p[2 * kk + 1][0], p[2 * kk + 1][1]),
+                                pack_bf16x2(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+        const int m = lane >> 3;
+        const int r = 16 * kk + 8 * (m & 1) + (lane & 7);
+  #pragma unroll
+        for (int dp = 0; dp < kNd / 2; ++dp) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, vt + mma_tile_offset(r, 2 * dp + (m >> 1), kRowBytes));
+          mma_bf16_16816(acc[2 * dp], pa, b[0], b[1]);
+          mma_bf16_16816(acc[2 * dp + 1], pa, b[2], b[3]);
+        }
+      }
+      __syncwarp();  // every lane done with stage st before a later tile is copied into it
+    }
+    cp_async_wait_all();
+
+    // The 4 lanes of a row hold partial sums of its p: the row's sum.
+  #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int key = nt * 8 + c2 + e;
-          float& v = sc[nt][2 * half + e];
-          v = (mask >> key) & 1u ? v * scale_log2 : -INFINITY;
-          mx = fmaxf(mx, v);
-        }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float new_m = fmaxf(m_run[half], mx);
-      const bool live = new_m != -INFINITY;  // -inf - -inf would be NaN
-      const float corr = live ? exp2f(m_run[half] - new_m) : 1.0f;
-      float sum = 0.0f;
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pv = live ? exp2f(sc[nt][2 * half + e] - new_m) : 0.0f;
-          p[nt][2 * half + e] = pv;
-          sum += pv;
-        }
-      l_run[half] = l_run[half] * corr + sum;
-      if (live) m_run[half] = new_m;
-#pragma unroll
-      for (int nd = 0; nd < kNd; ++nd) {
-        acc[nd][2 * half] *= corr;
-        acc[nd][2 * half + 1] *= corr;
-      }
+      l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 1);
+      l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 2);
     }
-    // p.v: two k-steps of 16 keys; p's accumulator layout is the A fragment's (n-tiles 2 kk and
-    // 2 kk + 1 side by side); V rows by ldmatrix.trans (keys 16 kk + 8 (m % 2) + lane % 8,
-    // pieces 2 dp + m / 2 for matrix m = lane / 8).
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      const uint32_t pa[4] = {pack_bf16x2(p[2 * kk][0], p[2 * kk][1]), pack_bf16x2(p[2 * kk][2], p[2 * kk][3]),
-                              pack_bf16x2(p[2 * kk + 1][0], p[2 * kk + 1][1]),
-                              pack_bf16x2(p[2 * kk + 1][2], p[2 * kk + 1][3])};
-      const int m = lane >> 3;
-      const int r = 16 * kk + 8 * (m & 1) + (lane & 7);
-#pragma unroll
-      for (int dp = 0; dp < kNd / 2; ++dp) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, vt + mma_tile_offset(r, 2 * dp + (m >> 1), kRowBytes));
-        mma_bf16_16816(acc[2 * dp], pa, b[0], b[1]);
-        mma_bf16_16816(acc[2 * dp + 1], pa, b[2], b[3]);
-      }
+    __syncthreads();  // every warp is done with its ring: the combine reuses it
+    float* cm = reinterpret_cast<float*>(mma_smem);  // [warp][head] running max
+    float* cl = cm + kMmaWarps * kMmaHeads;           // [warp][head] sum
+    float* ca = cl + kMmaWarps * kMmaHeads;           // [warp][head][D] accumulators
+    if ((lane & 3) == 0) {
+      cm[warp * kMmaHeads + g] = m_run[0];
+      cm[warp * kMmaHeads + g + 8] = m_run[1];
+      cl[warp * kMmaHeads + g] = l_run[0];
+      cl[warp * kMmaHeads + g + 8] = l_run[1];
     }
-    __syncwarp();  // every lane done with stage st before a later tile is copied into it
-  }
-  cp_async_wait_all();
+  #pragma unroll
+    for (int nd = 0; nd < kNd; ++nd) {
+      float* r0 = ca + (warp * kMmaHeads + g) * D + nd * 8 + c2;
+      float* r1 = ca + (warp * kMmaHeads + g + 8) * D + nd * 8 + c2;
+      r0[0] = acc[nd][0];
+      r0[1] = acc[nd][1];
+      r1[0] = acc[nd][2];
+      r1[1] = acc[nd][3];
+    }
+    __syncthreads();
+    // Each (head, 4 dimensions): the warps in order, weighted by exp(m_w - M); the sink (a logit
+    // without a value) joins the maximum and the denominator; a row that saw nothing is zero.
+    constexpr int kD4 = D / 4;
+    for (int i = threadIdx.x; i < nh * kD4; i += kMmaWarps * 32) {
+      const int h = i / kD4, d4 = i - h * kD4;
+      // A split row's sink joins once, in the combine of its parts below.
+      const bool sink = s.sinks != nullptr && len > 0 && !split;
+      const float sv = sink ? s.sinks[h0 + h] * 1.4426950408889634f : -INFINITY;  // log2 units, as cm
+      float M = sv;
+  #pragma unroll
+      for (int w = 0; w < kMmaWarps; ++w) M = fmaxf(M, cm[w * kMmaHeads + h]);
+      float l = sink && M != -INFINITY ? exp2f(sv - M) : 0.0f;
+      float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  #pragma unroll
+      for (int w = 0; w < kMmaWarps; ++w) {
+        const float mw = cm[w * kMmaHeads + h];
+        const float wt = mw == -INFINITY ? 0.0f : exp2f(mw - M);
+        l += wt * cl[w * kMmaHeads + h];
+        const float4 a = *reinterpret_cast<const float4*>(ca + (w * kMmaHeads + h) * D + 4 * d4);
+        v.x += wt * a.x;
+        v.y += wt * a.y;
+        v.z += wt * a.z;
+        v.w += wt * a.w;
+      }
+      if (split) {  // the part's unnormalized sum, its max (log2 units) and denominator
+        reinterpret_cast<float4*>(sp.o + part_row(h, part) * D)[d4] = v;
+        if (d4 == 0) {
+          sp.ml[2 * part_row(h, part)] = M;
+          sp.ml[2 * part_row(h, part) + 1] = l;
+        }
+        continue;
+      }
+      const float iv = l > 0.0f ? 1.0f / l : 0.0f;
+      mma_store4(out, s, (t * s.q_heads + h0 + h) * D + 4 * d4, make_float4(v.x * iv, v.y * iv, v.z * iv, v.w * iv));
+    }
+  }  // parts
+  if (!split) return;
 
-  // The 4 lanes of a row hold partial sums of its p: the row's sum.
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 1);
-    l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 2);
-  }
-  __syncthreads();  // every warp is done with its ring: the combine reuses it
-  float* cm = reinterpret_cast<float*>(mma_smem);  // [warp][head] running max
-  float* cl = cm + kMmaWarps * kMmaHeads;           // [warp][head] sum
-  float* ca = cl + kMmaWarps * kMmaHeads;           // [warp][head][D] accumulators
-  if ((lane & 3) == 0) {
-    cm[warp * kMmaHeads + g] = m_run[0];
-    cm[warp * kMmaHeads + g + 8] = m_run[1];
-    cl[warp * kMmaHeads + g] = l_run[0];
-    cl[warp * kMmaHeads + g + 8] = l_run[1];
-  }
-#pragma unroll
-  for (int nd = 0; nd < kNd; ++nd) {
-    float* r0 = ca + (warp * kMmaHeads + g) * D + nd * 8 + c2;
-    float* r1 = ca + (warp * kMmaHeads + g + 8) * D + nd * 8 + c2;
-    r0[0] = acc[nd][0];
-    r0[1] = acc[nd][1];
-    r1[0] = acc[nd][2];
-    r1[1] = acc[nd][3];
+  // The CTA that finishes a split row's last part combines its parts in part order, as the float4
+  // kernel does (partials, a fence, a counter), in log2 units with exp2.
+  __shared__ int last_s;
+  __threadfence();
+  __syncthreads();
+  int32_t* counter = sp.counters + t * s.q_heads + h0;
+  if (threadIdx.x == 0) {
+    const int done = (plan.parts - 1 - static_cast<int>(blockIdx.z)) / static_cast<int>(gridDim.z) + 1;
+    last_s = atomicAdd(counter, done) + done == plan.parts;
   }
   __syncthreads();
-  // Each (head, 4 dimensions): the warps in order, weighted by exp(m_w - M); the sink (a logit
-  // without a value) joins the maximum and the denominator; a row that saw nothing is zero.
+  if (!last_s) return;
+  __threadfence();
   constexpr int kD4 = D / 4;
+  float* wts = reinterpret_cast<float*>(mma_smem);  // [head][part] weights, then [head] 1 / denominator
+  float* inv = wts + kMmaHeads * kAttnMaxSplits;
+  if (static_cast<int>(threadIdx.x) < nh) {
+    const int h = threadIdx.x;
+    const float sv = s.sinks != nullptr ? s.sinks[h0 + h] * 1.4426950408889634f : -INFINITY;
+    float M = sv;
+    for (int p = 0; p < plan.parts; ++p) M = fmaxf(M, __ldcg(sp.ml + 2 * part_row(h, p)));
+    float l = s.sinks != nullptr && M != -INFINITY ? exp2f(sv - M) : 0.0f;
+    for (int p = 0; p < plan.parts; ++p) {
+      const float mp = __ldcg(sp.ml + 2 * part_row(h, p));
+      const float w = mp == -INFINITY ? 0.0f : exp2f(mp - M);  // a part that saw nothing
+      wts[h * kAttnMaxSplits + p] = w;
+      l += w * __ldcg(sp.ml + 2 * part_row(h, p) + 1);
+    }
+    inv[h] = l > 0.0f ? 1.0f / l : 0.0f;
+  }
+  __syncthreads();
   for (int i = threadIdx.x; i < nh * kD4; i += kMmaWarps * 32) {
     const int h = i / kD4, d4 = i - h * kD4;
-    const bool sink = s.sinks != nullptr && len > 0;
-    const float sv = sink ? s.sinks[h0 + h] * 1.4426950408889634f : -INFINITY;  // log2 units, as cm
-    float M = sv;
-#pragma unroll
-    for (int w = 0; w < kMmaWarps; ++w) M = fmaxf(M, cm[w * kMmaHeads + h]);
-    float l = sink && M != -INFINITY ? exp2f(sv - M) : 0.0f;
     float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-    for (int w = 0; w < kMmaWarps; ++w) {
-      const float mw = cm[w * kMmaHeads + h];
-      const float wt = mw == -INFINITY ? 0.0f : exp2f(mw - M);
-      l += wt * cl[w * kMmaHeads + h];
-      const float4 a = *reinterpret_cast<const float4*>(ca + (w * kMmaHeads + h) * D + 4 * d4);
-      v.x += wt * a.x;
-      v.y += wt * a.y;
-      v.z += wt * a.z;
-      v.w += wt * a.w;
+    for (int p = 0; p < plan.parts; ++p) {
+      const float w = wts[h * kAttnMaxSplits + p];
+      const float4 o = __ldcg(reinterpret_cast<const float4*>(sp.o + part_row(h, p) * D) + d4);
+      v.x += w * o.x;
+      v.y += w * o.y;
+      v.z += w * o.z;
+      v.w += w * o.w;
     }
-    const float iv = l > 0.0f ? 1.0f / l : 0.0f;
-    v = make_float4(v.x * iv, v.y * iv, v.z * iv, v.w * iv);
-    const int64_t o = (t * s.q_heads + h0 + h) * D + 4 * d4;
-    if (s.out_bf16) {
-      *reinterpret_cast<uint2*>(static_cast<uint16_t*>(out) + o) = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
-    } else {
-      *reinterpret_cast<float4*>(static_cast<float*>(out) + o) = v;
-    }
+    const float iv = inv[h];
+    mma_store4(out, s, (t * s.q_heads + h0 + h) * D + 4 * d4, make_float4(v.x * iv, v.y * iv, v.z * iv, v.w * iv));
   }
+  if (threadIdx.x == 0) *counter = 0;  // for the next launch (kernel boundaries order it)
 }
 
 // ROLLOUTD_ATTN_MMA=0: never the tensor-core kernel (an A/B; other bits, BF16-close); read once.
@@ -1015,6 +1084,12 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
   // A split launch keeps kAttnHeads heads per CTA (every K/V row read once per GQA group) unless
   // even those CTAs times the most parts a row can have would not reach one per SM (one token at
   // gpt-oss's 8 KV heads): the parts give the parallelism that few heads gave.
+  // The tensor-core kernel: BF16 caches at D = kMmaDim, rows 16-byte aligned, tables of fewer
+  // than 2^31 positions; split or unsplit as below, but not for an unsplit grid small enough for
+  // few-head CTAs (no workspace: the float4 kernel's 2-head CTAs are more of them).
+  const bool mma_ok = kv_bf16 && s.head_dim == kMmaDim && vec && aligned(k_cache, 16) && aligned(v_cache, 16) &&
+                      s.max_blocks * s.block_size < INT_MAX && attn_mma_env();
+  const int64_t rows16 = num_tokens * s.kv_heads * ((per_kv + kMmaHeads - 1) / kMmaHeads);  // 16-head CTAs
   AttnSplit sp{nullptr, nullptr, nullptr, 0};
   const int64_t longest = s.window > 0 ? std::min(s.window, s.max_blocks * s.block_size) : s.max_blocks * s.block_size;
   const int max_parts = split_plan(longest).parts;
@@ -1023,12 +1098,13 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
     RD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ctx.device.index));
     int ctas = options.split_ctas > 0 ? options.split_ctas : attn_split_env();
     const bool size_here = ctas <= 0;
-    if (size_here) ctas = rows8 < sms ? 1 : 0;  // 0: unsplit
+    if (size_here) ctas = (mma_ok ? rows16 : rows8) < sms ? 1 : 0;  // 0: unsplit
     if (ctas > 0) {
       const int few_env = attn_split_few_env();
-      if (few && few_env != 1 && (few_env == 0 || rows8 * max_parts >= sms)) few = false;
-      const int64_t rows = num_tokens * s.kv_heads * ((per_kv + (few ? kAttnFewHeads : kAttnHeads) - 1) /
-                                                      (few ? kAttnFewHeads : kAttnHeads));
+      if (few && (mma_ok || (few_env != 1 && (few_env == 0 || rows8 * max_parts >= sms)))) few = false;
+      const int64_t rows = mma_ok ? rows16
+                                  : num_tokens * s.kv_heads * ((per_kv + (few ? kAttnFewHeads : kAttnHeads) - 1) /
+                                                               (few ? kAttnFewHeads : kAttnHeads));
       if (size_here)
         while (ctas < max_parts && rows * ctas < static_cast<int64_t>(kAttnSplitTargetWaves) * sms) ctas *= 2;
       sp.ctas = std::min(ctas, max_parts);
@@ -1043,20 +1119,18 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
       sp.ml = sp.o + heads * kAttnMaxSplits * s.head_dim;
     }
   }
-  // The tensor-core kernel: BF16 caches at D = kMmaDim, unsplit launches of 8-head-sized grids
-  // (small grids keep the few-head or split launches of the kernel above), rows 16-byte aligned.
-  if (kv_bf16 && sp.ctas == 0 && !few && s.head_dim == kMmaDim && vec && aligned(k_cache, 16) &&
-      aligned(v_cache, 16) && s.max_blocks * s.block_size < INT_MAX && attn_mma_env()) {
+  if (mma_ok && (sp.ctas > 0 || !few)) {
     using L = MmaLayout<kMmaDim>;
     AttentionShape sm = s;
     sm.head_groups = static_cast<int>((per_kv + kMmaHeads - 1) / kMmaHeads);
-    const dim3 mgrid(static_cast<unsigned int>(num_tokens), static_cast<unsigned int>(s.kv_heads * sm.head_groups), 1);
+    const dim3 mgrid(static_cast<unsigned int>(num_tokens), static_cast<unsigned int>(s.kv_heads * sm.head_groups),
+                     static_cast<unsigned int>(sp.ctas > 0 ? sp.ctas : 1));
     static std::atomic<uint64_t> opted{0};
     RD_RETURN_IF_ERROR(opt_in_smem(opted, paged_attention_mma_kernel<kMmaDim>, L::kBytes, ctx.device.index));
     (void)launch_dependent(paged_attention_mma_kernel<kMmaDim>, mgrid, kMmaWarps * 32, L::kBytes, stream_of(ctx),
                            out.data, q.as<const float>(), k_cache.as<const uint16_t>(), v_cache.as<const uint16_t>(),
                            block_tables.as<const int32_t>(), seq_of.as<const int32_t>(), ctx_len.as<const int32_t>(),
-                           sm);
+                           sm, sp);
     RD_CUDA_CHECK_LAUNCH("paged_attention_mma_kernel");
     return Status::Ok();
   }
