@@ -20,9 +20,9 @@
 // The caches are FP32 or BF16 (one kernel each, KV = float or uint16_t bits): BF16 rows are
 // loaded as stored (half the bytes) and widened to FP32 where used; the arithmetic is the same.
 // BF16 caches at D = 64 (gpt-oss) take the tensor-core kernel at the end of this file instead,
-// split or unsplit by the same rule and into the same parts (a split row: the same bits in every
-// split launch); it rounds q and p to BF16. The float4 kernel keeps only the small unsplit grids
-// (at most kAttnFewMaxCtas 8-head CTAs, launched without a workspace) at that shape.
+// every launch (split or unsplit by the same rule, into the same parts: a split row has the same
+// bits in every split launch); it rounds q and p to BF16, so a request's rows differ between
+// split and unsplit steps by rounding, as FP32 rows do.
 //
 // Index values are on the device and not checked on the host: a token whose sequence id is
 // outside [0, S) gets a zero row, ctx_len is clamped to [0, max_blocks * block_size], and
@@ -85,8 +85,9 @@ inline int attn_split_env() {
   static const int v = env_int("ROLLOUTD_ATTN_SPLIT", -1);
   return v;
 }
-// ROLLOUTD_ATTN_SPLIT_FEW (an A/B of the split launches' heads per CTA): unset -1 (the rule in
-// paged_attention_ex), 0 never kAttnFewHeads when split, 1 as unsplit launches choose; read once.
+// ROLLOUTD_ATTN_SPLIT_FEW (an A/B of the float4 kernel's split launches' heads per CTA; the
+// tensor-core kernel always has 16): unset -1 (the rule in paged_attention_ex), 0 never
+// kAttnFewHeads when split, 1 as unsplit launches choose; read once.
 inline int attn_split_few_env() {
   static const int v = env_int("ROLLOUTD_ATTN_SPLIT_FEW", -1);
   return v;
@@ -127,6 +128,7 @@ struct AttnSplit {
   int32_t* counters;  // [C, QH]: parts finished, at (token, first head of the CTA); zero between launches
   float* o;           // [C, QH, kAttnMaxSplits, D]: a part's unnormalized sum of p * v
   float* ml;          // [C, QH, kAttnMaxSplits, 2]: a part's running max and sum of exp(score - max)
+                      // (the tensor-core kernel: max in log2 units, sum of exp2)
   int ctas;           // CTAs per row (grid.z), each taking parts z, z + ctas, ...
 };
 
@@ -672,18 +674,19 @@ __global__ void __launch_bounds__(kAttnThreads)
 // ---- Tensor-core attention over BF16 caches (kMma) ------------------------------------------------
 // Taken for BF16 caches at D = 64 (gpt-oss), split (flash-decoding, the float4 kernel's parts
 // and workspace: a part's max is kept in log2 units, so the two kernels' partials never mix) or
-// unsplit; not for the few-head unsplit grids. The float4 kernel above spends its time issuing ~1,500 instructions a warp per 128-key chunk (a
-// q.k and a p.v FMA per head and key, shared-memory reads of q and p) with 8 warps an SM, and
+// unsplit. The float4 kernel above spends its time issuing ~1,500 instructions a warp per
+// 128-key chunk (a q.k and a p.v FMA per head and key, shared-memory reads of q and p) with 8 warps an SM, and
 // halving the bytes (BF16) took only ~5 % off a long-context step. Here q.k and p.v are
 // mma.sync m16n8k16: the CTA's query heads (up to 16, the M rows) against 8 keys (q.k) or 8
 // output dimensions (p.v), as flash-attention does for prefill: 32 mma a warp per 32 keys.
 // Numerics: q and p are rounded to BF16 for the tensor cores (as a BF16 model's attention
 // does); scores, the softmax and the sums stay FP32. So these rows are within BF16 tolerance of
 // the FP32-q reference, not FP32's (the parity cases say which).
-// Layout: 4 warps, each its own keys (tiles of 32, warp w taking tiles w, w + 4, ...) through
-// its own kMmaStages-deep cp.async ring (no block barrier until the end); each warp keeps an
-// online softmax per head (running max, its lanes' partial sums, accumulators), and the 4 are
-// combined in shared memory at the end with the sink, as split rows are combined.
+// Layout: 4 warps, each its own keys of the row or part (tiles of 32, warp w taking tiles w,
+// w + 4, ...) through its own kMmaStages-deep cp.async ring (no block barrier until the row's or
+// part's end); each warp keeps an online softmax per head (running max, its lanes' partial sums,
+// accumulators), and the 4 are combined in shared memory at the end, with the sink for an
+// unsplit row (a split row's joins once, in the combine of its parts).
 constexpr int kMmaWarps = 4;
 constexpr int kMmaKeys = 32;    // keys a warp takes per tile (4 n-tiles of 8)
 constexpr int kMmaStages = 3;   // tiles in flight per warp
@@ -783,7 +786,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
     if (part != static_cast<int>(blockIdx.z)) __syncthreads();  // the last part's combine read the ring
     // Keys [kb, ke): the whole row, or this part's chunks.
     const int kb = split ? ifirst + part * plan.per * kAttnChunk : ifirst;
-    const int ke = split && kb + plan.per * kAttnChunk < ilen ? kb + plan.per * kAttnChunk : ilen;
+    const int64_t kend = static_cast<int64_t>(kb) + static_cast<int64_t>(plan.per) * kAttnChunk;  // may pass 2^31
+    const int ke = split && kend < ilen ? static_cast<int>(kend) : ilen;
     const int tiles = (ke - kb + kMmaKeys - 1) / kMmaKeys;
     const int mine = tiles > warp ? (tiles - warp + kMmaWarps - 1) / kMmaWarps : 0;
     // Tile j of this warp (keys kb + 32 (warp + 4 j) ..) into stage st: lane l finds key l's
@@ -1019,6 +1023,12 @@ inline bool attn_mma_env() {
   static const bool on = env_int("ROLLOUTD_ATTN_MMA", 1) != 0;
   return on;
 }
+// ROLLOUTD_ATTN_MMA_FEW=0: unsplit grids of at most kAttnFewMaxCtas 8-head CTAs keep the float4
+// kernel's 2-head CTAs (the rule before 2026-12-04; an A/B); read once.
+inline bool attn_mma_few_env() {
+  static const bool on = env_int("ROLLOUTD_ATTN_MMA_FEW", 1) != 0;
+  return on;
+}
 
 }  // namespace
 
@@ -1075,18 +1085,20 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
   while (dim_lanes < lanes_for && dim_lanes < kAttnThreads) dim_lanes *= 2;
   const int per = vec ? 1 : static_cast<int>((s.head_dim + kAttnThreads - 1) / kAttnThreads);
   // Split rows (AttentionOptions::workspace): options.split_ctas (or ROLLOUTD_ATTN_SPLIT) CTAs
-  // per row. Else only where the unsplit grid of kAttnHeads-head CTAs is smaller than the GPU's
-  // SM count, CTAs per row a power of two that brings the grid to kAttnSplitTargetWaves CTAs per
-  // SM. Either way at most the parts of the longest row the tables can hold (after the window).
-  // Larger grids stay unsplit: at 256 such CTAs (32 gpt-oss tokens) a split step measured 6-8%
-  // slower (every part restarts the chunk loop and writes partials; tests/bench/NOTES.md). Off on
-  // the scalar path.
-  // A split launch keeps kAttnHeads heads per CTA (every K/V row read once per GQA group) unless
+  // per row. Else only where the unsplit grid of kAttnHeads-head CTAs (the tensor-core kernel's:
+  // kMmaHeads) is smaller than the GPU's SM count, CTAs per row a power of two that brings the
+  // grid to kAttnSplitTargetWaves CTAs per SM (the tensor-core kernel holds 2 an SM; 4, 8 and 16
+  // CTAs a row measured alike at p4096 batches 8 and 16). Either way at most the parts of the
+  // longest row the tables can hold (after the window), so a layer whose rows are at most 256
+  // keys (a window of 128) never splits. Larger grids stay unsplit: at 256 such CTAs (32 gpt-oss
+  // tokens) a split step measured 6-8% slower (every part restarts the chunk loop and writes
+  // partials; tests/bench/NOTES.md). Off on the scalar path.
+  // A float4 split launch keeps kAttnHeads heads per CTA (every K/V row read once per GQA group) unless
   // even those CTAs times the most parts a row can have would not reach one per SM (one token at
   // gpt-oss's 8 KV heads): the parts give the parallelism that few heads gave.
   // The tensor-core kernel: BF16 caches at D = kMmaDim, rows 16-byte aligned, tables of fewer
-  // than 2^31 positions; split or unsplit as below, but not for an unsplit grid small enough for
-  // few-head CTAs (no workspace: the float4 kernel's 2-head CTAs are more of them).
+  // than 2^31 positions; every such launch, split or unsplit as below (so that a request's BF16
+  // rows never move between the two kernels' arithmetic with the size of its step).
   const bool mma_ok = kv_bf16 && s.head_dim == kMmaDim && vec && aligned(k_cache, 16) && aligned(v_cache, 16) &&
                       s.max_blocks * s.block_size < INT_MAX && attn_mma_env();
   const int64_t rows16 = num_tokens * s.kv_heads * ((per_kv + kMmaHeads - 1) / kMmaHeads);  // 16-head CTAs
@@ -1119,7 +1131,7 @@ Status paged_attention_ex(const ExecContext& ctx, TensorView out, TensorView q, 
       sp.ml = sp.o + heads * kAttnMaxSplits * s.head_dim;
     }
   }
-  if (mma_ok && (sp.ctas > 0 || !few)) {
+  if (mma_ok && (sp.ctas > 0 || !few || attn_mma_few_env())) {
     using L = MmaLayout<kMmaDim>;
     AttentionShape sm = s;
     sm.head_groups = static_cast<int>((per_kv + kMmaHeads - 1) / kMmaHeads);

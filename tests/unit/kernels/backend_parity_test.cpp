@@ -442,9 +442,9 @@ ParityCase attention_case(Rng& rng, std::vector<SeqSpec> seqs, int64_t q_heads, 
   return c;
 }
 
-// BF16 caches at D = 64 in unsplit launches of more than 64 8-head CTAs take CUDA's tensor-core
-// kernel, which rounds q and p to BF16 for the mma (scores, softmax and sums stay FP32): its rows
-// are within BF16 tolerance of the FP32-q reference (DESIGN: BF16 ~ 1e-2), not within FP32's.
+// BF16 caches at D = 64 take CUDA's tensor-core kernel (split or not), which rounds q and p to
+// BF16 for the mma (scores, softmax and sums stay FP32): its rows are within BF16 tolerance of the
+// FP32-q reference (DESIGN: BF16 ~ 1e-2), not within FP32's.
 ParityCase mma_bound(ParityCase c) {
   for (auto& t : c.tensors)
     if (t.name == "out") t.tolerance = 1e-2;
@@ -571,8 +571,8 @@ void attention_cases() {
   // register V (D 4: under one piece; D 40: 5 pieces; D 128: past the shared-memory bound), the
   // scalar path (D 42), the tensor-core kernel at D 64 split and unsplit, sinks, windows, padding
   // rows and a BF16 out.
-  reg("paged_attention_kv_bf16_decode_multichunk_QH64_KVH8_D64", [](Rng& rng) {
-    return attention_case(rng, {{700, 1}, {129, 1}, {5, 1}}, 64, 8, 64, 16, 1, true, 0, true, false, 0, true);
+  reg("paged_attention_kv_bf16_decode_multichunk_QH64_KVH8_D64", [](Rng& rng) {  // 32 CTAs: unsplit, few
+    return mma_bound(attention_case(rng, {{700, 1}, {129, 1}, {5, 1}}, 64, 8, 64, 16, 1, true, 0, true, false, 0, true));
   });
   reg("paged_attention_kv_bf16_prefill_window128_QH16_KVH2_D64", [](Rng& rng) {
     return mma_bound(attention_case(rng, {{300, 40}, {260, 1}}, 16, 2, 64, 16, 2, true, 128, false, false, 0, true));
@@ -611,8 +611,8 @@ void attention_cases() {
   reg("paged_attention_kv_bf16_scalar_D42", [](Rng& rng) {
     return attention_case(rng, {{150, 1}, {11, 4}}, 6, 3, 42, 3, 1, true, 0, false, false, 0, true);
   });
-  // Split rows over BF16 caches at D 64: the tensor-core kernel's split form (parts of 256 keys
-  // and a last one of 1, 20 parts capped at 16, a window of 700 keys in 3 parts).
+  // Split rows over BF16 caches at D 64: the tensor-core kernel's split form (257 keys: parts of
+  // 256 and 1; 5,000: 14 parts of 384; a window of 700 keys in 3 parts).
   reg("paged_attention_kv_bf16_split_sinks_QH8_KVH2_D64", [](Rng& rng) {
     return mma_bound(attention_case(rng, {{2048, 1}, {257, 1}, {5000, 1}, {3, 1}}, 8, 2, 64, 16, 1, true, 0, false,
                                     true, 0, true));
@@ -1893,8 +1893,10 @@ TEST(CudaBackend, TensorCoreAttentionSeesEveryKeyPosition) {
   Rng rng(33);
   const int64_t qh = 64, kvh = 8, dim = 64, bs = 16, num_seqs = 12, max_blocks = 96;  // 1,536 positions
   const int64_t num_blocks = num_seqs * max_blocks;
+  // Split (parts of 256 keys from the first key seen): 511 ends part 0, 256 and 768 start parts
+  // 1 and 3, 1024 is the only key of its part, 999 the last key of its row.
   const std::vector<int32_t> ctx_len{1, 31, 33, 64, 129, 256, 300, 511, 700, 1000, 1025, 1500};
-  const std::vector<int32_t> needle{0, 30, 32, 63, 127, 128, 159, 255, 383, 999, 1024, 1100};
+  const std::vector<int32_t> needle{0, 30, 32, 63, 127, 128, 159, 255, 256, 999, 1024, 768};
   std::vector<int32_t> table(static_cast<size_t>(num_blocks));
   std::iota(table.begin(), table.end(), 0);
   rng.shuffle(table);
@@ -1924,14 +1926,21 @@ TEST(CudaBackend, TensorCoreAttentionSeesEveryKeyPosition) {
   const int64_t ws_bytes = paged_attention_workspace_bytes(num_seqs, qh, dim);
   const TensorView ws_words = d.upload(std::vector<int32_t>(static_cast<size_t>(ws_bytes / 4), 0), {ws_bytes / 4});
   const TensorView ws = TensorView::contiguous(ws_words.data, DType::kU8, Shape{ws_bytes}, ctx.device);
-  // split_ctas -1: no workspace (unsplit); 0: the auto split (96 rows, under any GPU's SM count);
-  // 3: three CTAs a row taking every third part.
-  for (const int64_t window : {int64_t{0}, int64_t{128}})
-  for (const int32_t split_ctas : {-1, 0, 3}) {
+  // split_ctas -1: no workspace (unsplit); 0: the auto split (96 rows: split on a GPU of more
+  // than 96 SMs, e.g. an H200's 132); 3: three CTAs a row taking every third part. A window of
+  // 700 splits the longer rows from their window's first key. With sinks equal to the needle's
+  // score (32) the needle and the sink share the weight: the output is half the needle's row,
+  // so a sink dropped (the row) or counted twice (a third) in any combine is seen.
+  const TensorView sinks = d.upload(std::vector<float>(static_cast<size_t>(qh), 32.0f), {qh});
+  for (const int64_t window : {int64_t{0}, int64_t{128}, int64_t{700}})
+  for (const int32_t split_ctas : {-1, 0, 3})
+  for (const bool with_sinks : {false, true}) {
     AttentionOptions opt;
     opt.window = window;
     opt.workspace = split_ctas >= 0 ? ws : TensorView{};
     opt.split_ctas = split_ctas >= 0 ? split_ctas : 0;
+    opt.sinks = with_sinks ? sinks : TensorView{};
+    const float share = with_sinks ? 0.5f : 1.0f;
     const TensorView out = d.upload(std::vector<float>(q.size(), NAN), {num_seqs, qh, dim});
     ASSERT_TRUE(cuda->paged_attention_ex(ctx, out, d.upload(q, {num_seqs, qh, dim}), k, v,
                                          d.upload(table, {num_seqs, max_blocks}), d.upload(seq_of, {num_seqs}),
@@ -1946,15 +1955,16 @@ TEST(CudaBackend, TensorCoreAttentionSeesEveryKeyPosition) {
         const int64_t g = h / (qh / kvh);
         double worst = 0;
         for (int64_t e = 0; e < dim; ++e) {
-          const float want = bf16_bits_to_f32(vb[static_cast<size_t>((slot * kvh + g) * dim + e)]);
+          const float want = share * bf16_bits_to_f32(vb[static_cast<size_t>((slot * kvh + g) * dim + e)]);
           worst = std::max(worst, std::fabs(static_cast<double>(o[static_cast<size_t>((t * qh + h) * dim + e)]) - want));
         }
         if (seen)
           EXPECT_LE(worst, 1e-4) << "token " << t << " (context " << n << ", needle " << j << ", window " << window
-                                 << ", split_ctas " << split_ctas << ") head " << h << ": not the needle's value row";
+                                 << ", split_ctas " << split_ctas << ", sinks " << with_sinks << ") head " << h
+                                 << ": not the needle's value row (times its share)";
         else
           EXPECT_GT(worst, 0.1) << "token " << t << " (context " << n << ", needle " << j << ", window " << window
-                                << ", split_ctas " << split_ctas << ") head " << h
+                                << ", split_ctas " << split_ctas << ", sinks " << with_sinks << ") head " << h
                                 << ": a key outside the window was seen";
       }
     }
