@@ -11,7 +11,8 @@
 # ROLLOUTD_PROFILE_DETAIL_COUNT (default 4) launches of the kernels whose names match REGEX (e.g.
 # 'decode_gemm|router|permute|sample_kernel'), past ROLLOUTD_PROFILE_DETAIL_SKIP (default 200) of
 # them, with the speed-of-light, occupancy, launch, scheduler, warp-state and memory sections:
-# OUT_DIR/profile-<model>-b<batch>-detail.txt (why a kernel takes its time, not only how long).
+# OUT_DIR/profile-<model>-b<batch>-detail.txt (why a kernel takes its time, not only how long);
+# ROLLOUTD_PROFILE_SECTIONS picks other sections (below).
 set -uo pipefail
 build=${1:?usage: profile-engine.sh BUILD_DIR OUT_DIR [MODEL [BATCHES [ARGS...]]]}
 out=${2:?usage}
@@ -22,6 +23,13 @@ here=$(cd "$(dirname "$0")/../.." && pwd)
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 [ -n "$ncu" ] || { echo "ncu not found"; exit 2; }
 bin="$build/tests/bench/engine/engine_bench"
+# The detail pass's sections; ROLLOUTD_PROFILE_SECTIONS (space-separated section names) replaces
+# them, e.g. "SpeedOfLight SchedulerStats WarpStateStats MemoryWorkloadAnalysis PmSampling
+# SourceCounters" for whether a kernel's DRAM and issue overlap or take turns over its run
+# (tests/bench/NOTES.md, "The decode kernel at one token, analysed").
+read -r -a names <<<"${ROLLOUTD_PROFILE_SECTIONS:-SpeedOfLight Occupancy LaunchStats SchedulerStats WarpStateStats MemoryWorkloadAnalysis}"
+detail_sections=()
+for n in "${names[@]}"; do detail_sections+=(--section "$n"); done
 mkdir -p "$out"
 for b in ${batches//,/ }; do
   f="$out/profile-$model-b$b"
@@ -39,8 +47,7 @@ for b in ${batches//,/ }; do
     timeout "${ROLLOUTD_PROFILE_TIMEOUT:-240}" "$ncu" --clock-control none --cache-control none \
       --kernel-name "regex:${ROLLOUTD_PROFILE_DETAIL}" --launch-skip "${ROLLOUTD_PROFILE_DETAIL_SKIP:-200}" \
       --launch-count "${ROLLOUTD_PROFILE_DETAIL_COUNT:-4}" \
-      --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
-      --section WarpStateStats --section MemoryWorkloadAnalysis --page details --log-file "$f-detail.txt" \
+      "${detail_sections[@]}" --page details --log-file "$f-detail.txt" \
       "$bin" --models "$model" --batches "$b" --new-tokens 32 --graphs off "$@" >/dev/null 2>"$f.err"
     echo "ncu detail rc=$? ($(grep -c "Section: GPU Speed Of Light" "$f-detail.txt" 2>/dev/null) kernels)"; tail -3 "$f.err"; rm -f "$f.err"
   fi
