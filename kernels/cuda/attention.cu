@@ -802,7 +802,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
       const uint32_t mask = __ballot_sync(0xffffffffu, row >= 0);
       if (lane == 0) vmask[warp][st] = mask;
       uint8_t* kt = ring + st * L::kStageBytes;
-  #pragma unroll
+#pragma unroll
       for (int u = 0; u < L::kPieces; ++u) {  // 32 rows x kPieces pieces, a row's pieces on consecutive lanes
         const int i = u * 32 + lane, r = i / L::kPieces, c = i % L::kPieces;
         const int64_t rr = __shfl_sync(0xffffffffu, row, r);
@@ -811,7 +811,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
         cp_async16_zfill(kt + L::kTileBytes + mma_tile_offset(r, c, kRowBytes), v_cache + at, rr >= 0);
       }
     };
-  #pragma unroll
+#pragma unroll
     for (int st = 0; st < kMmaStages - 1; ++st) {
       if (st < mine) issue(st, st);
       cp_async_commit();
@@ -819,7 +819,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
 
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};  // rows g and g + 8
     float acc[kNd][4];
-  #pragma unroll
+#pragma unroll
     for (int nd = 0; nd < kNd; ++nd) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.0f;
 
     for (int j = 0; j < mine; ++j) {
@@ -835,10 +835,10 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
       // Scores: 4 n-tiles of 8 keys; per pair of k-steps one ldmatrix.x4 (keys nt*8 + lane % 8,
       // pieces 4 kp + lane / 8).
       float sc[4][4];
-  #pragma unroll
+#pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
-  #pragma unroll
+#pragma unroll
         for (int kp = 0; kp < kKs / 2; ++kp) {
           uint32_t b[4];
           const int r = nt * 8 + (lane & 7);
@@ -850,12 +850,12 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
       // Online softmax per head row (g: elements 0, 1; g + 8: 2, 3), over this warp's keys; maxima
       // in log2 units like the scores (and the sink at the end).
       float p[4][4];
-  #pragma unroll
+#pragma unroll
       for (int half = 0; half < 2; ++half) {
         float mx = -INFINITY;
-  #pragma unroll
+#pragma unroll
         for (int nt = 0; nt < 4; ++nt)
-  #pragma unroll
+#pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int key = nt * 8 + c2 + e;
             float& v = sc[nt][2 * half + e];
@@ -868,9 +868,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
         const bool live = new_m != -INFINITY;  // -inf - -inf would be NaN
         const float corr = live ? exp2f(m_run[half] - new_m) : 1.0f;
         float sum = 0.0f;
-  #pragma unroll
+#pragma unroll
         for (int nt = 0; nt < 4; ++nt)
-  #pragma unroll
+#pragma unroll
           for (int e = 0; e < 2; ++e) {
             const float pv = live ? exp2f(sc[nt][2 * half + e] - new_m) : 0.0f;
             p[nt][2 * half + e] = pv;
@@ -878,7 +878,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
           }
         l_run[half] = l_run[half] * corr + sum;
         if (live) m_run[half] = new_m;
-  #pragma unroll
+#pragma unroll
         for (int nd = 0; nd < kNd; ++nd) {
           acc[nd][2 * half] *= corr;
           acc[nd][2 * half + 1] *= corr;
@@ -887,14 +887,14 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
       // p.v: two k-steps of 16 keys; p's accumulator layout is the A fragment's (n-tiles 2 kk and
       // 2 kk + 1 side by side); V rows by ldmatrix.trans (keys 16 kk + 8 (m % 2) + lane % 8,
       // pieces 2 dp + m / 2 for matrix m = lane / 8).
-  #pragma unroll
+#pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
         const uint32_t pa[4] = {pack_bf16x2(p[2 * kk][0], p[2 * kk][1]), pack_bf16x2(p[2 * kk][2], p[2 * kk][3]),
                                 pack_bf16x2(p[2 * kk + 1][0], p[2 * kk + 1][1]),
                                 pack_bf16x2(p[2 * kk + 1][2], p[2 * kk + 1][3])};
         const int m = lane >> 3;
         const int r = 16 * kk + 8 * (m & 1) + (lane & 7);
-  #pragma unroll
+#pragma unroll
         for (int dp = 0; dp < kNd / 2; ++dp) {
           uint32_t b[4];
           ldmatrix_x4_trans(b, vt + mma_tile_offset(r, 2 * dp + (m >> 1), kRowBytes));
@@ -907,7 +907,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
     cp_async_wait_all();
 
     // The 4 lanes of a row hold partial sums of its p: the row's sum.
-  #pragma unroll
+#pragma unroll
     for (int half = 0; half < 2; ++half) {
       l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 1);
       l_run[half] += __shfl_xor_sync(0xffffffffu, l_run[half], 2);
@@ -922,7 +922,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
       cl[warp * kMmaHeads + g] = l_run[0];
       cl[warp * kMmaHeads + g + 8] = l_run[1];
     }
-  #pragma unroll
+#pragma unroll
     for (int nd = 0; nd < kNd; ++nd) {
       float* r0 = ca + (warp * kMmaHeads + g) * D + nd * 8 + c2;
       float* r1 = ca + (warp * kMmaHeads + g + 8) * D + nd * 8 + c2;
@@ -941,11 +941,11 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
       const bool sink = s.sinks != nullptr && len > 0 && !split;
       const float sv = sink ? s.sinks[h0 + h] * 1.4426950408889634f : -INFINITY;  // log2 units, as cm
       float M = sv;
-  #pragma unroll
+#pragma unroll
       for (int w = 0; w < kMmaWarps; ++w) M = fmaxf(M, cm[w * kMmaHeads + h]);
       float l = sink && M != -INFINITY ? exp2f(sv - M) : 0.0f;
       float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  #pragma unroll
+#pragma unroll
       for (int w = 0; w < kMmaWarps; ++w) {
         const float mw = cm[w * kMmaHeads + h];
         const float wt = mw == -INFINITY ? 0.0f : exp2f(mw - M);
