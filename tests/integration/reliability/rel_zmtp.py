@@ -33,6 +33,7 @@ class RawDealer:
         self.sock.settimeout(timeout_s)
         self.sock.connect((host, int(port)))
         self._buf = b""
+        self._last_ping = time.monotonic()
         self.sock.sendall(GREETING)
         peer = self._read_exact(64)
         if peer[0] != 0xFF or peer[9] != 0x7F or peer[10] < 3:
@@ -69,13 +70,20 @@ class RawDealer:
         daemon drops a peer it hears nothing from for its heartbeat timeout (10 s), reading
         or not; a stalled consumer that still sends is only subject to back-pressure."""
         self.sock.sendall(_command(b"PING", b"\x00\x00"))
+        self._last_ping = time.monotonic()
 
     # While recv waits for bytes it sends a PING this often. A reader's segments carry its
     # receive window, so the daemon's kernel learns at once that the window reopened. Without
     # them, after a long zero-window stall (the consumer not reading) it may only find out from
     # its zero-window probes, whose interval backs off towards 120 s: the likely cause of a
     # catch-up that received nothing for 120 s in CI on 2026-12-02 (not reproduced here). The
-    # PINGs also keep the heartbeat alive while a long backlog is read.
+    # PINGs also keep the heartbeat alive while a long backlog is read: they go every NUDGE_S
+    # while recv runs, data arriving or not (a libzmq peer's heartbeat interval does not wait for
+    # a quiet line either). Sent only on a read timeout, they stopped while a backlog streamed in,
+    # and the daemon's own PING, queued behind that backlog, was the only thing left to answer:
+    # a CI run under TSan (2026-12-04) had the daemon drop the slow consumer of
+    # test_slow_consumer_is_aborted... in its catch-up with a connection reset (not reproduced in
+    # 4 runs here; this is the likely cause, not a proven one).
     NUDGE_S = 0.25
 
     def recv(self, timeout_s):
@@ -85,14 +93,17 @@ class RawDealer:
         deadline = time.monotonic() + timeout_s
         frames = []
         while True:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 return None
+            if now - self._last_ping >= self.NUDGE_S:
+                self._nudge()
             self.sock.settimeout(min(left, self.NUDGE_S))
             try:
                 flags, body = self._read_frame()
             except socket.timeout:
-                self.keepalive()
+                self._nudge()
                 continue
             if flags & FLAG_COMMAND:
                 if body.startswith(b"\x04PING"):
@@ -101,6 +112,15 @@ class RawDealer:
             frames.append(body)
             if not flags & FLAG_MORE:
                 return frames
+
+    def _nudge(self):
+        # recv's own PINGs: one that cannot be sent (the daemon closed the connection) is not
+        # the reader's error; what is still buffered stays readable, and the read reports the
+        # close once it reaches it.
+        try:
+            self.keepalive()
+        except (BrokenPipeError, ConnectionResetError):
+            self._last_ping = time.monotonic()
 
     def _fill(self):
         chunk = self.sock.recv(65536)
