@@ -1878,9 +1878,10 @@ TEST(CudaBackend, AttentionRowsAreTheSameBitsAloneAndInABatch) {
 }
 
 // Every key position reaches the output on the tensor-core kernel (BF16 caches, gpt-oss's shape,
-// 12 decode rows: a grid of 96 CTAs), unsplit and split (needles at part boundaries too: 255/256). Each token's context holds one needle key whose
-// score (32) leaves every other key (|score| <= 0.4) a weight below e^-31: the output of every
-// head is the needle's V row, within BF16 rounding of p (the needle's p is exp(0) = 1, exact).
+// 12 decode rows: a grid of 96 CTAs), unsplit and split (needles at part starts and ends too).
+// Each token's context holds one needle key whose score (32) leaves every other key
+// (|score| <= 0.4) a weight below e^-31: the output of every head is the needle's V row (half of
+// it with sinks of 32), within BF16 rounding of p (the needle's p is exp(0) = 1, exact).
 // Needles at tile (32 keys) and warp (4 tiles) boundaries, the first and the last key, contexts
 // of 1 to 1,500 keys. A random-data parity case cannot see one key lost out of 1,000 (its share
 // is under the BF16 bound); this can. With a window of 128 keys a needle outside it must be
