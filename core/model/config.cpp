@@ -87,15 +87,9 @@ const char* expert_quantization_name(ExpertQuantization q) {
 
 Status apply_expert_quantization(ModelConfig& c, ExpertQuantization q) {
   if (q == ExpertQuantization::kNone) return Status::Ok();
-  if (c.moe_layout == MoeLayout::kInputMajorBiased) {
-    if (c.experts_mxfp4) return Status::Ok();  // already MXFP4 as published: served as they are
-    return Status(ErrorCode::kUnimplemented,
-                  "--quantize-experts mxfp4: this " + c.family + " checkpoint has BF16/FP32 experts, which transformers "
-                  "stores input-major (gate_up_proj [E, hidden, 2*intermediate]); MXFP4 blocks run along the "
-                  "input dimension of output-major rows, so they would need a transpose on load, which is not "
-                  "supported. Serve them unquantized, or use the published MXFP4 checkpoint (*_blocks/*_scales)",
-                  "quantize_experts");
-  }
+  // Input-major experts (gpt-oss) already MXFP4 as published are served as they are; BF16/FP32
+  // ones are transposed per expert and quantized on load (WeightRegistry::add_mxfp4_input_major).
+  if (c.moe_layout == MoeLayout::kInputMajorBiased && c.experts_mxfp4) return Status::Ok();
   ModelConfig want = c;
   want.experts_mxfp4 = true;
   if (Status s = want.validate(); !s.ok())

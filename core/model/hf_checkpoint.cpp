@@ -66,13 +66,7 @@ Result<HfModel> open_hf_model(const std::string& dir, ExpertQuantization quantiz
     }
     m.config.dense_bf16 = any && all_bf16;
   }
-  if (Status s = apply_expert_quantization(m.config, quantize_experts); !s.ok()) {
-    // An input-major refusal names the tensor that would need the transpose.
-    if (s.field() == "quantize_experts" && m.config.moe_layout == MoeLayout::kInputMajorBiased &&
-        m.checkpoint->find("model.layers.0.mlp.experts.gate_up_proj"))
-      return Status(s.code(), s.message(), "model.layers.0.mlp.experts.gate_up_proj");
-    return s;
-  }
+  RD_RETURN_IF_ERROR(apply_expert_quantization(m.config, quantize_experts));
   return m;
 }
 

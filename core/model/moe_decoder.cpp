@@ -167,16 +167,23 @@ Status MoeDecoder::allocate() {
       RD_RETURN_IF_ERROR(param(p + "mlp.router.bias", Shape{E}, L.router_bias));
       if (c.experts_mxfp4) {
         // MXFP4 as published ([E, rows, cols/32, 16] blocks, [E, rows, cols/32] scales, gate/up rows
-        // interleaved), read by the expert op as they are. Only the blocks/scales names are taken:
-        // transformers' BF16 tensors of these names are input-major ([E, H, 2I], [E, I, H]), and
-        // down_proj is square in the published models, so quantizing them along the blocks' axis
-        // would transpose them silently.
+        // interleaved), read by the expert op as they are. transformers' BF16 tensors of the
+        // unsuffixed names are input-major ([E, H, 2I], [E, I, H]: the dequantized blocks
+        // transposed), so they are registered to be transposed back per expert and quantized on
+        // arrival (a BF16 trainer's update; a BF16 checkpoint with --quantize-experts mxfp4), not
+        // quantized along their rows: down_proj is square in the published models, so that
+        // would transpose it silently.
         RD_RETURN_IF_ERROR(mxfp4_experts(p + "mlp.experts.gate_up_proj", 2 * I, H, L.gu_blocks, L.gu_scales,
                                          L.gu_kernel_scales, quant::Mxfp4RowOrder::kGateUpInterleaved,
                                          /*quantize_on_arrival=*/false));
         RD_RETURN_IF_ERROR(mxfp4_experts(p + "mlp.experts.down_proj", H, I, L.dn_blocks, L.dn_scales,
                                          L.dn_kernel_scales, quant::Mxfp4RowOrder::kPlain,
                                          /*quantize_on_arrival=*/false));
+        const int64_t gu_in[] = {E, H, 2 * I}, dn_in[] = {E, I, H};
+        RD_RETURN_IF_ERROR(weights_->add_mxfp4_input_major(p + "mlp.experts.gate_up_proj", gu_in,
+                                                           p + "mlp.experts.gate_up_proj"));
+        RD_RETURN_IF_ERROR(weights_->add_mxfp4_input_major(p + "mlp.experts.down_proj", dn_in,
+                                                           p + "mlp.experts.down_proj"));
         RD_RETURN_IF_ERROR(param(p + "mlp.experts.gate_up_proj_bias", Shape{E, 2 * I}, L.experts_gate_up_bias));
         RD_RETURN_IF_ERROR(param(p + "mlp.experts.down_proj_bias", Shape{E, H}, L.experts_down_bias));
       } else {

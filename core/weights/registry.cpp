@@ -160,26 +160,54 @@ Status WeightRegistry::add_mxfp4(std::string name, std::span<const int64_t> shap
   return Status::Ok();
 }
 
-Status WeightRegistry::add_mxfp4_rows(std::string name, std::span<const int64_t> shape, std::string_view mxfp4_name,
-                                      int64_t expert, int64_t row_start) {
+Result<CheckpointTensor::Mxfp4Target> WeightRegistry::mxfp4_target(const std::string& name,
+                                                                   std::string_view mxfp4_name) const {
   if (tensors_.count(name) || param_index_.count(name))
     return Status(ErrorCode::kInternal, "checkpoint name registered twice", name);
   const std::string base(mxfp4_name);
   const size_t b = index_of(base + "_blocks"), sc = index_of(base + "_scales");
-  if (b == SIZE_MAX || sc != b + 1)
+  if (b == SIZE_MAX || sc != b + 1 || params_[b].storage.rank() != 4)
     return Status(ErrorCode::kInternal, "no MXFP4 parameter '" + base + "' (add_mxfp4 first)", name);
-  const TensorView& blocks = params_[b].storage;
-  const bool ok = shape.size() == 2 && shape[0] > 0 && shape[1] > 0 && shape[1] % quant::kMxBlockSize == 0 &&
-                  blocks.rank() == 4 && blocks.size(2) == shape[1] / quant::kMxBlockSize && expert >= 0 &&
-                  expert < blocks.size(0) && row_start >= 0 && row_start + shape[0] <= blocks.size(1);
-  if (!ok) return Status(ErrorCode::kInternal, "MXFP4 expert rows out of bounds of '" + base + "'", name);
+  return CheckpointTensor::Mxfp4Target{b, sc};
+}
+
+Status WeightRegistry::add_mxfp4_target(std::string name, std::span<const int64_t> shape,
+                                        CheckpointTensor::Mxfp4Target target) {
   CheckpointTensor t;
   t.name = std::move(name);
   t.shape.assign(shape.begin(), shape.end());
-  t.mxfp4 = CheckpointTensor::Mxfp4Target{b, sc, expert, row_start};
+  t.mxfp4 = target;
   std::string key = t.name;
   tensors_.emplace(std::move(key), std::move(t));
   return Status::Ok();
+}
+
+Status WeightRegistry::add_mxfp4_rows(std::string name, std::span<const int64_t> shape, std::string_view mxfp4_name,
+                                      int64_t expert, int64_t row_start) {
+  RD_ASSIGN_OR_RETURN(CheckpointTensor::Mxfp4Target target, mxfp4_target(name, mxfp4_name));
+  const TensorView& blocks = params_[target.blocks].storage;
+  const bool ok = shape.size() == 2 && shape[0] > 0 && shape[1] > 0 && shape[1] % quant::kMxBlockSize == 0 &&
+                  blocks.size(2) == shape[1] / quant::kMxBlockSize && expert >= 0 && expert < blocks.size(0) &&
+                  row_start >= 0 && row_start + shape[0] <= blocks.size(1);
+  if (!ok)
+    return Status(ErrorCode::kInternal, "MXFP4 expert rows out of bounds of '" + std::string(mxfp4_name) + "'", name);
+  target.expert = expert;
+  target.row_start = row_start;
+  return add_mxfp4_target(std::move(name), shape, target);
+}
+
+Status WeightRegistry::add_mxfp4_input_major(std::string name, std::span<const int64_t> shape,
+                                             std::string_view mxfp4_name) {
+  RD_ASSIGN_OR_RETURN(CheckpointTensor::Mxfp4Target target, mxfp4_target(name, mxfp4_name));
+  const TensorView& blocks = params_[target.blocks].storage;
+  // [E, K, N] against blocks [E, N, K/32, 16].
+  const bool ok = shape.size() == 3 && shape[0] == blocks.size(0) &&
+                  shape[1] == blocks.size(2) * quant::kMxBlockSize && shape[2] == blocks.size(1);
+  if (!ok)
+    return Status(ErrorCode::kInternal, "input-major shape does not transpose onto '" + std::string(mxfp4_name) + "'",
+                  name);
+  target.input_major = true;
+  return add_mxfp4_target(std::move(name), shape, target);
 }
 
 std::vector<RowCopy> WeightRegistry::rows_written(const CheckpointTensor& t, DType src_dtype) const {
@@ -386,6 +414,7 @@ Status WeightRegistry::copy_elements(char* d, DType dst_dtype, bool dst_on_host,
 
 Status WeightRegistry::load_quantized(const CheckpointTensor& t, DType src_dtype, std::span<const int64_t> shape,
                                       std::span<const uint8_t> src, bool src_on_device) {
+  if (t.mxfp4 && t.mxfp4->input_major) return load_input_major(t, src_dtype, shape, src, src_on_device);
   RegisteredParameter& out0 = params_[t.mxfp4 ? t.mxfp4->blocks : t.fp8->q];
   RegisteredParameter& out1 = params_[t.mxfp4 ? t.mxfp4->scales : t.fp8->scale_inv];
   TensorView dst0 = out0.storage, dst1 = out1.storage;
@@ -429,6 +458,67 @@ Status WeightRegistry::load_quantized(const CheckpointTensor& t, DType src_dtype
   RD_RETURN_IF_ERROR(s);
   out0.loads += rows0;
   out1.loads += rows1;
+  return Status::Ok();
+}
+
+Status WeightRegistry::load_input_major(const CheckpointTensor& t, DType src_dtype, std::span<const int64_t> shape,
+                                        std::span<const uint8_t> src, bool src_on_device) {
+  RegisteredParameter& blocks = params_[t.mxfp4->blocks];
+  RegisteredParameter& scales = params_[t.mxfp4->scales];
+  const int64_t E = shape[0], K = shape[1], N = shape[2], kb = K / quant::kMxBlockSize;
+  const size_t elem = dtype_size(src_dtype);
+  const size_t expert_bytes = static_cast<size_t>(K * N) * elem;
+  const int64_t group = std::max<int64_t>(1, std::min<int64_t>(E, static_cast<int64_t>(staging_bytes_ / expert_bytes)));
+  const size_t staged = expert_bytes * static_cast<size_t>(group);
+  const bool cuda = ctx_.device.kind == DeviceKind::kCuda;
+  const Device dev = cuda ? ctx_.device : Device::cpu();
+  // tr: a group transposed to [n, N, K]; up: host bytes of a group uploaded for a model on the
+  // GPU (device bytes, and host bytes for a model on the CPU, are transposed where they lie).
+  void* tr = nullptr;
+  void* up = nullptr;
+  std::vector<uint8_t> host_tr;
+  if (cuda) {
+    RD_RETURN_IF_ERROR(backend_.alloc(ctx_, staged, &tr));
+    if (!src_on_device) {
+      if (Status s = backend_.alloc(ctx_, staged, &up); !s.ok()) {
+        (void)backend_.free(ctx_, tr);
+        return s;
+      }
+    }
+  } else {
+    host_tr.resize(staged);
+    tr = host_tr.data();
+  }
+  Status s;
+  for (int64_t e0 = 0; e0 < E && s.ok(); e0 += group) {
+    const int64_t n = std::min(group, E - e0);
+    const uint8_t* from = src.data() + expert_bytes * static_cast<size_t>(e0);
+    if (up) {
+      // Stream order keeps `up` and `tr` from being overwritten before the previous group's
+      // transpose and quantization have read them.
+      s = backend_.copy(ctx_, up, from, expert_bytes * static_cast<size_t>(n), CopyKind::kHostToDevice);
+      if (!s.ok()) break;
+      from = static_cast<const uint8_t*>(up);
+    }
+    const TensorView x = TensorView::contiguous(const_cast<uint8_t*>(from), src_dtype, Shape{n, K, N}, dev);
+    const TensorView xt = TensorView::contiguous(tr, src_dtype, Shape{n, N, K}, dev);
+    s = backend_.transpose(ctx_, xt, x);
+    if (!s.ok()) break;
+    const TensorView b = TensorView::contiguous(static_cast<uint8_t*>(blocks.storage.data) + e0 * N * kb * 16,
+                                                DType::kU8, Shape{n, N, kb, 16}, blocks.storage.device);
+    const TensorView sv = TensorView::contiguous(static_cast<uint8_t*>(scales.storage.data) + e0 * N * kb,
+                                                 DType::kU8, Shape{n, N, kb}, scales.storage.device);
+    s = quant::quantize_mxfp4(ctx_, xt, b, sv);
+  }
+  if (cuda) {
+    // The staging is read asynchronously: wait before freeing it.
+    if (Status w = backend_.synchronize(ctx_); s.ok()) s = w;
+    (void)backend_.free(ctx_, tr);
+    if (up) (void)backend_.free(ctx_, up);
+  }
+  RD_RETURN_IF_ERROR(s);
+  blocks.loads += static_cast<uint64_t>(E * N);
+  scales.loads += static_cast<uint64_t>(E * N);
   return Status::Ok();
 }
 

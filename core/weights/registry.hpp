@@ -40,9 +40,13 @@ struct CheckpointTensor {
   // tensor ([rows, K]) is one expert's rows of stacked blocks [E, R, K/32, 16] / scales
   // [E, R, K/32], written from row `row_start` of that expert (a per-expert checkpoint tensor;
   // MXFP4 quantizes each row on its own, so a slice quantizes to the bytes of the whole).
+  // `input_major`: the tensor arrives [E, K, N] (transformers' GptOssExperts in BF16: x @ W[e])
+  // and each expert is transposed to [N, K] before it quantizes, as transformers transposes the
+  // dequantized [E, N, K] blocks of the published checkpoint into that tensor.
   struct Mxfp4Target {
     size_t blocks = 0, scales = 0;
     int64_t expert = -1, row_start = 0;
+    bool input_major = false;
   };
   std::optional<Mxfp4Target> mxfp4 = std::nullopt;
   // Online FP8: the tensor ([.., N, K]) arrives in BF16/FP32 and is quantized to E4M3 with one
@@ -94,6 +98,16 @@ class WeightRegistry {
   // (`mlp.experts.E.gate_proj.weight`) of experts stored as MXFP4.
   Status add_mxfp4_rows(std::string name, std::span<const int64_t> shape, std::string_view mxfp4_name,
                         int64_t expert, int64_t row_start);
+  // Registers `name` ([E, K, N] in BF16/FP32: experts stored input-major, as transformers keeps
+  // gpt-oss's unquantized gate_up_proj / down_proj) as quantized on arrival into the stacked MXFP4
+  // parameter `mxfp4_name` (registered by add_mxfp4, blocks [E, N, K/32, 16]): each expert is
+  // transposed to [N, K] on the way, so the blocks are those of the published MXFP4 checkpoint.
+  // Transposed and quantized a few experts at a time through staging of at most
+  // staging_bytes() per buffer (or one expert's bytes), held for that load only: a 128-expert
+  // gpt-oss-120b layer is ~4 GB in BF16.
+  Status add_mxfp4_input_major(std::string name, std::span<const int64_t> shape, std::string_view mxfp4_name);
+  size_t staging_bytes() const { return staging_bytes_; }
+  void set_staging_bytes(size_t bytes) { staging_bytes_ = bytes; }  // tests: several expert groups
   // Registers `name` as a stored float8_e4m3fn parameter `q` [.., N, K] quantized on arrival
   // from BF16/FP32 (blockwise 128 x 128, UE8M0 scales into `scale_inv` [.., ceil(N/128),
   // ceil(K/128)] FP32, registered as `<name>_scale_inv`); FP8 bytes and scales load directly.
@@ -185,6 +199,14 @@ class WeightRegistry {
   // model on the GPU.
   Status load_quantized(const CheckpointTensor& t, DType src_dtype, std::span<const int64_t> shape,
                         std::span<const uint8_t> src, bool src_on_device);
+  // The stacked MXFP4 parameter `mxfp4_name` (add_mxfp4) as a target for checkpoint name `name`
+  // (not registered yet); add_mxfp4_target() registers `name` onto it.
+  Result<CheckpointTensor::Mxfp4Target> mxfp4_target(const std::string& name, std::string_view mxfp4_name) const;
+  Status add_mxfp4_target(std::string name, std::span<const int64_t> shape, CheckpointTensor::Mxfp4Target target);
+  // load_quantized() of an input-major tensor (Mxfp4Target::input_major): expert groups through
+  // staging, transposed, then quantized into their slice of the blocks and scales.
+  Status load_input_major(const CheckpointTensor& t, DType src_dtype, std::span<const int64_t> shape,
+                          std::span<const uint8_t> src, bool src_on_device);
   // One (merged) run: `n` elements from src into parameter memory at dst.
   Status copy_elements(char* dst, DType dst_dtype, bool dst_on_host, const uint8_t* src, DType src_dtype, size_t n,
                        bool src_on_device);
@@ -204,6 +226,7 @@ class WeightRegistry {
   StaticState static_state_;
   bool resident_ = true;
   uint64_t num_copy_calls_ = 0;
+  size_t staging_bytes_ = size_t{64} << 20;
 };
 
 // Rows and row width of a stored parameter as the row copies see it: [E, R, C] -> (E, R, C);

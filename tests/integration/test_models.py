@@ -134,9 +134,41 @@ def test_qwen3_moe_with_mxfp4_experts_serves_and_an_update_with_its_tensors_chan
     assert ready and ready[0]["experts"] == "mxfp4"
 
 
+def test_gpt_oss_bf16_experts_quantize_on_load_and_on_arrival_to_the_published_blocks(daemon_factory, models):
+    """transformers keeps gpt-oss's BF16 experts input-major ([E, hidden, 2 * intermediate]). With
+    --quantize-experts mxfp4 they are transposed back and quantized on load, and a daemon serving an
+    MXFP4 checkpoint takes them in update_weights the same way: both equal a daemon on the MXFP4
+    checkpoint that make-test-model writes from the same BF16 values (blocks and scales as OpenAI
+    publishes them), in checksums, greedy tokens and routed experts."""
+    root, window = models["root"], ("--sliding-window", "4")
+    mx_a = make_model(os.path.join(root, "oss-a-mx"), 1, "gpt_oss", (*window, "--experts-mxfp4"))
+    mx_b = make_model(os.path.join(root, "oss-b-mx"), 2, "gpt_oss", (*window, "--experts-mxfp4"))
+    published = daemon_factory(["--model", mx_a])
+    quantized = daemon_factory(["--model", models["oss-a"], "--quantize-experts", "mxfp4"])
+    other = daemon_factory(["--model", mx_b])
+    tensors = read_safetensors(os.path.join(models["oss-a"], "model.safetensors"))
+    assert tensors["model.layers.0.mlp.experts.gate_up_proj"][:2] == ("bfloat16", [8, 64, 64])
+    entries = [(name, dtype, shape, data) for name, (dtype, shape, data) in tensors.items()]
+    with published.client() as cp, quantized.client() as cq, other.client() as co:
+        want = cp.weights_checksum()
+        names = {p.name for p in want.parameters}
+        assert "model.layers.1.mlp.experts.down_proj_blocks" in names
+        assert "model.layers.1.mlp.experts.down_proj" not in names  # no BF16 copy of the experts
+        ref = greedy(cp)
+        assert cq.weights_checksum().model_checksum == want.model_checksum
+        assert greedy(cq) == ref
+        assert greedy(co) != ref  # another seed: other weights
+        co.push_weights(entries, weight_version=3, bucket_bytes=64 << 10)
+        got = co.weights_checksum()
+        assert dict((p.name, p.checksum) for p in got.parameters) == \
+            dict((p.name, p.checksum) for p in want.parameters)
+        assert greedy(co) == ref
+    assert quantized.terminate() == 0
+    ready = [l for l in quantized.log_lines() if l.get("msg") == "model ready"]
+    assert ready and ready[0]["experts"] == "mxfp4"
+
+
 @pytest.mark.parametrize("model,intermediate,field,words", [
-    # gpt_oss BF16 experts are input-major: quantizing them would need a transpose.
-    ("oss-a", None, "model.layers.0.mlp.experts.gate_up_proj", "input-major"),
     # The MXFP4 block is 32 values along the expert's input.
     ("qwen-i16", "16", "moe_intermediate_size", "multiple of 32"),
 ])

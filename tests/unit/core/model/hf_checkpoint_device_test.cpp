@@ -1,9 +1,10 @@
 // A make-test-model qwen3_moe checkpoint (QK-norm, a dense layer; its experts as stored, or
 // quantized to MXFP4 on load: --quantize-experts mxfp4, the CUDA quantization kernel against the
 // CPU reference) and gpt_oss ones (biases, sinks, YaRN, clamped SwiGLU, a sliding window of 4
-// that the 10-token prompt outgrows; experts in BF16 or MXFP4 as published) loaded on the CUDA
-// backend: the parameters equal the CPU load bit for bit (read back in checkpoint layout), the prompt
-// logits agree with the CPU FP32 reference within FP32 tolerance and the router ids are equal.
+// that the 10-token prompt outgrows; experts in BF16, MXFP4 as published, or BF16 quantized on
+// load) loaded on the CUDA backend: the parameters equal the CPU load bit for bit (read back in
+// checkpoint layout), the prompt logits agree with the CPU FP32 reference within FP32 tolerance
+// and the router ids are equal.
 // MXFP4 experts run on CUDA through moe::experts, whose GEMMs take BF16 activations: their logits
 // get BF16 tolerance (the CPU stays FP32), and the greedy token of every prompt row must agree.
 // The checkpoints are BF16, so the CUDA decoder stores its dense projections (q/k/v/o, LM head)
@@ -49,7 +50,15 @@ TEST_P(HfCheckpointDevice, CudaLoadMatchesCpu) {
     spec.family = "gpt_oss";
     spec.experts_mxfp4 = true;
   }
-  const bool mxfp4 = spec.experts_mxfp4 || spec.family.rfind("qwen3_moe_mxfp4", 0) == 0;
+  // "gpt_oss_quantized": the BF16 checkpoint with --quantize-experts mxfp4, its input-major
+  // experts transposed and quantized on the device (WeightRegistry::add_mxfp4_input_major),
+  // through staging of three experts (the host bytes uploaded a group at a time).
+  const bool quantized_input_major = spec.family == "gpt_oss_quantized";
+  if (quantized_input_major) {
+    spec.family = "gpt_oss";
+    quantize = core::ExpertQuantization::kMxfp4;
+  }
+  const bool mxfp4 = spec.experts_mxfp4 || quantized_input_major || spec.family.rfind("qwen3_moe_mxfp4", 0) == 0;
   // qwen3_moe_mxfp4_i32: intermediate 32, which moe::experts does not take: the older expert op.
   const bool old_op = spec.family == "qwen3_moe_mxfp4_i32";
   if (mxfp4 && spec.family.rfind("qwen3_moe", 0) == 0) {
@@ -103,6 +112,9 @@ TEST_P(HfCheckpointDevice, CudaLoadMatchesCpu) {
   EXPECT_EQ((*cpu)->qkv_fused_layers(), 0);
   EXPECT_EQ((*gpu)->qkv_fused_layers(), unfused ? 0 : hf->config.num_hidden_layers);
   const bool bf16 = mxfp4 || !f32_dense;  // some CUDA GEMM takes BF16 activations
+  if (quantized_input_major)
+    (*gpu)->weights().set_staging_bytes(static_cast<size_t>(3 * hf->config.hidden_size * 2 *
+                                                            hf->config.moe_intermediate_size * 2));
   ASSERT_TRUE(core::load_checkpoint(**cpu, *hf->checkpoint).ok());
   Status s = core::load_checkpoint(**gpu, *hf->checkpoint);
   ASSERT_TRUE(s.ok()) << s.to_string();
@@ -196,7 +208,7 @@ TEST_P(HfCheckpointDevice, CudaLoadMatchesCpu) {
 INSTANTIATE_TEST_SUITE_P(Families, HfCheckpointDevice, ::testing::Values("qwen3_moe", "qwen3_moe_f32dense", "qwen3_moe_mxfp4",
                                                                        "qwen3_moe_mxfp4_i32", "gpt_oss",
                                                                        "gpt_oss_f32dense", "gpt_oss_mxfp4",
-                                                                       "gpt_oss_unfused"));
+                                                                       "gpt_oss_quantized", "gpt_oss_unfused"));
 
 }  // namespace
 }  // namespace rolloutd

@@ -519,10 +519,14 @@ TEST_F(HfCheckpoint, GptOssMxfp4ExpertsServeAsTheirDequantizedValues) {
   ASSERT_TRUE(m_mx.ok() && m_bf.ok());
   ASSERT_TRUE(core::load_checkpoint(**m_mx, *mx->checkpoint).ok());
   ASSERT_TRUE(core::load_checkpoint(**m_bf, *bf->checkpoint).ok());
-  // The MXFP4 model takes its experts as blocks/scales only: transformers' BF16 tensors of these
-  // names are input-major, and quantizing them along the blocks' axis would transpose them.
+  // The MXFP4 model takes its experts as blocks/scales, and transformers' BF16 tensors of the
+  // unsuffixed names as input-major: transposed back, then quantized (never along their rows,
+  // which for the square down_proj would transpose it silently).
   EXPECT_NE((*m_mx)->weights().resolve("model.layers.0.mlp.experts.down_proj_blocks"), nullptr);
-  EXPECT_EQ((*m_mx)->weights().resolve("model.layers.0.mlp.experts.down_proj"), nullptr);
+  const core::CheckpointTensor* down_in = (*m_mx)->weights().resolve("model.layers.0.mlp.experts.down_proj");
+  ASSERT_NE(down_in, nullptr);
+  ASSERT_TRUE(down_in->mxfp4.has_value());
+  EXPECT_TRUE(down_in->mxfp4->input_major);
   const auto& c = mx->config;
   const int64_t E = c.num_experts, H = c.hidden_size, I = c.moe_intermediate_size;
   test::CheckpointBucket deq_bucket;
@@ -551,6 +555,137 @@ TEST_F(HfCheckpoint, GptOssMxfp4ExpertsServeAsTheirDequantizedValues) {
   EXPECT_EQ(la, lb);
   // An update with the MXFP4 checkpoint's own tensors (uint8 blocks and scales) is bit-identical.
   expect_update_matches_load(mx_dir, limits());
+}
+
+// A gpt_oss model (8 experts) loaded from its MXFP4 checkpoint and the BF16 checkpoint of the
+// same seed: make-test-model writes the MXFP4 one as the BF16 values transposed to [E, out, in]
+// (its own tiled loop) and quantized, as transformers' dequantization inverts.
+struct GptOssPair {
+  std::unique_ptr<core::MoeDecoder> mx;  // loaded from the MXFP4 checkpoint
+  std::string mx_dir, bf_dir;
+};
+
+GptOssPair gptoss_pair(const std::string& root, const core::StepLimits& limits) {
+  core::TestModelSpec spec;
+  spec.family = "gpt_oss";
+  spec.layers = 2;
+  spec.hidden = 64;
+  spec.experts = 8;
+  spec.top_k = 2;
+  spec.heads = 4;
+  spec.kv_heads = 2;
+  spec.head_dim = 16;
+  spec.intermediate = 96;  // 2I = 192 rows, K of down = 96: neither square nor a power of two
+  spec.vocab = 64;
+  spec.seed = 23;
+  GptOssPair p;
+  p.mx_dir = root + "/mx";
+  p.bf_dir = root + "/bf16";
+  spec.experts_mxfp4 = true;
+  EXPECT_TRUE(core::write_test_model(spec, p.mx_dir).ok());
+  spec.experts_mxfp4 = false;
+  EXPECT_TRUE(core::write_test_model(spec, p.bf_dir).ok());
+  auto mx = core::open_hf_model(p.mx_dir);
+  EXPECT_TRUE(mx.ok()) << mx.status().to_string();
+  if (!mx.ok()) return p;
+  auto m = core::MoeDecoder::create(mx->config, limits, cpu_backend(), ExecContext{});
+  EXPECT_TRUE(m.ok());
+  if (!m.ok()) return p;
+  const Status s = core::load_checkpoint(**m, *mx->checkpoint);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  p.mx = std::move(*m);
+  return p;
+}
+
+TEST_F(HfCheckpoint, GptOssBf16ExpertsQuantizedOnLoadAreThePublishedBlocks) {
+  // --quantize-experts mxfp4 on the BF16 checkpoint: each expert's input-major tensor is
+  // transposed back and quantized; the stored bytes equal the MXFP4 checkpoint's load, whether
+  // the experts go through staging one at a time, three at a time, or all at once.
+  auto pair = gptoss_pair(dir(), limits());
+  ASSERT_TRUE(pair.mx);
+  auto hf = core::open_hf_model(pair.bf_dir, core::ExpertQuantization::kMxfp4);
+  ASSERT_TRUE(hf.ok()) << hf.status().to_string();
+  ASSERT_TRUE(hf->config.experts_mxfp4);
+  const int64_t H = hf->config.hidden_size, I = hf->config.moe_intermediate_size;
+  const size_t expert_bytes = static_cast<size_t>(H * 2 * I * 2);  // a BF16 gate_up expert
+  for (const size_t staging : {size_t{1}, 3 * expert_bytes, size_t{64} << 20}) {
+    auto m = core::MoeDecoder::create(hf->config, limits(), cpu_backend(), ExecContext{});
+    ASSERT_TRUE(m.ok());
+    (*m)->weights().set_staging_bytes(staging);
+    const Status s = core::load_checkpoint(**m, *hf->checkpoint);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    expect_same_parameters(**m, *pair.mx, "BF16 checkpoint quantized on load vs the MXFP4 checkpoint");
+  }
+}
+
+TEST_F(HfCheckpoint, GptOssMxfp4TakesBf16AndFp32ExpertUpdatesInTransformersLayout) {
+  // A BF16 trainer of a gpt_oss model served as MXFP4 pushes transformers' input-major tensors:
+  // (a) the BF16 experts the MXFP4 checkpoint was made from, (b) the MXFP4 checkpoint's
+  // dequantized values (FP32, computed here with the dequantization reference, transposed by
+  // this test's own loop; quantizing them again must give the same blocks), each into a model
+  // of random weights. Both give the MXFP4 checkpoint's bytes, and the same logits.
+  auto pair = gptoss_pair(dir(), limits());
+  ASSERT_TRUE(pair.mx);
+  auto bf = core::open_hf_model(pair.bf_dir);
+  auto mx = core::open_hf_model(pair.mx_dir);
+  ASSERT_TRUE(bf.ok() && mx.ok());
+  const auto& c = mx->config;
+  const int64_t E = c.num_experts, H = c.hidden_size, I = c.moe_intermediate_size;
+  test::CheckpointBucket bf16_bucket, deq_bucket;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    for (const auto& [name, rows, cols] : {std::tuple<std::string, int64_t, int64_t>{"gate_up_proj", 2 * I, H},
+                                           {"down_proj", H, I}}) {
+      const std::string base = "model.layers." + std::to_string(l) + ".mlp.experts." + name;
+      const auto* t = bf->checkpoint->find(base);
+      ASSERT_NE(t, nullptr) << base;
+      ASSERT_EQ(t->entry->dtype, DType::kBF16);
+      ASSERT_EQ(t->entry->shape, (std::vector<int64_t>{E, cols, rows})) << base;
+      const auto data = bf->checkpoint->data(*t);
+      const size_t off = bf16_bucket.bytes.size();
+      bf16_bucket.bytes.insert(bf16_bucket.bytes.end(), data.begin(), data.end());
+      core::BucketEntry e;
+      e.name = base;
+      e.dtype = DType::kBF16;
+      e.shape = {E, cols, rows};
+      e.byte_offset = off;
+      e.nbytes = data.size();
+      bf16_bucket.entries.push_back(e);
+
+      const std::vector<float> deq = dequantized_experts(mx->checkpoint->data(*mx->checkpoint->find(base + "_blocks")),
+                                                         mx->checkpoint->data(*mx->checkpoint->find(base + "_scales")),
+                                                         E, rows, cols);
+      std::vector<float> tr(deq.size());
+      for (int64_t x = 0; x < E; ++x)
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t k = 0; k < cols; ++k)
+            tr[static_cast<size_t>((x * cols + k) * rows + r)] = deq[static_cast<size_t>((x * rows + r) * cols + k)];
+      test::add_f32_entry(deq_bucket, base, {E, cols, rows}, tr);
+    }
+  const std::vector<int32_t> prompt = {1, 5, 9, 33, 2, 63, 17};
+  const auto want = prompt_logits(*pair.mx, prompt);
+  ASSERT_FALSE(want.empty());
+  for (const auto* bucket : {&bf16_bucket, &deq_bucket}) {
+    const char* what = bucket == &bf16_bucket ? "BF16 experts update" : "dequantized FP32 experts update";
+    auto m = core::MoeDecoder::create(c, limits(), cpu_backend(), ExecContext{});
+    ASSERT_TRUE(m.ok());
+    ASSERT_TRUE(core::init_random_weights(**m, 7).ok());
+    ASSERT_NE(prompt_logits(**m, prompt), want) << "random weights differ from the checkpoint";
+    // The checkpoint's other tensors (expert biases included), then the experts in
+    // transformers' layout.
+    const auto [entries, bytes] = test::checkpoint_bucket(*mx->checkpoint);
+    std::vector<core::BucketEntry> others;
+    auto ends = [](const std::string& n, const std::string& suffix) {
+      return n.size() >= suffix.size() && n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0;
+    };
+    for (const auto& e : entries)
+      if (!ends(e.name, "_proj_blocks") && !ends(e.name, "_proj_scales")) others.push_back(e);
+    ASSERT_EQ(others.size() + 4 * static_cast<size_t>(c.num_hidden_layers), entries.size());
+    ASSERT_TRUE(apply_in_one_session((*m)->weights(), others, bytes).ok());
+    const Status s = apply_in_one_session((*m)->weights(), bucket->entries, bucket->bytes);
+    ASSERT_TRUE(s.ok()) << what << ": " << s.to_string();
+    expect_same_parameters(**m, *pair.mx, what);
+    EXPECT_EQ(prompt_logits(**m, prompt), want) << what;
+  }
 }
 
 TEST_F(HfCheckpoint, Mxfp4TensorsOutsideGptOssExpertsAreRefusedWithAMessage) {
@@ -757,15 +892,15 @@ TEST_F(HfCheckpoint, QuantizeExpertsRefusalsNameTheFieldAndChangeNothing) {
     EXPECT_FALSE(unchanged.experts_mxfp4);
   }
 
-  // gpt_oss with BF16 experts: transformers stores them input-major; refused, naming the tensor.
+  // gpt_oss with BF16 experts (input-major in transformers): transposed and quantized on load
+  // (GptOssBf16ExpertsQuantizedOnLoadAreThePublishedBlocks).
   auto gpt = small_spec();
   gpt.family = "gpt_oss";
   gpt.intermediate = 32;
   ASSERT_TRUE(core::write_test_model(gpt, dir() + "/gpt_bf16").ok());
   auto r = core::open_hf_model(dir() + "/gpt_bf16", core::ExpertQuantization::kMxfp4);
-  EXPECT_EQ(r.status().code(), ErrorCode::kUnimplemented) << r.status().to_string();
-  EXPECT_EQ(r.status().field(), "model.layers.0.mlp.experts.gate_up_proj");
-  EXPECT_NE(r.status().message().find("input-major"), std::string::npos) << r.status().to_string();
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_TRUE(r->config.experts_mxfp4);
   // gpt_oss published as MXFP4: the request is already met.
   gpt.experts_mxfp4 = true;
   ASSERT_TRUE(core::write_test_model(gpt, dir() + "/gpt_mx").ok());

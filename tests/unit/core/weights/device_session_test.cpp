@@ -4,6 +4,7 @@
 #include <map>
 
 #include "../test_util.hpp"
+#include "core/model/test_model.hpp"
 #include "core/weights/session.hpp"
 #include "kernels/bf16.hpp"
 
@@ -191,26 +192,30 @@ TEST(DeviceBuckets, CoalescedDeviceBucketEqualsItsEntriesOneByOne) {
 // Online MXFP4 quantization on the GPU: a BF16 tensor that arrives in device memory (NCCL
 // staging, an IPC mapping) or in host memory is quantized by the CUDA kernel into the same
 // blocks and scales the CPU reference makes of it, bit for bit, at unchanged addresses.
-// A parameter quantized on arrival (`name`, BF16 [kRows, 4096] as sent, stored as `outputs`):
+// A parameter quantized on arrival (`name`, BF16 of `shape` as sent, stored as `outputs`):
 // the GPU path (host bytes uploaded, and a device-resident bucket) writes the same bytes as
-// the CPU reference path, at unchanged addresses.
+// the CPU reference path, at unchanged addresses. staging_bytes > 0: both registries' staging
+// (input-major experts go through it a few at a time).
 void expect_online_quantization_equals_the_cpu_path(ModelConfig cfg, const std::string& name,
-                                                    const std::vector<std::string>& outputs, int64_t rows) {
+                                                    const std::vector<std::string>& outputs,
+                                                    std::vector<int64_t> shape, size_t staging_bytes = 0) {
   const Backend& g = *cuda_backend();
-  constexpr int64_t kCols = 4096;
   auto make = [&](const Backend& b, Device d) {
     ExecContext ctx;
     ctx.device = d;
     auto m = MoeDecoder::create(cfg, test::small_limits(), b, ctx);
     EXPECT_TRUE(m.ok()) << m.status().to_string();
     EXPECT_TRUE(init_random_weights(**m, 3).ok());
+    if (staging_bytes > 0) (*m)->weights().set_staging_bytes(staging_bytes);
     return std::move(*m);
   };
   auto cpu = make(cpu_backend(), Device::cpu());
   auto gpu = make(g, Device::cuda(0));
-  std::vector<uint16_t> bf(static_cast<size_t>(rows * kCols));
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  std::vector<uint16_t> bf(static_cast<size_t>(numel));
   test::fill_bf16_values(bf, 11);
-  const std::vector<BucketEntry> entries{{name, DType::kBF16, {rows, kCols}, 0, bf.size() * 2}};
+  const std::vector<BucketEntry> entries{{name, DType::kBF16, shape, 0, bf.size() * 2}};
   const std::span<const uint8_t> host(reinterpret_cast<const uint8_t*>(bf.data()), bf.size() * 2);
   const auto now = SteadyClock::now();
   auto push = [&](MoeDecoder& m, std::span<const uint8_t> bytes, bool on_device, uint64_t version) {
@@ -257,7 +262,7 @@ TEST(DeviceBuckets, OnlineMxfp4QuantizationEqualsTheCpuPath) {
   auto cfg = embedded_model_config();
   cfg.synthetic_mxfp4_bytes = 64 * 4096 * 2;
   expect_online_quantization_equals_the_cpu_path(
-      cfg, "synthetic_mx.0.weight", {"synthetic_mx.0.weight_blocks", "synthetic_mx.0.weight_scales"}, 64);
+      cfg, "synthetic_mx.0.weight", {"synthetic_mx.0.weight_blocks", "synthetic_mx.0.weight_scales"}, {64, 4096});
 }
 
 TEST(DeviceBuckets, OnlineFp8BlockwiseQuantizationEqualsTheCpuPath) {
@@ -265,7 +270,35 @@ TEST(DeviceBuckets, OnlineFp8BlockwiseQuantizationEqualsTheCpuPath) {
   auto cfg = embedded_model_config();
   cfg.synthetic_fp8_bytes = 200 * 4096 * 2;  // two row blocks, the second partial
   expect_online_quantization_equals_the_cpu_path(
-      cfg, "synthetic_fp8.0.weight", {"synthetic_fp8.0.weight", "synthetic_fp8.0.weight_scale_inv"}, 200);
+      cfg, "synthetic_fp8.0.weight", {"synthetic_fp8.0.weight", "synthetic_fp8.0.weight_scale_inv"}, {200, 4096});
+}
+
+TEST(DeviceBuckets, OnlineMxfp4OfInputMajorExpertsEqualsTheCpuPath) {
+  // gpt-oss served as MXFP4 taking transformers' BF16 experts ([E, hidden, 2 * intermediate]):
+  // transposed per expert and quantized on the device, two experts at a time through staging,
+  // into the expert op's tiled layout (restored and postprocessed around the session).
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA backend or no visible GPU";
+  TestModelSpec spec;
+  spec.family = "gpt_oss";
+  spec.layers = 1;
+  spec.hidden = 128;
+  spec.experts = 5;
+  spec.top_k = 2;
+  spec.heads = 4;
+  spec.kv_heads = 2;
+  spec.head_dim = 16;
+  spec.intermediate = 192;
+  spec.vocab = 64;
+  spec.experts_mxfp4 = true;
+  auto cfg = test_model_config(spec);
+  ASSERT_TRUE(cfg.ok()) << cfg.status().to_string();
+  const std::string p = "model.layers.0.mlp.experts.";
+  expect_online_quantization_equals_the_cpu_path(*cfg, p + "gate_up_proj",
+                                                 {p + "gate_up_proj_blocks", p + "gate_up_proj_scales"},
+                                                 {5, 128, 384}, size_t{2} * 128 * 384 * 2);
+  expect_online_quantization_equals_the_cpu_path(*cfg, p + "down_proj",
+                                                 {p + "down_proj_blocks", p + "down_proj_scales"}, {5, 192, 128},
+                                                 size_t{2} * 192 * 128 * 2);
 }
 
 }  // namespace
