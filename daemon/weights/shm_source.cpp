@@ -21,9 +21,16 @@ Status check_shm_name(const std::string& name, const std::string& prefix) {
       return Status(ErrorCode::kInvalidArgument, "shared-memory name may hold only [A-Za-z0-9._-]",
                     "body.source.name");
   }
-  if (name.rfind(prefix, 0) != 0)
+  // The prefix is a name component, not a string prefix: with `/rolloutd_tenant_a`, a tenant
+  // naming `/rolloutd_tenant_ab...` must not reach its neighbour's objects. What follows the
+  // prefix starts with a separator ('.', '_' or '-'), unless the prefix ends with one.
+  const auto separator = [](char c) { return c == '.' || c == '_' || c == '-'; };
+  const bool inside = name.rfind(prefix, 0) == 0 &&
+                      (name.size() == prefix.size() || separator(prefix.back()) || separator(name[prefix.size()]));
+  if (!inside)
     return Status(ErrorCode::kInvalidArgument,
-                  "shared-memory name '" + name + "' is outside this daemon's prefix '" + prefix + "'",
+                  "shared-memory name '" + name + "' is outside this daemon's prefix '" + prefix +
+                      "' (the prefix, then '.', '_' or '-' and the rest)",
                   "body.source.name");
   return Status::Ok();
 }

@@ -22,12 +22,21 @@ TEST(ShmSource, NamesMustCarryThePrefixAndTheGrammar) {
   const std::string prefix = "/rolloutd_tenant_a";
   EXPECT_TRUE(check_shm_name("/rolloutd_tenant_a", prefix).ok());
   EXPECT_TRUE(check_shm_name("/rolloutd_tenant_a.bucket-1", prefix).ok());
+  EXPECT_TRUE(check_shm_name("/rolloutd_tenant_a_7", prefix).ok());
+  EXPECT_TRUE(check_shm_name("/rolloutd_tenant_a-x", prefix).ok());
+  // The prefix is a whole name component: a neighbour whose prefix extends this one's is out.
   for (const char* bad : {"/rolloutd_tenant_b_x", "/rolloutd", "/other", "rolloutd_tenant_a", "/",
-                          "/rolloutd_tenant_a/../x", "/rolloutd_tenant_a x", "/rolloutd_tenant_a\n"}) {
+                          "/rolloutd_tenant_a/../x", "/rolloutd_tenant_a x", "/rolloutd_tenant_a\n",
+                          "/rolloutd_tenant_ab", "/rolloutd_tenant_ab_x", "/rolloutd_tenant_a7"}) {
     const Status s = check_shm_name(bad, prefix);
     EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument) << bad;
     EXPECT_EQ(s.field(), "body.source.name") << bad;
   }
+  // A prefix that ends with a separator takes any continuation; the default takes the Python
+  // client's names (/rolloutd-<hex>).
+  EXPECT_TRUE(check_shm_name("/rolloutd_x", "/rolloutd_").ok());
+  EXPECT_TRUE(check_shm_name("/rolloutd-0123abcd", "/rolloutd").ok());
+  EXPECT_FALSE(check_shm_name("/rolloutdx", "/rolloutd").ok());
   EXPECT_FALSE(check_shm_name("/" + std::string(251, 'a'), "/a").ok());  // > 250 characters
 }
 
