@@ -86,26 +86,26 @@ Result<BeginResult> WeightUpdater::begin(const std::vector<std::string>& selecto
   return r;
 }
 
-Result<BucketResult> WeightUpdater::apply_bucket(uint64_t session, std::span<const BucketEntry> entries,
-                                                 std::span<const uint8_t> bucket, std::optional<uint32_t> crc,
-                                                 SteadyClock::time_point now, bool on_device,
-                                                 bool wait_device) {
+Status WeightUpdater::check_bucket(uint64_t session, std::span<const BucketEntry> entries,
+                                  uint64_t bucket_size) const {
   RD_RETURN_IF_ERROR(check_session(session));
-  const auto t_entry = SteadyClock::now();
-  // Any bucket naming the open session is activity, refused or not (SPEC 11.4): a trainer
-  // correcting a refused bucket must not find its session expired meanwhile.
-  last_activity_ = std::max(last_activity_, now);
+  std::vector<const CheckpointTensor*> targets;
+  return check_table(entries, bucket_size, targets);
+}
+
+Status WeightUpdater::check_table(std::span<const BucketEntry> entries, uint64_t bucket_size,
+                                  std::vector<const CheckpointTensor*>& targets) const {
   if (entries.empty()) return Status(ErrorCode::kInvalidArgument, "bucket has no entries", "entries");
   // 1. Every entry on its own: known name, in range, dtype/shape acceptable.
-  std::vector<const CheckpointTensor*> targets(entries.size());
+  targets.assign(entries.size(), nullptr);
   for (size_t i = 0; i < entries.size(); ++i) {
     const BucketEntry& e = entries[i];
     const CheckpointTensor* t = reg_.resolve(e.name);
     if (!t) return Status(ErrorCode::kNotFound, "unknown parameter '" + e.name + "'", entry_field(i, "name"));
-    if (e.byte_offset > bucket.size() || e.nbytes > bucket.size() - e.byte_offset)
+    if (e.byte_offset > bucket_size || e.nbytes > bucket_size - e.byte_offset)
       return Status(ErrorCode::kOutOfRange,
                     "bytes [" + std::to_string(e.byte_offset) + ", +" + std::to_string(e.nbytes) +
-                        ") lie outside the bucket of " + std::to_string(bucket.size()) + " bytes",
+                        ") lie outside the bucket of " + std::to_string(bucket_size) + " bytes",
                     entry_field(i, "byte_offset"));
     Status s = reg_.check_load(*t, e.dtype, e.shape, e.nbytes);
     if (!s.ok()) return Status(s.code(), s.message(), entry_field(i, s.field().c_str()));
@@ -146,6 +146,20 @@ Result<BucketResult> WeightUpdater::apply_bucket(uint64_t session, std::span<con
       return Status(ErrorCode::kInvalidArgument, "parameter '" + entries[repeated].name + "' appears twice in the bucket",
                     entry_field(repeated, "name"));
   }
+  return Status::Ok();
+}
+
+Result<BucketResult> WeightUpdater::apply_bucket(uint64_t session, std::span<const BucketEntry> entries,
+                                                 std::span<const uint8_t> bucket, std::optional<uint32_t> crc,
+                                                 SteadyClock::time_point now, bool on_device,
+                                                 bool wait_device) {
+  RD_RETURN_IF_ERROR(check_session(session));
+  const auto t_entry = SteadyClock::now();
+  // Any bucket naming the open session is activity, refused or not (SPEC 11.4): a trainer
+  // correcting a refused bucket must not find its session expired meanwhile.
+  last_activity_ = std::max(last_activity_, now);
+  std::vector<const CheckpointTensor*> targets;
+  RD_RETURN_IF_ERROR(check_table(entries, bucket.size(), targets));
   // 3. The payload is what the trainer sent.
   if (crc) {
     // A device-resident bucket is checksummed from a host copy: a check the trainer asks for

@@ -73,6 +73,12 @@ class WeightUpdater {
   Result<BucketResult> apply_bucket(uint64_t session, std::span<const BucketEntry> entries,
                                     std::span<const uint8_t> bucket, std::optional<uint32_t> crc32,
                                     SteadyClock::time_point now, bool on_device = false, bool wait_device = true);
+  // What apply_bucket checks before it reads a byte: the session, then the table against the
+  // parameters (names, ranges within `bucket_size`, dtypes, shapes, layouts, overlaps, repeated
+  // names). A shared-memory bucket is checked so before its object is opened and read (SPEC
+  // 11.2's order: a misnamed entry is reported as such, and never costs a read of the bucket).
+  // Writes nothing and is not activity (the caller touch()es the session on a refusal).
+  Status check_bucket(uint64_t session, std::span<const BucketEntry> entries, uint64_t bucket_size) const;
   Result<EndResult> end(uint64_t session, uint64_t weight_version, SteadyClock::time_point now);
   // Ends the session without a new version. Returns whether the model is whole afterwards.
   Result<bool> abort(uint64_t session, const std::string& why);
@@ -99,6 +105,9 @@ class WeightUpdater {
 
  private:
   Status finish_failed(const std::string& why);
+  // check_bucket's table checks; `targets` gets each entry's checkpoint tensor.
+  Status check_table(std::span<const BucketEntry> entries, uint64_t bucket_size,
+                     std::vector<const CheckpointTensor*>& targets) const;
 
   WeightRegistry& reg_;
   bool open_ = false;

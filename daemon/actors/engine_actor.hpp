@@ -78,6 +78,10 @@ class EngineActor {
   // receipt) starts the reply's duration_s and the session's idle deadline.
   void apply_and_reply(uint64_t client, uint64_t envelope_id, protocol::UpdateWeightsRequest& r,
                        std::span<const uint8_t> bucket, bool on_device, std::chrono::steady_clock::time_point received);
+  // The same with the request's entries already taken from it (take_entries).
+  void apply_and_reply(uint64_t client, uint64_t envelope_id, protocol::UpdateWeightsRequest& r,
+                       std::vector<core::BucketEntry> entries, std::span<const uint8_t> bucket, bool on_device,
+                       std::chrono::steady_clock::time_point received);
   // A CUDA IPC bucket: validated and its copies queued now, answered by poll_pending_ipc().
   void apply_ipc_bucket(uint64_t client, uint64_t envelope_id, protocol::UpdateWeightsRequest& r,
                         std::span<const uint8_t> bucket, std::chrono::steady_clock::time_point received);

@@ -173,8 +173,13 @@ void EngineActor::finish_session_resources() {
 
 void EngineActor::apply_and_reply(uint64_t client, uint64_t envelope_id, protocol::UpdateWeightsRequest& r,
                                   std::span<const uint8_t> bucket, bool on_device, Clock::time_point received) {
+  apply_and_reply(client, envelope_id, r, take_entries(r), bucket, on_device, received);
+}
+
+void EngineActor::apply_and_reply(uint64_t client, uint64_t envelope_id, protocol::UpdateWeightsRequest& r,
+                                  std::vector<core::BucketEntry> entries, std::span<const uint8_t> bucket,
+                                  bool on_device, Clock::time_point received) {
   auto& u = engine_->updater();
-  const std::vector<core::BucketEntry> entries = take_entries(r);
   std::optional<uint32_t> crc;
   if (r.checksum) crc = r.checksum->value;
   auto a = u.apply_bucket(r.session, entries, bucket, crc, received, on_device);
@@ -422,13 +427,18 @@ void EngineActor::handle_weights(WeightCommand& cmd) {
       return reply_error(cmd.client, id, in_body(s));
     }
     if (auto* shm = std::get_if<ShmSource>(&r->source)) {
-      Status s = check_shm_name(shm->name, config_.shm_prefix);
+      // The table against the parameters first (SPEC 11.2's order), then the object: a misnamed
+      // or mis-shaped entry is reported as itself and costs no read of a bucket of gigabytes.
+      std::vector<core::BucketEntry> entries = take_entries(*r);
+      Status s = u.check_bucket(r->session, entries, shm->size);
+      if (!s.ok()) s = in_body(s);
+      if (s.ok()) s = check_shm_name(shm->name, config_.shm_prefix);
       if (s.ok()) s = read_shm(shm->name, shm->offset, shm->size, shm_staging_, config_.max_shm_bucket_bytes);
       if (!s.ok()) {
         u.touch(r->session, Clock::now());
         return reply_error(cmd.client, id, s);
       }
-      return apply_and_reply(cmd.client, id, *r, shm_staging_, false, now);
+      return apply_and_reply(cmd.client, id, *r, std::move(entries), shm_staging_, false, now);
     }
     if (config_.device != "cuda")
       return reply_error(cmd.client, id, Status(ErrorCode::kUnimplemented,

@@ -178,7 +178,18 @@ def test_fail_closed_errors_name_the_entry_and_change_nothing(daemon, new_weight
         assert (e.value.code, e.value.field) == ("invalid_argument", "body.source.name")
         with pytest.raises(rolloutd.RolloutdError) as e:
             c.update_weights_shm(s, entries, "/rolloutd-does-not-exist", 0, len(data))
-        assert e.value.code == "not_found"
+        assert (e.value.code, e.value.field) == ("not_found", "body.source")
+        # SPEC 11.2's order: the table before the object. An unknown name or a wrong shape is
+        # named as itself, even when the object is missing or outside the prefix too.
+        bad, bad_data = rolloutd.weights.pack_bucket([("model.nope.weight", new_weights[name])] + good)
+        for shm_name in ("/rolloutd-does-not-exist", "/not-ours"):
+            with pytest.raises(rolloutd.RolloutdError) as e:
+                c.update_weights_shm(s, bad, shm_name, 0, len(bad_data))
+            assert (e.value.code, e.value.field) == ("not_found", "body.entries[0].name"), shm_name
+        bad, bad_data = rolloutd.weights.pack_bucket([(name, new_weights[name].reshape(2, 32))])
+        with pytest.raises(rolloutd.RolloutdError) as e:
+            c.update_weights_shm(s, bad, "/rolloutd-does-not-exist", 0, len(bad_data))
+        assert (e.value.code, e.value.field) == ("invalid_argument", "body.entries[0].shape")
         # Nothing was written: aborting leaves the model whole and unchanged.
         assert c.abort_weight_update(s).state == "ready"
         assert c.weights_checksum().model_checksum == before
