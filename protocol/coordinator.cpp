@@ -151,6 +151,7 @@ struct Worker {
   std::optional<Clock::time_point> start_estimate;
   bool lost_since_ok = false;
   Clock::time_point next_heartbeat{};
+  std::optional<uint64_t> last_generated;  // the daemon's tokens generated, last heartbeat
 
   Worker(Coordinator::Impl& o, size_t i, DaemonEndpoint ep) : owner(o), index(i), endpoint(std::move(ep)) {
     health.index = i;
@@ -271,7 +272,17 @@ struct Worker {
     last_ok = now;
     first_fail.reset();
     lost_since_ok = false;
+    const uint64_t generated = status->num_tokens_generated_total;
+    // != rather than >: a restarted daemon counts from 0 again.
+    const bool progressing = last_generated && generated != *last_generated;
+    last_generated = generated;
     std::lock_guard<std::mutex> lock(owner.mu);
+    if (progressing) {
+      // The daemon generates: its requests that sent nothing meanwhile are queued or
+      // stream=false, not stuck. request_idle_timeout_ms counts time without progress.
+      for (auto& [rid, p] : owner.pending)
+        if (p.worker == this) p.last_event = now;
+    }
     health.state = status->state;
     health.ready = status->ready;
     health.reason = status->reason;

@@ -46,7 +46,9 @@ struct CoordinatorOptions {
   int heartbeat_interval_ms = 1000;
   int heartbeat_timeout_ms = 2000;    // a status reply slower than this is a missed heartbeat
   int dead_after_ms = 5000;           // no heartbeat reply this long: the daemon's requests are lost
-  int request_idle_timeout_ms = 600000;  // no event this long: abort and fail the request (0: never)
+  // A request with no event this long, while its daemon generates nothing (its heartbeats show
+  // no new tokens), is aborted and failed (0: never).
+  int request_idle_timeout_ms = 600000;
   bool resubmit = false;              // run a lost daemon's requests again elsewhere
   uint32_t max_resubmits = 2;
   bool exclude_stale = true;          // route only to daemons at the fleet's weight version

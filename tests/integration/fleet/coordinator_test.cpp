@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -40,11 +41,18 @@ std::string daemon_binary() {
 // One rolloutd process on ephemeral loopback ports; killed at destruction if still running.
 class DaemonProcess {
  public:
-  explicit DaemonProcess(const fs::path& dir, int n) {
+  DaemonProcess(const fs::path& dir, int n, std::vector<std::string> extra_args = {}) {
     fs::create_directories(dir);
     ep_file_ = dir / ("d" + std::to_string(n) + ".json");
     const std::string log = (dir / ("d" + std::to_string(n) + ".log")).string();
     const std::string bin = daemon_binary();
+    // argv is built before fork: the child of a threaded process may only call async-signal-safe functions.
+    std::vector<std::string> args = {bin, "--control-port", "0", "--http-port", "0", "--endpoints-file",
+                                     ep_file_.string(), "--drain-timeout-s", "5"};
+    args.insert(args.end(), extra_args.begin(), extra_args.end());
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
     pid_ = fork();
     if (pid_ == 0) {
       const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -52,9 +60,7 @@ class DaemonProcess {
         dup2(fd, 1);
         dup2(fd, 2);
       }
-      const std::string ep = ep_file_.string();
-      execl(bin.c_str(), bin.c_str(), "--control-port", "0", "--http-port", "0", "--endpoints-file", ep.c_str(),
-            "--drain-timeout-s", "5", static_cast<char*>(nullptr));
+      execv(bin.c_str(), argv.data());
       _exit(127);
     }
   }
@@ -91,11 +97,11 @@ class DaemonProcess {
 
 class Fleet : public ::testing::Test {
  protected:
-  void start(int n, CoordinatorOptions options = {}) {
+  void start(int n, CoordinatorOptions options = {}, std::vector<std::string> daemon_args = {}) {
     dir_ = fs::temp_directory_path() / ("rolloutd-coord-test-" + std::to_string(getpid()) + "-" +
                                         ::testing::UnitTest::GetInstance()->current_test_info()->name());
     std::vector<DaemonEndpoint> eps;
-    for (int i = 0; i < n; ++i) daemons_.push_back(std::make_unique<DaemonProcess>(dir_, i));
+    for (int i = 0; i < n; ++i) daemons_.push_back(std::make_unique<DaemonProcess>(dir_, i, daemon_args));
     for (int i = 0; i < n; ++i) {
       const std::string ep = daemons_[i]->wait_endpoint();
       ASSERT_FALSE(ep.empty()) << "daemon " << i << " did not start";
@@ -331,6 +337,65 @@ TEST_F(Fleet, KilledDaemonRequestsAreResubmittedWhenAsked) {
   }
   EXPECT_GE(resubmitted, 1);
   EXPECT_EQ(coord_->num_outstanding(), 0u);
+}
+
+TEST_F(Fleet, IdleTimeoutCountsTimeWithoutProgressNotQueuedOrStreamFalseTime) {
+  // request_idle_timeout_ms catches a daemon that is alive but stuck. Queued requests and
+  // stream=false ones send no event while their daemon is busy or generating; until 2026-12-04
+  // the C++ coordinator failed them after the limit all the same (the Python one was fixed
+  // first). One request runs at a time here: most of the others queue for longer than the 1 s
+  // limit, and the stream=false one is silent while it queues and runs.
+  CoordinatorOptions o;
+  o.request_idle_timeout_ms = 1000;
+  start(1, o, {"--max-running", "1"});
+  // As many requests as take ~2.5 s, from the measured time of one: ~50 ms in a release build,
+  // seconds under ASan, and the silence must outlast the limit in the one without taking
+  // minutes in the other. (Equal requests: a token's cost grows with the sequence, so a short
+  // request would not time a long one.)
+  constexpr uint32_t kTokens = 300;
+  const auto t0 = Clock::now();
+  auto warm = coord_->submit(request(100, kTokens));
+  ASSERT_TRUE(warm.ok()) << warm.status().to_string();
+  ASSERT_EQ(finals({*warm}, 120000).size(), 1u);
+  const double request_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  const int n = std::clamp(static_cast<int>(2.5 / request_s) + 1, 3, 200);
+  std::set<std::string> rids;
+  for (int i = 0; i < n; ++i) {
+    GenerateRequest r = request(1 + i, kTokens);
+    r.stream = i + 1 < n;  // the last one, queued longest, also sends nothing while it runs
+    auto rid = coord_->submit(r);
+    ASSERT_TRUE(rid.ok()) << rid.status().to_string();
+    rids.insert(*rid);
+  }
+  auto done = finals(rids, 120000);
+  ASSERT_EQ(done.size(), rids.size());
+  for (const auto& [r, ev] : done) {
+    const auto* f = std::get_if<FinishedEvent>(&ev.event);
+    const auto* failed = std::get_if<FailedEvent>(&ev.event);
+    ASSERT_NE(f, nullptr) << r << ": " << (failed ? failed->error.code + ": " + failed->error.message : "");
+    EXPECT_EQ(f->reason, "length") << r;
+  }
+  EXPECT_EQ(coord_->num_outstanding(), 0u);
+}
+
+TEST_F(Fleet, IdleTimeoutStillFailsARequestOfADaemonThatMakesNoProgress) {
+  CoordinatorOptions o;
+  o.request_idle_timeout_ms = 1000;
+  start(1, o);
+  // Paused in place, the daemon answers heartbeats (ready) but generates nothing, as a stuck one
+  // would: the progress that spares queued requests must not spare this one.
+  auto pauser = Client::connect(options_for(endpoints_[0]));
+  ASSERT_TRUE(pauser.ok()) << pauser.status().to_string();
+  ASSERT_TRUE((*pauser)->pause_generation(PauseMode::kInPlace).ok());
+  auto rid = coord_->submit(request(1, 50));
+  ASSERT_TRUE(rid.ok()) << rid.status().to_string();
+  auto done = finals({*rid}, 15000);
+  ASSERT_EQ(done.size(), 1u);
+  const auto* f = std::get_if<FailedEvent>(&done.begin()->second.event);
+  ASSERT_NE(f, nullptr);
+  EXPECT_EQ(f->error.code, "deadline_exceeded");
+  EXPECT_EQ(coord_->num_outstanding(), 0u);
+  EXPECT_TRUE((*pauser)->continue_generation().ok());
 }
 
 TEST(CoordinatorEndpoints, ReadsLauncherAndDaemonFiles) {
