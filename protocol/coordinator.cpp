@@ -640,17 +640,53 @@ std::optional<uint64_t> Coordinator::weight_version() const {
 
 namespace {
 
-// Runs fn on each worker's thread in parallel and waits for all (bounded).
+// Runs fn on each worker's thread in parallel and waits for all until timeout_ms. A worker that
+// does not answer by then fails with kDeadlineExceeded; if its call completes later, on_late
+// undoes it on that worker's thread (an opened session is aborted, a pause continued).
 template <class T>
 std::map<Worker*, Result<T>> fan_out(const std::vector<Worker*>& workers, std::function<Result<T>(Client&, Worker&)> fn,
-                                     int timeout_ms) {
-  std::vector<std::pair<Worker*, std::future<Result<T>>>> calls;
-  for (Worker* w : workers)
-    calls.emplace_back(w, w->call<T>([fn, w](Client& c) { return fn(c, *w); }));
+                                     int timeout_ms, std::function<void(Client&, const T&)> on_late = nullptr) {
+  // Decides, once per call, whether the caller took its outcome or gave up on it: the two
+  // threads may reach the deadline together.
+  struct Call {
+    std::mutex mu;
+    bool done = false;     // fn returned
+    bool gave_up = false;  // the caller reported it failed: its outcome must be undone
+  };
+  struct Waiting {
+    Worker* worker;
+    std::shared_ptr<Call> call;
+    std::future<Result<T>> result;
+  };
+  std::vector<Waiting> calls;
+  for (Worker* w : workers) {
+    auto call = std::make_shared<Call>();
+    calls.push_back(Waiting{w, call, w->call<T>([fn, on_late, w, call](Client& c) {
+                              Result<T> r = fn(c, *w);
+                              bool late;
+                              {
+                                std::lock_guard<std::mutex> lock(call->mu);
+                                call->done = true;
+                                late = call->gave_up;
+                              }
+                              if (late && r.ok() && on_late) on_late(c, *r);
+                              return r;
+                            })});
+  }
   const auto deadline = Clock::now() + milliseconds(timeout_ms);
   std::map<Worker*, Result<T>> out;
-  for (auto& [w, fut] : calls) {
-    if (fut.wait_until(deadline) == std::future_status::ready)
+  for (auto& [w, call, fut] : calls) {
+    if (fut.wait_until(deadline) == std::future_status::ready) {
+      out.emplace(w, fut.get());
+      continue;
+    }
+    bool finished;
+    {
+      std::lock_guard<std::mutex> lock(call->mu);
+      finished = call->done;
+      if (!finished) call->gave_up = true;
+    }
+    if (finished)  // fn returned just as the wait ran out: its outcome stands (no undo runs)
       out.emplace(w, fut.get());
     else
       out.emplace(w, Status(ErrorCode::kDeadlineExceeded,
@@ -681,30 +717,26 @@ FleetWeightUpdate Coordinator::push_weights(const std::vector<std::shared_ptr<co
   }
   std::vector<Worker*> paused;
   if (pause) {
+    // A pause that completes after the deadline is undone at once: that daemon is not in
+    // `paused`, so the continue below would never reach it, and it would stay paused while its
+    // heartbeat said ready (requests routed there would wait for ever).
     for (auto& [w, r] : fan_out<PauseGenerationReply>(
-             targets, [mode = *pause](Client& c, Worker&) { return c.pause_generation(mode); }, step_ms))
+             targets, [mode = *pause](Client& c, Worker&) { return c.pause_generation(mode); }, step_ms,
+             [](Client& c, const PauseGenerationReply&) { (void)c.continue_generation(); }))
       if (r.ok()) paused.push_back(w);
   }
   // begin on all. One that answers after the deadline has its session aborted at once.
-  auto gave_up = std::make_shared<std::atomic<bool>>(false);
   std::map<Worker*, uint64_t> sessions;
-  for (auto& [w, r] : fan_out<uint64_t>(
+  for (auto& [w, r] : fan_out<BeginWeightUpdateReply>(
            targets,
-           [session_timeout_s, gave_up](Client& c, Worker&) -> Result<uint64_t> {
-             RD_ASSIGN_OR_RETURN(auto reply, c.begin_weight_update(std::nullopt, session_timeout_s));
-             if (gave_up->load()) {
-               (void)c.abort_weight_update(reply.session);
-               return Status(ErrorCode::kDeadlineExceeded, "begin answered after the coordinator gave up");
-             }
-             return reply.session;
-           },
-           step_ms)) {
+           [session_timeout_s](Client& c, Worker&) { return c.begin_weight_update(std::nullopt, session_timeout_s); },
+           step_ms,
+           [](Client& c, const BeginWeightUpdateReply& reply) { (void)c.abort_weight_update(reply.session); })) {
     if (r.ok())
-      sessions[w] = *r;
+      sessions[w] = r->session;
     else
       result.failed[w->endpoint.key()] = r.status();
   }
-  gave_up->store(true);
   auto drop = [&](Worker* w, Status s) {
     result.failed[w->endpoint.key()] = std::move(s);
     const uint64_t session = sessions[w];

@@ -82,6 +82,7 @@ class DaemonProcess {
     }
     return {};
   }
+  void send(int sig) { kill(pid_, sig); }
   void kill_now() {
     kill(pid_, SIGKILL);
     waitpid(pid_, nullptr, 0);
@@ -97,7 +98,17 @@ class DaemonProcess {
 
 class Fleet : public ::testing::Test {
  protected:
-  void start(int n, CoordinatorOptions options = {}, std::vector<std::string> daemon_args = {}) {
+  // Loopback timings: a dead daemon is noticed in 1.5 s.
+  static CoordinatorOptions test_options() {
+    CoordinatorOptions o;
+    o.heartbeat_interval_ms = 200;
+    o.heartbeat_timeout_ms = 500;
+    o.dead_after_ms = 1500;
+    o.request_timeout_ms = 10000;
+    return o;
+  }
+
+  void start(int n, CoordinatorOptions options = test_options(), std::vector<std::string> daemon_args = {}) {
     dir_ = fs::temp_directory_path() / ("rolloutd-coord-test-" + std::to_string(getpid()) + "-" +
                                         ::testing::UnitTest::GetInstance()->current_test_info()->name());
     std::vector<DaemonEndpoint> eps;
@@ -108,10 +119,6 @@ class Fleet : public ::testing::Test {
       eps.push_back({ep, "d" + std::to_string(i)});
       endpoints_.push_back(ep);
     }
-    options.heartbeat_interval_ms = 200;
-    options.heartbeat_timeout_ms = 500;
-    options.dead_after_ms = 1500;
-    options.request_timeout_ms = 10000;
     auto c = Coordinator::create(eps, options);
     ASSERT_TRUE(c.ok()) << c.status().to_string();
     coord_ = std::move(c).value();
@@ -146,6 +153,34 @@ class Fleet : public ::testing::Test {
     ClientOptions o;
     o.endpoint = endpoint;
     return o;
+  }
+
+  // A bucket that writes one float32 parameter's current value (daemon 0's) back: a real write
+  // that leaves every daemon's model as it was.
+  void same_value_bucket(std::shared_ptr<WeightBucket>* out, uint32_t* model_checksum = nullptr) {
+    auto probe = Client::connect(options_for(endpoints_[0]));
+    ASSERT_TRUE(probe.ok());
+    auto sums = (*probe)->weights_checksum();
+    ASSERT_TRUE(sums.ok());
+    const ParameterChecksum* param = nullptr;
+    for (const auto& p : sums->parameters)
+      if (p.dtype == "float32" && (!param || p.shape.size() < param->shape.size())) param = &p;
+    ASSERT_NE(param, nullptr);
+    uint64_t numel = 1;
+    for (auto d : param->shape) numel *= static_cast<uint64_t>(d);
+    auto values = (*probe)->get_weights_by_name(param->name, static_cast<uint32_t>(numel));
+    ASSERT_TRUE(values.ok());
+    auto bucket = std::make_shared<WeightBucket>();
+    bucket->payload.resize(numel * 4);
+    for (uint64_t i = 0; i < numel; ++i) {
+      const float f = static_cast<float>(values->values[i]);
+      std::memcpy(bucket->payload.data() + i * 4, &f, 4);
+    }
+    bucket->entries.push_back(BucketEntry{param->name, DType::kF32, param->shape, 0, numel * 4});
+    bucket->checksum = crc32(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(bucket->payload.data()),
+                                                      bucket->payload.size()));
+    *out = std::move(bucket);
+    if (model_checksum) *model_checksum = sums->model_checksum;
   }
 
   GenerateRequest request(int32_t first, uint32_t max_new_tokens) {
@@ -205,27 +240,9 @@ TEST_F(Fleet, WeightUpdateFansOutAndReportsEachDaemon) {
   start(3);
   // Today's value of one float32 parameter, pushed back as version 7: every daemon takes it,
   // and their checksums do not move.
-  auto probe = Client::connect(options_for(endpoints_[0]));
-  ASSERT_TRUE(probe.ok());
-  auto sums = (*probe)->weights_checksum();
-  ASSERT_TRUE(sums.ok());
-  const ParameterChecksum* param = nullptr;
-  for (const auto& p : sums->parameters)
-    if (p.dtype == "float32" && (!param || p.shape.size() < param->shape.size())) param = &p;
-  ASSERT_NE(param, nullptr);
-  uint64_t numel = 1;
-  for (auto d : param->shape) numel *= static_cast<uint64_t>(d);
-  auto values = (*probe)->get_weights_by_name(param->name, static_cast<uint32_t>(numel));
-  ASSERT_TRUE(values.ok());
-  auto bucket = std::make_shared<WeightBucket>();
-  bucket->payload.resize(numel * 4);
-  for (uint64_t i = 0; i < numel; ++i) {
-    const float f = static_cast<float>(values->values[i]);
-    std::memcpy(bucket->payload.data() + i * 4, &f, 4);
-  }
-  bucket->entries.push_back(BucketEntry{param->name, DType::kF32, param->shape, 0, numel * 4});
-  bucket->checksum = crc32(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(bucket->payload.data()),
-                                                    bucket->payload.size()));
+  std::shared_ptr<WeightBucket> bucket;
+  uint32_t model_checksum = 0;
+  ASSERT_NO_FATAL_FAILURE(same_value_bucket(&bucket, &model_checksum));
 
   auto update = coord_->push_weights({bucket}, 7, PauseMode::kRetract);
   EXPECT_TRUE(update.ok());
@@ -236,7 +253,7 @@ TEST_F(Fleet, WeightUpdateFansOutAndReportsEachDaemon) {
     ASSERT_TRUE(c.ok());
     auto s = (*c)->weights_checksum();
     ASSERT_TRUE(s.ok());
-    EXPECT_EQ(s->model_checksum, sums->model_checksum);
+    EXPECT_EQ(s->model_checksum, model_checksum);
     EXPECT_EQ(s->weight_version, 7u);
   }
 
@@ -249,6 +266,46 @@ TEST_F(Fleet, WeightUpdateFansOutAndReportsEachDaemon) {
   EXPECT_EQ(second.completed.size(), 2u);
   EXPECT_EQ(second.completed.count("d1"), 0u);
   EXPECT_TRUE(second.skipped.count("d1") || second.failed.count("d1"));
+}
+
+TEST_F(Fleet, APauseThatAnswersLateIsUndone) {
+  // push_weights(pause) gives up on a daemon whose pause has not answered by the deadline; when
+  // that pause completes later it is undone (continue_generation). Until 2026-12-04 the C++
+  // coordinator left that daemon paused while its heartbeat said ready.
+  CoordinatorOptions o = test_options();
+  o.request_timeout_ms = 3000;  // each reply; a fan-out step waits 1 s longer
+  start(2, o);
+  // Fault injection: d0 stopped, a submit to it holds its worker (submit, then abort of what it
+  // may have sent: 3 s each), so the pause queued behind it runs after its step's 4 s wait.
+  // SIGCONT at 5 s, within the abort's wait (0.8 s either side), lets the late pause through.
+  daemons_[0]->send(SIGSTOP);
+  std::thread holder([&] { (void)coord_->submit(request(1, 8), "d0"); });
+  std::thread resume([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5000));
+    daemons_[0]->send(SIGCONT);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the submit is queued first
+  (void)coord_->push_weights({}, 1, PauseMode::kInPlace);
+  resume.join();
+  holder.join();
+  auto c = Client::connect(options_for(endpoints_[0]));
+  ASSERT_TRUE(c.ok());
+  // The undo ran on d0's worker before its begin, which push_weights waited for; polled all
+  // the same, within a deadline, so a slow reply is not mistaken for a daemon left paused.
+  Result<StatusReply> st = Status(ErrorCode::kUnavailable, "no status yet");
+  const auto deadline = Clock::now() + std::chrono::seconds(5);
+  do {
+    st = (*c)->status();
+    if (st.ok() && !st->paused && st->ready) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  } while (Clock::now() < deadline);
+  ASSERT_TRUE(st.ok()) << st.status().to_string();
+  EXPECT_FALSE(st->paused);
+  EXPECT_TRUE(st->ready) << st->state << ": " << st->reason;
+  auto g = (*c)->generate(request(2, 3), 10000);
+  ASSERT_TRUE(g.ok()) << g.status().to_string();
+  ASSERT_TRUE(g->finished.has_value());
+  EXPECT_EQ(g->finished->reason, "length");
 }
 
 TEST_F(Fleet, KilledDaemonRequestsEndFailedEachExactlyOnce) {
@@ -289,7 +346,7 @@ TEST_F(Fleet, KilledDaemonRequestsEndFailedEachExactlyOnce) {
 }
 
 TEST_F(Fleet, KilledDaemonRequestsAreResubmittedWhenAsked) {
-  CoordinatorOptions o;
+  CoordinatorOptions o = test_options();
   o.resubmit = true;
   start(2, o);
   // Long enough that the victim's requests are still running at the kill (200 ms in; ~3 ms a
@@ -345,7 +402,7 @@ TEST_F(Fleet, IdleTimeoutCountsTimeWithoutProgressNotQueuedOrStreamFalseTime) {
   // the C++ coordinator failed them after the limit all the same (the Python one was fixed
   // first). One request runs at a time here: most of the others queue for longer than the 1 s
   // limit, and the stream=false one is silent while it queues and runs.
-  CoordinatorOptions o;
+  CoordinatorOptions o = test_options();
   o.request_idle_timeout_ms = 1000;
   start(1, o, {"--max-running", "1"});
   // As many requests as take ~2.5 s, from the measured time of one: ~50 ms in a release build,
@@ -379,7 +436,7 @@ TEST_F(Fleet, IdleTimeoutCountsTimeWithoutProgressNotQueuedOrStreamFalseTime) {
 }
 
 TEST_F(Fleet, IdleTimeoutStillFailsARequestOfADaemonThatMakesNoProgress) {
-  CoordinatorOptions o;
+  CoordinatorOptions o = test_options();
   o.request_idle_timeout_ms = 1000;
   start(1, o);
   // Paused in place, the daemon answers heartbeats (ready) but generates nothing, as a stuck one
