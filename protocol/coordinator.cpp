@@ -727,15 +727,18 @@ FleetWeightUpdate Coordinator::push_weights(const std::vector<std::shared_ptr<co
   }
   // begin on all. One that answers after the deadline has its session aborted at once.
   std::map<Worker*, uint64_t> sessions;
+  std::map<Worker*, uint64_t> serving_versions;  // each daemon's weight_version when it began
   for (auto& [w, r] : fan_out<BeginWeightUpdateReply>(
            targets,
            [session_timeout_s](Client& c, Worker&) { return c.begin_weight_update(std::nullopt, session_timeout_s); },
            step_ms,
            [](Client& c, const BeginWeightUpdateReply& reply) { (void)c.abort_weight_update(reply.session); })) {
-    if (r.ok())
+    if (r.ok()) {
       sessions[w] = r->session;
-    else
+      serving_versions[w] = r->weight_version;
+    } else {
       result.failed[w->endpoint.key()] = r.status();
+    }
   }
   auto drop = [&](Worker* w, Status s) {
     result.failed[w->endpoint.key()] = std::move(s);
@@ -749,6 +752,15 @@ FleetWeightUpdate Coordinator::push_weights(const std::vector<std::shared_ptr<co
     for (auto& [w, _] : sessions) out.push_back(w);
     return out;
   };
+  // A daemon already serving a version above weight_version is dropped now, before any bucket:
+  // its end_weight_update would refuse it after every bucket, and the abort would then leave it
+  // not_ready.
+  for (const auto& [w, serving] : serving_versions)
+    if (weight_version < serving)
+      drop(w, Status(ErrorCode::kInvalidArgument,
+                     "weight_version " + std::to_string(weight_version) + " is below " + w->endpoint.key() +
+                         "'s serving version " + std::to_string(serving),
+                     "weight_version"));
   // Tasks hold the bucket and the session ids by value: one that runs after its step gave up
   // on it must not read the caller's memory.
   for (const auto& bucket : buckets) {

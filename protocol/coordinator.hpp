@@ -126,8 +126,9 @@ class Coordinator {
   // One weight update on every reachable daemon: (pause,) begin on all, each bucket to all
   // (one buffer, sent to every daemon in parallel), end(weight_version) on all (, continue).
   // A daemon failing a step is dropped from the rest, its session aborted, and reported in
-  // .failed; unreachable ones in .skipped. Buckets are shared, not copied: a step that gave
-  // up on a slow daemon may still be sending from them.
+  // .failed; unreachable ones in .skipped. One already serving a version above weight_version
+  // is dropped right after begin (invalid_argument, nothing written). Buckets are shared, not
+  // copied: a step that gave up on a slow daemon may still be sending from them.
   FleetWeightUpdate push_weights(const std::vector<std::shared_ptr<const WeightBucket>>& buckets,
                                  uint64_t weight_version,
                                  std::optional<PauseMode> pause = std::nullopt, double session_timeout_s = 60.0);

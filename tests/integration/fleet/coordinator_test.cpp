@@ -308,6 +308,40 @@ TEST_F(Fleet, APauseThatAnswersLateIsUndone) {
   EXPECT_EQ(g->finished->reason, "length");
 }
 
+TEST_F(Fleet, WeightUpdateBelowTheServingVersionWritesNothing) {
+  // push_weights with a weight_version below what a daemon serves drops that daemon right after
+  // begin (session aborted, nothing written), so it stays ready; end would have refused it
+  // after every bucket, and the abort then left it not_ready.
+  start(2);
+  std::shared_ptr<WeightBucket> bucket;
+  ASSERT_NO_FATAL_FAILURE(same_value_bucket(&bucket));
+  ASSERT_TRUE(coord_->push_weights({bucket}, 5).ok());
+  auto low = coord_->push_weights({bucket}, 3);
+  EXPECT_TRUE(low.completed.empty());
+  ASSERT_EQ(low.failed.size(), 2u);
+  for (const auto& [name, s] : low.failed) {
+    EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument) << name << ": " << s.to_string();
+    EXPECT_EQ(s.field(), "weight_version") << name << ": " << s.to_string();
+  }
+  EXPECT_EQ(coord_->weight_version(), std::optional<uint64_t>(5));
+  for (const auto& ep : endpoints_) {
+    auto c = Client::connect(options_for(ep));
+    ASSERT_TRUE(c.ok());
+    // The session's abort is sent, not waited for: it may land just after push_weights returns.
+    Result<StatusReply> st = Status(ErrorCode::kUnavailable, "no status yet");
+    const auto deadline = Clock::now() + std::chrono::seconds(5);
+    do {
+      st = (*c)->status();
+      if (st.ok() && st->update_session == 0) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    } while (Clock::now() < deadline);
+    ASSERT_TRUE(st.ok()) << st.status().to_string();
+    EXPECT_EQ(st->update_session, 0u) << ep;
+    EXPECT_TRUE(st->ready) << ep << ": " << st->state << ": " << st->reason;
+    EXPECT_EQ(st->weight_version, 5u) << ep;
+  }
+}
+
 TEST_F(Fleet, KilledDaemonRequestsEndFailedEachExactlyOnce) {
   start(2);
   std::set<std::string> rids;
