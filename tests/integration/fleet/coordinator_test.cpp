@@ -1,7 +1,9 @@
 // The C++ coordinator (protocol/coordinator.hpp) against real daemons on loopback: requests
 // spread by outstanding tokens with their events fanned into one stream, weight updates fanned
 // out with per-daemon results, and a daemon killed mid-rollout whose requests end failed (or
-// run again elsewhere when asked) — each with exactly one final event.
+// run again elsewhere when asked) — each with exactly one final event. Its deadlines too: the
+// idle timeout spares requests whose daemon makes progress, and a pause or submit that times
+// out is undone or never sent (a stopped daemon, SIGSTOP, makes the calls late).
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -340,6 +342,71 @@ TEST_F(Fleet, WeightUpdateBelowTheServingVersionWritesNothing) {
     EXPECT_TRUE(st->ready) << ep << ": " << st->state << ": " << st->reason;
     EXPECT_EQ(st->weight_version, 5u) << ep;
   }
+}
+
+TEST_F(Fleet, ASubmitThatTimedOutIsNeverSentLaterAndATimedOutReplyIsAborted) {
+  // Two submits to a stopped daemon. The first one's command runs: its reply times out and the
+  // request, which the daemon may take later, is aborted. The second one's command waits behind
+  // it past the submit's deadline and is cancelled: a request the caller was told had failed
+  // must not generate later (a retried rid would get two final events, the outstanding counters
+  // would go below zero).
+  CoordinatorOptions o = test_options();
+  o.request_timeout_ms = 3000;  // each reply; submit waits 1 s longer for its command
+  start(1, o);
+  daemons_[0]->send(SIGSTOP);
+  // Its command holds d0's worker for 6 s (submit, then the abort, 3 s each) unless d0 resumes.
+  GenerateRequest held = request(1, 3000);
+  held.rid = "held";
+  std::thread holder([&] { (void)coord_->submit(held, "d0"); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // its command is queued first
+  GenerateRequest req = request(2, 4);
+  req.rid = "r1";
+  auto late = coord_->submit(req, "d0");  // gives up at ~4.2 s
+  daemons_[0]->send(SIGCONT);
+  holder.join();
+  ASSERT_FALSE(late.ok());
+  EXPECT_EQ(late.status().code(), ErrorCode::kDeadlineExceeded);
+  EXPECT_NE(late.status().message().find("did not take the request in time"), std::string::npos)
+      << late.status().to_string();  // cancelled while queued, not failed while running
+  // The daemon took "held" once it resumed, and the abort that followed ended it.
+  auto c = Client::connect(options_for(endpoints_[0]));
+  ASSERT_TRUE(c.ok());
+  Result<StatusReply> st = Status(ErrorCode::kUnavailable, "no status yet");
+  const auto deadline = Clock::now() + std::chrono::seconds(1);  // 3,000 tokens take ~2 s
+  do {
+    st = (*c)->status();
+    if (st.ok() && st->num_running == 0 && st->num_waiting == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  } while (Clock::now() < deadline);
+  ASSERT_TRUE(st.ok()) << st.status().to_string();
+  EXPECT_EQ(st->num_running + st->num_waiting, 0u) << "the timed-out submit was not aborted";
+  // Nothing of r1 ever comes, and nothing is left outstanding.
+  const auto quiet = Clock::now() + std::chrono::seconds(1);
+  while (Clock::now() < quiet) {
+    auto ev = coord_->next_event(100);
+    if (ev) {
+      EXPECT_NE(std::visit([](const auto& e) { return e.rid; }, ev->event), "r1");
+    }
+  }
+  EXPECT_EQ(coord_->num_outstanding(), 0u);
+  ASSERT_TRUE(coord_->wait_ready(1, 10000).ok());
+  auto h = coord_->daemons()[0];
+  EXPECT_EQ(h.outstanding_requests, 0u);
+  EXPECT_EQ(h.outstanding_tokens, 0u);
+  // The same rid submitted again runs once.
+  auto again = coord_->submit(req, "d0");
+  ASSERT_TRUE(again.ok()) << again.status().to_string();
+  std::map<std::string, std::vector<FleetEvent>> all;
+  auto done = finals({"r1"}, 30000, &all);
+  ASSERT_EQ(done.size(), 1u);
+  const auto* f = std::get_if<FinishedEvent>(&done["r1"].event);
+  ASSERT_NE(f, nullptr);
+  EXPECT_EQ(f->reason, "length");
+  size_t tokens = 0;
+  for (const auto& e : all["r1"])
+    if (auto* t = std::get_if<TokensEvent>(&e.event)) tokens += t->token_ids.size();
+  EXPECT_EQ(tokens, 4u);
+  EXPECT_FALSE(coord_->next_event(500).has_value());  // no second final event
 }
 
 TEST_F(Fleet, KilledDaemonRequestsEndFailedEachExactlyOnce) {
