@@ -94,6 +94,12 @@ ParseOutcome parse_config(int argc, const char* const* argv) {
       ->check(CLI::Range(1, 1024));
   add("--max-blocks-per-seq", c.max_blocks_per_seq, "ROLLOUTD_MAX_BLOCKS_PER_SEQ",
       "KV blocks one request may hold")->check(CLI::Range(1, 1 << 20));
+  app.add_flag("--prefix-cache", c.prefix_cache,
+               "keep full KV blocks after their request, keyed by their tokens and all before them, so that "
+               "requests starting with the same tokens (a prompt's n samples, a conversation's next turn) "
+               "reuse that KV and its routed-expert records instead of computing them; cleared whenever the "
+               "weights may change, evicted least recently used first when the cache needs blocks")
+      ->envname("ROLLOUTD_PREFIX_CACHE");
   add("--max-new-tokens-limit", c.limits.max_new_tokens, "ROLLOUTD_MAX_NEW_TOKENS_LIMIT",
       "largest max_new_tokens accepted")->check(CLI::Range(1u, 1u << 24));
   add("--max-input-tokens", c.limits.max_input_tokens, "ROLLOUTD_MAX_INPUT_TOKENS",
@@ -327,6 +333,7 @@ nlohmann::json to_json(const DaemonConfig& c) {
       {"local_index", c.local_index},
       {"max_running", c.max_running},
       {"max_waiting", c.max_waiting},
+      {"prefix_cache", c.prefix_cache},
       {"max_step_tokens", c.max_step_tokens},
       {"cuda_graph_max_batch", c.cuda_graph_max_batch},
       {"kv_blocks", c.kv_blocks},

@@ -65,6 +65,8 @@ struct DaemonConfig {
   uint64_t kv_cache_bytes = 0;
   int kv_block_size = 16;
   int max_blocks_per_seq = 256;
+  // Keep full KV blocks for requests that start with the same tokens (core::PrefixCache).
+  bool prefix_cache = false;
 
   // Protocol bounds (the hello reply reports them).
   protocol::Limits limits;

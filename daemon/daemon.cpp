@@ -151,7 +151,10 @@ nlohmann::json snapshot_json(const EngineSnapshot* s) {
           {"reason", s->reason},
           {"weight_version", s->weight_version},
           {"queue", {{"waiting", s->num_waiting}, {"running", s->num_running}}},
-          {"kv_blocks", {{"free", s->kv_blocks_free}, {"total", s->kv_blocks_total}}},
+          {"kv_blocks", {{"free", s->kv_blocks_free}, {"total", s->kv_blocks_total}, {"cached", s->kv_blocks_cached}}},
+          {"prefix_cache",
+           {{"queried_tokens_total", s->num_prefix_cache_queried_tokens_total},
+            {"hit_tokens_total", s->num_prefix_cache_hit_tokens_total}}},
           {"kv_cache_dtype", s->kv_cache_dtype},
           {"requests_total", s->num_requests_total},
           {"prompt_tokens_total", s->num_prompt_tokens_total},
@@ -272,6 +275,7 @@ int run_daemon(const DaemonConfig& config, std::atomic<int>& drain_signals) {
   core::EngineOptions eo;
   eo.max_running = config.max_running;
   eo.max_waiting = config.max_waiting;
+  eo.prefix_cache = config.prefix_cache;
   eo.step = limits;
   auto engine = core::Engine::create(std::move(*model), eo);
   if (!engine.ok()) {

@@ -9,6 +9,9 @@ Engine::Engine(std::unique_ptr<MoeDecoder> model, const EngineOptions& options)
     : model_(std::move(model)),
       options_(options),
       kv_(options.step.num_kv_blocks, options.step.kv_block_size),
+      cache_(options.prefix_cache ? std::make_unique<PrefixCache>(
+                                        kv_, model_->config().num_moe_layers() * model_->config().num_experts_per_tok)
+                                  : nullptr),
       recorder_(model_->config().num_moe_layers(), model_->config().num_experts_per_tok,
                 options.step.max_tokens),
       updater_(model_->weights()) {
@@ -43,6 +46,9 @@ Result<std::vector<Engine::MemoryTagResult>> Engine::release_memory(const std::v
                       " is open: end or abort it before release_memory");
   std::vector<MemoryTagResult> out;
   for (MemoryTag t : tags) {
+    // Cached blocks lose their KV with the memory (and keep nothing worth it across the weight
+    // change that usually follows).
+    if (cache_ && t == MemoryTag::kKvCache) cache_->clear();
     RD_ASSIGN_OR_RETURN(MemoryOpResult r, memory_.release(t));
     if (t == MemoryTag::kWeights && r.changed) {
       model_->weights().set_resident(false);
@@ -165,10 +171,44 @@ void Engine::admit() {
   const int64_t headroom = std::max<int64_t>(1, (kv_.num_blocks() + 99) / 100);
   while (!waiting_.empty() && static_cast<int64_t>(running_.size()) < options_.max_running) {
     Sequence* s = waiting_.front();
-    const int64_t need = kv_.blocks_for(static_cast<int64_t>(s->tokens.size()));
-    if (need + (running_.empty() ? 0 : headroom) > kv_.num_free()) break;
+    PrefixCache::Hit hit;
+    if (cache_) hit = reuse_prefix(*s);
+    const int64_t need = kv_.blocks_for(static_cast<int64_t>(s->tokens.size())) - static_cast<int64_t>(hit.blocks.size());
+    const int64_t want = need + (running_.empty() ? 0 : headroom);
+    if (cache_ && want > kv_.num_free()) cache_->evict(want - kv_.num_free());
+    if (want > kv_.num_free()) {
+      (void)kv_.release(hit.blocks);
+      break;
+    }
+    s->blocks = std::move(hit.blocks);
     Status st = kv_.allocate(need, s->blocks);
-    if (!st.ok()) break;
+    if (!st.ok()) {
+      (void)kv_.release(s->blocks);
+      break;
+    }
+    if (cache_ && s->num_computed == 0) {
+      // The cached blocks' KV is this request's: it computes from the first position after them.
+      prefix_queried_tokens_total_ += static_cast<uint64_t>(s->tokens.size() - 1);
+      const int64_t n = static_cast<int64_t>(s->blocks.size()) - need, bs = kv_.block_size();
+      if (n > 0) {
+        s->num_computed = n * bs;
+        s->reused_tokens = n * bs;
+        s->hashed_blocks = n;
+        s->chain_key = hit.key;
+        prefix_hit_tokens_total_ += static_cast<uint64_t>(n * bs);
+        if (s->spec.return_routed_experts) {
+          const int64_t from = std::max<int64_t>(s->spec.routed_experts_start_len, s->routed_sent);
+          const int64_t per_token = model_->config().num_moe_layers() * model_->config().num_experts_per_tok;
+          s->prefix_rows_from = from;
+          s->prefix_rows.clear();
+          for (int64_t pos = from; pos < n * bs; ++pos) {
+            const std::vector<int32_t>& rec = *hit.records[static_cast<size_t>(pos / bs)];
+            const auto at = rec.begin() + (pos % bs) * per_token;
+            s->prefix_rows.insert(s->prefix_rows.end(), at, at + per_token);
+          }
+        }
+      }
+    }
     waiting_.pop_front();
     if (s->is_new) {
       s->is_new = false;
@@ -183,9 +223,10 @@ void Engine::preempt(Sequence& s) {
   running_.erase(std::remove(running_.begin(), running_.end(), &s), running_.end());
   (void)kv_.release(s.blocks);
   // Admitted and sent back in one step, before any KV of this admission: nothing is lost, so
-  // it is no preemption, and one that never began is a new request again.
-  if (s.num_computed > 0) {
-    recomputed_tokens_total_ += static_cast<uint64_t>(s.num_computed);
+  // it is no preemption, and one that never began is a new request again. (KV the prefix cache
+  // lent it was not computed by it: the cache keeps it.)
+  if (s.num_computed > s.reused_tokens) {
+    recomputed_tokens_total_ += static_cast<uint64_t>(s.num_computed - s.reused_tokens);
     ++preemptions_total_;
   }
   if (!s.started && !s.is_new) {
@@ -193,8 +234,55 @@ void Engine::preempt(Sequence& s) {
     ++num_waiting_new_;
   }
   s.num_computed = 0;
+  reset_cached_prefix(s);
   s.running = false;
   waiting_.push_front(&s);
+}
+
+void Engine::reset_cached_prefix(Sequence& s) {
+  s.cacheable = true;  // everything is computed again, under the weights of then
+  s.hashed_blocks = 0;
+  s.reused_tokens = 0;
+  s.chain_key = PrefixCache::kRoot;
+  s.pending_rows.clear();
+  s.prefix_rows.clear();
+}
+
+PrefixCache::Hit Engine::reuse_prefix(Sequence& s) {
+  // Only a request with nothing computed (new, preempted or retracted) reuses blocks, up to
+  // its last token but one: the step must compute at least the position it samples from.
+  if (s.num_computed != 0) return {};
+  const int64_t tokens = static_cast<int64_t>(s.tokens.size());
+  const int64_t records_from =
+      s.spec.return_routed_experts ? std::max<int64_t>(s.spec.routed_experts_start_len, s.routed_sent) : -1;
+  return cache_->lookup(s.tokens, tokens - 1, records_from);
+}
+
+void Engine::cache_filled_blocks(Sequence& s, const std::vector<int32_t>* rows, int64_t first_row, int64_t count) {
+  const int64_t per_token = model_->config().num_moe_layers() * model_->config().num_experts_per_tok;
+  const int64_t bs = kv_.block_size();
+  if (!s.cacheable) return;
+  // The positions just computed, [num_computed - count, num_computed): their records (-1 where
+  // this step recorded none).
+  if (rows) {
+    const auto at = rows->begin() + first_row * per_token;
+    s.pending_rows.insert(s.pending_rows.end(), at, at + count * per_token);
+  } else {
+    s.pending_rows.insert(s.pending_rows.end(), static_cast<size_t>(count * per_token), -1);
+  }
+  int64_t used = 0;
+  while ((s.hashed_blocks + 1) * bs <= s.num_computed) {
+    const int64_t i = s.hashed_blocks;
+    const auto first = s.pending_rows.begin() + used * per_token;
+    const auto last = first + bs * per_token;
+    std::vector<int32_t> records;
+    if (per_token > 0 && std::find(first, last, -1) == last) records.assign(first, last);
+    s.chain_key = cache_->insert(s.chain_key, std::span<const int32_t>(s.tokens).subspan(static_cast<size_t>(i * bs), static_cast<size_t>(bs)),
+                                 s.blocks[static_cast<size_t>(i)], std::move(records));
+    ++s.hashed_blocks;
+    used += bs;
+  }
+  s.pending_rows.erase(s.pending_rows.begin(), s.pending_rows.begin() + used * per_token);
 }
 
 size_t Engine::num_in_flight() const {
@@ -214,7 +302,11 @@ void Engine::reserve_blocks(std::vector<Planned>& planned) {
     // The youngest running request gives its blocks back first, down to this one itself:
     // the oldest requests keep going (vLLM's and SGLang's order). A single request always
     // fits (submit checks it against the pool), so this ends with `s` running or preempted.
-    while (need > kv_.num_free() && s->running) preempt(*running_.back());
+    while (need > kv_.num_free() && s->running) {
+      // Blocks only the prefix cache holds go first (a preemption may have just left some so).
+      if (cache_ && cache_->evict(need - kv_.num_free()) > 0) continue;
+      preempt(*running_.back());
+    }
     if (s->running) (void)kv_.allocate(need, s->blocks);
   }
   planned.erase(std::remove_if(planned.begin(), planned.end(), [](const Planned& p) { return !p.seq->running; }),
@@ -329,6 +421,7 @@ Engine::PauseCounts Engine::pause(PauseMode mode, std::vector<EngineEvent>& out)
       }
       s->started = false;
       s->num_computed = 0;
+      reset_cached_prefix(*s);
       s->num_generated = 0;
       s->running = false;
       (void)kv_.release(s->blocks);
@@ -357,6 +450,14 @@ size_t Engine::fail_all(const Status& error, std::vector<EngineEvent>& out) {
 
 Status Engine::step(std::vector<EngineEvent>& out) {
   if (!can_step()) return Status::Ok();
+  if (cache_ && updater_.epoch() != cache_epoch_) {
+    // The weights may have changed: cached KV is stale, and so is what requests that kept
+    // their state (in_place) computed before; they are keyed again only once recomputed.
+    cache_->clear();
+    cache_epoch_ = updater_.epoch();
+    for (auto& [rid, seq] : by_rid_)
+      if (seq->num_computed > 0) seq->cacheable = false;
+  }
   admit();
   if (running_.empty()) return Status::Ok();
 
@@ -452,22 +553,33 @@ Status Engine::step(std::vector<EngineEvent>& out) {
     Sequence& s = *sl.seq;
     s.num_computed += sl.count;
     s.started = true;
+    if (cache_) cache_filled_blocks(s, want_records ? &recorder_.rows() : nullptr, sl.first_row, sl.count);
     EngineEvent ev;
     ev.kind = EngineEvent::Kind::kTokens;
     ev.rid = s.spec.rid;
     ev.tag = s.spec.tag;
     if (s.spec.return_routed_experts) {
+      if (!s.prefix_rows.empty()) {
+        // Positions whose KV came from the prefix cache: their records came with it, and they
+        // end where this slice starts.
+        ev.routed_start_pos = s.prefix_rows_from;
+        ev.routed_num_tokens = sl.start_pos - s.prefix_rows_from;
+        ev.routed_rows = std::move(s.prefix_rows);
+        s.prefix_rows.clear();
+        s.routed_sent = sl.start_pos;
+      }
       // After a preemption the request computes its positions again: their records went out
       // the first time (routed_sent), and only the positions never streamed are sent.
       const int64_t from = std::max<int64_t>({sl.start_pos, int64_t{s.spec.routed_experts_start_len}, s.routed_sent});
       const int64_t to = sl.start_pos + sl.count;
       if (from < to) {
         s.routed_sent = to;
-        ev.routed_start_pos = from;
-        ev.routed_num_tokens = to - from;
+        if (ev.routed_num_tokens == 0) ev.routed_start_pos = from;
+        ev.routed_num_tokens += to - from;
         const auto& rows = recorder_.rows();
         const int64_t row0 = sl.first_row + (from - sl.start_pos);
-        ev.routed_rows.assign(rows.begin() + row0 * L * K, rows.begin() + (row0 + ev.routed_num_tokens) * L * K);
+        ev.routed_rows.insert(ev.routed_rows.end(), rows.begin() + row0 * L * K,
+                              rows.begin() + (row0 + (to - from)) * L * K);
       }
     }
     bool done = false;
@@ -527,6 +639,9 @@ EngineStats Engine::stats() const {
   st.num_deadline_aborts_total = deadline_aborts_total_;
   st.kv_blocks_free = kv_.num_free();
   st.kv_blocks_total = kv_.num_blocks();
+  st.kv_blocks_cached = cache_ ? cache_->num_blocks() : 0;
+  st.num_prefix_cache_queried_tokens_total = prefix_queried_tokens_total_;
+  st.num_prefix_cache_hit_tokens_total = prefix_hit_tokens_total_;
   const GraphStats& g = model_->graph_stats();
   st.graph_buckets = static_cast<int64_t>(g.buckets.size());
   st.graph_max_batch = g.buckets.empty() ? 0 : g.buckets.back();

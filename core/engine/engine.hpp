@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/engine/kv_cache.hpp"
+#include "core/engine/prefix_cache.hpp"
 #include "core/model/moe_decoder.hpp"
 #include "core/moe/routed_experts.hpp"
 #include "core/sampling/sampler.hpp"
@@ -78,6 +79,10 @@ struct EngineOptions {
   // false: copy the logits back and sample on the host (core::Sampler). The CPU backend always
   // samples on the host. The kept sets agree; the draws differ (Backend::sample).
   bool device_sampling = true;
+  // Keep full KV blocks after their request, keyed by their tokens and all before them, for
+  // requests that start with the same tokens (PrefixCache): a prompt's n samples, the next turn
+  // of a conversation. Cleared whenever the weights may change.
+  bool prefix_cache = false;
 };
 
 struct EngineStats {
@@ -94,6 +99,11 @@ struct EngineStats {
   uint64_t num_deadline_aborts_total = 0;
   int64_t kv_blocks_free = 0;
   int64_t kv_blocks_total = 0;
+  // Prefix cache: blocks it keeps (not free, evicted when the pool needs them); prompt tokens
+  // looked up at admission and those found cached (their KV reused, not computed).
+  int64_t kv_blocks_cached = 0;
+  uint64_t num_prefix_cache_queried_tokens_total = 0;
+  uint64_t num_prefix_cache_hit_tokens_total = 0;
   // Decode graphs (StepLimits::graph_max_batch; MoeDecoder::graph_stats).
   int64_t graph_buckets = 0, graph_max_batch = 0, num_graphs = 0;
   uint64_t graph_steps = 0, eager_steps = 0;
@@ -192,6 +202,19 @@ class Engine {
     // before it began is new again; one preempted or retracted after it began is not (it was
     // accepted work in progress).
     bool is_new = true;
+    // Prefix cache. Blocks [0, hashed_blocks) are keyed (found in the cache or put there),
+    // chain_key the last one's key; pending_rows holds the routed-expert ids of positions
+    // hashed_blocks * block_size .. num_computed - 1 (-1 where the step recorded none). Not
+    // cacheable: its KV straddles a weight change (in_place), until it is computed again.
+    bool cacheable = true;
+    int64_t hashed_blocks = 0;
+    int64_t reused_tokens = 0;  // positions of this admission whose KV came from the cache
+    uint64_t chain_key = PrefixCache::kRoot;
+    std::vector<int32_t> pending_rows;
+    // Records of the positions [prefix_rows_from, num_computed) whose KV came from the cache,
+    // sent with the request's next event.
+    int64_t prefix_rows_from = 0;
+    std::vector<int32_t> prefix_rows;
   };
 
   Engine(std::unique_ptr<MoeDecoder> model, const EngineOptions& options);
@@ -206,6 +229,12 @@ class Engine {
     int64_t count;
   };
   void reserve_blocks(std::vector<Planned>& planned);
+  // Prefix cache: forget what a request computed (its KV is dropped or will be recomputed);
+  // reuse cached blocks at admission (returns the blocks, retained); key the blocks a step
+  // filled.
+  void reset_cached_prefix(Sequence& s);
+  PrefixCache::Hit reuse_prefix(Sequence& s);
+  void cache_filled_blocks(Sequence& s, const std::vector<int32_t>* rows, int64_t first_row, int64_t count);
   void finish(Sequence& s, std::string reason, std::string abort_reason, std::vector<EngineEvent>& out);
   void fail(Sequence& s, const Status& error, std::vector<EngineEvent>& out);
   void remove(const std::string& rid);
@@ -213,6 +242,10 @@ class Engine {
   std::unique_ptr<MoeDecoder> model_;
   EngineOptions options_;
   KvBlockPool kv_;
+  std::unique_ptr<PrefixCache> cache_;  // null without EngineOptions::prefix_cache
+  uint64_t cache_epoch_ = 0;            // WeightUpdater::epoch() the cached KV was computed under
+  uint64_t prefix_queried_tokens_total_ = 0;
+  uint64_t prefix_hit_tokens_total_ = 0;
   RoutedExpertRecorder recorder_;
   Sampler sampler_;
   TopLogprobs top_;  // host sampling's top log-probs of the current row

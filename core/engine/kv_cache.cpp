@@ -9,7 +9,7 @@ KvBlockPool::KvBlockPool(int64_t num_blocks, int64_t block_size)
   free_.reserve(static_cast<size_t>(num_blocks));
   // Hand out low block ids first (pop from the back).
   for (int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(static_cast<int32_t>(b));
-  in_use_.assign(static_cast<size_t>(num_blocks), 0);
+  refs_.assign(static_cast<size_t>(num_blocks), 0);
 }
 
 Status KvBlockPool::allocate(int64_t n, std::vector<int32_t>& out) {
@@ -22,18 +22,24 @@ Status KvBlockPool::allocate(int64_t n, std::vector<int32_t>& out) {
   for (int64_t i = 0; i < n; ++i) {
     const int32_t b = free_.back();
     free_.pop_back();
-    in_use_[static_cast<size_t>(b)] = 1;
+    refs_[static_cast<size_t>(b)] = 1;
     out.push_back(b);
   }
   return Status::Ok();
 }
 
+Status KvBlockPool::retain(int32_t b) {
+  if (b < 0 || b >= num_blocks_ || refs_[static_cast<size_t>(b)] == 0)
+    return Status(ErrorCode::kInternal, "retain of a block not in use", "block " + std::to_string(b));
+  ++refs_[static_cast<size_t>(b)];
+  return Status::Ok();
+}
+
 Status KvBlockPool::release(std::vector<int32_t>& blocks) {
   for (int32_t b : blocks) {
-    if (b < 0 || b >= num_blocks_ || !in_use_[static_cast<size_t>(b)])
+    if (b < 0 || b >= num_blocks_ || refs_[static_cast<size_t>(b)] == 0)
       return Status(ErrorCode::kInternal, "release of a block not in use", "block " + std::to_string(b));
-    in_use_[static_cast<size_t>(b)] = 0;
-    free_.push_back(b);
+    if (--refs_[static_cast<size_t>(b)] == 0) free_.push_back(b);
   }
   blocks.clear();
   return Status::Ok();

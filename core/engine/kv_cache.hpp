@@ -18,16 +18,22 @@ class KvBlockPool {
   int64_t num_free() const { return static_cast<int64_t>(free_.size()); }
   int64_t blocks_for(int64_t tokens) const { return (tokens + block_size_ - 1) / block_size_; }
 
-  // Takes `n` blocks (all or nothing); kResourceExhausted when fewer are free.
+  // Takes `n` blocks (all or nothing), each with one reference; kResourceExhausted when fewer
+  // are free.
   Status allocate(int64_t n, std::vector<int32_t>& out);
-  // Returns blocks to the pool. Double frees are a bug and return kInternal.
+  // One more holder of an allocated block (a block shared through the prefix cache: the cache
+  // and every sequence that reads it hold one reference each). kInternal for a free block.
+  Status retain(int32_t block);
+  // Drops one reference of each block; a block whose last reference goes returns to the pool.
+  // Releasing a free block is a bug and returns kInternal.
   Status release(std::vector<int32_t>& blocks);
+  uint32_t refs(int32_t block) const { return refs_[static_cast<size_t>(block)]; }
 
  private:
   int64_t num_blocks_;
   int64_t block_size_;
   std::vector<int32_t> free_;
-  std::vector<uint8_t> in_use_;
+  std::vector<uint32_t> refs_;
 };
 
 }  // namespace rolloutd::core

@@ -49,6 +49,7 @@ Result<BeginResult> WeightUpdater::begin(const std::vector<std::string>& selecto
     return Status(ErrorCode::kFailedPrecondition,
                   "the weights memory is released: resume_memory{weights} before a weight-update session");
   BeginResult r;
+  ++epoch_;  // from here on the weights may change, whatever the session ends with
   const auto& params = reg_.parameters();
   // A prefix selects by stored or checkpoint names (what the trainer pushes); one that names
   // nothing is a mistake the trainer would otherwise meet as a refusal of every bucket.
@@ -294,6 +295,7 @@ void WeightUpdater::mark_broken(size_t param) {
 }
 
 void WeightUpdater::mark_all_lost(const std::string& reason) {
+  ++epoch_;
   for (size_t i = 0; i < reg_.size(); ++i) mark_broken(i);
   broken_reason_ = reason;
   broken_cause_ = "lost when the weights memory was released";

@@ -89,6 +89,9 @@ class WeightUpdater {
   std::optional<Status> expire_if_idle(SteadyClock::time_point now);
 
   bool session_open() const { return open_; }
+  // Changes whenever the weights may have changed (a session begun, the weights memory lost):
+  // what is derived from them (cached KV) is stale once it moves.
+  uint64_t epoch() const { return epoch_; }
   // Ok when `session` is the open session; else failed_precondition, or deadline_exceeded for
   // one of the last kMaxExpiredRemembered sessions that expired (SPEC 11: a trainer must tell
   // "too slow" from "wrong id").
@@ -111,6 +114,7 @@ class WeightUpdater {
 
   WeightRegistry& reg_;
   bool open_ = false;
+  uint64_t epoch_ = 0;
   uint64_t id_ = 0;
   uint64_t next_id_ = 1;
   double timeout_s_ = 60;

@@ -152,6 +152,9 @@ void EngineActor::publish() {
   s->num_generated_tokens_total = st.num_generated_tokens_total;
   s->kv_blocks_free = st.kv_blocks_free;
   s->kv_blocks_total = st.kv_blocks_total;
+  s->kv_blocks_cached = st.kv_blocks_cached;
+  s->num_prefix_cache_queried_tokens_total = st.num_prefix_cache_queried_tokens_total;
+  s->num_prefix_cache_hit_tokens_total = st.num_prefix_cache_hit_tokens_total;
   s->kv_cache_dtype = dtype_name(engine_->model().limits().kv_dtype);
   s->num_steps_total = steps_;
   s->graph_max_batch = st.graph_max_batch;
@@ -173,6 +176,14 @@ void EngineActor::publish() {
     preemptions_seen_ = st.num_preemptions_total;
     recomputed_seen_ = st.num_recomputed_tokens_total;
   }
+  if (st.num_prefix_cache_queried_tokens_total > prefix_queried_seen_ ||
+      st.num_prefix_cache_hit_tokens_total > prefix_hit_seen_) {
+    metrics_.add_prefix_cache_tokens(st.num_prefix_cache_queried_tokens_total - prefix_queried_seen_,
+                                     st.num_prefix_cache_hit_tokens_total - prefix_hit_seen_);
+    prefix_queried_seen_ = st.num_prefix_cache_queried_tokens_total;
+    prefix_hit_seen_ = st.num_prefix_cache_hit_tokens_total;
+  }
+  metrics_.set_kv_blocks_cached(st.kv_blocks_cached);
   if (st.num_prompt_tokens_total > prompt_tokens_seen_) {
     metrics_.add_prompt_tokens(st.num_prompt_tokens_total - prompt_tokens_seen_);
     prompt_tokens_seen_ = st.num_prompt_tokens_total;

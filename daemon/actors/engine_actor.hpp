@@ -136,6 +136,7 @@ class EngineActor {
   uint64_t steps_ = 0;
   uint64_t prompt_tokens_seen_ = 0;
   uint64_t preemptions_seen_ = 0;
+  uint64_t prefix_queried_seen_ = 0, prefix_hit_seen_ = 0;
   uint64_t recomputed_seen_ = 0;
   uint64_t graph_steps_seen_ = 0, eager_steps_seen_ = 0;
 };

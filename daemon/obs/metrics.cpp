@@ -137,6 +137,22 @@ struct Metrics::Impl {
                                    "request ends first).")
                              .Register(registry)
                              .Add({});
+    prefix_queried = &prometheus::BuildCounter()
+                          .Name("rolloutd_prefix_cache_queried_tokens_total")
+                          .Help("Prompt tokens looked up in the prefix cache at admission (--prefix-cache; all but "
+                                "each request's last).")
+                          .Register(registry)
+                          .Add({});
+    prefix_hit = &prometheus::BuildCounter()
+                      .Name("rolloutd_prefix_cache_hit_tokens_total")
+                      .Help("Prompt tokens whose KV came from the prefix cache instead of being computed.")
+                      .Register(registry)
+                      .Add({});
+    kv_blocks_cached = &prometheus::BuildGauge()
+                            .Name("rolloutd_kv_blocks_cached")
+                            .Help("KV blocks the prefix cache holds (not free; evicted when requests need blocks).")
+                            .Register(registry)
+                            .Add({});
     auto& steps = prometheus::BuildCounter()
                       .Name("rolloutd_forward_steps_total")
                       .Help("Forward steps by how they ran: graph (a decode step padded to its bucket and "
@@ -227,6 +243,9 @@ struct Metrics::Impl {
   prometheus::Counter* generated_tokens = nullptr;
   prometheus::Counter* preemptions = nullptr;
   prometheus::Counter* recomputed_tokens = nullptr;
+  prometheus::Counter* prefix_queried = nullptr;
+  prometheus::Counter* prefix_hit = nullptr;
+  prometheus::Gauge* kv_blocks_cached = nullptr;
   prometheus::Counter* graph_steps = nullptr;
   prometheus::Counter* eager_steps = nullptr;
   prometheus::Gauge* queue_waiting = nullptr;
@@ -261,6 +280,11 @@ void Metrics::add_preemptions(uint64_t preemptions, uint64_t recomputed_tokens) 
   impl_->preemptions->Increment(static_cast<double>(preemptions));
   impl_->recomputed_tokens->Increment(static_cast<double>(recomputed_tokens));
 }
+void Metrics::add_prefix_cache_tokens(uint64_t queried, uint64_t hit) {
+  impl_->prefix_queried->Increment(static_cast<double>(queried));
+  impl_->prefix_hit->Increment(static_cast<double>(hit));
+}
+void Metrics::set_kv_blocks_cached(int64_t blocks) { impl_->kv_blocks_cached->Set(static_cast<double>(blocks)); }
 void Metrics::on_finished(std::string_view reason) { impl_->finished.get(reason).Increment(); }
 void Metrics::on_stream_abort(std::string_view reason) { impl_->stream_aborts.get(reason).Increment(); }
 void Metrics::on_reply_dropped() { impl_->replies_dropped->Increment(); }

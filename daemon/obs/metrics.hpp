@@ -40,6 +40,10 @@ class Metrics {
   void add_generated_tokens(uint64_t n);           // rolloutd_tokens_generated_total
   // rolloutd_preemptions_total, rolloutd_recomputed_tokens_total
   void add_preemptions(uint64_t preemptions, uint64_t recomputed_tokens);
+  // rolloutd_prefix_cache_queried_tokens_total, rolloutd_prefix_cache_hit_tokens_total,
+  // rolloutd_kv_blocks_cached
+  void add_prefix_cache_tokens(uint64_t queried, uint64_t hit);
+  void set_kv_blocks_cached(int64_t blocks);
   void on_finished(std::string_view reason);       // rolloutd_requests_finished_total{reason}
   void on_stream_abort(std::string_view reason);   // rolloutd_stream_aborts_total{reason}
   void on_reply_dropped();                         // rolloutd_replies_dropped_total

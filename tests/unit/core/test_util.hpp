@@ -43,10 +43,11 @@ inline std::unique_ptr<core::MoeDecoder> embedded_model(const core::StepLimits& 
 }
 
 inline std::unique_ptr<core::Engine> embedded_engine(const core::StepLimits& limits, int64_t max_running = 8,
-                                                     int64_t max_waiting = 64) {
+                                                     int64_t max_waiting = 64, bool prefix_cache = false) {
   core::EngineOptions o;
   o.max_running = max_running;
   o.max_waiting = max_waiting;
+  o.prefix_cache = prefix_cache;
   o.step = limits;
   auto e = core::Engine::create(embedded_model(limits), o);
   EXPECT_TRUE(e.ok()) << e.status().to_string();
