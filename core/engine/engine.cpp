@@ -172,7 +172,16 @@ void Engine::admit() {
   while (!waiting_.empty() && static_cast<int64_t>(running_.size()) < options_.max_running) {
     Sequence* s = waiting_.front();
     PrefixCache::Hit hit;
-    if (cache_) hit = reuse_prefix(*s);
+    if (cache_) {
+      hit = reuse_prefix(*s);
+      // Requests submitted together (a GRPO group's samples) would all compute the prompt: the
+      // first one admitted computes it, the others wait for its blocks (FIFO: nothing behind
+      // them is admitted meanwhile, as SGLang's in-batch prefix check does).
+      if (waits_for_prefix(*s, static_cast<int64_t>(hit.blocks.size()))) {
+        (void)kv_.release(hit.blocks);
+        break;
+      }
+    }
     const int64_t need = kv_.blocks_for(static_cast<int64_t>(s->tokens.size())) - static_cast<int64_t>(hit.blocks.size());
     const int64_t want = need + (running_.empty() ? 0 : headroom);
     if (cache_ && want > kv_.num_free()) cache_->evict(want - kv_.num_free());
@@ -256,6 +265,20 @@ PrefixCache::Hit Engine::reuse_prefix(Sequence& s) {
   const int64_t records_from =
       s.spec.return_routed_experts ? std::max<int64_t>(s.spec.routed_experts_start_len, s.routed_sent) : -1;
   return cache_->lookup(s.tokens, tokens - 1, records_from);
+}
+
+bool Engine::waits_for_prefix(const Sequence& s, int64_t reused) const {
+  const int64_t bs = kv_.block_size();
+  const int64_t end = (reused + 1) * bs;  // the next block `s` could reuse ends here
+  if (end > static_cast<int64_t>(s.tokens.size()) - 1) return false;
+  for (const Sequence* r : running_) {
+    // r will compute and cache that block: it has not yet, it keys its blocks, and it holds the
+    // records `s` needs (a step records when any of its requests asks).
+    if (!r->cacheable || r->num_computed >= end || static_cast<int64_t>(r->tokens.size()) < end) continue;
+    if (s.spec.return_routed_experts && !r->spec.return_routed_experts) continue;
+    if (std::equal(s.tokens.begin(), s.tokens.begin() + end, r->tokens.begin())) return true;
+  }
+  return false;
 }
 
 void Engine::cache_filled_blocks(Sequence& s, const std::vector<int32_t>* rows, int64_t first_row, int64_t count) {

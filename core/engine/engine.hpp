@@ -234,6 +234,9 @@ class Engine {
   // filled.
   void reset_cached_prefix(Sequence& s);
   PrefixCache::Hit reuse_prefix(Sequence& s);
+  // True when a running request is computing the block after the `reused` cached blocks of
+  // `s` (the same tokens up to it): admitting `s` a step later lets it reuse that block too.
+  bool waits_for_prefix(const Sequence& s, int64_t reused) const;
   void cache_filled_blocks(Sequence& s, const std::vector<int32_t>* rows, int64_t first_row, int64_t count);
   void finish(Sequence& s, std::string reason, std::string abort_reason, std::vector<EngineEvent>& out);
   void fail(Sequence& s, const Status& error, std::vector<EngineEvent>& out);

@@ -6,7 +6,7 @@
 //   engine_bench [--json FILE] [--models tiny,mid] [--batches 1,32,256] [--new-tokens N]
 //                [--model-dir DIR [--peer PEER.json]] [--host-sampling 1] [--quantize-experts mxfp4]
 //                [--graphs on|off|both] [--records on|off|both] [--dense-bf16 1] [--fuse-qkv 0] [--grouped-experts 0]
-//                [--prefill R,L] [--device cuda|cpu]
+//                [--prefill R,L] [--prefix-groups G,N,L,T] [--device cuda|cpu]
 //
 // With records on, each batch also reports how the decode steps' routing loaded the experts
 // (load_of: busy experts, the MXFP4 decode kernel's 8-token passes, the most tokens an expert
@@ -40,6 +40,12 @@
 // token budget of R * L, submits R requests of L-token prompts and one new token each, and
 // reports prompt tokens / s from the first step to the last one, best of two runs after a
 // warm-up (JSON "prefill"; the peer: one forward of the same prompts, hf_peer.py --prefill).
+//
+// Prefix cache: --prefix-groups G,N,L,T (default 0: skip) submits G groups of N samples of an
+// L-token prompt (a GRPO step: T new tokens each, temperature 1, seeds 0..N-1) at once, on an
+// engine without and one with EngineOptions::prefix_cache (graphs on, a step budget of 2,048
+// tokens), and reports the wall time from the first step to the last, generated tokens / s and
+// the prompt tokens the cache lent (JSON "prefix_cache"; README "Prefix cache").
 #include <algorithm>
 #include <cmath>
 #include <chrono>
@@ -380,6 +386,49 @@ PrefillResult run_prefill(Engine& e, int64_t requests, int64_t len, const std::s
   return r;
 }
 
+struct GroupsResult {
+  double ms = 0;
+  int64_t steps = 0, generated = 0;
+  uint64_t hit_tokens = 0, queried_tokens = 0;
+};
+
+// G groups of N samples of an L-token prompt, T new tokens each, submitted at once; the time
+// from the first step to the last one. Group g's prompt depends on g + salt only.
+GroupsResult run_groups(Engine& e, int64_t groups, int64_t samples, int64_t len, uint32_t new_tokens,
+                        const std::string& tag, int64_t salt) {
+  const core::EngineStats before = e.stats();
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t n = 0; n < samples; ++n) {
+      core::RequestSpec s;
+      s.rid = tag + "-" + std::to_string(g) + "-" + std::to_string(n);
+      for (int64_t t = 0; t < len; ++t)
+        s.input_ids.push_back(static_cast<int32_t>(((g + salt) * 7919 + t * 31 + 3) % e.model_config().vocab_size));
+      s.max_new_tokens = new_tokens;
+      s.sampling.temperature = 1.0f;
+      s.sampling.seed = static_cast<uint64_t>(n);
+      if (Status st = e.submit(s); !st.ok()) {
+        std::fprintf(stderr, "submit failed: %s\n", st.to_string().c_str());
+        std::exit(1);
+      }
+    }
+  std::vector<EngineEvent> events;
+  GroupsResult r;
+  const auto t0 = Clock::now();
+  while (e.has_work()) {
+    if (Status st = e.step(events); !st.ok()) {
+      std::fprintf(stderr, "step failed: %s\n", st.to_string().c_str());
+      std::exit(1);
+    }
+    ++r.steps;
+  }
+  r.ms = std::chrono::duration<double>(Clock::now() - t0).count() * 1e3;
+  for (const auto& ev : events) r.generated += static_cast<int64_t>(ev.token_ids.size());
+  const core::EngineStats after = e.stats();
+  r.hit_tokens = after.num_prefix_cache_hit_tokens_total - before.num_prefix_cache_hit_tokens_total;
+  r.queried_tokens = after.num_prefix_cache_queried_tokens_total - before.num_prefix_cache_queried_tokens_total;
+  return r;
+}
+
 // A full weight update with the model's own parameters (what a trainer's push costs the
 // decoder: every parameter rewritten, layouts restored and re-applied).
 void push_own_weights(Engine& e, uint64_t version) {
@@ -437,6 +486,7 @@ int main(int argc, char** argv) {
   bool fuse_qkv = true;               // --fuse-qkv 0: three q/k/v GEMMs (ModelConfig::fuse_qkv), every model
   bool grouped_experts = true;        // --grouped-experts 0: ModelConfig::grouped_experts off (FP32 expert op)
   std::string prefill_arg = "8,512";  // --prefill R,L (0: skip)
+  std::string groups_arg = "0";       // --prefix-groups G,N,L,T (0: skip)
   std::string device_arg = "cuda";    // --device cpu: a smoke run on the CPU backend
   std::string kv_arg = "float32";     // --kv-dtype float32|bfloat16: the K and V caches (StepLimits::kv_dtype)
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -465,6 +515,7 @@ int main(int argc, char** argv) {
     else if (a == "--fuse-qkv") fuse_qkv = std::atoi(argv[i + 1]) != 0;
     else if (a == "--grouped-experts") grouped_experts = std::atoi(argv[i + 1]) != 0;
     else if (a == "--prefill") prefill_arg = argv[i + 1];
+    else if (a == "--prefix-groups") groups_arg = argv[i + 1];
     else if (a == "--device") device_arg = argv[i + 1];
     else if (a == "--kv-dtype") kv_arg = argv[i + 1];
   }
@@ -513,6 +564,18 @@ int main(int argc, char** argv) {
     prefill_len = std::atoll(pf[1].c_str());
   }
   if (prefill_requests <= 0 || prefill_len <= 0) prefill_requests = prefill_len = 0;
+  int64_t groups_g = 0, groups_n = 0, groups_len = 0, groups_new = 0;
+  if (const auto pg = split(groups_arg); pg.size() == 4) {
+    groups_g = std::atoll(pg[0].c_str());
+    groups_n = std::atoll(pg[1].c_str());
+    groups_len = std::atoll(pg[2].c_str());
+    groups_new = std::atoll(pg[3].c_str());
+  } else if (groups_arg != "0") {
+    std::fprintf(stderr, "--prefix-groups: G,N,L,T (groups, samples, prompt length, new tokens), got %s\n",
+                 groups_arg.c_str());
+    return 2;
+  }
+  if (groups_g <= 0 || groups_n <= 0 || groups_len <= 0 || groups_new <= 0) groups_g = 0;
 
   nlohmann::json peer;
   if (!peer_path.empty()) {
@@ -525,7 +588,7 @@ int main(int argc, char** argv) {
   if (!model_dir.empty()) model_names.push_back("ckpt");
   std::printf("sampling on the %s; routed experts %s\n", host_sampling ? "host" : "device",
               *quantize == core::ExpertQuantization::kMxfp4 ? "MXFP4" : "as stored");
-  nlohmann::json out = {{"bench", "engine"}, {"new_tokens", new_tokens}, {"prompt_len", g_prompt_len}, {"copy_bandwidth_bytes_per_s", bw},
+  nlohmann::json out = {{"prefix_cache", nlohmann::json::array()}, {"bench", "engine"}, {"new_tokens", new_tokens}, {"prompt_len", g_prompt_len}, {"copy_bandwidth_bytes_per_s", bw},
                         {"device_sampling", !host_sampling},
                         {"quantize_experts", core::expert_quantization_name(*quantize)},
                         {"runs", nlohmann::json::array()}, {"prefill", nlohmann::json::array()}};
@@ -557,7 +620,8 @@ int main(int argc, char** argv) {
     mc.fuse_qkv = fuse_qkv;
     mc.grouped_experts = grouped_experts;
     // The model with its weights (the checkpoint's, or random ones) inside an engine.
-    auto build = [&](const core::StepLimits& limits, int64_t max_running) -> std::unique_ptr<Engine> {
+    auto build = [&](const core::StepLimits& limits, int64_t max_running,
+                     bool prefix_cache = false) -> std::unique_ptr<Engine> {
       auto m = core::MoeDecoder::create(mc, limits, *backend, ctx);
       if (!m.ok()) {
         std::fprintf(stderr, "model: %s\n", m.status().to_string().c_str());
@@ -575,6 +639,7 @@ int main(int argc, char** argv) {
       eo.max_running = max_running;
       eo.step = limits;
       eo.device_sampling = !host_sampling;
+      eo.prefix_cache = prefix_cache;
       auto e = Engine::create(std::move(*m), eo);
       if (!e.ok()) {
         std::fprintf(stderr, "engine: %s\n", e.status().to_string().c_str());
@@ -719,6 +784,36 @@ int main(int argc, char** argv) {
       }
       std::printf("\n");
       out["prefill"].push_back(pj);
+    }
+    // GRPO groups without and with the prefix cache, each on an engine of its own.
+    if (groups_g > 0) {
+      core::StepLimits gl;
+      gl.max_seqs = std::min<int64_t>(groups_g * groups_n, 256);
+      gl.max_tokens = 2048;
+      gl.kv_block_size = 16;
+      gl.max_blocks_per_seq = (groups_len + groups_new + 15) / 16 + 1;
+      gl.num_kv_blocks = groups_g * groups_n * gl.max_blocks_per_seq + 16;
+      gl.graph_max_batch = device_arg == "cpu" ? 0 : gl.max_seqs;
+      gl.kv_dtype = kv_dtype;
+      nlohmann::json gj = {{"model", model}, {"groups", groups_g}, {"samples", groups_n},
+                           {"prompt_len", groups_len}, {"new_tokens", groups_new}};
+      for (const bool cache : {false, true}) {
+        std::unique_ptr<Engine> ge = build(gl, gl.max_seqs, cache);
+        if (!ge) return 1;
+        run_groups(*ge, 1, 2, groups_len, 4, "w", groups_g);  // warm-up, on a prompt no group shares
+        const GroupsResult r =
+            run_groups(*ge, groups_g, groups_n, groups_len, static_cast<uint32_t>(groups_new), "g", 0);
+        const double tps = r.ms > 0 ? static_cast<double>(r.generated) / (r.ms / 1e3) : 0;
+        gj[cache ? "cached" : "uncached"] = {{"ms", r.ms}, {"steps", r.steps}, {"generated_tokens_per_s", tps},
+                                             {"hit_tokens", r.hit_tokens}, {"queried_tokens", r.queried_tokens}};
+        std::printf("%-5s prefix groups %lld x %lld of %lld + %lld tokens, cache %s: %.2f ms, %lld steps, %.0f "
+                    "generated tok/s, %llu of %llu prompt tokens from the cache\n",
+                    model.c_str(), static_cast<long long>(groups_g), static_cast<long long>(groups_n),
+                    static_cast<long long>(groups_len), static_cast<long long>(groups_new), cache ? "on" : "off", r.ms,
+                    static_cast<long long>(r.steps), tps, static_cast<unsigned long long>(r.hit_tokens),
+                    static_cast<unsigned long long>(r.queried_tokens));
+      }
+      out["prefix_cache"].push_back(gj);
     }
   }
   // Graphs must not change what is generated (greedy, same weights).

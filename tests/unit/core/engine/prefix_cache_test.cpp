@@ -181,6 +181,32 @@ TEST(EnginePrefixCache, AReusedPromptGivesTheSameTokensLogprobsAndRecords) {
   EXPECT_GT(on.kv_blocks_cached, 0);
 }
 
+TEST(EnginePrefixCache, AGroupSubmittedAtOnceComputesItsPromptOnce) {
+  // A GRPO step submits a prompt's samples together: the first admitted computes the prompt, the
+  // others wait a step for its blocks (and another group's requests behind them too: FIFO).
+  std::vector<RequestSpec> reqs;
+  for (int g = 0; g < 2; ++g)
+    for (int k = 0; k < 4; ++k) {
+      auto r = request("g" + std::to_string(g) + "-" + std::to_string(k), prompt_of(22, 20 + g), 8);
+      r.sampling.temperature = 0.8f;
+      r.sampling.seed = static_cast<uint64_t>(k);
+      reqs.push_back(r);
+    }
+  auto run = [&](bool cache, EngineStats* st) {
+    auto e = embedded_engine(small_limits(64, 8, 128), 8, 64, cache);
+    for (const auto& r : reqs) EXPECT_TRUE(e->submit(r).ok());
+    auto events = run_to_idle(*e);
+    *st = e->stats();
+    return events;
+  };
+  EngineStats on, off;
+  const auto with = run(true, &on);
+  const auto without = run(false, &off);
+  expect_as_without_the_cache(with, without, reqs);
+  EXPECT_EQ(on.num_prefix_cache_hit_tokens_total, 2u * 3u * 20u) << "3 followers a group, 5 blocks each";
+  EXPECT_EQ(on.kv_blocks_free + on.kv_blocks_cached, on.kv_blocks_total);
+}
+
 TEST(EnginePrefixCache, RecordsStartWhereAskedAndBlocksWithoutThemAreNotReusedForThem) {
   auto e = embedded_engine(small_limits(64, 8, 128), 8, 64, true);
   const auto p = prompt_of(17, 2);
