@@ -211,9 +211,9 @@ void Engine::admit() {
           s->prefix_rows_from = from;
           s->prefix_rows.clear();
           for (int64_t pos = from; pos < n * bs; ++pos) {
-            const std::vector<int32_t>& rec = *hit.records[static_cast<size_t>(pos / bs)];
+            const std::vector<uint16_t>& rec = *hit.records[static_cast<size_t>(pos / bs)];
             const auto at = rec.begin() + (pos % bs) * per_token;
-            s->prefix_rows.insert(s->prefix_rows.end(), at, at + per_token);
+            s->prefix_rows.insert(s->prefix_rows.end(), at, at + per_token);  // widened to int32
           }
         }
       }
@@ -296,12 +296,16 @@ void Engine::cache_filled_blocks(Sequence& s, const std::vector<int32_t>* rows, 
   int64_t used = 0;
   while ((s.hashed_blocks + 1) * bs <= s.num_computed) {
     const int64_t i = s.hashed_blocks;
-    const auto first = s.pending_rows.begin() + used * per_token;
-    const auto last = first + bs * per_token;
-    std::vector<int32_t> records;
-    if (per_token > 0 && std::find(first, last, -1) == last) records.assign(first, last);
-    s.chain_key = cache_->insert(s.chain_key, std::span<const int32_t>(s.tokens).subspan(static_cast<size_t>(i * bs), static_cast<size_t>(bs)),
-                                 s.blocks[static_cast<size_t>(i)], std::move(records));
+    std::span<const int32_t> records(s.pending_rows.data() + used * per_token, static_cast<size_t>(bs * per_token));
+    if (std::find(records.begin(), records.end(), -1) != records.end()) records = {};  // some step recorded none
+    const std::span<const int32_t> tokens(s.tokens.data() + i * bs, static_cast<size_t>(bs));
+    const auto key = cache_->insert(s.chain_key, tokens, s.blocks[static_cast<size_t>(i)], records);
+    if (!key) {  // a hash collision with another prompt: key nothing more of this request
+      s.cacheable = false;
+      s.pending_rows.clear();
+      return;
+    }
+    s.chain_key = *key;
     ++s.hashed_blocks;
     used += bs;
   }
@@ -478,6 +482,13 @@ Status Engine::step(std::vector<EngineEvent>& out) {
     // their state (in_place) computed before; they are keyed again only once recomputed.
     cache_->clear();
     cache_epoch_ = updater_.epoch();
+    // A request admitted with reused KV but not begun holds nothing it computed: it goes back to
+    // the queue (no preemption: it is new again) and computes everything under these weights,
+    // as it would have without the cache. One that began keeps its state, as in_place promises.
+    std::vector<Sequence*> lent;
+    for (Sequence* s : running_)
+      if (!s->started && s->reused_tokens > 0) lent.push_back(s);
+    for (auto it = lent.rbegin(); it != lent.rend(); ++it) preempt(**it);  // keeps their order
     for (auto& [rid, seq] : by_rid_)
       if (seq->num_computed > 0) seq->cacheable = false;
   }
@@ -663,6 +674,7 @@ EngineStats Engine::stats() const {
   st.kv_blocks_free = kv_.num_free();
   st.kv_blocks_total = kv_.num_blocks();
   st.kv_blocks_cached = cache_ ? cache_->num_blocks() : 0;
+  st.kv_blocks_evictable = cache_ ? cache_->num_evictable() : 0;
   st.num_prefix_cache_queried_tokens_total = prefix_queried_tokens_total_;
   st.num_prefix_cache_hit_tokens_total = prefix_hit_tokens_total_;
   const GraphStats& g = model_->graph_stats();

@@ -102,6 +102,7 @@ struct EngineStats {
   // Prefix cache: blocks it keeps (not free, evicted when the pool needs them); prompt tokens
   // looked up at admission and those found cached (their KV reused, not computed).
   int64_t kv_blocks_cached = 0;
+  int64_t kv_blocks_evictable = 0;  // of those, the ones no request reads: free for the asking
   uint64_t num_prefix_cache_queried_tokens_total = 0;
   uint64_t num_prefix_cache_hit_tokens_total = 0;
   // Decode graphs (StepLimits::graph_max_batch; MoeDecoder::graph_stats).
@@ -136,7 +137,8 @@ class Engine {
   // idle -- no request in flight, no weight-update session open (kFailedPrecondition
   // otherwise, nothing released). Releasing weights loses every parameter's value (static
   // state is kept): the model is not whole until sessions have rewritten every parameter
-  // after resume. Releasing kv_cache drops every cached block (none is cached while idle).
+  // after resume. Releasing kv_cache drops every cached block (requests hold none while idle; the
+  // prefix cache, if on, is cleared).
   struct MemoryTagResult {
     MemoryTag tag = MemoryTag::kWeights;
     MemoryOpResult op;

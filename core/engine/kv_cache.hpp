@@ -3,6 +3,7 @@
 // The cache tensors themselves belong to the model (one pair per layer, in the
 // kv_cache arena); this class decides which block a sequence's position lives in.
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "kernels/status.hpp"
@@ -24,16 +25,27 @@ class KvBlockPool {
   // One more holder of an allocated block (a block shared through the prefix cache: the cache
   // and every sequence that reads it hold one reference each). kInternal for a free block.
   Status retain(int32_t block);
-  // Drops one reference of each block; a block whose last reference goes returns to the pool.
-  // Releasing a free block is a bug and returns kInternal.
+  // Drops one reference of each block, the last block first (a request's tail blocks then reach
+  // a watcher before its head: the prefix cache evicts tails before the prefixes others share);
+  // a block whose last reference goes returns to the pool. Releasing a free block is a bug and
+  // returns kInternal.
   Status release(std::vector<int32_t>& blocks);
   uint32_t refs(int32_t block) const { return refs_[static_cast<size_t>(block)]; }
+  // The watcher (one, set once) hears every reference count change of a watched block, after it.
+  void set_watcher(std::function<void(int32_t block, uint32_t refs)> fn) { watcher_ = std::move(fn); }
+  void watch(int32_t block, bool on) { watched_[static_cast<size_t>(block)] = on; }
 
  private:
+  void changed(int32_t b) {
+    if (watched_[static_cast<size_t>(b)] && watcher_) watcher_(b, refs_[static_cast<size_t>(b)]);
+  }
+
   int64_t num_blocks_;
   int64_t block_size_;
   std::vector<int32_t> free_;
   std::vector<uint32_t> refs_;
+  std::vector<uint8_t> watched_;
+  std::function<void(int32_t, uint32_t)> watcher_;
 };
 
 }  // namespace rolloutd::core

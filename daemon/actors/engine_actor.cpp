@@ -153,6 +153,7 @@ void EngineActor::publish() {
   s->kv_blocks_free = st.kv_blocks_free;
   s->kv_blocks_total = st.kv_blocks_total;
   s->kv_blocks_cached = st.kv_blocks_cached;
+  s->kv_blocks_evictable = st.kv_blocks_evictable;
   s->num_prefix_cache_queried_tokens_total = st.num_prefix_cache_queried_tokens_total;
   s->num_prefix_cache_hit_tokens_total = st.num_prefix_cache_hit_tokens_total;
   s->kv_cache_dtype = dtype_name(engine_->model().limits().kv_dtype);
@@ -183,7 +184,7 @@ void EngineActor::publish() {
     prefix_queried_seen_ = st.num_prefix_cache_queried_tokens_total;
     prefix_hit_seen_ = st.num_prefix_cache_hit_tokens_total;
   }
-  metrics_.set_kv_blocks_cached(st.kv_blocks_cached);
+  metrics_.set_kv_blocks_cached(st.kv_blocks_cached, st.kv_blocks_evictable);
   if (st.num_prompt_tokens_total > prompt_tokens_seen_) {
     metrics_.add_prompt_tokens(st.num_prompt_tokens_total - prompt_tokens_seen_);
     prompt_tokens_seen_ = st.num_prompt_tokens_total;

@@ -148,11 +148,13 @@ struct Metrics::Impl {
                       .Help("Prompt tokens whose KV came from the prefix cache instead of being computed.")
                       .Register(registry)
                       .Add({});
-    kv_blocks_cached = &prometheus::BuildGauge()
-                            .Name("rolloutd_kv_blocks_cached")
-                            .Help("KV blocks the prefix cache holds (not free; evicted when requests need blocks).")
-                            .Register(registry)
-                            .Add({});
+    auto& cached = prometheus::BuildGauge()
+                       .Name("rolloutd_kv_blocks_cached")
+                       .Help("KV blocks the prefix cache holds: read by running requests, or evictable (no request "
+                             "reads them; evicted, oldest first, when requests need blocks).")
+                       .Register(registry);
+    kv_blocks_cached_read = &cached.Add({{"state", "read"}});
+    kv_blocks_cached_evictable = &cached.Add({{"state", "evictable"}});
     auto& steps = prometheus::BuildCounter()
                       .Name("rolloutd_forward_steps_total")
                       .Help("Forward steps by how they ran: graph (a decode step padded to its bucket and "
@@ -245,7 +247,8 @@ struct Metrics::Impl {
   prometheus::Counter* recomputed_tokens = nullptr;
   prometheus::Counter* prefix_queried = nullptr;
   prometheus::Counter* prefix_hit = nullptr;
-  prometheus::Gauge* kv_blocks_cached = nullptr;
+  prometheus::Gauge* kv_blocks_cached_read = nullptr;
+  prometheus::Gauge* kv_blocks_cached_evictable = nullptr;
   prometheus::Counter* graph_steps = nullptr;
   prometheus::Counter* eager_steps = nullptr;
   prometheus::Gauge* queue_waiting = nullptr;
@@ -284,7 +287,10 @@ void Metrics::add_prefix_cache_tokens(uint64_t queried, uint64_t hit) {
   impl_->prefix_queried->Increment(static_cast<double>(queried));
   impl_->prefix_hit->Increment(static_cast<double>(hit));
 }
-void Metrics::set_kv_blocks_cached(int64_t blocks) { impl_->kv_blocks_cached->Set(static_cast<double>(blocks)); }
+void Metrics::set_kv_blocks_cached(int64_t cached, int64_t evictable) {
+  impl_->kv_blocks_cached_read->Set(static_cast<double>(cached - evictable));
+  impl_->kv_blocks_cached_evictable->Set(static_cast<double>(evictable));
+}
 void Metrics::on_finished(std::string_view reason) { impl_->finished.get(reason).Increment(); }
 void Metrics::on_stream_abort(std::string_view reason) { impl_->stream_aborts.get(reason).Increment(); }
 void Metrics::on_reply_dropped() { impl_->replies_dropped->Increment(); }

@@ -41,9 +41,9 @@ class Metrics {
   // rolloutd_preemptions_total, rolloutd_recomputed_tokens_total
   void add_preemptions(uint64_t preemptions, uint64_t recomputed_tokens);
   // rolloutd_prefix_cache_queried_tokens_total, rolloutd_prefix_cache_hit_tokens_total,
-  // rolloutd_kv_blocks_cached
+  // rolloutd_kv_blocks_cached{state="read"|"evictable"}
   void add_prefix_cache_tokens(uint64_t queried, uint64_t hit);
-  void set_kv_blocks_cached(int64_t blocks);
+  void set_kv_blocks_cached(int64_t cached, int64_t evictable);
   void on_finished(std::string_view reason);       // rolloutd_requests_finished_total{reason}
   void on_stream_abort(std::string_view reason);   // rolloutd_stream_aborts_total{reason}
   void on_reply_dropped();                         // rolloutd_replies_dropped_total
