@@ -482,12 +482,13 @@ Status Engine::step(std::vector<EngineEvent>& out) {
     // their state (in_place) computed before; they are keyed again only once recomputed.
     cache_->clear();
     cache_epoch_ = updater_.epoch();
-    // A request admitted with reused KV but not begun holds nothing it computed: it goes back to
-    // the queue (no preemption: it is new again) and computes everything under these weights,
-    // as it would have without the cache. One that began keeps its state, as in_place promises.
+    // A request admitted with reused KV that has computed nothing since (new, or readmitted after
+    // a preemption) holds only lent KV: it goes back to the queue (no preemption: nothing it
+    // computed is lost) and computes everything under these weights, as it would have without
+    // the cache. One that computed since its admission keeps its state, as in_place promises.
     std::vector<Sequence*> lent;
     for (Sequence* s : running_)
-      if (!s->started && s->reused_tokens > 0) lent.push_back(s);
+      if (s->reused_tokens > 0 && s->num_computed == s->reused_tokens) lent.push_back(s);
     for (auto it = lent.rbegin(); it != lent.rend(); ++it) preempt(**it);  // keeps their order
     for (auto& [rid, seq] : by_rid_)
       if (seq->num_computed > 0) seq->cacheable = false;

@@ -1,6 +1,7 @@
 #include "core/engine/prefix_cache.hpp"
 
 #include <algorithm>
+#include <cassert>
 
 namespace rolloutd::core {
 
@@ -8,6 +9,8 @@ PrefixCache::PrefixCache(KvBlockPool& pool, int64_t rows_per_token)
     : pool_(pool), rows_per_token_(rows_per_token), key_of_block_(static_cast<size_t>(pool.num_blocks()), 0) {
   pool_.set_watcher([this](int32_t block, uint32_t refs) { on_refs(block, refs); });
 }
+
+PrefixCache::~PrefixCache() { pool_.set_watcher(nullptr); }
 
 uint64_t PrefixCache::chain(uint64_t parent, std::span<const int32_t> block_tokens) {
   // splitmix64's finalizer over the parent key and each token: cheap, and every input bit
@@ -23,6 +26,8 @@ uint64_t PrefixCache::chain(uint64_t parent, std::span<const int32_t> block_toke
 }
 
 void PrefixCache::on_refs(int32_t block, uint32_t refs) {
+  // The cache holds a reference on every block it watches: 0 here is a double release elsewhere.
+  assert(refs > 0 && "a block the prefix cache holds was released by someone else");
   auto it = entries_.find(key_of_block_[static_cast<size_t>(block)]);
   if (it == entries_.end() || it->second.block != block) return;
   Entry& e = it->second;

@@ -17,7 +17,9 @@
 // - Routed-expert records of a cached block's tokens are kept beside it (as uint16) when the
 //   step that computed them recorded; a block without them ends the reuse of a request that
 //   needs them. The records always describe the block's own KV: a later computation of the same
-//   tokens that recorded replaces block and records together.
+//   tokens that recorded replaces block and records together. (Blocks already keyed under the
+//   replaced one were computed over its bits, not the new block's: equal wherever the
+//   computation does not depend on the batch; otherwise within its rounding.)
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -33,6 +35,7 @@ class PrefixCache {
  public:
   // rows_per_token: routed-expert ids per token (MoE layers x top-k). Sets the pool's watcher.
   PrefixCache(KvBlockPool& pool, int64_t rows_per_token);
+  ~PrefixCache();
   PrefixCache(const PrefixCache&) = delete;
   PrefixCache& operator=(const PrefixCache&) = delete;
 

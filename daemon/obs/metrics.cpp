@@ -145,7 +145,9 @@ struct Metrics::Impl {
                           .Add({});
     prefix_hit = &prometheus::BuildCounter()
                       .Name("rolloutd_prefix_cache_hit_tokens_total")
-                      .Help("Prompt tokens whose KV came from the prefix cache instead of being computed.")
+                      .Help("Prompt tokens whose KV came from the prefix cache instead of being computed (counted at "
+                            "admission: a request sent back before its first step, by a weight change, counts again "
+                            "when readmitted).")
                       .Register(registry)
                       .Add({});
     auto& cached = prometheus::BuildGauge()
