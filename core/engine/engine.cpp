@@ -182,7 +182,8 @@ void Engine::admit() {
         break;
       }
     }
-    const int64_t need = kv_.blocks_for(static_cast<int64_t>(s->tokens.size())) - static_cast<int64_t>(hit.blocks.size());
+    const int64_t need =
+        kv_.blocks_for(static_cast<int64_t>(s->tokens.size())) - static_cast<int64_t>(hit.blocks.size());
     const int64_t want = need + (running_.empty() ? 0 : headroom);
     if (cache_ && want > kv_.num_free()) cache_->evict(want - kv_.num_free());
     if (want > kv_.num_free()) {

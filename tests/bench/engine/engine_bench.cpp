@@ -588,7 +588,8 @@ int main(int argc, char** argv) {
   if (!model_dir.empty()) model_names.push_back("ckpt");
   std::printf("sampling on the %s; routed experts %s\n", host_sampling ? "host" : "device",
               *quantize == core::ExpertQuantization::kMxfp4 ? "MXFP4" : "as stored");
-  nlohmann::json out = {{"prefix_cache", nlohmann::json::array()}, {"bench", "engine"}, {"new_tokens", new_tokens}, {"prompt_len", g_prompt_len}, {"copy_bandwidth_bytes_per_s", bw},
+  nlohmann::json out = {{"prefix_cache", nlohmann::json::array()}, {"bench", "engine"}, {"new_tokens", new_tokens},
+                        {"prompt_len", g_prompt_len}, {"copy_bandwidth_bytes_per_s", bw},
                         {"device_sampling", !host_sampling},
                         {"quantize_experts", core::expert_quantization_name(*quantize)},
                         {"runs", nlohmann::json::array()}, {"prefill", nlohmann::json::array()}};
