@@ -75,6 +75,25 @@ using Clock = std::chrono::steady_clock;
 using core::Engine;
 using core::EngineEvent;
 
+void submit_or_exit(Engine& e, const core::RequestSpec& s) {
+  if (Status st = e.submit(s); !st.ok()) {
+    std::fprintf(stderr, "submit failed: %s\n", st.to_string().c_str());
+    std::exit(1);
+  }
+}
+
+// Steps until nothing is left to run; returns the steps taken. A failed step ends the bench.
+int64_t step_until_idle(Engine& e, std::vector<EngineEvent>& events) {
+  int64_t steps = 0;
+  for (; e.has_work(); ++steps) {
+    if (Status st = e.step(events); !st.ok()) {
+      std::fprintf(stderr, "step failed: %s\n", st.to_string().c_str());
+      std::exit(1);
+    }
+  }
+  return steps;
+}
+
 core::ModelConfig model_config(const std::string& name) {
   core::ModelConfig c = core::embedded_model_config();
   if (name == "mid") {
@@ -285,10 +304,7 @@ RunResult run(Engine& e, int64_t batch, uint32_t new_tokens, bool records, const
     s.max_new_tokens = new_tokens;
     s.sampling.temperature = 0.0f;
     s.return_routed_experts = records;
-    if (Status st = e.submit(s); !st.ok()) {
-      std::fprintf(stderr, "submit failed: %s\n", st.to_string().c_str());
-      std::exit(1);
-    }
+    submit_or_exit(e, s);
   }
   const core::GraphStats g0 = e.model().graph_stats();
   std::vector<EngineEvent> events;
@@ -365,21 +381,12 @@ PrefillResult run_prefill(Engine& e, int64_t requests, int64_t len, const std::s
       s.input_ids.push_back(static_cast<int32_t>((i * 131 + t * 17 + 1) % e.model_config().vocab_size));
     s.max_new_tokens = 1;
     s.sampling.temperature = 0.0f;
-    if (Status st = e.submit(s); !st.ok()) {
-      std::fprintf(stderr, "submit failed: %s\n", st.to_string().c_str());
-      std::exit(1);
-    }
+    submit_or_exit(e, s);
   }
   std::vector<EngineEvent> events;
   PrefillResult r;
   const auto t0 = Clock::now();
-  while (e.has_work()) {
-    if (Status st = e.step(events); !st.ok()) {
-      std::fprintf(stderr, "step failed: %s\n", st.to_string().c_str());
-      std::exit(1);
-    }
-    ++r.steps;
-  }
+  r.steps = step_until_idle(e, events);
   const double sec = std::chrono::duration<double>(Clock::now() - t0).count();
   r.ms = sec * 1e3;
   r.tokens_per_s = sec > 0 ? static_cast<double>(requests * len) / sec : 0;
@@ -406,21 +413,12 @@ GroupsResult run_groups(Engine& e, int64_t groups, int64_t samples, int64_t len,
       s.max_new_tokens = new_tokens;
       s.sampling.temperature = 1.0f;
       s.sampling.seed = static_cast<uint64_t>(n);
-      if (Status st = e.submit(s); !st.ok()) {
-        std::fprintf(stderr, "submit failed: %s\n", st.to_string().c_str());
-        std::exit(1);
-      }
+      submit_or_exit(e, s);
     }
   std::vector<EngineEvent> events;
   GroupsResult r;
   const auto t0 = Clock::now();
-  while (e.has_work()) {
-    if (Status st = e.step(events); !st.ok()) {
-      std::fprintf(stderr, "step failed: %s\n", st.to_string().c_str());
-      std::exit(1);
-    }
-    ++r.steps;
-  }
+  r.steps = step_until_idle(e, events);
   r.ms = std::chrono::duration<double>(Clock::now() - t0).count() * 1e3;
   for (const auto& ev : events) r.generated += static_cast<int64_t>(ev.token_ids.size());
   const core::EngineStats after = e.stats();
