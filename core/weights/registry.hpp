@@ -103,7 +103,8 @@ class WeightRegistry {
   // parameter `mxfp4_name` (registered by add_mxfp4, blocks [E, N, K/32, 16]): each expert is
   // transposed to [N, K] on the way, so the blocks are those of the published MXFP4 checkpoint.
   // Transposed and quantized a few experts at a time through staging of at most
-  // staging_bytes() per buffer (or one expert's bytes), held for that load only: a 128-expert
+  // staging_bytes() per buffer (or one expert's bytes; on the GPU the layout methods' shared
+  // device_staging buffer, on the CPU one held for that load): a 128-expert
   // gpt-oss-120b layer is ~4 GB in BF16.
   Status add_mxfp4_input_major(std::string name, std::span<const int64_t> shape, std::string_view mxfp4_name);
   size_t staging_bytes() const { return staging_bytes_; }
