@@ -9,6 +9,9 @@ Engine::Engine(std::unique_ptr<MoeDecoder> model, const EngineOptions& options)
     : model_(std::move(model)),
       options_(options),
       kv_(options.step.num_kv_blocks, options.step.kv_block_size),
+      sliding_(options.step.num_sliding_kv_blocks > 0
+                   ? std::make_unique<KvBlockPool>(options.step.num_sliding_kv_blocks, options.step.kv_block_size)
+                   : nullptr),
       cache_(options.prefix_cache ? std::make_unique<PrefixCache>(
                                         kv_, model_->config().num_moe_layers() * model_->config().num_experts_per_tok)
                                   : nullptr),
@@ -79,13 +82,28 @@ Result<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<MoeDecoder> model
   if (m.max_tokens != o.max_tokens || m.max_seqs != o.max_seqs ||
       m.num_kv_blocks != o.num_kv_blocks || m.kv_block_size != o.kv_block_size ||
       m.max_blocks_per_seq != o.max_blocks_per_seq || m.graph_max_batch != o.graph_max_batch ||
-      m.kv_dtype != o.kv_dtype)
+      m.kv_dtype != o.kv_dtype || m.num_sliding_kv_blocks != o.num_sliding_kv_blocks)
     return Status(ErrorCode::kInvalidArgument, "engine and model were built with different limits",
                   "step");
   if (options.max_running <= 0 || options.max_running > o.max_seqs)
     return Status(ErrorCode::kInvalidArgument, "max_running must be in [1, max_seqs]", "max_running");
   if (options.max_waiting <= 0)
     return Status(ErrorCode::kInvalidArgument, "max_waiting must be positive", "max_waiting");
+  if (o.num_sliding_kv_blocks > 0) {
+    // One request computing a whole step's tokens must fit, or it would preempt itself forever.
+    const int64_t w = model->config().sliding_window, bs = o.kv_block_size;
+    const int64_t one = (w + bs - 1) / bs + 2 + (o.max_tokens + bs - 1) / bs;
+    if (o.num_sliding_kv_blocks < one)
+      return Status(ErrorCode::kInvalidArgument,
+                    "the sliding KV pool holds " + std::to_string(o.num_sliding_kv_blocks) +
+                        " blocks; one request's window and a step's tokens need " + std::to_string(one),
+                    "num_sliding_kv_blocks");
+  }
+  if (options.prefix_cache && o.num_sliding_kv_blocks > 0)
+    return Status(ErrorCode::kInvalidArgument,
+                  "the prefix cache and a sliding KV pool cannot be combined (cached prompts would need the "
+                  "sliding blocks the pool frees)",
+                  "prefix_cache");
   // Decode graphs are captured once, here, before anything else runs on the model; weight
   // updates and memory release/resume keep every address they use.
   RD_RETURN_IF_ERROR(model->capture_graphs());
@@ -229,9 +247,31 @@ void Engine::admit() {
   }
 }
 
+void Engine::release_blocks(Sequence& s) {
+  (void)kv_.release(s.blocks);
+  if (!sliding_) return;
+  std::vector<int32_t> held(s.sliding_blocks.begin() + s.sliding_freed, s.sliding_blocks.end());
+  (void)sliding_->release(held);
+  s.sliding_blocks.clear();
+  s.sliding_freed = 0;
+}
+
+void Engine::trim_sliding(Sequence& s) {
+  // Position num_computed (the next to compute) sees (num_computed + 1 - window ..]: blocks wholly
+  // before its first visible position are read by no later step.
+  const int64_t first = s.num_computed + 1 - model_->config().sliding_window;
+  const int64_t keep_from = std::min<int64_t>(first > 0 ? first / kv_.block_size() : 0,
+                                              static_cast<int64_t>(s.sliding_blocks.size()));
+  if (keep_from <= s.sliding_freed) return;
+  std::vector<int32_t> gone(s.sliding_blocks.begin() + s.sliding_freed, s.sliding_blocks.begin() + keep_from);
+  (void)sliding_->release(gone);
+  std::fill(s.sliding_blocks.begin() + s.sliding_freed, s.sliding_blocks.begin() + keep_from, -1);
+  s.sliding_freed = keep_from;
+}
+
 void Engine::preempt(Sequence& s) {
   running_.erase(std::remove(running_.begin(), running_.end(), &s), running_.end());
-  (void)kv_.release(s.blocks);
+  release_blocks(s);
   // Admitted and sent back in one step, before any KV of this admission: nothing is lost, so
   // it is no preemption, and one that never began is a new request again. (KV the prefix cache
   // lent it was not computed by it: the cache keeps it.)
@@ -337,6 +377,19 @@ void Engine::reserve_blocks(std::vector<Planned>& planned) {
     }
     if (s->running) (void)kv_.allocate(need, s->blocks);
   }
+  // The sliding pool is sized so that running requests kept to their windows never exhaust it
+  // (sliding_kv_blocks_needed); should it run dry all the same, the youngest give theirs back.
+  if (sliding_) {
+    for (Planned& p : planned) {
+      Sequence* s = p.seq;
+      if (!s->running) continue;
+      const int64_t need =
+          kv_.blocks_for(s->num_computed + p.count) - static_cast<int64_t>(s->sliding_blocks.size());
+      if (need <= 0) continue;
+      while (need > sliding_->num_free() && s->running) preempt(*running_.back());
+      if (s->running) (void)sliding_->allocate(need, s->sliding_blocks);
+    }
+  }
   planned.erase(std::remove_if(planned.begin(), planned.end(), [](const Planned& p) { return !p.seq->running; }),
                 planned.end());
 }
@@ -351,7 +404,7 @@ void Engine::remove(const std::string& rid) {
     waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), s), waiting_.end());
     if (s->is_new) --num_waiting_new_;
   }
-  (void)kv_.release(s->blocks);
+  release_blocks(*s);
   by_rid_.erase(it);
 }
 
@@ -452,7 +505,7 @@ Engine::PauseCounts Engine::pause(PauseMode mode, std::vector<EngineEvent>& out)
       reset_cached_prefix(*s);
       s->num_generated = 0;
       s->running = false;
-      (void)kv_.release(s->blocks);
+      release_blocks(*s);
       waiting_.push_back(s);
     }
   } else {
@@ -542,12 +595,19 @@ Status Engine::step(std::vector<EngineEvent>& out) {
       batch.seq_of.push_back(static_cast<int32_t>(seq_index));
       batch.slot_mapping.push_back(
           static_cast<int32_t>(s->blocks[static_cast<size_t>(pos / bs)] * bs + pos % bs));
+      if (sliding_)
+        batch.sliding_slot_mapping.push_back(
+            static_cast<int32_t>(s->sliding_blocks[static_cast<size_t>(pos / bs)] * bs + pos % bs));
       batch.ctx_len.push_back(static_cast<int32_t>(pos + 1));
     }
     for (int64_t b = 0; b < width; ++b)
       batch.block_tables.push_back(b < static_cast<int64_t>(s->blocks.size())
                                        ? s->blocks[static_cast<size_t>(b)]
                                        : 0);
+    if (sliding_)  // freed and never-allocated entries are -1: a read of one is refused, not served
+      for (int64_t b = 0; b < width; ++b)
+        batch.sliding_block_tables.push_back(
+            b < static_cast<int64_t>(s->sliding_blocks.size()) ? s->sliding_blocks[static_cast<size_t>(b)] : -1);
     if (sl.samples) batch.logits_rows.push_back(static_cast<int32_t>(sl.first_row + n - 1));
     slices.push_back(sl);
   }
@@ -589,6 +649,7 @@ Status Engine::step(std::vector<EngineEvent>& out) {
     Sequence& s = *sl.seq;
     s.num_computed += sl.count;
     s.started = true;
+    if (sliding_) trim_sliding(s);
     if (cache_) cache_filled_blocks(s, want_records ? &recorder_.rows() : nullptr, sl.first_row, sl.count);
     EngineEvent ev;
     ev.kind = EngineEvent::Kind::kTokens;
@@ -675,6 +736,8 @@ EngineStats Engine::stats() const {
   st.num_deadline_aborts_total = deadline_aborts_total_;
   st.kv_blocks_free = kv_.num_free();
   st.kv_blocks_total = kv_.num_blocks();
+  st.sliding_kv_blocks_free = sliding_ ? sliding_->num_free() : 0;
+  st.sliding_kv_blocks_total = sliding_ ? sliding_->num_blocks() : 0;
   st.kv_blocks_cached = cache_ ? cache_->num_blocks() : 0;
   st.kv_blocks_evictable = cache_ ? cache_->num_evictable() : 0;
   st.num_prefix_cache_queried_tokens_total = prefix_queried_tokens_total_;

@@ -81,7 +81,8 @@ struct EngineOptions {
   bool device_sampling = true;
   // Keep full KV blocks after their request, keyed by their tokens and all before them, for
   // requests that start with the same tokens (PrefixCache): a prompt's n samples, the next turn
-  // of a conversation. Cleared whenever the weights may change.
+  // of a conversation. Cleared whenever the weights may change. Not with a sliding KV pool
+  // (StepLimits::num_sliding_kv_blocks): those blocks are freed as requests move past them.
   bool prefix_cache = false;
 };
 
@@ -99,6 +100,9 @@ struct EngineStats {
   uint64_t num_deadline_aborts_total = 0;
   int64_t kv_blocks_free = 0;
   int64_t kv_blocks_total = 0;
+  // The sliding-window layers' own pool (StepLimits::num_sliding_kv_blocks; 0 and 0 without).
+  int64_t sliding_kv_blocks_free = 0;
+  int64_t sliding_kv_blocks_total = 0;
   // Prefix cache: blocks it keeps (not free, evicted when the pool needs them); prompt tokens
   // looked up at admission and those found cached (their KV reused, not computed).
   int64_t kv_blocks_cached = 0;
@@ -194,6 +198,10 @@ class Engine {
     int64_t num_computed = 0;      // tokens whose KV is cached
     uint32_t num_generated = 0;
     std::vector<int32_t> blocks;
+    // Sliding pool: the block of each logical block index [0, sliding_blocks.size()), -1 for
+    // the first sliding_freed ones, which no position still to be computed can see (freed).
+    std::vector<int32_t> sliding_blocks;
+    int64_t sliding_freed = 0;
     bool running = false;
     bool prompt_counted = false;   // prompt tokens counted in the stats (once per request)
     int64_t routed_sent = 0;       // positions below this have had their expert records streamed
@@ -231,6 +239,11 @@ class Engine {
     int64_t count;
   };
   void reserve_blocks(std::vector<Planned>& planned);
+  // Gives back every KV block a request holds (both pools).
+  void release_blocks(Sequence& s);
+  // Sliding pool: frees the request's blocks that lie wholly before the window of its next
+  // position (num_computed): no later query sees them.
+  void trim_sliding(Sequence& s);
   // Prefix cache: forget what a request computed (its KV is dropped or will be recomputed);
   // reuse cached blocks at admission (returns the blocks, retained); key the blocks a step
   // filled.
@@ -247,6 +260,7 @@ class Engine {
   std::unique_ptr<MoeDecoder> model_;
   EngineOptions options_;
   KvBlockPool kv_;
+  std::unique_ptr<KvBlockPool> sliding_;  // null without a sliding pool
   std::unique_ptr<PrefixCache> cache_;  // null without EngineOptions::prefix_cache
   uint64_t cache_epoch_ = 0;            // WeightUpdater::epoch() the cached KV was computed under
   uint64_t prefix_queried_tokens_total_ = 0;

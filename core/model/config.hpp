@@ -133,6 +133,15 @@ struct ModelConfig {
     for (int64_t l = 0; l < num_hidden_layers; ++l) n += is_moe_layer(l) ? 1 : 0;
     return n;
   }
+  // gpt-oss: layers that attend over the last sliding_window positions only.
+  bool is_sliding_layer(int64_t layer) const {
+    return !layer_types.empty() && layer_types[static_cast<size_t>(layer)] == "sliding_attention";
+  }
+  int64_t num_sliding_layers() const {
+    int64_t n = 0;
+    for (int64_t l = 0; l < num_hidden_layers; ++l) n += is_sliding_layer(l) ? 1 : 0;
+    return n;
+  }
   // Checks internal consistency (positive sizes, heads divisible, top_k <= experts, ...).
   Status validate() const;
 };

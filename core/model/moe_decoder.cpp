@@ -33,6 +33,17 @@ int64_t kv_cache_bytes_per_block(const ModelConfig& c, int64_t block_size, DType
          static_cast<int64_t>(dtype_size(kv_dtype));
 }
 
+int64_t kv_cache_bytes_per_block(const ModelConfig& c, int64_t block_size, DType kv_dtype, bool sliding) {
+  const int64_t layers = sliding ? c.num_sliding_layers() : c.num_hidden_layers - c.num_sliding_layers();
+  return layers * 2 * block_size * c.num_key_value_heads * c.head_dim * static_cast<int64_t>(dtype_size(kv_dtype));
+}
+
+int64_t sliding_kv_blocks_needed(const ModelConfig& c, const StepLimits& l) {
+  if (c.num_sliding_layers() == 0 || l.kv_block_size <= 0) return 0;
+  const int64_t bs = l.kv_block_size;
+  return l.max_seqs * ((c.sliding_window + bs - 1) / bs + 2) + (l.max_tokens + bs - 1) / bs;
+}
+
 MoeDecoder::MoeDecoder(const ModelConfig& c, const StepLimits& l, const Backend& b, ExecContext ctx)
     : config_(c), limits_(l), backend_(b), ctx_(ctx) {}
 
@@ -43,6 +54,11 @@ Result<std::unique_ptr<MoeDecoder>> MoeDecoder::create(const ModelConfig& config
   if (limits.max_tokens <= 0 || limits.max_seqs <= 0 || limits.max_blocks_per_seq <= 0 ||
       limits.num_kv_blocks <= 0 || limits.kv_block_size <= 0)
     return Status(ErrorCode::kInvalidArgument, "step limits must be positive", "limits");
+  if (limits.num_sliding_kv_blocks < 0)
+    return Status(ErrorCode::kInvalidArgument, "num_sliding_kv_blocks must not be negative", "limits");
+  if (limits.num_sliding_kv_blocks > 0 && config.num_sliding_layers() == 0)
+    return Status(ErrorCode::kInvalidArgument, "a sliding KV pool needs a model with sliding-window layers",
+                  "num_sliding_kv_blocks");
   if (limits.kv_dtype != DType::kF32 && limits.kv_dtype != DType::kBF16)
     return Status(ErrorCode::kInvalidArgument,
                   std::string("KV cache dtype must be float32 or bfloat16, got ") + std::string(dtype_name(limits.kv_dtype)),
@@ -122,9 +138,10 @@ Status MoeDecoder::allocate() {
                                             L.q_proj.device);
     }
     if (c.attention_sinks) RD_RETURN_IF_ERROR(param(p + "self_attn.sinks", Shape{QH}, L.sinks));
-    if (!c.layer_types.empty() && c.layer_types[static_cast<size_t>(l)] == "sliding_attention")
-      L.window = c.sliding_window;
-    const Shape cache{limits_.num_kv_blocks, limits_.kv_block_size, KVH, D};
+    if (c.is_sliding_layer(l)) L.window = c.sliding_window;
+    L.sliding_pool = L.window > 0 && limits_.num_sliding_kv_blocks > 0;
+    const Shape cache{L.sliding_pool ? limits_.num_sliding_kv_blocks : limits_.num_kv_blocks, limits_.kv_block_size,
+                      KVH, D};
     RD_ASSIGN_OR_RETURN(L.k_cache, kv_arena_->allocate(limits_.kv_dtype, cache));
     RD_ASSIGN_OR_RETURN(L.v_cache, kv_arena_->allocate(limits_.kv_dtype, cache));
 
@@ -277,8 +294,10 @@ Status MoeDecoder::allocate() {
   {
     // The step inputs in one buffer (layout in moe_decoder.hpp): one upload per step.
     const int64_t W = limits_.max_blocks_per_seq;
-    tables_offset_ = static_cast<size_t>(5 * T + S + 1);
-    const int64_t total = static_cast<int64_t>(tables_offset_) + S * W;
+    const int64_t P = per_token_arrays();
+    tables_offset_ = static_cast<size_t>(P * T + S + 1);
+    sliding_offset_ = limits_.num_sliding_kv_blocks > 0 ? tables_offset_ + static_cast<size_t>(S * W) : 0;
+    const int64_t total = static_cast<int64_t>(tables_offset_) + S * W + (sliding_offset_ ? S * W : 0);
     RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{total}, ws_.inputs));
     host_.backend = &backend_;
     host_.ctx = ctx_;
@@ -298,9 +317,13 @@ Status MoeDecoder::allocate() {
     ws_.seq_of = part(2 * T, Shape{T});
     ws_.slot_mapping = part(3 * T, Shape{T});
     ws_.ctx_len = part(4 * T, Shape{T});
-    ws_.logits_rows = part(5 * T, Shape{S});
-    ws_.num_valid = part(5 * T + S, Shape{1});
+    ws_.logits_rows = part(P * T, Shape{S});
+    ws_.num_valid = part(P * T + S, Shape{1});
     ws_.block_tables = part(static_cast<int64_t>(tables_offset_), Shape{S, W});
+    if (sliding_offset_) {
+      ws_.sliding_slot_mapping = part(5 * T, Shape{T});
+      ws_.sliding_block_tables = part(static_cast<int64_t>(sliding_offset_), Shape{S, W});
+    }
   }
   if (moe_layers_ > 0) {
     RD_RETURN_IF_ERROR(ws(DType::kI32, Shape{moe_layers_, T, K}, routed_table_));
@@ -474,7 +497,8 @@ Status MoeDecoder::stage_inputs(const StepBatch& b, int64_t rows, int64_t seqs) 
     in[3 * maxT + t] = real ? b.slot_mapping[i] : -1;
     in[4 * maxT + t] = real ? b.ctx_len[i] : 0;
   }
-  int32_t* tail = in + 5 * maxT;
+  const int64_t P = per_token_arrays();
+  int32_t* tail = in + P * maxT;
   for (int64_t r = 0; r < maxS; ++r) tail[r] = r < R ? b.logits_rows[static_cast<size_t>(r)] : static_cast<int32_t>(r);
   tail[maxS] = static_cast<int32_t>(n);
   int32_t* tables = in + tables_offset_;
@@ -483,15 +507,30 @@ Status MoeDecoder::stage_inputs(const StepBatch& b, int64_t rows, int64_t seqs) 
     for (int64_t c = 0; c < W; ++c)
       tables[s * W + c] = s < given_seqs && c < width ? b.block_tables[static_cast<size_t>(s * width + c)] : -1;
 
+  if (sliding_offset_) {
+    // The sliding pool's slots and tables, padded as above (a padding row writes no KV).
+    int32_t* sslots = in + 5 * maxT;
+    int32_t* stables = in + sliding_offset_;
+    for (int64_t t = 0; t < rows; ++t) sslots[t] = t < n ? b.sliding_slot_mapping[static_cast<size_t>(t)] : -1;
+    for (int64_t s = 0; s < seqs; ++s)
+      for (int64_t c = 0; c < W; ++c)
+        stables[s * W + c] =
+            s < given_seqs && c < width ? b.sliding_block_tables[static_cast<size_t>(s * width + c)] : -1;
+  }
+
   const CopyKind h2d = ctx_.device.kind == DeviceKind::kCpu ? CopyKind::kHostToHost : CopyKind::kHostToDevice;
-  // Two copies: the five per-token arrays (their first `rows` entries), then logits rows,
-  // count and the first `seqs` block-table rows, which are contiguous.
+  // Two copies: the per-token arrays (their first `rows` entries), then logits rows, count and
+  // the first `seqs` block-table rows, which are contiguous. A sliding pool adds a copy of the
+  // first `seqs` rows of its tables.
   const size_t pitch = static_cast<size_t>(maxT) * sizeof(int32_t);
   RD_RETURN_IF_ERROR(backend_.copy_2d(ctx_, ws_.inputs.data, pitch, in, pitch,
-                                      static_cast<size_t>(rows) * sizeof(int32_t), 5, h2d));
-  const size_t tail_elems = tables_offset_ - static_cast<size_t>(5 * maxT) + static_cast<size_t>(seqs * W);
-  return backend_.copy(ctx_, static_cast<int32_t*>(ws_.inputs.data) + 5 * maxT, tail, tail_elems * sizeof(int32_t),
-                       h2d);
+                                      static_cast<size_t>(rows) * sizeof(int32_t), static_cast<size_t>(P), h2d));
+  const size_t tail_elems = tables_offset_ - static_cast<size_t>(P * maxT) + static_cast<size_t>(seqs * W);
+  RD_RETURN_IF_ERROR(backend_.copy(ctx_, static_cast<int32_t*>(ws_.inputs.data) + P * maxT, tail,
+                                   tail_elems * sizeof(int32_t), h2d));
+  if (!sliding_offset_) return Status::Ok();
+  return backend_.copy(ctx_, static_cast<int32_t*>(ws_.inputs.data) + sliding_offset_, in + sliding_offset_,
+                       static_cast<size_t>(seqs * W) * sizeof(int32_t), h2d);
 }
 
 Status MoeDecoder::forward(const StepBatch& b, std::vector<float>& logits, RoutedExpertRecorder* recorder) {
@@ -614,6 +653,10 @@ Result<std::span<const float>> MoeDecoder::step_impl(const StepBatch& b, RoutedE
   if (static_cast<int64_t>(b.positions.size()) != T || static_cast<int64_t>(b.seq_of.size()) != T ||
       static_cast<int64_t>(b.slot_mapping.size()) != T || static_cast<int64_t>(b.ctx_len.size()) != T)
     return Status(ErrorCode::kInternal, "per-token arrays disagree in length", "positions");
+  if (sliding_offset_ && (static_cast<int64_t>(b.sliding_slot_mapping.size()) != T ||
+                          b.sliding_block_tables.size() != b.block_tables.size()))
+    return Status(ErrorCode::kInternal, "a model with a sliding KV pool needs the batch's sliding slots and tables",
+                  "sliding_block_tables");
   // The logits buffer holds max_seqs rows (one sampling row per sequence in a step).
   if (R > limits_.max_seqs)
     return Status(ErrorCode::kInternal, "more logits rows than the step's sequence capacity",
@@ -743,6 +786,8 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
   const TensorView slots = rows_of(ws_.slot_mapping, T);
   const TensorView ctx_len = rows_of(ws_.ctx_len, T);
   const TensorView tables = rows_of(ws_.block_tables, S);
+  const TensorView sliding_slots = sliding_offset_ ? rows_of(ws_.sliding_slot_mapping, T) : TensorView{};
+  const TensorView sliding_tables = sliding_offset_ ? rows_of(ws_.sliding_block_tables, S) : TensorView{};
   const TensorView h = rows_of(ws_.h, T), x = rows_of(ws_.x, T), q = rows_of(ws_.q, T),
                    k = rows_of(ws_.k, T), v = rows_of(ws_.v, T), attn = rows_of(ws_.attn, T),
                    o = rows_of(ws_.o, T), router_logits = rows_of(ws_.router_logits, T),
@@ -815,10 +860,14 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
     // The fused form also stores k and v at their cache slots (one launch instead of two).
     rope_args.k_cache = L.qkv_fused ? L.k_cache : TensorView{};
     rope_args.v_cache = L.qkv_fused ? L.v_cache : TensorView{};
-    rope_args.slot_mapping = L.qkv_fused ? slots : TensorView{};
+    // A layer in the sliding pool stores and reads through that pool's slots and tables.
+    const TensorView& layer_slots = L.sliding_pool ? sliding_slots : slots;
+    const TensorView& layer_tables = L.sliding_pool ? sliding_tables : tables;
+    rope_args.slot_mapping = L.qkv_fused ? layer_slots : TensorView{};
     RD_RETURN_IF_ERROR(backend_.rope_qk(ctx, rope_args));
     if (!L.qkv_fused)
-      RD_RETURN_IF_ERROR(backend_.kv_store(ctx, L.k_cache, L.v_cache, as_heads(k, KVH, D), as_heads(v, KVH, D), slots));
+      RD_RETURN_IF_ERROR(backend_.kv_store(ctx, L.k_cache, L.v_cache, as_heads(k, KVH, D), as_heads(v, KVH, D),
+                                           layer_slots));
     // With BF16 o_proj weights the attention writes o_proj's BF16 input itself (the same rounding
     // as a separate convert, one launch fewer).
     xd = L.o_proj.dtype == DType::kBF16 ? bf16_of(attn) : attn;
@@ -827,7 +876,7 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
     attn_opt.window = L.window;
     if (T <= ws_.attn_split_tokens) attn_opt.workspace = ws_.attn_split;
     RD_RETURN_IF_ERROR(backend_.paged_attention_ex(ctx, as_heads(xd, QH, D), as_heads(q, QH, D), L.k_cache,
-                                                   L.v_cache, tables, seq_of, ctx_len, scale, attn_opt));
+                                                   L.v_cache, layer_tables, seq_of, ctx_len, scale, attn_opt));
     RD_RETURN_IF_ERROR(backend_.linear(ctx, o, xd, L.o_proj));
     // MoE block (or the dense MLP as one expert every token takes with weight 1): h += o (plus
     // o_proj's bias, gpt-oss: add_bias's arithmetic without its launch) and its norm in one

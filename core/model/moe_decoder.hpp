@@ -34,6 +34,13 @@ struct StepBatch {
   std::vector<int32_t> ctx_len;       // [T] cache positions visible (= position + 1)
   std::vector<int32_t> block_tables;  // [S, max_blocks_per_seq]
   int32_t max_blocks_per_seq = 0;
+  // With a sliding pool (StepLimits::num_sliding_kv_blocks > 0) the sliding-window layers keep
+  // their KV in blocks of their own: each token's slot there [T] and each sequence's table of
+  // them [S, max_blocks_per_seq], indexed by the same logical block (position / block_size).
+  // Only the blocks of the positions a row sees (its last `window`) need an entry; the rest are
+  // -1 (never read). Empty without a sliding pool.
+  std::vector<int32_t> sliding_slot_mapping;
+  std::vector<int32_t> sliding_block_tables;
   std::vector<int32_t> logits_rows;   // token rows whose next-token logits are wanted
   int64_t num_tokens() const { return static_cast<int64_t>(token_ids.size()); }
   int64_t num_seqs() const {
@@ -47,6 +54,12 @@ struct StepLimits {
   int64_t max_blocks_per_seq = 256;  // block-table width
   int64_t num_kv_blocks = 1024;
   int64_t kv_block_size = 16;
+  // > 0: the sliding-window layers' K and V live in a pool of this many blocks of their own
+  // (StepBatch::sliding_*), where a sequence needs only the blocks of its last window; the
+  // num_kv_blocks pool then holds the full-attention layers only. 0: every layer in one pool.
+  // sliding_kv_blocks_needed() is a size that a scheduler keeping each running sequence to its
+  // window (core::Engine) never exhausts. Needs a model with sliding and full layers.
+  int64_t num_sliding_kv_blocks = 0;
   // Element type of the K and V caches: kF32, or kBF16 (each k and v value rounded to nearest
   // even as it is stored; half the bytes, so twice the blocks in the same memory and half the
   // attention's reads). Attention reads either into FP32 arithmetic.
@@ -60,8 +73,15 @@ struct StepLimits {
 };
 
 // Bytes one KV block takes over every layer (its K and V rows at kv_dtype): what a KV memory
-// budget is divided by to give StepLimits::num_kv_blocks.
+// budget is divided by to give StepLimits::num_kv_blocks. With `sliding_pool`, over the layers
+// of that pool only: the full-attention layers (sliding = false) or the sliding ones (true).
 int64_t kv_cache_bytes_per_block(const ModelConfig& c, int64_t block_size, DType kv_dtype);
+int64_t kv_cache_bytes_per_block(const ModelConfig& c, int64_t block_size, DType kv_dtype, bool sliding);
+// Sliding-pool blocks that `max_seqs` running sequences, each holding the blocks of its last
+// sliding_window positions plus those of the positions it computes in a step (at most
+// max_tokens over all of them), can hold at once: max_seqs * (ceil(window / bs) + 2) +
+// ceil(max_tokens / bs). 0 for a model without sliding layers.
+int64_t sliding_kv_blocks_needed(const ModelConfig& c, const StepLimits& l);
 
 // What the graph path did (MoeDecoder::graph_stats).
 struct GraphStats {
@@ -177,16 +197,20 @@ class MoeDecoder {
     TensorView router;            // [E, H]
     TensorView experts_gate_up;   // [E, 2I, H]
     TensorView experts_down;      // [E, H, I]
-    TensorView k_cache, v_cache;  // [blocks, block_size, KVH, D]
+    TensorView k_cache, v_cache;  // [blocks, block_size, KVH, D] (sliding pool: its blocks)
+    bool sliding_pool = false;    // a window layer whose KV is in the sliding pool
     ExpertMap expert_map;
     TensorView logical_to_physical;  // device copy of expert_map
   };
   struct Workspace {
-    // Step inputs, packed in one buffer (`inputs`) so a step uploads them with one copy:
-    // [token_ids | positions | seq_of | slot_mapping | ctx_len : max_tokens each]
-    // [logits_rows : max_seqs][num_valid : 1][block_tables : max_seqs x max_blocks_per_seq].
+    // Step inputs, packed in one buffer (`inputs`) so a step uploads them with few copies:
+    // [token_ids | positions | seq_of | slot_mapping | ctx_len (| sliding_slot_mapping) :
+    // max_tokens each][logits_rows : max_seqs][num_valid : 1][block_tables : max_seqs x
+    // max_blocks_per_seq](sliding_block_tables : as block_tables); the parts in brackets with a
+    // sliding pool only.
     TensorView inputs;
     TensorView token_ids, positions, seq_of, slot_mapping, ctx_len, block_tables, logits_rows, num_valid;
+    TensorView sliding_slot_mapping, sliding_block_tables;
     // attn: shape only (no memory) when every o_proj is BF16 (attention then writes x_bf16).
     TensorView h, x, q, k, v, attn, o, router_logits, topk_ids, topk_weights, moe_out;
     TensorView moe_h;  // expert-op workspace [T * (K * I or I_dense)] (MoeExpertsArgs::workspace); empty when no layer runs the op
@@ -281,6 +305,9 @@ class MoeDecoder {
     ~SampleBuffers();
   } sample_;
   size_t tables_offset_ = 0;      // int32 elements before block_tables in `inputs`
+  size_t sliding_offset_ = 0;     // ... before sliding_block_tables (0: no sliding pool)
+  // Per-token arrays at the head of `inputs`: five, six with a sliding pool.
+  int64_t per_token_arrays() const { return limits_.num_sliding_kv_blocks > 0 ? 6 : 5; }
   TensorView routed_table_;       // [num_moe_layers, max_tokens, top_k] int32 (scratch)
   GraphStats graph_stats_;
   bool graphs_ready_ = false;
