@@ -67,6 +67,10 @@ struct DaemonConfig {
   int max_blocks_per_seq = 256;
   // Keep full KV blocks for requests that start with the same tokens (core::PrefixCache).
   bool prefix_cache = false;
+  // A model with sliding-window layers keeps their KV in a pool of its own, sized to every
+  // running request's window (StepLimits::num_sliding_kv_blocks): the KV budget then holds the
+  // full-attention layers' context only. Not with prefix_cache.
+  bool sliding_kv_pool = false;
 
   // Protocol bounds (the hello reply reports them).
   protocol::Limits limits;

@@ -152,7 +152,8 @@ nlohmann::json snapshot_json(const EngineSnapshot* s) {
           {"weight_version", s->weight_version},
           {"queue", {{"waiting", s->num_waiting}, {"running", s->num_running}}},
           {"kv_blocks", {{"free", s->kv_blocks_free}, {"total", s->kv_blocks_total}, {"cached", s->kv_blocks_cached},
-                         {"evictable", s->kv_blocks_evictable}}},
+                         {"evictable", s->kv_blocks_evictable},
+                         {"sliding", {{"free", s->sliding_kv_blocks_free}, {"total", s->sliding_kv_blocks_total}}}}},
           {"prefix_cache",
            {{"queried_tokens_total", s->num_prefix_cache_queried_tokens_total},
             {"hit_tokens_total", s->num_prefix_cache_hit_tokens_total}}},
@@ -238,9 +239,37 @@ int run_daemon(const DaemonConfig& config, std::atomic<int>& drain_signals) {
   limits.kv_block_size = config.kv_block_size;
   limits.max_blocks_per_seq = config.max_blocks_per_seq;
   limits.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, config.device == "cuda", mc.dense_bf16);
-  if (config.kv_cache_bytes > 0) {  // the budget's blocks replace --kv-blocks
-    const int64_t per_block = core::kv_cache_bytes_per_block(mc, config.kv_block_size, limits.kv_dtype);
-    const auto blocks = kv_blocks_for_budget(config.kv_cache_bytes, per_block, config.max_blocks_per_seq);
+  // The sliding-window layers' own pool, sized to every running request's window; the budget
+  // pays for it first, and the rest holds the full-attention layers' context.
+  const bool sliding_pool = config.sliding_kv_pool && mc.num_sliding_layers() > 0;
+  const bool full_layers = mc.num_sliding_layers() < mc.num_hidden_layers;
+  uint64_t sliding_bytes = 0;
+  if (config.sliding_kv_pool && !sliding_pool)
+    obs::log_info("daemon", "--sliding-kv-pool: the model has no sliding-window layers, one KV pool", {});
+  if (sliding_pool) {
+    limits.num_sliding_kv_blocks = core::sliding_kv_blocks_needed(mc, limits);
+    sliding_bytes = static_cast<uint64_t>(limits.num_sliding_kv_blocks) *
+                    static_cast<uint64_t>(core::kv_cache_bytes_per_block(mc, config.kv_block_size, limits.kv_dtype,
+                                                                         /*sliding=*/true));
+    obs::log_info("daemon", "sliding-window layers in a KV pool of their own",
+                  {{"sliding_kv_blocks", limits.num_sliding_kv_blocks},
+                   {"sliding_layers", mc.num_sliding_layers()},
+                   {"window", mc.sliding_window},
+                   {"size_bytes", sliding_bytes}});
+  }
+  if (config.kv_cache_bytes > 0 && (full_layers || !sliding_pool)) {  // the budget's blocks replace --kv-blocks
+    const int64_t per_block =
+        sliding_pool ? core::kv_cache_bytes_per_block(mc, config.kv_block_size, limits.kv_dtype, /*sliding=*/false)
+                     : core::kv_cache_bytes_per_block(mc, config.kv_block_size, limits.kv_dtype);
+    if (sliding_bytes >= config.kv_cache_bytes) {
+      obs::log_error("daemon", "KV cache budget too small",
+                     {{"error", "--kv-cache-bytes " + std::to_string(config.kv_cache_bytes) +
+                                    " does not cover the sliding-window pool's " + std::to_string(sliding_bytes) +
+                                    " bytes (--sliding-kv-pool; it grows with --max-running and --max-step-tokens)"}});
+      return kExitStartupFailure;
+    }
+    const auto blocks =
+        kv_blocks_for_budget(config.kv_cache_bytes - sliding_bytes, per_block, config.max_blocks_per_seq);
     if (!blocks.ok()) {
       obs::log_error("daemon", "KV cache budget too small", {{"error", blocks.status().to_string()}});
       return kExitStartupFailure;

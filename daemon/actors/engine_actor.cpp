@@ -154,6 +154,8 @@ void EngineActor::publish() {
   s->kv_blocks_total = st.kv_blocks_total;
   s->kv_blocks_cached = st.kv_blocks_cached;
   s->kv_blocks_evictable = st.kv_blocks_evictable;
+  s->sliding_kv_blocks_free = st.sliding_kv_blocks_free;
+  s->sliding_kv_blocks_total = st.sliding_kv_blocks_total;
   s->num_prefix_cache_queried_tokens_total = st.num_prefix_cache_queried_tokens_total;
   s->num_prefix_cache_hit_tokens_total = st.num_prefix_cache_hit_tokens_total;
   s->kv_cache_dtype = dtype_name(engine_->model().limits().kv_dtype);
@@ -185,6 +187,7 @@ void EngineActor::publish() {
     prefix_hit_seen_ = st.num_prefix_cache_hit_tokens_total;
   }
   metrics_.set_kv_blocks_cached(st.kv_blocks_cached, st.kv_blocks_evictable);
+  metrics_.set_kv_blocks(st.kv_blocks_free, st.kv_blocks_total, st.sliding_kv_blocks_free, st.sliding_kv_blocks_total);
   if (st.num_prompt_tokens_total > prompt_tokens_seen_) {
     metrics_.add_prompt_tokens(st.num_prompt_tokens_total - prompt_tokens_seen_);
     prompt_tokens_seen_ = st.num_prompt_tokens_total;

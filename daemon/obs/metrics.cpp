@@ -157,6 +157,14 @@ struct Metrics::Impl {
                        .Register(registry);
     kv_blocks_cached_read = &cached.Add({{"state", "read"}});
     kv_blocks_cached_evictable = &cached.Add({{"state", "evictable"}});
+    kv_blocks_family = &prometheus::BuildGauge()
+                            .Name("rolloutd_kv_blocks")
+                            .Help("KV cache blocks by pool (full: every layer, or the full-attention layers with "
+                                  "--sliding-kv-pool; sliding: the sliding-window layers' own pool) and state "
+                                  "(free, or used: held by requests or the prefix cache).")
+                            .Register(registry);
+    kv_blocks_full_free = &kv_blocks_family->Add({{"pool", "full"}, {"state", "free"}});
+    kv_blocks_full_used = &kv_blocks_family->Add({{"pool", "full"}, {"state", "used"}});
     auto& steps = prometheus::BuildCounter()
                       .Name("rolloutd_forward_steps_total")
                       .Help("Forward steps by how they ran: graph (a decode step padded to its bucket and "
@@ -251,6 +259,11 @@ struct Metrics::Impl {
   prometheus::Counter* prefix_hit = nullptr;
   prometheus::Gauge* kv_blocks_cached_read = nullptr;
   prometheus::Gauge* kv_blocks_cached_evictable = nullptr;
+  prometheus::Family<prometheus::Gauge>* kv_blocks_family = nullptr;
+  prometheus::Gauge* kv_blocks_full_free = nullptr;
+  prometheus::Gauge* kv_blocks_full_used = nullptr;
+  prometheus::Gauge* kv_blocks_sliding_free = nullptr;  // added with the first sliding pool seen
+  prometheus::Gauge* kv_blocks_sliding_used = nullptr;
   prometheus::Counter* graph_steps = nullptr;
   prometheus::Counter* eager_steps = nullptr;
   prometheus::Gauge* queue_waiting = nullptr;
@@ -292,6 +305,17 @@ void Metrics::add_prefix_cache_tokens(uint64_t queried, uint64_t hit) {
 void Metrics::set_kv_blocks_cached(int64_t cached, int64_t evictable) {
   impl_->kv_blocks_cached_read->Set(static_cast<double>(cached - evictable));
   impl_->kv_blocks_cached_evictable->Set(static_cast<double>(evictable));
+}
+void Metrics::set_kv_blocks(int64_t free, int64_t total, int64_t sliding_free, int64_t sliding_total) {
+  impl_->kv_blocks_full_free->Set(static_cast<double>(free));
+  impl_->kv_blocks_full_used->Set(static_cast<double>(total - free));
+  if (sliding_total == 0) return;  // no sliding pool: no series that would read as an empty one
+  if (!impl_->kv_blocks_sliding_free) {
+    impl_->kv_blocks_sliding_free = &impl_->kv_blocks_family->Add({{"pool", "sliding"}, {"state", "free"}});
+    impl_->kv_blocks_sliding_used = &impl_->kv_blocks_family->Add({{"pool", "sliding"}, {"state", "used"}});
+  }
+  impl_->kv_blocks_sliding_free->Set(static_cast<double>(sliding_free));
+  impl_->kv_blocks_sliding_used->Set(static_cast<double>(sliding_total - sliding_free));
 }
 void Metrics::on_finished(std::string_view reason) { impl_->finished.get(reason).Increment(); }
 void Metrics::on_stream_abort(std::string_view reason) { impl_->stream_aborts.get(reason).Increment(); }

@@ -44,6 +44,9 @@ class Metrics {
   // rolloutd_kv_blocks_cached{state="read"|"evictable"}
   void add_prefix_cache_tokens(uint64_t queried, uint64_t hit);
   void set_kv_blocks_cached(int64_t cached, int64_t evictable);
+  // rolloutd_kv_blocks{pool="full"|"sliding", state="free"|"used"} (the sliding pool's only
+  // with --sliding-kv-pool; blocks the prefix cache holds count as used)
+  void set_kv_blocks(int64_t free, int64_t total, int64_t sliding_free, int64_t sliding_total);
   void on_finished(std::string_view reason);       // rolloutd_requests_finished_total{reason}
   void on_stream_abort(std::string_view reason);   // rolloutd_stream_aborts_total{reason}
   void on_reply_dropped();                         // rolloutd_replies_dropped_total

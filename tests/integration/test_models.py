@@ -302,3 +302,55 @@ def test_model_that_is_not_a_directory_is_a_usage_error(models):
     rc, out = start_fails(["--model", os.path.join(models["root"], "nope")])
     assert rc == 64, out
     assert "checkpoint directory" in out
+
+
+def test_sliding_kv_pool_gives_the_same_rollouts_and_frees_the_window_layers_blocks(daemon_factory, models):
+    """--sliding-kv-pool (gpt_oss, window 4, blocks of 4): the window layers' KV in a pool of its
+    own. The same greedy tokens, records and log-probs as one pool, in a chunked busy batch; the
+    pool reported in /v1/status and /metrics and empty again when the requests end; a KV budget
+    pays for it, then holds more full-attention blocks than it held blocks of every layer."""
+    import threading
+    budget = ["--kv-cache-bytes", str(1 << 20), "--kv-block-size", "4", "--max-blocks-per-seq", "64"]
+    pool = daemon_factory(["--model", models["oss-a"], "--max-step-tokens", "8", "--sliding-kv-pool", *budget])
+    plain = daemon_factory(["--model", models["oss-a"], "--max-step-tokens", "8", *budget])
+    kw = dict(temperature=0.0, return_logprob=True, return_routed_experts=True)
+    prompts = [[(5 * i + 3 * j + 1) % 120 for j in range(3 + 7 * i)] for i in range(5)]
+    results = {}
+
+    def one(d, i):
+        with d.client() as c:
+            results[(d.control_port, i)] = c.generate(prompts[i], max_new_tokens=30 + i, **kw)
+
+    for d in (pool, plain):
+        threads = [threading.Thread(target=one, args=(d, i)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    for i in range(len(prompts)):
+        a, b = results[(pool.control_port, i)], results[(plain.control_port, i)]
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 30 + i, i
+        assert a.routed_experts.data == b.routed_experts.data, i
+        assert all(abs(x - y) < 1e-4 for x, y in zip(a.logprobs, b.logprobs)), i
+    st, st_plain = (json.loads(d.get("/v1/status")[1])["kv_blocks"] for d in (pool, plain))
+    assert st["sliding"]["total"] > 0 and st["sliding"]["free"] == st["sliding"]["total"], st
+    assert st_plain["sliding"]["total"] == 0, st_plain
+    assert st["total"] > st_plain["total"], (st, st_plain)  # one of two layers' blocks from the rest of the budget
+    assert pool.metric("rolloutd_kv_blocks", pool="sliding", state="free") == st["sliding"]["total"]
+    assert pool.metric("rolloutd_kv_blocks", pool="full", state="free") == st["total"]
+    assert pool.terminate() == 0
+    assert pool.log_lines()[0].get("sliding_kv_pool") is True
+
+
+def test_sliding_kv_pool_refusals_and_models_without_windows(daemon_factory, models):
+    # An invalid configuration: a usage error, before any model is read.
+    rc, out = start_fails(["--model", models["oss-a"], "--sliding-kv-pool", "--prefix-cache"])
+    assert rc == 64 and "field=sliding_kv_pool" in out and "--prefix-cache" in out, out
+    # Too small a budget for the pool (it grows with --max-running and --max-step-tokens).
+    rc, out = start_fails(["--model", models["oss-a"], "--sliding-kv-pool", "--kv-cache-bytes", "4096"])
+    assert rc == 2 and "sliding-window pool" in out, out
+    # qwen3_moe has no sliding layers: the flag changes nothing, and says so.
+    d = daemon_factory(["--model", models["a"], "--sliding-kv-pool"])
+    assert json.loads(d.get("/v1/status")[1])["kv_blocks"]["sliding"]["total"] == 0
+    assert d.terminate() == 0
+    assert any("no sliding-window layers" in l.get("msg", "") for l in d.log_lines())
