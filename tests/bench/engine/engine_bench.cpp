@@ -6,7 +6,7 @@
 //   engine_bench [--json FILE] [--models tiny,mid] [--batches 1,32,256] [--new-tokens N]
 //                [--model-dir DIR [--peer PEER.json]] [--host-sampling 1] [--quantize-experts mxfp4]
 //                [--graphs on|off|both] [--records on|off|both] [--dense-bf16 1] [--fuse-qkv 0] [--grouped-experts 0]
-//                [--prefill R,L] [--prefix-groups G,N,L,T] [--device cuda|cpu]
+//                [--prefill R,L] [--prefix-groups G,N,L,T] [--device cuda|cpu] [--sliding-kv-pool 1]
 //
 // With records on, each batch also reports how the decode steps' routing loaded the experts
 // (load_of: busy experts, the MXFP4 decode kernel's 8-token passes, the most tokens an expert
@@ -46,6 +46,11 @@
 // engine without and one with EngineOptions::prefix_cache (graphs on, a step budget of 2,048
 // tokens), and reports the wall time from the first step to the last, generated tokens / s and
 // the prompt tokens the cache lent (JSON "prefix_cache"; README "Prefix cache").
+//
+// --sliding-kv-pool 1 gives the decode and prefill engines of a model with sliding-window layers
+// (a gpt_oss checkpoint) the sliding layers' own KV pool (StepLimits::num_sliding_kv_blocks,
+// sliding_kv_blocks_needed; README "Sliding KV pool"): the step times against a run without it
+// show its cost (one more table upload a step), JSON "kv_cache_bytes" what it saves.
 #include <algorithm>
 #include <cmath>
 #include <chrono>
@@ -487,6 +492,7 @@ int main(int argc, char** argv) {
   std::string groups_arg = "0";       // --prefix-groups G,N,L,T (0: skip)
   std::string device_arg = "cuda";    // --device cpu: a smoke run on the CPU backend
   std::string kv_arg = "float32";     // --kv-dtype float32|bfloat16: the K and V caches (StepLimits::kv_dtype)
+  bool sliding_pool = false;          // --sliding-kv-pool 1: the window layers' own pool (decode and prefill)
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--json") json_path = argv[i + 1];
@@ -516,6 +522,7 @@ int main(int argc, char** argv) {
     else if (a == "--prefix-groups") groups_arg = argv[i + 1];
     else if (a == "--device") device_arg = argv[i + 1];
     else if (a == "--kv-dtype") kv_arg = argv[i + 1];
+    else if (a == "--sliding-kv-pool") sliding_pool = std::atoi(argv[i + 1]) != 0;
   }
   if (kv_arg != "float32" && kv_arg != "bfloat16") {
     std::fprintf(stderr, "--kv-dtype: float32 or bfloat16, got %s\n", kv_arg.c_str());
@@ -655,6 +662,12 @@ int main(int argc, char** argv) {
       limits.num_kv_blocks = max_batch * ((g_prompt_len + new_tokens + 15) / 16 + 1) + 16;
       limits.graph_max_batch = graphs ? max_batch : 0;
       limits.kv_dtype = kv_dtype;
+      if (sliding_pool) limits.num_sliding_kv_blocks = core::sliding_kv_blocks_needed(mc, limits);
+      const int64_t kv_bytes =
+          limits.num_sliding_kv_blocks > 0
+              ? limits.num_kv_blocks * core::kv_cache_bytes_per_block(mc, 16, kv_dtype, /*sliding=*/false) +
+                    limits.num_sliding_kv_blocks * core::kv_cache_bytes_per_block(mc, 16, kv_dtype, /*sliding=*/true)
+              : limits.num_kv_blocks * core::kv_cache_bytes_per_block(mc, 16, kv_dtype);
       const size_t free_before = device_free_bytes();
       std::unique_ptr<Engine> e = build(limits, max_batch);
       if (!e) return 1;
@@ -667,6 +680,8 @@ int main(int argc, char** argv) {
                               {"graphs", graphs},
                               {"dense_bf16", e->model().uses_bf16_dense()},
                               {"kv_dtype", kv_arg},
+                              {"sliding_kv_blocks", limits.num_sliding_kv_blocks},
+                              {"kv_cache_bytes", kv_bytes},
                               {"qkv_fused_layers", e->model().qkv_fused_layers()},
                               {"num_graphs", gs.num_graphs},
                               {"buckets", gs.buckets},
@@ -762,6 +777,7 @@ int main(int argc, char** argv) {
       pl.max_blocks_per_seq = (prefill_len + 1 + 15) / 16 + 1;
       pl.num_kv_blocks = prefill_requests * pl.max_blocks_per_seq + 16;
       pl.graph_max_batch = 0;
+      if (sliding_pool) pl.num_sliding_kv_blocks = core::sliding_kv_blocks_needed(mc, pl);
       std::unique_ptr<Engine> pe = build(pl, prefill_requests);
       if (!pe) return 1;
       run_prefill(*pe, prefill_requests, prefill_len, "pw");  // warm-up
