@@ -257,19 +257,22 @@ int run_daemon(const DaemonConfig& config, std::atomic<int>& drain_signals) {
                    {"window", mc.sliding_window},
                    {"size_bytes", sliding_bytes}});
   }
-  if (config.kv_cache_bytes > 0 && (full_layers || !sliding_pool)) {  // the budget's blocks replace --kv-blocks
+  if (config.kv_cache_bytes > 0) {  // the budget's blocks replace --kv-blocks
     const int64_t per_block =
         sliding_pool ? core::kv_cache_bytes_per_block(mc, config.kv_block_size, limits.kv_dtype, /*sliding=*/false)
                      : core::kv_cache_bytes_per_block(mc, config.kv_block_size, limits.kv_dtype);
-    if (sliding_bytes >= config.kv_cache_bytes) {
+    if (sliding_bytes > config.kv_cache_bytes || (full_layers && sliding_bytes == config.kv_cache_bytes)) {
       obs::log_error("daemon", "KV cache budget too small",
                      {{"error", "--kv-cache-bytes " + std::to_string(config.kv_cache_bytes) +
                                     " does not cover the sliding-window pool's " + std::to_string(sliding_bytes) +
                                     " bytes (--sliding-kv-pool; it grows with --max-running and --max-step-tokens)"}});
       return kExitStartupFailure;
     }
+    // Every layer sliding: the main pool holds no memory, only each request's positions; one
+    // request at its longest is all it must admit.
     const auto blocks =
-        kv_blocks_for_budget(config.kv_cache_bytes - sliding_bytes, per_block, config.max_blocks_per_seq);
+        full_layers ? kv_blocks_for_budget(config.kv_cache_bytes - sliding_bytes, per_block, config.max_blocks_per_seq)
+                    : Result<int64_t>(std::max<int64_t>(config.kv_blocks, config.max_blocks_per_seq));
     if (!blocks.ok()) {
       obs::log_error("daemon", "KV cache budget too small", {{"error", blocks.status().to_string()}});
       return kExitStartupFailure;

@@ -676,6 +676,26 @@ Result<std::span<const float>> MoeDecoder::step_impl(const StepBatch& b, RoutedE
     decode = decode && row == r;
   }
 
+  if (sliding_offset_) {
+    // Every sliding block a row sees must be held: the CUDA attention skips an entry outside the
+    // pool (a silently wrong row), so a scheduler bug that freed one early is stopped here, on
+    // every backend, at the cost of a look at each row's window.
+    const int64_t bs = limits_.kv_block_size, width = b.max_blocks_per_seq, w = c.sliding_window;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t len = b.ctx_len[static_cast<size_t>(t)], seq = b.seq_of[static_cast<size_t>(t)];
+      const int32_t slot = b.sliding_slot_mapping[static_cast<size_t>(t)];
+      if (len <= 0 || (len + bs - 1) / bs > width || slot < 0 || slot >= limits_.num_sliding_kv_blocks * bs)
+        return Status(ErrorCode::kInternal, "a sliding slot or context length outside the pool", "sliding_slot_mapping");
+      for (int64_t j = std::max<int64_t>(0, len - w) / bs; j <= (len - 1) / bs; ++j) {
+        const int32_t blk = b.sliding_block_tables[static_cast<size_t>(seq * width + j)];
+        if (blk < 0 || blk >= limits_.num_sliding_kv_blocks)
+          return Status(ErrorCode::kInternal,
+                        "token " + std::to_string(t) + " sees sliding block " + std::to_string(j) +
+                            " of its sequence, which is not held (" + std::to_string(blk) + ")",
+                        "sliding_block_tables");
+      }
+    }
+  }
   // A decode step that fits a bucket runs padded to it (from its graph on CUDA).
   const int64_t bucket = decode ? bucket_for(T) : 0;
   const int64_t rows = bucket ? bucket : T, seqs = bucket ? bucket : S, run_r = bucket ? bucket : R;

@@ -58,7 +58,9 @@ struct StepLimits {
   // (StepBatch::sliding_*), where a sequence needs only the blocks of its last window; the
   // num_kv_blocks pool then holds the full-attention layers only. 0: every layer in one pool.
   // sliding_kv_blocks_needed() is a size that a scheduler keeping each running sequence to its
-  // window (core::Engine) never exhausts. Needs a model with sliding and full layers.
+  // window (core::Engine) never exhausts; core::Engine admits by the main pool only, so a smaller
+  // pool (it accepts down to one request's window and step) preempts the youngest requests as
+  // they grow, and admits them again. Needs a model with sliding-window layers.
   int64_t num_sliding_kv_blocks = 0;
   // Element type of the K and V caches: kF32, or kBF16 (each k and v value rounded to nearest
   // even as it is stored; half the bytes, so twice the blocks in the same memory and half the

@@ -139,9 +139,9 @@ TEST(SlidingKvPool, GivesWhatOnePoolGivesHoldingOnlyTheWindow) {
   // 40 new tokens take every request well past its window.
   const std::vector<RequestSpec> reqs = {request("a", 3, 40), request("b", 17, 40), request("c", 45, 40),
                                          request("d", 9, 40), request("e", 30, 25)};
-  // Between steps a request sees at most positions (n - 10, n]: blocks floor((n - 9) / 4) ..
-  // floor((n - 1) / 4), at most 4 of them.
-  const Out a = run(**two, reqs, /*per_seq=*/4);
+  // Between steps a request holds the blocks of positions n - 9 .. n - 1 (what position n sees
+  // before it is computed): 9 positions, 3 blocks of 4 wherever they start.
+  const Out a = run(**two, reqs, /*per_seq=*/3);
   const Out b = run(**one, reqs);
   expect_same(a, b, reqs, 0.0f);  // the same arithmetic on the same values: bit for bit
   expect_nothing_held(**two);
@@ -211,9 +211,62 @@ TEST(SlidingKvPool, RefusedWhereItCannotWork) {
   ASSERT_TRUE(m.ok());
   ASSERT_TRUE(init_random_weights(**m, 11).ok());
   std::vector<float> logits;
-  const Status st = (*m)->forward(test::single_sequence_prefill({1, 2, 3}, 4), logits, nullptr);
+  StepBatch b = test::single_sequence_prefill({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14}, 4);
+  Status st = (*m)->forward(b, logits, nullptr);
   EXPECT_EQ(st.code(), ErrorCode::kInternal);
   EXPECT_EQ(st.field(), "sliding_block_tables");
+  // With them it runs; with a block its rows still see marked freed (-1), it is refused before
+  // any kernel (the CUDA attention would skip the entry and compute a wrong row).
+  b.sliding_slot_mapping = b.slot_mapping;
+  b.sliding_block_tables = b.block_tables;
+  b.logits_rows = {13};
+  st = (*m)->forward(b, logits, nullptr);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  b.sliding_block_tables[1] = -1;  // positions 4..7, in the window of positions up to 16
+  st = (*m)->forward(b, logits, nullptr);
+  EXPECT_EQ(st.code(), ErrorCode::kInternal);
+  EXPECT_EQ(st.field(), "sliding_block_tables");
+  EXPECT_NE(st.message().find("sliding block 1"), std::string::npos) << st.message();
+  // Block 0 (positions 0..3) is before the window of every row from position 13 on, but rows
+  // 0..12 still see it: refused too. Only a batch of rows past it may leave it freed.
+  b.sliding_block_tables[1] = 1;
+  b.sliding_block_tables[0] = -1;
+  EXPECT_EQ((*m)->forward(b, logits, nullptr).field(), "sliding_block_tables");
+}
+
+TEST(SlidingKvPool, AnInPlacePauseKeepsTheWindowAndGivesWhatOnePoolGives) {
+  // Requests paused in place (a weight update's in_place mode, here without one) keep their
+  // sliding blocks and go on from them after the resume.
+  const ModelConfig c = sliding_config();
+  const std::vector<RequestSpec> reqs = {request("a", 23, 30), request("b", 6, 30), request("c", 40, 20)};
+  Out want, got;
+  for (const bool pool : {false, true}) {
+    auto e = make(limits(128, pool ? sliding_kv_blocks_needed(c, limits(128, 0)) : 0));
+    ASSERT_TRUE(e.ok());
+    for (const auto& r : reqs) ASSERT_TRUE((*e)->submit(r).ok());
+    std::vector<EngineEvent> evs;
+    for (int i = 0; i < 7; ++i) ASSERT_TRUE((*e)->step(evs).ok());
+    (*e)->pause(Engine::PauseMode::kInPlace, evs);
+    if (pool) {
+      EXPECT_LT((*e)->stats().sliding_kv_blocks_free, (*e)->stats().sliding_kv_blocks_total);
+    }
+    ASSERT_TRUE((*e)->step(evs).ok());  // paused: nothing runs
+    (*e)->resume();
+    Out& out = pool ? got : want;
+    for (const auto& ev : evs) {  // before the pause
+      if (ev.kind != EngineEvent::Kind::kTokens) continue;
+      out.tokens[ev.rid].insert(out.tokens[ev.rid].end(), ev.token_ids.begin(), ev.token_ids.end());
+      out.logprobs[ev.rid].insert(out.logprobs[ev.rid].end(), ev.logprobs.begin(), ev.logprobs.end());
+      out.routed[ev.rid].insert(out.routed[ev.rid].end(), ev.routed_rows.begin(), ev.routed_rows.end());
+    }
+    const Out after = run(**e, {});
+    for (const auto& [rid, t] : after.tokens) out.tokens[rid].insert(out.tokens[rid].end(), t.begin(), t.end());
+    for (const auto& [rid, l] : after.logprobs) out.logprobs[rid].insert(out.logprobs[rid].end(), l.begin(), l.end());
+    for (const auto& [rid, r] : after.routed) out.routed[rid].insert(out.routed[rid].end(), r.begin(), r.end());
+    out.finals = after.finals;
+    expect_nothing_held(**e);
+  }
+  expect_same(got, want, reqs, 0.0f);
 }
 
 }  // namespace
