@@ -2,6 +2,8 @@
 // Shared helpers for core/ tests.
 #include <cstdlib>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -77,6 +79,39 @@ inline std::vector<core::EngineEvent> run_to_idle(core::Engine& e, int max_steps
   }
   EXPECT_FALSE(e.has_work()) << "engine did not go idle";
   return out;
+}
+
+// What requests received, by rid: their tokens, log-probs and routed-expert rows in arrival
+// order, and their final events (a failed one is a test failure).
+struct RequestLog {
+  std::map<std::string, std::vector<int32_t>> tokens, routed;
+  std::map<std::string, std::vector<float>> logprobs;
+  std::map<std::string, int> finals;
+  void add(const core::EngineEvent& ev) {
+    if (ev.kind != core::EngineEvent::Kind::kTokens) {
+      EXPECT_NE(ev.kind, core::EngineEvent::Kind::kFailed) << ev.rid << ": " << ev.error.to_string();
+      ++finals[ev.rid];
+      return;
+    }
+    tokens[ev.rid].insert(tokens[ev.rid].end(), ev.token_ids.begin(), ev.token_ids.end());
+    logprobs[ev.rid].insert(logprobs[ev.rid].end(), ev.logprobs.begin(), ev.logprobs.end());
+    routed[ev.rid].insert(routed[ev.rid].end(), ev.routed_rows.begin(), ev.routed_rows.end());
+  }
+};
+
+// Steps the engine until idle (bounded), logging every event; `after_step(i)` runs after step i.
+inline RequestLog step_to_idle(core::Engine& e, const std::function<void(int)>& after_step = {}) {
+  RequestLog log;
+  for (int i = 0; i < 10000 && e.has_work(); ++i) {
+    std::vector<core::EngineEvent> evs;
+    const Status st = e.step(evs);
+    EXPECT_TRUE(st.ok()) << st.to_string();
+    if (!st.ok()) break;
+    if (after_step) after_step(i);
+    for (const auto& ev : evs) log.add(ev);
+  }
+  EXPECT_FALSE(e.has_work()) << "engine did not go idle";
+  return log;
 }
 
 // Parameters of `src` in checkpoint layout, as one bucket (what a trainer pushes): every one, or

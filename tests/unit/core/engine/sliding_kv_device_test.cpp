@@ -63,8 +63,7 @@ std::unique_ptr<Engine> make(DType kv_dtype, bool pool) {
 }
 
 struct Out {
-  std::map<std::string, std::vector<int32_t>> tokens, routed;
-  std::map<std::string, std::vector<float>> logprobs;
+  test::RequestLog log;
   int64_t most_sliding_held = 0;
 };
 
@@ -81,24 +80,12 @@ Out run(Engine& e) {
     s.return_routed_experts = true;
     EXPECT_TRUE(e.submit(s).ok()) << s.rid;
   }
-  Out out;
-  for (int i = 0; i < 10000 && e.has_work(); ++i) {
-    std::vector<EngineEvent> evs;
-    const Status st = e.step(evs);
-    EXPECT_TRUE(st.ok()) << st.to_string();
-    if (!st.ok()) break;
+  int64_t most_held = 0;
+  test::RequestLog log = test::step_to_idle(e, [&](int) {
     const EngineStats s = e.stats();
-    out.most_sliding_held = std::max(out.most_sliding_held, s.sliding_kv_blocks_total - s.sliding_kv_blocks_free);
-    for (const auto& ev : evs) {
-      EXPECT_NE(ev.kind, EngineEvent::Kind::kFailed) << ev.rid << ": " << ev.error.to_string();
-      if (ev.kind != EngineEvent::Kind::kTokens) continue;
-      out.tokens[ev.rid].insert(out.tokens[ev.rid].end(), ev.token_ids.begin(), ev.token_ids.end());
-      out.logprobs[ev.rid].insert(out.logprobs[ev.rid].end(), ev.logprobs.begin(), ev.logprobs.end());
-      out.routed[ev.rid].insert(out.routed[ev.rid].end(), ev.routed_rows.begin(), ev.routed_rows.end());
-    }
-  }
-  EXPECT_FALSE(e.has_work());
-  return out;
+    most_held = std::max(most_held, s.sliding_kv_blocks_total - s.sliding_kv_blocks_free);
+  });
+  return {std::move(log), most_held};
 }
 
 TEST(SlidingKvPoolDevice, CudaWithThePoolGivesWhatOnePoolGives) {
@@ -112,11 +99,11 @@ TEST(SlidingKvPoolDevice, CudaWithThePoolGivesWhatOnePoolGives) {
     const Out got = run(*two);
     for (int i = 0; i < 6; ++i) {
       const std::string rid = "r" + std::to_string(i);
-      EXPECT_EQ(got.tokens.at(rid).size(), 40u) << rid;
-      EXPECT_EQ(got.tokens.at(rid), want.tokens.at(rid)) << rid;
-      EXPECT_EQ(got.routed.at(rid), want.routed.at(rid)) << rid;
-      const auto& lp = got.logprobs.at(rid);
-      const auto& lw = want.logprobs.at(rid);
+      EXPECT_EQ(got.log.tokens.at(rid).size(), 40u) << rid;
+      EXPECT_EQ(got.log.tokens.at(rid), want.log.tokens.at(rid)) << rid;
+      EXPECT_EQ(got.log.routed.at(rid), want.log.routed.at(rid)) << rid;
+      const auto& lp = got.log.logprobs.at(rid);
+      const auto& lw = want.log.logprobs.at(rid);
       ASSERT_EQ(lp.size(), lw.size()) << rid;
       for (size_t t = 0; t < lw.size(); ++t) EXPECT_NEAR(lp[t], lw[t], 1e-5 + 1e-5 * std::fabs(lw[t])) << rid << " " << t;
     }

@@ -56,41 +56,21 @@ RequestSpec request(const std::string& rid, int prompt_len, uint32_t max_new) {
   return s;
 }
 
-struct Out {
-  std::map<std::string, std::vector<int32_t>> tokens, routed;
-  std::map<std::string, std::vector<float>> logprobs;
-  std::map<std::string, int> finals;
-};
+using Out = test::RequestLog;
 
 // Runs to idle; after every step, the sliding blocks held stay within `per_seq` per running
 // request (when given).
 Out run(Engine& e, const std::vector<RequestSpec>& reqs, int64_t per_seq = 0) {
   for (const auto& r : reqs) EXPECT_TRUE(e.submit(r).ok()) << r.rid;
-  Out out;
   int64_t most_held = 0;
-  for (int i = 0; i < 10000 && e.has_work(); ++i) {
-    std::vector<EngineEvent> evs;
-    const Status st = e.step(evs);
-    EXPECT_TRUE(st.ok()) << st.to_string();
-    if (!st.ok()) break;
+  Out out = test::step_to_idle(e, [&](int i) {
     const EngineStats s = e.stats();
     const int64_t held = s.sliding_kv_blocks_total - s.sliding_kv_blocks_free;
     most_held = std::max(most_held, held);
     if (per_seq > 0) {
       EXPECT_LE(held, per_seq * static_cast<int64_t>(s.num_running)) << "step " << i;
     }
-    for (const auto& ev : evs) {
-      if (ev.kind != EngineEvent::Kind::kTokens) {
-        EXPECT_NE(ev.kind, EngineEvent::Kind::kFailed) << ev.rid << ": " << ev.error.to_string();
-        ++out.finals[ev.rid];
-        continue;
-      }
-      out.tokens[ev.rid].insert(out.tokens[ev.rid].end(), ev.token_ids.begin(), ev.token_ids.end());
-      out.logprobs[ev.rid].insert(out.logprobs[ev.rid].end(), ev.logprobs.begin(), ev.logprobs.end());
-      out.routed[ev.rid].insert(out.routed[ev.rid].end(), ev.routed_rows.begin(), ev.routed_rows.end());
-    }
-  }
-  EXPECT_FALSE(e.has_work());
+  });
   if (per_seq > 0) {
     EXPECT_GT(most_held, 0) << "the sliding pool was never used";
   }
@@ -253,17 +233,12 @@ TEST(SlidingKvPool, AnInPlacePauseKeepsTheWindowAndGivesWhatOnePoolGives) {
     ASSERT_TRUE((*e)->step(evs).ok());  // paused: nothing runs
     (*e)->resume();
     Out& out = pool ? got : want;
-    for (const auto& ev : evs) {  // before the pause
-      if (ev.kind != EngineEvent::Kind::kTokens) continue;
-      out.tokens[ev.rid].insert(out.tokens[ev.rid].end(), ev.token_ids.begin(), ev.token_ids.end());
-      out.logprobs[ev.rid].insert(out.logprobs[ev.rid].end(), ev.logprobs.begin(), ev.logprobs.end());
-      out.routed[ev.rid].insert(out.routed[ev.rid].end(), ev.routed_rows.begin(), ev.routed_rows.end());
+    for (const auto& ev : evs) out.add(ev);  // before the pause
+    for (int i = 0; i < 10000 && (*e)->has_work(); ++i) {
+      evs.clear();
+      ASSERT_TRUE((*e)->step(evs).ok());
+      for (const auto& ev : evs) out.add(ev);
     }
-    const Out after = run(**e, {});
-    for (const auto& [rid, t] : after.tokens) out.tokens[rid].insert(out.tokens[rid].end(), t.begin(), t.end());
-    for (const auto& [rid, l] : after.logprobs) out.logprobs[rid].insert(out.logprobs[rid].end(), l.begin(), l.end());
-    for (const auto& [rid, r] : after.routed) out.routed[rid].insert(out.routed[rid].end(), r.begin(), r.end());
-    out.finals = after.finals;
     expect_nothing_held(**e);
   }
   expect_same(got, want, reqs, 0.0f);
