@@ -242,7 +242,8 @@ int run_daemon(const DaemonConfig& config, std::atomic<int>& drain_signals) {
   // The sliding-window layers' own pool, sized to every running request's window; the budget
   // pays for it first, and the rest holds the full-attention layers' context.
   const bool sliding_pool = config.sliding_kv_pool && mc.num_sliding_layers() > 0;
-  const bool full_layers = mc.num_sliding_layers() < mc.num_hidden_layers;
+  // Whether the main pool holds any layer's KV (not when every layer is in the sliding pool).
+  const bool full_layers = !sliding_pool || mc.num_sliding_layers() < mc.num_hidden_layers;
   uint64_t sliding_bytes = 0;
   if (config.sliding_kv_pool && !sliding_pool)
     obs::log_info("daemon", "--sliding-kv-pool: the model has no sliding-window layers, one KV pool", {});
