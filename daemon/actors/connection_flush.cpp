@@ -1,5 +1,6 @@
 #include "daemon/actors/connection_flush.hpp"
 
+#include <algorithm>
 #include <charconv>
 #include <filesystem>
 #include <fstream>
@@ -75,6 +76,11 @@ Status add_tcp_table(std::string_view table, uint16_t port, const std::unordered
       return bad("queues");
     if (!parse_number(f[9], 10, c.inode)) return bad("inode");
     if (local_port != port || f[3] == kListenState || !inodes.contains(c.inode)) continue;
+    // The kernel writes these tables a page per read() and resumes by position, so a socket
+    // added or closed between two reads can shift rows and list one twice (seen on a busy CI
+    // machine): a socket counts once, first row kept.
+    auto same = [&](const TcpConnection& o) { return o.inode == c.inode; };
+    if (std::any_of(out.begin(), out.end(), same) || std::any_of(found.begin(), found.end(), same)) continue;
     found.push_back(c);
   }
   out.insert(out.end(), found.begin(), found.end());

@@ -34,8 +34,8 @@ Result<std::vector<TcpConnection>> tcp_connections_at_port(uint16_t port);
 // The parts, for tests: the socket inodes among /proc/self/fd's links ("socket:[N]")...
 Result<std::unordered_set<uint64_t>> own_socket_inodes();
 // ...and one /proc/net/tcp or tcp6 table's rows at `port` whose inode is in `inodes`, appended
-// to `out` (LISTEN rows skipped). A malformed row is an error that names its line; `out` is
-// then unchanged.
+// to `out` (LISTEN rows skipped; a socket already in `out`, or listed twice, counts once). A
+// malformed row is an error that names its line; `out` is then unchanged.
 Status add_tcp_table(std::string_view table, uint16_t port, const std::unordered_set<uint64_t>& inodes,
                      std::vector<TcpConnection>& out);
 

@@ -44,6 +44,22 @@ TEST(ConnectionFlush, SumsOnlyOwnConnectionsAtThePort) {
   EXPECT_EQ(q[1].unread_bytes, 0u);
 }
 
+TEST(ConnectionFlush, ASocketListedTwiceCountsOnce) {
+  // The kernel's tables can list a socket twice when sockets come and go between two reads of
+  // the file; also across the tcp and tcp6 tables (appended to the same `out`).
+  const std::string row =
+      "   1: 0100007F:1DB0 0100007F:A000 01 00001000:00000010 01:00000014 00000000  1000        0 222 3 0 20 4 30 10 -1\n";
+  const std::string other =
+      "   2: 0100007F:1DB0 0100007F:A001 01 00000200:00000000 00:00000000 00000000  1000        0 333 2 0 20 4 30 10 -1\n";
+  std::vector<TcpConnection> q;
+  ASSERT_TRUE(add_tcp_table(std::string(kHeader) + row + other + row, 7600, {222, 333}, q).ok());
+  ASSERT_EQ(q.size(), 2u);
+  EXPECT_EQ(q[0].inode, 222u);
+  EXPECT_EQ(q[1].inode, 333u);
+  ASSERT_TRUE(add_tcp_table(std::string(kHeader) + other, 7600, {222, 333}, q).ok());
+  EXPECT_EQ(q.size(), 2u);
+}
+
 TEST(ConnectionFlush, ReadsIpv6Rows) {
   const std::string table = std::string(kHeader) +
       "   0: 00000000000000000000000001000000:1DB0 00000000000000000000000001000000:B000 01 "
