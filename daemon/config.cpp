@@ -94,16 +94,19 @@ ParseOutcome parse_config(int argc, const char* const* argv) {
       ->check(CLI::Range(1, 1024));
   add("--max-blocks-per-seq", c.max_blocks_per_seq, "ROLLOUTD_MAX_BLOCKS_PER_SEQ",
       "KV blocks one request may hold")->check(CLI::Range(1, 1 << 20));
-  app.add_flag("--prefix-cache", c.prefix_cache,
-               "keep full KV blocks after their request, keyed by their tokens and all before them, so that "
-               "requests starting with the same tokens (a prompt's n samples, a conversation's next turn) "
-               "reuse that KV and its routed-expert records instead of computing them; cleared whenever the "
-               "weights may change, evicted least recently used first when the cache needs blocks")
-      ->envname("ROLLOUTD_PREFIX_CACHE");
+  CLI::Option* prefix_cache =
+      app.add_flag("--prefix-cache,!--no-prefix-cache", c.prefix_cache,
+                   "on by default: keep full KV blocks after their request, keyed by their tokens and all "
+                   "before them, so that requests starting with the same tokens (a prompt's n samples, a "
+                   "conversation's next turn) reuse that KV and its routed-expert records instead of computing "
+                   "them; cleared whenever the weights may change, evicted least recently used first when the "
+                   "cache needs blocks; off with --sliding-kv-pool")
+          ->envname("ROLLOUTD_PREFIX_CACHE");
   app.add_flag("--sliding-kv-pool", c.sliding_kv_pool,
                "a model with sliding-window layers (gpt-oss) keeps their KV in a pool of its own, sized to every "
                "running request's window, freeing a request's blocks as it moves past them: the KV blocks (and "
-               "--kv-cache-bytes) then hold the full-attention layers' context only; not with --prefix-cache")
+               "--kv-cache-bytes) then hold the full-attention layers' context only; turns the prefix cache off "
+      "(asking for both is an error)")
       ->envname("ROLLOUTD_SLIDING_KV_POOL");
   add("--max-new-tokens-limit", c.limits.max_new_tokens, "ROLLOUTD_MAX_NEW_TOKENS_LIMIT",
       "largest max_new_tokens accepted")->check(CLI::Range(1u, 1u << 24));
@@ -150,6 +153,13 @@ ParseOutcome parse_config(int argc, const char* const* argv) {
     const int rc = app.exit(e);  // prints help/version (rc 0) or the error (rc != 0)
     out.exit_code = rc == 0 ? 0 : 64;
     return out;
+  }
+  // The pool frees the window blocks a cached prompt would need: --sliding-kv-pool turns the
+  // default prefix cache off. Asked for explicitly (flag or environment), validate() refuses
+  // the pair.
+  if (c.sliding_kv_pool && c.prefix_cache && prefix_cache->count() == 0) {
+    c.prefix_cache = false;
+    c.prefix_cache_off_for_pool = true;
   }
   // A secret has no flag: command lines are visible to every user of the host.
   if (const char* key = std::getenv("ROLLOUTD_CURVE_SECRET_KEY"); key != nullptr) c.curve_secret_key = key;

@@ -65,8 +65,13 @@ struct DaemonConfig {
   uint64_t kv_cache_bytes = 0;
   int kv_block_size = 16;
   int max_blocks_per_seq = 256;
-  // Keep full KV blocks for requests that start with the same tokens (core::PrefixCache).
-  bool prefix_cache = false;
+  // Keep full KV blocks for requests that start with the same tokens (core::PrefixCache). On
+  // by default (--no-prefix-cache turns it off); parse_config turns it off for --sliding-kv-pool
+  // unless it was asked for, which validate() then refuses.
+  bool prefix_cache = true;
+  // Set by parse_config where --sliding-kv-pool turned the default cache off: a model without
+  // sliding-window layers (no pool) keeps the cache after all.
+  bool prefix_cache_off_for_pool = false;
   // A model with sliding-window layers keeps their KV in a pool of its own, sized to every
   // running request's window (StepLimits::num_sliding_kv_blocks): the KV budget then holds the
   // full-attention layers' context only. Not with prefix_cache.

@@ -245,8 +245,14 @@ int run_daemon(const DaemonConfig& config, std::atomic<int>& drain_signals) {
   // Whether the main pool holds any layer's KV (not when every layer is in the sliding pool).
   const bool full_layers = !sliding_pool || mc.num_sliding_layers() < mc.num_hidden_layers;
   uint64_t sliding_bytes = 0;
+  // The default prefix cache, turned off for the pool, stays on where there is no pool.
+  const bool prefix_cache = config.prefix_cache || (config.prefix_cache_off_for_pool && !sliding_pool);
   if (config.sliding_kv_pool && !sliding_pool)
-    obs::log_info("daemon", "--sliding-kv-pool: the model has no sliding-window layers, one KV pool", {});
+    obs::log_info("daemon", "--sliding-kv-pool: the model has no sliding-window layers, one KV pool",
+                  {{"prefix_cache", prefix_cache}});
+  else if (config.prefix_cache_off_for_pool)
+    obs::log_info("daemon", "--sliding-kv-pool: the prefix cache is off (the pool frees the window blocks it "
+                  "would reuse)", {});
   if (sliding_pool) {
     limits.num_sliding_kv_blocks = core::sliding_kv_blocks_needed(mc, limits);
     sliding_bytes = static_cast<uint64_t>(limits.num_sliding_kv_blocks) *
@@ -309,7 +315,7 @@ int run_daemon(const DaemonConfig& config, std::atomic<int>& drain_signals) {
   core::EngineOptions eo;
   eo.max_running = config.max_running;
   eo.max_waiting = config.max_waiting;
-  eo.prefix_cache = config.prefix_cache;
+  eo.prefix_cache = prefix_cache;
   eo.step = limits;
   auto engine = core::Engine::create(std::move(*model), eo);
   if (!engine.ok()) {
@@ -330,6 +336,7 @@ int run_daemon(const DaemonConfig& config, std::atomic<int>& drain_signals) {
                  {"experts", mc.experts_mxfp4 ? "mxfp4" : "fp32"},
                  {"dense", (*engine)->model().uses_bf16_dense() ? "bf16" : "fp32"},
                  {"kv_cache_dtype", dtype_name((*engine)->model().limits().kv_dtype)},
+                 {"prefix_cache", prefix_cache}, {"sliding_kv_pool", sliding_pool},
                  {"qkv_fused_layers", (*engine)->model().qkv_fused_layers()},
                  {"seed", embedded ? nlohmann::json(config.model_seed) : nlohmann::json(nullptr)},
                  {"parameters", (*engine)->model().weights().size()}, {"checkpoint_files", checkpoint_files},

@@ -128,8 +128,9 @@ void ConnectionFlushWatch::observe(const std::vector<TcpConnection>& connections
     s.missing = 0;
     if (s.flushed || s.gone) continue;  // gone and back: an inode reused by a new connection is not waited for
     s.unacked = c.unacked_bytes;
+    s.last_seen = now;
     if (c.unacked_bytes != 0) {
-      ++s.nonzero_readings;
+      if (s.nonzero_readings++ == 0) s.nonzero_since = now;
       s.zero = false;
       continue;
     }
@@ -144,7 +145,7 @@ void ConnectionFlushWatch::observe(const std::vector<TcpConnection>& connections
     if (seen.contains(inode) || s.flushed || s.gone) continue;
     if (++s.missing < 2) continue;  // one reading may miss a row while other sockets change
     s.gone = true;
-    if (s.nonzero_readings >= 2) {
+    if (s.nonzero_readings >= 2 && s.last_seen - s.nonzero_since >= kBehind) {
       ++num_lost_;
       lost_bytes_ += s.unacked;
     } else {

@@ -43,12 +43,16 @@ Status add_tcp_table(std::string_view table, uint16_t port, const std::unordered
 // has stayed zero for `settle` (ZeroMQ may still hold messages it has not written: the kernel
 // queue reads zero until its I/O thread writes them), and stays flushed (a heartbeat PING later
 // is not a reason to wait again). A connection missing from two readings in a row is gone
-// (closed, or reset by its peer): lost if its last two readings both had bytes unacknowledged
-// (it was behind), merely closed if only the last did (a heartbeat PING or a reply in flight as
-// a client that had what it wanted closed: acknowledged, most likely, just after the reading).
+// (closed, or reset by its peer): lost if every reading over at least kBehind before it went had
+// bytes unacknowledged (it was behind), merely closed otherwise (a heartbeat PING or a reply in
+// flight as a client that had what it wanted closed: a peer's kernel may hold its ACK for up to
+// 200 ms, TCP's delayed-ACK maximum, so bytes younger than that may well have arrived).
 class ConnectionFlushWatch {
  public:
   using Clock = std::chrono::steady_clock;
+  // Longer than Linux's TCP_DELACK_MAX (200 ms): unacknowledged for this long, the bytes had not
+  // reached the peer's kernel.
+  static constexpr Clock::duration kBehind = std::chrono::milliseconds(250);
   explicit ConnectionFlushWatch(Clock::duration settle) : settle_(settle) {}
 
   void observe(const std::vector<TcpConnection>& connections, Clock::time_point now);
@@ -64,6 +68,7 @@ class ConnectionFlushWatch {
   struct Conn {
     uint64_t unacked = 0;
     int nonzero_readings = 0;  // in a row
+    Clock::time_point nonzero_since, last_seen;
     bool zero = false;
     Clock::time_point zero_since;
     bool flushed = false;

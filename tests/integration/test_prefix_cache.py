@@ -14,8 +14,8 @@ def _generate(c, prompt, seed):
 
 
 def test_a_prompts_samples_reuse_its_kv_and_match_an_uncached_daemon(daemon_factory):
-    cached = daemon_factory(["--prefix-cache"])
-    plain = daemon_factory()
+    cached = daemon_factory()  # on by default
+    plain = daemon_factory(["--no-prefix-cache"])
     prompt = [(7 * i + 3) % 250 for i in range(40)]  # 2 whole blocks of 16 reusable, then 8 tokens
     with cached.client() as cc, plain.client() as cp:
         for seed in range(4):  # a GRPO group, one sample after the other

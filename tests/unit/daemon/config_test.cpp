@@ -84,6 +84,36 @@ TEST(DaemonConfig, QuantizeExpertsFlagThenEnvironmentThenNone) {
   EXPECT_EQ(to_json(c)["quantize_experts"], "mxfp4");
 }
 
+TEST(DaemonConfig, PrefixCacheOnByDefaultOffForTheSlidingPoolUnlessAskedFor) {
+  unsetenv("ROLLOUTD_PREFIX_CACHE");
+  EXPECT_TRUE(parse({}).config.prefix_cache);
+  EXPECT_TRUE(parse({"--prefix-cache"}).config.prefix_cache);
+  EXPECT_FALSE(parse({"--no-prefix-cache"}).config.prefix_cache);
+  setenv("ROLLOUTD_PREFIX_CACHE", "0", 1);
+  EXPECT_FALSE(parse({}).config.prefix_cache);
+  EXPECT_TRUE(parse({"--prefix-cache"}).config.prefix_cache);  // the flag beats the environment
+  unsetenv("ROLLOUTD_PREFIX_CACHE");
+  // The pool turns the default off: a valid configuration.
+  auto pool = parse({"--sliding-kv-pool"});
+  ASSERT_FALSE(pool.exit_now);
+  EXPECT_TRUE(pool.config.sliding_kv_pool);
+  EXPECT_FALSE(pool.config.prefix_cache);
+  EXPECT_TRUE(pool.config.prefix_cache_off_for_pool);  // on again for a model without a pool
+  EXPECT_TRUE(validate(pool.config).ok());
+  EXPECT_FALSE(parse({}).config.prefix_cache_off_for_pool);
+  EXPECT_FALSE(parse({"--sliding-kv-pool", "--no-prefix-cache"}).config.prefix_cache);
+  // Asked for with the pool, by flag or by environment: kept, and refused by validate().
+  auto both = parse({"--sliding-kv-pool", "--prefix-cache"});
+  ASSERT_FALSE(both.exit_now);
+  EXPECT_TRUE(both.config.prefix_cache);
+  EXPECT_EQ(validate(both.config).field(), "sliding_kv_pool");
+  setenv("ROLLOUTD_PREFIX_CACHE", "1", 1);
+  auto env = parse({"--sliding-kv-pool"});
+  EXPECT_TRUE(env.config.prefix_cache);
+  EXPECT_EQ(validate(env.config).field(), "sliding_kv_pool");
+  unsetenv("ROLLOUTD_PREFIX_CACHE");
+}
+
 TEST(DaemonConfig, DenseDtypeFlagThenEnvironmentThenAuto) {
   unsetenv("ROLLOUTD_DENSE_DTYPE");
   EXPECT_EQ(parse({}).config.dense_dtype, "auto");
