@@ -216,14 +216,14 @@ void Engine::admit() {
     }
     if (cache_ && s->num_computed == 0) {
       // The cached blocks' KV is this request's: it computes from the first position after them.
-      prefix_queried_tokens_total_ += static_cast<uint64_t>(s->tokens.size() - 1);
+      s->uncounted_queried = static_cast<int64_t>(s->tokens.size()) - 1;
       const int64_t n = static_cast<int64_t>(s->blocks.size()) - need, bs = kv_.block_size();
       if (n > 0) {
         s->num_computed = n * bs;
         s->reused_tokens = n * bs;
         s->hashed_blocks = n;
         s->chain_key = hit.key;
-        prefix_hit_tokens_total_ += static_cast<uint64_t>(n * bs);
+        s->uncounted_hit = n * bs;
         if (s->spec.return_routed_experts) {
           const int64_t from = std::max<int64_t>(s->spec.routed_experts_start_len, s->routed_sent);
           const int64_t per_token = model_->config().num_moe_layers() * model_->config().num_experts_per_tok;
@@ -293,6 +293,8 @@ void Engine::reset_cached_prefix(Sequence& s) {
   s.cacheable = true;  // everything is computed again, under the weights of then
   s.hashed_blocks = 0;
   s.reused_tokens = 0;
+  s.uncounted_queried = 0;  // that lookup is void: the next admission looks up again
+  s.uncounted_hit = 0;
   s.chain_key = PrefixCache::kRoot;
   s.pending_rows.clear();
   s.prefix_rows.clear();
@@ -718,6 +720,11 @@ Status Engine::step(std::vector<EngineEvent>& out) {
       s.prompt_counted = true;
       prompt_tokens_total_ += static_cast<uint64_t>(s.prompt_len);
     }
+    // The admission's prefix lookup, now that the request computes with what it found.
+    prefix_queried_tokens_total_ += static_cast<uint64_t>(s.uncounted_queried);
+    prefix_hit_tokens_total_ += static_cast<uint64_t>(s.uncounted_hit);
+    s.uncounted_queried = 0;
+    s.uncounted_hit = 0;
     if (!ev.token_ids.empty() || ev.routed_num_tokens > 0) out.push_back(std::move(ev));
     if (done) finish(s, reason, "", out);
   }

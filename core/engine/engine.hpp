@@ -104,7 +104,8 @@ struct EngineStats {
   int64_t sliding_kv_blocks_free = 0;
   int64_t sliding_kv_blocks_total = 0;
   // Prefix cache: blocks it keeps (not free, evicted when the pool needs them); prompt tokens
-  // looked up at admission and those found cached (their KV reused, not computed).
+  // looked up at admission and those found cached (their KV reused, not computed), counted once
+  // the request computes after that admission (a lookup voided before, by a weight change, is not).
   int64_t kv_blocks_cached = 0;
   int64_t kv_blocks_evictable = 0;  // of those, the ones no request reads: free for the asking
   uint64_t num_prefix_cache_queried_tokens_total = 0;
@@ -219,6 +220,10 @@ class Engine {
     bool cacheable = true;
     int64_t hashed_blocks = 0;
     int64_t reused_tokens = 0;  // positions of this admission whose KV came from the cache
+    // This admission's lookup (prompt tokens looked up, tokens reused), counted in the engine's
+    // totals when the request first computes after it: one sent back before that (a weight
+    // change dropped the KV it was lent, or admission's own churn) is counted once, when it runs.
+    int64_t uncounted_queried = 0, uncounted_hit = 0;
     uint64_t chain_key = PrefixCache::kRoot;
     std::vector<int32_t> pending_rows;
     // Records of the positions [prefix_rows_from, num_computed) whose KV came from the cache,

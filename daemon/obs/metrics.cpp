@@ -139,15 +139,15 @@ struct Metrics::Impl {
                              .Add({});
     prefix_queried = &prometheus::BuildCounter()
                           .Name("rolloutd_prefix_cache_queried_tokens_total")
-                          .Help("Prompt tokens looked up in the prefix cache at admission (--prefix-cache; all but "
-                                "each request's last).")
+                          .Help("Prompt tokens looked up in the prefix cache (all but each request's last), counted when "
+                                "the request first computes after its admission (the prefix cache is on by default).")
                           .Register(registry)
                           .Add({});
     prefix_hit = &prometheus::BuildCounter()
                       .Name("rolloutd_prefix_cache_hit_tokens_total")
-                      .Help("Prompt tokens whose KV came from the prefix cache instead of being computed (counted at "
-                            "admission: a request sent back before its first step, by a weight change, counts again "
-                            "when readmitted).")
+                      .Help("Prompt tokens whose KV came from the prefix cache instead of being computed, counted when "
+                            "the request first computes after its admission (one sent back before that, by a weight "
+                            "change, counts once, when it runs).")
                       .Register(registry)
                       .Add({});
     auto& cached = prometheus::BuildGauge()
