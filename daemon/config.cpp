@@ -100,13 +100,13 @@ ParseOutcome parse_config(int argc, const char* const* argv) {
                    "before them, so that requests starting with the same tokens (a prompt's n samples, a "
                    "conversation's next turn) reuse that KV and its routed-expert records instead of computing "
                    "them; cleared whenever the weights may change, evicted least recently used first when the "
-                   "cache needs blocks; off with --sliding-kv-pool")
+                   "cache needs blocks; off with --sliding-kv-pool for a model with sliding-window layers")
           ->envname("ROLLOUTD_PREFIX_CACHE");
   app.add_flag("--sliding-kv-pool", c.sliding_kv_pool,
                "a model with sliding-window layers (gpt-oss) keeps their KV in a pool of its own, sized to every "
                "running request's window, freeing a request's blocks as it moves past them: the KV blocks (and "
-               "--kv-cache-bytes) then hold the full-attention layers' context only; turns the prefix cache off "
-      "(asking for both is an error)")
+               "--kv-cache-bytes) then hold the full-attention layers' context only; for such a model it turns "
+               "the prefix cache off (asking for both is an error)")
       ->envname("ROLLOUTD_SLIDING_KV_POOL");
   add("--max-new-tokens-limit", c.limits.max_new_tokens, "ROLLOUTD_MAX_NEW_TOKENS_LIMIT",
       "largest max_new_tokens accepted")->check(CLI::Range(1u, 1u << 24));
@@ -254,8 +254,9 @@ Status validate(const DaemonConfig& c) {
     return Status(ErrorCode::kInvalidArgument, "control and HTTP ports must differ", "http_port");
   if (c.prefix_cache && c.sliding_kv_pool)
     return Status(ErrorCode::kInvalidArgument,
-                  "--prefix-cache and --sliding-kv-pool cannot be combined: a cached prompt would need the "
-                  "sliding-window blocks the pool frees; choose one",
+                  "--prefix-cache (or ROLLOUTD_PREFIX_CACHE=1) and --sliding-kv-pool cannot be combined: a cached "
+                  "prompt would need the sliding-window blocks the pool frees; choose one (the pool alone turns "
+                  "the default prefix cache off)",
                   "sliding_kv_pool");
   // With a budget the block count is known only once the model is (kv_blocks_for_budget).
   if (c.kv_cache_bytes == 0 && c.max_blocks_per_seq > c.kv_blocks)
@@ -354,6 +355,7 @@ nlohmann::json to_json(const DaemonConfig& c) {
       {"max_running", c.max_running},
       {"max_waiting", c.max_waiting},
       {"prefix_cache", c.prefix_cache},
+      {"prefix_cache_off_for_pool", c.prefix_cache_off_for_pool},
       {"sliding_kv_pool", c.sliding_kv_pool},
       {"max_step_tokens", c.max_step_tokens},
       {"cuda_graph_max_batch", c.cuda_graph_max_batch},

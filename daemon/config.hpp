@@ -74,7 +74,8 @@ struct DaemonConfig {
   bool prefix_cache_off_for_pool = false;
   // A model with sliding-window layers keeps their KV in a pool of its own, sized to every
   // running request's window (StepLimits::num_sliding_kv_blocks): the KV budget then holds the
-  // full-attention layers' context only. Not with prefix_cache.
+  // full-attention layers' context only. Turns the default prefix cache off (parse_config);
+  // validate() refuses it with a prefix cache asked for.
   bool sliding_kv_pool = false;
 
   // Protocol bounds (the hello reply reports them).

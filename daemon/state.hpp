@@ -84,6 +84,7 @@ struct EngineSnapshot {
   int64_t kv_blocks_evictable = 0;  // of those, the ones no request reads (evicted when needed)
   int64_t sliding_kv_blocks_free = 0;   // the sliding-window layers' pool (--sliding-kv-pool)
   int64_t sliding_kv_blocks_total = 0;  // 0 without it
+  bool prefix_cache_enabled = false;
   uint64_t num_prefix_cache_queried_tokens_total = 0, num_prefix_cache_hit_tokens_total = 0;
   std::string kv_cache_dtype;        // "float32" | "bfloat16": the K/V caches' element type
   uint64_t num_steps_total = 0;

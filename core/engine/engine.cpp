@@ -747,6 +747,7 @@ EngineStats Engine::stats() const {
   st.sliding_kv_blocks_total = sliding_ ? sliding_->num_blocks() : 0;
   st.kv_blocks_cached = cache_ ? cache_->num_blocks() : 0;
   st.kv_blocks_evictable = cache_ ? cache_->num_evictable() : 0;
+  st.prefix_cache_enabled = cache_ != nullptr;
   st.num_prefix_cache_queried_tokens_total = prefix_queried_tokens_total_;
   st.num_prefix_cache_hit_tokens_total = prefix_hit_tokens_total_;
   const GraphStats& g = model_->graph_stats();

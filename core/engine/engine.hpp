@@ -108,6 +108,7 @@ struct EngineStats {
   // the request computes after that admission (a lookup voided before, by a weight change, is not).
   int64_t kv_blocks_cached = 0;
   int64_t kv_blocks_evictable = 0;  // of those, the ones no request reads: free for the asking
+  bool prefix_cache_enabled = false;
   uint64_t num_prefix_cache_queried_tokens_total = 0;
   uint64_t num_prefix_cache_hit_tokens_total = 0;
   // Decode graphs (StepLimits::graph_max_batch; MoeDecoder::graph_stats).

@@ -150,6 +150,10 @@ void ConnectionFlushWatch::observe(const std::vector<TcpConnection>& connections
       lost_bytes_ += s.unacked;
     } else {
       ++num_closed_;
+      if (s.unacked != 0) {
+        ++num_closed_unacked_;
+        closed_unacked_bytes_ += s.unacked;
+      }
     }
   }
 }

@@ -44,9 +44,12 @@ Status add_tcp_table(std::string_view table, uint16_t port, const std::unordered
 // queue reads zero until its I/O thread writes them), and stays flushed (a heartbeat PING later
 // is not a reason to wait again). A connection missing from two readings in a row is gone
 // (closed, or reset by its peer): lost if every reading over at least kBehind before it went had
-// bytes unacknowledged (it was behind), merely closed otherwise (a heartbeat PING or a reply in
-// flight as a client that had what it wanted closed: a peer's kernel may hold its ACK for up to
-// 200 ms, TCP's delayed-ACK maximum, so bytes younger than that may well have arrived).
+// bytes unacknowledged (not necessarily the same bytes: it was behind), merely closed otherwise
+// (a heartbeat PING or a reply in flight as a client that had what it wanted closed: a peer's
+// kernel may hold its ACK for up to 200 ms, TCP's delayed-ACK maximum, so bytes younger than
+// that may well have arrived). Closed connections whose last reading still had bytes
+// unacknowledged are counted apart (num_closed_unacked): most are such replies, but a client
+// killed in the last 250 ms is one too, and the shutdown log says how many.
 class ConnectionFlushWatch {
  public:
   using Clock = std::chrono::steady_clock;
@@ -61,6 +64,8 @@ class ConnectionFlushWatch {
   uint64_t unacked_bytes() const;    // their unacknowledged bytes at the last reading
   size_t num_flushed() const;
   size_t num_closed() const { return num_closed_; }  // gone, not lost
+  size_t num_closed_unacked() const { return num_closed_unacked_; }  // of those, with bytes unacked at the end
+  uint64_t closed_unacked_bytes() const { return closed_unacked_bytes_; }
   size_t num_lost() const { return num_lost_; }
   uint64_t lost_bytes() const { return lost_bytes_; }
 
@@ -78,6 +83,8 @@ class ConnectionFlushWatch {
   Clock::duration settle_;
   std::unordered_map<uint64_t, Conn> conns_;
   size_t num_closed_ = 0;
+  size_t num_closed_unacked_ = 0;
+  uint64_t closed_unacked_bytes_ = 0;
   size_t num_lost_ = 0;
   uint64_t lost_bytes_ = 0;
 };

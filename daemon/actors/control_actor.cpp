@@ -759,6 +759,8 @@ void ControlActor::await_delivery() {
                         {"connections_waiting", watch.num_waiting()},
                         {"unacked_bytes", watch.unacked_bytes()},
                         {"connections_closed", watch.num_closed()},
+                        {"connections_closed_unacked", watch.num_closed_unacked()},
+                        {"closed_unacked_bytes", watch.closed_unacked_bytes()},
                         {"connections_lost", watch.num_lost()},
                         {"lost_bytes", watch.lost_bytes()},
                         {"requests_refused", num_refused}};

@@ -156,6 +156,7 @@ void EngineActor::publish() {
   s->kv_blocks_evictable = st.kv_blocks_evictable;
   s->sliding_kv_blocks_free = st.sliding_kv_blocks_free;
   s->sliding_kv_blocks_total = st.sliding_kv_blocks_total;
+  s->prefix_cache_enabled = st.prefix_cache_enabled;
   s->num_prefix_cache_queried_tokens_total = st.num_prefix_cache_queried_tokens_total;
   s->num_prefix_cache_hit_tokens_total = st.num_prefix_cache_hit_tokens_total;
   s->kv_cache_dtype = dtype_name(engine_->model().limits().kv_dtype);

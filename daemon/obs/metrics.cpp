@@ -133,14 +133,15 @@ struct Metrics::Impl {
                        .Add({});
     recomputed_tokens = &prometheus::BuildCounter()
                              .Name("rolloutd_recomputed_tokens_total")
-                             .Help("Tokens whose cached KV a preemption dropped (prefilled again on readmission, unless the "
-                                   "request ends first).")
+                             .Help("Tokens whose KV a preemption dropped (prefilled again on readmission unless the request ends "
+                                   "first or, with the prefix cache, its full blocks are still cached then).")
                              .Register(registry)
                              .Add({});
     prefix_queried = &prometheus::BuildCounter()
                           .Name("rolloutd_prefix_cache_queried_tokens_total")
-                          .Help("Prompt tokens looked up in the prefix cache (all but each request's last), counted when "
-                                "the request first computes after its admission (the prefix cache is on by default).")
+                          .Help("Tokens looked up in the prefix cache at each admission (all of the request's tokens but its "
+                                "last: a readmitted one's generated tokens too), counted when the request first "
+                                "computes after that admission.")
                           .Register(registry)
                           .Add({});
     prefix_hit = &prometheus::BuildCounter()

@@ -312,7 +312,8 @@ def test_sliding_kv_pool_gives_the_same_rollouts_and_frees_the_window_layers_blo
     import threading
     budget = ["--kv-cache-bytes", str(1 << 20), "--kv-block-size", "4", "--max-blocks-per-seq", "64"]
     pool = daemon_factory(["--model", models["oss-a"], "--max-step-tokens", "8", "--sliding-kv-pool", *budget])
-    plain = daemon_factory(["--model", models["oss-a"], "--max-step-tokens", "8", *budget])
+    # One pool, and no prefix cache either (the pool turns the default cache off): one difference.
+    plain = daemon_factory(["--model", models["oss-a"], "--max-step-tokens", "8", "--no-prefix-cache", *budget])
     kw = dict(temperature=0.0, return_logprob=True, return_routed_experts=True)
     prompts = [[(5 * i + 3 * j + 1) % 120 for j in range(3 + 7 * i)] for i in range(5)]
     results = {}
@@ -338,6 +339,7 @@ def test_sliding_kv_pool_gives_the_same_rollouts_and_frees_the_window_layers_blo
     assert st["total"] > st_plain["total"], (st, st_plain)  # one of two layers' blocks from the rest of the budget
     assert pool.metric("rolloutd_kv_blocks", pool="sliding", state="free") == st["sliding"]["total"]
     assert pool.metric("rolloutd_kv_blocks", pool="full", state="free") == st["total"]
+    assert json.loads(pool.get("/v1/status")[1])["prefix_cache"]["enabled"] is False
     assert pool.terminate() == 0
     assert pool.log_lines()[0].get("sliding_kv_pool") is True
 
@@ -349,8 +351,11 @@ def test_sliding_kv_pool_refusals_and_models_without_windows(daemon_factory, mod
     # Too small a budget for the pool (it grows with --max-running and --max-step-tokens).
     rc, out = start_fails(["--model", models["oss-a"], "--sliding-kv-pool", "--kv-cache-bytes", "4096"])
     assert rc == 2 and "sliding-window pool" in out, out
-    # qwen3_moe has no sliding layers: the flag changes nothing, and says so.
+    # qwen3_moe has no sliding layers: the flag changes nothing (the default prefix cache stays
+    # on), and says so.
     d = daemon_factory(["--model", models["a"], "--sliding-kv-pool"])
-    assert json.loads(d.get("/v1/status")[1])["kv_blocks"]["sliding"]["total"] == 0
+    st = json.loads(d.get("/v1/status")[1])
+    assert st["kv_blocks"]["sliding"]["total"] == 0 and st["prefix_cache"]["enabled"] is True, st
     assert d.terminate() == 0
-    assert any("no sliding-window layers" in l.get("msg", "") for l in d.log_lines())
+    assert any("no sliding-window layers" in l.get("msg", "") and l.get("prefix_cache") is True
+               for l in d.log_lines())

@@ -101,7 +101,9 @@ TEST(DaemonConfig, PrefixCacheOnByDefaultOffForTheSlidingPoolUnlessAskedFor) {
   EXPECT_TRUE(pool.config.prefix_cache_off_for_pool);  // on again for a model without a pool
   EXPECT_TRUE(validate(pool.config).ok());
   EXPECT_FALSE(parse({}).config.prefix_cache_off_for_pool);
-  EXPECT_FALSE(parse({"--sliding-kv-pool", "--no-prefix-cache"}).config.prefix_cache);
+  auto off = parse({"--sliding-kv-pool", "--no-prefix-cache"});
+  EXPECT_FALSE(off.config.prefix_cache);
+  EXPECT_FALSE(off.config.prefix_cache_off_for_pool) << "turned off by the user: no model turns it on again";
   // Asked for with the pool, by flag or by environment: kept, and refused by validate().
   auto both = parse({"--sliding-kv-pool", "--prefix-cache"});
   ASSERT_FALSE(both.exit_now);

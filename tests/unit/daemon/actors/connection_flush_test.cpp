@@ -233,6 +233,8 @@ TEST(ConnectionFlush, AConnectionGoneWithinTheDelayedAckTimeIsClosedNotLost) {
   EXPECT_TRUE(w.all_flushed());
   EXPECT_EQ(w.num_closed(), 1u);
   EXPECT_EQ(w.num_lost(), 0u);
+  EXPECT_EQ(w.num_closed_unacked(), 1u) << "counted apart: its last reading had 120 bytes unacked";
+  EXPECT_EQ(w.closed_unacked_bytes(), 120u);
 }
 
 TEST(ConnectionFlush, AConnectionGoneWithBytesUnackedIsLostAndOneMissedReadingIsNot) {
@@ -254,6 +256,7 @@ TEST(ConnectionFlush, AConnectionGoneWithBytesUnackedIsLostAndOneMissedReadingIs
   EXPECT_EQ(w.num_lost(), 2u);
   EXPECT_EQ(w.lost_bytes(), 3100u);
   EXPECT_EQ(w.num_closed(), 0u);
+  EXPECT_EQ(w.num_closed_unacked(), 0u);
   w.observe({{1, 5, 0}}, at(300));  // the inode reused by a new connection: not waited for
   EXPECT_TRUE(w.all_flushed());
 }
