@@ -348,6 +348,70 @@ TEST(EnginePrefixCache, AfterAnUpdateToOtherWeightsRequestsGetWhatAnEngineWithTh
   }
 }
 
+TEST(EnginePrefixCache, APreemptedRequestReadmittedOnItsOwnBlocksRecomputesThemAfterAnUpdate) {
+  // "b" has streamed tokens and records, is preempted when the pool runs dry, and is admitted
+  // again on its own cached blocks (lent KV: computed before its preemption, under the old
+  // weights); four one-token requests take the step's budget of 4, so b computes nothing before
+  // new weights arrive in place. b must not keep those blocks: its tokens after the update are
+  // what an engine with the new weights and no cache gives for its prompt and the tokens it had,
+  // and its records go on from the position it had streamed, each position once.
+  auto other = MoeDecoder::create(embedded_model_config(), small_limits(4, 8, 20), cpu_backend(), ExecContext{});
+  ASSERT_TRUE(other.ok());
+  ASSERT_TRUE(init_random_weights(**other, 12345).ok());
+  const auto bucket = test::registry_bucket((*other)->weights());
+  const auto prompt = prompt_of(13, 6);
+  constexpr uint32_t kMaxNew = 40;
+  auto e = embedded_engine(small_limits(4, 8, 20), 8, 64, true);
+  ASSERT_TRUE(e->submit(request("a", {5}, 70)).ok());  // older: its growth preempts b
+  ASSERT_TRUE(e->submit(request("b", prompt, kMaxNew)).ok());
+  std::vector<EngineEvent> before;
+  for (int i = 0; i < 200 && e->stats().num_preemptions_total == 0; ++i) ASSERT_TRUE(e->step(before).ok());
+  ASSERT_EQ(e->stats().num_preemptions_total, 1u) << "20 blocks of 4 run dry before a or b ends";
+  ASSERT_EQ(e->stats().num_running, 1u) << "b, the younger, went back to the queue";
+  ASSERT_TRUE(e->abort("a", "test", before));
+  for (int i = 1; i <= 4; ++i) ASSERT_TRUE(e->submit(request("d" + std::to_string(i), {i + 20}, 6)).ok());
+  ASSERT_TRUE(e->step(before).ok());  // b admitted on its cached prefix; d1..d4 decode, budget 4
+  ASSERT_EQ(e->stats().num_running, 5u);
+  ASSERT_GE(e->stats().kv_blocks_cached - e->stats().kv_blocks_evictable, 1) << "b reads its own cached blocks";
+  ASSERT_EQ(e->stats().num_prefix_cache_hit_tokens_total, 0u) << "b has not computed with them";
+
+  const ModelConfig c = e->model_config();
+  const int64_t row = c.num_moe_layers() * c.num_experts_per_tok;
+  auto had = gather(before, row)["b"];
+  ASSERT_GT(had.tokens.size(), 0u);
+  ASSERT_LT(had.tokens.size(), kMaxNew);
+  ASSERT_EQ(had.finals, 0);
+
+  e->pause(Engine::PauseMode::kInPlace, before);
+  ASSERT_TRUE(test::push_bucket(*e, bucket, false, 1).ok());
+  e->resume();
+  auto after = run_to_idle(*e);
+  EXPECT_EQ(e->stats().num_preemptions_total, 1u) << "sent back before it computed: no second preemption";
+  EXPECT_EQ(e->stats().num_prefix_cache_hit_tokens_total, 0u) << "its void lookup is not a hit";
+  EXPECT_EQ(e->stats().kv_blocks_free + e->stats().kv_blocks_cached, e->stats().kv_blocks_total);
+  auto got = gather(after, row);
+  EXPECT_EQ(got["b"].finals, 1);
+  for (int i = 1; i <= 4; ++i) EXPECT_EQ(got["d" + std::to_string(i)].finals, 1);
+
+  // The reference: new weights, no cache, b's prompt and the tokens it had as the prompt.
+  auto fresh = embedded_engine(small_limits(4, 8, 20), 8, 64, false);
+  ASSERT_TRUE(test::push_bucket(*fresh, bucket, false, 1).ok());
+  std::vector<int32_t> context = prompt;
+  context.insert(context.end(), had.tokens.begin(), had.tokens.end());
+  ASSERT_TRUE(fresh->submit(request("b", context, kMaxNew - static_cast<uint32_t>(had.tokens.size()))).ok());
+  auto want = gather(run_to_idle(*fresh), row)["b"];
+  EXPECT_EQ(got["b"].tokens, want.tokens);
+  ASSERT_EQ(got["b"].logprobs.size(), want.logprobs.size());
+  for (size_t i = 0; i < want.logprobs.size(); ++i) EXPECT_NEAR(got["b"].logprobs[i], want.logprobs[i], 1e-4);
+  // Records: every position once across the update, those after it as the new weights route.
+  ASSERT_FALSE(got["b"].routed.empty());
+  for (const auto& [pos, ids] : got["b"].routed) {
+    EXPECT_EQ(had.routed.count(pos), 0u) << "position " << pos << " recorded before and after";
+    EXPECT_EQ(ids, want.routed[pos]) << "position " << pos;
+  }
+  EXPECT_EQ(had.routed.size() + got["b"].routed.size(), prompt.size() + kMaxNew - 1);
+}
+
 TEST(EnginePrefixCache, UnderATinyPoolCachedBlocksAreEvictedAndNothingLeaks) {
   // 20 blocks of 4 tokens; 24 requests of four prompts (a GRPO group each), 6 at once, with
   // preemptions: every request ends once with the tokens an uncached engine gives it, and at
