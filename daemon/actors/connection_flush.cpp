@@ -49,6 +49,8 @@ Status add_tcp_table(std::string_view table, uint16_t port, const std::unordered
   // tx_queue is write_seq - snd_una and rx_queue rcv_nxt - copied_seq; TIME_WAIT and SYN_RECV
   // rows carry inode 0, so they are never ours.
   std::vector<TcpConnection> found;
+  std::unordered_set<uint64_t> counted;  // inodes in out or found: one hash lookup a row
+  for (const auto& o : out) counted.insert(o.inode);
   size_t line_no = 0;
   size_t pos = 0;
   while (pos < table.size()) {
@@ -79,8 +81,7 @@ Status add_tcp_table(std::string_view table, uint16_t port, const std::unordered
     // The kernel writes these tables a page per read() and resumes by position, so a socket
     // added or closed between two reads can shift rows and list one twice (seen on a busy CI
     // machine): a socket counts once, first row kept.
-    auto same = [&](const TcpConnection& o) { return o.inode == c.inode; };
-    if (std::any_of(out.begin(), out.end(), same) || std::any_of(found.begin(), found.end(), same)) continue;
+    if (!counted.insert(c.inode).second) continue;
     found.push_back(c);
   }
   out.insert(out.end(), found.begin(), found.end());
