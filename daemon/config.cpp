@@ -131,6 +131,11 @@ ParseOutcome parse_config(int argc, const char* const* argv) {
   add("--synthetic-small-params", c.synthetic_small_params, "ROLLOUTD_SYNTHETIC_SMALL_PARAMS",
       "benchmarks: register this many BF16 parameters synthetic_small.{i}.weight of 1024 elements")
       ->check(CLI::Range(int64_t{0}, int64_t{1000000}));
+  add("--checksum-slice-ms", c.checksum_slice_ms, "ROLLOUTD_CHECKSUM_SLICE_MS",
+      "weights_checksum reads back and CRCs parameters for at most this long per turn of the engine loop "
+      "(at least one parameter a turn; 0: one a turn), so generation, aborts and deadlines go on while a "
+      "large model is checksummed; weight commands sent after it wait for its reply")
+      ->check(CLI::Range(0.0, 10000.0));
   add("--outbox-limit", c.outbox_limit, "ROLLOUTD_OUTBOX_LIMIT",
       "undelivered messages per client before its requests are aborted")->check(CLI::Range(16, 1 << 24));
   add("--stream-interval", c.stream_interval, "ROLLOUTD_STREAM_INTERVAL",
@@ -368,6 +373,7 @@ nlohmann::json to_json(const DaemonConfig& c) {
       {"max_shm_bucket_bytes", c.max_shm_bucket_bytes},
       {"synthetic_param_bytes", c.synthetic_param_bytes},
       {"synthetic_small_params", c.synthetic_small_params},
+      {"checksum_slice_ms", c.checksum_slice_ms},
       {"synthetic_mxfp4_bytes", c.synthetic_mxfp4_bytes},
       {"synthetic_fp8_bytes", c.synthetic_fp8_bytes},
       {"outbox_limit", c.outbox_limit},

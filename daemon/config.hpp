@@ -88,6 +88,9 @@ struct DaemonConfig {
   int64_t synthetic_small_params = 0;     // benchmarks: BF16 `synthetic_small.{i}.weight` of 1024 elements
   int64_t synthetic_mxfp4_bytes = 0;      // benchmarks: BF16 bytes of `synthetic_mx.{i}.weight`, quantized to MXFP4
   int64_t synthetic_fp8_bytes = 0;        // benchmarks: BF16 bytes of `synthetic_fp8.{i}.weight`, quantized to FP8
+  // weights_checksum reads back and CRCs parameters for at most this long per turn of the engine
+  // loop (at least one parameter a turn), so steps, aborts and deadlines go on between turns.
+  double checksum_slice_ms = 10.0;
 
   // Streams and lifecycle.
   int outbox_limit = 65536;           // undelivered messages per client before its requests abort

@@ -111,6 +111,10 @@ void EngineActor::handle(EngineCommand& cmd) {
     // mapping is closed under a queued copy.
     const Status shutdown(ErrorCode::kAborted, "the daemon is shutting down");
     settle_pending_ipc(&shutdown);
+    if (pending_checksum_) {
+      reply_error(pending_checksum_->client, pending_checksum_->envelope_id, shutdown);
+      pending_checksum_.reset();
+    }
     finish_session_resources();
     engine_->abort_all("shutdown", events);
     account(events);

@@ -43,8 +43,11 @@ class EngineActor {
   void check_session_deadline();
   // Device transports (engine_weights.cpp): joins and NCCL buckets complete asynchronously;
   // weight commands that arrive meanwhile wait in order behind them.
+  // A weights_checksum in progress counts too: weight commands after it wait for its reply, so
+  // the sums it reports are of one set of weights.
   bool has_pending_device_work() const {
-    return pending_join_.has_value() || !pending_buckets_.empty() || !pending_ipc_.empty();
+    return pending_join_.has_value() || !pending_buckets_.empty() || !pending_ipc_.empty() ||
+           pending_checksum_.has_value();
   }
   // An NCCL bucket that may start while the previous bucket of its group is still being
   // received (double-buffered staging): nothing else waits before it.
@@ -52,6 +55,10 @@ class EngineActor {
   // Fails every bucket in flight (the group is gone): the session fails closed.
   void fail_pending_buckets(const Status& why);
   void poll_device_work();
+  // weights_checksum: validated and started at once, then read back and CRC'd a slice
+  // (config_.checksum_slice_ms, at least one parameter) per loop turn, replied when done.
+  void start_checksum(uint64_t client, uint64_t envelope_id, const protocol::WeightsChecksumRequest& r);
+  void advance_checksum();
   void start_nccl_bucket(WeightCommand& cmd);
   // CUDA IPC buckets whose copies are queued: replied in order as their fences complete.
   void poll_pending_ipc();
@@ -109,6 +116,19 @@ class EngineActor {
   std::optional<PendingJoin> pending_join_;
   std::deque<PendingBucket> pending_buckets_;  // oldest first, all of one group, at most 2
   std::deque<WeightCommand> deferred_;
+  struct PendingChecksum {
+    uint64_t client = 0, envelope_id = 0;
+    std::vector<size_t> which;  // registry indices, in request order
+    size_t next = 0;            // which[next] is read next
+    uint64_t bytes = 0;
+    protocol::WeightsChecksumReply out;
+    std::vector<std::pair<std::string, uint32_t>> sums;
+    std::chrono::steady_clock::time_point started;
+    uint32_t turns = 0;
+    uint64_t steps_before = 0;  // steps_ when it started: the log says how many ran meanwhile
+  };
+  std::optional<PendingChecksum> pending_checksum_;
+  std::vector<uint8_t> checksum_bytes_;  // one parameter's checkpoint bytes, reused
   struct PendingIpc {
     uint64_t client = 0, envelope_id = 0, session = 0;
     core::BucketResult result;

@@ -66,6 +66,10 @@ void EngineActor::on_model_broken(const Status& why) {
 }
 
 void EngineActor::check_session_deadline() {
+  // A checksum in progress holds the trainer's next commands back (deferred_), so the session
+  // is not idle by its fault; an expiry's restore would also change weights mid-checksum. The
+  // deadline is checked again once the checksum has replied and the deferred commands ran.
+  if (pending_checksum_) return;
   auto expired = engine_->updater().expire_if_idle(Clock::now());
   if (!expired) return;
   metrics_.on_error(error_code_name(expired->code()));
@@ -334,6 +338,7 @@ void EngineActor::fail_pending_buckets(const Status& why) {
 
 void EngineActor::poll_device_work() {
   using namespace protocol;
+  advance_checksum();
   if (pending_join_) {
     auto it = groups_.find(pending_join_->group);
     Result<bool> done = it == groups_.end()
@@ -384,6 +389,73 @@ void EngineActor::poll_device_work() {
     deferred_.pop_front();
     handle_weights(next);
   }
+}
+
+void EngineActor::start_checksum(uint64_t client, uint64_t envelope_id, const protocol::WeightsChecksumRequest& r) {
+  using namespace protocol;
+  const auto& reg = engine_->model().weights();
+  PendingChecksum job;
+  job.client = client;
+  job.envelope_id = envelope_id;
+  if (r.names) {
+    for (size_t k = 0; k < r.names->size(); ++k) {
+      const size_t i = reg.index_of((*r.names)[k]);
+      if (i == SIZE_MAX)
+        return reply_error(client, envelope_id,
+                           Status(ErrorCode::kNotFound, "unknown parameter '" + (*r.names)[k] + "'",
+                                  "body.names[" + std::to_string(k) + "]"));
+      job.which.push_back(i);
+    }
+  } else {
+    for (size_t i = 0; i < reg.size(); ++i) job.which.push_back(i);
+  }
+  // Nothing can change the weights before the reply: weight commands wait behind it
+  // (has_pending_device_work) and check_session_deadline holds an expiry's restore back.
+  job.out.weight_version = engine_->weight_version();
+  job.started = Clock::now();
+  job.steps_before = steps_;
+  pending_checksum_ = std::move(job);
+  advance_checksum();
+}
+
+void EngineActor::advance_checksum() {
+  using namespace protocol;
+  if (!pending_checksum_) return;
+  PendingChecksum& job = *pending_checksum_;
+  const auto& reg = engine_->model().weights();
+  const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                        std::chrono::duration<double, std::milli>(config_.checksum_slice_ms));
+  ++job.turns;
+  // A whole large model is tens of seconds of read-back and CRC (~2 GB/s): a slice per loop turn,
+  // so that steps, aborts, deadlines and /v1/status go on meanwhile.
+  while (job.next < job.which.size()) {
+    heartbeat_.beat();
+    const size_t i = job.which[job.next++];
+    if (Status st = reg.read_checkpoint(i, checksum_bytes_); !st.ok()) {
+      const PendingChecksum failed = std::move(job);
+      pending_checksum_.reset();
+      return reply_error(failed.client, failed.envelope_id, st);
+    }
+    const auto& p = reg.parameters()[i];
+    protocol::ParameterChecksum c{p.name, std::string(dtype_name(p.storage.dtype)), shape_of(p.storage),
+                                  core::crc32_of(checksum_bytes_)};
+    job.bytes += checksum_bytes_.size();
+    job.sums.emplace_back(c.name, c.checksum);
+    job.out.parameters.push_back(std::move(c));
+    if (Clock::now() >= until) break;
+  }
+  if (job.next < job.which.size()) return;
+  PendingChecksum done = std::move(job);
+  pending_checksum_.reset();
+  std::sort(done.out.parameters.begin(), done.out.parameters.end(),
+            [](const protocol::ParameterChecksum& a, const protocol::ParameterChecksum& b) { return a.name < b.name; });
+  done.out.model_checksum = model_checksum(std::move(done.sums));
+  const double dt = std::chrono::duration<double>(Clock::now() - done.started).count();
+  obs::log_info("weights", "weights checksummed",
+                {{"parameters", done.which.size()}, {"size_bytes", done.bytes}, {"turns", done.turns},
+                 {"engine_steps", steps_ - done.steps_before},
+                 {"weight_version", done.out.weight_version}, {"duration_s", dt}});
+  reply(done.client, protocol::encode_reply(done.envelope_id, done.out));
 }
 
 void EngineActor::handle_weights(WeightCommand& cmd) {
@@ -566,40 +638,7 @@ void EngineActor::handle_weights(WeightCommand& cmd) {
     for (size_t k = 0; k < n; ++k) out.values.push_back(element_value(bytes.data() + k * elem, p.storage.dtype));
     return reply(cmd.client, encode_reply(id, out));
   }
-  if (auto* r = std::get_if<WeightsChecksumRequest>(&cmd.request)) {
-    const auto& reg = engine_->model().weights();
-    std::vector<size_t> which;
-    if (r->names) {
-      for (size_t k = 0; k < r->names->size(); ++k) {
-        const size_t i = reg.index_of((*r->names)[k]);
-        if (i == SIZE_MAX)
-          return reply_error(cmd.client, id,
-                             Status(ErrorCode::kNotFound, "unknown parameter '" + (*r->names)[k] + "'",
-                                    "body.names[" + std::to_string(k) + "]"));
-        which.push_back(i);
-      }
-    } else {
-      for (size_t i = 0; i < reg.size(); ++i) which.push_back(i);
-    }
-    WeightsChecksumReply out;
-    out.weight_version = engine_->weight_version();
-    std::vector<uint8_t> bytes;
-    std::vector<std::pair<std::string, uint32_t>> sums;
-    for (size_t i : which) {
-      // A whole large model takes tens of seconds here (~2 GB/s read back and CRC'd): the loop is
-      // working, not stalled, so /livez and the systemd watchdog must not see it as hung.
-      heartbeat_.beat();
-      if (Status s = reg.read_checkpoint(i, bytes); !s.ok()) return reply_error(cmd.client, id, s);
-      const auto& p = reg.parameters()[i];
-      ParameterChecksum c{p.name, std::string(dtype_name(p.storage.dtype)), shape_of(p.storage), core::crc32_of(bytes)};
-      sums.emplace_back(c.name, c.checksum);
-      out.parameters.push_back(std::move(c));
-    }
-    std::sort(out.parameters.begin(), out.parameters.end(),
-              [](const ParameterChecksum& a, const ParameterChecksum& b) { return a.name < b.name; });
-    out.model_checksum = model_checksum(std::move(sums));
-    return reply(cmd.client, encode_reply(id, out));
-  }
+  if (auto* r = std::get_if<WeightsChecksumRequest>(&cmd.request)) return start_checksum(cmd.client, id, *r);
   if (auto* r = std::get_if<PauseGenerationRequest>(&cmd.request)) {
     std::vector<core::EngineEvent> events;
     const auto c = engine_->pause(to_core(r->mode), events);

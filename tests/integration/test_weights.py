@@ -6,6 +6,7 @@ takes them must behave exactly like a daemon started with --model-seed of that s
 """
 import os
 import sys
+import threading
 import time
 import zlib
 
@@ -351,3 +352,58 @@ def test_pause_abort_ends_requests_with_reason_weight_update(daemon):
         assert c.next_event(0.3) is None
         trainer.continue_generation()
         assert c.collect(rid2, timeout_s=30).finish_reason == "length"
+
+
+def test_a_checksum_in_slices_lets_generation_run_and_sees_one_set_of_weights(daemon_factory, new_weights):
+    # --checksum-slice-ms 0: one parameter a loop turn. A long request keeps stepping meanwhile;
+    # pushes from another client (one bucket each: all 39 parameters in one command), sent while
+    # checksums are in progress, wait for their replies: every checksum is of the old weights or
+    # of the new ones, never of a mix. (A session of several buckets is seen between buckets, as
+    # it always was: SPEC, weights_checksum.)
+    d = daemon_factory(args=["--checksum-slice-ms", "0"])
+    old_weights = numpy_weights(ref.SEED)
+    old = {name: zlib.crc32(np.ascontiguousarray(w).tobytes()) for name, w in old_weights.items()}
+    new = {name: zlib.crc32(np.ascontiguousarray(w).tobytes()) for name, w in new_weights.items()}
+    with d.client() as a, d.client() as b, d.client() as g:
+        a.hello()
+        b.hello()
+        g.hello()
+        first = a.weights_checksum()
+        assert dict(first) == old and first.weight_version == 0
+        rid = g.submit([3, 1, 4, 1, 5], max_new_tokens=4000, temperature=0.0)  # ~1 s here: 100 x the checksum
+        wait_queue(g, 1, 0)
+        a.weights_checksum()
+        deadline = time.monotonic() + 10
+        while len(lines := [x for x in d.log_lines() if x.get("msg") == "weights checksummed"]) < 2:
+            assert time.monotonic() < deadline, "no log line for the second checksum"
+            time.sleep(0.01)
+        line = lines[1]
+        assert line["parameters"] == len(old) and line["turns"] == len(old), line
+        # The first turn in the loop turn that took the request, the next in that turn's device
+        # work, then a step after each turn but the last: a step between any two turns but one.
+        assert line["engine_steps"] >= len(old) - 2, f"the request stepped while the checksum ran: {line}"
+        g.abort(rid)
+        assert final_events(g, [rid], 30)[rid].reason in ("abort", "length")
+
+        seen, done = [], threading.Event()
+
+        def checksums():
+            while not done.is_set():
+                s = a.weights_checksum()
+                seen.append((s.weight_version, s.model_checksum))
+
+        t = threading.Thread(target=checksums)
+        t.start()
+        try:
+            for version in (2, 4, 6):  # new weights at even versions, the old ones back at odd
+                assert b.push_weights(list(new_weights.items()), weight_version=version,
+                                      bucket_bytes=16 << 20).num_buckets == 1
+                assert b.push_weights(list(old_weights.items()), weight_version=version + 1,
+                                      bucket_bytes=16 << 20).num_buckets == 1
+        finally:
+            done.set()
+            t.join(timeout=60)
+        assert not t.is_alive()
+        want_old, want_new = rolloutd.weights.model_checksum(old), rolloutd.weights.model_checksum(new)
+        assert all(total in (want_old, want_new) for _, total in seen), (want_old, want_new, seen)
+        assert len(seen) >= 2, seen
