@@ -1295,14 +1295,17 @@ DecodeShape decode_shape(int64_t k, int ks, int max_nt, int64_t pairs) {
 // that rule alone was 4-6 % faster at one token (gpt-oss gate_up 8 -> 4 slices, Qwen3 down
 // 8 -> 4) but 5 % slower a step at h2880 batch 32, where it took down from 2 slices to 1 (4 tokens
 // per expert). Independent of the tokens once pairs >= E (the bound is then E), so the sums (hence
-// the bits) of a token do not depend on how many share its pass.
-int decode_ksplit(int64_t bound_experts, int64_t n, int num_sms) {
+// the bits) of a token do not depend on how many share its pass. ctas_per_sm is the residency the
+// one-wave count assumes: kDirCtas for bf16 rows, 2 for staged rows (MXFP8, f32), whose CTAs hold
+// 2 an SM; counting 3 for them gave gate_up 4 slices at one MXFP8 token where 2 are 4-6 % faster
+// (H100, 2026-12-05, NOTES).
+int decode_ksplit(int64_t bound_experts, int64_t n, int num_sms, int ctas_per_sm) {
   const int64_t groups = n / 32;
   for (int ks = 1; ks < kDecWarps; ks *= 2) {
     const int64_t per_cta = kDecWarps / ks;
     if (bound_experts * ((groups + per_cta - 1) / per_cta) >= 4 * num_sms) return ks;
   }
-  const int64_t tasks = bound_experts * groups, wave = static_cast<int64_t>(kDirCtas) * kDecWarps * num_sms;
+  const int64_t tasks = bound_experts * groups, wave = static_cast<int64_t>(ctas_per_sm) * kDecWarps * num_sms;
   int ks = 1;
   while (ks < kDecWarps && tasks * ks * 2 <= wave) ks *= 2;
   return ks;
@@ -1355,7 +1358,9 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
                      int64_t pairs) {
   DecodeArgs a = g;
   const int forced = ksplit_override(kGateUp);
-  a.ksplit = forced != 0 ? forced : decode_ksplit(bound, a.n, num_sms);
+  // By the source format only, not the tokens: the bits of a token still do not depend on its
+  // pass's other tokens.
+  a.ksplit = forced != 0 ? forced : decode_ksplit(bound, a.n, num_sms, a.src == kSrcBf16 ? kDirCtas : 2);
   DecodeShape shape = decode_shape(a.k, a.ksplit, max_nt, pairs);
   // One-n-tile passes over bf16 rows take B straight from global memory (16-byte copies: rows
   // of K % 8 == 0 bf16 from a 16-byte aligned base); f32 and MXFP8 rows are staged (converted).
