@@ -17,6 +17,9 @@ _fixtures = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_fixtures)
 daemon_factory = _fixtures.daemon_factory
 daemon = _fixtures.daemon
+# Helpers of that conftest, for `from conftest import ...` in this folder's tests.
+final_events = _fixtures.final_events
+wait_queue = _fixtures.wait_queue
 
 
 def _gpu_visible():

@@ -10,10 +10,9 @@ import zlib
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.environ["ROLLOUTD_SOURCE_ROOT"], "tests", "integration"))
 sys.path.insert(0, os.path.join(os.environ["ROLLOUTD_SOURCE_ROOT"], "tests", "reference"))
 import tiny_moe_reference as ref  # noqa: E402
-from conftest import final_events, wait_queue  # noqa: E402  (tests/integration/conftest.py)
+from conftest import final_events, wait_queue  # noqa: E402  (tests/integration/conftest.py's, via this folder's)
 
 MX_BYTES = 256 << 20  # one synthetic_mx parameter [32768, 4096] of BF16 as sent
 MX_SHAPE = [32768, 4096]
