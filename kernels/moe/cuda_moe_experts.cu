@@ -865,6 +865,36 @@ using cuda::cp_async_commit;
 using cuda::cp_async_wait;
 using cuda::cp_async_wait_all;
 
+// Bulk copies (the TMA's one-dimensional form) completing on an mbarrier: one lane asks for a
+// chunk's weights in a few instructions instead of every lane computing its own copies.
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_inval(uint32_t bar) {
+  asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (done == 0);
+}
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
 // One warp's ring of K chunks in shared memory: per stage 4 vectors (16 B) and 4 scale words
 // (4 B, the aligned word holding the lane's scale byte) per lane. Every lane reads back only what
 // it copied itself, so the per-thread cp.async.wait_group is the only synchronisation.
@@ -879,6 +909,12 @@ constexpr int kDirCtas = 3;  // CTAs per SM (launch bounds, the block loop's res
 constexpr int kDirStageBytes = kDecStageBytes + 4 * 16 * 32;  // 4.5 KiB
 constexpr int kDirWarpRing = kDirStages * kDirStageBytes;
 static_assert(2 * 1 * 4 * 32 * 4 <= kDirWarpRing, "split-K partials fit in a direct warp's ring");
+// A direct stage as the bulk copies fill it: the chunk's codes as 4 pieces of 512 B (row tile t,
+// K tile kt: 16 rows x 64 values) at t * 1152 + kt * 576 (the 64 B between K tiles keep a
+// quarter warp's 16-byte reads on distinct banks), the scales of tile t (64 B) at 2240 + 64 t, the
+// stage's mbarrier at 2368; B at kDecStageBytes as before.
+constexpr int kBulkTile = 1152, kBulkKt = 576, kBulkScales = 2240, kBulkBar = 2368;
+static_assert(kBulkBar + 8 <= kDecStageBytes, "the bulk layout fits the weight part of a stage");
 
 // The weights of one warp (2 row tiles from rt0, K chunks [kc_begin, kc_end) of K slice wk)
 // against the staged B rows; acc[tile][n-tile][4]. K goes in num_segs segments of seg_chunks
@@ -888,7 +924,10 @@ static_assert(2 * 1 * 4 * 32 * 4 <= kDirWarpRing, "split-K partials fit in a dir
 // them (the first staging overlaps the first weight loads).
 //
 // kDirect (one n-tile, K whole, bf16 B rows in global memory in their natural order): no staged
-// rows; each lane copies its own B bytes with the chunk's weights (bg: its token's row at byte
+// rows; lane 0 asks for the chunk's weights and scales as 6 bulk copies completing on the stage's
+// mbarrier (instead of 8 address sums and copies in every lane: the same bytes, the same bits;
+// H100, 2026-12-05: 8 tokens 2 %, 64 tokens 7 %, an h2880 step at batch 32 3-5 % faster, one
+// token unchanged, NOTES); each lane copies its own B bytes with the chunk's weights (bg: its token's row at byte
 // c * 64; !bvalid: zeros, a lane past the pass's rows) and swaps their pairs into the permuted
 // order in registers; stage(0) only waits for the producer of B (down), between the first chunk's
 // weight copies and its B copies.
@@ -930,12 +969,42 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
     for (int wi = 0; wi < 4; ++wi)
       cp_async16_ca_zfill(st + kDecStageBytes + (wi * 32 + lane) * 16, valid ? bg + kc * 256 + wi * 16 : bg, valid);
   };
+  // Direct: lane 0 asks for the chunk's weights as bulk copies on the stage's mbarrier (a last
+  // half chunk: K tile 0 of each row tile, 32 scale bytes); the lanes of the absent K tile read
+  // zero weights instead (consumer side).
+  const uint8_t* wtile = wblk + static_cast<int64_t>(rt0) * k_tiles * 512;
+  const uint8_t* stile = wsc + static_cast<int64_t>(rt0) * k_tiles * 32;
+  uint32_t phases = 0;  // the parity each stage's mbarrier completes next, a bit per stage
+  if constexpr (kDirect) {
+    if (lane == 0) {
+#pragma unroll
+      for (int s = 0; s < kStages; ++s) mbar_init(smem_u32(ring + s * kStageBytes + kBulkBar));
+      // The inits visible to the copies' completions; the ring's earlier generic writes (split-K
+      // partials) ordered before the async proxy's.
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
+    __syncwarp();
+  }
   auto issue = [&](int kc, bool with_b) {
     if (kc >= kc_end) return;
     uint8_t* st = ring + issue_slot * kStageBytes;
     issue_slot = issue_slot == kStages - 1 ? 0 : issue_slot + 1;
     if constexpr (kDirect) {
       if (with_b) issue_b(kc, st);
+      if (lane == 0) {
+        const bool full = kc * 2 + 1 < k_tiles;
+        const uint32_t bar = smem_u32(st + kBulkBar);
+        mbar_expect(bar, full ? 2 * (1024 + 64) : 2 * (512 + 32));
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          const uint8_t* v = wtile + t * tstride_v + kc * 1024;
+          bulk_copy(smem_u32(st + t * kBulkTile), v, 512, bar);
+          if (full) bulk_copy(smem_u32(st + t * kBulkTile + kBulkKt), v + 512, 512, bar);
+          bulk_copy(smem_u32(st + kBulkScales + t * 64), stile + t * tstride_s + kc * 64, full ? 64 : 32, bar);
+        }
+      }
+      return;
     }
     if (kc * 2 + (c >> 1) < k_tiles) {
 #pragma unroll
@@ -978,10 +1047,15 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
     const int s_end = kc_end < s_begin + seg_chunks ? kc_end : s_begin + seg_chunks;
     const int slot0 = num_segs == 1 ? 0 : wk * seg_chunks - s_begin;  // chunk kc is in slot kc + slot0
     for (int kc = s_begin; kc < s_end; ++kc) {
+      if constexpr (kDirect) __syncwarp();  // every lane is done with the slot lane 0 refills
       issue(kc + kStages - 1, true);
       cp_async_commit();
       cp_async_wait<kStages - 1>();
       const uint8_t* st = ring + use_slot * kStageBytes;
+      if constexpr (kDirect) {
+        mbar_wait(smem_u32(st + kBulkBar), (phases >> use_slot) & 1u);
+        phases ^= 1u << use_slot;
+      }
       use_slot = use_slot == kStages - 1 ? 0 : use_slot + 1;
       DecChunk ch;
       uint32_t sc[2][2];
@@ -991,8 +1065,19 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int v = t * 2 + hh;
-          ch.v[t][hh] = *reinterpret_cast<const uint4*>(st + (v * 32 + lane) * 16);
-          sc[t][hh] = __byte_perm(*reinterpret_cast<const uint32_t*>(st + 2048 + (v * 32 + lane) * 4), 0u, ssel);
+          if constexpr (kDirect) {
+            const bool lv = kc * 2 + (c >> 1) < k_tiles;
+            ch.v[t][hh] = lv ? *reinterpret_cast<const uint4*>(st + t * kBulkTile + (c >> 1) * kBulkKt + hh * 256 +
+                                                               r * 32 + (c & 1) * 16)
+                             : make_uint4(0, 0, 0, 0);
+            const uint32_t raw =
+                lv ? *reinterpret_cast<const uint32_t*>(st + kBulkScales + t * 64 + (c >> 1) * 32 + hh * 16 + ((r * 2) & ~3))
+                   : 0x7f7f7f7fu;
+            sc[t][hh] = __byte_perm(raw, 0u, ssel);
+          } else {
+            ch.v[t][hh] = *reinterpret_cast<const uint4*>(st + (v * 32 + lane) * 16);
+            sc[t][hh] = __byte_perm(*reinterpret_cast<const uint32_t*>(st + 2048 + (v * 32 + lane) * 4), 0u, ssel);
+          }
           ch.f[t][hh] = dec_factor_small(sc[t][hh]);
           smax = max(smax, sc[t][hh]);
         }
@@ -1023,6 +1108,15 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
     }
   }
   cp_async_wait_all();
+  if constexpr (kDirect) {
+    // Every chunk issued was waited for: the barriers go before the ring holds other data.
+    __syncwarp();
+    if (lane == 0) {
+#pragma unroll
+      for (int s = 0; s < kStages; ++s) mbar_inval(smem_u32(ring + s * kStageBytes + kBulkBar));
+    }
+    __syncwarp();
+  }
 }
 
 // What one CTA of the decode kernel works on (the same for all its passes).
@@ -1366,8 +1460,11 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
   // of K % 8 == 0 bf16 from a 16-byte aligned base); f32 and MXFP8 rows are staged (converted).
   // The zeros past K are decided per 64-wide tile as for the weights: K % 64 == 0 (moe_checks'
   // kKAlign, which every decode launch has passed).
+  // Their weights come as bulk copies (16-byte aligned sources: each piece starts a multiple of
+  // 32 bytes into its expert, whose blocks and scales start at multiples of 64 bytes from the bases).
   const bool direct = shape.tok_cap <= 8 && a.src == kSrcBf16 && a.k % 8 == 0 &&
-                      reinterpret_cast<uintptr_t>(a.b) % 16 == 0;
+                      reinterpret_cast<uintptr_t>(a.b) % 16 == 0 && reinterpret_cast<uintptr_t>(a.w_blocks) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(a.w_scales) % 16 == 0;
   if (direct) shape.smem = kDirSmem;
   a.tok_cap = shape.tok_cap;
   a.seg_chunks = shape.seg_chunks;
