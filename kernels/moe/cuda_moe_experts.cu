@@ -897,7 +897,8 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
 
 // One warp's ring of K chunks in shared memory: per stage 4 vectors (16 B) and 4 scale words
 // (4 B, the aligned word holding the lane's scale byte) per lane. Every lane reads back only what
-// it copied itself, so the per-thread cp.async.wait_group is the only synchronisation.
+// it copied itself, so the per-thread cp.async.wait_group is the only synchronisation. (Direct
+// passes lay their weights out as the bulk copies put them and wait on a stage mbarrier: below.)
 constexpr int kDecStageBytes = 4 * 16 * 32 + 4 * 4 * 32;  // 2.5 KiB
 constexpr int kDecWarpRing = kDecStages * kDecStageBytes;
 static_assert(2 * kDecMaxNt * 4 * 32 * 4 <= kDecWarpRing, "split-K partials fit in a warp's ring");
@@ -993,6 +994,10 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
     if constexpr (kDirect) {
       if (with_b) issue_b(kc, st);
       if (lane == 0) {
+        // The lanes' generic reads of this slot's previous chunk (ordered by the __syncwarp before
+        // the issue) before the async proxy's writes into it: the PTX memory model's cross-proxy
+        // fence (the loads have returned by now anyway: their values fed the previous chunk's mma).
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         const bool full = kc * 2 + 1 < k_tiles;
         const uint32_t bar = smem_u32(st + kBulkBar);
         mbar_expect(bar, full ? 2 * (1024 + 64) : 2 * (512 + 32));
@@ -1469,6 +1474,9 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
   a.tok_cap = shape.tok_cap;
   a.seg_chunks = shape.seg_chunks;
   a.num_segs = shape.num_segs;
+  // A direct pass issues and waits for its bulk copies over K in one segment (decode_shape gives
+  // one at up to 8 tokens a pass); more would leave copies unwaited at the barriers' inval.
+  if (direct && a.num_segs != 1) return Status(ErrorCode::kInternal, "direct decode pass over K in segments", "x");
   const int64_t groups = a.n / 32, per_cta = kDecWarps / a.ksplit;
   const int64_t blocks = (groups + per_cta - 1) / per_cta;
   a.row_blocks = static_cast<int>(blocks);
