@@ -927,7 +927,7 @@ static_assert(kBulkBar + 8 <= kDecStageBytes, "the bulk layout fits the weight p
 // kDirect (one n-tile, K whole, bf16 B rows in global memory in their natural order): no staged
 // rows; lane 0 asks for the chunk's weights and scales as 6 bulk copies completing on the stage's
 // mbarrier (instead of 8 address sums and copies in every lane: the same bytes, the same bits;
-// H100, 2026-12-05: 8 tokens 2 %, 64 tokens 7 %, an h2880 step at batch 32 3-5 % faster, one
+// H100, 2026-12-05: 8 tokens 2-4 %, 64 tokens 6-7 %, an h2880 step at batch 32 3-5 % faster, one
 // token unchanged, NOTES); each lane copies its own B bytes with the chunk's weights (bg: its token's row at byte
 // c * 64; !bvalid: zeros, a lane past the pass's rows) and swaps their pairs into the permuted
 // order in registers; stage(0) only waits for the producer of B (down), between the first chunk's
