@@ -6,6 +6,7 @@
 # change is judged here (tests/bench/NOTES.md, "Staging the token rows in batches of loads").
 #   ab-kernels.sh BUILD_DIR OUT_DIR SRC VARIANT...   (on the GPU host, from the repository root;
 #   BUILD_DIR configured for CUDA as tests/gpu/run.sh configures it)
+# Scratch variants live in ab/ (git-ignored: name it in the device call's carry).
 # The tree's own SRC is variant "tree"; each VARIANT.cu is named by its file name. A VARIANT that
 # is a directory is a whole source tree (e.g. another commit's `git archive`, for a change that
 # touches several files): it is configured and built on its own, in a build folder beside the
