@@ -1,7 +1,9 @@
 #include "core/moe/layer/moe_layer.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
+#include <string_view>
 #include <utility>
 
 namespace rolloutd::core {
@@ -37,6 +39,16 @@ Status expect_view(const std::string& prefix, const std::string& field, const Te
 
 bool biased(moe::RouterKind k) {
   return k == moe::RouterKind::kSigmoidGroupedTopK || k == moe::RouterKind::kSqrtSoftplusTopK;
+}
+
+// ROLLOUTD_MOE_LAYER_FUSED_ROUTER=0 (environment, read once): a CUDA layer routes as the CPU one
+// does (gate GEMM, then moe::route) even where Backend::router could; for same-binary A/B runs.
+bool fused_router_allowed() {
+  static const bool on = [] {
+    const char* s = std::getenv("ROLLOUTD_MOE_LAYER_FUSED_ROUTER");
+    return s == nullptr || std::string_view(s) != "0";
+  }();
+  return on;
 }
 
 }  // namespace
@@ -223,19 +235,39 @@ Status MoeLayer::forward(TensorView out, TensorView x, TensorView token_ids, int
   const TensorView ids = rows_of(ids_, num_valid), weights = rows_of(weights_, num_valid);
   if (num_valid > 0) {
     const TensorView logits = rows_of(logits_, num_valid);
-    RD_RETURN_IF_ERROR(backend_.linear(ctx_, logits, rows_of(x, num_valid), w_.router)
-                           .with_field_prefix(p + ".router"));
-    moe::RouterArgs ra;
-    ra.ids = ids;
-    ra.weights = weights;
-    ra.logits = logits;
-    ra.logit_bias = w_.router_bias;
-    ra.correction_bias = w_.correction_bias;
-    if (hash) {
-      ra.token_ids = rows_of(token_ids, num_valid);
-      ra.tid2eid = w_.tid2eid;
+    // On CUDA the softmax-family routers take the decoder's router op: the gate GEMM, the logit
+    // bias and the selection in one launch for decode-sized steps (Backend::router), instead of
+    // cuBLAS's GEMV kernels and the selection kernel. gpt-oss's softmax over its k picks is the
+    // renormalised softmax top-k (exp(l_i) / sum_k exp(l_k) either way; the k largest logits are
+    // the k largest probabilities), so the ids are the same and the weights differ in rounding
+    // only. The CPU keeps each family's own arithmetic: it is the FP32 reference.
+    const bool softmax_family =
+        c.router.kind == moe::RouterKind::kSoftmaxTopK || c.router.kind == moe::RouterKind::kTopKSoftmax;
+    if (ctx_.device.kind == DeviceKind::kCuda && softmax_family && !c.correction_bias && fused_router_allowed()) {
+      RouterArgs ra;
+      ra.ids = ids;
+      ra.weights = weights;
+      ra.logits = logits;
+      ra.x = rows_of(x, num_valid);
+      ra.w = w_.router;
+      ra.bias = c.router_bias ? w_.router_bias : TensorView{};
+      ra.renormalize = c.router.kind == moe::RouterKind::kTopKSoftmax || c.router.renormalize;
+      RD_RETURN_IF_ERROR(backend_.router(ctx_, ra).with_field_prefix(p + ".router"));
+    } else {
+      RD_RETURN_IF_ERROR(backend_.linear(ctx_, logits, rows_of(x, num_valid), w_.router)
+                             .with_field_prefix(p + ".router"));
+      moe::RouterArgs ra;
+      ra.ids = ids;
+      ra.weights = weights;
+      ra.logits = logits;
+      ra.logit_bias = w_.router_bias;
+      ra.correction_bias = w_.correction_bias;
+      if (hash) {
+        ra.token_ids = rows_of(token_ids, num_valid);
+        ra.tid2eid = w_.tid2eid;
+      }
+      RD_RETURN_IF_ERROR(moe::route(ctx_, c.router, ra).with_field_prefix(p + ".gate"));
     }
-    RD_RETURN_IF_ERROR(moe::route(ctx_, c.router, ra).with_field_prefix(p + ".gate"));
   }
   // The single capture point: the router's logical ids, real rows only, before the
   // logical -> physical remap (which happens inside moe::experts).

@@ -104,7 +104,9 @@ class MoeLayer {
 
   const MoeLayerConfig& config() const { return config_; }
   bool records() const { return config_.record_routed_experts && !config_.draft; }
-  // The last forward's router outputs, rows [0, num_valid) (tests, debugging).
+  // The last forward's router outputs, rows [0, num_valid) (tests, debugging). The logits are
+  // the gate GEMM's, without the logit bias, except where a CUDA layer routes a softmax family
+  // through Backend::router (forward()), which stores them with the bias added.
   TensorView router_logits() const { return logits_; }
   TensorView topk_ids() const { return ids_; }
   TensorView topk_weights() const { return weights_; }
