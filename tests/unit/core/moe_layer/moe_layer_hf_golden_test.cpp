@@ -3,7 +3,7 @@
 // written on the GPU host by tests/reference/moe/make_hf_moe_golden.py. Skips with a message
 // until that file exists.
 // - ids equal (in order where the reference sorts, as sets where it calls
-//   torch.topk(sorted=False)), weights within 1e-5 (CPU) / 1e-4 (CUDA: cuBLAS logits);
+//   torch.topk(sorted=False)), weights within 1e-5 (CPU) / 1e-4 (CUDA: its gate GEMM rounds differently);
 // - outputs: the CPU's exact float32 mode within 1e-4; bf16 activations within 2e-2 and MXFP8
 //   activations within 0.1 (E4M3 keeps 3 mantissa bits: about 5% measured on the NumPy
 //   stand-in; the rounding of x and h, on both backends);
