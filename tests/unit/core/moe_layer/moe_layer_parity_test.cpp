@@ -28,8 +28,8 @@ class MoeLayerParity : public ::testing::Test {
 
 // The CPU's selection values (what the router ranks: logits + bias, or score + correction
 // bias, and DeepSeek-V3's group scores) hold a near-tie around the k-th pick of row r: the two
-// backends' gate GEMMs (a CPU loop; cuBLAS or Backend::router's kernel) round the logits differently and may then
-// legitimately pick differently.
+// backends' gate GEMMs (a CPU loop; cuBLAS or Backend::router's kernel) round the logits
+// differently and may then legitimately pick differently.
 bool near_tie(const MoeLayerConfig& c, const test::LayerHost& w, const std::vector<float>& logits,
               int64_t r, float eps) {
   const int64_t e = c.num_experts;
