@@ -239,8 +239,11 @@ Status MoeLayer::forward(TensorView out, TensorView x, TensorView token_ids, int
     // bias and the selection in one launch for decode-sized steps (Backend::router), instead of
     // cuBLAS's GEMV kernels and the selection kernel. gpt-oss's softmax over its k picks is the
     // renormalised softmax top-k (exp(l_i) / sum_k exp(l_k) either way; the k largest logits are
-    // the k largest probabilities), so the ids are the same and the weights differ in rounding
-    // only. The CPU keeps each family's own arithmetic: it is the FP32 reference.
+    // the k largest probabilities): the same picks for the same logits, weights that differ in
+    // rounding, except that a NaN logit outside the k makes every weight NaN here (the softmax
+    // sums over all experts) where the family's own arithmetic ignores it. The gate GEMM's
+    // summation order differs from cuBLAS's, so near-tied logits may pick differently. The CPU
+    // keeps each family's own arithmetic: it is the FP32 reference.
     const bool softmax_family =
         c.router.kind == moe::RouterKind::kSoftmaxTopK || c.router.kind == moe::RouterKind::kTopKSoftmax;
     if (ctx_.device.kind == DeviceKind::kCuda && softmax_family && !c.correction_bias && fused_router_allowed()) {
