@@ -5,6 +5,8 @@
 # different machines differ by more than most kernel changes (METHOD.md): this is how a kernel
 # change is judged here (tests/bench/NOTES.md, "Staging the token rows in batches of loads").
 #   ab-kernels.sh BUILD_DIR OUT_DIR SRC VARIANT...   (on the GPU host, from the repository root;
+#   a VARIANT written OTHER_SRC=FILE.cu replaces OTHER_SRC instead of SRC, so that variants of
+#   two source files share one call's tree build and rounds;
 #   BUILD_DIR configured for CUDA as tests/gpu/run.sh configures it)
 # Scratch variants live in ab/ (git-ignored: name it in the device call's carry).
 # The tree's own SRC is variant "tree"; each VARIANT.cu is named by its file name. A VARIANT that
@@ -40,7 +42,8 @@ log=$out/ab.log
 bins=$(mktemp -d)
 keep=$(mktemp)
 cp "$src" "$keep"
-trap 'cp "$keep" "$src"; rm -rf "$bins" "$keep"' EXIT
+vsrc=$src
+trap 'cp "$keep" "$src"; [ "$vsrc" = "$src" ] || cp "$bins/other-src" "$vsrc"; rm -rf "$bins" "$keep"' EXIT
 targets=(engine_bench moe_bench)
 read -r -a tests <<<"${AB_TESTS:-}"
 targets+=("${tests[@]}")
@@ -78,13 +81,24 @@ for v in "$@"; do
     fi
     continue
   fi
-  cp "$v" "$src"
+  # OTHER_SRC=VARIANT.cu: this variant replaces another source than SRC (restored after its build;
+  # name such variants last, so that restoring them costs no rebuild of the others).
+  vsrc=$src
+  if [[ $v == *=* ]]; then
+    vsrc=${v%%=*}
+    v=${v#*=}
+    name=$(basename "$v" .cu)
+    [ -f "$vsrc" ] || { echo "variant $name: no such source $vsrc (skipped)"; vsrc=$src; continue; }
+    cp "$vsrc" "$bins/other-src"
+  fi
+  cp "$v" "$vsrc"
   if timeout 300 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" >>"$out/ab-build.log" 2>&1; then
     save "$name"
     names+=("$name")
   else
     echo "variant $name failed to build (skipped):"; grep -E "error" "$out/ab-build.log" | tail -5
   fi
+  if [ "$vsrc" != "$src" ]; then cp "$bins/other-src" "$vsrc"; vsrc=$src; else cp "$keep" "$src"; fi
 done
 cp "$keep" "$src"
 : >"$log"
