@@ -91,7 +91,11 @@ for v in "$@"; do
     [ -f "$vsrc" ] || { echo "variant $name: no such source $vsrc (skipped)"; vsrc=$src; continue; }
     cp "$vsrc" "$bins/other-src"
   fi
-  cp "$v" "$vsrc"
+  if [ ! -f "$v" ] || ! cp "$v" "$vsrc"; then
+    echo "variant $name: cannot read $v (skipped)"
+    if [ "$vsrc" != "$src" ]; then cp "$bins/other-src" "$vsrc"; vsrc=$src; fi
+    continue
+  fi
   if timeout 300 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" >>"$out/ab-build.log" 2>&1; then
     save "$name"
     names+=("$name")
