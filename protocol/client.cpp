@@ -147,6 +147,9 @@ class ConnectionMonitor : public zmq::monitor_t {
   explicit ConnectionMonitor(bool curve) : curve_(curve) {}
 
   bool connected = false;
+  // Connections dropped so far, and when the last drop was seen (see Client::lost_since).
+  uint64_t disconnects = 0;
+  std::chrono::steady_clock::time_point disconnected_at{};
   // Why the last handshake failed; cleared by a handshake that succeeds.
   std::optional<std::string> handshake_error;
 
@@ -154,7 +157,11 @@ class ConnectionMonitor : public zmq::monitor_t {
   void on_event_connected(const zmq_event_t&, const char*) override {
     if (!curve_) connected = true;
   }
-  void on_event_disconnected(const zmq_event_t&, const char*) override { connected = false; }
+  void on_event_disconnected(const zmq_event_t&, const char*) override {
+    connected = false;
+    ++disconnects;
+    disconnected_at = std::chrono::steady_clock::now();
+  }
   void on_event_handshake_succeeded(const zmq_event_t&, const char*) override {
     connected = true;
     handshake_error.reset();
@@ -230,9 +237,21 @@ struct Client::Impl {
       : options(std::move(opts)), socket(std::move(sock)), monitor(options.curve.enabled()) {}
 
   Status send_frames(const std::vector<std::string_view>& parts, Clock::time_point deadline);
-  Result<std::optional<std::vector<std::string>>> recv_frames(Clock::time_point deadline);
+  // `lost_since`: a snapshot of monitor.disconnects taken before the awaited request was sent;
+  // the wait then ends with kUnavailable once that connection is lost (see lost()).
+  Result<std::optional<std::vector<std::string>>> recv_frames(Clock::time_point deadline,
+                                                               std::optional<uint64_t> lost_since = {});
+  bool lost(uint64_t since) const {
+    return monitor.disconnects > since && !monitor.connected &&
+           Clock::now() >= monitor.disconnected_at + std::chrono::milliseconds(Client::kReconnectWaitMs);
+  }
+  Status lost_status() const {
+    return Status(ErrorCode::kUnavailable,
+                  "the connection to " + options.endpoint + " dropped while waiting for a reply and did not come "
+                      "back within " + std::to_string(Client::kReconnectWaitMs) + " ms: the daemon is down");
+  }
   // Next decoded message, or nullopt at the deadline.
-  Result<std::optional<DecodedIncoming>> receive(Clock::time_point deadline);
+  Result<std::optional<DecodedIncoming>> receive(Clock::time_point deadline, std::optional<uint64_t> lost_since = {});
   // `payload`: frames sent after the envelope (an inline bucket).
   Status send_request(uint64_t id, const Request& req, Clock::time_point deadline,
                       const std::vector<std::string_view>& payload = {});
@@ -317,7 +336,7 @@ Status Client::Impl::send_frames(const std::vector<std::string_view>& parts,
 }
 
 Result<std::optional<std::vector<std::string>>> Client::Impl::recv_frames(
-    Clock::time_point deadline) {
+    Clock::time_point deadline, std::optional<uint64_t> lost_since) {
   for (;;) {
     zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLIN, 0};
     try {
@@ -329,6 +348,10 @@ Result<std::optional<std::vector<std::string>>> Client::Impl::recv_frames(
     if (!(item.revents & ZMQ_POLLIN)) {
       monitor.pump();
       RD_RETURN_IF_ERROR(monitor.refusal(options.endpoint));
+      // Nothing queued and the daemon gone: no reply can come over this connection (a
+      // daemon's replies go to the connection that carried the request). Without this a
+      // request queued just before the drop was noticed waited out its whole deadline.
+      if (lost_since && lost(*lost_since)) return lost_status();
     }
     if (item.revents & ZMQ_POLLIN) {
       std::vector<std::string> frames;
@@ -349,8 +372,9 @@ Result<std::optional<std::vector<std::string>>> Client::Impl::recv_frames(
   }
 }
 
-Result<std::optional<DecodedIncoming>> Client::Impl::receive(Clock::time_point deadline) {
-  RD_ASSIGN_OR_RETURN(auto frames, recv_frames(deadline));
+Result<std::optional<DecodedIncoming>> Client::Impl::receive(Clock::time_point deadline,
+                                                             std::optional<uint64_t> lost_since) {
+  RD_ASSIGN_OR_RETURN(auto frames, recv_frames(deadline, lost_since));
   if (!frames) return std::optional<DecodedIncoming>();
   std::vector<Frame> payload;
   payload.reserve(frames->size() - 1);
@@ -392,10 +416,12 @@ Result<Reply> Client::Impl::call(const Request& req, Clock::time_point deadline,
                                  bool* unanswered, const std::vector<std::string_view>& payload) {
   const uint64_t id = next_id++;
   if (unanswered) *unanswered = false;
+  monitor.pump();
+  const uint64_t since = monitor.disconnects;
   RD_RETURN_IF_ERROR(send_request(id, req, deadline, payload));
   if (unanswered) *unanswered = true;
   for (;;) {
-    RD_ASSIGN_OR_RETURN(auto incoming, receive(deadline));
+    RD_ASSIGN_OR_RETURN(auto incoming, receive(deadline, since));
     if (!incoming)
       return Status(ErrorCode::kDeadlineExceeded,
                     "no reply to '" + std::string(request_type_name(req)) + "' (id " +
@@ -652,6 +678,9 @@ Result<GenerateResult> Client::generate(const GenerateRequest& req, int timeout_
   const auto reply_deadline =
       std::min(deadline, deadline_after(impl_->options.request_timeout_ms));
   bool unanswered = false;
+  // Events come over the connection that carried the request: if it is lost, so are they.
+  impl_->monitor.pump();
+  const uint64_t since = impl_->monitor.disconnects;
   auto accepted = impl_->call<GenerateReply>(named, reply_deadline, &unanswered);
   if (!accepted.ok()) {
     // An unanswered request may still run on the daemon: abort it. A rejected one
@@ -715,7 +744,7 @@ Result<GenerateResult> Client::generate(const GenerateRequest& req, int timeout_
     if (*done) return result;
   }
   for (;;) {
-    auto incoming = impl_->receive(deadline);
+    auto incoming = impl_->receive(deadline, since);
     if (!incoming.ok()) return give_up(incoming.status());
     if (!*incoming)
       return give_up(Status(ErrorCode::kDeadlineExceeded,
@@ -748,8 +777,14 @@ Status Client::send_raw_views(const std::vector<std::string_view>& frames, int t
   return impl_->send_frames(frames, deadline_after(timeout_ms));
 }
 
-Result<std::optional<std::vector<std::string>>> Client::recv_raw(int timeout_ms) {
-  return impl_->recv_frames(deadline_after(timeout_ms));
+Result<std::optional<std::vector<std::string>>> Client::recv_raw(int timeout_ms,
+                                                                 std::optional<uint64_t> lost_since) {
+  return impl_->recv_frames(deadline_after(timeout_ms), lost_since);
+}
+
+uint64_t Client::disconnects() {
+  impl_->monitor.pump();
+  return impl_->monitor.disconnects;
 }
 
 }  // namespace rolloutd::protocol

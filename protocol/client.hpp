@@ -144,8 +144,15 @@ class Client {
   // The same without copying the frames first: they must stay valid during the call
   // (the Python transport sends a weight bucket from the caller's buffer this way).
   Status send_raw_views(const std::vector<std::string_view>& frames, int timeout_ms);
-  // nullopt on timeout. Returns every frame of one message.
-  Result<std::optional<std::vector<std::string>>> recv_raw(int timeout_ms);
+  // nullopt on timeout. Returns every frame of one message. With `lost_since` (a
+  // disconnects() snapshot taken before sending what the caller waits for), a wait with
+  // nothing to receive ends with kUnavailable once a connection drop seen after the
+  // snapshot is not followed by a reconnection within kReconnectWaitMs: the daemon is down,
+  // and its reply would have come over the dropped connection. Calls do this themselves.
+  Result<std::optional<std::vector<std::string>>> recv_raw(int timeout_ms,
+                                                           std::optional<uint64_t> lost_since = {});
+  // Connection drops seen so far.
+  uint64_t disconnects();
   // True when no connection to the daemon is up and the connect grace (2 s after
   // connect()) has passed: a send then waits at most kReconnectWaitMs for a
   // reconnection before failing with kUnavailable.

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -114,7 +115,7 @@ class Transport {
     }
   }
 
-  py::object recv(int timeout_ms) {
+  py::object recv(int timeout_ms, std::optional<uint64_t> lost_since) {
     if (timeout_ms < 0) throw py::value_error("timeout_ms must be >= 0");
     const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
     for (;;) {
@@ -122,7 +123,7 @@ class Transport {
       auto got = [&] {
         py::gil_scoped_release release;
         std::lock_guard<std::mutex> lock(mu_);
-        return live().recv_raw(slice);
+        return live().recv_raw(slice, lost_since);
       }();
       if (!got.ok()) throw_status(got.status());
       if (*got) {
@@ -133,6 +134,12 @@ class Transport {
       if (Clock::now() >= deadline) return py::none();
       if (PyErr_CheckSignals() != 0) throw py::error_already_set();
     }
+  }
+
+  uint64_t disconnects() {
+    py::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(mu_);
+    return live().disconnects();
   }
 
   void close() {
@@ -202,8 +209,12 @@ PYBIND11_MODULE(_native, m) {
       .def("send", &Transport::send, py::arg("frames"), py::arg("timeout_ms") = 30000,
            "Sends one message (envelope frame, then payload frames). Raises TransportError "
            "'unavailable' if no daemon takes it within timeout_ms.")
-      .def("recv", &Transport::recv, py::arg("timeout_ms"),
-           "The frames of the next message, or None if none arrives within timeout_ms.")
+      .def("recv", &Transport::recv, py::arg("timeout_ms"), py::arg("lost_since") = py::none(),
+           "The frames of the next message, or None if none arrives within timeout_ms. lost_since: a "
+           "`disconnects` value read before sending what is awaited; the wait then raises TransportError "
+           "'unavailable' once the connection drops after it and does not come back within 300 ms.")
+      .def_property_readonly("disconnects", &Transport::disconnects,
+                             "How many times the connection to the daemon dropped so far.")
       .def("close", &Transport::close, "Closes the socket (pending sends linger at most 100 ms).")
       .def_property_readonly("closed", &Transport::closed)
       .def_property_readonly("endpoint", &Transport::endpoint)

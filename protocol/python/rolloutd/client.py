@@ -147,9 +147,10 @@ class PendingReply:
     timeout_s), and returns its body or raises RolloutdError. Replies to several pending requests
     of one Client may be collected in any order. Use it from the Client's own thread."""
 
-    def __init__(self, client: "Client", msg_id: int, request: Any, reply_type: type, deadline: float):
+    def __init__(self, client: "Client", msg_id: int, request: Any, reply_type: type, deadline: float,
+                 lost_since: Optional[int] = None):
         self.client, self.id, self.request, self.reply_type = client, msg_id, request, reply_type
-        self.deadline = deadline
+        self.deadline, self._lost_since = deadline, lost_since
         self._done, self._value, self._error = False, None, None
 
     def done(self) -> bool:
@@ -160,7 +161,7 @@ class PendingReply:
         if not self._done:
             deadline = self.deadline if timeout_s is None else time.monotonic() + timeout_s
             try:
-                msg = self.client._await_reply(self.id, self.request, deadline)
+                msg = self.client._await_reply(self.id, self.request, deadline, self._lost_since)
                 self._value = self.client._reply_body(msg, self.request, self.reply_type)
             except RolloutdError as e:
                 if e.code == "deadline_exceeded" and timeout_s is not None and time.monotonic() < self.deadline:
@@ -365,9 +366,10 @@ class Client:
         """Sends any request without waiting; PendingReply.result() collects its reply (bounded by
         timeout_s, default the client's). Lets one thread keep requests to many daemons in flight."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        since = self._disconnects()
         msg_id = self._send_request(request, deadline)
         self._outstanding[msg_id] = None
-        return PendingReply(self, msg_id, request, reply_type, deadline)
+        return PendingReply(self, msg_id, request, reply_type, deadline, since)
 
     @staticmethod
     def _maybe_wait(pending: PendingReply, wait: bool):
@@ -456,17 +458,19 @@ class Client:
         deadline = time.monotonic() + timeout_s
         req = _make_request(input_ids, rid, sampling)
         reply_deadline = min(deadline, time.monotonic() + self.timeout_s)
+        since = self._disconnects()
         msg_id = self._send_request(req, reply_deadline)
         try:
-            reply = self._await_reply(msg_id, req, reply_deadline)
+            reply = self._await_reply(msg_id, req, reply_deadline, since)
         except BaseException:  # timeout, bad reply, Ctrl-C: the request may be running
             self._abandon(req.rid)
             raise
         # A rejection is not aborted: its rid may belong to another request in flight.
         self._reply_body(reply, req, GenerateReply)
-        return self._stream(req.rid, deadline, timeout_s)
+        return self._stream(req.rid, deadline, timeout_s, since)
 
-    def _stream(self, rid: str, deadline: float, timeout_s: float) -> Iterator[Event]:
+    def _stream(self, rid: str, deadline: float, timeout_s: float,
+                lost_since: Optional[int] = None) -> Iterator[Event]:
         done = False
         try:
             # Events that arrived while waiting for the reply come first, in order.
@@ -479,7 +483,7 @@ class Client:
                 if done:
                     return
             while True:
-                msg = self._receive(deadline)
+                msg = self._receive(deadline, lost_since)
                 if msg is None:
                     raise RolloutdError("deadline_exceeded",
                                         f"request '{rid}' did not finish within {timeout_s} s; aborted it", "rid")
@@ -516,9 +520,15 @@ class Client:
         except _native.TransportError as e:
             raise RolloutdError(e.code, e.message, e.field) from None
 
-    def _receive(self, deadline: float) -> Optional[wire.Decoded]:
-        frames = self.recv_raw(max(0.0, deadline - time.monotonic()))
+    def _receive(self, deadline: float, lost_since: Optional[int] = None) -> Optional[wire.Decoded]:
+        """The next message before `deadline`. With lost_since (a _disconnects() value read before
+        sending what is awaited) the wait raises RolloutdError 'unavailable' once the connection
+        drops and does not come back within 300 ms: whatever was awaited would have come over it."""
+        frames = self._native_call(self._live().recv, _ms(max(0.0, deadline - time.monotonic())), lost_since)
         return None if frames is None else wire.decode(frames)
+
+    def _disconnects(self) -> int:
+        return self._native_call(lambda: self._live().disconnects)
 
     def _call(self, request: Any, reply_type: type, deadline: Optional[float] = None) -> Any:
         if deadline is None:
@@ -526,7 +536,8 @@ class Client:
         return self._reply_body(self._exchange(request, deadline), request, reply_type)
 
     def _exchange(self, request: Any, deadline: float) -> wire.Decoded:
-        return self._await_reply(self._send_request(request, deadline), request, deadline)
+        since = self._disconnects()
+        return self._await_reply(self._send_request(request, deadline), request, deadline, since)
 
     def _send_request(self, request: Any, deadline: float) -> int:
         msg_id = self._next_id
@@ -534,14 +545,15 @@ class Client:
         self.send_raw(wire.encode(msg_id, request), max(0.0, deadline - time.monotonic()))
         return msg_id
 
-    def _await_reply(self, msg_id: int, request: Any, deadline: float) -> wire.Decoded:
+    def _await_reply(self, msg_id: int, request: Any, deadline: float,
+                     lost_since: Optional[int] = None) -> wire.Decoded:
         """The reply to message `msg_id`; events that come first are queued, and replies to other
         pending requests (send_request) are kept for them."""
         stashed = self._outstanding.get(msg_id)
         if stashed is not None:
             return stashed
         while True:
-            msg = self._receive(deadline)
+            msg = self._receive(deadline, lost_since)
             if msg is None:
                 raise RolloutdError("deadline_exceeded", f"no reply to '{wire.type_name(request)}' (id {msg_id}) "
                                     f"from {self.endpoint} in time", "")

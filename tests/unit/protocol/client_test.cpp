@@ -48,6 +48,8 @@ class FakeDaemon {
     thread_ = std::thread([this, script = std::move(script)] { script(*this); });
   }
   void join() { thread_.join(); }
+  // Goes away as a killed daemon does: its connections drop and its port is free again.
+  void close() { router_.close(); }
 
   // The next request; a failed expectation (and an empty request) if none comes in time.
   Received recv(int timeout_ms = 5000) {
@@ -434,6 +436,64 @@ TEST(ClientTest, NoDaemonIsUnavailable) {
   auto nothing = client->recv_raw(50);
   ASSERT_TRUE(nothing.ok());
   EXPECT_FALSE(nothing->has_value());
+}
+
+// A daemon killed after it took a request (the client had not yet seen the drop, so the request
+// was sent): the call ends as unavailable soon after the drop, not at its deadline. Until
+// 2026-12-06 it waited the whole deadline (a coordinator's batch to a daemon SIGKILLed a moment
+// before: 30 s). Then a generate whose daemon dies while it streams ends the same way.
+TEST(ClientTest, ADaemonThatDiesAfterTakingARequestIsUnavailableBeforeTheDeadline) {
+  FakeDaemon daemon;
+  daemon.run([](FakeDaemon& d) {
+    Received hello = d.recv();
+    EXPECT_TRUE(std::holds_alternative<HelloRequest>(hello.request));
+    d.close();
+  });
+  auto client = connect_to(daemon.endpoint(), /*request_timeout_ms=*/20000);
+  const auto start = Clock::now();
+  auto hello = client->hello();
+  daemon.join();
+  ASSERT_FALSE(hello.ok());
+  EXPECT_EQ(hello.status().code(), ErrorCode::kUnavailable) << hello.status().to_string();
+  EXPECT_LT(Clock::now() - start, milliseconds(10000));
+  EXPECT_GE(client->disconnects(), 1u);
+}
+
+TEST(ClientTest, AGenerateWhoseDaemonDiesWhileItStreamsIsUnavailableBeforeTheDeadline) {
+  FakeDaemon daemon;
+  daemon.run([](FakeDaemon& d) {
+    Received gen = d.recv();
+    const std::string rid = std::get<GenerateRequest>(gen.request).rid;
+    d.send(gen.identity, encode_reply(gen.env.id, GenerateReply{rid}));
+    d.send(gen.identity, encode_event(gen.env.id, tokens(rid, {5}, rows(0, 4, 0))));
+    d.close();
+  });
+  auto client = connect_to(daemon.endpoint(), /*request_timeout_ms=*/20000);
+  const auto start = Clock::now();
+  auto result = client->generate(make_generate("dies"), 20000);
+  daemon.join();
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().code(), ErrorCode::kUnavailable) << result.status().to_string();
+  EXPECT_LT(Clock::now() - start, milliseconds(10000));
+}
+
+// What was received before the drop is still delivered: a daemon that answers and exits at once
+// (a drain) loses nothing, and a lost_since wait returns the queued message before any error.
+TEST(ClientTest, MessagesReceivedBeforeTheDropAreStillDelivered) {
+  FakeDaemon daemon;
+  daemon.run([](FakeDaemon& d) {
+    Received gen = d.recv();
+    const std::string rid = std::get<GenerateRequest>(gen.request).rid;
+    d.send(gen.identity, encode_reply(gen.env.id, GenerateReply{rid}));
+    d.send(gen.identity, encode_event(gen.env.id, tokens(rid, {5, 6, 7}, rows(0, 6, 0))));
+    d.send(gen.identity, encode_event(gen.env.id, finished(rid, "length", 3)));
+    d.close();
+  });
+  auto client = connect_to(daemon.endpoint(), /*request_timeout_ms=*/20000);
+  auto result = client->generate(make_generate("drained"), 20000);
+  daemon.join();
+  ASSERT_TRUE(result.ok()) << result.status().to_string();
+  EXPECT_EQ(result->token_ids, (std::vector<int32_t>{5, 6, 7}));
 }
 
 // A daemon that requires CURVE, as a plain client sees it: TCP connects at once (which counts as

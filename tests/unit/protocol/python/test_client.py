@@ -318,3 +318,40 @@ def test_undecodable_reply_is_a_typed_error(daemon):
         with pytest.raises(RolloutdError) as e:
             c.status()
         assert e.value.code == "bad_message"
+
+
+def test_requests_a_daemon_took_before_it_died_fail_soon_after_the_drop(daemon):
+    """Two requests sent without waiting (as a coordinator's batch sends them) reach the daemon,
+    which then dies without replying: both fail 'unavailable' soon after the connection drops.
+    Until 2026-12-06 each waited out its deadline (a coordinator's batch: 30 s)."""
+    def script(d):
+        assert [d.recv().type for _ in range(2)] == ["generate", "generate"]
+        d.close()
+
+    peer = daemon(script)
+    with Client(peer.endpoint) as c:
+        t0 = time.monotonic()
+        pending = [c.send_request(GenerateRequest(rid=f"r{i}", input_ids=[1, 2]), GenerateReply, timeout_s=20.0)
+                   for i in range(2)]
+        for p in pending:
+            with pytest.raises(RolloutdError) as e:
+                p.result()
+            assert e.value.code == "unavailable", e.value
+        assert time.monotonic() - t0 < 10.0
+        assert c._disconnects() >= 1
+
+
+def test_a_generate_whose_daemon_dies_while_it_streams_fails_soon_after_the_drop(daemon):
+    def script(d):
+        gen = d.recv()
+        d.send(gen.id, GenerateReply(gen.body.rid))
+        d.send(gen.id, tokens(gen.body.rid, [10], rows(0, 3)))
+        d.close()
+
+    peer = daemon(script)
+    with Client(peer.endpoint) as c:
+        t0 = time.monotonic()
+        with pytest.raises(RolloutdError) as e:
+            c.generate([1, 2], max_new_tokens=3, timeout_s=20.0)
+        assert e.value.code == "unavailable", e.value
+        assert time.monotonic() - t0 < 10.0
