@@ -245,6 +245,25 @@ struct Client::Impl {
     return monitor.disconnects > since && !monitor.connected &&
            Clock::now() >= monitor.disconnected_at + std::chrono::milliseconds(Client::kReconnectWaitMs);
   }
+  // Messages still queued for a connection that dropped would go to whatever daemon next
+  // answers on the endpoint (one restarted there, or this one after a long network outage),
+  // after their callers were told `unavailable` and a coordinator placed them elsewhere: one
+  // request would run twice. Re-making the connection with linger 0 drops them, so unavailable
+  // means not delivered, or delivered over the dropped connection (whose requests the daemon
+  // ends as client_gone).
+  void drop_unsent() {
+    try {
+      socket.set(zmq::sockopt::linger, 0);
+      socket.disconnect(options.endpoint);
+      socket.connect(options.endpoint);
+    } catch (const zmq::error_t&) {
+      // The endpoint was connected once with this string, so neither call fails in practice.
+    }
+    try {
+      socket.set(zmq::sockopt::linger, kLingerMs);
+    } catch (const zmq::error_t&) {
+    }
+  }
   Status lost_status() const {
     return Status(ErrorCode::kUnavailable,
                   "the connection to " + options.endpoint + " dropped while waiting for a reply and did not come "
@@ -351,7 +370,10 @@ Result<std::optional<std::vector<std::string>>> Client::Impl::recv_frames(
       // Nothing queued and the daemon gone: no reply can come over this connection (a
       // daemon's replies go to the connection that carried the request). Without this a
       // request queued just before the drop was noticed waited out its whole deadline.
-      if (lost_since && lost(*lost_since)) return lost_status();
+      if (lost_since && lost(*lost_since)) {
+        drop_unsent();
+        return lost_status();
+      }
     }
     if (item.revents & ZMQ_POLLIN) {
       std::vector<std::string> frames;

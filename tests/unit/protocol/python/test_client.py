@@ -7,7 +7,7 @@ import pytest
 from rolloutd import Client, RolloutdError
 from rolloutd.messages import (AbortReply, AbortRequest, ErrorInfo, FailedEvent, FinishedEvent, GenerateReply,
                                GenerateRequest, HelloReply, HelloRequest, ModelInfo, RetractedEvent, RoutedExperts,
-                               ShutdownReply, StatusReply, TokensEvent)
+                               ShutdownReply, StatusReply, StatusRequest, TokensEvent)
 
 
 def rows(start_pos, num_tokens, first=0):
@@ -341,6 +341,26 @@ def test_requests_a_daemon_took_before_it_died_fail_soon_after_the_drop(daemon):
         assert c._disconnects() >= 1
 
 
+def test_a_reply_received_before_the_drop_is_delivered_however_late_it_is_read(daemon):
+    """The daemon answers and exits at once (a drain): the reply waits in the local queue and is
+    returned even when it is read long after the drop was seen, never 'unavailable'."""
+    def script(d):
+        m = d.recv()
+        d.send(m.id, StatusReply(weight_version=4))
+        d.close()
+
+    peer = daemon(script)
+    with Client(peer.endpoint) as c:
+        pending = c.send_request(StatusRequest(), StatusReply, timeout_s=20.0)
+        peer.join()
+        deadline = time.monotonic() + 10.0
+        while c._disconnects() == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c._disconnects() >= 1
+        time.sleep(1.0)  # the drop was seen well over 300 ms ago
+        assert pending.result().weight_version == 4
+
+
 def test_a_generate_whose_daemon_dies_while_it_streams_fails_soon_after_the_drop(daemon):
     def script(d):
         gen = d.recv()
@@ -355,3 +375,55 @@ def test_a_generate_whose_daemon_dies_while_it_streams_fails_soon_after_the_drop
             c.generate([1, 2], max_new_tokens=3, timeout_s=20.0)
         assert e.value.code == "unavailable", e.value
         assert time.monotonic() - t0 < 10.0
+
+
+def test_a_request_still_queued_when_its_daemon_died_is_never_delivered_later():
+    """A request queued behind a 64 MB frame the daemon never read (so it never left this host)
+    fails 'unavailable' when the daemon dies, and is dropped with the connection: a daemon started
+    later on the same port first receives the client's next request, not that one. Without the
+    drop it arrived there after its caller (a coordinator that placed it elsewhere) had been told
+    'unavailable'."""
+    from zmtp_peer import ZmtpPeer
+    import threading
+    go = threading.Event()
+
+    def first_script(d):
+        m = d.recv()
+        d.send(m.id, HelloReply(build="first"))
+        assert go.wait(10)
+        d.close()  # dies with most of the big frame and the status request unread
+
+    def second_script(d):
+        m = d.recv()
+        assert m.type == "hello", m.type  # not the stale status request
+        d.send(m.id, HelloReply(build="second"))
+
+    first = ZmtpPeer(first_script)
+    port = int(first.endpoint.rsplit(":", 1)[1])
+    second = None
+    try:
+        with Client(first.endpoint, timeout_s=20.0) as c:
+            assert c.hello().build == "first"
+            c.send_raw([b"\0" * (64 << 20)], timeout_s=10.0)
+            pending = c.send_request(StatusRequest(), StatusReply, timeout_s=20.0)
+            t0 = time.monotonic()
+            go.set()
+            with pytest.raises(RolloutdError) as e:
+                pending.result()
+            assert e.value.code == "unavailable", e.value
+            assert time.monotonic() - t0 < 10.0
+            first.join()
+            second = ZmtpPeer(second_script, port=port)
+            deadline = time.monotonic() + 10.0
+            while True:  # the client reconnects within its 100 ms interval; a loaded host may take longer
+                try:
+                    assert c.hello().build == "second"
+                    break
+                except RolloutdError as err:
+                    if err.code != "unavailable" or time.monotonic() > deadline:
+                        raise
+            second.join()
+    finally:
+        first.close()
+        if second is not None:
+            second.close()

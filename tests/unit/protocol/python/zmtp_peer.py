@@ -34,9 +34,10 @@ def _ready(socket_type: bytes) -> bytes:
 class ZmtpPeer:
     """Listens on 127.0.0.1:<free port>; `endpoint` is what a Client connects to."""
 
-    def __init__(self, script, timeout_s: float = 5.0):
+    def __init__(self, script, timeout_s: float = 5.0, port: int = 0):
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._listener.bind(("127.0.0.1", 0))
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port a peer before used
+        self._listener.bind(("127.0.0.1", port))
         self._listener.listen(1)
         self._listener.settimeout(timeout_s)
         self.endpoint = "tcp://127.0.0.1:%d" % self._listener.getsockname()[1]
