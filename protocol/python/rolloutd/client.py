@@ -217,6 +217,8 @@ class Client:
         self._events: Deque[Event] = collections.deque()
         # Requests whose caller gave up: their later events are dropped until the final one.
         self._abandoned: Set[str] = set()
+        # rid -> _disconnects() before submit() sent it, for collect(); dropped at its final event.
+        self._submitted_since: Dict[str, int] = {}
         # Replies that arrived for PendingReply ids other than the one being waited for (None:
         # not yet arrived); collected by that PendingReply's result().
         self._outstanding: Dict[int, Optional[wire.Decoded]] = {}
@@ -248,7 +250,9 @@ class Client:
     def submit(self, input_ids: Sequence[int], *, rid: Optional[str] = None, **sampling: Any) -> str:
         """Submits a generate request (fields as GenerateRequest); returns its rid. Events follow."""
         req = _make_request(input_ids, rid, sampling)
+        since = self._disconnects()
         self._call(req, GenerateReply)
+        self._submitted_since[req.rid] = since
         return req.rid
 
     def abort(self, rid: str) -> AbortReply:
@@ -443,7 +447,8 @@ class Client:
         or many daemons, then collects each; the timeout aborts the request like generate()."""
         collector = _Collector(rid)
         deadline = time.monotonic() + timeout_s
-        with contextlib.closing(self._stream(rid, deadline, timeout_s)) as events:
+        # A request submit() sent here fails 'unavailable' once its daemon's connection is lost.
+        with contextlib.closing(self._stream(rid, deadline, timeout_s, self._submitted_since.get(rid))) as events:
             for event in events:
                 if collector.add(event):
                     return collector.result
@@ -497,6 +502,7 @@ class Client:
                 if done:
                     return
         finally:
+            self._submitted_since.pop(rid, None)  # ended, or abandoned just below
             if not done and self._transport is not None:
                 self._abandon(rid)
 
@@ -575,6 +581,8 @@ class Client:
         return msg.body
 
     def _enqueue(self, event: Event) -> None:
+        if _is_final(event):
+            self._submitted_since.pop(event.rid, None)
         if event.rid in self._abandoned:
             if _is_final(event):
                 self._abandoned.discard(event.rid)

@@ -392,7 +392,7 @@ def test_half_open_garbage_and_hello_flood_keep_livez_fast(daemon_factory, child
         assert_livez_bound(latencies, host_waits)
 
 
-def test_daemon_sigkilled_requests_fail_by_deadline_and_restart_is_ready(daemon_factory):
+def test_daemon_sigkilled_requests_end_within_their_bound_and_restart_is_ready(daemon_factory):
     port = free_port()
     d = daemon_factory(control_port=port)
     wait_s = 1.0  # how long the coordinator waits for each request before giving up on it
@@ -411,7 +411,8 @@ def test_daemon_sigkilled_requests_fail_by_deadline_and_restart_is_ready(daemon_
         trainer.update_weights_inline(session, entries, data)
         d.proc.kill()  # SIGKILL: mid-rollout and mid-session
         d.proc.wait(timeout=10)
-        # The coordinator's view: every request ends, as a deadline, within its bound.
+        # The coordinator's view: every request ends within its bound: as unavailable once the
+        # client has seen the connection drop (and stay down 300 ms), else as a deadline.
         outcomes, waits = {}, []
         for rid in rids:
             t0 = time.monotonic()
@@ -421,7 +422,7 @@ def test_daemon_sigkilled_requests_fail_by_deadline_and_restart_is_ready(daemon_
             except rolloutd.RolloutdError as e:
                 outcomes[rid] = e.code
             waits.append(time.monotonic() - t0)
-        assert outcomes == {rid: "deadline_exceeded" for rid in rids}
+        assert set(outcomes) == set(rids) and set(outcomes.values()) <= {"unavailable", "deadline_exceeded"}, outcomes
         assert max(waits) < wait_s + 1.0
         trainer.timeout_s = wait_s
         t0 = time.monotonic()

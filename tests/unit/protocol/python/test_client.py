@@ -341,6 +341,27 @@ def test_requests_a_daemon_took_before_it_died_fail_soon_after_the_drop(daemon):
         assert c._disconnects() >= 1
 
 
+def test_collect_of_a_submitted_request_whose_daemon_died_fails_soon_after_the_drop(daemon):
+    """submit() then collect() (the pattern for many requests on one daemon): the daemon accepts,
+    sends a token and dies; collect fails 'unavailable' soon after, not at its 20 s timeout."""
+    def script(d):
+        gen = d.recv()
+        d.send(gen.id, GenerateReply(gen.body.rid))
+        d.send(gen.id, tokens(gen.body.rid, [10], rows(0, 3)))
+        d.close()
+
+    peer = daemon(script)
+    with Client(peer.endpoint) as c:
+        rid = c.submit([1, 2], max_new_tokens=3)
+        peer.join()
+        t0 = time.monotonic()
+        with pytest.raises(RolloutdError) as e:
+            c.collect(rid, timeout_s=20.0)
+        assert e.value.code == "unavailable", e.value
+        assert time.monotonic() - t0 < 10.0
+        assert rid not in c._submitted_since
+
+
 def test_a_reply_received_before_the_drop_is_delivered_however_late_it_is_read(daemon):
     """The daemon answers and exits at once (a drain): the reply waits in the local queue and is
     returned even when it is read long after the drop was seen, never 'unavailable'."""
