@@ -147,7 +147,7 @@ class ConnectionMonitor : public zmq::monitor_t {
   explicit ConnectionMonitor(bool curve) : curve_(curve) {}
 
   bool connected = false;
-  // Connections dropped so far, and when the last drop was seen (see Client::lost_since).
+  // Connections dropped so far, and when the last drop was seen (see Client::Impl::lost).
   uint64_t disconnects = 0;
   std::chrono::steady_clock::time_point disconnected_at{};
   // Why the last handshake failed; cleared by a handshake that succeeds.
@@ -222,10 +222,68 @@ constexpr auto kConnectGrace = std::chrono::milliseconds(2000);
 // How often a receive that waits looks at the monitor for a refused handshake.
 constexpr auto kHandshakeCheckInterval = std::chrono::milliseconds(100);
 
+// A DEALER connected to options.endpoint, with its monitor. The monitor must watch before the
+// socket connects: a CONNECTED event raised before it exists is never delivered, and the client
+// would think the daemon is down.
+struct OpenConnection {
+  zmq::socket_t socket;
+  std::unique_ptr<ConnectionMonitor> monitor;
+};
+
+Result<OpenConnection> open_connection(const ClientOptions& options) {
+  try {
+    OpenConnection c{zmq::socket_t(process_context(), zmq::socket_type::dealer),
+                     std::make_unique<ConnectionMonitor>(options.curve.enabled())};
+    zmq::socket_t& socket = c.socket;
+    socket.set(zmq::sockopt::linger, kLingerMs);
+    socket.set(zmq::sockopt::sndhwm, options.send_hwm);
+    socket.set(zmq::sockopt::rcvhwm, options.recv_hwm);
+    // Not ZMQ_IMMEDIATE: with it, libzmq discards messages already received but not yet read
+    // when the peer disconnects -- the final events of a daemon that drained and exited could
+    // vanish (seen: 3 of 8 runs). Without it a request to a daemon that is down waits in the
+    // local queue; the call's deadline still bounds the wait.
+    // A peer that sends a frame beyond any limit is disconnected by ZeroMQ before
+    // the frame is buffered (the pending call then times out).
+    socket.set(zmq::sockopt::maxmsgsize,
+               static_cast<int64_t>(std::max(options.limits.max_envelope_bytes,
+                                             options.limits.max_frame_bytes)));
+    if (options.curve.enabled()) {
+      // The client side of CURVE: it knows the daemon's public key, so it talks only to the
+      // daemon holding the matching secret, and proves its own key pair to the daemon's ZAP
+      // handler. Keys go in as raw bytes (checked above), never as text libzmq reinterprets.
+      auto server = z85_key_bytes(options.curve.server_public_key, "server public key");
+      auto pub = z85_key_bytes(options.curve.client.public_key, "client public key");
+      auto sec = z85_key_bytes(options.curve.client.secret_key, "client secret key");
+      socket.set(zmq::sockopt::curve_serverkey, zmq::buffer(server->data(), server->size()));
+      socket.set(zmq::sockopt::curve_publickey, zmq::buffer(pub->data(), pub->size()));
+      socket.set(zmq::sockopt::curve_secretkey, zmq::buffer(sec->data(), sec->size()));
+    }
+    // One inproc monitor endpoint per socket (the address must be unique in the context).
+    static std::atomic<uint64_t> monitors{0};
+    c.monitor->init(socket, "inproc://rolloutd-client-monitor-" + std::to_string(::getpid()) + "-" +
+                                std::to_string(monitors.fetch_add(1)),
+                    ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED |
+                        ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                        ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL);
+    try {
+      // An IPv6 literal ("tcp://[::1]:PORT", as a daemon bound to ::1 reports) needs the option.
+      if (options.endpoint.find("://[") != std::string::npos) socket.set(zmq::sockopt::ipv6, 1);
+      socket.connect(options.endpoint);
+    } catch (const zmq::error_t& e) {
+      return Status(ErrorCode::kInvalidArgument,
+                    "cannot connect to '" + options.endpoint + "': " + e.what(), "endpoint");
+    }
+    return c;
+  } catch (const zmq::error_t& e) {
+    return Status(ErrorCode::kUnavailable, std::string("ZeroMQ socket setup failed: ") + e.what());
+  }
+}
+
 struct Client::Impl {
   ClientOptions options;
+  // Declared before the monitor, which is destroyed first: it watches the socket's handle.
   zmq::socket_t socket;
-  ConnectionMonitor monitor;
+  std::unique_ptr<ConnectionMonitor> monitor;
   Clock::time_point connected_at = Clock::now();
   uint64_t next_id = 1;           // envelope ids: replies are matched by it
   std::deque<Event> events;       // events received while waiting for something else
@@ -233,41 +291,42 @@ struct Client::Impl {
   // are dropped until the final one, so they never surface in next_event().
   std::unordered_set<std::string> abandoned;
 
-  Impl(ClientOptions opts, zmq::socket_t sock)
-      : options(std::move(opts)), socket(std::move(sock)), monitor(options.curve.enabled()) {}
+  explicit Impl(ClientOptions opts) : options(std::move(opts)) {}
 
   Status send_frames(const std::vector<std::string_view>& parts, Clock::time_point deadline);
-  // `lost_since`: a snapshot of monitor.disconnects taken before the awaited request was sent;
+  // `lost_since`: a snapshot of monitor->disconnects taken before the awaited request was sent;
   // the wait then ends with kUnavailable once that connection is lost (see lost()).
   Result<std::optional<std::vector<std::string>>> recv_frames(Clock::time_point deadline,
                                                                std::optional<uint64_t> lost_since = {});
   bool lost(uint64_t since) const {
-    return monitor.disconnects > since && !monitor.connected &&
-           Clock::now() >= monitor.disconnected_at + std::chrono::milliseconds(Client::kReconnectWaitMs);
+    return monitor->disconnects > since && !monitor->connected &&
+           Clock::now() >= monitor->disconnected_at + std::chrono::milliseconds(Client::kReconnectWaitMs);
   }
   // Messages still queued for a connection that dropped would go to whatever daemon next
   // answers on the endpoint (one restarted there, or this one after a long network outage),
   // after their callers were told `unavailable` and a coordinator placed them elsewhere: one
-  // request would run twice. Re-making the connection with linger 0 drops them, so unavailable
-  // means not delivered, or delivered over the dropped connection (whose requests the daemon
-  // ends as client_gone).
+  // request would run twice. A new socket replaces this one, closed with linger 0, so
+  // unavailable means not delivered, or delivered over the dropped connection (whose requests
+  // the daemon ends as client_gone). Not zmq_disconnect + zmq_connect on the same socket: the
+  // old connection's session, terminated asynchronously, was seen on a loaded host to connect
+  // again and attach a fresh pipe first, so a later request could go down it and vanish.
   void drop_unsent() {
+    auto opened = open_connection(options);
+    if (!opened.ok()) return;  // keeps the old socket (it goes on reconnecting); not seen in practice
+    opened->monitor->disconnects = monitor->disconnects;
+    opened->monitor->disconnected_at = monitor->disconnected_at;
+    monitor.reset();  // stops watching the old socket before it closes
     try {
       socket.set(zmq::sockopt::linger, 0);
-      socket.disconnect(options.endpoint);
-      socket.connect(options.endpoint);
-    } catch (const zmq::error_t&) {
-      // The endpoint was connected once with this string, so neither call fails in practice.
-    }
-    try {
-      socket.set(zmq::sockopt::linger, kLingerMs);
     } catch (const zmq::error_t&) {
     }
+    socket = std::move(opened->socket);  // closes the old one
+    monitor = std::move(opened->monitor);
   }
   Status lost_status() const {
     return Status(ErrorCode::kUnavailable,
-                  "the connection to " + options.endpoint + " dropped while waiting for a reply and did not come "
-                      "back within " + std::to_string(Client::kReconnectWaitMs) + " ms: the daemon is down");
+                  "the connection to " + options.endpoint + " dropped after the request was sent and did not "
+                      "come back within " + std::to_string(Client::kReconnectWaitMs) + " ms: the daemon is down");
   }
   // Next decoded message, or nullopt at the deadline.
   Result<std::optional<DecodedIncoming>> receive(Clock::time_point deadline, std::optional<uint64_t> lost_since = {});
@@ -300,20 +359,20 @@ Status Client::Impl::send_frames(const std::vector<std::string_view>& parts,
   // No live connection: wait for one (a fresh socket needs a moment, a restarted daemon one
   // reconnect interval), but not past the grace period or the deadline; a daemon that is
   // down is then reported as such.
-  monitor.pump();
-  if (!monitor.connected) {
+  monitor->pump();
+  if (!monitor->connected) {
     // A daemon that restarted on the same endpoint is reconnected to within one reconnect
     // interval, so a short wait is enough to tell "down" from "coming back".
     const auto give_up =
         std::min(deadline, std::max(Clock::now() + std::chrono::milliseconds(kReconnectWaitMs),
                                     connected_at + kConnectGrace));
-    while (!monitor.connected && Clock::now() < give_up) {
-      RD_RETURN_IF_ERROR(monitor.refusal(options.endpoint));
+    while (!monitor->connected && Clock::now() < give_up) {
+      RD_RETURN_IF_ERROR(monitor->refusal(options.endpoint));
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - Clock::now()).count();
-      monitor.check_event(static_cast<int>(std::clamp<int64_t>(left, 1, 50)));
+      monitor->check_event(static_cast<int>(std::clamp<int64_t>(left, 1, 50)));
     }
-    RD_RETURN_IF_ERROR(monitor.refusal(options.endpoint));
-    if (!monitor.connected)
+    RD_RETURN_IF_ERROR(monitor->refusal(options.endpoint));
+    if (!monitor->connected)
       return Status(ErrorCode::kUnavailable, "no daemon at " + options.endpoint +
                                                  " is connected (not running or not reachable)");
   }
@@ -329,8 +388,8 @@ Status Client::Impl::send_frames(const std::vector<std::string_view>& parts,
       if (e.num() != EINTR) return Status(ErrorCode::kUnavailable, std::string("poll: ") + e.what());
     }
     if (!(item.revents & ZMQ_POLLOUT)) {
-      monitor.pump();
-      RD_RETURN_IF_ERROR(monitor.refusal(options.endpoint));
+      monitor->pump();
+      RD_RETURN_IF_ERROR(monitor->refusal(options.endpoint));
     }
     if (item.revents & ZMQ_POLLOUT) {
       try {
@@ -365,8 +424,8 @@ Result<std::optional<std::vector<std::string>>> Client::Impl::recv_frames(
       if (e.num() != EINTR) return Status(ErrorCode::kUnavailable, std::string("poll: ") + e.what());
     }
     if (!(item.revents & ZMQ_POLLIN)) {
-      monitor.pump();
-      RD_RETURN_IF_ERROR(monitor.refusal(options.endpoint));
+      monitor->pump();
+      RD_RETURN_IF_ERROR(monitor->refusal(options.endpoint));
       // Nothing queued and the daemon gone: no reply can come over this connection (a
       // daemon's replies go to the connection that carried the request). Without this a
       // request queued just before the drop was noticed waited out its whole deadline.
@@ -438,8 +497,8 @@ Result<Reply> Client::Impl::call(const Request& req, Clock::time_point deadline,
                                  bool* unanswered, const std::vector<std::string_view>& payload) {
   const uint64_t id = next_id++;
   if (unanswered) *unanswered = false;
-  monitor.pump();
-  const uint64_t since = monitor.disconnects;
+  monitor->pump();
+  const uint64_t since = monitor->disconnects;
   RD_RETURN_IF_ERROR(send_request(id, req, deadline, payload));
   if (unanswered) *unanswered = true;
   for (;;) {
@@ -472,61 +531,19 @@ Result<std::unique_ptr<Client>> Client::connect(const ClientOptions& options) {
     return Status(ErrorCode::kInvalidArgument, "request_timeout_ms must be positive",
                   "request_timeout_ms");
   RD_RETURN_IF_ERROR(validate_curve_client_keys(options.curve));
-  try {
-    zmq::socket_t socket(process_context(), zmq::socket_type::dealer);
-    socket.set(zmq::sockopt::linger, kLingerMs);
-    socket.set(zmq::sockopt::sndhwm, options.send_hwm);
-    socket.set(zmq::sockopt::rcvhwm, options.recv_hwm);
-    // Not ZMQ_IMMEDIATE: with it, libzmq discards messages already received but not yet read
-    // when the peer disconnects -- the final events of a daemon that drained and exited could
-    // vanish (seen: 3 of 8 runs). Without it a request to a daemon that is down waits in the
-    // local queue; the call's deadline still bounds the wait.
-    // A peer that sends a frame beyond any limit is disconnected by ZeroMQ before
-    // the frame is buffered (the pending call then times out).
-    socket.set(zmq::sockopt::maxmsgsize,
-               static_cast<int64_t>(std::max(options.limits.max_envelope_bytes,
-                                             options.limits.max_frame_bytes)));
-    if (options.curve.enabled()) {
-      // The client side of CURVE: it knows the daemon's public key, so it talks only to the
-      // daemon holding the matching secret, and proves its own key pair to the daemon's ZAP
-      // handler. Keys go in as raw bytes (checked above), never as text libzmq reinterprets.
-      auto server = z85_key_bytes(options.curve.server_public_key, "server public key");
-      auto pub = z85_key_bytes(options.curve.client.public_key, "client public key");
-      auto sec = z85_key_bytes(options.curve.client.secret_key, "client secret key");
-      socket.set(zmq::sockopt::curve_serverkey, zmq::buffer(server->data(), server->size()));
-      socket.set(zmq::sockopt::curve_publickey, zmq::buffer(pub->data(), pub->size()));
-      socket.set(zmq::sockopt::curve_secretkey, zmq::buffer(sec->data(), sec->size()));
-    }
-    auto impl = std::make_unique<Impl>(options, std::move(socket));
-    // The monitor must watch before the socket connects: a CONNECTED event raised before
-    // it exists is never delivered, and the client would think the daemon is down.
-    // One inproc monitor endpoint per client (the address must be unique in the context).
-    static std::atomic<uint64_t> monitors{0};
-    impl->monitor.init(impl->socket, "inproc://rolloutd-client-monitor-" + std::to_string(::getpid()) + "-" +
-                                         std::to_string(monitors.fetch_add(1)),
-                       ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED |
-                           ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                           ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL);
-    try {
-      // An IPv6 literal ("tcp://[::1]:PORT", as a daemon bound to ::1 reports) needs the option.
-      if (options.endpoint.find("://[") != std::string::npos) impl->socket.set(zmq::sockopt::ipv6, 1);
-      impl->socket.connect(options.endpoint);
-    } catch (const zmq::error_t& e) {
-      return Status(ErrorCode::kInvalidArgument,
-                    "cannot connect to '" + options.endpoint + "': " + e.what(), "endpoint");
-    }
-    impl->connected_at = Clock::now();
-    return std::unique_ptr<Client>(new Client(std::move(impl)));
-  } catch (const zmq::error_t& e) {
-    return Status(ErrorCode::kUnavailable, std::string("ZeroMQ socket setup failed: ") + e.what());
-  }
+  auto impl = std::make_unique<Impl>(options);
+  RD_ASSIGN_OR_RETURN(auto opened, open_connection(options));
+  impl->socket = std::move(opened.socket);
+  impl->monitor = std::move(opened.monitor);
+  impl->connected_at = Clock::now();
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 bool Client::unreachable() {
-  impl_->monitor.pump();
-  return !impl_->monitor.connected && Clock::now() >= impl_->connected_at + kConnectGrace;
+  impl_->monitor->pump();
+  return !impl_->monitor->connected && Clock::now() >= impl_->connected_at + kConnectGrace;
 }
 Client::~Client() = default;
 
@@ -701,8 +718,8 @@ Result<GenerateResult> Client::generate(const GenerateRequest& req, int timeout_
       std::min(deadline, deadline_after(impl_->options.request_timeout_ms));
   bool unanswered = false;
   // Events come over the connection that carried the request: if it is lost, so are they.
-  impl_->monitor.pump();
-  const uint64_t since = impl_->monitor.disconnects;
+  impl_->monitor->pump();
+  const uint64_t since = impl_->monitor->disconnects;
   auto accepted = impl_->call<GenerateReply>(named, reply_deadline, &unanswered);
   if (!accepted.ok()) {
     // An unanswered request may still run on the daemon: abort it. A rejected one
@@ -805,8 +822,8 @@ Result<std::optional<std::vector<std::string>>> Client::recv_raw(int timeout_ms,
 }
 
 uint64_t Client::disconnects() {
-  impl_->monitor.pump();
-  return impl_->monitor.disconnects;
+  impl_->monitor->pump();
+  return impl_->monitor->disconnects;
 }
 
 }  // namespace rolloutd::protocol
