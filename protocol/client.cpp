@@ -298,6 +298,9 @@ struct Client::Impl {
   // the wait then ends with kUnavailable once that connection is lost (see lost()).
   Result<std::optional<std::vector<std::string>>> recv_frames(Clock::time_point deadline,
                                                                std::optional<uint64_t> lost_since = {});
+  // Requests sent before drop_unsent() replaced the socket (their snapshot is below this) can
+  // never be answered, even once the new socket connects to a daemon back on the endpoint.
+  uint64_t replaced_through = 0;
   bool lost(uint64_t since) const {
     return monitor->disconnects > since && !monitor->connected &&
            Clock::now() >= monitor->disconnected_at + std::chrono::milliseconds(Client::kReconnectWaitMs);
@@ -311,8 +314,20 @@ struct Client::Impl {
   // old connection's session, terminated asynchronously, was seen on a loaded host to connect
   // again and attach a fresh pipe first, so a later request could go down it and vanish.
   void drop_unsent() {
+    replaced_through = monitor->disconnects;
     auto opened = open_connection(options);
-    if (!opened.ok()) return;  // keeps the old socket (it goes on reconnecting); not seen in practice
+    if (!opened.ok()) {
+      // No new socket (out of sockets?): the same-socket way, racy under load (see above) but
+      // better than leaving the queue to the next daemon.
+      try {
+        socket.set(zmq::sockopt::linger, 0);
+        socket.disconnect(options.endpoint);
+        socket.connect(options.endpoint);
+        socket.set(zmq::sockopt::linger, kLingerMs);
+      } catch (const zmq::error_t&) {
+      }
+      return;
+    }
     opened->monitor->disconnects = monitor->disconnects;
     opened->monitor->disconnected_at = monitor->disconnected_at;
     monitor.reset();  // stops watching the old socket before it closes
@@ -429,6 +444,7 @@ Result<std::optional<std::vector<std::string>>> Client::Impl::recv_frames(
       // Nothing queued and the daemon gone: no reply can come over this connection (a
       // daemon's replies go to the connection that carried the request). Without this a
       // request queued just before the drop was noticed waited out its whole deadline.
+      if (lost_since && *lost_since < replaced_through) return lost_status();
       if (lost_since && lost(*lost_since)) {
         drop_unsent();
         return lost_status();

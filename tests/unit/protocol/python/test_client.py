@@ -448,3 +448,49 @@ def test_a_request_still_queued_when_its_daemon_died_is_never_delivered_later():
         first.close()
         if second is not None:
             second.close()
+
+
+def test_requests_pending_on_a_replaced_connection_fail_at_once_even_after_a_daemon_is_back():
+    """Two requests pending when their daemon dies; the first wait replaces the lost connection.
+    A daemon is then back on the same port and the client connected to it, yet the second
+    request, sent over the old connection, cannot be answered: it fails 'unavailable' at once
+    (it waited out its whole deadline when only the connection's state was looked at)."""
+    from zmtp_peer import ZmtpPeer
+
+    def first_script(d):
+        assert [d.recv().type for _ in range(2)] == ["status", "status"]
+        d.close()
+
+    def second_script(d):
+        m = d.recv()
+        assert m.type == "hello", m.type
+        d.send(m.id, HelloReply(build="second"))
+
+    first = ZmtpPeer(first_script)
+    second = None
+    try:
+        with Client(first.endpoint, timeout_s=20.0) as c:
+            pending = [c.send_request(StatusRequest(), StatusReply, timeout_s=20.0) for _ in range(2)]
+            with pytest.raises(RolloutdError) as e:
+                pending[0].result()
+            assert e.value.code == "unavailable", e.value
+            first.join()
+            second = ZmtpPeer(second_script, port=int(first.endpoint.rsplit(":", 1)[1]))
+            deadline = time.monotonic() + 10.0
+            while True:
+                try:
+                    assert c.hello().build == "second"
+                    break
+                except RolloutdError as err:
+                    if err.code != "unavailable" or time.monotonic() > deadline:
+                        raise
+            t0 = time.monotonic()
+            with pytest.raises(RolloutdError) as e:
+                pending[1].result()
+            assert e.value.code == "unavailable", e.value
+            assert time.monotonic() - t0 < 2.0
+            second.join()
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
