@@ -320,6 +320,26 @@ def test_undecodable_reply_is_a_typed_error(daemon):
         assert e.value.code == "bad_message"
 
 
+def _accept_send_a_token_and_die(d):
+    """A fake daemon's script: accepts one generate request, sends one token, dies."""
+    gen = d.recv()
+    d.send(gen.id, GenerateReply(gen.body.rid))
+    d.send(gen.id, tokens(gen.body.rid, [10], rows(0, 3)))
+    d.close()
+
+
+def _hello_once_reconnected(c, within_s: float = 10.0):
+    """hello() once the client has reconnected (within its 100 ms interval; a loaded host may
+    take longer): 'unavailable' is retried until within_s has passed."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return c.hello()
+        except RolloutdError as err:
+            if err.code != "unavailable" or time.monotonic() > deadline:
+                raise
+
+
 def test_requests_a_daemon_took_before_it_died_fail_soon_after_the_drop(daemon):
     """Two requests sent without waiting (as a coordinator's batch sends them) reach the daemon,
     which then dies without replying: both fail 'unavailable' soon after the connection drops.
@@ -344,13 +364,7 @@ def test_requests_a_daemon_took_before_it_died_fail_soon_after_the_drop(daemon):
 def test_collect_of_a_submitted_request_whose_daemon_died_fails_soon_after_the_drop(daemon):
     """submit() then collect() (the pattern for many requests on one daemon): the daemon accepts,
     sends a token and dies; collect fails 'unavailable' soon after, not at its 20 s timeout."""
-    def script(d):
-        gen = d.recv()
-        d.send(gen.id, GenerateReply(gen.body.rid))
-        d.send(gen.id, tokens(gen.body.rid, [10], rows(0, 3)))
-        d.close()
-
-    peer = daemon(script)
+    peer = daemon(_accept_send_a_token_and_die)
     with Client(peer.endpoint) as c:
         rid = c.submit([1, 2], max_new_tokens=3)
         peer.join()
@@ -383,13 +397,7 @@ def test_a_reply_received_before_the_drop_is_delivered_however_late_it_is_read(d
 
 
 def test_a_generate_whose_daemon_dies_while_it_streams_fails_soon_after_the_drop(daemon):
-    def script(d):
-        gen = d.recv()
-        d.send(gen.id, GenerateReply(gen.body.rid))
-        d.send(gen.id, tokens(gen.body.rid, [10], rows(0, 3)))
-        d.close()
-
-    peer = daemon(script)
+    peer = daemon(_accept_send_a_token_and_die)
     with Client(peer.endpoint) as c:
         t0 = time.monotonic()
         with pytest.raises(RolloutdError) as e:
@@ -435,14 +443,7 @@ def test_a_request_still_queued_when_its_daemon_died_is_never_delivered_later():
             assert time.monotonic() - t0 < 10.0
             first.join()
             second = ZmtpPeer(second_script, port=port)
-            deadline = time.monotonic() + 10.0
-            while True:  # the client reconnects within its 100 ms interval; a loaded host may take longer
-                try:
-                    assert c.hello().build == "second"
-                    break
-                except RolloutdError as err:
-                    if err.code != "unavailable" or time.monotonic() > deadline:
-                        raise
+            assert _hello_once_reconnected(c).build == "second"
             second.join()
     finally:
         first.close()
@@ -476,14 +477,7 @@ def test_requests_pending_on_a_replaced_connection_fail_at_once_even_after_a_dae
             assert e.value.code == "unavailable", e.value
             first.join()
             second = ZmtpPeer(second_script, port=int(first.endpoint.rsplit(":", 1)[1]))
-            deadline = time.monotonic() + 10.0
-            while True:
-                try:
-                    assert c.hello().build == "second"
-                    break
-                except RolloutdError as err:
-                    if err.code != "unavailable" or time.monotonic() > deadline:
-                        raise
+            assert _hello_once_reconnected(c).build == "second"
             t0 = time.monotonic()
             with pytest.raises(RolloutdError) as e:
                 pending[1].result()
