@@ -95,24 +95,36 @@ __global__ void router_softmax_topk_kernel(int32_t* __restrict__ ids, float* __r
 
 // The router in one launch for a few tokens (Backend::router): a thread block cluster of
 // kRouterCluster CTAs per token. Each CTA stages the token's x in shared memory; the cluster's
-// 64 warps share the work items (expert e, part p): the dot product of expert e's row with x
-// over the p-th of P equal K ranges (P = 64 / E rounded down to a power of two, at least 1, so
-// 32 experts keep every warp busy), kRouterUnroll float4 loads in flight per lane, a warp sum
+// kWarps x 8 warps share the work items (expert e, part p): the dot product of expert e's row with
+// x over the p-th of P equal K ranges (P = warps / E rounded down to a power of two, at least 1,
+// so few experts keep every warp busy), kRouterUnroll float4 loads in flight per lane, a warp sum
 // per item. CTA 0 gathers the partial sums through distributed shared memory, adds the parts in
 // order and the bias (as linear + add_bias would: one FP32 add), writes the logits, and its
 // first warp selects as router_softmax_topk does. Replaces cuBLAS's GEMV (two kernels at one
 // token), add_bias and the selection kernel: ~10 us per layer of a decode step at one token.
+// NOTES: at one token the gate GEMV is a chain of round trips to memory on the cluster's 8 SMs.
+// With more experts than the 64 warps of 8-warp CTAs (gpt-oss-120b's and Qwen3-30B's 128), a warp
+// took two rows; 16-warp CTAs (kRouterWideWarps) give each warp one, two CTAs an SM so that 32
+// tokens' 256 CTAs stay one wave, and a lane past its range reloads the range's last vector
+// instead of branching around the load, so all kRouterUnroll loads stay in flight. Above 64
+// experts P is 1 at either width, so the sums and the bits are the same. Same-run A/B on an H100
+// (2026-12-06, tests/bench/NOTES.md): MoE layer at one token gpt-oss-120b -4.8 % (bf16) and
+// -4.1 % (MXFP8), Qwen3-30B +0.8-1.0 %; at 32 experts (the h2880 step) 16 warps would change P,
+// hence the tokens, for a step +1-2 % slower, so up to 64 experts the 8-warp kernel stays.
 constexpr int kRouterCluster = 8;
 constexpr int kRouterFusedWarps = 8;
-constexpr int kRouterStride = kRouterCluster * kRouterFusedWarps;
+constexpr int kRouterWideWarps = 16;
 constexpr int kRouterFusedMaxExperts = 1024;
 constexpr int kRouterFusedMaxHidden = 8192;  // x staged in shared memory: 32 KiB
 constexpr int kRouterUnroll = 8;
 
-__global__ void __cluster_dims__(kRouterCluster, 1, 1) __launch_bounds__(kRouterFusedWarps * 32)
+template <int kWarps>
+__global__ void __cluster_dims__(kRouterCluster, 1, 1) __launch_bounds__(kWarps * 32, kWarps == kRouterWideWarps ? 2 : 0)
     router_fused_kernel(int32_t* __restrict__ ids, float* __restrict__ weights, float* __restrict__ logits,
                         const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
                         int hidden, int num_experts, int parts, int top_k, bool renormalize) {
+  constexpr int kStride = kRouterCluster * kWarps;
+  constexpr bool kWide = kWarps == kRouterWideWarps;
   __shared__ __align__(16) float4 xs[kRouterFusedMaxHidden / 4];
   __shared__ float part[kRouterFusedMaxExperts];  // this CTA's items' sums, at their item index
   __shared__ float all[kRouterFusedMaxExperts];   // CTA 0: every expert's logit
@@ -128,7 +140,7 @@ __global__ void __cluster_dims__(kRouterCluster, 1, 1) __launch_bounds__(kRouter
   for (int i = threadIdx.x; i < n4; i += blockDim.x) xs[i] = __ldcg(x4 + i);
   __syncthreads();
   const int items = num_experts * parts;
-  for (int it = rank * kRouterFusedWarps + warp; it < items; it += kRouterStride) {
+  for (int it = rank * kWarps + warp; it < items; it += kStride) {
     const int e = it / parts, p = it - e * parts;
     const int i0 = static_cast<int>(static_cast<int64_t>(n4) * p / parts);
     const int i1 = static_cast<int>(static_cast<int64_t>(n4) * (p + 1) / parts);
@@ -139,7 +151,11 @@ __global__ void __cluster_dims__(kRouterCluster, 1, 1) __launch_bounds__(kRouter
 #pragma unroll
       for (int u = 0; u < kRouterUnroll; ++u) {
         const int i = b + 32 * u;
-        a[u] = i < i1 ? __ldg(w4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        // Wide: past the range, the range's last vector again (cached, unused; see above).
+        if constexpr (kWide)
+          a[u] = __ldg(w4 + (i < i1 ? i : i1 - 1));
+        else
+          a[u] = i < i1 ? __ldg(w4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
 #pragma unroll
       for (int u = 0; u < kRouterUnroll; ++u) {
@@ -159,7 +175,7 @@ __global__ void __cluster_dims__(kRouterCluster, 1, 1) __launch_bounds__(kRouter
       float v = 0.0f;
       for (int p = 0; p < parts; ++p) {
         const int it = e * parts + p;
-        v += cluster.map_shared_rank(part, (it % kRouterStride) / kRouterFusedWarps)[it];
+        v += cluster.map_shared_rank(part, (it % kStride) / kWarps)[it];
       }
       if (bias != nullptr) v += bias[e];
       all[e] = v;
@@ -411,13 +427,18 @@ Status router(const ExecContext& ctx, const RouterArgs& a) {
   DeviceGuard guard;
   RD_RETURN_IF_ERROR(guard.set(ctx.device.index));
   const dim3 grid(kRouterCluster, static_cast<unsigned int>(num_tokens));
+  // More experts than 8-warp CTAs have warps: the wide kernel (same parts, 1, so the same bits).
+  const int warps = num_experts > kRouterCluster * kRouterFusedWarps ? kRouterWideWarps : kRouterFusedWarps;
   int parts = 1;  // items per expert: the cluster's warps all busy when experts are few
-  while (parts * 2 * num_experts <= kRouterStride) parts *= 2;
-  (void)launch_dependent(
-      router_fused_kernel, grid, kRouterFusedWarps * 32, 0, stream_of(ctx), a.ids.as<int32_t>(), a.weights.as<float>(),
-      a.logits.as<float>(), a.x.as<const float>(), a.w.as<const float>(),
-      a.bias.data != nullptr ? a.bias.as<const float>() : nullptr, static_cast<int>(hidden),
-      static_cast<int>(num_experts), parts, static_cast<int>(a.ids.size(1)), a.renormalize);
+  while (parts * 2 * num_experts <= kRouterCluster * warps) parts *= 2;
+  const auto launch = [&](auto kernel) {
+    return launch_dependent(kernel, grid, warps * 32, 0, stream_of(ctx), a.ids.as<int32_t>(), a.weights.as<float>(),
+                            a.logits.as<float>(), a.x.as<const float>(), a.w.as<const float>(),
+                            a.bias.data != nullptr ? a.bias.as<const float>() : nullptr, static_cast<int>(hidden),
+                            static_cast<int>(num_experts), parts, static_cast<int>(a.ids.size(1)), a.renormalize);
+  };
+  (void)(warps == kRouterWideWarps ? launch(router_fused_kernel<kRouterWideWarps>)
+                                   : launch(router_fused_kernel<kRouterFusedWarps>));
   RD_CUDA_CHECK_LAUNCH("router_fused_kernel");
   return Status::Ok();
 }

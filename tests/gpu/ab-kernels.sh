@@ -43,7 +43,18 @@ bins=$(mktemp -d)
 keep=$(mktemp)
 cp "$src" "$keep"
 vsrc=$src
-trap 'cp "$keep" "$src"; [ "$vsrc" = "$src" ] || cp "$bins/other-src" "$vsrc"; rm -rf "$bins" "$keep"' EXIT
+# On exit the sources are restored and their objects removed, so that any later build (this
+# call's or, on a machine kept warm, the next call's tests/gpu/run.sh) compiles the tree's code
+# again instead of keeping the last variant's objects.
+replaced=("$src")
+for v in "$@"; do [[ $v == *=* ]] && replaced+=("${v%%=*}"); done
+restore() {
+  cp "$keep" "$src"
+  [ "$vsrc" = "$src" ] || cp "$bins/other-src" "$vsrc"
+  for f in "${replaced[@]}"; do find "$build" -name "$(basename "$f").o" -delete 2>/dev/null; done
+  rm -rf "$bins" "$keep"
+}
+trap restore EXIT
 targets=(engine_bench moe_bench)
 read -r -a tests <<<"${AB_TESTS:-}"
 targets+=("${tests[@]}")
@@ -63,6 +74,12 @@ save() {  # save NAME [BUILD]: the built benches under $bins/NAME, and run AB_TE
     fi
   done
 }
+# The sources a variant replaces are rebuilt for the tree: on a machine kept warm between device
+# calls the build folder stays but the tree is copied afresh with its old times, so a variant's
+# objects left by a call that was killed before its exit trap look newer than the restored
+# source and would be taken as the tree's (seen 2026-12-06: a "tree" column that was the call
+# before's router variant).
+for f in "${replaced[@]}"; do [ -f "$f" ] && touch "$f"; done
 timeout 600 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" >"$out/ab-build.log" 2>&1 \
   || { echo "build of the tree failed"; tail -20 "$out/ab-build.log"; exit 1; }
 save tree
