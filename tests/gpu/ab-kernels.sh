@@ -45,13 +45,40 @@ cp "$src" "$keep"
 vsrc=$src
 # On exit the sources are restored and their objects removed, so that any later build (this
 # call's or, on a machine kept warm, the next call's tests/gpu/run.sh) compiles the tree's code
-# again instead of keeping the last variant's objects.
+# again instead of keeping the last variant's objects. A build in flight is stopped first (the
+# timeout around it runs in its own process group and would otherwise write a variant's object
+# after the cleanup). A run killed outright (SIGKILL: no trap) leaves $build/.ab-replaced behind,
+# the list of sources whose objects may be a variant's; this script and run.sh's build stage
+# delete those objects before building.
 replaced=("$src")
 for v in "$@"; do [[ $v == *=* ]] && replaced+=("${v%%=*}"); done
+mkdir -p "$build"
+marker=$build/.ab-replaced
+drop_objects() {  # drop_objects FILE...: their objects in $build (rebuilt by the next build)
+  local f
+  for f in "$@"; do find "$build" -name "$(basename "$f").o" -delete 2>/dev/null; done
+}
+if [ -f "$marker" ]; then
+  mapfile -t stale <"$marker"
+  drop_objects "${stale[@]}"
+  replaced+=("${stale[@]}")
+fi
+printf '%s\n' "${replaced[@]}" >"$marker"
+bpid=
+build_targets() {  # build_targets LIMIT_S BUILD_DIR: the targets, in the background so a trap can stop it
+  timeout "$1" cmake --build "$2" -j "$(nproc)" --target "${targets[@]}" >>"$out/ab-build.log" 2>&1 &
+  bpid=$!
+  wait "$bpid"
+  local rc=$?
+  bpid=
+  return $rc
+}
 restore() {
+  if [ -n "$bpid" ]; then kill -TERM "$bpid" 2>/dev/null; wait "$bpid" 2>/dev/null; fi
   cp "$keep" "$src"
   [ "$vsrc" = "$src" ] || cp "$bins/other-src" "$vsrc"
-  for f in "${replaced[@]}"; do find "$build" -name "$(basename "$f").o" -delete 2>/dev/null; done
+  drop_objects "${replaced[@]}"
+  rm -f "$marker"
   rm -rf "$bins" "$keep"
 }
 trap restore EXIT
@@ -76,12 +103,12 @@ save() {  # save NAME [BUILD]: the built benches under $bins/NAME, and run AB_TE
 }
 # The sources a variant replaces are rebuilt for the tree: on a machine kept warm between device
 # calls the build folder stays but the tree is copied afresh with its old times, so a variant's
-# objects left by a call that was killed before its exit trap look newer than the restored
-# source and would be taken as the tree's (seen 2026-12-06: a "tree" column that was the call
-# before's router variant).
+# objects left by a call from before the exit trap's cleanup look newer than the restored source
+# and would be taken as the tree's (seen 2026-12-06: a "tree" column that was the call before's
+# router variant).
 for f in "${replaced[@]}"; do [ -f "$f" ] && touch "$f"; done
-timeout 600 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" >"$out/ab-build.log" 2>&1 \
-  || { echo "build of the tree failed"; tail -20 "$out/ab-build.log"; exit 1; }
+: >"$out/ab-build.log"
+build_targets 600 "$build" || { echo "build of the tree failed"; tail -20 "$out/ab-build.log"; exit 1; }
 save tree
 names=(tree)
 for v in "$@"; do
@@ -90,7 +117,7 @@ for v in "$@"; do
     vb="$bins/build-$name"
     if cmake -S "$v" -B "$vb" -G Ninja -DCMAKE_BUILD_TYPE=Release -DROLLOUTD_ENABLE_CUDA=ON \
          -DCMAKE_CUDA_ARCHITECTURES=90a -DPython3_EXECUTABLE="$(command -v python3)" >>"$out/ab-build.log" 2>&1 &&
-       timeout 400 cmake --build "$vb" -j "$(nproc)" --target "${targets[@]}" >>"$out/ab-build.log" 2>&1; then
+       build_targets 400 "$vb"; then
       save "$name" "$vb"
       names+=("$name")
     else
@@ -113,7 +140,7 @@ for v in "$@"; do
     if [ "$vsrc" != "$src" ]; then cp "$bins/other-src" "$vsrc"; vsrc=$src; fi
     continue
   fi
-  if timeout 300 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" >>"$out/ab-build.log" 2>&1; then
+  if build_targets 300 "$build"; then
     save "$name"
     names+=("$name")
   else

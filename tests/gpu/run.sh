@@ -38,8 +38,14 @@ if has build; then
     -DCMAKE_CUDA_ARCHITECTURES=90a -DPython3_EXECUTABLE="$py" >>"$log" 2>&1 \
     || { tail -40 "$log"; exit 1; }
   step "build"
+  # Objects an A/B killed outright may have left from its variants (tests/gpu/ab-kernels.sh
+  # lists their sources there): rebuilt from the tree's sources.
+  if [ -f "$build/.ab-replaced" ]; then
+    while read -r f; do [ -n "$f" ] && find "$build" -name "$(basename "$f").o" -delete; done <"$build/.ab-replaced"
+  fi
   timeout 1200 cmake --build "$build" -j "$(nproc)" >>"$log" 2>&1 \
     || { grep -E "error|FAILED" "$log" | head -40; exit 1; }
+  rm -f "$build/.ab-replaced"
 fi
 if has test; then
   step "ctest -L gpu"
