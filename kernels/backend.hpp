@@ -393,8 +393,9 @@ struct Backend {
   // them (its ranking, ties and weights). Checks: linear's on x and w (FP32), bias f32 [E] or
   // empty, logits f32 [T, E], router_softmax_topk's on ids, weights and logits; logits may not
   // overlap x, w or bias. Equals linear, add_bias, router_softmax_topk bit for bit on the CPU;
-  // on CUDA, up to kRouterFusedMaxTokens tokens (decode) take one launch whose dot products sum
-  // in another order than cuBLAS's (FP32 both), more tokens take those three ops.
+  // on CUDA, up to kRouterFusedMaxTokens tokens (decode) take one launch (above 64 experts and
+  // up to 16 tokens, two spread over the GPU, with the same sums) whose dot products sum in
+  // another order than cuBLAS's (FP32 both), more tokens take those three ops.
   Status (*router)(const ExecContext&, const RouterArgs& args);
 };
 

@@ -8,6 +8,7 @@
 // nothing. Padding rows (t >= num_valid_tokens) are zeroed and their ids never read.
 #include <climits>
 #include <cmath>
+#include <cstdlib>
 
 #include <cooperative_groups.h>
 
@@ -111,6 +112,12 @@ __global__ void router_softmax_topk_kernel(int32_t* __restrict__ ids, float* __r
 // (2026-12-06, tests/bench/NOTES.md): MoE layer at one token gpt-oss-120b -4.8 % (bf16) and
 // -4.1 % (MXFP8), Qwen3-30B +0.8-1.0 %; at 32 experts (the h2880 step) 16 warps would change P,
 // hence the tokens, for a step +1-2 % slower, so up to 64 experts the 8-warp kernel stays.
+// One lane's step of a router dot product. Both router kernels below use it, so that a row
+// summed by either, lane by lane in the same order of i, gives the same bits.
+__device__ __forceinline__ float router_dot4(float acc, float4 a, float4 c) {
+  return acc + (a.x * c.x + a.y * c.y + a.z * c.z + a.w * c.w);
+}
+
 constexpr int kRouterCluster = 8;
 constexpr int kRouterFusedWarps = 8;
 constexpr int kRouterWideWarps = 16;
@@ -160,10 +167,7 @@ __global__ void __cluster_dims__(kRouterCluster, 1, 1) __launch_bounds__(kWarps 
 #pragma unroll
       for (int u = 0; u < kRouterUnroll; ++u) {
         const int i = b + 32 * u;
-        if (i < i1) {
-          const float4 c = xs[i];
-          acc += a[u].x * c.x + a[u].y * c.y + a[u].z * c.z + a[u].w * c.w;
-        }
+        if (i < i1) acc = router_dot4(acc, a[u], xs[i]);
       }
     }
     acc = warp_sum(acc);
@@ -184,6 +188,88 @@ __global__ void __cluster_dims__(kRouterCluster, 1, 1) __launch_bounds__(kWarps 
   cluster.sync();  // CTA 0's remote reads done before any CTA exits; all[] visible in CTA 0
   if (rank == 0 && warp == 0)
     select_topk(all, num_experts, top_k, renormalize, ids + t * top_k, weights + t * top_k, lane);
+}
+
+// The router for a few tokens over many experts, spread over the GPU: router_spread_kernel's
+// warps each take one (expert, token) row dot product, kRouterSpreadWarps to a CTA, and write
+// the raw sum to logits; router_select_kernel (the next launch) adds the bias, writes the logits
+// and selects, one warp a token.
+// NOTES: the cluster kernel at one token pulls the whole gate matrix (gpt-oss-120b: 128 x 2880
+// FP32, 1.47 MB) through its cluster's 8 SMs, ~184 KB an SM in three dependent rounds of loads
+// per lane; Nsight Compute timed it at 12.7 us of a 53 us MoE layer (one H100, 2026-12-06),
+// against ~0.5 us for those bytes at the HBM rate. Spread over 64 CTAs, each SM holds one round
+// (kRouterSpreadUnroll float4 a lane, x staged beside them by cp.async) in flight at once.
+// Above 64 experts the cluster kernel's parts are 1: each row is one warp's sum over the lanes
+// in the same order of i (router_dot4, warp_sum), and the bias is added as there (0 + sum, then
+// + bias), so both kernels give the same bits (CudaBackend.RouterRowsAreTheSameBitsWhateverTheBatch).
+constexpr int kRouterSpreadWarps = 2;
+constexpr int kRouterSpreadUnroll = 24;  // 768 float4 a warp in flight: H <= 3072 in one round
+constexpr int kRouterSelectWarps = 4;
+
+__global__ void __launch_bounds__(kRouterSpreadWarps * 32)
+    router_spread_kernel(float* __restrict__ sums, const float* __restrict__ x, const float* __restrict__ w,
+                         int hidden, int num_experts) {
+  extern __shared__ float4 xs_row[];  // [hidden / 4]: this CTA's token's x
+  pdl_begin();
+  const int64_t t = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int e = static_cast<int>(blockIdx.x) * kRouterSpreadWarps + warp;
+  const int n4 = hidden / 4;
+  // A warp past the last expert reads the last row (cached, unused) and writes nothing: it must
+  // reach the barrier below.
+  const float4* w4 =
+      reinterpret_cast<const float4*>(w + static_cast<int64_t>(e < num_experts ? e : num_experts - 1) * hidden);
+  float4 a[kRouterSpreadUnroll];
+#pragma unroll
+  for (int u = 0; u < kRouterSpreadUnroll; ++u) {
+    const int i = lane + 32 * u;
+    a[u] = __ldg(w4 + (i < n4 ? i : n4 - 1));
+  }
+  // x is the previous kernel's output: through L2 (cp.async.cg), after the wait above.
+  const float4* x4 = reinterpret_cast<const float4*>(x + t * hidden);
+  for (int i = threadIdx.x; i < n4; i += blockDim.x) cp_async16(xs_row + i, x4 + i);
+  cp_async_commit();
+  cp_async_wait_all();
+  __syncthreads();
+  float acc = 0.0f;
+  for (int b = lane;;) {
+#pragma unroll
+    for (int u = 0; u < kRouterSpreadUnroll; ++u) {
+      const int i = b + 32 * u;
+      if (i < n4) acc = router_dot4(acc, a[u], xs_row[i]);
+    }
+    b += 32 * kRouterSpreadUnroll;
+    if (b >= n4) break;
+#pragma unroll
+    for (int u = 0; u < kRouterSpreadUnroll; ++u) {
+      const int i = b + 32 * u;
+      a[u] = __ldg(w4 + (i < n4 ? i : n4 - 1));
+    }
+  }
+  acc = warp_sum(acc);
+  if (lane == 0 && e < num_experts) sums[t * num_experts + e] = acc;
+}
+
+__global__ void __launch_bounds__(kRouterSelectWarps * 32)
+    router_select_kernel(int32_t* __restrict__ ids, float* __restrict__ weights, float* __restrict__ logits,
+                         const float* __restrict__ bias, int64_t num_tokens, int num_experts, int top_k,
+                         bool renormalize) {
+  __shared__ float rows[kRouterSelectWarps][kRouterFusedMaxExperts];
+  pdl_begin();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kRouterSelectWarps + warp;
+  if (t >= num_tokens) return;  // whole warp; no block barrier below
+  float* row = logits + t * num_experts;
+  float* l = rows[warp];
+  for (int e = lane; e < num_experts; e += 32) {
+    float v = 0.0f;
+    v += row[e];
+    if (bias != nullptr) v += bias[e];
+    l[e] = v;
+    row[e] = v;
+  }
+  __syncwarp();
+  select_topk(l, num_experts, top_k, renormalize, ids + t * top_k, weights + t * top_k, lane);
 }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
@@ -389,6 +475,21 @@ __global__ void __launch_bounds__(kMoeThreads)
   }
 }
 
+// The most tokens that take the spread router (above 64 experts); ROLLOUTD_ROUTER_SPREAD_MAX_TOKENS
+// (0 to kRouterFusedMaxTokens) overrides it for an A/B; read once per process.
+int64_t router_spread_max_tokens() {
+  static const int64_t n = [] {
+    constexpr int64_t kDefault = 16;
+    const char* v = std::getenv("ROLLOUTD_ROUTER_SPREAD_MAX_TOKENS");
+    if (v == nullptr || *v == '\0') return kDefault;
+    char* end = nullptr;
+    const long long parsed = std::strtoll(v, &end, 10);
+    if (*end != '\0' || parsed < 0 || parsed > kRouterFusedMaxTokens) return kDefault;
+    return static_cast<int64_t>(parsed);
+  }();
+  return n;
+}
+
 }  // namespace
 
 Status router_softmax_topk(const ExecContext& ctx, TensorView ids, TensorView weights,
@@ -431,6 +532,22 @@ Status router(const ExecContext& ctx, const RouterArgs& a) {
   const int warps = num_experts > kRouterCluster * kRouterFusedWarps ? kRouterWideWarps : kRouterFusedWarps;
   int parts = 1;  // items per expert: the cluster's warps all busy when experts are few
   while (parts * 2 * num_experts <= kRouterCluster * warps) parts *= 2;
+  if (warps == kRouterWideWarps && num_tokens <= router_spread_max_tokens()) {
+    const dim3 sgrid(static_cast<unsigned int>((num_experts + kRouterSpreadWarps - 1) / kRouterSpreadWarps),
+                     static_cast<unsigned int>(num_tokens));
+    (void)launch_dependent(router_spread_kernel, sgrid, kRouterSpreadWarps * 32, static_cast<size_t>(hidden) * 4,
+                           stream_of(ctx), a.logits.as<float>(), a.x.as<const float>(), a.w.as<const float>(),
+                           static_cast<int>(hidden), static_cast<int>(num_experts));
+    RD_CUDA_CHECK_LAUNCH("router_spread_kernel");
+    (void)launch_dependent(router_select_kernel,
+                           static_cast<unsigned int>((num_tokens + kRouterSelectWarps - 1) / kRouterSelectWarps),
+                           kRouterSelectWarps * 32, 0, stream_of(ctx), a.ids.as<int32_t>(), a.weights.as<float>(),
+                           a.logits.as<float>(), a.bias.data != nullptr ? a.bias.as<const float>() : nullptr,
+                           num_tokens, static_cast<int>(num_experts), static_cast<int>(a.ids.size(1)),
+                           a.renormalize);
+    RD_CUDA_CHECK_LAUNCH("router_select_kernel");
+    return Status::Ok();
+  }
   const auto launch = [&](auto kernel) {
     return launch_dependent(kernel, grid, warps * 32, 0, stream_of(ctx), a.ids.as<int32_t>(), a.weights.as<float>(),
                             a.logits.as<float>(), a.x.as<const float>(), a.w.as<const float>(),

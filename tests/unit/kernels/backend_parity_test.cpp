@@ -715,8 +715,10 @@ void router_cases() {
 }
 
 // Backend::router: the gate GEMM, the bias and the selection. CUDA takes one launch up to 64
-// tokens (a thread block cluster per token, its own dot-product order), cuBLAS + two kernels
-// above; H % 4 != 0 takes the three ops at any T. Ids must be equal: the random logits' gaps are
+// tokens (a thread block cluster per token, its own dot-product order), or above 64 experts and
+// up to 16 tokens two (the spread kernels: the same sums; 97 experts leave a CTA's last warp
+// without a row, H = 4000 takes two rounds of loads), cuBLAS + two kernels above 64 tokens;
+// H % 4 != 0 takes the three ops at any T. Ids must be equal: the random logits' gaps are
 // far above the FP32 summation-order differences (an equal-logit tie cannot arise from random
 // products).
 void router_fused_cases() {
@@ -726,7 +728,8 @@ void router_fused_cases() {
   };
   for (const P p : {P{1, 2880, 32, 4, true, true}, P{1, 2048, 128, 8, false, true}, P{7, 64, 8, 2, true, false},
                     P{64, 2880, 128, 4, true, true}, P{65, 256, 16, 4, false, false}, P{130, 2880, 32, 4, true, true},
-                    P{3, 102, 12, 3, true, false}, P{2, 512, 1024, 8, false, true}}) {
+                    P{3, 102, 12, 3, true, false}, P{2, 512, 1024, 8, false, true}, P{16, 2880, 128, 4, true, true},
+                    P{3, 4000, 97, 2, false, false}}) {
     reg("router" + dims({{"T", p.t}, {"H", p.h}, {"E", p.e}, {"K", p.k}}) + (p.bias ? "_bias" : "") +
             (p.renormalize ? "_renorm" : "_plain"),
         [=](Rng& rng) {
@@ -1820,6 +1823,81 @@ TEST(CudaBackend, DecodeLinearRowsAreTheSameBitsWhateverTheBatch) {
   EXPECT_TRUE(cuda->free(ctx, dw).ok());
   EXPECT_TRUE(cuda->free(ctx, dx).ok());
   EXPECT_TRUE(cuda->free(ctx, dy).ok());
+}
+
+// Backend::router on CUDA: a token's logits, ids and weights are the same bits alone as inside
+// batches of 16 and 40 tokens. Above 64 experts, up to ROLLOUTD_ROUTER_SPREAD_MAX_TOKENS tokens
+// (default 16) take the spread kernels and more take the cluster kernel, so a row alone against
+// the same row among 40 compares the two (their sums are meant to be identical); at 32 experts
+// the cluster kernel runs both. The decoder relies on it: a request's routing does not depend on
+// what else runs.
+TEST(CudaBackend, RouterRowsAreTheSameBitsWhateverTheBatch) {
+  const Backend* cuda = cuda_backend();
+  if (cuda == nullptr || cuda_device_count() == 0) GTEST_SKIP() << "no CUDA backend or no visible GPU";
+  const ExecContext ctx{Device::cuda(0), nullptr};
+  struct P {
+    int64_t h, e, k;
+    bool bias, renormalize;
+  };
+  for (const P p : {P{2880, 128, 4, true, false}, P{2048, 128, 8, false, true}, P{512, 1024, 8, true, true},
+                    P{4000, 97, 2, false, false}, P{2880, 32, 4, true, true}}) {
+    SCOPED_TRACE("H " + std::to_string(p.h) + ", E " + std::to_string(p.e));
+    constexpr int64_t kMaxT = 40;
+    Rng rng(static_cast<uint64_t>(p.h * 7 + p.e));
+    std::vector<float> x(static_cast<size_t>(kMaxT * p.h)), w(static_cast<size_t>(p.e * p.h)),
+        bias(static_cast<size_t>(p.e));
+    for (auto& v : x) v = rng.uniform(-1.0f, 1.0f);
+    for (auto& v : w) v = rng.uniform(-0.05f, 0.05f);
+    for (auto& v : bias) v = rng.uniform(-0.1f, 0.1f);
+    void *dx = nullptr, *dw = nullptr, *db = nullptr, *dl = nullptr, *di = nullptr, *dwt = nullptr;
+    ASSERT_TRUE(cuda->alloc(ctx, x.size() * 4, &dx).ok());
+    ASSERT_TRUE(cuda->alloc(ctx, w.size() * 4, &dw).ok());
+    ASSERT_TRUE(cuda->alloc(ctx, bias.size() * 4, &db).ok());
+    ASSERT_TRUE(cuda->alloc(ctx, static_cast<size_t>(kMaxT * p.e) * 4, &dl).ok());
+    ASSERT_TRUE(cuda->alloc(ctx, static_cast<size_t>(kMaxT * p.k) * 4, &di).ok());
+    ASSERT_TRUE(cuda->alloc(ctx, static_cast<size_t>(kMaxT * p.k) * 4, &dwt).ok());
+    ASSERT_TRUE(cuda->copy(ctx, dx, x.data(), x.size() * 4, CopyKind::kHostToDevice).ok());
+    ASSERT_TRUE(cuda->copy(ctx, dw, w.data(), w.size() * 4, CopyKind::kHostToDevice).ok());
+    ASSERT_TRUE(cuda->copy(ctx, db, bias.data(), bias.size() * 4, CopyKind::kHostToDevice).ok());
+    struct Out {
+      std::vector<float> logits, weights;
+      std::vector<int32_t> ids;
+    };
+    // Rows [first, first + t) of x routed in one call.
+    auto run = [&](int64_t first, int64_t t) {
+      RouterArgs r;
+      r.x = TensorView::contiguous(static_cast<float*>(dx) + first * p.h, DType::kF32, Shape{t, p.h}, ctx.device);
+      r.w = TensorView::contiguous(dw, DType::kF32, Shape{p.e, p.h}, ctx.device);
+      if (p.bias) r.bias = TensorView::contiguous(db, DType::kF32, Shape{p.e}, ctx.device);
+      r.logits = TensorView::contiguous(dl, DType::kF32, Shape{t, p.e}, ctx.device);
+      r.ids = TensorView::contiguous(di, DType::kI32, Shape{t, p.k}, ctx.device);
+      r.weights = TensorView::contiguous(dwt, DType::kF32, Shape{t, p.k}, ctx.device);
+      r.renormalize = p.renormalize;
+      Out o{std::vector<float>(static_cast<size_t>(t * p.e)), std::vector<float>(static_cast<size_t>(t * p.k)),
+            std::vector<int32_t>(static_cast<size_t>(t * p.k))};
+      EXPECT_TRUE(cuda->router(ctx, r).ok());
+      EXPECT_TRUE(cuda->copy(ctx, o.logits.data(), dl, o.logits.size() * 4, CopyKind::kDeviceToHost).ok());
+      EXPECT_TRUE(cuda->copy(ctx, o.weights.data(), dwt, o.weights.size() * 4, CopyKind::kDeviceToHost).ok());
+      EXPECT_TRUE(cuda->copy(ctx, o.ids.data(), di, o.ids.size() * 4, CopyKind::kDeviceToHost).ok());
+      EXPECT_TRUE(cuda->synchronize(ctx).ok());
+      return o;
+    };
+    for (const int64_t t : {int64_t{16}, kMaxT}) {
+      const Out batch = run(0, t);
+      for (const int64_t row : {int64_t{0}, int64_t{5}, t - 1}) {
+        const Out alone = run(row, 1);
+        EXPECT_EQ(std::memcmp(alone.logits.data(), batch.logits.data() + row * p.e, static_cast<size_t>(p.e) * 4), 0)
+            << "logits of row " << row << " alone differ from the batch of " << t;
+        EXPECT_EQ(std::memcmp(alone.weights.data(), batch.weights.data() + row * p.k, static_cast<size_t>(p.k) * 4),
+                  0)
+            << "weights of row " << row << " alone differ from the batch of " << t;
+        for (int64_t j = 0; j < p.k; ++j)
+          EXPECT_EQ(alone.ids[static_cast<size_t>(j)], batch.ids[static_cast<size_t>(row * p.k + j)])
+              << "row " << row << ", pick " << j << ", batch of " << t;
+      }
+    }
+    for (void* ptr : {dx, dw, db, dl, di, dwt}) EXPECT_TRUE(cuda->free(ctx, ptr).ok());
+  }
 }
 
 // Paged attention at gpt-oss's shape (64 query heads, 8 KV heads, D 64): a decode token's output
