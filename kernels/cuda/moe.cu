@@ -490,6 +490,18 @@ int64_t router_spread_max_tokens() {
   return n;
 }
 
+// ROLLOUTD_ROUTER_SPREAD_FEW_EXPERTS=1: up to 64 experts too, every fused call (up to
+// kRouterFusedMaxTokens tokens, so that a row's bits still do not depend on its batch) takes the
+// spread kernels, whose one warp a row sums in another order than the cluster kernel's parts. An
+// A/B switch, read once per process; off by default.
+bool router_spread_few_experts() {
+  static const bool on = [] {
+    const char* v = std::getenv("ROLLOUTD_ROUTER_SPREAD_FEW_EXPERTS");
+    return v != nullptr && v[0] == '1' && v[1] == '\0';
+  }();
+  return on;
+}
+
 }  // namespace
 
 Status router_softmax_topk(const ExecContext& ctx, TensorView ids, TensorView weights,
@@ -532,7 +544,8 @@ Status router(const ExecContext& ctx, const RouterArgs& a) {
   const int warps = num_experts > kRouterCluster * kRouterFusedWarps ? kRouterWideWarps : kRouterFusedWarps;
   int parts = 1;  // items per expert: the cluster's warps all busy when experts are few
   while (parts * 2 * num_experts <= kRouterCluster * warps) parts *= 2;
-  if (warps == kRouterWideWarps && num_tokens <= router_spread_max_tokens()) {
+  if ((warps == kRouterWideWarps && num_tokens <= router_spread_max_tokens()) ||
+      (warps != kRouterWideWarps && router_spread_few_experts())) {
     const dim3 sgrid(static_cast<unsigned int>((num_experts + kRouterSpreadWarps - 1) / kRouterSpreadWarps),
                      static_cast<unsigned int>(num_tokens));
     (void)launch_dependent(router_spread_kernel, sgrid, kRouterSpreadWarps * 32, static_cast<size_t>(hidden) * 4,

@@ -434,6 +434,12 @@ struct PermuteArgs {
 };
 
 // One CTA: count pairs per expert, scan, scatter, list the M tiles.
+// NOTES: at one decode token the kernel is a chain of dependent steps (ids, the map, five
+// barriers, global writes read back), not work: with 1,024 threads it took 6.2 us of Nsight
+// Compute time in a 49 us gpt-oss-120b layer. Launched with as many threads as pairs or experts
+// (4 warps at one token), the scatter taking a thread's own pair from a register, the MoE layer at
+// one token was 3.5 % (gpt-oss) and 6-8 % (Qwen3) faster and an h2880 step 2 % (same-run A/B on
+// an H100, 2026-12-06, tests/bench/NOTES.md); the lists written are the same.
 __global__ void __launch_bounds__(kPermuteThreads) permute_kernel(const PermuteArgs a) {
   extern __shared__ int32_t sh[];
   cuda::pdl_begin();
@@ -449,6 +455,7 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_kernel(const PermuteA
   }
   for (int e = tid; e < a.num_physical; e += blockDim.x) cnt[e] = 0;
   __syncthreads();
+  int32_t my_e = -1;  // pair tid's expert, kept for the scatter (a decode step's pairs: one a thread)
   for (int64_t i = tid; i < a.pairs; i += blockDim.x) {
     const int32_t id = i < live ? a.ids[i] : -1;
     int32_t e = -1;
@@ -457,6 +464,7 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_kernel(const PermuteA
       if (pe >= 0 && pe < a.num_physical) e = pe;
     }
     a.pair_expert[i] = e;
+    if (i == tid) my_e = e;
     if (e >= 0) atomicAdd(&cnt[e], 1);
   }
   __syncthreads();
@@ -467,7 +475,8 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_kernel(const PermuteA
     // layer).
     __shared__ int32_t warp_pairs[kPermuteThreads / 32], warp_tiles[kPermuteThreads / 32],
         warp_heavy[kPermuteThreads / 32];
-    const int ne = a.num_physical, per = (ne + kPermuteThreads - 1) / kPermuteThreads;
+    const int nthreads = static_cast<int>(blockDim.x), nwarps = nthreads / 32;
+    const int ne = a.num_physical, per = (ne + nthreads - 1) / nthreads;
     const int e0 = tid * per < ne ? tid * per : ne, e1 = e0 + per < ne ? e0 + per : ne;
     auto is_heavy = [&](int32_t c) { return a.heavy > 0 && c > a.heavy; };
     int32_t my_pairs = 0, my_tiles = 0, my_heavy = 0;
@@ -495,7 +504,7 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_kernel(const PermuteA
     }
     __syncthreads();
     int32_t off = inc_pairs - my_pairs, tiles = inc_tiles - my_tiles, heavy = inc_heavy - my_heavy, num_heavy = 0;
-    for (int w = 0; w < kPermuteThreads / 32; ++w) {
+    for (int w = 0; w < nwarps; ++w) {
       if (w < warp) {
         off += warp_pairs[w];
         tiles += warp_tiles[w];
@@ -519,7 +528,7 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_kernel(const PermuteA
       tiles += nt;
       heavy += is_heavy(c);
     }
-    if (tid == kPermuteThreads - 1) {  // its running sums end at the totals
+    if (tid == nthreads - 1) {  // its running sums end at the totals
       a.expert_offsets[ne] = off;
       a.meta[0] = tiles;
       a.meta[1] = off;
@@ -527,7 +536,7 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_kernel(const PermuteA
   }
   __syncthreads();
   for (int64_t i = tid; i < a.pairs; i += blockDim.x) {
-    const int32_t e = a.pair_expert[i];
+    const int32_t e = i == tid ? my_e : a.pair_expert[i];
     if (e >= 0) {
       const int32_t pos = atomicAdd(&cnt[e], 1);
       a.sorted_pair[pos] = static_cast<int32_t>(i);
@@ -1840,7 +1849,12 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
     pa.tile_row0 = static_cast<int32_t*>(at(ws.tile_row0));
     pa.meta = static_cast<int32_t*>(at(ws.meta));
     const size_t psmem = static_cast<size_t>(2 * ep + 1) * sizeof(int32_t);
-    (void)cuda::launch_dependent(permute_kernel, 1, kPermuteThreads, psmem, stream, pa);
+    // As many threads as pairs or experts (whole warps, 128 to kPermuteThreads): a decode step's
+    // few pairs take 4 warps, not 32, through the kernel's five barriers.
+    const int64_t pwork = pairs > ep ? pairs : ep;
+    const int pthreads = pwork >= kPermuteThreads ? kPermuteThreads
+                                                  : static_cast<int>(pwork < 128 ? 128 : (pwork + 31) / 32 * 32);
+    (void)cuda::launch_dependent(permute_kernel, 1, pthreads, psmem, stream, pa);
     RD_CUDA_CHECK_LAUNCH("moe permute_kernel");
 
     const bool bf16w = p.format == WeightFormat::kBF16;
