@@ -1834,6 +1834,9 @@ TEST(CudaBackend, DecodeLinearRowsAreTheSameBitsWhateverTheBatch) {
 TEST(CudaBackend, RouterRowsAreTheSameBitsWhateverTheBatch) {
   const Backend* cuda = cuda_backend();
   if (cuda == nullptr || cuda_device_count() == 0) GTEST_SKIP() << "no CUDA backend or no visible GPU";
+  if (const char* v = std::getenv("ROLLOUTD_ROUTER_SPREAD_MAX_TOKENS"); v != nullptr && *v != '\0')
+    std::printf("note: ROLLOUTD_ROUTER_SPREAD_MAX_TOKENS=%s; at 0 or 40 and above a row alone and the batch of 40 "
+                "take the same kernel, and the spread/cluster comparison is not made\n", v);
   const ExecContext ctx{Device::cuda(0), nullptr};
   struct P {
     int64_t h, e, k;
@@ -1863,8 +1866,14 @@ TEST(CudaBackend, RouterRowsAreTheSameBitsWhateverTheBatch) {
       std::vector<float> logits, weights;
       std::vector<int32_t> ids;
     };
-    // Rows [first, first + t) of x routed in one call.
+    // Rows [first, first + t) of x routed in one call, into outputs poisoned first (NaN logits and
+    // weights, INT32_MIN ids), so that a row the call did not write cannot pass as equal.
     auto run = [&](int64_t first, int64_t t) {
+      const std::vector<float> nan_f(static_cast<size_t>(kMaxT * p.e), std::numeric_limits<float>::quiet_NaN());
+      const std::vector<int32_t> bad_i(static_cast<size_t>(kMaxT * p.k), std::numeric_limits<int32_t>::min());
+      EXPECT_TRUE(cuda->copy(ctx, dl, nan_f.data(), nan_f.size() * 4, CopyKind::kHostToDevice).ok());
+      EXPECT_TRUE(cuda->copy(ctx, dwt, nan_f.data(), static_cast<size_t>(kMaxT * p.k) * 4, CopyKind::kHostToDevice).ok());
+      EXPECT_TRUE(cuda->copy(ctx, di, bad_i.data(), bad_i.size() * 4, CopyKind::kHostToDevice).ok());
       RouterArgs r;
       r.x = TensorView::contiguous(static_cast<float*>(dx) + first * p.h, DType::kF32, Shape{t, p.h}, ctx.device);
       r.w = TensorView::contiguous(dw, DType::kF32, Shape{p.e, p.h}, ctx.device);
