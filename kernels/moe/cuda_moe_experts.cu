@@ -563,6 +563,38 @@ __global__ void to_bf16_kernel(uint16_t* __restrict__ out, const float* __restri
     out[i] = f32_to_bf16_bits(in[i]);
 }
 
+// x [rows, cols] (FP32 or BF16, cols % 32 == 0) through MXFP8 and back, as BF16 rows: each
+// 32-element block's scale and E4M3 codes by the rule quantize_mxfp8 follows (minifloat.hpp:
+// mx_scale_from_amax, e4m3_encode; a block with a NaN or an Inf is poisoned), each code decoded
+// as the staged MXFP8 passes decode it (dec_store_item: e4m3_decode_bits, a poisoned block's
+// values NaN) and rounded to BF16 by the same function, which is exact (E4M3 has 3 mantissa
+// bits). The decode passes then read these rows as BF16: the same B values as staging the codes.
+// One warp a block, a lane an element.
+constexpr int kMx8RoundThreads = 256;
+__global__ void __launch_bounds__(kMx8RoundThreads)
+    mx8_round_bf16_kernel(uint16_t* __restrict__ out, const void* __restrict__ x, bool x_bf16, int64_t blocks) {
+  cuda::pdl_begin();
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kMx8RoundThreads / 32);
+  // Whole warps step together (blocks is the same for all), so the reduction sees 32 lanes.
+  for (int64_t b = (static_cast<int64_t>(blockIdx.x) * kMx8RoundThreads + threadIdx.x) / 32; b < blocks;
+       b += warps) {
+    const int64_t i = b * quant::kMxBlockSize + lane;
+    // x is the previous kernel's output: plain loads after the wait, not __ldg.
+    const uint32_t bits = x_bf16 ? static_cast<uint32_t>(static_cast<const uint16_t*>(x)[i]) << 16
+                                 : __float_as_uint(static_cast<const float*>(x)[i]);
+    // The block's largest magnitude as FP32 bits: NaN and Inf sort above every finite value.
+    const uint32_t amax = __reduce_max_sync(0xffffffffu, bits & quant::kF32AbsMask);
+    const quant::E8M0 sc = quant::mx_scale_from_amax(amax, quant::kE4M3EmaxElem);
+    uint32_t f = quant::kF32CanonicalNan;
+    if (!quant::e8m0_is_nan(sc)) {
+      const int se = quant::e8m0_exponent(sc);
+      f = quant::e4m3_decode_bits(quant::e4m3_encode(bits, se), se);
+    }
+    out[i] = f32_to_bf16_bits(quant::f32_from_bits(f));
+  }
+}
+
 // out[t] = (accumulate ? out[t] : 0) + sum_k w[t,k] y[pos(t,k)], k in order; padding rows 0.
 // Grid (token, block of kCombineThreads float4 columns): one token spreads over H / 512 CTAs
 // (one CTA walking all H columns took ~12 us per layer at one token).
@@ -1461,6 +1493,20 @@ bool heavy_first() {
   return on;
 }
 
+// ROLLOUTD_MOE_MXFP8_BF16_ROWS=1 (environment, read once; off by default): MXFP8 decode launches
+// take x through MXFP8 and back as BF16 rows (mx8_round_bf16_kernel, in place of x's
+// quantize_mxfp8: the same launches), so that gate_up's passes read B as BF16, straight from
+// memory where they take one n-tile, instead of staging and converting the codes in every CTA.
+// The same B values; the K split is the BF16 one, so the sums (the bits) differ from the staged
+// path's. down keeps its MXFP8 staging. An A/B switch, not yet measured (tests/bench/NOTES.md).
+bool mxfp8_bf16_rows() {
+  static const bool on = [] {
+    const char* v = std::getenv("ROLLOUTD_MOE_MXFP8_BF16_ROWS");
+    return v != nullptr && std::string_view(v) == "1";
+  }();
+  return on;
+}
+
 template <bool kGateUp>
 Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound, int num_sms, int max_nt,
                      int64_t pairs) {
@@ -1873,7 +1919,17 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
       dg.inter = static_cast<int>(inter);
       // gate_up: B = x rows (f32 rounded to bf16 while staging, bf16, or MXFP8).
       dg.sorted_pair = pa.sorted_pair;
-      if (mx8) {
+      if (mx8 && mxfp8_bf16_rows()) {
+        // x's BF16 rows in y's space (y is written by down, after gate_up has read them).
+        const int64_t blocks = nv * h / quant::kMxBlockSize;
+        (void)cuda::launch_dependent(mx8_round_bf16_kernel,
+                                     cuda::blocks_for(blocks, kMx8RoundThreads / 32, 4096), kMx8RoundThreads, 0,
+                                     stream, static_cast<uint16_t*>(at(ws.y)), p.x, p.x_bf16, blocks);
+        RD_CUDA_CHECK_LAUNCH("moe mx8_round_bf16_kernel");
+        dg.src = kSrcBf16;
+        dg.b = at(ws.y);
+        dg.h_f32 = static_cast<float*>(at(ws.h));
+      } else if (mx8) {
         const TensorView x_rows = dev_view(ctx, const_cast<void*>(p.x),
                                            p.x_bf16 ? DType::kBF16 : DType::kF32, Shape{nv, h});
         RD_RETURN_IF_ERROR(quant::quantize_mxfp8(ctx, x_rows, dev_view(ctx, at(ws.xa), DType::kU8, Shape{nv, h}),
