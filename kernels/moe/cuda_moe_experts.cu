@@ -567,12 +567,13 @@ __global__ void to_bf16_kernel(uint16_t* __restrict__ out, const float* __restri
 // 32-element block's scale and E4M3 codes by the rule quantize_mxfp8 follows (minifloat.hpp:
 // mx_scale_from_amax, e4m3_encode; a block with a NaN or an Inf is poisoned), each code decoded
 // as the staged MXFP8 passes decode it (dec_store_item: e4m3_decode_bits, a poisoned block's
-// values NaN) and rounded to BF16 by the same function, which is exact (E4M3 has 3 mantissa
-// bits). The decode passes then read these rows as BF16: the same B values as staging the codes.
-// One warp a block, a lane an element.
+// values NaN) and rounded to BF16 by the same function: exact (E4M3 has 3 mantissa bits) except
+// for codes below BF16's smallest subnormal at the smallest scales, which both paths round the
+// same way. The decode passes then read these rows as BF16: the same B values as staging the
+// codes. One warp a block, a lane an element.
 constexpr int kMx8RoundThreads = 256;
 __global__ void __launch_bounds__(kMx8RoundThreads)
-    mx8_round_bf16_kernel(uint16_t* __restrict__ out, const void* __restrict__ x, bool x_bf16, int64_t blocks) {
+    mx8_round_bf16_kernel(uint16_t* __restrict__ out, const void* x, bool x_bf16, int64_t blocks) {
   cuda::pdl_begin();
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (kMx8RoundThreads / 32);
@@ -580,9 +581,9 @@ __global__ void __launch_bounds__(kMx8RoundThreads)
   for (int64_t b = (static_cast<int64_t>(blockIdx.x) * kMx8RoundThreads + threadIdx.x) / 32; b < blocks;
        b += warps) {
     const int64_t i = b * quant::kMxBlockSize + lane;
-    // x is the previous kernel's output: plain loads after the wait, not __ldg.
-    const uint32_t bits = x_bf16 ? static_cast<uint32_t>(static_cast<const uint16_t*>(x)[i]) << 16
-                                 : __float_as_uint(static_cast<const float*>(x)[i]);
+    // x is the previous kernel's output: L2 loads after the wait, not __ldg.
+    const uint32_t bits = x_bf16 ? static_cast<uint32_t>(__ldcg(static_cast<const unsigned short*>(x) + i)) << 16
+                                 : __float_as_uint(__ldcg(static_cast<const float*>(x) + i));
     // The block's largest magnitude as FP32 bits: NaN and Inf sort above every finite value.
     const uint32_t amax = __reduce_max_sync(0xffffffffu, bits & quant::kF32AbsMask);
     const quant::E8M0 sc = quant::mx_scale_from_amax(amax, quant::kE4M3EmaxElem);

@@ -198,7 +198,10 @@ TEST_F(MoeParity, Experts) {
       for (const WeightFormat fmt : {WeightFormat::kBF16, WeightFormat::kMXFP4}) {
         for (const ActPrecision prec : {ActPrecision::kBF16, ActPrecision::kMXFP8}) {
           const bool accumulate = (variant % 3) == 1;
-          const bool x_bf16 = (variant % 4) == 2 && prec == ActPrecision::kBF16;
+          // BF16 x: the MXFP4 x BF16 cases of every size, and every other MXFP4 x MXFP8 case (FP32 x
+          // in the rest): the decoder passes BF16 x to both precisions.
+          const bool x_bf16 = ((variant % 4) == 2 && prec == ActPrecision::kBF16) ||
+                              ((variant % 8) == 7 && prec == ActPrecision::kMXFP8);
           // Every other variant gives the real row count on the device (a graph replay padded to
           // a bucket) and num_valid_tokens = T: the padding rows must still cost and write nothing.
           const bool device_count = (variant % 2) == 0;
