@@ -94,6 +94,12 @@ __global__ void router_softmax_topk_kernel(int32_t* __restrict__ ids, float* __r
               threadIdx.x & 31);
 }
 
+// One lane's step of a router dot product. Both router kernels below use it, so that a row
+// summed by either, lane by lane in the same order of i, gives the same bits.
+__device__ __forceinline__ float router_dot4(float acc, float4 a, float4 c) {
+  return acc + (a.x * c.x + a.y * c.y + a.z * c.z + a.w * c.w);
+}
+
 // The router in one launch for a few tokens (Backend::router): a thread block cluster of
 // kRouterCluster CTAs per token. Each CTA stages the token's x in shared memory; the cluster's
 // kWarps x 8 warps share the work items (expert e, part p): the dot product of expert e's row with
@@ -112,12 +118,6 @@ __global__ void router_softmax_topk_kernel(int32_t* __restrict__ ids, float* __r
 // (2026-12-06, tests/bench/NOTES.md): MoE layer at one token gpt-oss-120b -4.8 % (bf16) and
 // -4.1 % (MXFP8), Qwen3-30B +0.8-1.0 %; at 32 experts (the h2880 step) 16 warps would change P,
 // hence the tokens, for a step +1-2 % slower, so up to 64 experts the 8-warp kernel stays.
-// One lane's step of a router dot product. Both router kernels below use it, so that a row
-// summed by either, lane by lane in the same order of i, gives the same bits.
-__device__ __forceinline__ float router_dot4(float acc, float4 a, float4 c) {
-  return acc + (a.x * c.x + a.y * c.y + a.z * c.z + a.w * c.w);
-}
-
 constexpr int kRouterCluster = 8;
 constexpr int kRouterFusedWarps = 8;
 constexpr int kRouterWideWarps = 16;
