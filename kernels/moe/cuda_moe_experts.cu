@@ -424,6 +424,7 @@ struct PermuteArgs {
   // passes of the decode kernel) are listed first; 0: every expert in index order. Only with
   // bm = 2^30: the placement counts one tile per heavy expert (the host sets it so).
   int heavy;
+  bool stage_l2p;  // the map fits in shared memory beside the counts: read from there
   int32_t* pair_expert;
   int32_t* pair_pos;
   int32_t* sorted_pair;
@@ -446,6 +447,16 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_kernel(const PermuteA
   int32_t* cnt = sh;                      // [E]: counts, then scatter cursors
   int32_t* toff = sh + a.num_physical;    // [E + 1]: first tile of each expert
   const int tid = threadIdx.x;
+  // The loads that do not depend on each other go out together: this thread's first id (before
+  // the count of real rows is known), the map (staged), the count. One round trip to memory
+  // instead of three in a row (count, id, map), each ~0.5 us at one decode token.
+  const int32_t first_id = tid < a.pairs ? a.ids[tid] : -1;
+  const int32_t* l2p = a.l2p;
+  if (a.stage_l2p) {
+    int32_t* staged = toff + a.num_physical + 1;  // [L]
+    for (int e = tid; e < a.num_logical; e += blockDim.x) staged[e] = a.l2p[e];
+    l2p = staged;
+  }
   // Pairs of padding rows (a graph replayed with fewer real rows than its bucket) get no expert.
   int64_t live = a.pairs;
   if (a.num_valid_device) {
@@ -454,13 +465,13 @@ __global__ void __launch_bounds__(kPermuteThreads) permute_kernel(const PermuteA
     if (rows * a.top_k < live) live = rows * a.top_k;
   }
   for (int e = tid; e < a.num_physical; e += blockDim.x) cnt[e] = 0;
-  __syncthreads();
+  __syncthreads();  // the counts zeroed, the map staged
   int32_t my_e = -1;  // pair tid's expert, kept for the scatter (a decode step's pairs: one a thread)
   for (int64_t i = tid; i < a.pairs; i += blockDim.x) {
-    const int32_t id = i < live ? a.ids[i] : -1;
+    const int32_t id = i < live ? (i == tid ? first_id : a.ids[i]) : -1;
     int32_t e = -1;
     if (id >= 0 && id < a.num_logical) {
-      const int32_t pe = a.l2p[id];
+      const int32_t pe = l2p[id];
       if (pe >= 0 && pe < a.num_physical) e = pe;
     }
     a.pair_expert[i] = e;
@@ -600,6 +611,7 @@ __global__ void __launch_bounds__(kMx8RoundThreads)
 // Grid (token, block of kCombineThreads float4 columns): one token spreads over H / 512 CTAs
 // (one CTA walking all H columns took ~12 us per layer at one token).
 constexpr int kCombineThreads = 128;
+constexpr int kCombineMaxK = 8;  // picks a token held in registers (more: the loop)
 __global__ void __launch_bounds__(kCombineThreads)
     combine_kernel(float* __restrict__ out, const float* __restrict__ y, const int32_t* __restrict__ pair_pos,
                    const float* __restrict__ w, int64_t num_valid, const int32_t* __restrict__ num_valid_device,
@@ -614,7 +626,31 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
   float* row = out + t * hidden;
   float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  if (t < num_valid) {
+  if (t < num_valid && top_k <= kCombineMaxK) {
+    // The same sums as the loop below, with every load in flight at once: the positions and
+    // weights, then the rows they name (a loop of dependent loads, two round trips a pick, took
+    // 4.0 us at one token, top-4, and 5.0 us at 8 tokens, top-8, on an H100).
+    if (accumulate) acc = *reinterpret_cast<const float4*>(row + c);
+    int32_t pos[kCombineMaxK];
+    float wk[kCombineMaxK];
+    float4 v[kCombineMaxK];
+#pragma unroll
+    for (int j = 0; j < kCombineMaxK; ++j) {
+      pos[j] = j < top_k ? pair_pos[t * top_k + j] : -1;
+      wk[j] = j < top_k ? w[t * top_k + j] : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kCombineMaxK; ++j)
+      if (pos[j] >= 0) v[j] = *reinterpret_cast<const float4*>(y + static_cast<int64_t>(pos[j]) * hidden + c);
+#pragma unroll
+    for (int j = 0; j < kCombineMaxK; ++j) {
+      if (pos[j] < 0) continue;
+      acc.x = math::add(acc.x, math::mul(wk[j], v[j].x));
+      acc.y = math::add(acc.y, math::mul(wk[j], v[j].y));
+      acc.z = math::add(acc.z, math::mul(wk[j], v[j].z));
+      acc.w = math::add(acc.w, math::mul(wk[j], v[j].w));
+    }
+  } else if (t < num_valid) {
     if (accumulate) acc = *reinterpret_cast<const float4*>(row + c);
     for (int j = 0; j < top_k; ++j) {
       const int32_t pos = pair_pos[t * top_k + j];
@@ -1494,16 +1530,19 @@ bool heavy_first() {
   return on;
 }
 
-// ROLLOUTD_MOE_MXFP8_BF16_ROWS=1 (environment, read once; off by default): MXFP8 decode launches
-// take x through MXFP8 and back as BF16 rows (mx8_round_bf16_kernel, in place of x's
-// quantize_mxfp8: the same launches), so that gate_up's passes read B as BF16, straight from
-// memory where they take one n-tile, instead of staging and converting the codes in every CTA.
-// The same B values; the K split is the BF16 one, so the sums (the bits) differ from the staged
-// path's. down keeps its MXFP8 staging. An A/B switch, not yet measured (tests/bench/NOTES.md).
+// ROLLOUTD_MOE_MXFP8_BF16_ROWS (environment, read once; on unless "0"): MXFP8 decode launches
+// take x, and then h, through MXFP8 and back as BF16 rows (mx8_round_bf16_kernel, in place of
+// quantize_mxfp8: the same launches), so that gate_up's and down's passes read B as BF16,
+// straight from memory where they take one n-tile, instead of staging and converting the codes
+// in every CTA. The same B values; the K splits are the BF16 ones, so the sums (the bits) differ
+// from the staged path's, which "0" keeps (an A/B switch; ctest moe_parity_test_mxfp8_staged).
+// NOTES: x's rows alone (gate_up) made the MoE layer from a graph 5.5-6 % faster at one MXFP8
+// token (gpt-oss-120b 0.0582 -> 0.0550 ms, Qwen3-30B 0.0384 -> 0.0362), 2-6 % at 64 tokens, and
+// 0.6 % slower at 8 gpt-oss tokens (same-run A/B on an H100, 2026-12-06, tests/bench/NOTES.md).
 bool mxfp8_bf16_rows() {
   static const bool on = [] {
     const char* v = std::getenv("ROLLOUTD_MOE_MXFP8_BF16_ROWS");
-    return v != nullptr && std::string_view(v) == "1";
+    return v == nullptr || std::string_view(v) != "0";
   }();
   return on;
 }
@@ -1895,7 +1934,11 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
     pa.tile_expert = static_cast<int32_t*>(at(ws.tile_expert));
     pa.tile_row0 = static_cast<int32_t*>(at(ws.tile_row0));
     pa.meta = static_cast<int32_t*>(at(ws.meta));
-    const size_t psmem = static_cast<size_t>(2 * ep + 1) * sizeof(int32_t);
+    // The counts and tile offsets, and the map when the three fit the default 48 KiB.
+    size_t psmem = static_cast<size_t>(2 * ep + 1) * sizeof(int32_t);
+    const size_t map_bytes = static_cast<size_t>(p.num_logical) * sizeof(int32_t);
+    pa.stage_l2p = psmem + map_bytes <= 48 * 1024;
+    if (pa.stage_l2p) psmem += map_bytes;
     // As many threads as pairs or experts (whole warps, 128 to kPermuteThreads): a decode step's
     // few pairs take 4 warps, not 32, through the kernel's five barriers.
     const int64_t pwork = pairs > ep ? pairs : ep;
@@ -1968,7 +2011,16 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
       dd.b = nullptr;
       dd.b_q = nullptr;
       dd.b_scales = nullptr;
-      if (mx8) {
+      if (mx8 && mxfp8_bf16_rows()) {
+        // h's rows through MXFP8 and back as BF16, as x's were (h_q's space holds 2 bytes a value).
+        const int64_t blocks = pairs * inter / quant::kMxBlockSize;
+        (void)cuda::launch_dependent(mx8_round_bf16_kernel,
+                                     cuda::blocks_for(blocks, kMx8RoundThreads / 32, 4096), kMx8RoundThreads, 0,
+                                     stream, static_cast<uint16_t*>(at(ws.h_q)), at(ws.h), false, blocks);
+        RD_CUDA_CHECK_LAUNCH("moe mx8_round_bf16_kernel (h)");
+        dd.src = kSrcBf16;
+        dd.b = at(ws.h_q);
+      } else if (mx8) {
         RD_RETURN_IF_ERROR(quant::quantize_mxfp8(
             ctx, dev_view(ctx, at(ws.h), DType::kF32, Shape{pairs, inter}),
             dev_view(ctx, at(ws.h_q), DType::kU8, Shape{pairs, inter}),

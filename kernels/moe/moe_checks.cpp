@@ -187,7 +187,8 @@ ExpertsWorkspace experts_workspace(int64_t num_tokens, int64_t top_k, int64_t hi
     w.xa = take(th);
     w.xa_scales = take(th / 32);
     w.h = take(pi * 4);
-    w.h_q = take(pi);
+    // e4m3 codes, or (decode with BF16 rows, the default) h through MXFP8 as bf16 rows: 2 bytes.
+    w.h_q = take(pi * 2);
     w.h_scales = take(pi / 32);
   } else {
     w.xa = take(th * 2);
