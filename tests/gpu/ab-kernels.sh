@@ -24,6 +24,8 @@
 #   AB_ENVS     space-separated VAR=VALUE settings: every variant also runs with each (one at a
 #               time), named VARIANT:VAR=VALUE, e.g. AB_ENVS=ROLLOUTD_PDL=0; settings joined by
 #               '+' apply together (AB_ENVS="A=1+B=2": one run with both)
+#   AB_ENGINE_ENVS  0: the engine rows without the AB_ENVS settings only (settings that only the
+#               MoE layer's rows exercise; default 1)
 # The engine rows include each batch's greedy-token digest; the summary says whether the variants'
 # tokens agree (they must, for a change meant to leave the results bit for bit the same). ab.log
 # also keeps engine_bench's expert-load lines (records on: the decode passes routing asked for).
@@ -161,7 +163,7 @@ for r in $(seq 1 "${AB_ROUNDS:-2}"); do
         env ${e//+/ } timeout 120 "$bins/$n/moe_bench" "$bins/moe.json" --tokens "${AB_TOKENS:-1,8,64,1024}" 2>/dev/null \
           | grep -E " (bf16|mxfp8) " >>"$log"
       fi
-      if [ -n "${AB_BATCHES-1,32}" ]; then
+      if [ -n "${AB_BATCHES-1,32}" ] && { [ -z "$e" ] || [ "${AB_ENGINE_ENVS:-1}" != 0 ]; }; then
         echo "== engine $label round $r" >>"$log"
         # shellcheck disable=SC2086
         env ${e//+/ } timeout 180 "$bins/$n/engine_bench" --models h2880 --batches "${AB_BATCHES-1,32}" \
