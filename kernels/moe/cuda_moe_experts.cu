@@ -1934,10 +1934,12 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
     pa.tile_expert = static_cast<int32_t*>(at(ws.tile_expert));
     pa.tile_row0 = static_cast<int32_t*>(at(ws.tile_row0));
     pa.meta = static_cast<int32_t*>(at(ws.meta));
-    // The counts and tile offsets, and the map when the three fit the default 48 KiB.
+    // The counts and tile offsets, and the map when all fit the default 48 KiB beside the
+    // kernel's static arrays (its scan's three per-warp sums).
     size_t psmem = static_cast<size_t>(2 * ep + 1) * sizeof(int32_t);
     const size_t map_bytes = static_cast<size_t>(p.num_logical) * sizeof(int32_t);
-    pa.stage_l2p = psmem + map_bytes <= 48 * 1024;
+    constexpr size_t kPermuteStaticBytes = 3 * (kPermuteThreads / 32) * sizeof(int32_t);
+    pa.stage_l2p = psmem + map_bytes + kPermuteStaticBytes <= 48 * 1024;
     if (pa.stage_l2p) psmem += map_bytes;
     // As many threads as pairs or experts (whole warps, 128 to kPermuteThreads): a decode step's
     // few pairs take 4 warps, not 32, through the kernel's five barriers.
