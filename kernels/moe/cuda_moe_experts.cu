@@ -1897,7 +1897,7 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
   if (pairs > 0) {
     // Tile height: 16 rows when experts see few tokens each (decode), 64 otherwise.
     const int64_t busy = pairs < ep ? pairs : ep;
-    int bm = pairs / busy >= 48 ? 64 : 16;
+    int bm = pairs / busy >= kDecodeMaxPairsPerExpert ? 64 : 16;
     // MXFP4 weights with few tokens per expert take the decode kernel (one "tile" per active
     // expert: the permutation lists the active experts, those past a pass first); with many,
     // the prefill kernel (tiles of 64 or 128 rows).
@@ -2014,7 +2014,8 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
       dd.b_q = nullptr;
       dd.b_scales = nullptr;
       if (mx8 && mxfp8_bf16_rows()) {
-        // h's rows through MXFP8 and back as BF16, as x's were (h_q's space holds 2 bytes a value).
+        // h's rows through MXFP8 and back as BF16, as x's were (h_q's space holds 2 bytes a value
+        // for a decode launch's pairs: experts_workspace).
         const int64_t blocks = pairs * inter / quant::kMxBlockSize;
         (void)cuda::launch_dependent(mx8_round_bf16_kernel,
                                      cuda::blocks_for(blocks, kMx8RoundThreads / 32, 4096), kMx8RoundThreads, 0,

@@ -1,5 +1,6 @@
 // Argument checks of the MoE ops, run before any data is touched, turning the views into the
 // plans both backends consume. A rejected call names the offending view in `field`.
+#include <algorithm>
 #include <climits>
 #include <initializer_list>
 #include <utility>
@@ -187,8 +188,10 @@ ExpertsWorkspace experts_workspace(int64_t num_tokens, int64_t top_k, int64_t hi
     w.xa = take(th);
     w.xa_scales = take(th / 32);
     w.h = take(pi * 4);
-    // e4m3 codes, or (decode with BF16 rows, the default) h through MXFP8 as bf16 rows: 2 bytes.
-    w.h_q = take(pi * 2);
+    // e4m3 codes, or (a decode launch with BF16 rows, the default) h through MXFP8 as bf16 rows:
+    // 2 bytes a value for the pairs a decode launch can have, fewer than 48 an expert.
+    const size_t decode_pairs = std::min(p, static_cast<size_t>(kDecodeMaxPairsPerExpert * num_physical));
+    w.h_q = take(std::max(pi, decode_pairs * static_cast<size_t>(inter) * 2));
     w.h_scales = take(pi / 32);
   } else {
     w.xa = take(th * 2);
