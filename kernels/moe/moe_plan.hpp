@@ -68,7 +68,7 @@ struct ExpertsWorkspace {
   size_t meta = 0;                                        // int32 [4]: number of tiles, ...
   size_t xa = 0, xa_scales = 0;   // kBF16: bf16 [T, H]; kMXFP8: e4m3 [T, H] + e8m0 [T, H/32]
   size_t h = 0;                   // kBF16: bf16 [P, I]; kMXFP8: float32 [P, I]
-  size_t h_q = 0, h_scales = 0;   // kMXFP8: e4m3 [P, I] (decode: bf16 rows, see below) + e8m0 [P, I/32]
+  size_t h_q = 0, h_scales = 0;   // kMXFP8: e4m3 [P, I] (decode: bf16 rows; experts_workspace) + e8m0 [P, I/32]
   size_t y = 0;                   // float32 [P, H]
   size_t total = 0;
 };
