@@ -1909,6 +1909,92 @@ TEST(CudaBackend, RouterRowsAreTheSameBitsWhateverTheBatch) {
   }
 }
 
+// RouterArgs::prefetch is a hint: with it, the spread selection runs as copies over ~every SM
+// (copy 0 writing) and asks L2 for slabs of the picked experts, and the logits, ids and weights
+// must be the same bits as without it, for one token (the most copies) to 16, through a map that
+// permutes the slabs and has entries out of range (which must prefetch nothing and fault nowhere).
+TEST(CudaBackend, RouterPrefetchHintChangesNothing) {
+  const Backend* cuda = cuda_backend();
+  if (cuda == nullptr || cuda_device_count() == 0) GTEST_SKIP() << "no CUDA backend or no visible GPU";
+  const ExecContext ctx{Device::cuda(0), nullptr};
+  struct P {
+    int64_t h, e, k;
+    bool bias, renormalize;
+  };
+  for (const P p : {P{2880, 128, 4, true, false}, P{2048, 128, 8, false, true}, P{512, 1024, 8, true, true}}) {
+    SCOPED_TRACE("H " + std::to_string(p.h) + ", E " + std::to_string(p.e));
+    constexpr int64_t kMaxT = 16, kSlab = 8192, kScaleSlab = 512;
+    const int64_t phys = p.e + 3;
+    Rng rng(static_cast<uint64_t>(p.h * 5 + p.e));
+    std::vector<float> x(static_cast<size_t>(kMaxT * p.h)), w(static_cast<size_t>(p.e * p.h)),
+        bias(static_cast<size_t>(p.e));
+    for (auto& v : x) v = rng.uniform(-1.0f, 1.0f);
+    for (auto& v : w) v = rng.uniform(-0.05f, 0.05f);
+    for (auto& v : bias) v = rng.uniform(-0.1f, 0.1f);
+    std::vector<int32_t> l2p(static_cast<size_t>(p.e));
+    for (int64_t i = 0; i < p.e; ++i) l2p[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7 + 3) % phys);
+    l2p[1] = -1;
+    l2p[2] = static_cast<int32_t>(phys);  // out of range: no prefetch
+    void *dx = nullptr, *dw = nullptr, *db = nullptr, *dl = nullptr, *di = nullptr, *dwt = nullptr, *dslab = nullptr,
+         *dsc = nullptr, *dmap = nullptr;
+    ASSERT_TRUE(cuda->alloc(ctx, x.size() * 4, &dx).ok());
+    ASSERT_TRUE(cuda->alloc(ctx, w.size() * 4, &dw).ok());
+    ASSERT_TRUE(cuda->alloc(ctx, bias.size() * 4, &db).ok());
+    ASSERT_TRUE(cuda->alloc(ctx, static_cast<size_t>(kMaxT * p.e) * 4, &dl).ok());
+    ASSERT_TRUE(cuda->alloc(ctx, static_cast<size_t>(kMaxT * p.k) * 4, &di).ok());
+    ASSERT_TRUE(cuda->alloc(ctx, static_cast<size_t>(kMaxT * p.k) * 4, &dwt).ok());
+    ASSERT_TRUE(cuda->alloc(ctx, static_cast<size_t>(phys * kSlab), &dslab).ok());
+    ASSERT_TRUE(cuda->alloc(ctx, static_cast<size_t>(phys * kScaleSlab), &dsc).ok());
+    ASSERT_TRUE(cuda->alloc(ctx, l2p.size() * 4, &dmap).ok());
+    ASSERT_TRUE(cuda->copy(ctx, dx, x.data(), x.size() * 4, CopyKind::kHostToDevice).ok());
+    ASSERT_TRUE(cuda->copy(ctx, dw, w.data(), w.size() * 4, CopyKind::kHostToDevice).ok());
+    ASSERT_TRUE(cuda->copy(ctx, db, bias.data(), bias.size() * 4, CopyKind::kHostToDevice).ok());
+    ASSERT_TRUE(cuda->copy(ctx, dmap, l2p.data(), l2p.size() * 4, CopyKind::kHostToDevice).ok());
+    struct Out {
+      std::vector<float> logits, weights;
+      std::vector<int32_t> ids;
+    };
+    auto run = [&](int64_t t, bool hint) {
+      const std::vector<float> nan_f(static_cast<size_t>(kMaxT * p.e), std::numeric_limits<float>::quiet_NaN());
+      const std::vector<int32_t> bad_i(static_cast<size_t>(kMaxT * p.k), std::numeric_limits<int32_t>::min());
+      EXPECT_TRUE(cuda->copy(ctx, dl, nan_f.data(), nan_f.size() * 4, CopyKind::kHostToDevice).ok());
+      EXPECT_TRUE(cuda->copy(ctx, dwt, nan_f.data(), static_cast<size_t>(kMaxT * p.k) * 4, CopyKind::kHostToDevice).ok());
+      EXPECT_TRUE(cuda->copy(ctx, di, bad_i.data(), bad_i.size() * 4, CopyKind::kHostToDevice).ok());
+      RouterArgs r;
+      r.x = TensorView::contiguous(dx, DType::kF32, Shape{t, p.h}, ctx.device);
+      r.w = TensorView::contiguous(dw, DType::kF32, Shape{p.e, p.h}, ctx.device);
+      if (p.bias) r.bias = TensorView::contiguous(db, DType::kF32, Shape{p.e}, ctx.device);
+      r.logits = TensorView::contiguous(dl, DType::kF32, Shape{t, p.e}, ctx.device);
+      r.ids = TensorView::contiguous(di, DType::kI32, Shape{t, p.k}, ctx.device);
+      r.weights = TensorView::contiguous(dwt, DType::kF32, Shape{t, p.k}, ctx.device);
+      r.renormalize = p.renormalize;
+      if (hint) {
+        r.prefetch.slabs[0] = TensorView::contiguous(dslab, DType::kU8, Shape{phys, kSlab}, ctx.device);
+        r.prefetch.bytes[0] = kSlab - 64;
+        r.prefetch.slabs[1] = TensorView::contiguous(dsc, DType::kU8, Shape{phys, kScaleSlab / 16, 16}, ctx.device);
+        r.prefetch.bytes[1] = kScaleSlab;
+        r.prefetch.logical_to_physical = TensorView::contiguous(dmap, DType::kI32, Shape{p.e}, ctx.device);
+      }
+      Out o{std::vector<float>(static_cast<size_t>(t * p.e)), std::vector<float>(static_cast<size_t>(t * p.k)),
+            std::vector<int32_t>(static_cast<size_t>(t * p.k))};
+      EXPECT_TRUE(cuda->router(ctx, r).ok());
+      EXPECT_TRUE(cuda->copy(ctx, o.logits.data(), dl, o.logits.size() * 4, CopyKind::kDeviceToHost).ok());
+      EXPECT_TRUE(cuda->copy(ctx, o.weights.data(), dwt, o.weights.size() * 4, CopyKind::kDeviceToHost).ok());
+      EXPECT_TRUE(cuda->copy(ctx, o.ids.data(), di, o.ids.size() * 4, CopyKind::kDeviceToHost).ok());
+      EXPECT_TRUE(cuda->synchronize(ctx).ok());
+      return o;
+    };
+    for (const int64_t t : {int64_t{1}, int64_t{3}, kMaxT}) {
+      const Out plain = run(t, false), hinted = run(t, true);
+      EXPECT_EQ(std::memcmp(plain.logits.data(), hinted.logits.data(), plain.logits.size() * 4), 0) << "T " << t;
+      EXPECT_EQ(std::memcmp(plain.weights.data(), hinted.weights.data(), plain.weights.size() * 4), 0) << "T " << t;
+      EXPECT_EQ(plain.ids, hinted.ids) << "T " << t;
+      EXPECT_FALSE(std::isnan(hinted.weights[0])) << "T " << t << ": the hinted call wrote no weights";
+    }
+    for (void* d : {dx, dw, db, dl, di, dwt, dslab, dsc, dmap}) EXPECT_TRUE(cuda->free(ctx, d).ok());
+  }
+}
+
 // Paged attention at gpt-oss's shape (64 query heads, 8 KV heads, D 64): a decode token's output
 // is the same bits alone (its 8-head grid would be 8 CTAs, at most kAttnFewMaxCtas = 64, so the
 // kernel runs 32 CTAs of 2 query heads) as inside a batch of 40 tokens of other sequences and
