@@ -159,25 +159,6 @@ struct SampleArgs {
   TensorView top_logprobs;  // [R, N] f32, out
 };
 
-// An L2 prefetch hint for the router (RouterArgs::prefetch): once a token's picks are known, the
-// selection asks L2 for the first `bytes[a]` of each picked expert's slab in up to two arrays
-// (slabs[a]: [E_physical, ...], one expert's slab per leading index; the slab of logical id i is
-// logical_to_physical[i]'s, or i's where that view is empty), so that the grouped GEMM launched
-// after the router finds the weights it reads first in L2 instead of waiting on HBM, the gap
-// between the router and that GEMM (selection, permutation) being time in which HBM idles.
-// A hint only: the router's outputs are the same bits with or without it, a CPU backend ignores
-// it, and CUDA uses it only where the selection runs as its own kernel (up to 16 tokens above 64
-// experts, top-k <= 32). Checks (router): each slab view (any dtype) contiguous, on the
-// context's device, 16-byte aligned, with slab bytes a multiple of 16; 0 <= bytes <= slab bytes,
-// a multiple of 16; logical_to_physical int32 [E] (E the router's experts). Slab ids out of
-// range (bad map entries) prefetch nothing.
-struct ExpertPrefetch {
-  TensorView slabs[2];
-  int64_t bytes[2] = {0, 0};
-  TensorView logical_to_physical;
-  bool empty() const { return slabs[0].data == nullptr && slabs[1].data == nullptr; }
-};
-
 // Parameters of router: a MoE layer's gate GEMM and expert selection in one call.
 struct RouterArgs {
   TensorView ids;      // out: int32 [T, K]
@@ -187,7 +168,6 @@ struct RouterArgs {
   TensorView w;        // f32 [E, H]
   TensorView bias;     // f32 [E], or empty
   bool renormalize = false;
-  ExpertPrefetch prefetch;  // optional; see ExpertPrefetch
 };
 
 // Parameters of rope_qk: the attention block's per-head work between the q/k projections and

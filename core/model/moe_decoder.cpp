@@ -920,14 +920,6 @@ Status MoeDecoder::run_device(const ExecContext& ctx, int64_t T, int64_t S, int6
       ra.w = L.router;
       ra.bias = L.router_bias;  // empty without a router bias
       ra.renormalize = c.norm_topk_prob;
-      if (kernel_experts_ && L.logical_to_physical.size(0) == L.router.size(0)) {
-        // The selection asks L2 for the first weights the expert GEMM reads (a hint: same results).
-        moe::ExpertWeights w;
-        w.format = moe::WeightFormat::kMXFP4;
-        w.gate_up = L.gu_blocks;
-        w.gate_up_scales = L.gu_kernel_scales;
-        ra.prefetch = moe::gate_up_prefetch(w, L.logical_to_physical, T, topk_ids.size(1), moe::prefetch_budget_bytes());
-      }
       RD_RETURN_IF_ERROR(backend_.router(ctx, ra));
       // The single capture point: logical ids straight from the router, into this layer's rows
       // of the record table; rows at or past the step's real count (read on the device) are

@@ -451,31 +451,6 @@ Status router(const ExecContext& ctx, const RouterArgs& a) {
     if (overlaps(a.ids, *v) || overlaps(a.weights, *v))
       return invalid("ids", std::string("ids/weights: overlap ") + name);
   if (overlaps(a.ids, a.weights)) return invalid("weights", "weights: overlaps ids");
-  return expert_prefetch(ctx, a.prefetch, a.w.size(0));
-}
-
-Status expert_prefetch(const ExecContext& ctx, const ExpertPrefetch& p, int64_t num_logical) {
-  for (int i = 0; i < 2; ++i) {
-    const TensorView& s = p.slabs[i];
-    const std::string name = "prefetch.slabs[" + std::to_string(i) + "]";
-    if (s.data == nullptr) {
-      if (p.bytes[i] != 0) return invalid(name, name + ": bytes " + std::to_string(p.bytes[i]) + " without a slab view");
-      continue;
-    }
-    RD_RETURN_IF_ERROR(view(ctx, s, name, s.dtype, kAnyRank, "[E, ...]"));  // bytes: any dtype
-    RD_RETURN_IF_ERROR(positive(s, 0, name, "E"));
-    const int64_t slab = static_cast<int64_t>(s.nbytes()) / s.size(0);
-    if (reinterpret_cast<uintptr_t>(s.data) % 16 != 0 || slab % 16 != 0)
-      return invalid(name, name + ": needs a 16-byte aligned base and slabs of a multiple of 16 bytes, got " +
-                               std::to_string(slab) + " bytes an expert");
-    if (p.bytes[i] < 0 || p.bytes[i] > slab || p.bytes[i] % 16 != 0)
-      return invalid(name, name + ": bytes " + std::to_string(p.bytes[i]) + " must be a multiple of 16 in [0, " +
-                               std::to_string(slab) + "]");
-  }
-  if (p.logical_to_physical.data != nullptr) {
-    RD_RETURN_IF_ERROR(view(ctx, p.logical_to_physical, "prefetch.logical_to_physical", DType::kI32, 1, "[E]"));
-    RD_RETURN_IF_ERROR(dim(p.logical_to_physical, 0, num_logical, "prefetch.logical_to_physical", "E", "w"));
-  }
   return Status::Ok();
 }
 

@@ -55,8 +55,6 @@ Status add_bias(const ExecContext& ctx, const TensorView& y, const TensorView& b
 Status transpose(const ExecContext& ctx, const TensorView& dst, const TensorView& src);
 // router: see Backend::router.
 Status router(const ExecContext& ctx, const RouterArgs& args);
-// RouterArgs::prefetch (called by router): num_logical is the router's E.
-Status expert_prefetch(const ExecContext& ctx, const ExpertPrefetch& p, int64_t num_logical);
 Status router_softmax_topk(const ExecContext& ctx, const TensorView& ids,
                            const TensorView& weights, const TensorView& logits);
 Status moe_experts(const ExecContext& ctx, const MoeExpertsArgs& args);

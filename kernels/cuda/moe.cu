@@ -108,11 +108,9 @@ __device__ __forceinline__ float rank_key_value(uint32_t k) {
 // then the renormalisation reading the stored weights back): Nsight Compute timed
 // router_select_kernel at 6.2 us at one token (top-4) and 10.3 us at 8 tokens (top-8) on an H100
 // (2026-12-06), for ~1 us of work.
-// Returns pick number `lane` (-1 for lanes >= top_k); writes ids and weights only where `write`.
 template <int kPerLane>
-__device__ __forceinline__ int select_topk_lanes(const float (&lv)[kPerLane], const float* l, int num_experts,
-                                                 int top_k, bool renormalize, int32_t* ids, float* weights, int lane,
-                                                 bool write = true) {
+__device__ __forceinline__ void select_topk_lanes(const float (&lv)[kPerLane], const float* l, int num_experts,
+                                                  int top_k, bool renormalize, int32_t* ids, float* weights, int lane) {
   float max_logit = -INFINITY;
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j)
@@ -151,11 +149,10 @@ __device__ __forceinline__ int select_topk_lanes(const float (&lv)[kPerLane], co
   const float p = mine >= 0 ? expf(l[mine] - max_logit) / sum : 0.0f;
   float picked_sum = 0.0f;
   for (int k = 0; k < top_k; ++k) picked_sum += __shfl_sync(0xffffffffu, p, k);
-  if (mine >= 0 && write) {
+  if (mine >= 0) {
     ids[lane] = mine;
     weights[lane] = renormalize ? p / picked_sum : p;
   }
-  return mine;
 }
 
 // lv for select_topk_lanes: the lane's logits of l (all its loads in flight at once).
@@ -165,7 +162,7 @@ __device__ __forceinline__ void select_topk_from(const float* l, int num_experts
   float lv[kPerLane];
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) lv[j] = lane + 32 * j < num_experts ? l[lane + 32 * j] : 0.0f;
-  (void)select_topk_lanes<kPerLane>(lv, l, num_experts, top_k, renormalize, ids, weights, lane);
+  select_topk_lanes<kPerLane>(lv, l, num_experts, top_k, renormalize, ids, weights, lane);
 }
 
 __device__ __forceinline__ void select_topk(const float* l, int num_experts, int top_k, bool renormalize,
@@ -344,64 +341,17 @@ __global__ void __launch_bounds__(kRouterSpreadWarps * 32)
   if (lane == 0 && e < num_experts) sums[t * num_experts + e] = acc;
 }
 
-// The device side of ExpertPrefetch: per array a, the base, the bytes between experts' slabs and
-// the bytes to prefetch from each slab's start (0: none).
-struct PrefetchDev {
-  const uint8_t* base[2];
-  int64_t stride[2], bytes[2];
-  const int32_t* l2p;  // [num_logical], or nullptr: identity
-  int num_logical, num_physical;
-};
-
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#else
-  (void)p;
-  (void)bytes;
-#endif
-}
-
-// Part r of R of the prefetch of logical expert `logical`'s slabs (16-byte granules split evenly),
-// as bulk prefetches of at most 64 KiB each. An id or map entry out of range prefetches nothing.
-__device__ __forceinline__ void prefetch_pick(const PrefetchDev& pf, int logical, int r, int num_parts) {
-  if (logical < 0 || logical >= pf.num_logical) return;
-  const int phys = pf.l2p != nullptr ? pf.l2p[logical] : logical;
-  if (phys < 0 || phys >= pf.num_physical) return;
-#pragma unroll
-  for (int a = 0; a < 2; ++a) {
-    if (pf.bytes[a] <= 0) continue;
-    const int64_t granules = pf.bytes[a] / 16;
-    const int64_t g0 = granules * r / num_parts, g1 = granules * (r + 1) / num_parts;
-    const uint8_t* p = pf.base[a] + static_cast<int64_t>(phys) * pf.stride[a] + g0 * 16;
-    for (int64_t n = (g1 - g0) * 16; n > 0;) {
-      const uint32_t piece = n < 65536 ? static_cast<uint32_t>(n) : 65536u;
-      prefetch_l2_bulk(p, piece);
-      p += piece;
-      n -= piece;
-    }
-  }
-}
-
 // kPerLane: 32 * kPerLane >= num_experts (the host picks the smallest of 1, 2, 4, 8 and 32), so
 // that a lane's loads of the sums and the bias are all in flight at once.
-// With a prefetch (pf.bytes[0] > 0 or pf.bytes[1] > 0; top_k <= 32), the grid is `replicas`
-// copies of the token blocks: copy r = blockIdx.x / token blocks selects the same tokens (the same
-// arithmetic on the same logits, so the same picks) and prefetches part r of each pick's slabs,
-// so that the prefetch requests leave from ~all SMs instead of the few that select; only copy 0
-// writes the logits, ids and weights.
 template <int kPerLane>
 __global__ void __launch_bounds__(kRouterSelectWarps * 32)
     router_select_kernel(int32_t* __restrict__ ids, float* __restrict__ weights, float* __restrict__ logits,
                          const float* __restrict__ bias, int64_t num_tokens, int num_experts, int top_k,
-                         bool renormalize, const PrefetchDev pf, int replicas) {
+                         bool renormalize) {
   __shared__ float rows[kRouterSelectWarps][kRouterFusedMaxExperts];
   pdl_begin();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int token_blocks = static_cast<int>(gridDim.x) / replicas;
-  const int copy = static_cast<int>(blockIdx.x) / token_blocks;
-  const bool owner = copy == 0;
-  const int64_t t = static_cast<int64_t>(blockIdx.x - copy * token_blocks) * kRouterSelectWarps + warp;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kRouterSelectWarps + warp;
   if (t >= num_tokens) return;  // whole warp; no block barrier below
   float* row = logits + t * num_experts;
   float* l = rows[warp];
@@ -421,17 +371,14 @@ __global__ void __launch_bounds__(kRouterSelectWarps * 32)
     lv[j] = v;
     if (e < num_experts) {
       l[e] = v;
-      if (owner) row[e] = v;
+      row[e] = v;
     }
   }
   __syncwarp();
-  if (top_k <= 32) {
-    const int mine = select_topk_lanes<kPerLane>(lv, l, num_experts, top_k, renormalize, ids + t * top_k,
-                                                 weights + t * top_k, lane, owner);
-    if (mine >= 0 && (pf.bytes[0] > 0 || pf.bytes[1] > 0)) prefetch_pick(pf, mine, copy, replicas);
-  } else if (owner) {
+  if (top_k <= 32)
+    select_topk_lanes<kPerLane>(lv, l, num_experts, top_k, renormalize, ids + t * top_k, weights + t * top_k, lane);
+  else
     select_topk_any(l, num_experts, top_k, renormalize, ids + t * top_k, weights + t * top_k, lane);
-  }
 }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
@@ -714,36 +661,13 @@ Status router(const ExecContext& ctx, const RouterArgs& a) {
                            stream_of(ctx), a.logits.as<float>(), a.x.as<const float>(), a.w.as<const float>(),
                            static_cast<int>(hidden), static_cast<int>(num_experts));
     RD_CUDA_CHECK_LAUNCH("router_spread_kernel");
-    // The prefetch hint (top-k <= 32, the lanes' selection): enough copies of the token blocks
-    // that about every SM issues a share of the requests.
-    PrefetchDev pf{};
-    const int64_t token_blocks = (num_tokens + kRouterSelectWarps - 1) / kRouterSelectWarps;
-    int64_t replicas = 1;
-    if (!a.prefetch.empty() && a.ids.size(1) <= 32 && (a.prefetch.bytes[0] > 0 || a.prefetch.bytes[1] > 0)) {
-      for (int i = 0; i < 2; ++i) {
-        const TensorView& sl = a.prefetch.slabs[i];
-        if (sl.data == nullptr || a.prefetch.bytes[i] == 0) continue;
-        pf.base[i] = static_cast<const uint8_t*>(sl.data);
-        pf.stride[i] = static_cast<int64_t>(sl.nbytes()) / sl.size(0);
-        pf.bytes[i] = a.prefetch.bytes[i];
-        pf.num_physical = static_cast<int>(sl.size(0));
-      }
-      if (pf.base[0] != nullptr && pf.base[1] != nullptr && a.prefetch.slabs[0].size(0) != a.prefetch.slabs[1].size(0))
-        return Status(ErrorCode::kInvalidArgument, "prefetch slabs: different expert counts", "prefetch.slabs[1]");
-      pf.l2p = a.prefetch.logical_to_physical.data != nullptr ? a.prefetch.logical_to_physical.as<const int32_t>()
-                                                              : nullptr;
-      pf.num_logical = static_cast<int>(num_experts);
-      int sms = 0;
-      RD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ctx.device.index));
-      replicas = (sms + token_blocks - 1) / token_blocks;
-      if (replicas < 1) replicas = 1;
-    }
     const auto select = [&](auto kernel) {
-      return launch_dependent(kernel, static_cast<unsigned int>(token_blocks * replicas), kRouterSelectWarps * 32, 0,
-                              stream_of(ctx), a.ids.as<int32_t>(), a.weights.as<float>(), a.logits.as<float>(),
-                              a.bias.data != nullptr ? a.bias.as<const float>() : nullptr, num_tokens,
-                              static_cast<int>(num_experts), static_cast<int>(a.ids.size(1)), a.renormalize, pf,
-                              static_cast<int>(replicas));
+      return launch_dependent(kernel,
+                              static_cast<unsigned int>((num_tokens + kRouterSelectWarps - 1) / kRouterSelectWarps),
+                              kRouterSelectWarps * 32, 0, stream_of(ctx), a.ids.as<int32_t>(), a.weights.as<float>(),
+                              a.logits.as<float>(), a.bias.data != nullptr ? a.bias.as<const float>() : nullptr,
+                              num_tokens, static_cast<int>(num_experts), static_cast<int>(a.ids.size(1)),
+                              a.renormalize);
     };
     (void)(num_experts <= 32    ? select(router_select_kernel<1>)
            : num_experts <= 64  ? select(router_select_kernel<2>)

@@ -728,9 +728,7 @@ struct DecodeArgs {
   int ksplit;                     // 1, 2, 4 or 8 warps along K
   int tok_cap;                    // staged rows per pass (<= 8 kDecMaxNt; the smem size)
   int seg_chunks, num_segs;       // K staged in num_segs segments of seg_chunks chunks per slice
-  int row_blocks;                 // blocks of kDecWarps / ksplit 32-row groups per expert (>= the CTAs an expert)
-  int expert_major;               // grid (experts, CTAs an expert) instead of (CTAs an expert, experts)
-  int prefetch_rest;              // down, direct: L2 prefetch of the warp's later chunks before the wait for h
+  int row_blocks;                 // blocks of kDecWarps / ksplit 32-row groups per expert (>= gridDim.x)
   const float* bias;              // [E, N] checkpoint rows, nullable
   int act_kind;
   float limit, alpha;
@@ -968,9 +966,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         : "r"(bar), "r"(parity)
         : "memory");
   } while (done == 0);
-}
-__device__ __forceinline__ void l2_prefetch_bulk(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
@@ -1245,19 +1240,7 @@ __device__ __forceinline__ void dec_rows(const DecodeArgs& g, const DecCta& a, u
                         g.num_segs, dsm, a.stride, g.tok_cap, ring, a.lane, bg, bvalid, [&](int seg) {
                  if constexpr (kDirect) {
                    if constexpr (!kGateUp) {
-                     if (first) {
-                       // While gate_up's last CTAs run, ask L2 for the rest of this warp's K slice
-                       // (the first chunk's bulk copies are in flight already).
-                       if (g.prefetch_rest && a.lane == 0 && a.has_rows) {
-                         const int kt0 = min((a.kc_begin + 1) * 2, a.k_tiles), kt1 = min(a.kc_end * 2, a.k_tiles);
-                         for (int t = 0; kt1 > kt0 && t < 2; ++t) {
-                           const int64_t tile = static_cast<int64_t>(a.grp * 2 + t) * a.k_tiles + kt0;
-                           l2_prefetch_bulk(a.wblk + tile * 512, static_cast<uint32_t>(kt1 - kt0) * 512);
-                           l2_prefetch_bulk(a.wsc + tile * 32, static_cast<uint32_t>(kt1 - kt0) * 32);
-                         }
-                       }
-                       asm volatile("griddepcontrol.wait;" ::: "memory");  // h is written
-                     }
+                     if (first) asm volatile("griddepcontrol.wait;" ::: "memory");  // h is written
                    }
                    return;
                  }
@@ -1373,12 +1356,7 @@ __global__ void __launch_bounds__(kDecThreads, kDirect ? kDirCtas : 2) decode_ge
   // visibility of a prerequisite grid's writes only after griddepcontrol.wait, and the
   // permutation's own grid is two launches back; L2 is where its completed writes are.
   if constexpr (kGateUp) cuda::pdl_wait();
-  // Expert-major grids list every expert's first row block before any expert's second, so that
-  // the first wave reads the first rows of every busy expert (what the router's L2 prefetch asked
-  // for); the other order runs each expert's blocks together.
-  const int j = g.expert_major ? blockIdx.x : blockIdx.y;
-  const int blk0 = g.expert_major ? blockIdx.y : blockIdx.x;
-  const int blk_step = g.expert_major ? gridDim.y : gridDim.x;
+  const int j = blockIdx.y;
   if (j >= __ldcg(g.meta)) {  // whole CTA: fewer active experts than the bound
     if constexpr (!kGateUp) cuda::pdl_wait();  // every CTA of a dependent grid waits (cuda_common.cuh)
     return;
@@ -1415,14 +1393,14 @@ __global__ void __launch_bounds__(kDecThreads, kDirect ? kDirCtas : 2) decode_ge
     a.has_rows = a.grp * 32 < g.n;
     a.kc_end = a.has_rows ? a.chunks * (a.wk + 1) / a.ks : a.kc_begin;
     // A later block of a one-pass expert with K staged whole finds its rows staged already.
-    const bool stage_rows = blk == blk0 || a.count > g.tok_cap || g.num_segs > 1;
+    const bool stage_rows = blk == static_cast<int>(blockIdx.x) || a.count > g.tok_cap || g.num_segs > 1;
     for (int g0 = 0; g0 < a.count; g0 += g.tok_cap) {
       const int nrows = a.count - g0 < g.tok_cap ? a.count - g0 : g.tok_cap;
       // The previous pass (or block) is done with the staged rows and (split K) with every
       // warp's ring.
-      if (g0 > 0 || blk != blk0) __syncthreads();
+      if (g0 > 0 || blk != static_cast<int>(blockIdx.x)) __syncthreads();
       if constexpr (kDirect) {
-        dec_rows<1, kGateUp, true>(g, a, dsm, g0, nrows, false, g0 == 0 && blk == blk0);
+        dec_rows<1, kGateUp, true>(g, a, dsm, g0, nrows, false, g0 == 0 && blk == static_cast<int>(blockIdx.x));
         continue;
       }
       if constexpr (kMaxNt >= 4) {
@@ -1441,13 +1419,13 @@ __global__ void __launch_bounds__(kDecThreads, kDirect ? kDirCtas : 2) decode_ge
     }
   };
   // One-n-tile launches may give an expert fewer CTAs than row blocks (launch_decode: where each
-  // block is a few chunks per warp): blocks blk0, blk0 + blk_step, ..., so that a CTA's start
+  // block is a few chunks per warp): blocks blockIdx.x, + gridDim.x, ..., so that a CTA's start
   // (the launch, the routing loads, the staging of its rows) is paid once for several short
   // blocks. Wider launches have a CTA per block (and keep the registers the loop would take).
   if constexpr (kMaxNt == 1) {
-    for (int blk = blk0; blk < g.row_blocks; blk += blk_step) run_block(blk);
+    for (int blk = blockIdx.x; blk < g.row_blocks; blk += gridDim.x) run_block(blk);
   } else {
-    run_block(blk0);
+    run_block(blockIdx.x);
   }
 }
 
@@ -1569,26 +1547,6 @@ bool mxfp8_bf16_rows() {
   return on;
 }
 
-// ROLLOUTD_MOE_EXPERT_MAJOR=1 (environment, read once): decode grids expert-major (DecodeArgs).
-// For same-binary A/B runs; the same bits either way (the order only says which CTA runs when).
-bool expert_major() {
-  static const bool on = [] {
-    const char* s = std::getenv("ROLLOUTD_MOE_EXPERT_MAJOR");
-    return s != nullptr && std::string_view(s) == "1";
-  }();
-  return on;
-}
-
-// ROLLOUTD_MOE_DOWN_PREFETCH=1 (environment, read once): DecodeArgs::prefetch_rest. An A/B switch;
-// the same bits either way.
-bool down_prefetch_rest() {
-  static const bool on = [] {
-    const char* s = std::getenv("ROLLOUTD_MOE_DOWN_PREFETCH");
-    return s != nullptr && std::string_view(s) == "1";
-  }();
-  return on;
-}
-
 template <bool kGateUp>
 Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound, int num_sms, int max_nt,
                      int64_t pairs) {
@@ -1630,10 +1588,7 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
     const int64_t per_expert = resident / bound;
     ctas = per_expert < 1 ? 1 : per_expert;
   }
-  a.expert_major = expert_major() ? 1 : 0;
-  a.prefetch_rest = !kGateUp && down_prefetch_rest() ? 1 : 0;
-  const dim3 grid = a.expert_major ? dim3(static_cast<unsigned int>(bound), static_cast<unsigned int>(ctas))
-                                   : dim3(static_cast<unsigned int>(ctas), static_cast<unsigned int>(bound));
+  const dim3 grid(static_cast<unsigned int>(ctas), static_cast<unsigned int>(bound));
   if (shape.smem > kDecSmemMax) return Status(ErrorCode::kUnimplemented, "hidden size too large for the decode kernel", "x");
   // The down kernel is launched as a programmatic dependent of whatever precedes it (gate_up,
   // which triggers early; the MXFP8 quantization of h, which does not, so down then waits for it).

@@ -2,10 +2,6 @@
 // CUDA kernels according to the context's device.
 #include "kernels/moe/moe_ops.hpp"
 
-#include <algorithm>
-#include <cstdint>
-#include <cstdlib>
-
 #include "kernels/moe/moe_math.hpp"
 #include "kernels/moe/moe_plan.hpp"
 
@@ -49,50 +45,6 @@ Status experts(const ExecContext& ctx, const ExpertsArgs& args) {
 #else
   return no_cuda();
 #endif
-}
-
-int64_t prefetch_budget_bytes() {
-  static const int64_t bytes = [] {
-    constexpr int64_t kDefaultMb = 0;
-    const char* v = std::getenv("ROLLOUTD_MOE_PREFETCH_MB");
-    if (v == nullptr || *v == '\0') return kDefaultMb << 20;
-    char* end = nullptr;
-    const long long mb = std::strtoll(v, &end, 10);
-    if (*end != '\0' || mb < 0 || mb > 1024) return kDefaultMb << 20;
-    return static_cast<int64_t>(mb) << 20;
-  }();
-  return bytes;
-}
-
-namespace {
-// What ExpertPrefetch's checks ask of a slab view (so that a hint made here never fails them).
-bool prefetchable(const TensorView& v) {
-  return v.data != nullptr && v.rank() >= 1 && v.size(0) > 0 && v.is_contiguous() &&
-         reinterpret_cast<uintptr_t>(v.data) % 16 == 0 && (static_cast<int64_t>(v.nbytes()) / v.size(0)) % 16 == 0;
-}
-}  // namespace
-
-ExpertPrefetch gate_up_prefetch(const ExpertWeights& w, const TensorView& logical_to_physical, int64_t num_tokens,
-                                int64_t top_k, int64_t budget_bytes) {
-  ExpertPrefetch p;
-  if (w.format != WeightFormat::kMXFP4 || budget_bytes <= 0 || num_tokens <= 0 || top_k <= 0 ||
-      !prefetchable(w.gate_up))
-    return p;
-  const int64_t num_logical = logical_to_physical.data != nullptr ? logical_to_physical.size(0) : w.gate_up.size(0);
-  const int64_t picks = std::min(num_tokens * top_k, std::max<int64_t>(num_logical, 1));
-  const int64_t slab = static_cast<int64_t>(w.gate_up.nbytes()) / w.gate_up.size(0);
-  const int64_t blocks = std::min(slab, budget_bytes / picks) / 16 * 16;
-  if (blocks <= 0) return p;
-  p.slabs[0] = w.gate_up;
-  p.bytes[0] = blocks;
-  // One scale byte per 16 bytes of codes, in the same row order.
-  if (prefetchable(w.gate_up_scales) && w.gate_up_scales.size(0) == w.gate_up.size(0)) {
-    const int64_t sslab = static_cast<int64_t>(w.gate_up_scales.nbytes()) / w.gate_up_scales.size(0);
-    p.slabs[1] = w.gate_up_scales;
-    p.bytes[1] = std::min(sslab / 16 * 16, (blocks / 16 + 15) / 16 * 16);
-  }
-  p.logical_to_physical = logical_to_physical;
-  return p;
 }
 
 float apply_activation(const ActivationParams& p, float gate, float up) {

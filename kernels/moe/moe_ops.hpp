@@ -171,16 +171,6 @@ int64_t experts_workspace_bytes(int64_t num_tokens, int64_t top_k, int64_t hidde
 // a grouped down GEMM, and the weighted combine. Experts that received no token cost nothing.
 Status experts(const ExecContext& ctx, const ExpertsArgs& args);
 
-// The router's L2 prefetch hint (kernels/backend.hpp ExpertPrefetch) for MXFP4 experts that
-// experts() runs next at num_tokens rows of top_k picks: the first bytes of each picked expert's
-// gate_up blocks and scales (its first kernel rows, all of K: what the decode GEMM's first wave of
-// CTAs reads), about `budget_bytes` in all over min(num_tokens * top_k, E) experts. Empty for
-// BF16 weights or a zero budget. prefetch_budget_bytes(): ROLLOUTD_MOE_PREFETCH_MB (0 to 1024,
-// read once), the default where unset.
-ExpertPrefetch gate_up_prefetch(const ExpertWeights& w, const TensorView& logical_to_physical, int64_t num_tokens,
-                                int64_t top_k, int64_t budget_bytes);
-int64_t prefetch_budget_bytes();
-
 // One SwiGLU variant on (gate, up), the exact function both backends apply (tests use it).
 float apply_activation(const ActivationParams& p, float gate, float up);
 

@@ -255,9 +255,6 @@ Status MoeLayer::forward(TensorView out, TensorView x, TensorView token_ids, int
       ra.w = w_.router;
       ra.bias = c.router_bias ? w_.router_bias : TensorView{};
       ra.renormalize = c.router.kind == moe::RouterKind::kTopKSoftmax || c.router.renormalize;
-      // The selection asks L2 for the first weights the expert GEMM reads (a hint: same results).
-      if (l2p_.data == nullptr || l2p_.size(0) == w_.router.size(0))
-        ra.prefetch = moe::gate_up_prefetch(w_.experts, l2p_, num_valid, ids.size(1), moe::prefetch_budget_bytes());
       RD_RETURN_IF_ERROR(backend_.router(ctx_, ra).with_field_prefix(p + ".router"));
     } else {
       RD_RETURN_IF_ERROR(backend_.linear(ctx_, logits, rows_of(x, num_valid), w_.router)

@@ -208,35 +208,6 @@ TEST(CpuBackend, RouterIsLinearBiasThenSoftmaxTopK) {
   bad = good;
   bad.logits = f32(logits, {T, E - 1});
   EXPECT_STATUS(cpu().router(kCtx, bad), ErrorCode::kInvalidArgument, "logits");
-  // The L2 prefetch hint: checked as any view (the CPU ignores it otherwise).
-  alignas(16) static uint8_t slab[4][64];
-  std::vector<int32_t> l2p(E, 0), short_l2p(E - 1, 0);
-  const TensorView slabs = TensorView::contiguous(slab, DType::kU8, Shape{4, 64});
-  bad = good;
-  bad.prefetch.slabs[0] = slabs;
-  bad.prefetch.bytes[0] = 80;  // past a slab
-  EXPECT_STATUS(cpu().router(kCtx, bad), ErrorCode::kInvalidArgument, "prefetch.slabs[0]");
-  bad.prefetch.bytes[0] = 24;  // not whole 16-byte granules
-  EXPECT_STATUS(cpu().router(kCtx, bad), ErrorCode::kInvalidArgument, "prefetch.slabs[0]");
-  bad.prefetch.bytes[0] = 32;
-  bad.prefetch.slabs[1] = TensorView::contiguous(&slab[0][1], DType::kU8, Shape{2, 32});  // misaligned
-  bad.prefetch.bytes[1] = 16;
-  EXPECT_STATUS(cpu().router(kCtx, bad), ErrorCode::kInvalidArgument, "prefetch.slabs[1]");
-  bad.prefetch.slabs[1] = TensorView{};  // bytes without a view
-  EXPECT_STATUS(cpu().router(kCtx, bad), ErrorCode::kInvalidArgument, "prefetch.slabs[1]");
-  bad.prefetch.bytes[1] = 0;
-  bad.prefetch.logical_to_physical = i32(short_l2p, {E - 1});
-  EXPECT_STATUS(cpu().router(kCtx, bad), ErrorCode::kInvalidArgument, "prefetch.logical_to_physical");
-  RouterArgs hinted = good;  // a well-formed hint: accepted
-  hinted.prefetch.slabs[0] = slabs;
-  hinted.prefetch.bytes[0] = 64;
-  hinted.prefetch.logical_to_physical = i32(l2p, {E});
-  std::vector<float> h_logits(T * E, NAN), h_wt(T * K, NAN);
-  std::vector<int32_t> h_ids(T * K, -7);
-  hinted.ids = i32(h_ids, {T, K});
-  hinted.weights = f32(h_wt, {T, K});
-  hinted.logits = f32(h_logits, {T, E});
-  EXPECT_TRUE(cpu().router(kCtx, hinted).ok());
   EXPECT_TRUE(std::all_of(ids.begin(), ids.end(), [](int32_t v) { return v == -7; }));
   EXPECT_TRUE(std::all_of(logits.begin(), logits.end(), [](float v) { return std::isnan(v); }));
 }

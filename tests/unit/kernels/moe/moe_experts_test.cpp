@@ -403,54 +403,5 @@ TEST(MoeExperts, RejectsBadArguments) {
   EXPECT_EQ(experts(kCpu, a).code(), ErrorCode::kInvalidArgument);
 }
 
-// The router's prefetch hint for MXFP4 experts: the budget shared over min(T * K, E) picks, a
-// slab's bytes at most, whole 16-byte granules, the scales in proportion (one byte per 16 of
-// codes, rounded up to a granule); nothing for BF16 weights, a zero budget or unaligned slabs.
-TEST(MoeExperts, GateUpPrefetchHintSharesTheBudget) {
-  constexpr int64_t kE = 8, kN = 128, kK = 256;  // slab: 128 * 256 / 2 = 16 KiB of codes, 1 KiB of scales
-  alignas(16) static uint8_t blocks[kE * kN * kK / 2], scales[kE * kN * kK / 32];
-  std::vector<int32_t> l2p(kE);
-  ExpertWeights w;
-  w.format = WeightFormat::kMXFP4;
-  w.gate_up = TensorView::contiguous(blocks, DType::kU8, Shape{kE, kN, kK / 32, 16});
-  w.gate_up_scales = TensorView::contiguous(scales, DType::kU8, Shape{kE, kN, kK / 32});
-  const TensorView map = TensorView::contiguous(l2p.data(), DType::kI32, Shape{kE});
-  // 2 tokens x top-2 = 4 picks, 32 KiB: 8 KiB of each expert's 16 KiB, 512 B of its scales.
-  ExpertPrefetch p = gate_up_prefetch(w, map, 2, 2, 32 << 10);
-  EXPECT_EQ(p.slabs[0].data, w.gate_up.data);
-  EXPECT_EQ(p.bytes[0], 8 << 10);
-  EXPECT_EQ(p.slabs[1].data, w.gate_up_scales.data);
-  EXPECT_EQ(p.bytes[1], 512);
-  EXPECT_EQ(p.logical_to_physical.data, map.data);
-  // 64 picks bound by the 8 experts; a budget above the slabs prefetches whole slabs.
-  p = gate_up_prefetch(w, map, 32, 2, 1 << 30);
-  EXPECT_EQ(p.bytes[0], 16 << 10);
-  EXPECT_EQ(p.bytes[1], 1 << 10);
-  // Budgets that do not divide evenly: whole granules, scales rounded up to one.
-  p = gate_up_prefetch(w, map, 1, 3, 1000);
-  EXPECT_EQ(p.bytes[0], 320);  // 333 -> 320
-  EXPECT_EQ(p.bytes[1], 32);   // 20 -> 32
-  EXPECT_TRUE(gate_up_prefetch(w, map, 1, 3, 30).empty());  // under a granule a pick
-  EXPECT_TRUE(gate_up_prefetch(w, map, 4, 2, 0).empty());
-  ExpertWeights bf = w;
-  bf.format = WeightFormat::kBF16;
-  EXPECT_TRUE(gate_up_prefetch(bf, map, 4, 2, 1 << 20).empty());
-  ExpertWeights odd = w;
-  odd.gate_up = TensorView::contiguous(blocks + 1, DType::kU8, Shape{kE, 16});  // not 16-byte aligned
-  EXPECT_TRUE(gate_up_prefetch(odd, map, 4, 2, 1 << 20).empty());
-  // The hint it makes passes the router's checks (CPU: checked, then ignored).
-  p = gate_up_prefetch(w, map, 2, 2, 32 << 10);
-  std::vector<float> x(2 * 16), wr(kE * 16), logits(2 * kE), wt(4);
-  std::vector<int32_t> ids(4);
-  rolloutd::RouterArgs ra;
-  ra.x = TensorView::contiguous(x.data(), DType::kF32, Shape{2, 16});
-  ra.w = TensorView::contiguous(wr.data(), DType::kF32, Shape{kE, 16});
-  ra.logits = TensorView::contiguous(logits.data(), DType::kF32, Shape{2, kE});
-  ra.ids = TensorView::contiguous(ids.data(), DType::kI32, Shape{2, 2});
-  ra.weights = TensorView::contiguous(wt.data(), DType::kF32, Shape{2, 2});
-  ra.prefetch = p;
-  EXPECT_TRUE(cpu_backend().router(kCpu, ra).ok());
-}
-
 }  // namespace
 }  // namespace rolloutd::moe
