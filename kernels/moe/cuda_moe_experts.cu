@@ -1614,6 +1614,7 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
   // tokens, 6 % slower at 64 when applied there too. ROLLOUTD_MOE_EXPERT_MAJOR=0 / 1 forces it.
   const int forced_major = expert_major_override();
   a.expert_major = forced_major >= 0 ? forced_major : (max_tokens_per_expert <= a.tok_cap ? 1 : 0);
+  if (ctas > 65535) a.expert_major = 0;  // gridDim.y's limit (never reached by real row counts)
   const dim3 grid = a.expert_major ? dim3(static_cast<unsigned int>(bound), static_cast<unsigned int>(ctas))
                                    : dim3(static_cast<unsigned int>(ctas), static_cast<unsigned int>(bound));
   if (shape.smem > kDecSmemMax) return Status(ErrorCode::kUnimplemented, "hidden size too large for the decode kernel", "x");
