@@ -44,6 +44,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/quant/e4m3_cuda.cuh"
 #include "kernels/quant/quant_plan.hpp"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -186,21 +187,7 @@ __device__ __forceinline__ uint32_t amax_finish(uint32_t m) {
 }
 
 // ---- E4M3: the hardware conversion ---------------------------------------------------------
-// x * 2^-se is exact in FP32 unless it is below 2^-126, where it rounds to a value that is
-// still far under the smallest E4M3 half-step (2^-10): the code is +-0 either way. Then
-// cvt.rn.satfinite is round_to_code exactly: RNE onto the E4M3 grid (subnormals included),
-// +-448 for anything larger, the sign kept (-0 -> 0x80). Only finite inputs get here (a block
-// holding NaN/Inf is poisoned and stored as zeros), so satfinite's NaN rule never applies.
-// FP32 multiplies honour subnormal inputs (no -ftz in this build).
-
-// 2^-se as an FP32 (se in [-127, 126]: every scale a finite amax produces).
-__device__ __forceinline__ float exp2_neg(int se) { return __uint_as_float(static_cast<uint32_t>(127 - se) << 23); }
-
-__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {  // lo in byte 0, hi in byte 1
-  uint16_t d;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
-  return d;
-}
+// exp2_neg, e4m3x2 and why they give minifloat.hpp's codes exactly: e4m3_cuda.cuh.
 
 template <bool kBf16>
 __device__ __forceinline__ uint2 e4m3_chunk(const Chunk<kBf16>& c, float inv_scale) {
@@ -606,8 +593,8 @@ __global__ void mx_dequantize_kernel(const MxDequantPlan p) {
       if (p.fp4) {
         const Fp4x2 b = p.blocks[r * p.num_kb * kMxfp4BytesPerBlock + k / 2];
         bits = e2m1_decode_bits((k & 1) == 0 ? fp4x2_even(b) : fp4x2_odd(b), e8m0_exponent(s));
-      } else {
-        bits = e4m3_decode_bits(p.q[i], e8m0_exponent(s));
+      } else {  // the hardware decode (e4m3_cuda.cuh), checked against e4m3_decode_bits here
+        bits = __float_as_uint(e4m3x2_decode(p.q[i].bits, exp2_pos(e8m0_exponent(s))).x);
       }
     }
     store_out(p.out, p.out_bf16, i, bits);

@@ -7,6 +7,9 @@
 // Skips itself without a CUDA build or a visible GPU (label `gpu`).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -112,6 +115,55 @@ void mx_cases() {
         }
       }
     }
+  }
+  // MXFP8 over every bf16 bit pattern (as bf16, and as f32 with random low bits below them), at
+  // several places under its block's scale: blocks of 31 consecutive patterns led by an element
+  // 2^k times their largest magnitude, k = 0 (the top binades: saturation at 448), 1, 4, 8, 9
+  // (E4M3 subnormals), 12 and 16 (rounding to zero). The E4M3 grid's points and midpoints are bf16
+  // values, so every tie is here; overflowing leaders (Inf: a poisoned block) and NaN patterns too.
+  // The hardware conversions of e4m3_cuda.cuh against minifloat.hpp's integer codecs, bit for bit.
+  for (const DType dt : {DType::kBF16, DType::kF32}) {
+    reg(std::string("mxfp8_every_bf16_") + (dt == DType::kBF16 ? "bf16" : "f32"), [=](Arena& a, test::Rng& rng) {
+      const int ks[] = {0, 1, 4, 8, 9, 12, 16};
+      const int64_t per = 31, chunks = (65536 + per - 1) / per, nk = sizeof(ks) / sizeof(ks[0]);
+      const int64_t rows = chunks * nk;
+      std::vector<float> vals(static_cast<size_t>(rows * 32), 0.0f);
+      for (int64_t kc = 0; kc < nk; ++kc)
+        for (int64_t c = 0; c < chunks; ++c) {
+          float* blk = vals.data() + (kc * chunks + c) * 32;
+          float amax = 0.0f;
+          for (int64_t j = 0; j < per; ++j) {
+            const int64_t pat = c * per + j;
+            if (pat >= 65536) break;
+            uint32_t bits = static_cast<uint32_t>(pat) << 16;
+            if (dt == DType::kF32 && (bits & 0x7f800000u) != 0x7f800000u) bits |= rng.next() & 0xffffu;
+            float v;
+            std::memcpy(&v, &bits, 4);
+            blk[1 + j] = v;
+            if (std::isfinite(v)) amax = std::max(amax, std::fabs(v));
+          }
+          blk[0] = std::ldexp(amax, ks[kc]);
+        }
+      const Shape s{rows, 32};
+      TensorView x;
+      if (dt == DType::kBF16) {
+        std::vector<uint16_t> b(vals.size());
+        for (size_t i = 0; i < vals.size(); ++i) {
+          uint32_t u;
+          std::memcpy(&u, &vals[i], 4);
+          b[i] = static_cast<uint16_t>(u >> 16);  // the patterns themselves (no rounding: exact)
+        }
+        x = a.make(dt, s, b);
+      } else {
+        x = a.make(dt, s, vals);
+      }
+      const TensorView q = a.make(DType::kF8E4M3, s), sc = a.make(DType::kE8M0, {rows, 1});
+      RUN_OK(quantize_mxfp8(a.ctx(), x, q, sc));
+      const TensorView d16 = a.make(DType::kBF16, s), d32 = a.make(DType::kF32, s);
+      RUN_OK(dequantize_mxfp8(a.ctx(), q, sc, d16));
+      RUN_OK(dequantize_mxfp8(a.ctx(), q, sc, d32));
+      return Outputs{a.read(q), a.read(sc), a.read(d16), a.read(d32)};
+    });
   }
   // Dequantization of arbitrary bytes: NaN scales, NaN E4M3 codes, the extreme scales.
   for (const bool fp4 : {true, false}) {
