@@ -45,6 +45,7 @@
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/moe/moe_math.hpp"
 #include "kernels/moe/moe_plan.hpp"
+#include "kernels/quant/e4m3_cuda.cuh"
 #include "kernels/quant/mxfp4.hpp"
 #include "kernels/quant/quant_ops.hpp"
 
@@ -85,6 +86,7 @@ struct GemmArgs {
   uint16_t* h_bf16;   // gate_up out, bf16 [P, I]
   float* h_f32;       // gate_up out, fp32 [P, I] (quantized to MXFP8 afterwards)
   float* y;           // down out, fp32 [P, N]
+  int h_mx8;          // prefill gate_up: h_bf16 gets h through MXFP8 and back (prefill_h_mx8)
 };
 
 // BM pair rows x 64 kernel rows per CTA, K in steps of kBK. The decode tile (BM 16) takes
@@ -598,12 +600,11 @@ __global__ void __launch_bounds__(kMx8RoundThreads)
     // The block's largest magnitude as FP32 bits: NaN and Inf sort above every finite value.
     const uint32_t amax = __reduce_max_sync(0xffffffffu, bits & quant::kF32AbsMask);
     const quant::E8M0 sc = quant::mx_scale_from_amax(amax, quant::kE4M3EmaxElem);
-    uint32_t f = quant::kF32CanonicalNan;
-    if (!quant::e8m0_is_nan(sc)) {
-      const int se = quant::e8m0_exponent(sc);
-      f = quant::e4m3_decode_bits(quant::e4m3_encode(bits, se), se);
-    }
-    out[i] = f32_to_bf16_bits(quant::f32_from_bits(f));
+    // The round trip on the hardware's conversions (e4m3_cuda.cuh): the same bits as
+    // e4m3_decode_bits(e4m3_encode(bits, se), se).
+    const float f = quant::e8m0_is_nan(sc) ? quant::f32_from_bits(quant::kF32CanonicalNan)
+                                           : quant::mx8_round2(__uint_as_float(bits), 0.0f, quant::e8m0_exponent(sc)).x;
+    out[i] = f32_to_bf16_bits(f);
   }
 }
 
@@ -1544,6 +1545,8 @@ bool heavy_first() {
 // NOTES: x's rows alone (gate_up) made the MoE layer from a graph 5.5-6 % faster at one MXFP8
 // token (gpt-oss-120b 0.0582 -> 0.0550 ms, Qwen3-30B 0.0384 -> 0.0362), 2-6 % at 64 tokens, and
 // 0.6 % slower at 8 gpt-oss tokens (same-run A/B on an H100, 2026-12-06, tests/bench/NOTES.md).
+// Prefill launches under it round x in one launch and h in gate_up's epilogue (prefill_h_mx8)
+// instead of quantize_mxfp8 + dequantize_mxfp8 launches for each: the same values.
 bool mxfp8_bf16_rows() {
   static const bool on = [] {
     const char* v = std::getenv("ROLLOUTD_MOE_MXFP8_BF16_ROWS");
@@ -1683,6 +1686,74 @@ __device__ __forceinline__ void cp_async4_zfill(void* smem, const void* gmem, bo
 }
 using cuda::ldmatrix_x4;
 
+// gate_up's epilogue for MXFP8 activations: h through MXFP8 and back as bf16 rows, by the rule
+// mx8_round_bf16_kernel follows (the block's scale from its largest magnitude, E4M3 codes, decoded
+// and rounded to bf16), written straight into h_bf16 where gate_up wrote FP32 rows that two more
+// launches quantized and dequantized (the same values: the down pass reads h as bf16 either way).
+// A 32-feature MX block is this warp's 16 features (gate/up group wcol0 / 32, an even group for
+// wn even: n0 is a multiple of 128) and its partner's (wn ^ 1), for the same token rows: each
+// warp reduces its rows' magnitudes over the 4 lanes of a row, the pair exchanges them in shared
+// memory (the staging ring, which every warp finished reading at the main loop's last barrier)
+// behind a named barrier of its 64 threads, and each rounds its own values. A pair returns
+// before the barrier together (an empty N half), never one warp of it.
+template <int BM, int kMt>
+__device__ __forceinline__ void prefill_h_mx8(const GemmArgs& g, float (&acc)[kMt][4][4], const float* bias,
+                                              uint8_t* smem, int e, int row_base, int rows, int64_t wcol0,
+                                              int64_t ndim, int wm, int wn, int lane) {
+  (void)e;
+  const auto order = static_cast<quant::Mxfp4RowOrder>(g.row_order);
+  const int q2 = 2 * (lane & 3);
+  uint32_t* amax_sm = reinterpret_cast<uint32_t*>(smem);  // [4 wn][BM rows]
+  // Pass 1: the activations into the gate slots (j = 0, 1) of acc, each row's magnitude.
+#pragma unroll
+  for (int i = 0; i < kMt; ++i)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      uint32_t am = 0;
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int col = j * 8 + q2 + c;
+          float gv = acc[i][j][hr * 2 + c], uv = acc[i][j + 2][hr * 2 + c];
+          if (bias) {
+            gv = math::add(gv, bias[quant::mxfp4_checkpoint_row(wcol0 + col, ndim, order)]);
+            uv = math::add(uv, bias[quant::mxfp4_checkpoint_row(wcol0 + col + 16, ndim, order)]);
+          }
+          const float hv = math::activate(g.act_kind, g.limit, g.alpha, gv, uv);
+          acc[i][j][hr * 2 + c] = hv;
+          am = max(am, __float_as_uint(hv) & quant::kF32AbsMask);  // NaN and Inf above every finite
+        }
+      am = max(am, __shfl_xor_sync(0xffffffffu, am, 1));
+      am = max(am, __shfl_xor_sync(0xffffffffu, am, 2));
+      const int m = wm * (BM / 2) + i * 16 + (lane >> 2) + hr * 8;
+      if ((lane & 3) == 0) amax_sm[wn * BM + m] = am;
+    }
+  asm volatile("bar.sync %0, 64;" ::"r"(1 + wm * 2 + (wn >> 1)) : "memory");
+  // Pass 2: the block's scale, the codes, back to bf16.
+#pragma unroll
+  for (int i = 0; i < kMt; ++i)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int m = wm * (BM / 2) + i * 16 + (lane >> 2) + hr * 8;
+      if (m >= rows) continue;
+      const uint32_t am = max(amax_sm[wn * BM + m], amax_sm[(wn ^ 1) * BM + m]);
+      const quant::E8M0 sc = quant::mx_scale_from_amax(am, quant::kE4M3EmaxElem);
+      const bool poisoned = quant::e8m0_is_nan(sc);
+      const int se = poisoned ? 0 : quant::e8m0_exponent(sc);
+      const int64_t s = row_base + m;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        // A pair of features on the hardware's conversions (e4m3_cuda.cuh: the same bits as
+        // e4m3_decode_bits(e4m3_encode(.)) in about a tenth of the instructions).
+        float2 f = quant::mx8_round2(acc[i][j][hr * 2], acc[i][j][hr * 2 + 1], se);
+        if (poisoned) f.x = f.y = quant::f32_from_bits(quant::kF32CanonicalNan);
+        const int64_t jf = (wcol0 / 32) * 16 + j * 8 + q2;
+        *reinterpret_cast<uint32_t*>(g.h_bf16 + s * g.inter + jf) = f32_to_bf16_bits(f.x) | (f32_to_bf16_bits(f.y) << 16);
+      }
+    }
+}
+
 template <int BM, bool kGateUp>
 __global__ void __launch_bounds__(kPfThreads, 2) prefill_gemm_kernel(const GemmArgs g) {
   using S = PfShape<BM>;
@@ -1813,6 +1884,12 @@ __global__ void __launch_bounds__(kPfThreads, 2) prefill_gemm_kernel(const GemmA
   if (wcol0 >= ndim) return;  // the empty half of a 64-row last N tile
   const float* bias = g.bias ? g.bias + static_cast<int64_t>(e) * ndim : nullptr;
   const int q2 = 2 * (lane & 3);
+  if constexpr (kGateUp) {
+    if (g.h_mx8) {
+      prefill_h_mx8<BM>(g, acc, bias, pf_smem, e, base + row0, rows, wcol0, ndim, wm, wn, lane);
+      return;
+    }
+  }
 #pragma unroll
   for (int i = 0; i < S::kMt; ++i) {
 #pragma unroll
@@ -2089,7 +2166,18 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
     // GEMM-1 operand: x as bf16 or MXFP8, one row per real token.
     const TensorView x_rows = dev_view(ctx, const_cast<void*>(p.x),
                                        p.x_bf16 ? DType::kBF16 : DType::kF32, Shape{nv, h});
-    if (mx8) {
+    // Prefill with MXFP8 activations, fused (mxfp8_bf16_rows(), the default): x through MXFP8 as
+    // bf16 rows in one launch, and h written by gate_up's epilogue as bf16 rows through MXFP8
+    // (prefill_h_mx8), where quantize + dequantize launches ran for each: the same values.
+    const bool pf_fused = mx8 && prefill && mxfp8_bf16_rows();
+    if (pf_fused) {
+      const int64_t blocks = nv * h / quant::kMxBlockSize;
+      (void)cuda::launch_dependent(mx8_round_bf16_kernel, cuda::blocks_for(blocks, kMx8RoundThreads / 32, 4096),
+                                   kMx8RoundThreads, 0, stream, static_cast<uint16_t*>(at(ws.y)), p.x, p.x_bf16,
+                                   blocks);
+      RD_CUDA_CHECK_LAUNCH("moe mx8_round_bf16_kernel (prefill x)");
+      g.a_bf16 = static_cast<const uint16_t*>(at(ws.y));
+    } else if (mx8) {
       RD_RETURN_IF_ERROR(quant::quantize_mxfp8(ctx, x_rows, dev_view(ctx, at(ws.xa), DType::kU8, Shape{nv, h}),
                                                dev_view(ctx, at(ws.xa_scales), DType::kU8, Shape{nv, h / 32})));
       if (prefill) {  // the prefill kernel takes the MXFP8 values as bf16, in y's space (unused until down)
@@ -2118,10 +2206,11 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
                                        ? quant::Mxfp4RowOrder::kGateUpInterleaved
                                        : quant::Mxfp4RowOrder::kGateUpConcatenated);
     g.bias = p.gate_up_bias;
-    if (mx8)
+    if (mx8 && !pf_fused)
       g.h_f32 = static_cast<float*>(at(ws.h));
     else
       g.h_bf16 = static_cast<uint16_t*>(at(ws.h));
+    g.h_mx8 = pf_fused ? 1 : 0;
     if (prefill)
       RD_RETURN_IF_ERROR(launch_prefill<true>(ctx, g, bm, max_tiles));
     else
@@ -2132,7 +2221,10 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
     d.a_bf16 = nullptr;
     d.a_q = nullptr;
     d.a_scales = nullptr;
-    if (mx8) {
+    d.h_mx8 = 0;
+    if (pf_fused) {
+      d.a_bf16 = static_cast<const uint16_t*>(at(ws.h));
+    } else if (mx8) {
       RD_RETURN_IF_ERROR(quant::quantize_mxfp8(
           ctx, dev_view(ctx, at(ws.h), DType::kF32, Shape{pairs, inter}),
           dev_view(ctx, at(ws.h_q), DType::kU8, Shape{pairs, inter}),
