@@ -118,13 +118,15 @@ void mx_cases() {
   }
   // MXFP8 over every bf16 bit pattern (as bf16, and as f32 with random low bits below them), at
   // several places under its block's scale: blocks of 31 consecutive patterns led by an element
-  // 2^k times their largest magnitude, k = 0 (the top binades: saturation at 448), 1, 4, 8, 9
-  // (E4M3 subnormals), 12 and 16 (rounding to zero). The E4M3 grid's points and midpoints are bf16
-  // values, so every tie is here; overflowing leaders (Inf: a poisoned block) and NaN patterns too.
+  // 2^k times their largest magnitude, so that the patterns of that magnitude's binade land in
+  // [2^(8-k), 2^(9-k)) on the E4M3 grid: k = 0 saturates at 448, 1, 4 and 8 are normals, 15, 16
+  // and 17 the three subnormal binades, 18 the ties between 0, 2^-10 and 2^-9, 19 rounds to zero.
+  // The grid's points and midpoints are bf16 values, so every tie is here. A leader that
+  // overflows (Inf: a poisoned block) and the NaN patterns are cases too.
   // The hardware conversions of e4m3_cuda.cuh against minifloat.hpp's integer codecs, bit for bit.
   for (const DType dt : {DType::kBF16, DType::kF32}) {
     reg(std::string("mxfp8_every_bf16_") + (dt == DType::kBF16 ? "bf16" : "f32"), [=](Arena& a, test::Rng& rng) {
-      const int ks[] = {0, 1, 4, 8, 9, 12, 16};
+      const int ks[] = {0, 1, 4, 8, 15, 16, 17, 18, 19};
       const int64_t per = 31, chunks = (65536 + per - 1) / per, nk = sizeof(ks) / sizeof(ks[0]);
       const int64_t rows = chunks * nk;
       std::vector<float> vals(static_cast<size_t>(rows * 32), 0.0f);
