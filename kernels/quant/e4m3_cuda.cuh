@@ -14,7 +14,8 @@
 //   FP32 product is exact, a subnormal one too, and +-inf past FLT_MAX as compose_f32 gives.
 //   NaN codes (0x7F, 0xFF) give the canonical NaN, as e4m3_decode_bits does.
 // Checked against minifloat.hpp through quantize_mxfp8 / dequantize_mxfp8 (quant_parity_test:
-// random and heavy-tailed inputs, random code bytes with the extreme and NaN scales).
+// random and heavy-tailed inputs, every bf16 pattern at nine places under its block's scale,
+// random code bytes with the extreme and NaN scales).
 #include <cuda_fp16.h>
 
 #include <cstdint>
