@@ -1686,6 +1686,21 @@ __device__ __forceinline__ void cp_async4_zfill(void* smem, const void* gmem, bo
 }
 using cuda::ldmatrix_x4;
 
+// gate_up's activation of one output of a warp's 32 kernel rows: gate column col (0..15) and its
+// up column col + 16, the expert's biases added first. Both prefill epilogues take h from here.
+template <int kMt>
+__device__ __forceinline__ float gate_up_activation(const GemmArgs& g, const float (&acc)[kMt][4][4], int i, int j,
+                                                    int hr, int c, const float* bias, int64_t wcol0, int64_t ndim,
+                                                    int q2, quant::Mxfp4RowOrder order) {
+  const int col = j * 8 + q2 + c;
+  float gv = acc[i][j][hr * 2 + c], uv = acc[i][j + 2][hr * 2 + c];
+  if (bias) {
+    gv = math::add(gv, bias[quant::mxfp4_checkpoint_row(wcol0 + col, ndim, order)]);
+    uv = math::add(uv, bias[quant::mxfp4_checkpoint_row(wcol0 + col + 16, ndim, order)]);
+  }
+  return math::activate(g.act_kind, g.limit, g.alpha, gv, uv);
+}
+
 // gate_up's epilogue for MXFP8 activations: h through MXFP8 and back as bf16 rows, by the rule
 // mx8_round_bf16_kernel follows (the block's scale from its largest magnitude, E4M3 codes, decoded
 // and rounded to bf16), written straight into h_bf16 where gate_up wrote FP32 rows that two more
@@ -1714,13 +1729,7 @@ __device__ __forceinline__ void prefill_h_mx8(const GemmArgs& g, float (&acc)[kM
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          const int col = j * 8 + q2 + c;
-          float gv = acc[i][j][hr * 2 + c], uv = acc[i][j + 2][hr * 2 + c];
-          if (bias) {
-            gv = math::add(gv, bias[quant::mxfp4_checkpoint_row(wcol0 + col, ndim, order)]);
-            uv = math::add(uv, bias[quant::mxfp4_checkpoint_row(wcol0 + col + 16, ndim, order)]);
-          }
-          const float hv = math::activate(g.act_kind, g.limit, g.alpha, gv, uv);
+          const float hv = gate_up_activation(g, acc, i, j, hr, c, bias, wcol0, ndim, q2, order);
           acc[i][j][hr * 2 + c] = hv;
           am = max(am, __float_as_uint(hv) & quant::kF32AbsMask);  // NaN and Inf above every finite
         }
@@ -1907,15 +1916,7 @@ __global__ void __launch_bounds__(kPfThreads, 2) prefill_gemm_kernel(const GemmA
           for (int j = 0; j < 2; ++j) {
             float hv[2];
 #pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const int col = j * 8 + q2 + c;
-              float gv = acc[i][j][hr * 2 + c], uv = acc[i][j + 2][hr * 2 + c];
-              if (bias) {
-                gv = math::add(gv, bias[quant::mxfp4_checkpoint_row(wcol0 + col, ndim, order)]);
-                uv = math::add(uv, bias[quant::mxfp4_checkpoint_row(wcol0 + col + 16, ndim, order)]);
-              }
-              hv[c] = math::activate(g.act_kind, g.limit, g.alpha, gv, uv);
-            }
+            for (int c = 0; c < 2; ++c) hv[c] = gate_up_activation(g, acc, i, j, hr, c, bias, wcol0, ndim, q2, order);
             const int64_t jf = (wcol0 / 32) * 16 + j * 8 + q2;
             if (g.h_bf16)
               *reinterpret_cast<uint32_t*>(g.h_bf16 + s * g.inter + jf) =
