@@ -349,6 +349,34 @@ TEST_F(MoeParity, DecodeTokensPerPass) {
   }
 }
 
+// The MXFP4 prefill kernel's 128-row tiles (~260-300 pairs an expert) with biases and the gpt-oss
+// activation, both activation precisions (MXFP8: h rounded in gate_up's epilogue), the same bits
+// on a second run: down's N = 320 (its last 128-row N tile half empty), N = 384 in both GEMMs, a
+// single K step in both (down's N = 64). Written for a warp-specialized wgmma kernel with 256- and
+// 192-wide N tiles (branch prefill-ws, tests/bench/NOTES.md: gate_up's 640 and down's 320 end
+// in partial 256-row tiles there, 384 takes 192-row tiles); the mma.sync kernel passes them too.
+TEST_F(MoeParity, PrefillTiles) {
+  const MxCase cases[] = {{"n256_with_tails", 600, 4, 8, 320, 320},
+                          {"n192_both_gemms", 520, 4, 8, 384, 192},
+                          {"one_k_step", 600, 2, 4, 64, 64}};
+  Rng rng(404);
+  for (const MxCase& c : cases) {
+    const test::Mxfp4Host gu = test::random_mxfp4(rng, c.e, 2 * c.inter, c.h),
+                          dn = test::random_mxfp4(rng, c.e, c.h, c.inter);
+    const MxInputs in = mx_inputs(rng, c, 5.0f);
+    for (const ActPrecision prec : {ActPrecision::kBF16, ActPrecision::kMXFP8}) {
+      SCOPED_TRACE(c.name + " " + act_precision_name(prec));
+      auto run = [&](bool gpu) {
+        return run_mxfp4_experts(gpu, prec, c.e, c.k, c.h, c.inter, gu, dn, in.gub, in.dnb, in.x, in.ids, in.w);
+      };
+      const std::vector<float> ref = run(false), got = run(true);
+      ASSERT_EQ(got.size(), ref.size());
+      EXPECT_LE(test::rel_l2(got, ref), prec == ActPrecision::kBF16 ? 1e-3 : 5e-3);
+      EXPECT_EQ(run(true), got);  // the same bits again
+    }
+  }
+}
+
 // Block scales above 2^1 (codes 129 and 130) take the decode kernel's second multiply and the
 // prefill kernel's other branch, and a NaN scale (255) poisons its block: every kernel must give
 // the CPU reference's values, NaN exactly where the reference has NaN. Decode: ~4 tokens per
