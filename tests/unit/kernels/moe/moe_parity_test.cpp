@@ -303,6 +303,11 @@ MxInputs mx_inputs(Rng& rng, const MxCase& c, float x_sigma) {
       in.ids[static_cast<size_t>(t * c.k + j)] = static_cast<int32_t>((rng.below(c.e) + j * (c.e / c.k)) % c.e);
   return in;
 }
+// run_mxfp4_experts for case c with its weights and inputs.
+std::vector<float> run_mx_case(bool gpu, ActPrecision prec, const MxCase& c, const test::Mxfp4Host& gu,
+                               const test::Mxfp4Host& dn, const MxInputs& in) {
+  return run_mxfp4_experts(gpu, prec, c.e, c.k, c.h, c.inter, gu, dn, in.gub, in.dnb, in.x, in.ids, in.w);
+}
 
 // The MXFP4 decode kernel at every K split (1, 2, 4 and 8 ways) with passes of 8, 16 and 32
 // tokens, K staged whole or in segments, experts with more tokens than a pass (a remainder pass
@@ -339,9 +344,7 @@ TEST_F(MoeParity, DecodeTokensPerPass) {
     const MxInputs in = mx_inputs(rng, c, 5.0f);
     for (const ActPrecision prec : {ActPrecision::kBF16, ActPrecision::kMXFP8}) {
       SCOPED_TRACE(c.name + " " + act_precision_name(prec));
-      auto run = [&](bool gpu) {
-        return run_mxfp4_experts(gpu, prec, c.e, c.k, c.h, c.inter, gu, dn, in.gub, in.dnb, in.x, in.ids, in.w);
-      };
+      auto run = [&](bool gpu) { return run_mx_case(gpu, prec, c, gu, dn, in); };
       const std::vector<float> ref = run(false), got = run(true);
       EXPECT_LE(test::rel_l2(got, ref), prec == ActPrecision::kBF16 ? 1e-3 : 5e-3);
       EXPECT_EQ(run(true), got);
@@ -366,9 +369,7 @@ TEST_F(MoeParity, PrefillTiles) {
     const MxInputs in = mx_inputs(rng, c, 5.0f);
     for (const ActPrecision prec : {ActPrecision::kBF16, ActPrecision::kMXFP8}) {
       SCOPED_TRACE(c.name + " " + act_precision_name(prec));
-      auto run = [&](bool gpu) {
-        return run_mxfp4_experts(gpu, prec, c.e, c.k, c.h, c.inter, gu, dn, in.gub, in.dnb, in.x, in.ids, in.w);
-      };
+      auto run = [&](bool gpu) { return run_mx_case(gpu, prec, c, gu, dn, in); };
       const std::vector<float> ref = run(false), got = run(true);
       ASSERT_EQ(got.size(), ref.size());
       EXPECT_LE(test::rel_l2(got, ref), prec == ActPrecision::kBF16 ? 1e-3 : 5e-3);
@@ -392,9 +393,7 @@ TEST_F(MoeParity, LargeAndNanBlockScales) {
     const MxInputs in = mx_inputs(rng, c, 1.0f);
     for (const ActPrecision prec : {ActPrecision::kBF16, ActPrecision::kMXFP8}) {
       SCOPED_TRACE(c.name + " " + act_precision_name(prec));
-      auto run = [&](bool gpu) {
-        return run_mxfp4_experts(gpu, prec, c.e, c.k, c.h, c.inter, gu, dn, in.gub, in.dnb, in.x, in.ids, in.w);
-      };
+      auto run = [&](bool gpu) { return run_mx_case(gpu, prec, c, gu, dn, in); };
       const std::vector<float> ref = run(false), got = run(true);
       ASSERT_EQ(got.size(), ref.size());
       std::vector<float> ref_finite, got_finite;
@@ -445,9 +444,7 @@ TEST_F(MoeParity, DecodeWithExpertsPastOnePass) {
     ASSERT_EQ(per[9], 8);
     for (const ActPrecision prec : {ActPrecision::kBF16, ActPrecision::kMXFP8}) {
       SCOPED_TRACE(c.name + " " + act_precision_name(prec));
-      auto run = [&](bool gpu) {
-        return run_mxfp4_experts(gpu, prec, c.e, c.k, c.h, c.inter, gu, dn, in.gub, in.dnb, in.x, in.ids, in.w);
-      };
+      auto run = [&](bool gpu) { return run_mx_case(gpu, prec, c, gu, dn, in); };
       const std::vector<float> ref = run(false), got = run(true);
       EXPECT_LE(test::rel_l2(got, ref), prec == ActPrecision::kBF16 ? 1e-3 : 5e-3);
       EXPECT_EQ(run(true), got);
