@@ -414,6 +414,121 @@ TEST_F(MoeParity, LargeAndNanBlockScales) {
   }
 }
 
+// One value rounded as an element of an MXFP8 block whose largest magnitude is `amax` (OCP MX
+// v1.0, kernels/quant/mxfp8.hpp): the CPU model for the check below.
+float mx8_round(float v, float amax) {
+  const int se = quant::e8m0_exponent(
+      quant::mx_scale_from_amax(quant::f32_bits(amax) & quant::kF32AbsMask, quant::kE4M3EmaxElem));
+  return quant::f32_from_bits(quant::e4m3_decode_bits(quant::e4m3_encode(quant::f32_bits(v), se), se));
+}
+
+// h (gate_up's output after the activation, rounded as down's input) bit for bit. The rel_l2
+// tolerances above are dominated by the large values, so an MXFP8 block formed from the wrong 32
+// features or with another token's maximum could pass them. Here down is the identity (MXFP4 1.0
+// on the diagonal, scale 2^0, no biases, top-1, combine weight 1), so the layer's output is h as
+// rounded for down, exactly. x holds small integers times a power of two per token and the weights
+// are MXFP4, so gate_up's sums are exact in any order: the GPU's FP32 h differs from the CPU
+// reference's only through the activation's exp (a few ulps), and its rounding must give the same
+// bits, or the neighbouring value where h sits within those ulps of a rounding boundary (at most 1 %
+// of the elements). Feature blocks' magnitudes alternate by ~2^20 (gate_up's scale exponents) and
+// tokens' by 2^6, so a wrong grouping either saturates a block or flushes one: the CPU checks
+// below show that regrouping the reference's h by 16 features, or taking the next token's
+// maximum, breaks the rule on many elements. Cases: decode (8 tokens), 64-row and 128-row prefill
+// tiles (~75 and ~300 tokens an expert).
+TEST_F(MoeParity, HiddenRoundedBitForBit) {
+  const MxCase cases[] = {{"decode", 8, 1, 4, 256, 256}, {"prefill_64_rows", 600, 1, 8, 256, 256},
+                          {"prefill_128_rows", 600, 1, 2, 256, 256}};
+  const int block_exp[] = {-5, -25, -7, -27, -4, -24, -6, -26};  // gate_up scale exponent per 32 features
+  Rng rng(606);
+  for (const MxCase& c : cases) {
+    test::Mxfp4Host gu = test::random_mxfp4(rng, c.e, 2 * c.inter, c.h);
+    const int64_t kb = c.h / 32;
+    for (int64_t e = 0; e < c.e; ++e)
+      for (int64_t r = 0; r < 2 * c.inter; ++r)  // interleaved: rows 2f and 2f + 1 are feature f's
+        for (int64_t b = 0; b < kb; ++b)
+          gu.scales[static_cast<size_t>((e * 2 * c.inter + r) * kb + b)] =
+              static_cast<uint8_t>(127 + block_exp[(r / 2 / 32) % 8]);
+    test::Mxfp4Host dn{std::vector<uint8_t>(static_cast<size_t>(c.e * c.h * c.inter / 2), 0),
+                       std::vector<uint8_t>(static_cast<size_t>(c.e * c.h * c.inter / 32), 127), c.e, c.h,
+                       c.inter};
+    for (int64_t e = 0; e < c.e; ++e)
+      for (int64_t r = 0; r < c.h; ++r)  // E2M1 code 2 is 1.0; even elements in the low nibble
+        dn.blocks[static_cast<size_t>((e * c.h + r) * (c.inter / 2) + r / 2)] = r % 2 ? 0x20 : 0x02;
+    MxInputs in;
+    in.gub.assign(static_cast<size_t>(c.e * 2 * c.inter), 0.0f);
+    in.dnb.assign(static_cast<size_t>(c.e * c.h), 0.0f);
+    in.w.assign(static_cast<size_t>(c.t), 1.0f);
+    in.x.resize(static_cast<size_t>(c.t * c.h));
+    for (int64_t i = 0; i < c.t * c.h; ++i)
+      in.x[static_cast<size_t>(i)] =
+          std::ldexp(static_cast<float>(static_cast<int>(rng.below(9)) - 4), -6 * static_cast<int>((i / c.h) % 3));
+    in.ids.resize(static_cast<size_t>(c.t));
+    for (int64_t t = 0; t < c.t; ++t) in.ids[static_cast<size_t>(t)] = static_cast<int32_t>(rng.below(c.e));
+    const int64_t nf = c.inter;
+
+    // got within one step of ref in precision prec (MXFP8: the step of ref's block scale, from the
+    // block's largest magnitude; subnormal steps are 2^-9 of the scale); returns the elements that
+    // are not, and counts those that differ at all.
+    auto check = [&](const std::vector<float>& got, const std::vector<float>& ref, ActPrecision prec,
+                     size_t* differ) {
+      size_t bad = 0;
+      *differ = 0;
+      for (int64_t t = 0; t < c.t; ++t)
+        for (int64_t b = 0; b < nf / 32; ++b) {
+          float amax = 0.0f;
+          for (int64_t i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(ref[static_cast<size_t>(t * nf + b * 32 + i)]));
+          for (int64_t i = 0; i < 32; ++i) {
+            const size_t j = static_cast<size_t>(t * nf + b * 32 + i);
+            if (quant::f32_bits(got[j]) == quant::f32_bits(ref[j])) continue;
+            ++*differ;
+            const float step = prec == ActPrecision::kBF16 ? std::ldexp(std::fabs(ref[j]), -7)
+                                                          : std::max(0.125f * std::fabs(ref[j]), std::ldexp(amax, -16));
+            if (!(std::fabs(got[j] - ref[j]) <= step)) ++bad;
+          }
+        }
+      return bad;
+    };
+
+    std::vector<float> ref_bf16;
+    for (const ActPrecision prec : {ActPrecision::kBF16, ActPrecision::kMXFP8}) {
+      SCOPED_TRACE(c.name + " " + act_precision_name(prec));
+      auto run = [&](bool gpu) {
+        return run_mxfp4_experts(gpu, prec, c.e, c.k, c.h, c.inter, gu, dn, in.gub, in.dnb, in.x, in.ids, in.w);
+      };
+      const std::vector<float> ref = run(false), got = run(true);
+      ASSERT_EQ(got.size(), ref.size());
+      size_t differ = 0;
+      EXPECT_EQ(check(got, ref, prec, &differ), 0u) << "elements of h more than one step from the reference's";
+      EXPECT_LE(differ, std::max<size_t>(8, ref.size() / 100)) << "of " << ref.size();
+      if (prec == ActPrecision::kBF16) {
+        ref_bf16 = ref;
+        continue;
+      }
+      // The data tells the groupings apart: the reference's h (as bf16) rounded in blocks shifted
+      // by 16 features, and with the next token's block maximum, breaks the rule on many elements.
+      std::vector<float> shifted(ref.size()), other_token(ref.size());
+      for (int64_t t = 0; t < c.t; ++t)
+        for (int64_t b = 0; b < nf / 32; ++b) {
+          float amax_s = 0.0f, amax_n = 0.0f;
+          const int64_t tn = (t + 1) % c.t;
+          for (int64_t i = 0; i < 32; ++i) {
+            amax_s = std::max(amax_s, std::fabs(ref_bf16[static_cast<size_t>(t * nf + (b * 32 + 16 + i) % nf)]));
+            amax_n = std::max(amax_n, std::fabs(ref_bf16[static_cast<size_t>(tn * nf + b * 32 + i)]));
+          }
+          for (int64_t i = 0; i < 32; ++i) {
+            const size_t js = static_cast<size_t>(t * nf + (b * 32 + 16 + i) % nf), j = static_cast<size_t>(t * nf + b * 32 + i);
+            shifted[js] = mx8_round(ref_bf16[js], amax_s);
+            other_token[j] = mx8_round(ref_bf16[j], amax_n);
+          }
+        }
+      if (c.t > 1) {
+        EXPECT_GT(check(shifted, ref, prec, &differ), ref.size() / 5) << "blocks shifted by 16 features";
+        EXPECT_GT(check(other_token, ref, prec, &differ), ref.size() / 5) << "the next token's maximum";
+      }
+    }
+  }
+}
+
 // Skewed routing at decode sizes (4 pairs a busy expert on average, so one-n-tile passes of 8):
 // a few experts take more than a pass (every token's first choice is expert 3: 32 tokens, four
 // passes; expert 20 gets 12 and experts 0-2 get 10-11, two passes; expert 9 exactly 8, one; all
