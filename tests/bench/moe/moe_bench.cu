@@ -37,13 +37,9 @@
 namespace {
 
 using namespace rolloutd;
+using bench::mix;
+using bench::Timer;
 
-// Deterministic bytes: a hash of the index.
-__device__ __forceinline__ uint32_t mix(uint64_t i, uint32_t seed) {
-  uint32_t h = static_cast<uint32_t>(i) * 0x9e3779b1u ^ seed ^ static_cast<uint32_t>(i >> 32) * 0x85ebca6bu;
-  h ^= h >> 15, h *= 0x2c1b3c6du, h ^= h >> 12, h *= 0x297a2d39u, h ^= h >> 15;
-  return h;
-}
 __global__ void fill_bytes(uint8_t* p, int64_t n, uint32_t seed, uint32_t lo, uint32_t span) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
@@ -55,30 +51,6 @@ __global__ void fill_f32(float* p, int64_t n, uint32_t seed, float a) {
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     p[i] = a * (static_cast<float>(mix(i, seed) >> 8) * (2.0f / 16777216.0f) - 1.0f);
 }
-
-struct Timer {
-  cudaStream_t stream;
-  double median_ms(const std::function<void()>& run, int warmup, int iters) {
-    for (int i = 0; i < warmup; ++i) run();
-    cudaEvent_t a, b;
-    CHECK_CUDA(cudaEventCreate(&a));
-    CHECK_CUDA(cudaEventCreate(&b));
-    std::vector<double> t;
-    for (int i = 0; i < iters; ++i) {
-      CHECK_CUDA(cudaEventRecord(a, stream));
-      run();
-      CHECK_CUDA(cudaEventRecord(b, stream));
-      CHECK_CUDA(cudaEventSynchronize(b));
-      float ms = 0;
-      CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
-      t.push_back(ms);
-    }
-    CHECK_CUDA(cudaEventDestroy(a));
-    CHECK_CUDA(cudaEventDestroy(b));
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-  }
-};
 
 struct DeviceArena {
   std::vector<void*> ptrs;

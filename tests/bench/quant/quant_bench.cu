@@ -25,6 +25,7 @@ namespace {
 
 using namespace rolloutd;
 using namespace rolloutd::quant;
+using bench::Timer;
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
@@ -32,8 +33,7 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 __global__ void fill_bf16(uint16_t* x, int64_t n, uint32_t seed) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 0x9e3779b1u ^ seed ^ static_cast<uint32_t>(i >> 32) * 0x85ebca6bu;
-    h ^= h >> 15, h *= 0x2c1b3c6du, h ^= h >> 12, h *= 0x297a2d39u, h ^= h >> 15;
+    const uint32_t h = bench::mix(static_cast<uint64_t>(i), seed);
     const uint32_t exp = 119u + (h >> 28);  // 2^-8 .. 2^7
     x[i] = static_cast<uint16_t>(((h & 1u) << 15) | (exp << 7) | ((h >> 8) & 0x7fu));
   }
@@ -46,31 +46,6 @@ __global__ void count_diff(const uint8_t* a, const uint8_t* b, int64_t n, unsign
     local += a[i] != b[i];
   if (local) atomicAdd(out, local);
 }
-
-struct Timer {
-  cudaStream_t stream;
-  // Median of `iters` timed runs after `warmup` untimed ones, in milliseconds.
-  double median_ms(const std::function<void()>& run, int warmup, int iters) {
-    for (int i = 0; i < warmup; ++i) run();
-    std::vector<double> t;
-    cudaEvent_t a, b;
-    CHECK_CUDA(cudaEventCreate(&a));
-    CHECK_CUDA(cudaEventCreate(&b));
-    for (int i = 0; i < iters; ++i) {
-      CHECK_CUDA(cudaEventRecord(a, stream));
-      run();
-      CHECK_CUDA(cudaEventRecord(b, stream));
-      CHECK_CUDA(cudaEventSynchronize(b));
-      float ms = 0;
-      CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
-      t.push_back(ms);
-    }
-    CHECK_CUDA(cudaEventDestroy(a));
-    CHECK_CUDA(cudaEventDestroy(b));
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-  }
-};
 
 struct Row {
   std::string op, shape;
