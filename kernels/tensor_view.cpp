@@ -59,6 +59,10 @@ TensorView TensorView::contiguous(void* data, DType dtype, Shape shape, Device d
 
 size_t TensorView::nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype); }
 
+std::string TensorView::describe() const {
+  return std::string(dtype_name(dtype)) + " " + shape.to_string() + " on " + device.to_string();
+}
+
 bool TensorView::is_contiguous() const {
   int64_t acc = 1;
   for (int i = shape.rank() - 1; i >= 0; --i) {

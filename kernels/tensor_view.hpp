@@ -58,6 +58,10 @@ struct TensorView {
   int64_t size(int i) const { return shape[i]; }
   size_t nbytes() const;  // numel * element size (contiguous views only)
   bool is_contiguous() const;
+  // No tensor at all (an optional argument left out): no data and rank 0.
+  bool absent() const { return data == nullptr && rank() == 0; }
+  // "bf16 [2, 3] on cuda:0", for error messages.
+  std::string describe() const;
 
   template <class T>
   T* as() const { return static_cast<T*>(data); }

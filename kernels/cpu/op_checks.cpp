@@ -16,11 +16,6 @@ Status invalid(std::string_view field, std::string message) {
   return Status(ErrorCode::kInvalidArgument, std::move(message), std::string(field));
 }
 
-std::string describe(const TensorView& v) {
-  return std::string(dtype_name(v.dtype)) + " " + v.shape.to_string() + " on " +
-         v.device.to_string();
-}
-
 // What every view must satisfy before an op looks at its data. `layout` names the
 // dimensions for the message ("[T, H]").
 Status view(const ExecContext& ctx, const TensorView& v, std::string_view name, DType dtype,
@@ -34,17 +29,17 @@ Status view(const ExecContext& ctx, const TensorView& v, std::string_view name, 
   if (!rank_ok || v.dtype != dtype || !device_ok) {
     return invalid(name, std::string(name) + ": expected " + std::string(dtype_name(dtype)) +
                              " " + std::string(layout) + " on " + ctx.device.to_string() +
-                             ", got " + describe(v));
+                             ", got " + v.describe());
   }
   for (int i = 0; i < v.rank(); ++i) {
     if (v.size(i) < 0)
-      return invalid(name, std::string(name) + ": negative dimension in " + describe(v));
+      return invalid(name, std::string(name) + ": negative dimension in " + v.describe());
   }
   if (!v.is_contiguous())
     return invalid(name, std::string(name) + ": must be contiguous, strides " +
                              v.strides.to_string() + " for shape " + v.shape.to_string());
   if (v.data == nullptr && v.numel() > 0)
-    return invalid(name, std::string(name) + ": null data for " + describe(v));
+    return invalid(name, std::string(name) + ": null data for " + v.describe());
   return Status::Ok();
 }
 
@@ -81,8 +76,6 @@ bool overlaps(const TensorView& a, const TensorView& b) {
 }
 
 // An optional view: nothing given at all (no data, no shape).
-bool absent(const TensorView& v) { return v.data == nullptr && v.rank() == 0; }
-
 }  // namespace
 
 Status context(const ExecContext& ctx, DeviceKind backend_kind) {
@@ -278,22 +271,22 @@ Status add_rmsnorm(const ExecContext& ctx, const TensorView& out, const TensorVi
                    float eps) {
   RD_RETURN_IF_ERROR(view(ctx, h, "h", DType::kF32, kAnyRank, "[..., H]"));
   RD_RETURN_IF_ERROR(positive(h, h.rank() - 1, "h", "H"));
-  if (!absent(r)) {
+  if (!r.absent()) {
     RD_RETURN_IF_ERROR(view(ctx, r, "r", DType::kF32, kAnyRank, "[..., H]"));
     RD_RETURN_IF_ERROR(same_shape(r, h, "r", "h"));
   }
-  if (!absent(r_bias)) {
-    if (absent(r)) return invalid("r_bias", "r_bias: given without r");
+  if (!r_bias.absent()) {
+    if (r.absent()) return invalid("r_bias", "r_bias: given without r");
     RD_RETURN_IF_ERROR(view(ctx, r_bias, "r_bias", DType::kF32, 1, "[H]"));
     RD_RETURN_IF_ERROR(dim(r_bias, 0, h.size(h.rank() - 1), "r_bias", "H", "h"));
   }
   RD_RETURN_IF_ERROR(view(ctx, w, "w", DType::kF32, 1, "[H]"));
   RD_RETURN_IF_ERROR(dim(w, 0, h.size(h.rank() - 1), "w", "H", "h"));
-  if (!absent(out)) {
+  if (!out.absent()) {
     RD_RETURN_IF_ERROR(view(ctx, out, "out", DType::kF32, kAnyRank, "[..., H]"));
     RD_RETURN_IF_ERROR(same_shape(out, h, "out", "h"));
   }
-  if (!absent(out_bf16)) {
+  if (!out_bf16.absent()) {
     RD_RETURN_IF_ERROR(view(ctx, out_bf16, "out_bf16", DType::kBF16, kAnyRank, "[..., H]"));
     RD_RETURN_IF_ERROR(same_shape(out_bf16, h, "out_bf16", "h"));
   }
@@ -324,7 +317,7 @@ Status rope_qk(const ExecContext& ctx, const RopeQkArgs& a) {
   RD_RETURN_IF_ERROR(view(ctx, a.positions, "positions", DType::kI32, 1, "[T]"));
   RD_RETURN_IF_ERROR(dim(a.positions, 0, a.q.size(0), "positions", "T", "q"));
   const int64_t d = a.q.size(2);
-  if (!absent(a.inv_freq)) {
+  if (!a.inv_freq.absent()) {
     RD_RETURN_IF_ERROR(view(ctx, a.inv_freq, "inv_freq", DType::kF32, 1, "[D/2]"));
     RD_RETURN_IF_ERROR(dim(a.inv_freq, 0, d / 2, "inv_freq", "D/2", "q"));
   } else {
@@ -332,9 +325,9 @@ Status rope_qk(const ExecContext& ctx, const RopeQkArgs& a) {
   }
   if (!std::isfinite(a.scale) || a.scale <= 0.0f)
     return invalid("scale", "scale must be finite and > 0, got " + std::to_string(a.scale));
-  if (absent(a.q_norm) != absent(a.k_norm))
-    return invalid(absent(a.q_norm) ? "q_norm" : "k_norm", "q_norm and k_norm: give both or neither");
-  if (!absent(a.q_norm)) {
+  if (a.q_norm.absent() != a.k_norm.absent())
+    return invalid(a.q_norm.absent() ? "q_norm" : "k_norm", "q_norm and k_norm: give both or neither");
+  if (!a.q_norm.absent()) {
     RD_RETURN_IF_ERROR(view(ctx, a.q_norm, "q_norm", DType::kF32, 1, "[D]"));
     RD_RETURN_IF_ERROR(dim(a.q_norm, 0, d, "q_norm", "D", "q"));
     RD_RETURN_IF_ERROR(view(ctx, a.k_norm, "k_norm", DType::kF32, 1, "[D]"));
@@ -342,8 +335,8 @@ Status rope_qk(const ExecContext& ctx, const RopeQkArgs& a) {
     if (!std::isfinite(a.eps) || a.eps < 0.0f)
       return invalid("eps", "eps must be finite and >= 0, got " + std::to_string(a.eps));
   }
-  if (absent(a.qkv) != absent(a.v)) return invalid(absent(a.qkv) ? "qkv" : "v", "qkv and v: give both or neither");
-  if (!absent(a.qkv)) {
+  if (a.qkv.absent() != a.v.absent()) return invalid(a.qkv.absent() ? "qkv" : "v", "qkv and v: give both or neither");
+  if (!a.qkv.absent()) {
     const int64_t t = a.q.size(0), width = (a.q.size(1) + 2 * a.k.size(1)) * d;
     RD_RETURN_IF_ERROR(view(ctx, a.qkv, "qkv", DType::kF32, 2, "[T, (QH + 2 KVH) * D]"));
     RD_RETURN_IF_ERROR(dim(a.qkv, 0, t, "qkv", "T", "q"));
@@ -356,24 +349,24 @@ Status rope_qk(const ExecContext& ctx, const RopeQkArgs& a) {
       if (overlaps(*o, a.qkv)) return invalid(name, std::string(name) + ": overlaps qkv");
     if (overlaps(a.v, a.q) || overlaps(a.v, a.k)) return invalid("v", "v: overlaps q or k");
   }
-  const bool any_bias = !absent(a.q_bias) || !absent(a.k_bias) || !absent(a.v_bias);
+  const bool any_bias = !a.q_bias.absent() || !a.k_bias.absent() || !a.v_bias.absent();
   if (any_bias) {
-    if (absent(a.qkv)) return invalid("q_bias", "q_bias, k_bias, v_bias: only with the fused qkv");
+    if (a.qkv.absent()) return invalid("q_bias", "q_bias, k_bias, v_bias: only with the fused qkv");
     for (auto [b, name, n] : {std::tuple{&a.q_bias, "q_bias", a.q.size(1) * d},
                               std::tuple{&a.k_bias, "k_bias", a.k.size(1) * d},
                               std::tuple{&a.v_bias, "v_bias", a.k.size(1) * d}}) {
-      if (absent(*b)) return invalid(name, "q_bias, k_bias, v_bias: give all three or none");
+      if (b->absent()) return invalid(name, "q_bias, k_bias, v_bias: give all three or none");
       RD_RETURN_IF_ERROR(view(ctx, *b, name, DType::kF32, 1, "[heads * D]"));
       RD_RETURN_IF_ERROR(dim(*b, 0, n, name, "heads * D", "q or k"));
       if (overlaps(*b, a.q) || overlaps(*b, a.k) || overlaps(*b, a.v))
         return invalid(name, std::string(name) + ": overlaps q, k or v");
     }
   }
-  const bool any_store = !absent(a.k_cache) || !absent(a.v_cache) || !absent(a.slot_mapping);
+  const bool any_store = !a.k_cache.absent() || !a.v_cache.absent() || !a.slot_mapping.absent();
   if (any_store) {
-    if (absent(a.qkv)) return invalid("k_cache", "k_cache, v_cache, slot_mapping: only with the fused qkv");
-    if (absent(a.k_cache) || absent(a.v_cache) || absent(a.slot_mapping))
-      return invalid(absent(a.k_cache) ? "k_cache" : absent(a.v_cache) ? "v_cache" : "slot_mapping",
+    if (a.qkv.absent()) return invalid("k_cache", "k_cache, v_cache, slot_mapping: only with the fused qkv");
+    if (a.k_cache.absent() || a.v_cache.absent() || a.slot_mapping.absent())
+      return invalid(a.k_cache.absent() ? "k_cache" : a.v_cache.absent() ? "v_cache" : "slot_mapping",
                      "k_cache, v_cache, slot_mapping: give all three or none");
     RD_RETURN_IF_ERROR(kv_store(ctx, a.k_cache, a.v_cache, a.k, a.v, a.slot_mapping));
     // The caches are written while every other view is read (or written, q/k/v).
@@ -400,10 +393,10 @@ Status add_bias(const ExecContext& ctx, const TensorView& y, const TensorView& b
 
 Status transpose(const ExecContext& ctx, const TensorView& dst, const TensorView& src) {
   if (src.dtype != dst.dtype || (dtype_size(src.dtype) != 2 && dtype_size(src.dtype) != 4))
-    return invalid("dst", "transpose: src and dst must share a 2- or 4-byte dtype, got " + describe(src) +
-                              " and " + describe(dst));
+    return invalid("dst", "transpose: src and dst must share a 2- or 4-byte dtype, got " + src.describe() +
+                              " and " + dst.describe());
   const int rank = src.rank();
-  if (rank != 2 && rank != 3) return invalid("src", "src: expected [R, C] or [B, R, C], got " + describe(src));
+  if (rank != 2 && rank != 3) return invalid("src", "src: expected [R, C] or [B, R, C], got " + src.describe());
   RD_RETURN_IF_ERROR(view(ctx, src, "src", src.dtype, rank, "[B, R, C]"));
   RD_RETURN_IF_ERROR(view(ctx, dst, "dst", src.dtype, rank, "[B, C, R]"));
   if (rank == 3) RD_RETURN_IF_ERROR(dim(dst, 0, src.size(0), "dst", "B", "src"));

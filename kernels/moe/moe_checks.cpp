@@ -18,13 +18,6 @@ Status invalid(std::string_view field, std::string message) {
                 std::string(field));
 }
 
-std::string describe(const TensorView& v) {
-  return std::string(dtype_name(v.dtype)) + " " + v.shape.to_string() + " on " +
-         v.device.to_string();
-}
-
-bool absent(const TensorView& v) { return v.data == nullptr && v.rank() == 0; }
-
 // Device, rank, non-negative dimensions, data unless empty, contiguity, dtype, shape.
 Status view(const ExecContext& ctx, const TensorView& v, std::string_view name,
             std::initializer_list<DType> dtypes, const Shape& shape) {
@@ -43,10 +36,10 @@ Status view(const ExecContext& ctx, const TensorView& v, std::string_view name,
   if (v.dtype == DType::kI8)
     return invalid(name, "signed int8 view; pass " + wanted +
                              " (a signed view sign-extends packed codes)");
-  if (!dtype_ok) return invalid(name, "expected " + wanted + ", got " + describe(v));
+  if (!dtype_ok) return invalid(name, "expected " + wanted + ", got " + v.describe());
   if (!(v.shape == shape))
-    return invalid(name, "expected shape " + shape.to_string() + ", got " + describe(v));
-  if (v.data == nullptr && v.numel() > 0) return invalid(name, "null data for " + describe(v));
+    return invalid(name, "expected shape " + shape.to_string() + ", got " + v.describe());
+  if (v.data == nullptr && v.numel() > 0) return invalid(name, "null data for " + v.describe());
   if (!v.is_contiguous())
     return invalid(name, "must be contiguous, strides " + v.strides.to_string() +
                              " for shape " + v.shape.to_string());
@@ -54,9 +47,9 @@ Status view(const ExecContext& ctx, const TensorView& v, std::string_view name,
 }
 
 Status rank2(const TensorView& v, std::string_view name) {
-  if (v.rank() != 2) return invalid(name, "expected rank 2, got " + describe(v));
+  if (v.rank() != 2) return invalid(name, "expected rank 2, got " + v.describe());
   for (int i = 0; i < 2; ++i)
-    if (v.size(i) < 0) return invalid(name, "negative dimension in " + describe(v));
+    if (v.size(i) < 0) return invalid(name, "negative dimension in " + v.describe());
   return Status::Ok();
 }
 
@@ -107,14 +100,14 @@ Result<RouterPlan> check_route(const ExecContext& ctx, const RouterParams& param
   p.ids = a.ids.as<int32_t>();
   p.weights = a.weights.as<float>();
   p.logits = a.logits.as<const float>();
-  if (!absent(a.logit_bias)) {
+  if (!a.logit_bias.absent()) {
     RD_RETURN_IF_ERROR(view(ctx, a.logit_bias, "logit_bias", {DType::kF32}, Shape{e}));
     p.logit_bias = a.logit_bias.as<const float>();
   }
   const RouterKind kind = params.kind;
   const bool biased =
       kind == RouterKind::kSigmoidGroupedTopK || kind == RouterKind::kSqrtSoftplusTopK;
-  if (!absent(a.correction_bias)) {
+  if (!a.correction_bias.absent()) {
     if (!biased)
       return invalid("correction_bias", std::string("only the biased routers use it, not ") +
                                             router_kind_name(kind));
@@ -212,9 +205,9 @@ Result<ExpertsPlan> check_experts(const ExecContext& ctx, const ExpertsArgs& a) 
   const int64_t k = a.topk_ids.size(1);
   RD_RETURN_IF_ERROR(view(ctx, a.topk_ids, "topk_ids", {DType::kI32}, Shape{t, k}));
   RD_RETURN_IF_ERROR(view(ctx, a.topk_weights, "topk_weights", {DType::kF32}, Shape{t, k}));
-  if (k < 1) return invalid("topk_ids", "top_k must be >= 1, got " + describe(a.topk_ids));
+  if (k < 1) return invalid("topk_ids", "top_k must be >= 1, got " + a.topk_ids.describe());
   if (a.logical_to_physical.rank() != 1)
-    return invalid("logical_to_physical", "expected rank 1, got " + describe(a.logical_to_physical));
+    return invalid("logical_to_physical", "expected rank 1, got " + a.logical_to_physical.describe());
   const int64_t el = a.logical_to_physical.size(0);
   RD_RETURN_IF_ERROR(
       view(ctx, a.logical_to_physical, "logical_to_physical", {DType::kI32}, Shape{el}));
@@ -224,11 +217,11 @@ Result<ExpertsPlan> check_experts(const ExecContext& ctx, const ExpertsArgs& a) 
                                            std::to_string(t) + "]");
 
   const ExpertWeights& w = a.weights;
-  if (w.gate_up.rank() < 3) return invalid("weights.gate_up", "expected rank >= 3, got " + describe(w.gate_up));
+  if (w.gate_up.rank() < 3) return invalid("weights.gate_up", "expected rank >= 3, got " + w.gate_up.describe());
   const int64_t ep = w.gate_up.size(0), two_i = w.gate_up.size(1), inter = two_i / 2;
   if (ep < 1) return invalid("weights.gate_up", "no expert slots");
   if (two_i < 2 || two_i % 2 != 0)
-    return invalid("weights.gate_up", "row count must be 2 * intermediate, got " + describe(w.gate_up));
+    return invalid("weights.gate_up", "row count must be 2 * intermediate, got " + w.gate_up.describe());
   if (h % kKAlign != 0 || h == 0)
     return invalid("x", "hidden size " + std::to_string(h) + " must be a positive multiple of " +
                             std::to_string(kKAlign));
@@ -254,7 +247,7 @@ Result<ExpertsPlan> check_experts(const ExecContext& ctx, const ExpertsArgs& a) 
   p.ids = a.topk_ids.as<const int32_t>();
   p.topk_weights = a.topk_weights.as<const float>();
   p.l2p = a.logical_to_physical.as<const int32_t>();
-  if (!absent(a.num_valid_device)) {
+  if (!a.num_valid_device.absent()) {
     RD_RETURN_IF_ERROR(view(ctx, a.num_valid_device, "num_valid_device", {DType::kI32}, Shape{1}));
     p.num_valid_device = a.num_valid_device.as<const int32_t>();
   }
@@ -268,7 +261,7 @@ Result<ExpertsPlan> check_experts(const ExecContext& ctx, const ExpertsArgs& a) 
                               Shape{ep, two_i, h}));
       RD_RETURN_IF_ERROR(
           view(ctx, w.down, "weights.down", {DType::kBF16, DType::kU16}, Shape{ep, h, inter}));
-      if (!absent(w.gate_up_scales) || !absent(w.down_scales))
+      if (!w.gate_up_scales.absent() || !w.down_scales.absent())
         return invalid("weights.gate_up_scales", "bfloat16 weights take no scales");
       p.gate_up_bf16 = w.gate_up.as<const uint16_t>();
       p.down_bf16 = w.down.as<const uint16_t>();
@@ -290,12 +283,12 @@ Result<ExpertsPlan> check_experts(const ExecContext& ctx, const ExpertsArgs& a) 
     default:
       return invalid("weights.format", "unknown weight format");
   }
-  if (!absent(w.gate_up_bias)) {
+  if (!w.gate_up_bias.absent()) {
     RD_RETURN_IF_ERROR(
         view(ctx, w.gate_up_bias, "weights.gate_up_bias", {DType::kF32}, Shape{ep, two_i}));
     p.gate_up_bias = w.gate_up_bias.as<const float>();
   }
-  if (!absent(w.down_bias)) {
+  if (!w.down_bias.absent()) {
     RD_RETURN_IF_ERROR(view(ctx, w.down_bias, "weights.down_bias", {DType::kF32}, Shape{ep, h}));
     p.down_bias = w.down_bias.as<const float>();
   }
@@ -329,7 +322,7 @@ Result<ExpertsPlan> check_experts(const ExecContext& ctx, const ExpertsArgs& a) 
     const ExpertsWorkspace ws = experts_workspace(t, k, h, inter, ep, a.precision);
     if (a.workspace.rank() != 1)
       return invalid("workspace", "expected a rank-1 uint8 buffer of " + std::to_string(ws.total) +
-                                      " bytes, got " + describe(a.workspace));
+                                      " bytes, got " + a.workspace.describe());
     RD_RETURN_IF_ERROR(
         view(ctx, a.workspace, "workspace", {DType::kU8}, Shape{a.workspace.size(0)}));
     if (static_cast<size_t>(a.workspace.size(0)) < ws.total)

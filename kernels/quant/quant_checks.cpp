@@ -14,13 +14,6 @@ Status invalid(std::string_view field, std::string message) {
                 std::string(field));
 }
 
-std::string describe(const TensorView& v) {
-  return std::string(dtype_name(v.dtype)) + " " + v.shape.to_string() + " on " +
-         v.device.to_string();
-}
-
-bool absent(const TensorView& v) { return v.data == nullptr && v.rank() == 0; }
-
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // What every view satisfies: the context's device, sane dimensions, data unless empty.
@@ -31,10 +24,10 @@ Status basic(const ExecContext& ctx, const TensorView& v, std::string_view name)
   if (!device_ok)
     return invalid(name, "lives on " + v.device.to_string() + " but the context runs on " +
                              ctx.device.to_string());
-  if (v.rank() < 1) return invalid(name, "rank 0 (missing view?), got " + describe(v));
+  if (v.rank() < 1) return invalid(name, "rank 0 (missing view?), got " + v.describe());
   for (int i = 0; i < v.rank(); ++i)
-    if (v.size(i) < 0) return invalid(name, "negative dimension in " + describe(v));
-  if (v.data == nullptr && v.numel() > 0) return invalid(name, "null data for " + describe(v));
+    if (v.size(i) < 0) return invalid(name, "negative dimension in " + v.describe());
+  if (v.data == nullptr && v.numel() > 0) return invalid(name, "null data for " + v.describe());
   return Status::Ok();
 }
 
@@ -49,9 +42,9 @@ Status float_input(const ExecContext& ctx, const TensorView& v, std::string_view
                    int min_rank) {
   RD_RETURN_IF_ERROR(basic(ctx, v, name));
   if (v.dtype != DType::kBF16 && v.dtype != DType::kF32)
-    return invalid(name, "expected bfloat16 or float32, got " + describe(v));
+    return invalid(name, "expected bfloat16 or float32, got " + v.describe());
   if (v.rank() < min_rank)
-    return invalid(name, "expected rank >= " + std::to_string(min_rank) + ", got " + describe(v));
+    return invalid(name, "expected rank >= " + std::to_string(min_rank) + ", got " + v.describe());
   for (int i = 0; i < v.rank(); ++i)
     if (v.strides[i] < 0) return invalid(name, "negative stride " + v.strides.to_string());
   return Status::Ok();
@@ -74,14 +67,14 @@ Status codes(const ExecContext& ctx, const TensorView& v, std::string_view name,
                              " (a signed view sign-extends the high bits)");
   if (v.dtype != code && v.dtype != DType::kU8)
     return invalid(name, "expected " + std::string(dtype_name(code)) + " or uint8, got " +
-                             describe(v));
+                             v.describe());
   return contiguous(v, name);
 }
 
 Status typed(const ExecContext& ctx, const TensorView& v, std::string_view name, DType dtype) {
   RD_RETURN_IF_ERROR(basic(ctx, v, name));
   if (v.dtype != dtype)
-    return invalid(name, "expected " + std::string(dtype_name(dtype)) + ", got " + describe(v));
+    return invalid(name, "expected " + std::string(dtype_name(dtype)) + ", got " + v.describe());
   return contiguous(v, name);
 }
 
@@ -270,7 +263,7 @@ Result<LayoutPlan> check_layout(const ExecContext& ctx, const TensorView& blocks
   RD_RETURN_IF_ERROR(codes(ctx, blocks, "blocks", DType::kFP4x2));
   const int r = blocks.rank();
   if (r < 3 || blocks.size(r - 1) != kMxfp4BytesPerBlock)
-    return invalid("blocks", "expected [.., N, K/32, 16], got " + describe(blocks));
+    return invalid("blocks", "expected [.., N, K/32, 16], got " + blocks.describe());
   RD_RETURN_IF_ERROR(layout_dims(blocks.size(r - 3), blocks.size(r - 2), order, "blocks"));
   LayoutPlan p;
   p.blocks = static_cast<Fp4x2*>(blocks.data);
@@ -290,7 +283,7 @@ Result<ScalesLayoutPlan> check_scales_layout(const ExecContext& ctx, const Tenso
   RD_RETURN_IF_ERROR(order_ok(order));
   RD_RETURN_IF_ERROR(codes(ctx, src, src_name, DType::kE8M0));
   const int r = src.rank();
-  if (r < 2) return invalid(src_name, "expected [.., N, K/32], got " + describe(src));
+  if (r < 2) return invalid(src_name, "expected [.., N, K/32], got " + src.describe());
   RD_RETURN_IF_ERROR(layout_dims(src.size(r - 2), src.size(r - 1), order, src_name));
   RD_RETURN_IF_ERROR(codes(ctx, dst, dst_name, DType::kE8M0));
   RD_RETURN_IF_ERROR(shape_is(dst, src.shape, dst_name, src_name));
@@ -319,15 +312,15 @@ Result<Fp8QuantPlan> check_quantize_fp8(const ExecContext& ctx, const TensorView
   p.x = rows_of(x);
   p.g = fp8_geometry(x.shape, block);
   p.q = static_cast<E4M3*>(q.data);
-  if (absent(scales) && absent(scales_ue8m0))
+  if (scales.absent() && scales_ue8m0.absent())
     return invalid("scales", "neither scales nor scales_ue8m0 given: nothing could dequantize q");
-  if (!absent(scales)) {
+  if (!scales.absent()) {
     RD_RETURN_IF_ERROR(typed(ctx, scales, "scales", DType::kF32));
     RD_ASSIGN_OR_RETURN(const Shape ss, fp8_scale_shape(x.shape, block, p.g.num_kb, "scales"));
     RD_RETURN_IF_ERROR(shape_is(scales, ss, "scales", "x and the 128-wide blocks"));
     p.scales = static_cast<float*>(scales.data);
   }
-  if (!absent(scales_ue8m0)) {
+  if (!scales_ue8m0.absent()) {
     RD_RETURN_IF_ERROR(typed(ctx, scales_ue8m0, "scales_ue8m0", DType::kI32));
     RD_ASSIGN_OR_RETURN(const Shape ps, fp8_scale_shape(x.shape, block, p.g.packed_row_bytes / 4,
                                                         "scales_ue8m0"));
@@ -364,7 +357,7 @@ Result<Fp8DequantPlan> check_dequantize_fp8(const ExecContext& ctx, const Tensor
     p.packed = static_cast<const E8M0*>(scales.data);
   } else {
     return invalid("scales", "expected float32 scales or int32 packed UE8M0, got " +
-                                 describe(scales));
+                                 scales.describe());
   }
   return p;
 }

@@ -19,8 +19,6 @@ TensorView rows_of(const TensorView& v, int64_t rows) {
   return TensorView::contiguous(v.data, v.dtype, s, v.device);
 }
 
-bool absent(const TensorView& v) { return v.data == nullptr && v.rank() == 0; }
-
 std::string describe(const TensorView& v) {
   return std::string(dtype_name(v.dtype)) + " " + v.shape.to_string();
 }
@@ -106,12 +104,12 @@ Result<std::unique_ptr<MoeLayer>> MoeLayer::create(const MoeLayerConfig& config,
   RD_RETURN_IF_ERROR(expect_view(p, "router", weights.router, DType::kF32, e, h, dev));
   if (config.router_bias)
     RD_RETURN_IF_ERROR(expect_view(p, "router_bias", weights.router_bias, DType::kF32, e, -1, dev));
-  else if (!absent(weights.router_bias))
+  else if (!weights.router_bias.absent())
     return invalid(p, "router_bias", "given, but config.router_bias is false");
   if (config.correction_bias)
     RD_RETURN_IF_ERROR(
         expect_view(p, "correction_bias", weights.correction_bias, DType::kF32, e, -1, dev));
-  else if (!absent(weights.correction_bias))
+  else if (!weights.correction_bias.absent())
     return invalid(p, "correction_bias", "given, but config.correction_bias is false");
   if (config.router.kind == moe::RouterKind::kHash)
     RD_RETURN_IF_ERROR(expect_view(p, "tid2eid", weights.tid2eid, DType::kI32, config.vocab_size,
@@ -125,7 +123,7 @@ Result<std::unique_ptr<MoeLayer>> MoeLayer::create(const MoeLayerConfig& config,
                    "expected " + std::to_string(ep) + " slots of [2I = " + std::to_string(2 * i) +
                        ", H] gate_up and [H = " + std::to_string(h) + ", I] down, got " +
                        describe(x.gate_up) + " and " + describe(x.down));
-  if (config.expert_bias != !absent(x.gate_up_bias) || config.expert_bias != !absent(x.down_bias))
+  if (config.expert_bias != !x.gate_up_bias.absent() || config.expert_bias != !x.down_bias.absent())
     return invalid(p, "experts.gate_up_bias", "expert biases must be given exactly when config.expert_bias");
   const int64_t s = config.num_shared_experts;
   if (s > 0) {
@@ -137,7 +135,7 @@ Result<std::unique_ptr<MoeLayer>> MoeLayer::create(const MoeLayerConfig& config,
                      "expected " + std::to_string(s) + " shared experts of intermediate size " +
                          std::to_string(config.shared_intermediate_size) + ", got " +
                          describe(sh.gate_up) + " and " + describe(sh.down));
-    if (!absent(sh.gate_up_bias) || !absent(sh.down_bias))
+    if (!sh.gate_up_bias.absent() || !sh.down_bias.absent())
       return invalid(p, "shared.gate_up_bias", "shared experts take no biases");
   }
   std::unique_ptr<MoeLayer> layer(new MoeLayer(config, weights, backend, ctx));
