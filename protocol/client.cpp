@@ -83,20 +83,6 @@ Status status_from_error(const ErrorInfo& e) {
                 e.field);
 }
 
-// 128 random bits as 32 hex digits, like the Python client's uuid4().hex. Drawn
-// from the OS each time: a seeded generator would repeat its sequence in a forked
-// child, and two processes would then submit the same rids.
-std::string random_rid() {
-  std::random_device rd;
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string rid;
-  for (int word = 0; word < 4; ++word) {
-    uint32_t v = rd();
-    for (int i = 0; i < 8; ++i, v >>= 4) rid.push_back(kHex[v & 0xF]);
-  }
-  return rid;
-}
-
 // Appends one tokens event's routed-expert rows to what generate() collected.
 // Rows must share dtype, layers and top_k and follow on from the previous rows,
 // or the record would silently misalign tokens and experts.
@@ -135,6 +121,18 @@ Status append_routed_rows(std::optional<RoutedExperts>& acc, const RoutedExperts
 }
 
 }  // namespace
+
+// Drawn from the OS each time: a seeded generator would repeat its sequence in a forked child.
+std::string random_rid() {
+  std::random_device rd;
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string rid;
+  for (int word = 0; word < 4; ++word) {
+    uint32_t v = rd();
+    for (int i = 0; i < 8; ++i, v >>= 4) rid.push_back(kHex[v & 0xF]);
+  }
+  return rid;
+}
 
 // Tracks whether the DEALER has a live connection (ZeroMQ's socket monitor), so that a call to
 // a daemon that is down fails fast with `unavailable` without ZMQ_IMMEDIATE (which would drop

@@ -22,6 +22,9 @@
 
 namespace rolloutd::protocol {
 
+// A fresh request id: 128 random bits as 32 hex digits, like the Python client's uuid4().hex.
+std::string random_rid();
+
 struct ClientOptions {
   std::string endpoint;             // "tcp://127.0.0.1:7600"
   int request_timeout_ms = 30000;   // deadline for each reply

@@ -22,18 +22,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
-
-std::string random_rid() {
-  std::random_device rd;
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string rid;
-  for (int word = 0; word < 4; ++word) {
-    uint32_t v = rd();
-    for (int i = 0; i < 8; ++i, v >>= 4) rid.push_back(kHex[v & 0xF]);
-  }
-  return rid;
-}
-
 const std::string& rid_of(const Event& e) {
   return std::visit([](const auto& ev) -> const std::string& { return ev.rid; }, e);
 }
