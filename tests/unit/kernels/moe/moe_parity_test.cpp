@@ -434,8 +434,8 @@ float mx8_round(float v, float amax) {
 // wrong rounding rule rather than of a different h. Feature blocks' magnitudes alternate by ~2^20
 // (gate_up's scale exponents) and tokens' by 2^6, so a wrong grouping either saturates a block or
 // flushes one: the CPU checks below show that regrouping the reference's h by 16 features, or
-// taking the next token's maximum, puts many elements more than a step away. Cases: decode (8 tokens), 64-row and 128-row prefill
-// tiles (~75 and ~300 tokens an expert).
+// taking the next token's maximum, puts many elements more than a step away. Cases: decode (8
+// tokens), 64-row and 128-row prefill tiles (~75 and ~300 tokens an expert).
 TEST_F(MoeParity, HiddenRoundedBitForBit) {
   const MxCase cases[] = {{"decode", 8, 1, 4, 256, 256}, {"prefill_64_rows", 600, 1, 8, 256, 256},
                           {"prefill_128_rows", 600, 1, 2, 256, 256}};
