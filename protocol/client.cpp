@@ -291,6 +291,13 @@ struct Client::Impl {
 
   explicit Impl(ClientOptions opts) : options(std::move(opts)) {}
 
+  // One slice of a wait for `events` (ZMQ_POLLIN or ZMQ_POLLOUT) on the socket: at most
+  // kHandshakeCheckInterval, because TCP may connect (which counts as connected without CURVE)
+  // before the daemon refuses the handshake, and then nothing ever arrives and no queue slot
+  // opens: the refusal must end the wait, not the deadline (seen under ASan on a loaded 2-core
+  // host, where the refusal came after the connect event had been read). True when the events
+  // are ready; otherwise the monitor has been pumped and a refusal returns as an error.
+  Result<bool> poll_slice(short events, Clock::time_point deadline);
   Status send_frames(const std::vector<std::string_view>& parts, Clock::time_point deadline);
   // `lost_since`: a snapshot of monitor->disconnects taken before the awaited request was sent;
   // the wait then ends with kUnavailable once that connection is lost (see lost()).
@@ -363,6 +370,19 @@ struct Client::Impl {
   }
 };
 
+Result<bool> Client::Impl::poll_slice(short events, Clock::time_point deadline) {
+  zmq::pollitem_t item{socket.handle(), 0, events, 0};
+  try {
+    zmq::poll(&item, 1, std::min(remaining(deadline), kHandshakeCheckInterval));
+  } catch (const zmq::error_t& e) {
+    if (e.num() != EINTR) return Status(ErrorCode::kUnavailable, std::string("poll: ") + e.what());
+  }
+  if (item.revents & events) return true;
+  monitor->pump();
+  RD_RETURN_IF_ERROR(monitor->refusal(options.endpoint));
+  return false;
+}
+
 Status Client::Impl::send_frames(const std::vector<std::string_view>& parts,
                                  Clock::time_point deadline) {
   if (parts.empty()) return Status(ErrorCode::kInvalidArgument, "a message needs at least one frame");
@@ -390,21 +410,8 @@ Status Client::Impl::send_frames(const std::vector<std::string_view>& parts,
                                                  " is connected (not running or not reachable)");
   }
   for (;;) {
-    zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLOUT, 0};
-    try {
-      // In slices, as recv_frames does: TCP may connect (which counts as connected without
-      // CURVE) before the daemon refuses the handshake, and then no queue slot ever opens; the
-      // refusal must end the wait, not the deadline (seen under ASan on a loaded 2-core host,
-      // where the refusal came after the connect event had been read).
-      zmq::poll(&item, 1, std::min(remaining(deadline), kHandshakeCheckInterval));
-    } catch (const zmq::error_t& e) {
-      if (e.num() != EINTR) return Status(ErrorCode::kUnavailable, std::string("poll: ") + e.what());
-    }
-    if (!(item.revents & ZMQ_POLLOUT)) {
-      monitor->pump();
-      RD_RETURN_IF_ERROR(monitor->refusal(options.endpoint));
-    }
-    if (item.revents & ZMQ_POLLOUT) {
+    RD_ASSIGN_OR_RETURN(const bool writable, poll_slice(ZMQ_POLLOUT, deadline));
+    if (writable) {
       try {
         for (size_t i = 0; i < parts.size(); ++i) {
           auto flags = zmq::send_flags::dontwait;
@@ -429,16 +436,8 @@ Status Client::Impl::send_frames(const std::vector<std::string_view>& parts,
 Result<std::optional<std::vector<std::string>>> Client::Impl::recv_frames(
     Clock::time_point deadline, std::optional<uint64_t> lost_since) {
   for (;;) {
-    zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLIN, 0};
-    try {
-      // In slices, so that a refused handshake (nothing will ever arrive) ends the wait early.
-      zmq::poll(&item, 1, std::min(remaining(deadline), kHandshakeCheckInterval));
-    } catch (const zmq::error_t& e) {
-      if (e.num() != EINTR) return Status(ErrorCode::kUnavailable, std::string("poll: ") + e.what());
-    }
-    if (!(item.revents & ZMQ_POLLIN)) {
-      monitor->pump();
-      RD_RETURN_IF_ERROR(monitor->refusal(options.endpoint));
+    RD_ASSIGN_OR_RETURN(const bool readable, poll_slice(ZMQ_POLLIN, deadline));
+    if (!readable) {
       // Nothing queued and the daemon gone: no reply can come over this connection (a
       // daemon's replies go to the connection that carried the request). Without this a
       // request queued just before the drop was noticed waited out its whole deadline.
@@ -448,7 +447,7 @@ Result<std::optional<std::vector<std::string>>> Client::Impl::recv_frames(
         return lost_status();
       }
     }
-    if (item.revents & ZMQ_POLLIN) {
+    if (readable) {
       std::vector<std::string> frames;
       try {
         zmq::message_t part;
