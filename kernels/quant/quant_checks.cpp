@@ -175,6 +175,25 @@ Result<Shape> fp8_scale_shape(const Shape& s, Fp8ScaleBlock block, int64_t last,
   return derived(s, 2, {ceil_div(s[s.rank() - 2], kFp8WeightBlockN), last}, name);
 }
 
+// An MX tensor's codes and scales against its float twin `f` (named `fname`, [.., K], num_kb =
+// ceil(K/32) blocks a row): blocks [.., num_kb, 16] (fp4) or q shaped like f (E4M3), and scales
+// [.., num_kb].
+Status mx_codes_match(const ExecContext& ctx, const TensorView& q, const TensorView& scales, const TensorView& f,
+                      std::string_view fname, int64_t num_kb, bool fp4) {
+  const std::string from(fname);
+  if (fp4) {
+    RD_RETURN_IF_ERROR(codes(ctx, q, "blocks", DType::kFP4x2));
+    RD_ASSIGN_OR_RETURN(const Shape bs, derived(f.shape, 1, {num_kb, kMxfp4BytesPerBlock}, "blocks"));
+    RD_RETURN_IF_ERROR(shape_is(q, bs, "blocks", from + " [.., K] -> [.., ceil(K/32), 16]"));
+  } else {
+    RD_RETURN_IF_ERROR(codes(ctx, q, "q", DType::kF8E4M3));
+    RD_RETURN_IF_ERROR(shape_is(q, f.shape, "q", from));
+  }
+  RD_RETURN_IF_ERROR(codes(ctx, scales, "scales", DType::kE8M0));
+  RD_ASSIGN_OR_RETURN(const Shape ss, derived(f.shape, 1, {num_kb}, "scales"));
+  return shape_is(scales, ss, "scales", from + " [.., K] -> [.., ceil(K/32)]");
+}
+
 }  // namespace
 
 Status check_context(const ExecContext& ctx) {
@@ -185,17 +204,7 @@ Result<MxQuantPlan> check_quantize_mx(const ExecContext& ctx, const TensorView& 
                                       const TensorView& q, const TensorView& scales, bool fp4) {
   RD_RETURN_IF_ERROR(float_input(ctx, x, "x", 1));
   const int64_t k = x.size(x.rank() - 1), num_kb = ceil_div(k, kMxBlockSize);
-  if (fp4) {
-    RD_RETURN_IF_ERROR(codes(ctx, q, "blocks", DType::kFP4x2));
-    RD_ASSIGN_OR_RETURN(const Shape bs, derived(x.shape, 1, {num_kb, kMxfp4BytesPerBlock}, "blocks"));
-    RD_RETURN_IF_ERROR(shape_is(q, bs, "blocks", "x [.., K] -> [.., ceil(K/32), 16]"));
-  } else {
-    RD_RETURN_IF_ERROR(codes(ctx, q, "q", DType::kF8E4M3));
-    RD_RETURN_IF_ERROR(shape_is(q, x.shape, "q", "x"));
-  }
-  RD_RETURN_IF_ERROR(codes(ctx, scales, "scales", DType::kE8M0));
-  RD_ASSIGN_OR_RETURN(const Shape ss, derived(x.shape, 1, {num_kb}, "scales"));
-  RD_RETURN_IF_ERROR(shape_is(scales, ss, "scales", "x [.., K] -> [.., ceil(K/32)]"));
+  RD_RETURN_IF_ERROR(mx_codes_match(ctx, q, scales, x, "x", num_kb, fp4));
   MxQuantPlan p;
   p.x = rows_of(x);
   p.fp4 = fp4;
@@ -232,17 +241,7 @@ Result<MxDequantPlan> check_dequantize_mx(const ExecContext& ctx, const TensorVi
                                           bool fp4) {
   RD_RETURN_IF_ERROR(float_output(ctx, out, "out", 1));
   const int64_t k = out.size(out.rank() - 1), num_kb = ceil_div(k, kMxBlockSize);
-  if (fp4) {
-    RD_RETURN_IF_ERROR(codes(ctx, q, "blocks", DType::kFP4x2));
-    RD_ASSIGN_OR_RETURN(const Shape bs, derived(out.shape, 1, {num_kb, kMxfp4BytesPerBlock}, "blocks"));
-    RD_RETURN_IF_ERROR(shape_is(q, bs, "blocks", "out [.., K] -> [.., ceil(K/32), 16]"));
-  } else {
-    RD_RETURN_IF_ERROR(codes(ctx, q, "q", DType::kF8E4M3));
-    RD_RETURN_IF_ERROR(shape_is(q, out.shape, "q", "out"));
-  }
-  RD_RETURN_IF_ERROR(codes(ctx, scales, "scales", DType::kE8M0));
-  RD_ASSIGN_OR_RETURN(const Shape ss, derived(out.shape, 1, {num_kb}, "scales"));
-  RD_RETURN_IF_ERROR(shape_is(scales, ss, "scales", "out [.., K] -> [.., ceil(K/32)]"));
+  RD_RETURN_IF_ERROR(mx_codes_match(ctx, q, scales, out, "out", num_kb, fp4));
   MxDequantPlan p;
   p.fp4 = fp4;
   if (fp4) p.blocks = static_cast<const Fp4x2*>(q.data);
