@@ -180,18 +180,21 @@ Result<Shape> fp8_scale_shape(const Shape& s, Fp8ScaleBlock block, int64_t last,
 // [.., num_kb].
 Status mx_codes_match(const ExecContext& ctx, const TensorView& q, const TensorView& scales, const TensorView& f,
                       std::string_view fname, int64_t num_kb, bool fp4) {
-  const std::string from(fname);
+  // The message's "from" text is built only for a mismatch (these checks run on every call).
+  auto same = [&](const TensorView& v, const Shape& want, std::string_view name, std::string_view rule) {
+    return v.shape == want ? Status::Ok() : shape_is(v, want, name, std::string(fname) + std::string(rule));
+  };
   if (fp4) {
     RD_RETURN_IF_ERROR(codes(ctx, q, "blocks", DType::kFP4x2));
     RD_ASSIGN_OR_RETURN(const Shape bs, derived(f.shape, 1, {num_kb, kMxfp4BytesPerBlock}, "blocks"));
-    RD_RETURN_IF_ERROR(shape_is(q, bs, "blocks", from + " [.., K] -> [.., ceil(K/32), 16]"));
+    RD_RETURN_IF_ERROR(same(q, bs, "blocks", " [.., K] -> [.., ceil(K/32), 16]"));
   } else {
     RD_RETURN_IF_ERROR(codes(ctx, q, "q", DType::kF8E4M3));
-    RD_RETURN_IF_ERROR(shape_is(q, f.shape, "q", from));
+    RD_RETURN_IF_ERROR(shape_is(q, f.shape, "q", fname));
   }
   RD_RETURN_IF_ERROR(codes(ctx, scales, "scales", DType::kE8M0));
   RD_ASSIGN_OR_RETURN(const Shape ss, derived(f.shape, 1, {num_kb}, "scales"));
-  return shape_is(scales, ss, "scales", from + " [.., K] -> [.., ceil(K/32)]");
+  return same(scales, ss, "scales", " [.., K] -> [.., ceil(K/32)]");
 }
 
 }  // namespace
