@@ -1284,17 +1284,26 @@ __device__ __forceinline__ void dec_rows(const DecodeArgs& g, const DecCta& a, u
   if (a.wk != 0 || !a.has_rows) return;
   // acc[t][nt][i]: row r + 8 (i >> 1) of tile t, token column 8 nt + 2c + (i & 1).
   const int r = lane >> 2, c = lane & 3, grp = a.grp;
+  // The biases of this lane's rows (r and r + 8 of each 16-row half), loaded once before the
+  // stores: loaded per output, each load followed the previous output's store, which may alias it
+  // (see GateUpBias).
   if constexpr (kGateUp) {
     const auto order = static_cast<quant::Mxfp4RowOrder>(g.row_order);
+    float bg0 = 0.0f, bu0 = 0.0f, bg1 = 0.0f, bu1 = 0.0f;
+    if (a.bias) {
+      bg0 = a.bias[quant::mxfp4_checkpoint_row(grp * 32 + r, g.n, order)];
+      bu0 = a.bias[quant::mxfp4_checkpoint_row(grp * 32 + r + 16, g.n, order)];
+      bg1 = a.bias[quant::mxfp4_checkpoint_row(grp * 32 + r + 8, g.n, order)];
+      bu1 = a.bias[quant::mxfp4_checkpoint_row(grp * 32 + r + 24, g.n, order)];
+    }
     auto emit = [&](int nt, int i, float gv, float uv) {
       const int col = nt * 8 + 2 * c + (i & 1);
       if (col >= nrows) return;
       const int64_t s = a.base + g0 + col;
       const int row = r + 8 * (i >> 1);
-      const int kg = grp * 32 + row, ku = kg + 16;
       if (a.bias) {
-        gv = math::add(gv, a.bias[quant::mxfp4_checkpoint_row(kg, g.n, order)]);
-        uv = math::add(uv, a.bias[quant::mxfp4_checkpoint_row(ku, g.n, order)]);
+        gv = math::add(gv, (i >> 1) ? bg1 : bg0);  // selects: i runs in a loop, not unrolled
+        uv = math::add(uv, (i >> 1) ? bu1 : bu0);
       }
       const float hv = math::activate(g.act_kind, g.limit, g.alpha, gv, uv);
       const int64_t jf = static_cast<int64_t>(grp) * 16 + row;
@@ -1325,6 +1334,13 @@ __device__ __forceinline__ void dec_rows(const DecodeArgs& g, const DecCta& a, u
       for (int j = 0; j < NT * 4; ++j) emit(j >> 2, j & 3, own[j * 32], own[(NT * 4 + j) * 32]);
     }
   } else {
+    float bd[2][2] = {};  // [t][i >> 1]: rows grp * 32 + 16 t + r (+ 8)
+    if (a.bias) {
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) bd[t][h] = a.bias[grp * 32 + t * 16 + r + 8 * h];
+    }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -1337,7 +1353,7 @@ __device__ __forceinline__ void dec_rows(const DecodeArgs& g, const DecCta& a, u
         for (int t = 0; t < 2; ++t) {
           const int kr = grp * 32 + t * 16 + row;
           float v = acc[t][nt][i];
-          if (a.bias) v = math::add(v, a.bias[kr]);
+          if (a.bias) v = math::add(v, bd[t][i >> 1]);
           g.y[s * g.n + kr] = v;
         }
       }
