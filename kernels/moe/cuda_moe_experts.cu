@@ -1284,17 +1284,26 @@ __device__ __forceinline__ void dec_rows(const DecodeArgs& g, const DecCta& a, u
   if (a.wk != 0 || !a.has_rows) return;
   // acc[t][nt][i]: row r + 8 (i >> 1) of tile t, token column 8 nt + 2c + (i & 1).
   const int r = lane >> 2, c = lane & 3, grp = a.grp;
+  // The biases of this lane's rows (r and r + 8 of each 16-row half), loaded once before the
+  // stores: loaded per output, each load followed the previous output's store, which may alias it
+  // (see GateUpBias).
   if constexpr (kGateUp) {
     const auto order = static_cast<quant::Mxfp4RowOrder>(g.row_order);
+    float bg0 = 0.0f, bu0 = 0.0f, bg1 = 0.0f, bu1 = 0.0f;
+    if (a.bias) {
+      bg0 = a.bias[quant::mxfp4_checkpoint_row(grp * 32 + r, g.n, order)];
+      bu0 = a.bias[quant::mxfp4_checkpoint_row(grp * 32 + r + 16, g.n, order)];
+      bg1 = a.bias[quant::mxfp4_checkpoint_row(grp * 32 + r + 8, g.n, order)];
+      bu1 = a.bias[quant::mxfp4_checkpoint_row(grp * 32 + r + 24, g.n, order)];
+    }
     auto emit = [&](int nt, int i, float gv, float uv) {
       const int col = nt * 8 + 2 * c + (i & 1);
       if (col >= nrows) return;
       const int64_t s = a.base + g0 + col;
       const int row = r + 8 * (i >> 1);
-      const int kg = grp * 32 + row, ku = kg + 16;
       if (a.bias) {
-        gv = math::add(gv, a.bias[quant::mxfp4_checkpoint_row(kg, g.n, order)]);
-        uv = math::add(uv, a.bias[quant::mxfp4_checkpoint_row(ku, g.n, order)]);
+        gv = math::add(gv, (i >> 1) ? bg1 : bg0);  // selects: i runs in a loop, not unrolled
+        uv = math::add(uv, (i >> 1) ? bu1 : bu0);
       }
       const float hv = math::activate(g.act_kind, g.limit, g.alpha, gv, uv);
       const int64_t jf = static_cast<int64_t>(grp) * 16 + row;
@@ -1325,6 +1334,13 @@ __device__ __forceinline__ void dec_rows(const DecodeArgs& g, const DecCta& a, u
       for (int j = 0; j < NT * 4; ++j) emit(j >> 2, j & 3, own[j * 32], own[(NT * 4 + j) * 32]);
     }
   } else {
+    float bd[2][2] = {};  // [t][i >> 1]: rows grp * 32 + 16 t + r (+ 8)
+    if (a.bias) {
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) bd[t][h] = a.bias[grp * 32 + t * 16 + r + 8 * h];
+    }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -1337,7 +1353,7 @@ __device__ __forceinline__ void dec_rows(const DecodeArgs& g, const DecCta& a, u
         for (int t = 0; t < 2; ++t) {
           const int kr = grp * 32 + t * 16 + row;
           float v = acc[t][nt][i];
-          if (a.bias) v = math::add(v, a.bias[kr]);
+          if (a.bias) v = math::add(v, bd[t][i >> 1]);
           g.y[s * g.n + kr] = v;
         }
       }
@@ -1686,17 +1702,42 @@ __device__ __forceinline__ void cp_async4_zfill(void* smem, const void* gmem, bo
 }
 using cuda::ldmatrix_x4;
 
+// The gate and up biases of one of a thread's features, and of all four (columns j * 8 + q2 + c
+// of its warp's 32-row group): loaded once before an epilogue's loops. Loaded per output, each
+// load followed the previous output's store (or the amax exchange's), which the compiler must
+// assume may alias it: 64 dependent global loads a thread and tile in the PTX, against 8.
+struct GateUpBias {
+  bool on;
+  float g, u;
+};
+__device__ __forceinline__ GateUpBias gate_up_bias(const float* bias, int64_t gcol, int64_t ndim,
+                                                   quant::Mxfp4RowOrder order) {
+  if (!bias) return GateUpBias{false, 0.0f, 0.0f};
+  return GateUpBias{true, bias[quant::mxfp4_checkpoint_row(gcol, ndim, order)],
+                    bias[quant::mxfp4_checkpoint_row(gcol + 16, ndim, order)]};
+}
+struct GateUpBiases {
+  GateUpBias f[2][2];  // [j][c]
+};
+__device__ __forceinline__ GateUpBiases gate_up_biases(const float* bias, int64_t wcol0, int64_t ndim, int q2,
+                                                       quant::Mxfp4RowOrder order) {
+  GateUpBiases b;
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) b.f[j][c] = gate_up_bias(bias, wcol0 + j * 8 + q2 + c, ndim, order);
+  return b;
+}
+
 // gate_up's activation of one output of a warp's 32 kernel rows: gate column col (0..15) and its
 // up column col + 16, the expert's biases added first. Both prefill epilogues take h from here.
 template <int kMt>
 __device__ __forceinline__ float gate_up_activation(const GemmArgs& g, const float (&acc)[kMt][4][4], int i, int j,
-                                                    int hr, int c, const float* bias, int64_t wcol0, int64_t ndim,
-                                                    int q2, quant::Mxfp4RowOrder order) {
-  const int col = j * 8 + q2 + c;
+                                                    int hr, int c, const GateUpBiases& b) {
   float gv = acc[i][j][hr * 2 + c], uv = acc[i][j + 2][hr * 2 + c];
-  if (bias) {
-    gv = math::add(gv, bias[quant::mxfp4_checkpoint_row(wcol0 + col, ndim, order)]);
-    uv = math::add(uv, bias[quant::mxfp4_checkpoint_row(wcol0 + col + 16, ndim, order)]);
+  if (b.f[j][c].on) {
+    gv = math::add(gv, b.f[j][c].g);
+    uv = math::add(uv, b.f[j][c].u);
   }
   return math::activate(g.act_kind, g.limit, g.alpha, gv, uv);
 }
@@ -1720,6 +1761,7 @@ __device__ __forceinline__ void prefill_h_mx8(const GemmArgs& g, float (&acc)[kM
   const int q2 = 2 * (lane & 3);
   uint32_t* amax_sm = reinterpret_cast<uint32_t*>(smem);  // [4 wn][BM rows]
   // Pass 1: the activations into the gate slots (j = 0, 1) of acc, each row's magnitude.
+  const GateUpBiases gb = gate_up_biases(bias, wcol0, ndim, q2, order);
 #pragma unroll
   for (int i = 0; i < kMt; ++i)
 #pragma unroll
@@ -1729,7 +1771,7 @@ __device__ __forceinline__ void prefill_h_mx8(const GemmArgs& g, float (&acc)[kM
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          const float hv = gate_up_activation(g, acc, i, j, hr, c, bias, wcol0, ndim, q2, order);
+          const float hv = gate_up_activation(g, acc, i, j, hr, c, gb);
           acc[i][j][hr * 2 + c] = hv;
           am = max(am, __float_as_uint(hv) & quant::kF32AbsMask);  // NaN and Inf above every finite
         }
@@ -1901,6 +1943,15 @@ __global__ void __launch_bounds__(kPfThreads, 2) prefill_gemm_kernel(const GemmA
   if constexpr (kHMx8) {
     prefill_h_mx8<BM>(g, acc, bias, pf_smem, e, base + row0, rows, wcol0, ndim, wm, wn, lane);
   } else {
+    // The biases, loaded once (see GateUpBias): gate_up's 4 features, or down's 8 columns.
+    GateUpBiases gb{};
+    float2 db[4] = {};
+    if constexpr (kGateUp) {
+      gb = gate_up_biases(bias, wcol0, ndim, q2, static_cast<quant::Mxfp4RowOrder>(g.row_order));
+    } else if (bias) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) db[j] = make_float2(bias[wcol0 + j * 8 + q2], bias[wcol0 + j * 8 + q2 + 1]);
+    }
 #pragma unroll
     for (int i = 0; i < S::kMt; ++i) {
 #pragma unroll
@@ -1911,12 +1962,11 @@ __global__ void __launch_bounds__(kPfThreads, 2) prefill_gemm_kernel(const GemmA
         if constexpr (kGateUp) {
           // Columns 0..15 of the warp are the gate rows of features (wcol0 / 32) * 16 + 0..15,
           // columns 16..31 their up rows.
-          const auto order = static_cast<quant::Mxfp4RowOrder>(g.row_order);
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
             float hv[2];
 #pragma unroll
-            for (int c = 0; c < 2; ++c) hv[c] = gate_up_activation(g, acc, i, j, hr, c, bias, wcol0, ndim, q2, order);
+            for (int c = 0; c < 2; ++c) hv[c] = gate_up_activation(g, acc, i, j, hr, c, gb);
             const int64_t jf = (wcol0 / 32) * 16 + j * 8 + q2;
             if (g.h_bf16)
               *reinterpret_cast<uint32_t*>(g.h_bf16 + s * g.inter + jf) =
@@ -1930,8 +1980,8 @@ __global__ void __launch_bounds__(kPfThreads, 2) prefill_gemm_kernel(const GemmA
             const int64_t col = wcol0 + j * 8 + q2;
             float2 v = make_float2(acc[i][j][hr * 2], acc[i][j][hr * 2 + 1]);
             if (bias) {
-              v.x = math::add(v.x, bias[col]);
-              v.y = math::add(v.y, bias[col + 1]);
+              v.x = math::add(v.x, db[j].x);
+              v.y = math::add(v.y, db[j].y);
             }
             *reinterpret_cast<float2*>(g.y + s * ndim + col) = v;
           }
