@@ -84,28 +84,42 @@ __global__ void rmsnorm_vec_kernel(float* out, uint16_t* out_bf16, float* x, con
   const int n4 = static_cast<int>(hidden / 4);
   float4* xr = reinterpret_cast<float4*>(x + row * hidden);
   const float4* w4 = reinterpret_cast<const float4*>(w);
-  float4 v[kPer];
-  float ss = 0.0f;
+  float4 v[kPer], g[kPer];
+  // Every load (x, the residual and its bias, the norm weight) before the first store: a load
+  // after a store to x or out, which may alias r, rb or w as far as the compiler knows, would wait
+  // for that store and serialize one global round trip per float4.
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int idx = threadIdx.x + i * blockDim.x;
     v[i] = idx < n4 ? xr[idx] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    g[i] = idx < n4 ? __ldg(w4 + idx) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
   if constexpr (kAdd) {
     const float4* rr = reinterpret_cast<const float4*>(r + row * hidden);
+    float4 b[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int idx = threadIdx.x + i * blockDim.x;
+      b[i] = idx < n4 ? rr[idx] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    if (rb != nullptr) {  // add_bias's rounding first
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int idx = threadIdx.x + i * blockDim.x;
+        if (idx >= n4) continue;
+        const float4 c = reinterpret_cast<const float4*>(rb)[idx];
+        b[i] = make_float4(b[i].x + c.x, b[i].y + c.y, b[i].z + c.z, b[i].w + c.w);
+      }
+    }
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       const int idx = threadIdx.x + i * blockDim.x;
       if (idx >= n4) continue;
-      float4 b = rr[idx];
-      if (rb != nullptr) {  // add_bias's rounding first
-        const float4 c = reinterpret_cast<const float4*>(rb)[idx];
-        b = make_float4(b.x + c.x, b.y + c.y, b.z + c.z, b.w + c.w);
-      }
-      v[i] = make_float4(v[i].x + b.x, v[i].y + b.y, v[i].z + b.z, v[i].w + b.w);  // add's one rounding
+      v[i] = make_float4(v[i].x + b[i].x, v[i].y + b[i].y, v[i].z + b[i].z, v[i].w + b[i].w);  // add's one rounding
       xr[idx] = v[i];
     }
   }
+  float ss = 0.0f;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
   ss = warp_sum(ss);
@@ -119,9 +133,8 @@ __global__ void rmsnorm_vec_kernel(float* out, uint16_t* out_bf16, float* x, con
   for (int i = 0; i < kPer; ++i) {
     const int idx = threadIdx.x + i * blockDim.x;
     if (idx >= n4) continue;
-    const float4 g = __ldg(w4 + idx);
-    const float4 o =
-        make_float4(g.x * (v[i].x * inv), g.y * (v[i].y * inv), g.z * (v[i].z * inv), g.w * (v[i].w * inv));
+    const float4 o = make_float4(g[i].x * (v[i].x * inv), g[i].y * (v[i].y * inv), g[i].z * (v[i].z * inv),
+                                 g[i].w * (v[i].w * inv));
     if constexpr (kOut) reinterpret_cast<float4*>(out + row * hidden)[idx] = o;
     if constexpr (kBf16) {
       const uint2 packed = make_uint2(
