@@ -975,10 +975,11 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
                : "memory");
 }
 
-// One warp's ring of K chunks in shared memory: per stage 4 vectors (16 B) and 4 scale words
-// (4 B, the aligned word holding the lane's scale byte) per lane. Every lane reads back only what
-// it copied itself, so the per-thread cp.async.wait_group is the only synchronisation. (Direct
-// passes lay their weights out as the bulk copies put them and wait on a stage mbarrier: below.)
+// One warp's ring of K chunks in shared memory, per stage the chunk's codes and scales in the bulk
+// layout below (kBulk*: global order, K tiles padded). The staged passes' lanes copy their own
+// 16-byte vectors and lanes 0-7 the scales, so a __syncwarp after each cp.async.wait_group makes
+// the chunk visible to the warp (direct passes: bulk copies on a stage mbarrier, below). Stage
+// bytes past the bulk layout: the direct passes' B fragments.
 constexpr int kDecStageBytes = 4 * 16 * 32 + 4 * 4 * 32;  // 2.5 KiB
 constexpr int kDecWarpRing = kDecStages * kDecStageBytes;
 static_assert(2 * kDecMaxNt * 4 * 32 * 4 <= kDecWarpRing, "split-K partials fit in a warp's ring");
@@ -1033,10 +1034,9 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
   // at one staged row and K = 8512, the CTA's shared memory).
   const uint8_t* blane = bsm + (r < staged ? r : 0) * stride + c * 16;
   // The lane's vector of (tile t, half hh) at chunk 0; chunk kc is 2 K tiles on (1024 value
-  // bytes, 64 scale bytes). Scales are fetched as the aligned 4-byte word that holds them.
+  // bytes, 64 scale bytes). A lane reads its scale as the aligned 4-byte word that holds it.
   const int64_t t0 = static_cast<int64_t>(rt0) * k_tiles + (c >> 1);
   const uint8_t* pv = wblk + t0 * 512 + r * 32 + (c & 1) * 16;
-  const uint8_t* ps = wsc + t0 * 32 + ((r * 2) & ~3);
   const int tstride_v = k_tiles * 512, tstride_s = k_tiles * 32;  // one 16-row tile (8 K < 2^31)
   const uint32_t ssel = 0x4440u | static_cast<uint32_t>((r & 1) * 2 + (c & 1));  // __byte_perm: the lane's scale byte
   // Ring slots rotate with the chunks (chunk kc sits in slot (kc - kc_begin) % kStages): counters
@@ -1055,6 +1055,8 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
   // zero weights instead (consumer side).
   const uint8_t* wtile = wblk + static_cast<int64_t>(rt0) * k_tiles * 512;
   const uint8_t* stile = wsc + static_cast<int64_t>(rt0) * k_tiles * 32;
+  // Staged passes: lane l < 8 copies the 16 scale bytes l & 3 of row tile l >> 2 (bulk layout).
+  const uint8_t* sc_src = stile + (lane >> 2 & 1) * tstride_s + (lane & 3) * 16;
   uint32_t phases = 0;  // the parity each stage's mbarrier completes next, a bit per stage
   if constexpr (kDirect) {
     if (lane == 0) {
@@ -1091,22 +1093,24 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
       }
       return;
     }
+    // The bulk layout, filled by the lanes: each lane's 16 bytes land where they sit in the
+    // chunk's global order (K tile c >> 1 of the row tile, padded as kBulkKt says), so that every
+    // 256-byte run of the copies is one run in shared memory: one wavefront per 128 bytes. The
+    // lane-ordered ring before (vector v of lane l at (v * 32 + l) * 16) wrote each 32-byte sector
+    // in a wavefront of its own, 4x the ideal (ncu, H100, 2026-12-07: 40 % of the decode GEMMs'
+    // shared wavefronts excessive at 32 tokens an expert). The scales: the chunk's 64 bytes a row
+    // tile as 4 copies of 16 bytes from lanes 0-7 (in place of 4 bytes in every lane). An absent
+    // upper K tile (a last 64-wide chunk) is not copied: the consumer reads zeros for it.
     if (kc * 2 + (c >> 1) < k_tiles) {
 #pragma unroll
       for (int t = 0; t < 2; ++t)
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int v = t * 2 + hh;
-          cp_async16(st + (v * 32 + lane) * 16, pv + t * tstride_v + hh * 256 + kc * 1024);
-          cp_async4(st + 2048 + (v * 32 + lane) * 4, ps + t * tstride_s + hh * 16 + kc * 64);
-        }
-    } else {  // the upper half of a last 64-wide chunk: zero weights
-#pragma unroll
-      for (int v = 0; v < 4; ++v) {
-        *reinterpret_cast<uint4*>(st + (v * 32 + lane) * 16) = make_uint4(0, 0, 0, 0);
-        *reinterpret_cast<uint32_t*>(st + 2048 + (v * 32 + lane) * 4) = 0x7f7f7f7fu;
-      }
+        for (int hh = 0; hh < 2; ++hh)
+          cp_async16(st + t * kBulkTile + (c >> 1) * kBulkKt + hh * 256 + r * 32 + (c & 1) * 16,
+                     pv + t * tstride_v + hh * 256 + kc * 1024);
     }
+    if (lane < 8 && kc * 2 + ((lane & 3) >> 1) < k_tiles)  // lane: row tile lane >> 2, piece lane & 3
+      cp_async16(st + kBulkScales + lane * 16, sc_src + kc * 64);
   };
   if constexpr (kDirect) {
     // The first chunk's weights, the wait for B's producer (stage(0)), then its B.
@@ -1132,10 +1136,12 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
     const int s_end = kc_end < s_begin + seg_chunks ? kc_end : s_begin + seg_chunks;
     const int slot0 = num_segs == 1 ? 0 : wk * seg_chunks - s_begin;  // chunk kc is in slot kc + slot0
     for (int kc = s_begin; kc < s_end; ++kc) {
-      if constexpr (kDirect) __syncwarp();  // every lane is done with the slot lane 0 refills
+      __syncwarp();  // every lane is done with the slot that lane 0 (direct) or lanes 0-7 (scales) refill
       issue(kc + kStages - 1, true);
       cp_async_commit();
       cp_async_wait<kStages - 1>();
+      // The chunk's scales were copied by lanes 0-7: their completed copies visible to the warp.
+      if constexpr (!kDirect) __syncwarp();
       const uint8_t* st = ring + use_slot * kStageBytes;
       if constexpr (kDirect) {
         mbar_wait(smem_u32(st + kBulkBar), (phases >> use_slot) & 1u);
@@ -1149,20 +1155,15 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
       for (int t = 0; t < 2; ++t)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          const int v = t * 2 + hh;
-          if constexpr (kDirect) {
-            const bool lv = kc * 2 + (c >> 1) < k_tiles;
-            ch.v[t][hh] = lv ? *reinterpret_cast<const uint4*>(st + t * kBulkTile + (c >> 1) * kBulkKt + hh * 256 +
-                                                               r * 32 + (c & 1) * 16)
-                             : make_uint4(0, 0, 0, 0);
-            const uint32_t raw =
-                lv ? *reinterpret_cast<const uint32_t*>(st + kBulkScales + t * 64 + (c >> 1) * 32 + hh * 16 + ((r * 2) & ~3))
-                   : 0x7f7f7f7fu;
-            sc[t][hh] = __byte_perm(raw, 0u, ssel);
-          } else {
-            ch.v[t][hh] = *reinterpret_cast<const uint4*>(st + (v * 32 + lane) * 16);
-            sc[t][hh] = __byte_perm(*reinterpret_cast<const uint32_t*>(st + 2048 + (v * 32 + lane) * 4), 0u, ssel);
-          }
+          // Both rings in the bulk layout (the direct passes' bulk copies, the others' lanes).
+          const bool lv = kc * 2 + (c >> 1) < k_tiles;
+          ch.v[t][hh] = lv ? *reinterpret_cast<const uint4*>(st + t * kBulkTile + (c >> 1) * kBulkKt + hh * 256 +
+                                                             r * 32 + (c & 1) * 16)
+                           : make_uint4(0, 0, 0, 0);
+          const uint32_t raw =
+              lv ? *reinterpret_cast<const uint32_t*>(st + kBulkScales + t * 64 + (c >> 1) * 32 + hh * 16 + ((r * 2) & ~3))
+                 : 0x7f7f7f7fu;
+          sc[t][hh] = __byte_perm(raw, 0u, ssel);
           ch.f[t][hh] = dec_factor_small(sc[t][hh]);
           smax = max(smax, sc[t][hh]);
         }
@@ -1193,9 +1194,9 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
     }
   }
   cp_async_wait_all();
+  __syncwarp();  // every lane's copies complete before the ring holds other data (split-K partials)
   if constexpr (kDirect) {
     // Every chunk issued was waited for: the barriers go before the ring holds other data.
-    __syncwarp();
     if (lane == 0) {
 #pragma unroll
       for (int s = 0; s < kStages; ++s) mbar_inval(smem_u32(ring + s * kStageBytes + kBulkBar));
