@@ -765,6 +765,14 @@ __device__ __forceinline__ bool dec_slot_chunk(const DecodeArgs& g, int chunks, 
   return kc < chunks * (q + 1) / g.ksplit;
 }
 
+// The 8-element group (of the chunk's 16) that item gi stages: items are numbered in the order
+// of their shared-memory slots (item gi at byte gi * 16 of its row), so consecutive lanes store
+// to consecutive 16-byte slots (conflict-free); numbered by K group instead, a quarter warp's 8
+// stores fell on 4 slots mod 128 bytes, 2 wavefronts where 1 does (ncu, H100, 2026-12-07). Slot
+// j = wi * 4 + c holds group 4c + wi (the layout above). The global loads of a warp cover the
+// same 16-byte pieces of the same rows either way.
+__device__ __forceinline__ int dec_item_group(int gi) { return (gi & 3) << 2 | (gi >> 2 & 3); }
+
 // One item's source: 8 elements of B row `row` from k8 (< K), as loaded (kSrc's raw words).
 template <int kSrc>
 struct DecRaw {
@@ -823,10 +831,10 @@ __device__ __forceinline__ void dec_stage_each(const DecodeArgs& g, uint8_t* sme
                                                int base, int g0, int nrows, int seg) {
   const int groups = slots * 16;
   for (int idx = threadIdx.x; idx < nrows * groups; idx += kDecThreads) {
-    const int n = idx / groups, gi = idx - n * groups, slot = gi >> 4, g8 = gi & 15;
+    const int n = idx / groups, gi = idx - n * groups, slot = gi >> 4, g8 = dec_item_group(gi);
     int kc;
     if (!dec_slot_chunk(g, chunks, slot, seg, kc)) continue;
-    uint8_t* dst = smem + n * stride + slot * 256 + (g8 & 3) * 64 + (g8 >> 2) * 16;
+    uint8_t* dst = smem + n * stride + gi * 16;  // = slot * 256 + (g8 & 3) * 64 + (g8 >> 2) * 16
     const int k8 = kc * 128 + g8 * 8;
     if (k8 >= g.k) {
       *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
@@ -866,8 +874,8 @@ __device__ __forceinline__ void dec_stage_batched(const DecodeArgs& g, uint8_t* 
       r[u] = DecRaw<kSrc>{};
       int kc;
       if (i0 + u * kDecThreads < total && dec_slot_chunk(g, chunks, gi >> 4, seg, kc)) {
-        const int g8 = gi & 15, k8 = kc * 128 + g8 * 8;
-        dst[u] = n * stride + (gi >> 4) * 256 + (g8 & 3) * 64 + (g8 >> 2) * 16;
+        const int g8 = dec_item_group(gi), k8 = kc * 128 + g8 * 8;
+        dst[u] = n * stride + gi * 16;  // = (gi >> 4) * 256 + (g8 & 3) * 64 + (g8 >> 2) * 16
         if (k8 < g.k) dec_load_item(g, dec_source_row(g, base + g0 + n), k8, r[u]);
       }
       gi += step_g;
