@@ -985,9 +985,10 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
 
 // One warp's ring of K chunks in shared memory, per stage the chunk's codes and scales in the bulk
 // layout below (kBulk*: global order, K tiles padded). The staged passes' lanes copy their own
-// 16-byte vectors and lanes 0-7 the scales, so a __syncwarp after each cp.async.wait_group makes
+// 16-byte vectors and a scale word each for the warp, so a __syncwarp after each cp.async.wait_group makes
 // the chunk visible to the warp (direct passes: bulk copies on a stage mbarrier, below). Stage
-// bytes past the bulk layout: the direct passes' B fragments.
+// bytes past the bulk layout: the direct passes' B fragments. (The staged passes use 2,368 of the
+// stage's 2,560 bytes, the split-K partials more.)
 constexpr int kDecStageBytes = 4 * 16 * 32 + 4 * 4 * 32;  // 2.5 KiB
 constexpr int kDecWarpRing = kDecStages * kDecStageBytes;
 static_assert(2 * kDecMaxNt * 4 * 32 * 4 <= kDecWarpRing, "split-K partials fit in a warp's ring");
@@ -1063,8 +1064,9 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
   // zero weights instead (consumer side).
   const uint8_t* wtile = wblk + static_cast<int64_t>(rt0) * k_tiles * 512;
   const uint8_t* stile = wsc + static_cast<int64_t>(rt0) * k_tiles * 32;
-  // Staged passes: lane l < 8 copies the 16 scale bytes l & 3 of row tile l >> 2 (bulk layout).
-  const uint8_t* sc_src = stile + (lane >> 2 & 1) * tstride_s + (lane & 3) * 16;
+  // Staged passes: lane l copies scale word l & 15 of row tile l >> 4 into the bulk layout's
+  // 128 scale bytes (4-byte copies: moe_checks promises the scales 4-byte alignment only).
+  const uint8_t* sc_src = stile + (lane >> 4) * tstride_s + (lane & 15) * 4;
   uint32_t phases = 0;  // the parity each stage's mbarrier completes next, a bit per stage
   if constexpr (kDirect) {
     if (lane == 0) {
@@ -1107,8 +1109,9 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
     // lane-ordered ring before (vector v of lane l at (v * 32 + l) * 16) wrote each 32-byte sector
     // in a wavefront of its own, 4x the ideal (ncu, H100, 2026-12-07: 40 % of the decode GEMMs'
     // shared wavefronts excessive at 32 tokens an expert). The scales: the chunk's 64 bytes a row
-    // tile as 4 copies of 16 bytes from lanes 0-7 (in place of 4 bytes in every lane). An absent
-    // upper K tile (a last 64-wide chunk) is not copied: the consumer reads zeros for it.
+    // tile, one 4-byte word a lane in order (before: the word holding the lane's own scale byte,
+    // at the lane's slot, also 4x its ideal wavefronts). An absent upper K tile (a last 64-wide
+    // chunk) is not copied: the consumer reads zeros and scale 127 for it.
     if (kc * 2 + (c >> 1) < k_tiles) {
 #pragma unroll
       for (int t = 0; t < 2; ++t)
@@ -1117,8 +1120,8 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
           cp_async16(st + t * kBulkTile + (c >> 1) * kBulkKt + hh * 256 + r * 32 + (c & 1) * 16,
                      pv + t * tstride_v + hh * 256 + kc * 1024);
     }
-    if (lane < 8 && kc * 2 + ((lane & 3) >> 1) < k_tiles)  // lane: row tile lane >> 2, piece lane & 3
-      cp_async16(st + kBulkScales + lane * 16, sc_src + kc * 64);
+    if (kc * 2 + ((lane & 15) >> 3) < k_tiles)  // lane: row tile lane >> 4, K tile (lane & 15) >> 3
+      cp_async4(st + kBulkScales + lane * 4, sc_src + kc * 64);
   };
   if constexpr (kDirect) {
     // The first chunk's weights, the wait for B's producer (stage(0)), then its B.
@@ -1144,11 +1147,11 @@ __device__ __forceinline__ void dec_pass(float (&acc)[2][NT][4], const uint8_t* 
     const int s_end = kc_end < s_begin + seg_chunks ? kc_end : s_begin + seg_chunks;
     const int slot0 = num_segs == 1 ? 0 : wk * seg_chunks - s_begin;  // chunk kc is in slot kc + slot0
     for (int kc = s_begin; kc < s_end; ++kc) {
-      __syncwarp();  // every lane is done with the slot that lane 0 (direct) or lanes 0-7 (scales) refill
+      __syncwarp();  // every lane is done with the slot that lane 0 (direct) or the warp's scale copies refill
       issue(kc + kStages - 1, true);
       cp_async_commit();
       cp_async_wait<kStages - 1>();
-      // The chunk's scales were copied by lanes 0-7: their completed copies visible to the warp.
+      // The chunk's scale words were copied by other lanes: their completed copies visible to the warp.
       if constexpr (!kDirect) __syncwarp();
       const uint8_t* st = ring + use_slot * kStageBytes;
       if constexpr (kDirect) {
