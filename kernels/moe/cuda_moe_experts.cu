@@ -729,6 +729,8 @@ struct DecodeArgs {
   int ksplit;                     // 1, 2, 4 or 8 warps along K
   int tok_cap;                    // staged rows per pass (<= 8 kDecMaxNt; the smem size)
   int seg_chunks, num_segs;       // K staged in num_segs segments of seg_chunks chunks per slice
+  int ks_log2, seg_recip;         // log2(ksplit); ceil(2^16 / seg_chunks) (launch_decode: exact for every slot)
+  uint32_t pair_recip;            // ceil(2^32 / top_k), or 0 where that is not exact for every pair (divide)
   int row_blocks;                 // blocks of kDecWarps / ksplit 32-row groups per expert (>= the CTAs an expert)
   int expert_major;               // grid (experts, CTAs an expert) instead of (CTAs an expert, experts)
   const float* bias;              // [E, N] checkpoint rows, nullable
@@ -757,12 +759,16 @@ using cuda::mma_bf16_16816;
 
 // The chunk of staged slot `slot` in segment `seg`; false where no warp reads it (past its K
 // slice's end).
+// Called for every staged item, so without a division (each was ~20 instructions, three an item
+// with dec_source_row's: ~9 % of gate_up's instructions at 32 tokens an expert, ncu on an H100,
+// 2026-12-07): q = slot / seg_chunks by the reciprocal launch_decode checked exact for every slot,
+// and chunks * q / ksplit as a shift (ksplit is a power of two). The same kc as the divisions.
 __device__ __forceinline__ bool dec_slot_chunk(const DecodeArgs& g, int chunks, int slot, int seg, int& kc) {
   kc = slot;
   if (g.num_segs == 1) return true;
-  const int q = g.ksplit == 1 ? 0 : slot / g.seg_chunks, l = slot - q * g.seg_chunks;
-  kc = chunks * q / g.ksplit + seg * g.seg_chunks + l;
-  return kc < chunks * (q + 1) / g.ksplit;
+  const int q = (slot * g.seg_recip) >> 16, l = slot - q * g.seg_chunks;
+  kc = ((chunks * q) >> g.ks_log2) + seg * g.seg_chunks + l;
+  return kc < ((chunks * (q + 1)) >> g.ks_log2);
 }
 
 // The 8-element group (of the chunk's 16) that item gi stages: items are numbered in the order
@@ -822,8 +828,13 @@ __device__ __forceinline__ void dec_store_item(const DecRaw<kSrc>& r, uint8_t* d
       make_uint4(v[0] | (v[4] << 16), v[1] | (v[5] << 16), v[3] | (v[7] << 16), v[2] | (v[6] << 16));
 }
 
+// The token of sorted row s (gate_up: its pair / top_k; pair_recip: the division as a multiply,
+// exact for every pair of the launch).
 __device__ __forceinline__ int64_t dec_source_row(const DecodeArgs& g, int s) {
-  return g.sorted_pair != nullptr ? g.sorted_pair[s] / g.top_k : s;
+  if (g.sorted_pair == nullptr) return s;
+  const int pair = g.sorted_pair[s];
+  return g.pair_recip != 0 ? static_cast<int64_t>(__umulhi(static_cast<uint32_t>(pair), g.pair_recip))
+                           : static_cast<int64_t>(pair / g.top_k);
 }
 
 // One item per loop step (passes of one n-tile).
@@ -1619,6 +1630,21 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
   a.tok_cap = shape.tok_cap;
   a.seg_chunks = shape.seg_chunks;
   a.num_segs = shape.num_segs;
+  // The staging's divisions as a shift and two reciprocals, each checked here for every value it
+  // will see (a few hundred slots, the launch's pairs by a bound), so the kernel's results are
+  // the divisions' by construction.
+  a.ks_log2 = 0;
+  while ((1 << a.ks_log2) < a.ksplit) ++a.ks_log2;
+  if ((1 << a.ks_log2) != a.ksplit) return Status(ErrorCode::kInternal, "decode K split not a power of two", "x");
+  a.seg_recip = (65536 + a.seg_chunks - 1) / a.seg_chunks;
+  for (int slot = 0; slot < a.ksplit * a.seg_chunks; ++slot)
+    if ((slot * a.seg_recip) >> 16 != slot / a.seg_chunks)
+      return Status(ErrorCode::kInternal, "decode staging: segment reciprocal not exact", "x");
+  a.pair_recip = 0;
+  if (a.top_k >= 1 && pairs >= 0 && static_cast<uint64_t>(pairs) * static_cast<uint64_t>(a.top_k) < (1ull << 32))
+    // Exact for n < pairs: n * (ceil(2^32 / k) - 2^32 / k) < n < 2^32 / k. top_k 1 overflows to 0:
+    // the division, which is then free anyway.
+    a.pair_recip = static_cast<uint32_t>(((1ull << 32) + a.top_k - 1) / a.top_k);
   // A direct pass issues and waits for its bulk copies over K in one segment (decode_shape gives
   // one at up to 8 tokens a pass); more would leave copies unwaited at the barriers' inval.
   if (direct && a.num_segs != 1) return Status(ErrorCode::kInternal, "direct decode pass over K in segments", "x");
