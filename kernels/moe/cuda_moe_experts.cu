@@ -729,8 +729,8 @@ struct DecodeArgs {
   int ksplit;                     // 1, 2, 4 or 8 warps along K
   int tok_cap;                    // staged rows per pass (<= 8 kDecMaxNt; the smem size)
   int seg_chunks, num_segs;       // K staged in num_segs segments of seg_chunks chunks per slice
-  int ks_log2, seg_recip;         // log2(ksplit); ceil(2^16 / seg_chunks) (launch_decode: exact for every slot)
-  uint32_t pair_recip;            // ceil(2^32 / top_k), or 0 where that is not exact for every pair (divide)
+  int ks_log2, seg_recip;         // log2(ksplit); ceil(2^16 / seg_chunks), exact for every slot (num_segs > 1; else 0)
+  uint32_t pair_recip;            // ceil(2^32 / top_k), or 0 (divide): not exact for every pair, or top_k 1
   int row_blocks;                 // blocks of kDecWarps / ksplit 32-row groups per expert (>= the CTAs an expert)
   int expert_major;               // grid (experts, CTAs an expert) instead of (CTAs an expert, experts)
   const float* bias;              // [E, N] checkpoint rows, nullable
@@ -1636,10 +1636,16 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
   a.ks_log2 = 0;
   while ((1 << a.ks_log2) < a.ksplit) ++a.ks_log2;
   if ((1 << a.ks_log2) != a.ksplit) return Status(ErrorCode::kInternal, "decode K split not a power of two", "x");
-  a.seg_recip = (65536 + a.seg_chunks - 1) / a.seg_chunks;
-  for (int slot = 0; slot < a.ksplit * a.seg_chunks; ++slot)
-    if ((slot * a.seg_recip) >> 16 != slot / a.seg_chunks)
-      return Status(ErrorCode::kInternal, "decode staging: segment reciprocal not exact", "x");
+  // Only K in segments reads it (dec_slot_chunk), where seg_chunks is small (decode_shape: at most
+  // ~28 at 16+ tokens a pass); with one segment seg_chunks is all of K's chunks, for which the
+  // 16-bit reciprocal need not be exact (review: K = 14,336 at a split of 8 would have failed).
+  a.seg_recip = 0;
+  if (a.num_segs > 1) {
+    a.seg_recip = (65536 + a.seg_chunks - 1) / a.seg_chunks;
+    for (int slot = 0; slot < a.ksplit * a.seg_chunks; ++slot)
+      if ((slot * a.seg_recip) >> 16 != slot / a.seg_chunks)
+        return Status(ErrorCode::kInternal, "decode staging: segment reciprocal not exact", "x");
+  }
   a.pair_recip = 0;
   if (a.top_k >= 1 && pairs >= 0 && static_cast<uint64_t>(pairs) * static_cast<uint64_t>(a.top_k) < (1ull << 32))
     // Exact for n < pairs: n * (ceil(2^32 / k) - 2^32 / k) < n < 2^32 / k. top_k 1 overflows to 0:
