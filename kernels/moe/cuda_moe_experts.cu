@@ -840,9 +840,18 @@ __device__ __forceinline__ int64_t dec_source_row(const DecodeArgs& g, int s) {
 // One item per loop step (passes of one n-tile).
 __device__ __forceinline__ void dec_stage_each(const DecodeArgs& g, uint8_t* smem, int stride, int slots, int chunks,
                                                int base, int g0, int nrows, int seg) {
-  const int groups = slots * 16;
-  for (int idx = threadIdx.x; idx < nrows * groups; idx += kDecThreads) {
-    const int n = idx / groups, gi = idx - n * groups, slot = gi >> 4, g8 = dec_item_group(gi);
+  // (n, gi) walked by adding, as dec_stage_batched walks them: no division per item (step_g <
+  // groups, so one wrap a step).
+  const int groups = slots * 16, total = nrows * groups;
+  const int step_n = kDecThreads / groups, step_g = kDecThreads - step_n * groups;
+  int n = static_cast<int>(threadIdx.x) / groups, gi = static_cast<int>(threadIdx.x) - n * groups;
+  const auto advance = [&] {
+    gi += step_g;
+    n += step_n;
+    if (gi >= groups) gi -= groups, ++n;
+  };
+  for (int idx = threadIdx.x; idx < total; idx += kDecThreads, advance()) {
+    const int slot = gi >> 4, g8 = dec_item_group(gi);
     int kc;
     if (!dec_slot_chunk(g, chunks, slot, seg, kc)) continue;
     uint8_t* dst = smem + n * stride + gi * 16;  // = slot * 256 + (g8 & 3) * 64 + (g8 >> 2) * 16
