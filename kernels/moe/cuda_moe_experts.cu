@@ -780,6 +780,10 @@ __device__ __forceinline__ bool dec_slot_chunk(const DecodeArgs& g, int chunks, 
 __device__ __forceinline__ int dec_item_group(int gi) { return (gi & 3) << 2 | (gi >> 2 & 3); }
 
 // One item's source: 8 elements of B row `row` from k8 (< K), as loaded (kSrc's raw words).
+// Ordinary loads, not __ldg: B is x or h, the output of the kernel ahead in the stream, and down
+// computes these addresses (the permutation) before its griddepcontrol.wait; a non-coherent
+// load the compiler may hoist above that wait could read h before gate_up wrote it
+// (cuda_common.cuh's rule for programmatic dependent launches).
 template <int kSrc>
 struct DecRaw {
   uint32_t w[kSrc == kSrcF32 ? 8 : kSrc == kSrcBf16 ? 4 : 2];
@@ -789,15 +793,15 @@ template <int kSrc>
 __device__ __forceinline__ void dec_load_item(const DecodeArgs& g, int64_t row, int k8, DecRaw<kSrc>& r) {
   if constexpr (kSrc == kSrcF32) {
     const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(g.b) + row * g.k + k8);
-    const float4 a = __ldg(p), b = __ldg(p + 1);
+    const float4 a = p[0], b = p[1];
     const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
     for (int i = 0; i < 8; ++i) r.w[i] = __float_as_uint(f[i]);
   } else if constexpr (kSrc == kSrcBf16) {
-    const uint4 a = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(g.b) + row * g.k + k8));
+    const uint4 a = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(g.b) + row * g.k + k8);
     r.w[0] = a.x, r.w[1] = a.y, r.w[2] = a.z, r.w[3] = a.w;
   } else {
-    const uint2 q = __ldg(reinterpret_cast<const uint2*>(g.b_q + row * g.k + k8));
+    const uint2 q = *reinterpret_cast<const uint2*>(g.b_q + row * g.k + k8);
     r.w[0] = q.x, r.w[1] = q.y;
     r.scale = g.b_scales[row * (g.k / 32) + k8 / 32];
   }
