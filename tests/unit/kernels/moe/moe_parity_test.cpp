@@ -572,12 +572,13 @@ TEST_F(MoeParity, DecodeWithExpertsPastOnePass) {
 // Every token gets the same bits whether its expert's pass holds 8, 16 or 32 tokens: four
 // experts take every token while 32 exist and the pairs (4 a token) are at least 32 from 8 tokens
 // on, so the grid bound (the busy experts the host assumes) and the K split stay the same and only
-// the tokens per expert (8, 16, 40, 80: 1, 1, 2 and 4 n-tiles per pass) change. One-n-tile
+// the tokens per expert (8, 16, 40, 80, 88: 1, 1, 2, 4 and 4 n-tiles per pass; 80 and 88 end
+// in a pass of 16 and of 24 tokens, which takes fewer n-tiles than the launch's 4) change. One-n-tile
 // launches over bf16 rows read B straight from global memory (no staged rows): 8 and 16 tokens
 // check that path against the staged ones. The first 8 tokens are compared at 8, the first 16
 // elsewhere. (64 experts made 8 tokens a smaller grid bound, hence another K split: other sums.)
 TEST_F(MoeParity, DecodeBitsDoNotDependOnTokensPerPass) {
-  const int64_t e = 32, k = 4, h = 1088, inter = 1088, t_max = 80;
+  const int64_t e = 32, k = 4, h = 1088, inter = 1088, t_max = 88;
   Rng rng(31);
   const test::Mxfp4Host gu = test::random_mxfp4(rng, e, 2 * inter, h), dn = test::random_mxfp4(rng, e, h, inter);
   const std::vector<float> gub = test::gauss_vec(rng, e * 2 * inter, 0.5f), dnb = test::gauss_vec(rng, e * h, 0.5f);
@@ -588,7 +589,7 @@ TEST_F(MoeParity, DecodeBitsDoNotDependOnTokensPerPass) {
   for (const ActPrecision prec : {ActPrecision::kBF16, ActPrecision::kMXFP8}) {
     SCOPED_TRACE(act_precision_name(prec));
     std::vector<float> first;
-    for (const int64_t t : {16, 8, 40, 80}) {
+    for (const int64_t t : {16, 8, 40, 80, 88}) {
       const std::vector<int32_t> sub(ids.begin(), ids.begin() + t * k);
       std::vector<float> out = run_mxfp4_experts(true, prec, e, k, h, inter, gu, dn, gub, dnb, x, sub, w);
       out.resize(static_cast<size_t>(std::min<int64_t>(t, 16) * h));
