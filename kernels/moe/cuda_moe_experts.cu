@@ -1398,7 +1398,7 @@ __device__ __forceinline__ void dec_rows(const DecodeArgs& g, const DecCta& a, u
 
 // kMaxNt: n-tiles per pass at most (g.tok_cap <= 8 kMaxNt); a pass takes the fewest of 1, 2, 4
 // that cover its rows, or 3 for 17-24 rows in a 4-n-tile kernel (same-run A/B on an H100,
-// 2026-12-07, NOTES: h2880 step at batch 128 -2.6 %, 256 -0.9 %; each n-tile's mma sequence is
+// 2026-12-07, NOTES: h2880 step at batch 128 -2.7 %, 256 -0.9 %; each n-tile's mma sequence is
 // the same whatever NT, so the bits are too). kDirect (kMaxNt 1, bf16 B): nothing staged, only
 // the warps' rings in shared memory, three CTAs per SM.
 template <bool kGateUp, int kMaxNt, bool kDirect = false>
