@@ -39,6 +39,14 @@ src=${3:?usage}
 shift 3
 here=$(cd "$(dirname "$0")/../.." && pwd)
 [ -f "$src" ] || { echo "no such source: $src"; exit 2; }
+# moe_bench refuses a token list that is not ascending; say so before any build (a call once
+# spent its builds and rounds on such a list and came back without MoE rows).
+prev=0
+IFS=, read -r -a toks <<<"${AB_TOKENS-1,8,64,1024}"
+for t in "${toks[@]}"; do
+  [[ $t =~ ^[0-9]+$ ]] && [ "$t" -gt "$prev" ] || { echo "AB_TOKENS must be ascending positive counts: ${AB_TOKENS-}"; exit 2; }
+  prev=$t
+done
 mkdir -p "$out"
 log=$out/ab.log
 bins=$(mktemp -d)
@@ -160,8 +168,10 @@ for r in $(seq 1 "${AB_ROUNDS:-2}"); do
       if [ -n "${AB_TOKENS-1,8,64,1024}" ]; then
         echo "== moe $label round $r" >>"$log"
         # shellcheck disable=SC2086
-        env ${e//+/ } timeout 120 "$bins/$n/moe_bench" "$bins/moe.json" --tokens "${AB_TOKENS:-1,8,64,1024}" 2>/dev/null \
-          | grep -E " (bf16|mxfp8) " >>"$log"
+        env ${e//+/ } timeout 120 "$bins/$n/moe_bench" "$bins/moe.json" --tokens "${AB_TOKENS:-1,8,64,1024}" \
+          2>"$bins/moe.err" | grep -E " (bf16|mxfp8) " >>"$log"
+        # A failed run says why in the log instead of leaving the case without rows.
+        [ "${PIPESTATUS[0]}" = 0 ] || { echo "moe_bench failed: $(tail -3 "$bins/moe.err" | tr '\n' ' ')" >>"$log"; }
       fi
       if [ -n "${AB_BATCHES-1,32}" ] && { [ -z "$e" ] || [ "${AB_ENGINE_ENVS:-1}" != 0 ]; }; then
         echo "== engine $label round $r" >>"$log"
