@@ -35,6 +35,7 @@
 #include <cuda_bf16.h>
 #include <mma.h>
 
+#include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cstdlib>
@@ -692,7 +693,7 @@ __global__ void __launch_bounds__(kCombineThreads)
 // - A warp owns 32 kernel rows (for gate_up: 16 gate and the 16 up rows of the same features, so
 //   SwiGLU runs in registers); the CTA's 8 warps split K (1-8 ways, reduced through shared
 //   memory in a fixed order: deterministic) or take more rows, whichever gives enough CTAs.
-// - A pass takes up to 4 n-tiles (32 tokens): every dequantized A fragment feeds one mma per
+// - A pass takes up to 4 n-tiles (32 tokens; 5 where experts average more than 24): every dequantized A fragment feeds one mma per
 //   n-tile, so the weight bytes and the dequantization per token drop with the tokens per pass;
 //   an expert with more tokens takes several passes, each streaming all its weights again. Each
 //   n-tile's accumulator sees the same mma sequence whatever the n-tiles per pass, so results
@@ -707,7 +708,7 @@ __global__ void __launch_bounds__(kCombineThreads)
 constexpr int kDecWarps = 8;
 constexpr int kDecThreads = kDecWarps * 32;
 constexpr int kDecMaxTok = 8;  // tokens per pass while experts see few tokens (one n-tile)
-constexpr int kDecMaxNt = 4;   // n-tiles per pass at most
+constexpr int kDecMaxNt = 5;   // n-tiles per pass at most (five_n_tiles(): 4 where it is off)
 constexpr int kDecStages = 3;
 
 enum DecSrc : int { kSrcF32 = 0, kSrcBf16 = 1, kSrcMx8 = 2 };
@@ -753,7 +754,7 @@ using cuda::mma_bf16_16816;
 // An item is one 8-element group (row n, group gi = slot * 16 + g8). Two ways to walk them, each
 // where it measured faster (same-run A/B, tests/bench/NOTES.md "Staging"): passes of one n-tile
 // (decode: a few rows, K whole, once per CTA while its first weight chunks are in flight) take
-// one item per loop step (dec_stage_each); wider passes (16-48 tokens per expert, 2-4 K
+// one item per loop step (dec_stage_each); wider passes (16-48 tokens per expert, 2-6 K
 // segments per pass, each a CTA-wide stall) issue the loads of several items before converting
 // any (dec_stage_batched): one L2 round trip per batch rather than per item.
 
@@ -1397,7 +1398,7 @@ __device__ __forceinline__ void dec_rows(const DecodeArgs& g, const DecCta& a, u
 }
 
 // kMaxNt: n-tiles per pass at most (g.tok_cap <= 8 kMaxNt); a pass takes the fewest of 1, 2, 4
-// that cover its rows, or 3 for 17-24 rows in a 4-n-tile kernel (same-run A/B on an H100,
+// (5 in a 5-n-tile kernel) that cover its rows, or 3 for 17-24 rows in a wider kernel (same-run A/B on an H100,
 // 2026-12-07, NOTES: h2880 step at batch 128 -2.7 %, 256 -0.9 %; each n-tile's mma sequence is
 // the same whatever NT, so the bits are too). kDirect (kMaxNt 1, bf16 B): nothing staged, only
 // the warps' rings in shared memory, three CTAs per SM.
@@ -1463,6 +1464,12 @@ __global__ void __launch_bounds__(kDecThreads, kDirect ? kDirCtas : 2) decode_ge
         dec_rows<1, kGateUp, true>(g, a, dsm, g0, nrows, false, g0 == 0 && blk == blk0);
         continue;
       }
+      if constexpr (kMaxNt >= 5) {
+        if (nrows > 32) {
+          dec_rows<5, kGateUp>(g, a, dsm, g0, nrows, stage_rows);
+          continue;
+        }
+      }
       if constexpr (kMaxNt >= 4) {
         if (nrows > 24) {
           dec_rows<4, kGateUp>(g, a, dsm, g0, nrows, stage_rows);
@@ -1504,14 +1511,14 @@ struct DecodeShape {
 constexpr size_t kDecSmemTwoCtas = 113 * 1024;
 constexpr size_t kDecSmemMax = 200 * 1024;  // the opt-in of the decode kernels
 
-// More than 8 tokens per pass (max_nt n-tiles, 2 or 4) only where they fit with two CTAs per SM,
+// More than 8 tokens per pass (max_nt n-tiles, 2, 4 or 5) only where they fit with two CTAs per SM,
 // staging K in segments if all of it does not fit; else fewer n-tiles, down to the one-n-tile
 // pass over all of K (up to kDecSmemMax, one CTA per SM for long K) that decode sizes take.
 DecodeShape decode_shape(int64_t k, int ks, int max_nt, int64_t pairs) {
   const int64_t chunks = (k + 127) / 128;
   const int64_t rings = static_cast<int64_t>(kDecWarps) * kDecWarpRing;
   const int64_t budget = static_cast<int64_t>(kDecSmemTwoCtas);
-  for (int nt = max_nt; nt > 1; nt /= 2) {
+  for (int nt = max_nt; nt > 1; nt = nt > 4 ? 4 : nt / 2) {
     const int64_t tok = nt * 8;
     const int64_t whole = tok * (chunks * 256 + 64) + rings;
     if (whole <= budget)
@@ -1613,6 +1620,23 @@ bool mxfp8_bf16_rows() {
   return on;
 }
 
+// ROLLOUTD_MOE_FIVE_NT (environment, read once): which decode GEMMs may take passes of 40 tokens
+// (five n-tiles) where experts average more than 24: unset (or any other value) both, "gate_up"
+// gate_up only (down's 5-n-tile kernel spills 28 bytes at its 128 registers, ptxas sm_90a;
+// gate_up's does not), "0" neither (passes of 32 at most). Same bits either way (a column's mma
+// sequence does not depend on the n-tiles of its pass). Why 40: at h2880 batch 256 (32 experts,
+// 32 rows each on average) about half the experts took a second pass over their weights for 1-12
+// rows. Returns the most n-tiles a pass of gate_up (true) or down (false) may take.
+int five_n_tiles(bool gate_up) {
+  static const int v = [] {
+    const char* s = std::getenv("ROLLOUTD_MOE_FIVE_NT");
+    if (s == nullptr) return 2;
+    const std::string_view sv(s);
+    return sv == "0" ? 0 : sv == "gate_up" ? 1 : 2;
+  }();
+  return v == 2 || (v == 1 && gate_up) ? 5 : 4;
+}
+
 // ROLLOUTD_MOE_EXPERT_MAJOR (environment, read once): "0" or "1" forces DecodeArgs::expert_major
 // for every decode launch (a same-binary A/B of launch_decode's rule); -1 where unset.
 int expert_major_override() {
@@ -1707,7 +1731,10 @@ Status launch_decode(const ExecContext& ctx, const DecodeArgs& g, int64_t bound,
   const auto launch = [&](auto kernel) {
     return cuda::launch_dependent(kernel, grid, kDecThreads, shape.smem, stream_of(ctx), a);
   };
-  if (a.tok_cap > 16) {
+  if (a.tok_cap > 32) {
+    RD_RETURN_IF_ERROR((decode_opt_in<kGateUp, 5>(ctx.device.index)));
+    RD_CUDA_CHECK(launch(decode_gemm_kernel<kGateUp, 5>));
+  } else if (a.tok_cap > 16) {
     RD_RETURN_IF_ERROR((decode_opt_in<kGateUp, 4>(ctx.device.index)));
     RD_CUDA_CHECK(launch(decode_gemm_kernel<kGateUp, 4>));
   } else if (a.tok_cap > 8) {
@@ -2153,8 +2180,9 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
     // lower bound of the mean: fewer experts may be active); an expert past tok_cap takes more
     // passes, and the permutation lists such experts first (heavy_first()).
     const int64_t per_expert = pairs / busy;
-    const int max_nt = per_expert > 8 ? 4 : per_expert > 4 ? 2 : 1;
-    pa.heavy = decode && heavy_first() ? 8 * max_nt : 0;
+    const int max_nt = per_expert > 24 ? 5 : per_expert > 8 ? 4 : per_expert > 4 ? 2 : 1;
+    // Down's pass (<= gate_up's): an expert past it is listed first in both GEMMs.
+    pa.heavy = decode && heavy_first() ? 8 * std::min(max_nt, five_n_tiles(false)) : 0;
     pa.pair_expert = static_cast<int32_t*>(at(ws.pair_expert));
     pa.pair_pos = pair_pos;
     pa.sorted_pair = static_cast<int32_t*>(at(ws.sorted_pair));
@@ -2234,7 +2262,7 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
       dg.n = static_cast<int>(2 * inter);
       dg.k = static_cast<int>(h);
       dg.bias = p.gate_up_bias;
-      RD_RETURN_IF_ERROR(launch_decode<true>(ctx, dg, bound, num_sms, max_nt, pairs, nv));
+      RD_RETURN_IF_ERROR(launch_decode<true>(ctx, dg, bound, num_sms, std::min(max_nt, five_n_tiles(true)), pairs, nv));
       // down: B = h rows in sorted order.
       DecodeArgs dd = dg;
       dd.sorted_pair = nullptr;
@@ -2272,7 +2300,7 @@ Status cuda_experts(const ExecContext& ctx, const ExpertsPlan& p) {
       dd.n = static_cast<int>(h);
       dd.k = static_cast<int>(inter);
       dd.bias = p.down_bias;
-      RD_RETURN_IF_ERROR(launch_decode<false>(ctx, dd, bound, num_sms, max_nt, pairs, nv));
+      RD_RETURN_IF_ERROR(launch_decode<false>(ctx, dd, bound, num_sms, std::min(max_nt, five_n_tiles(false)), pairs, nv));
     } else {
     GemmArgs g{};
     g.expert_offsets = pa.expert_offsets;

@@ -322,9 +322,10 @@ std::vector<float> run_mx_case(bool gpu, ActPrecision prec, const MxCase& c, con
 TEST_F(MoeParity, DecodeTokensPerPass) {
   const MxCase cases[] = {
       // top-1 of one expert (40 tokens): gu split 8, 16-token passes (16 + 16 + 8), K whole, then
-      // in 2 segments; dn split 8, 32-token passes (32 + 8)
-      {"gu8_tok16_dn8_tok32_rest", 40, 1, 1, 832, 128},
-      {"gu8_tok16_segs_dn8_tok32_rest", 40, 1, 1, 1728, 128},
+      // in 2 segments; dn split 8, one 40-token pass (32 + 8 under ROLLOUTD_MOE_FIVE_NT=0: ctest
+      // moe_parity_test_four_nt)
+      {"gu8_tok16_dn8_tok40", 40, 1, 1, 832, 128},
+      {"gu8_tok16_segs_dn8_tok40", 40, 1, 1, 1728, 128},
       {"gu4_tok16_dn8_tok16_segs", 8, 4, 4, 256, 1728},       // ~8 each; dn's K in 2 segments
       {"gu4_tok32_dn2_tok32", 160, 4, 64, 448, 128},          // ~10 per expert, K whole
       {"gu4_tok16_segs_dn2_tok16", 24, 4, 16, 1728, 448},     // ~6 per expert
@@ -570,18 +571,18 @@ TEST_F(MoeParity, DecodeWithExpertsPastOnePass) {
   }
 }
 
-// Every token gets the same bits whether its expert's pass holds 8, 16 or 32 tokens: four
-// experts take every token while 32 exist and the pairs (4 a token) are at least 32 from 8 tokens
-// on, so the grid bound (the busy experts the host assumes) and the K split stay the same and only
-// the tokens per expert (8, 16, 40, 80, 88: 1, 1, 2, 4 and 4 n-tiles per pass; 80 and 88 end
-// in a pass of 16 and of 24 tokens, which takes fewer n-tiles than the launch's 4) change. One-n-tile
-// launches over bf16 rows read B straight from global memory (no staged rows): 8 and 16 tokens
-// check that path against the staged ones. Every run is compared, token for token, with the
-// 88-token run: a token's row may land in any pass of its expert (the permutation places rows
-// in no fixed order), so only all the tokens are sure to include the short last passes'. (64
-// experts made 8 tokens a smaller grid bound, hence another K split: other sums.)
+// Every token gets the same bits whatever its expert's pass holds (8 to 40 tokens): four experts
+// take every token while 32 exist and the pairs (4 a token) are at least 32 from 8 tokens on, so
+// the grid bound (the busy experts the host assumes) and the K split stay the same and only the
+// tokens per expert change. Launches: 8 and 16 tokens take 8-token passes (one n-tile; over bf16
+// rows B comes straight from global memory, which these check against the staged passes); 40,
+// 80 and 88 take 16- and 32-token passes (80 and 88 end in passes of 16 and 24); from 201 on the
+// host's estimate (pairs / 32 experts, 25 to 29) takes 40-token passes, ending in passes of 1, 10,
+// 18, 28 and 36 tokens (201, 210, 218, 228, 236), so every n-tile count runs in that kernel too.
+// Every run is compared, token for token, with the 236-token run. (64 experts made 8 tokens a
+// smaller grid bound, hence another K split: other sums.)
 TEST_F(MoeParity, DecodeBitsDoNotDependOnTokensPerPass) {
-  const int64_t e = 32, k = 4, h = 1088, inter = 1088, t_max = 88;
+  const int64_t e = 32, k = 4, h = 1088, inter = 1088, t_max = 236;
   Rng rng(31);
   const test::Mxfp4Host gu = test::random_mxfp4(rng, e, 2 * inter, h), dn = test::random_mxfp4(rng, e, h, inter);
   const std::vector<float> gub = test::gauss_vec(rng, e * 2 * inter, 0.5f), dnb = test::gauss_vec(rng, e * h, 0.5f);
@@ -592,7 +593,7 @@ TEST_F(MoeParity, DecodeBitsDoNotDependOnTokensPerPass) {
   for (const ActPrecision prec : {ActPrecision::kBF16, ActPrecision::kMXFP8}) {
     SCOPED_TRACE(act_precision_name(prec));
     std::vector<float> first;
-    for (const int64_t t : std::initializer_list<int64_t>{t_max, 8, 16, 40, 80}) {
+    for (const int64_t t : std::initializer_list<int64_t>{t_max, 8, 16, 40, 80, 88, 201, 210, 218, 228}) {
       const std::vector<int32_t> sub(ids.begin(), ids.begin() + t * k);
       std::vector<float> out = run_mxfp4_experts(true, prec, e, k, h, inter, gu, dn, gub, dnb, x, sub, w);
       if (first.empty()) {
