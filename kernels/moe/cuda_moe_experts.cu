@@ -1627,8 +1627,8 @@ bool mxfp8_bf16_rows() {
 // sequence does not depend on the n-tiles of its pass). Why 40: at h2880 batch 256 (32 experts,
 // 32 rows each on average) about half the experts took a second pass over their weights for 1-12
 // rows. Same-run A/B on an H100 (2026-12-07, tests/bench/NOTES.md): h2880 batch 256 step -6.7 %,
-// gpt-oss-120b layer at 1,024 tokens -7.3 % (bf16) and -8.8 % (MXFP8); "gate_up" the same step,
-// a slower layer (-6 %), so both is the default despite down's spill. Returns the most n-tiles a
+// gpt-oss-120b layer at 1,024 tokens -7.3 % (bf16) and -8.8 % (MXFP8); "gate_up" the same step
+// and a smaller layer gain (-6 % bf16), so both is the default despite down's spill. Returns the most n-tiles a
 // pass of gate_up (true) or down (false) may take.
 int five_n_tiles(bool gate_up) {
   static const int v = [] {
